@@ -1,0 +1,60 @@
+"""Shared timing and reporting helpers for the benchmarks."""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+
+def median_seconds(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> float:
+    """Median wall time of ``fn`` over ``repeats`` runs after ``warmup`` runs.
+
+    Baselines and candidates are timed alternately by callers so that noise on a
+    shared machine hits both alike.
+    """
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int = 5, warmup: int = 1) -> dict[str, float]:
+    """Median seconds of each function, timing them round-robin in the same run."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) for name, ts in samples.items()}
+
+
+def machine_description() -> dict[str, object]:
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu": platform.processor() or platform.machine(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+
+
+def report(title: str, rows: list[tuple[str, str]], result: dict, as_json: bool) -> None:
+    """Print a two-column table, then (with ``as_json``) the result as the last line."""
+    print(title)
+    width = max((len(k) for k, _ in rows), default=0)
+    for key, value in rows:
+        print(f"  {key.ljust(width)}  {value}")
+    if as_json:
+        print(json.dumps(result, sort_keys=True))

@@ -1,0 +1,1 @@
+"""Bindings of spec names to Python, one module per machine."""

@@ -1,0 +1,58 @@
+"""The ``hicache-fsm`` command line: one subcommand per job, loaded lazily."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Sequence
+
+from hicache_fsm.bench import BENCHMARKS
+
+# Subcommand name -> module exposing ``configure(parser)`` and ``run(args) -> int``.
+COMMANDS = {
+    "list": "hicache_fsm.commands.list_specs",
+    "validate": "hicache_fsm.commands.validate",
+    "diagram": "hicache_fsm.commands.diagram",
+    "simulate": "hicache_fsm.commands.simulate",
+    "check": "hicache_fsm.commands.check",
+    "fuzz": "hicache_fsm.commands.fuzz",
+    "replay": "hicache_fsm.commands.replay",
+}
+
+
+def _available(modules: dict[str, str]) -> dict[str, object]:
+    found = {}
+    for name, path in modules.items():
+        try:
+            found[name] = importlib.import_module(path)
+        except ModuleNotFoundError as exc:
+            if exc.name != path:
+                raise
+    return found
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hicache-fsm", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, module in _available(COMMANDS).items():
+        p = sub.add_parser(name, help=(module.__doc__ or "").strip().splitlines()[0])
+        module.configure(p)
+        p.set_defaults(_run=module.run)
+    bench = sub.add_parser("bench", help="run a benchmark against a same-run baseline")
+    bench_sub = bench.add_subparsers(dest="benchmark", required=True)
+    for name, module in _available(BENCHMARKS).items():
+        p = bench_sub.add_parser(name, help=(module.__doc__ or "").strip().splitlines()[0])
+        p.add_argument("--json", action="store_true", help="end with one JSON object")
+        module.configure(p)
+        p.set_defaults(_run=lambda args, m=module: (m.run(args), 0)[1])
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args._run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Subcommands of the hicache-fsm command line."""

@@ -1,0 +1,102 @@
+"""One error hierarchy for the whole library.
+
+Every error the library raises on bad input or an illegal request derives from
+``HiCacheError`` so an engine can catch one type; each subclass names what was
+wrong and where. Raising one of these never leaves a structure half-changed.
+"""
+
+from __future__ import annotations
+
+
+class HiCacheError(Exception):
+    """Base class of every error hicache_fsm raises on purpose."""
+
+
+class SpecError(HiCacheError):
+    """A spec file is malformed; carries the file and line of the problem."""
+
+    def __init__(self, path: str, line: int | None, message: str) -> None:
+        self.path = str(path)
+        self.line = line
+        self.message = message
+        where = f"{self.path}:{line}" if line is not None else self.path
+        super().__init__(f"{where}: {message}")
+
+
+class BindingError(HiCacheError):
+    """A machine was compiled against an implementation that lacks a named guard or effect."""
+
+
+class InvalidTransition(HiCacheError):
+    """A trigger is not legal in the object's current state (nothing changed)."""
+
+    def __init__(self, machine: str, state: str, trigger: str, detail: str = "") -> None:
+        self.machine = machine
+        self.state = state
+        self.trigger = trigger
+        msg = f"{machine}: trigger {trigger!r} is not allowed in state {state!r}"
+        super().__init__(f"{msg}: {detail}" if detail else msg)
+
+
+class GuardRejected(InvalidTransition):
+    """A trigger is legal in the state, but every guard on it said no (nothing changed)."""
+
+
+class AllocationError(HiCacheError):
+    """A page allocator was asked to do something impossible (double free, bad index)."""
+
+
+class OutOfMemory(HiCacheError):
+    """A pool has too few free pages for the request."""
+
+
+class ConfigError(HiCacheError):
+    """A configuration value is impossible (sizes, layouts, policies)."""
+
+
+class UnknownNode(HiCacheError):
+    """A node id does not name a live node of this cache."""
+
+
+class UnknownJob(HiCacheError):
+    """A completion names a job that is not pending (unknown, or already acked)."""
+
+
+class LockError(HiCacheError):
+    """A lock count would go negative, or a locked node was asked to be freed."""
+
+
+class BadIndices(HiCacheError):
+    """An index tensor has the wrong dtype, device, length or alignment."""
+
+
+class StorageError(HiCacheError):
+    """A storage backend failed (I/O error, timeout, server down)."""
+
+
+class StorageLinkError(HiCacheError):
+    """Attach/detach of a storage backend was refused or failed."""
+
+
+class LayerWriteError(HiCacheError):
+    """A context-parallel per-layer write was used out of protocol."""
+
+
+class StorageUnavailable(StorageError):
+    """A storage backend cannot be reached (server down, connection refused, closed)."""
+
+
+class StorageTimeout(StorageError):
+    """A storage operation did not finish within its deadline."""
+
+
+class StorageFull(StorageError):
+    """A storage backend ran out of space (disk full, quota, server out of memory)."""
+
+
+class StorageKeyError(StorageError, ValueError):
+    """A storage key, namespace part, token id or batch argument is malformed."""
+
+
+class StorageURLError(StorageError, ConfigError):
+    """A storage URL names an unknown scheme or has an impossible form."""

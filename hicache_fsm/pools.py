@@ -1,0 +1,543 @@
+"""KV memory pools: page allocators, the device (L1) pool and the host (L2) pool.
+
+Token slots are handed out in whole pages. A slot index names one token of the
+pool; a page ``p`` owns slots ``p * page_size .. (p + 1) * page_size - 1``.
+Index tensors are always int64 on the CPU.
+
+Device pool buffer: one tensor ``kv`` of shape (2, layers, tokens, heads, head_dim);
+``k`` and ``v`` are its two halves, each (layers, tokens, heads, head_dim).
+
+Host pool layouts (``HostKVPool.kv``):
+
+* ``layer_first``        (2, layers, tokens, heads, head_dim)
+* ``page_first``         (2, tokens, layers, heads, head_dim)
+* ``page_first_direct``  (2, pages, layers, page_size, heads, head_dim)
+
+Page byte format (``read_page`` / ``write_page`` / ``page_views``): the K bytes
+of the page, then the V bytes, each in the host layout's own element order
+(layer_first: layer by layer, each layer's ``page_size`` tokens; page_first:
+token by token, all layers of each token; page_first_direct: layer by layer).
+The format therefore depends on the layout, as it does upstream; a storage
+backend must be read back with the same layout and shape it was written with.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+import attrs
+import torch
+
+from hicache_fsm.errors import AllocationError, BadIndices, ConfigError
+
+LAYOUTS = ("layer_first", "page_first", "page_first_direct")
+
+
+def _positive(instance, attribute, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(f"{attribute.name} must be a positive int, got {value!r}")
+
+
+def _is_dtype(instance, attribute, value) -> None:
+    if not isinstance(value, torch.dtype):
+        raise ConfigError(f"{attribute.name} must be a torch.dtype, got {value!r}")
+
+
+@attrs.frozen
+class KVShape:
+    """Shape of one model's KV cache: per token, K and V of every layer."""
+
+    layers: int = attrs.field(validator=_positive)
+    heads: int = attrs.field(validator=_positive)
+    head_dim: int = attrs.field(validator=_positive)
+    dtype: torch.dtype = attrs.field(default=torch.float32, validator=_is_dtype)
+
+    @property
+    def elem_bytes(self) -> int:
+        return self.dtype.itemsize
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of K plus V for one token over all layers."""
+        return 2 * self.layers * self.heads * self.head_dim * self.elem_bytes
+
+
+def _as_index_tensor(indices, what: str = "indices") -> torch.Tensor:
+    if not isinstance(indices, torch.Tensor):
+        try:
+            indices = torch.as_tensor(list(indices), dtype=torch.int64)
+        except (TypeError, ValueError) as exc:
+            raise BadIndices(f"{what}: cannot be read as int64 indices: {exc}") from None
+    if indices.dtype != torch.int64:
+        if indices.dtype.is_floating_point or indices.dtype.is_complex or indices.dtype == torch.bool:
+            raise BadIndices(f"{what}: expected an integer tensor, got {indices.dtype}")
+        indices = indices.to(torch.int64)
+    if indices.dim() != 1:
+        raise BadIndices(f"{what}: expected a 1-D tensor, got shape {tuple(indices.shape)}")
+    if indices.device.type != "cpu":
+        indices = indices.cpu()
+    return indices
+
+
+def pages_of(indices, page_size: int, limit_tokens: int | None = None, what: str = "indices") -> torch.Tensor:
+    """Page ids of page-aligned token indices (raises BadIndices otherwise).
+
+    Checks that the length is a page multiple and that each group of
+    ``page_size`` indices is one whole page in order; with ``limit_tokens``,
+    also that every index is in ``[0, limit_tokens)``.
+    """
+    idx = _as_index_tensor(indices, what)
+    n = idx.numel()
+    if n % page_size:
+        raise BadIndices(f"{what}: length {n} is not a multiple of page_size {page_size}")
+    if n == 0:
+        return idx.new_empty(0)
+    rows = idx.view(-1, page_size)
+    first = rows[:, 0]
+    if bool((first % page_size != 0).any()) or bool((first < 0).any()):
+        raise BadIndices(f"{what}: a page does not start on a page boundary")
+    if page_size > 1 and not torch.equal(rows, first[:, None] + torch.arange(page_size)):
+        raise BadIndices(f"{what}: a page's token indices are not one whole page in order")
+    if limit_tokens is not None and int(first.max()) + page_size > limit_tokens:
+        raise BadIndices(f"{what}: index {int(first.max()) + page_size - 1} is out of range (pool has {limit_tokens} slots)")
+    return first // page_size
+
+
+class PageAllocator:
+    """Page-granular allocator of token-slot indices.
+
+    Free pages are kept as a sorted tensor plus a list of recently released
+    pages; allocation takes from the front of the sorted list (low page ids
+    first) and only merges and re-sorts the released pages when the sorted list
+    runs short, so after churn the pages handed out are not always contiguous,
+    as in a real serving engine. ``alloc`` and ``free`` are O(pages) tensor ops.
+    """
+
+    def __init__(self, size_tokens: int, page_size: int) -> None:
+        for name, value in (("size_tokens", size_tokens), ("page_size", page_size)):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"{name} must be a positive int, got {value!r}")
+        if size_tokens % page_size:
+            raise ConfigError(f"size_tokens {size_tokens} is not a multiple of page_size {page_size}")
+        self.size_tokens = size_tokens
+        self.page_size = page_size
+        self._total_pages = size_tokens // page_size
+        self._offsets = torch.arange(page_size, dtype=torch.int64)
+        self.reset()
+
+    def reset(self) -> None:
+        """Free every page."""
+        self._allocated = torch.zeros(self._total_pages, dtype=torch.bool)
+        self._free = torch.arange(self._total_pages, dtype=torch.int64)
+        self._released: list[torch.Tensor] = []
+        self._num_free = self._total_pages
+
+    @property
+    def total_pages(self) -> int:
+        return self._total_pages
+
+    @property
+    def free_pages(self) -> int:
+        return self._num_free
+
+    @property
+    def used_pages(self) -> int:
+        return self._total_pages - self._num_free
+
+    @property
+    def available_tokens(self) -> int:
+        return self._num_free * self.page_size
+
+    def is_allocated(self, page: int) -> bool:
+        if not 0 <= int(page) < self._total_pages:
+            raise BadIndices(f"page {page} is out of range [0, {self._total_pages})")
+        return bool(self._allocated[int(page)])
+
+    def owned_pages(self) -> set[int]:
+        """Ids of the allocated pages (for invariant checks)."""
+        return set(torch.nonzero(self._allocated).flatten().tolist())
+
+    def _merge(self) -> None:
+        if self._released:
+            self._free = torch.sort(torch.cat([self._free, *self._released])).values
+            self._released = []
+
+    def alloc(self, num_tokens: int) -> torch.Tensor | None:
+        """Token indices (int64, CPU) of ``num_tokens / page_size`` free pages, or None if too few."""
+        if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 0:
+            raise BadIndices(f"num_tokens must be a non-negative int, got {num_tokens!r}")
+        if num_tokens % self.page_size:
+            raise BadIndices(f"num_tokens {num_tokens} is not a multiple of page_size {self.page_size}")
+        need = num_tokens // self.page_size
+        if need > self._num_free:
+            return None
+        if need > self._free.numel():
+            self._merge()
+        pages = self._free[:need]
+        self._free = self._free[need:]
+        self._allocated[pages] = True
+        self._num_free -= need
+        return (pages[:, None] * self.page_size + self._offsets).reshape(-1)
+
+    def free(self, indices) -> None:
+        """Return whole pages; validates everything first, so a bad call frees nothing."""
+        try:
+            pages = pages_of(indices, self.page_size, self.size_tokens, "free")
+        except BadIndices as exc:
+            raise AllocationError(str(exc)) from None
+        if pages.numel() == 0:
+            return
+        if pages.numel() > 1 and torch.unique(pages).numel() != pages.numel():
+            raise AllocationError("free: the same page appears twice in one call")
+        if not bool(self._allocated[pages].all()):
+            bad = pages[~self._allocated[pages]][:8].tolist()
+            raise AllocationError(f"free: page(s) {bad} are not allocated (double free?)")
+        self._allocated[pages] = False
+        self._released.append(pages.clone())
+        self._num_free += pages.numel()
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+class DeviceKVPool:
+    """The L1 pool: K and V of every layer for ``size_tokens`` token slots.
+
+    ``kv`` is (2, layers, tokens, heads, head_dim); ``k = kv[0]`` and
+    ``v = kv[1]`` are each (layers, tokens, heads, head_dim). A draft pool may
+    share the target pool's allocator (same slot indices), as upstream.
+    """
+
+    def __init__(self, shape: KVShape, size_tokens: int, page_size: int,
+                 device: torch.device | str | None = None,
+                 allocator: PageAllocator | None = None) -> None:
+        self.shape = shape
+        self.page_size = page_size
+        self.size_tokens = size_tokens
+        if allocator is None:
+            allocator = PageAllocator(size_tokens, page_size)
+        elif allocator.size_tokens != size_tokens or allocator.page_size != page_size:
+            raise ConfigError("a shared allocator must have the pool's size_tokens and page_size")
+        self.allocator = allocator
+        self.device = torch.device(device) if device is not None else default_device()
+        self.kv = torch.zeros((2, shape.layers, size_tokens, shape.heads, shape.head_dim),
+                              dtype=shape.dtype, device=self.device)
+        self.k = self.kv[0]
+        self.v = self.kv[1]
+
+    @property
+    def layers(self) -> int:
+        return self.shape.layers
+
+    @property
+    def nbytes(self) -> int:
+        return self.size_tokens * self.shape.token_bytes
+
+    def _index(self, indices) -> torch.Tensor:
+        idx = _as_index_tensor(indices)
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.size_tokens):
+            raise BadIndices(f"indices out of range [0, {self.size_tokens})")
+        return idx
+
+    def write(self, indices, layer: int | None, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Engine-side write of computed KV into token slots.
+
+        With ``layer`` an int, ``k``/``v`` are (n, heads, head_dim); with
+        ``layer=None`` they are (layers, n, heads, head_dim) for all layers.
+        """
+        idx = self._index(indices).to(self.device)
+        hd = (self.shape.heads, self.shape.head_dim)
+        if layer is None:
+            want = (self.shape.layers, idx.numel(), *hd)
+            dst = self.kv
+        else:
+            if not 0 <= layer < self.shape.layers:
+                raise BadIndices(f"layer {layer} out of range [0, {self.shape.layers})")
+            want = (idx.numel(), *hd)
+            dst = self.kv[:, layer]
+        if tuple(k.shape) != want or tuple(v.shape) != want:
+            raise BadIndices(f"k/v must have shape {want}, got {tuple(k.shape)} and {tuple(v.shape)}")
+        if layer is None:
+            dst[0][:, idx] = k.to(dst.device, dst.dtype)
+            dst[1][:, idx] = v.to(dst.device, dst.dtype)
+        else:
+            dst[0][idx] = k.to(dst.device, dst.dtype)
+            dst[1][idx] = v.to(dst.device, dst.dtype)
+
+    def read(self, indices) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the slots, each (layers, n, heads, head_dim) on the CPU."""
+        idx = self._index(indices).to(self.device)
+        return self.k[:, idx].cpu(), self.v[:, idx].cpu()
+
+
+def _as_uint8(data, nbytes: int) -> torch.Tensor:
+    if isinstance(data, torch.Tensor):
+        if data.dtype != torch.uint8:
+            raise BadIndices(f"page data tensor must be uint8, got {data.dtype}")
+        flat = data.reshape(-1)
+    elif isinstance(data, (bytes, bytearray, memoryview)):
+        mv = memoryview(data)
+        if mv.nbytes == 0:
+            flat = torch.empty(0, dtype=torch.uint8)
+        else:
+            mv = mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # read-only buffers: we only read from them
+                flat = torch.frombuffer(mv, dtype=torch.uint8)
+    else:
+        raise BadIndices(f"page data must be bytes-like or a uint8 tensor, got {type(data).__name__}")
+    if flat.numel() != nbytes:
+        raise BadIndices(f"page data has {flat.numel()} bytes, expected exactly {nbytes}")
+    return flat
+
+
+class HostKVPool:
+    """The L2 pool in host memory, in one of three layouts (see module docstring)."""
+
+    def __init__(self, shape: KVShape, size_tokens: int, page_size: int,
+                 layout: str = "layer_first", pin_memory: bool | None = None) -> None:
+        if layout not in LAYOUTS:
+            raise ConfigError(f"unknown host layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
+        self.shape = shape
+        self.page_size = page_size
+        self.size_tokens = size_tokens
+        self.layout = layout
+        self.allocator = PageAllocator(size_tokens, page_size)
+        if pin_memory is None:
+            pin_memory = torch.cuda.is_available()
+        self.pinned = bool(pin_memory)
+        L, H, D = shape.layers, shape.heads, shape.head_dim
+        if layout == "layer_first":
+            dims = (2, L, size_tokens, H, D)
+        elif layout == "page_first":
+            dims = (2, size_tokens, L, H, D)
+        else:
+            dims = (2, size_tokens // page_size, L, page_size, H, D)
+        self.kv = torch.zeros(dims, dtype=shape.dtype, pin_memory=self.pinned)
+        self.k = self.kv[0]
+        self.v = self.kv[1]
+
+    @property
+    def layers(self) -> int:
+        return self.shape.layers
+
+    @property
+    def total_pages(self) -> int:
+        return self.size_tokens // self.page_size
+
+    @property
+    def nbytes(self) -> int:
+        return self.size_tokens * self.shape.token_bytes
+
+    @property
+    def page_nbytes(self) -> int:
+        return self.page_size * self.shape.token_bytes
+
+    def _index(self, indices) -> torch.Tensor:
+        idx = _as_index_tensor(indices)
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.size_tokens):
+            raise BadIndices(f"indices out of range [0, {self.size_tokens})")
+        return idx
+
+    def _gather(self, half: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        if self.layout == "layer_first":
+            return half[:, idx]
+        if self.layout == "page_first":
+            return half[idx].transpose(0, 1)
+        return half[idx // self.page_size, :, idx % self.page_size].transpose(0, 1)
+
+    def read(self, indices) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the slots, each (layers, n, heads, head_dim), as new tensors."""
+        idx = self._index(indices)
+        return self._gather(self.k, idx).contiguous(), self._gather(self.v, idx).contiguous()
+
+    def write(self, indices, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write (layers, n, heads, head_dim) K and V into host slots (tests, tools)."""
+        idx = self._index(indices)
+        want = (self.shape.layers, idx.numel(), self.shape.heads, self.shape.head_dim)
+        if tuple(k.shape) != want or tuple(v.shape) != want:
+            raise BadIndices(f"k/v must have shape {want}, got {tuple(k.shape)} and {tuple(v.shape)}")
+        for half, src in ((self.k, k), (self.v, v)):
+            src = src.to("cpu", self.shape.dtype)
+            if self.layout == "layer_first":
+                half[:, idx] = src
+            elif self.layout == "page_first":
+                half[idx] = src.transpose(0, 1)
+            else:
+                half[idx // self.page_size, :, idx % self.page_size] = src.transpose(0, 1)
+
+    def _check_page(self, page_id: int) -> int:
+        if isinstance(page_id, bool) or not isinstance(page_id, int):
+            try:
+                page_id = int(page_id)
+            except (TypeError, ValueError):
+                raise BadIndices(f"page id must be an int, got {page_id!r}") from None
+        if not 0 <= page_id < self.total_pages:
+            raise BadIndices(f"page {page_id} is out of range [0, {self.total_pages})")
+        return page_id
+
+    def page_views(self, page_id: int) -> list[torch.Tensor]:
+        """The contiguous uint8 views that make up one page, in page byte order.
+
+        page_first and page_first_direct: two views (K, V). layer_first:
+        ``2 * layers`` views (K of each layer, then V of each layer). Writing
+        into them writes the pool (zero-copy ``readinto``).
+        """
+        p = self._check_page(page_id)
+        ps = self.page_size
+        if self.layout == "layer_first":
+            parts = [half[layer, p * ps:(p + 1) * ps] for half in (self.k, self.v) for layer in range(self.layers)]
+        elif self.layout == "page_first":
+            parts = [half[p * ps:(p + 1) * ps] for half in (self.k, self.v)]
+        else:
+            parts = [half[p] for half in (self.k, self.v)]
+        return [t.reshape(-1).view(torch.uint8) for t in parts]
+
+    def read_page(self, page_id: int) -> torch.Tensor:
+        """The page's bytes (K then V) as a new contiguous uint8 tensor of ``page_nbytes``."""
+        return torch.cat(self.page_views(page_id))
+
+    def write_page(self, page_id: int, data) -> None:
+        """Overwrite one page from ``page_nbytes`` bytes (bytes-like or uint8 tensor)."""
+        views = self.page_views(page_id)
+        flat = _as_uint8(data, self.page_nbytes)
+        offset = 0
+        for view in views:
+            n = view.numel()
+            view.copy_(flat[offset:offset + n])
+            offset += n
+
+
+def physical_memory_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _opt_number(instance, attribute, value) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{attribute.name} must be a number, got {value!r}")
+    if not value > 0:
+        raise ConfigError(f"{attribute.name} must be positive, got {value!r}")
+
+
+def _opt_shape(instance, attribute, value) -> None:
+    if value is not None and not isinstance(value, KVShape):
+        raise ConfigError(f"{attribute.name} must be a KVShape or None, got {value!r}")
+
+
+@attrs.frozen
+class PoolConfig:
+    """Sizes of the device and host pools.
+
+    The host pool size is given by at most one of ``host_tokens``,
+    ``host_bytes``, ``host_gb`` (like upstream's hicache_size) or
+    ``host_ratio`` (host tokens = ratio * device tokens, like hicache_ratio);
+    none given means ``host_ratio=2.0``. ``host_tokens`` must be page aligned;
+    sizes derived from bytes or a ratio are rounded down to whole pages.
+    ``draft_shape`` adds draft pools of the same token sizes and layout (the
+    draft device pool shares the target's allocator); a byte budget then
+    covers target and draft host pools together.
+    """
+
+    shape: KVShape = attrs.field(validator=_opt_shape)
+    device_tokens: int = attrs.field()
+    page_size: int = 1
+    host_layout: str = "layer_first"
+    host_tokens: int | None = attrs.field(default=None, validator=_opt_number)
+    host_bytes: int | None = attrs.field(default=None, validator=_opt_number)
+    host_gb: float | None = attrs.field(default=None, validator=_opt_number)
+    host_ratio: float | None = attrs.field(default=None, validator=_opt_number)
+    device: str | None = None
+    pin_memory: bool | None = None
+    draft_shape: KVShape | None = attrs.field(default=None, validator=_opt_shape)
+
+    def resolved_host_tokens(self) -> int:
+        """Host pool size in tokens (raises ConfigError if impossible)."""
+        ps = self.page_size
+        given = [n for n in ("host_tokens", "host_bytes", "host_gb", "host_ratio") if getattr(self, n) is not None]
+        if len(given) > 1:
+            raise ConfigError(f"give at most one host size, got {', '.join(given)}")
+        if self.host_tokens is not None:
+            if not isinstance(self.host_tokens, int):
+                raise ConfigError(f"host_tokens must be an int, got {self.host_tokens!r}")
+            tokens = self.host_tokens
+            if tokens % ps:
+                raise ConfigError(f"host_tokens {tokens} is not a multiple of page_size {ps}")
+        else:
+            per_token = self.shape.token_bytes + (self.draft_shape.token_bytes if self.draft_shape else 0)
+            if self.host_bytes is not None:
+                tokens = int(self.host_bytes) // per_token
+                source = f"host_bytes={self.host_bytes}"
+            elif self.host_gb is not None:
+                tokens = int(self.host_gb * (1 << 30)) // per_token
+                source = f"host_gb={self.host_gb}"
+            else:
+                ratio = 2.0 if self.host_ratio is None else self.host_ratio
+                tokens = int(self.device_tokens * ratio)
+                source = f"host_ratio={ratio}"
+            tokens -= tokens % ps
+            if tokens < ps:
+                raise ConfigError(
+                    f"{source} gives a host pool smaller than one page "
+                    f"({ps} tokens of {per_token} bytes each)")
+        return tokens
+
+    def validate(self) -> int:
+        """Check everything; returns the host size in tokens."""
+        if not isinstance(self.page_size, int) or isinstance(self.page_size, bool) or self.page_size <= 0:
+            raise ConfigError(f"page_size must be a positive int, got {self.page_size!r}")
+        if not isinstance(self.device_tokens, int) or isinstance(self.device_tokens, bool) or self.device_tokens <= 0:
+            raise ConfigError(f"device_tokens must be a positive int, got {self.device_tokens!r}")
+        if self.device_tokens % self.page_size:
+            raise ConfigError(f"device_tokens {self.device_tokens} is not a multiple of page_size {self.page_size}")
+        if self.host_layout not in LAYOUTS:
+            raise ConfigError(f"unknown host layout {self.host_layout!r}; choose one of {', '.join(LAYOUTS)}")
+        host_tokens = self.resolved_host_tokens()
+        shapes = [self.shape] + ([self.draft_shape] if self.draft_shape else [])
+        host_bytes = sum(host_tokens * s.token_bytes for s in shapes)
+        dev = torch.device(self.device) if self.device is not None else default_device()
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("device 'cuda' requested but CUDA is not available")
+        need = host_bytes + (sum(self.device_tokens * s.token_bytes for s in shapes) if dev.type == "cpu" else 0)
+        phys = physical_memory_bytes()
+        if phys is not None and need > phys:
+            raise ConfigError(
+                f"pools need {need / (1 << 30):.2f} GiB of host memory but the machine has "
+                f"{phys / (1 << 30):.2f} GiB; lower host_tokens/host_gb/host_ratio")
+        return host_tokens
+
+
+@attrs.frozen
+class KVPools:
+    """The pools ``build_pools`` made; the draft ones are None without ``draft_shape``."""
+
+    config: PoolConfig
+    device: DeviceKVPool
+    host: HostKVPool
+    draft_device: DeviceKVPool | None = None
+    draft_host: HostKVPool | None = None
+
+
+def build_pools(config: PoolConfig) -> KVPools:
+    """Validate ``config`` and allocate the pools (ConfigError if impossible)."""
+    host_tokens = config.validate()
+    device = DeviceKVPool(config.shape, config.device_tokens, config.page_size, config.device)
+    host = HostKVPool(config.shape, host_tokens, config.page_size, config.host_layout, config.pin_memory)
+    draft_device = draft_host = None
+    if config.draft_shape is not None:
+        draft_device = DeviceKVPool(config.draft_shape, config.device_tokens, config.page_size,
+                                    config.device, allocator=device.allocator)
+        draft_host = HostKVPool(config.draft_shape, host_tokens, config.page_size,
+                                config.host_layout, config.pin_memory)
+    return KVPools(config, device, host, draft_device, draft_host)
+
+
+__all__ = [
+    "LAYOUTS", "KVShape", "PageAllocator", "DeviceKVPool", "HostKVPool", "PoolConfig", "KVPools",
+    "build_pools", "pages_of", "physical_memory_bytes",
+]

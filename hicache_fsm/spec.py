@@ -1,0 +1,446 @@
+"""Load and validate state-machine specs written as YAML data.
+
+A spec is untrusted input: it is parsed with PyYAML's safe loader, its strings
+are only ever compared against names registered in ``hicache_fsm.registry``,
+and nothing in it is imported or evaluated. Every problem is reported as a
+``SpecError`` naming the file and the line; a spec that fails validation
+builds nothing.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import deque
+from pathlib import Path
+from typing import Any, Iterable
+
+import attrs
+import yaml
+
+from hicache_fsm.errors import SpecError
+from hicache_fsm.jobs import JOB_KIND_NAMES
+from hicache_fsm.registry import MachineRegistry, registry_for
+
+SPEC_DIR = Path(__file__).resolve().parent.parent / "specs"
+
+NAME_RE = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
+# Trigger names become attributes of models in ``transitions``; these would clash.
+RESERVED_TRIGGERS = frozenset({"trigger", "state", "machine", "to_state", "may_trigger"})
+RESERVED_PREFIXES = ("to_", "may_", "is_", "on_enter", "on_exit", "_")
+KNOWN_TAGS = frozenset(
+    {"terminal", "in_flight", "on_device", "on_host", "stored", "holds_slots", "host_reserved", "device_reserved"}
+)
+
+TOP_KEYS = {"name": str, "doc": str, "initial": str, "states": dict, "transitions": list, "invariants": list}
+STATE_KEYS = {"doc": str, "tags": list}
+TRANSITION_KEYS = {
+    "trigger": str,
+    "source": (str, list),
+    "dest": str,
+    "guards": list,
+    "unless": list,
+    "effects": list,
+    "emits": list,
+    "doc": str,
+}
+REQUIRED_TOP = ("name", "initial", "states", "transitions")
+REQUIRED_TRANSITION = ("trigger", "source", "dest")
+
+
+@attrs.frozen
+class StateSpec:
+    name: str
+    doc: str = ""
+    tags: frozenset[str] = frozenset()
+    line: int | None = None
+
+    @property
+    def terminal(self) -> bool:
+        return "terminal" in self.tags
+
+
+@attrs.frozen
+class TransitionSpec:
+    trigger: str
+    sources: tuple[str, ...]
+    dest: str
+    guards: tuple[str, ...] = ()
+    unless: tuple[str, ...] = ()
+    effects: tuple[str, ...] = ()
+    emits: tuple[str, ...] = ()
+    doc: str = ""
+    line: int | None = None
+
+
+@attrs.frozen
+class Spec:
+    """A validated state machine: states, transitions, invariants, all by name."""
+
+    name: str
+    doc: str
+    initial: str
+    states: tuple[StateSpec, ...]
+    transitions: tuple[TransitionSpec, ...]
+    invariants: tuple[str, ...]
+    path: str = ""
+
+    @property
+    def state_names(self) -> tuple[str, ...]:
+        return tuple(s.name for s in self.states)
+
+    @property
+    def triggers(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(t.trigger for t in self.transitions))
+
+    def state(self, name: str) -> StateSpec:
+        for s in self.states:
+            if s.name == name:
+                return s
+        raise KeyError(name)
+
+    def guard_names(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(g for t in self.transitions for g in (*t.guards, *t.unless)))
+
+    def effect_names(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(e for t in self.transitions for e in t.effects))
+
+    def transitions_from(self, state: str, trigger: str) -> tuple[TransitionSpec, ...]:
+        return tuple(t for t in self.transitions if t.trigger == trigger and state in t.sources)
+
+
+# --------------------------------------------------------------------------- YAML with lines
+
+
+class _Lined(dict):
+    """A mapping that remembers the line of itself and of each key (1-based)."""
+
+    line: int
+    key_lines: dict[str, int]
+
+
+class _LinedList(list):
+    line: int
+    item_lines: list[int]
+
+
+def _compose(text: str, path: str) -> Any:
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+        line = mark.line + 1 if mark is not None else None
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise SpecError(path, line, f"YAML syntax error: {problem}") from None
+    finally:
+        loader.dispose()
+    if node is None:
+        raise SpecError(path, 1, "empty spec file")
+    return _convert(node, loader, path)
+
+
+def _convert(node: yaml.Node, loader: yaml.SafeLoader, path: str) -> Any:
+    line = node.start_mark.line + 1
+    if isinstance(node, yaml.MappingNode):
+        out = _Lined()
+        out.line, out.key_lines = line, {}
+        for key_node, value_node in node.value:
+            key = _convert(key_node, loader, path)
+            if not isinstance(key, str):
+                raise SpecError(path, key_node.start_mark.line + 1, f"keys must be strings, got {key!r}")
+            if key in out:
+                raise SpecError(path, key_node.start_mark.line + 1, f"duplicate key {key!r} (first at line {out.key_lines[key]})")
+            out[key] = _convert(value_node, loader, path)
+            out.key_lines[key] = key_node.start_mark.line + 1
+        return out
+    if isinstance(node, yaml.SequenceNode):
+        seq = _LinedList(_convert(item, loader, path) for item in node.value)
+        seq.line, seq.item_lines = line, [item.start_mark.line + 1 for item in node.value]
+        return seq
+    try:
+        return loader.construct_object(node, deep=True)
+    except yaml.YAMLError as exc:
+        raise SpecError(path, line, f"bad scalar: {exc}") from None
+
+
+# --------------------------------------------------------------------------- validation
+
+
+class _Problems:
+    """Collects every problem so ``validate`` can print them all; the first one is raised."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.items: list[tuple[int | None, str]] = []
+
+    def add(self, line: int | None, message: str) -> None:
+        self.items.append((line, message))
+
+    def raise_if_any(self) -> None:
+        if self.items:
+            line, message = self.items[0]
+            err = SpecError(self.path, line, message)
+            err.problems = [SpecError(self.path, ln, msg) for ln, msg in self.items]
+            raise err
+
+
+def _type_name(t: type | tuple[type, ...]) -> str:
+    types = t if isinstance(t, tuple) else (t,)
+    names = {str: "a string", list: "a list", dict: "a mapping"}
+    return " or ".join(names.get(x, x.__name__) for x in types)
+
+
+def _check_keys(obj: _Lined, allowed: dict[str, Any], what: str, problems: _Problems) -> bool:
+    ok = True
+    for key, value in obj.items():
+        line = obj.key_lines.get(key, obj.line)
+        if key not in allowed:
+            close = [k for k in allowed if _similar(k, key)]
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            problems.add(line, f"unknown key {key!r} in {what}{hint}; allowed: {', '.join(sorted(allowed))}")
+            ok = False
+        elif not isinstance(value, allowed[key]):
+            problems.add(line, f"{what} key {key!r} must be {_type_name(allowed[key])}, got {type(value).__name__}")
+            ok = False
+    return ok
+
+
+def _similar(a: str, b: str) -> bool:
+    if abs(len(a) - len(b)) > 2:
+        return False
+    common = sum(1 for x, y in zip(sorted(a), sorted(b)) if x == y)
+    return common >= max(len(a), len(b)) - 2
+
+
+def _line_of(obj: Any, default: int | None) -> int | None:
+    return getattr(obj, "line", default)
+
+
+def _str_list(value: Any, what: str, line: int | None, problems: _Problems) -> tuple[str, ...]:
+    items = [value] if isinstance(value, str) else list(value)
+    lines = getattr(value, "item_lines", [line] * len(items))
+    out = []
+    for item, ln in zip(items, lines):
+        if not isinstance(item, str):
+            problems.add(ln, f"{what} entries must be strings, got {type(item).__name__}")
+        else:
+            out.append(item)
+    return tuple(out)
+
+
+def _check_name(name: str, what: str, line: int | None, problems: _Problems) -> None:
+    if not NAME_RE.match(name):
+        problems.add(line, f"{what} name {name!r} must match {NAME_RE.pattern}")
+
+
+def parse_spec(text: str, path: str = "<string>", registry: MachineRegistry | None = None) -> Spec:
+    """Parse and validate spec text; raise ``SpecError`` (file:line) on any problem."""
+    raw = _compose(text, path)
+    problems = _Problems(path)
+    if not isinstance(raw, _Lined):
+        raise SpecError(path, _line_of(raw, 1), "a spec must be a mapping at the top level")
+    if not _check_keys(raw, TOP_KEYS, "spec", problems):
+        problems.raise_if_any()
+    for key in REQUIRED_TOP:
+        if key not in raw:
+            problems.add(raw.line, f"missing required key {key!r}")
+    problems.raise_if_any()
+
+    name = raw["name"]
+    _check_name(name, "machine", raw.key_lines["name"], problems)
+    states = _parse_states(raw["states"], problems)
+    transitions = _parse_transitions(raw["transitions"], problems)
+    invariants = _str_list(raw.get("invariants", []), "invariants", raw.key_lines.get("invariants"), problems)
+    problems.raise_if_any()
+
+    spec = Spec(
+        name=name,
+        doc=str(raw.get("doc", "")).strip(),
+        initial=raw["initial"],
+        states=states,
+        transitions=transitions,
+        invariants=invariants,
+        path=path,
+    )
+    _check_graph(spec, raw.key_lines["initial"], problems)
+    _check_bindings(spec, registry if registry is not None else registry_for(spec.name), raw, problems)
+    problems.raise_if_any()
+    return spec
+
+
+def _parse_states(raw: _Lined, problems: _Problems) -> tuple[StateSpec, ...]:
+    out = []
+    if not raw:
+        problems.add(raw.line, "a spec needs at least one state")
+    for name, body in raw.items():
+        line = raw.key_lines[name]
+        _check_name(name, "state", line, problems)
+        if body is None:
+            body = _Lined()
+            body.line, body.key_lines = line, {}
+        if not isinstance(body, _Lined):
+            problems.add(line, f"state {name!r} must be a mapping (doc, tags), got {type(body).__name__}")
+            continue
+        if not _check_keys(body, STATE_KEYS, f"state {name!r}", problems):
+            continue
+        tags = _str_list(body.get("tags", []), "tags", body.key_lines.get("tags"), problems)
+        for tag in tags:
+            if tag not in KNOWN_TAGS:
+                problems.add(body.key_lines.get("tags", line), f"state {name!r}: unknown tag {tag!r}; known: {', '.join(sorted(KNOWN_TAGS))}")
+        out.append(StateSpec(name, str(body.get("doc", "")).strip(), frozenset(tags), line))
+    return tuple(out)
+
+
+def _parse_transitions(raw: _LinedList, problems: _Problems) -> tuple[TransitionSpec, ...]:
+    out = []
+    for item, line in zip(raw, raw.item_lines):
+        if not isinstance(item, _Lined):
+            problems.add(line, f"each transition must be a mapping, got {type(item).__name__}")
+            continue
+        if not _check_keys(item, TRANSITION_KEYS, "transition", problems):
+            continue
+        missing = [k for k in REQUIRED_TRANSITION if k not in item]
+        if missing:
+            problems.add(item.line, f"transition is missing {', '.join(missing)}")
+            continue
+        trigger = item["trigger"]
+        tline = item.key_lines["trigger"]
+        _check_name(trigger, "trigger", tline, problems)
+        if trigger in RESERVED_TRIGGERS or trigger.startswith(RESERVED_PREFIXES):
+            problems.add(tline, f"trigger name {trigger!r} is reserved (it would clash with machine attributes)")
+        lists = {
+            key: _str_list(item.get(key, []), key, item.key_lines.get(key, item.line), problems)
+            for key in ("source", "guards", "unless", "effects", "emits")
+        }
+        out.append(
+            TransitionSpec(
+                trigger=trigger,
+                sources=lists["source"],
+                dest=item["dest"],
+                guards=lists["guards"],
+                unless=lists["unless"],
+                effects=lists["effects"],
+                emits=lists["emits"],
+                doc=str(item.get("doc", "")).strip(),
+                line=item.line,
+            )
+        )
+    return tuple(out)
+
+
+def _check_graph(spec: Spec, initial_line: int | None, problems: _Problems) -> None:
+    names = set(spec.state_names)
+    if spec.initial not in names:
+        problems.add(initial_line, f"initial state {spec.initial!r} is not a declared state")
+    for t in spec.transitions:
+        if not t.sources:
+            problems.add(t.line, f"transition {t.trigger!r} has no source state")
+        for s in t.sources:
+            if s not in names:
+                problems.add(t.line, f"transition {t.trigger!r} comes from unknown state {s!r}")
+        if len(set(t.sources)) != len(t.sources):
+            problems.add(t.line, f"transition {t.trigger!r} lists a source state twice")
+        if t.dest not in names:
+            problems.add(t.line, f"transition {t.trigger!r} goes to unknown state {t.dest!r}")
+        if set(t.guards) & set(t.unless):
+            problems.add(t.line, f"transition {t.trigger!r} both requires and forbids {sorted(set(t.guards) & set(t.unless))}")
+        for s in t.sources:
+            if s in names and spec.state(s).terminal:
+                problems.add(t.line, f"transition {t.trigger!r} leaves terminal state {s!r}")
+    if problems.items:
+        return
+    _check_ambiguity(spec, problems)
+    _check_reachability(spec, problems)
+
+
+def _check_ambiguity(spec: Spec, problems: _Problems) -> None:
+    seen: dict[tuple[str, str, frozenset[str], frozenset[str]], TransitionSpec] = {}
+    for t in spec.transitions:
+        for s in t.sources:
+            key = (s, t.trigger, frozenset(t.guards), frozenset(t.unless))
+            first = seen.get(key)
+            if first is not None:
+                problems.add(
+                    t.line,
+                    f"transitions on ({s!r}, {t.trigger!r}) at lines {first.line} and {t.line} "
+                    "have the same guards: no guard tells them apart",
+                )
+            else:
+                seen[key] = t
+    # Guards that can hold at once also make a pair ambiguous unless one forbids what the other needs.
+    by_key: dict[tuple[str, str], list[TransitionSpec]] = {}
+    for t in spec.transitions:
+        for s in t.sources:
+            by_key.setdefault((s, t.trigger), []).append(t)
+    for (s, trig), group in by_key.items():
+        for i, a in enumerate(group):
+            for b in group[i + 1 :]:
+                exclusive = set(a.guards) & set(b.unless) or set(a.unless) & set(b.guards)
+                same = frozenset(a.guards) == frozenset(b.guards) and frozenset(a.unless) == frozenset(b.unless)
+                if not exclusive and not same:
+                    problems.add(
+                        b.line,
+                        f"transitions on ({s!r}, {trig!r}) at lines {a.line} and {b.line} can both be enabled: "
+                        "make their guards exclusive (one needs a guard the other lists under 'unless')",
+                    )
+
+
+def _check_reachability(spec: Spec, problems: _Problems) -> None:
+    reached = {spec.initial}
+    queue = deque([spec.initial])
+    while queue:
+        state = queue.popleft()
+        for t in spec.transitions:
+            if state in t.sources and t.dest not in reached:
+                reached.add(t.dest)
+                queue.append(t.dest)
+    for st in spec.states:
+        if st.name not in reached:
+            problems.add(st.line, f"state {st.name!r} is unreachable from the initial state {spec.initial!r}")
+        exits = [t for t in spec.transitions if st.name in t.sources and t.dest != st.name]
+        if not st.terminal and not exits:
+            problems.add(st.line, f"state {st.name!r} is not terminal but has no way out (tag it terminal or add a transition)")
+
+
+def _check_bindings(spec: Spec, registry: MachineRegistry | None, raw: _Lined, problems: _Problems) -> None:
+    for t in spec.transitions:
+        for g in (*t.guards, *t.unless):
+            if registry is None or g not in registry.guards:
+                problems.add(t.line, f"guard {g!r} has no registered implementation for machine {spec.name!r}")
+        for e in t.effects:
+            if registry is None or e not in registry.effects:
+                problems.add(t.line, f"effect {e!r} has no registered implementation for machine {spec.name!r}")
+        for j in t.emits:
+            if j not in JOB_KIND_NAMES:
+                problems.add(t.line, f"job kind {j!r} is unknown; known: {', '.join(sorted(JOB_KIND_NAMES))}")
+    inv_line = raw.key_lines.get("invariants")
+    for inv in spec.invariants:
+        if registry is None or inv not in registry.invariants:
+            problems.add(inv_line, f"invariant {inv!r} has no registered check for machine {spec.name!r}")
+
+
+def load_spec(path: str | Path, registry: MachineRegistry | None = None) -> Spec:
+    """Read, parse and validate one spec file."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecError(str(path), None, f"cannot read spec: {exc}") from None
+    return parse_spec(text, str(path), registry)
+
+
+def spec_paths(directory: str | Path = SPEC_DIR) -> list[Path]:
+    return sorted(Path(directory).glob("*.yaml"))
+
+
+def load_builtin(name: str) -> Spec:
+    """Load one of the library's own specs by machine name."""
+    path = SPEC_DIR / f"{name}.yaml"
+    if not path.is_file():
+        known = ", ".join(p.stem for p in spec_paths())
+        raise SpecError(str(path), None, f"no spec named {name!r}; known: {known}")
+    return load_spec(path)
+
+
+def load_all(paths: Iterable[str | Path] | None = None) -> list[Spec]:
+    return [load_spec(p) for p in (paths if paths is not None else spec_paths())]
