@@ -100,3 +100,7 @@ class StorageKeyError(StorageError, ValueError):
 
 class StorageURLError(StorageError, ConfigError):
     """A storage URL names an unknown scheme or has an impossible form."""
+
+
+class DiagramError(HiCacheError):
+    """A diagram could not be rendered (Graphviz missing, failed or timed out)."""

@@ -139,28 +139,55 @@ def _compose(text: str, path: str) -> Any:
     return _convert(node, loader, path)
 
 
-def _convert(node: yaml.Node, loader: yaml.SafeLoader, path: str) -> Any:
+MAX_NODES = 100_000  # a spec is small; this stops alias ("billion laughs") blow-ups
+
+
+def _convert(node: yaml.Node, loader: yaml.SafeLoader, path: str, _walk: dict | None = None) -> Any:
+    # ``_walk`` holds the nodes on the current path (a recursive alias would loop
+    # forever) and a count of nodes visited (aliases may repeat a node many times).
+    walk = _walk if _walk is not None else {"path": set(), "count": 0}
     line = node.start_mark.line + 1
+    walk["count"] += 1
+    if walk["count"] > MAX_NODES:
+        raise SpecError(path, line, f"spec too large: more than {MAX_NODES} YAML nodes (alias expansion?)")
+    if id(node) in walk["path"]:
+        raise SpecError(path, line, "recursive YAML alias: a node contains itself")
     if isinstance(node, yaml.MappingNode):
+        walk["path"].add(id(node))
         out = _Lined()
         out.line, out.key_lines = line, {}
         for key_node, value_node in node.value:
-            key = _convert(key_node, loader, path)
+            key = _convert(key_node, loader, path, walk)
             if not isinstance(key, str):
                 raise SpecError(path, key_node.start_mark.line + 1, f"keys must be strings, got {key!r}")
             if key in out:
                 raise SpecError(path, key_node.start_mark.line + 1, f"duplicate key {key!r} (first at line {out.key_lines[key]})")
-            out[key] = _convert(value_node, loader, path)
+            out[key] = _convert(value_node, loader, path, walk)
             out.key_lines[key] = key_node.start_mark.line + 1
+        walk["path"].discard(id(node))
         return out
     if isinstance(node, yaml.SequenceNode):
-        seq = _LinedList(_convert(item, loader, path) for item in node.value)
+        walk["path"].add(id(node))
+        seq = _LinedList(_convert(item, loader, path, walk) for item in node.value)
         seq.line, seq.item_lines = line, [item.start_mark.line + 1 for item in node.value]
+        walk["path"].discard(id(node))
         return seq
     try:
         return loader.construct_object(node, deep=True)
     except yaml.YAMLError as exc:
-        raise SpecError(path, line, f"bad scalar: {exc}") from None
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise SpecError(path, line, f"bad scalar: {problem}") from None
+
+
+def _kind(value: Any) -> str:
+    """A plain-words type name for messages (never the loader's private classes)."""
+    if isinstance(value, dict):
+        return "a mapping"
+    if isinstance(value, list):
+        return "a list"
+    if value is None:
+        return "nothing (null)"
+    return type(value).__name__
 
 
 # --------------------------------------------------------------------------- validation
@@ -200,7 +227,7 @@ def _check_keys(obj: _Lined, allowed: dict[str, Any], what: str, problems: _Prob
             problems.add(line, f"unknown key {key!r} in {what}{hint}; allowed: {', '.join(sorted(allowed))}")
             ok = False
         elif not isinstance(value, allowed[key]):
-            problems.add(line, f"{what} key {key!r} must be {_type_name(allowed[key])}, got {type(value).__name__}")
+            problems.add(line, f"{what} key {key!r} must be {_type_name(allowed[key])}, got {_kind(value)}")
             ok = False
     return ok
 
@@ -222,7 +249,7 @@ def _str_list(value: Any, what: str, line: int | None, problems: _Problems) -> t
     out = []
     for item, ln in zip(items, lines):
         if not isinstance(item, str):
-            problems.add(ln, f"{what} entries must be strings, got {type(item).__name__}")
+            problems.add(ln, f"{what} entries must be strings, got {_kind(item)}")
         else:
             out.append(item)
     return tuple(out)
@@ -279,7 +306,7 @@ def _parse_states(raw: _Lined, problems: _Problems) -> tuple[StateSpec, ...]:
             body = _Lined()
             body.line, body.key_lines = line, {}
         if not isinstance(body, _Lined):
-            problems.add(line, f"state {name!r} must be a mapping (doc, tags), got {type(body).__name__}")
+            problems.add(line, f"state {name!r} must be a mapping (doc, tags), got {_kind(body)}")
             continue
         if not _check_keys(body, STATE_KEYS, f"state {name!r}", problems):
             continue
@@ -295,7 +322,7 @@ def _parse_transitions(raw: _LinedList, problems: _Problems) -> tuple[Transition
     out = []
     for item, line in zip(raw, raw.item_lines):
         if not isinstance(item, _Lined):
-            problems.add(line, f"each transition must be a mapping, got {type(item).__name__}")
+            problems.add(line, f"each transition must be a mapping, got {_kind(item)}")
             continue
         if not _check_keys(item, TRANSITION_KEYS, "transition", problems):
             continue

@@ -164,3 +164,8 @@ def jobs_acked_once(cache) -> list[str]:
     if unknown:
         problems.append(f"jobs emitted but neither pending nor finished: {sorted(unknown)[:8]}")
     return problems
+
+
+@residency.effect
+def adopt_device(node, grant) -> None:
+    node.device_indices = grant.device_indices

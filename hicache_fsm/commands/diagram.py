@@ -1,0 +1,67 @@
+"""Draw a spec as a mermaid, Graphviz dot or SVG diagram."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from hicache_fsm.commands.validate import problem_lines
+from hicache_fsm.diagrams import RENDERERS, render
+from hicache_fsm.errors import DiagramError, SpecError
+from hicache_fsm.spec import Spec, load_all, load_builtin, load_spec
+
+EXTENSIONS = {"mermaid": "mmd", "dot": "dot", "svg": "svg"}
+
+
+def resolve_spec(target: str) -> Spec:
+    """A library machine name (``residency``) or a path to a spec file."""
+    p = Path(target)
+    if p.suffix in (".yaml", ".yml") or p.is_file() or "/" in target or "\\" in target:
+        return load_spec(p)
+    return load_builtin(target)
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("spec", nargs="?", metavar="NAME|PATH", help="a machine name (see `hicache-fsm list`) or a spec file")
+    parser.add_argument("--all", action="store_true", help="draw every spec of the library")
+    parser.add_argument("--format", "-f", choices=sorted(RENDERERS), default="mermaid", help="output format (default: mermaid)")
+    parser.add_argument(
+        "-o", "--output", metavar="FILE",
+        help="write to FILE instead of stdout (with --all: a directory, one NAME.EXT file per spec)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    if bool(args.spec) == bool(args.all):
+        print("hicache-fsm diagram: give one NAME|PATH, or --all", file=sys.stderr)
+        return 2
+    try:
+        specs = load_all() if args.all else [resolve_spec(args.spec)]
+        texts = [(spec, render(spec, args.format)) for spec in specs]
+    except SpecError as err:
+        for line in problem_lines(err):
+            print(line, file=sys.stderr)
+        return 1
+    except DiagramError as err:
+        print(f"hicache-fsm diagram: {err}", file=sys.stderr)
+        return 1
+    if args.output and args.all:
+        out_dir = Path(args.output)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for spec, text in texts:
+            (out_dir / f"{spec.name}.{EXTENSIONS[args.format]}").write_text(text, encoding="utf-8")
+        return 0
+    if args.output:
+        Path(args.output).write_text(texts[0][1], encoding="utf-8")
+        return 0
+    for i, (spec, text) in enumerate(texts):
+        if args.all:
+            if i:
+                print()
+            if args.format == "mermaid":
+                print(f"%% {spec.name}")
+            elif args.format == "dot":
+                print(f"// {spec.name}")
+        sys.stdout.write(text)
+    return 0

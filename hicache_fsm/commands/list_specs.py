@@ -1,0 +1,44 @@
+"""List the specs: machine name, number of states and transitions, file."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from hicache_fsm.commands.validate import display_path, expand_paths, problem_lines
+from hicache_fsm.errors import SpecError
+from hicache_fsm.spec import SPEC_DIR, load_spec, spec_paths
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("paths", nargs="*", metavar="PATH", help="spec files or directories (default: the library's specs/)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object per spec instead of a table")
+
+
+def run(args: argparse.Namespace) -> int:
+    paths = expand_paths(args.paths) if args.paths else spec_paths(SPEC_DIR)
+    rows = []
+    status = 0
+    for path in paths:
+        try:
+            spec = load_spec(path)
+        except SpecError as err:
+            status = 1
+            for line in problem_lines(err):
+                print(line, file=sys.stderr)
+            continue
+        rows.append(
+            {"name": spec.name, "states": len(spec.states), "transitions": len(spec.transitions), "file": display_path(path)}
+        )
+    if args.json:
+        for row in rows:
+            print(json.dumps(row, sort_keys=True))
+        return status
+    header = ("name", "states", "transitions", "file")
+    table = [header] + [(r["name"], str(r["states"]), str(r["transitions"]), r["file"]) for r in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    for row in table:
+        cells = [row[0].ljust(widths[0]), row[1].rjust(widths[1]), row[2].rjust(widths[2]), row[3]]
+        print("  ".join(cells).rstrip())
+    return status

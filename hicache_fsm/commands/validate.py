@@ -1,0 +1,66 @@
+"""Validate spec files: print `ok FILE` for each valid one, `FILE:LINE: message` for every problem."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Iterable
+
+from hicache_fsm.errors import SpecError
+from hicache_fsm.spec import SPEC_DIR, load_spec, spec_paths
+
+
+def display_path(path: str | Path) -> str:
+    """``path`` relative to the working directory when it lies below it."""
+    p = Path(path)
+    try:
+        rel = os.path.relpath(p)
+    except ValueError:  # another drive on Windows
+        return str(p)
+    return rel if not rel.startswith("..") else str(p)
+
+
+def expand_paths(args: Iterable[str]) -> list[Path]:
+    """Files named on the command line; a directory stands for its ``*.yaml`` files."""
+    out: list[Path] = []
+    for arg in args:
+        p = Path(arg)
+        out.extend(spec_paths(p) if p.is_dir() else [p])
+    return out
+
+
+def problem_lines(err: SpecError) -> list[str]:
+    """Every problem of a ``SpecError`` as ``FILE:LINE: message`` (``FILE: message`` without a line)."""
+    problems = getattr(err, "problems", None) or [err]
+    out = []
+    for p in problems:
+        where = display_path(p.path) if p.path and not p.path.startswith("<") else p.path
+        out.append(f"{where}:{p.line}: {p.message}" if p.line is not None else f"{where}: {p.message}")
+    return out
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "paths", nargs="*", metavar="PATH",
+        help="spec files or directories of them (default: every spec in the library's specs/)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    paths = expand_paths(args.paths) if args.paths else spec_paths(SPEC_DIR)
+    if not paths:
+        print("no spec files found", file=sys.stderr)
+        return 2
+    failed = 0
+    for path in paths:
+        try:
+            load_spec(path)
+        except SpecError as err:
+            failed += 1
+            for line in problem_lines(err):
+                print(line, file=sys.stderr)
+        else:
+            print(f"ok {display_path(path)}")
+    return 1 if failed else 0

@@ -1,0 +1,48 @@
+"""Cache policy configuration (pool sizes live in ``pools.PoolConfig``)."""
+
+from __future__ import annotations
+
+import attrs
+
+from hicache_fsm.errors import ConfigError
+
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back", "write_behind")
+EVICTION_POLICIES = ("lru", "lfu", "priority")
+
+
+def _one_of(options: tuple[str, ...]):
+    def check(instance, attribute, value):
+        if value not in options:
+            raise ConfigError(f"{attribute.name} must be one of {', '.join(options)}; got {value!r}")
+
+    return check
+
+
+def _non_negative(instance, attribute, value):
+    if value is not None and value < 0:
+        raise ConfigError(f"{attribute.name} must be >= 0; got {value!r}")
+
+
+@attrs.frozen
+class CacheConfig:
+    """How the cache decides; every field has the reference's default behaviour.
+
+    - ``write_policy``: when device KV is backed up to host.
+      ``write_through`` backs up every new node at once;
+      ``write_through_selective`` once a node's hit count reaches
+      ``write_through_threshold``; ``write_back`` only when an un-backed node is
+      evicted from the device; ``write_behind`` defers backup of nodes that have
+      gone cold (untouched for ``write_behind_idle_steps`` calls of ``poll``) and
+      backs them up in batches of at most ``write_behind_batch_tokens`` per poll.
+    - ``eviction_policy``: order of device/host eviction among evictable leaves.
+    - ``load_back_threshold``: a load-back of fewer tokens is skipped (recompute is cheaper).
+    - ``load_back_max_tokens``: a load-back of more tokens is skipped (memory quota); None = no cap.
+    """
+
+    write_policy: str = attrs.field(default="write_through", validator=_one_of(WRITE_POLICIES))
+    write_through_threshold: int = attrs.field(default=2, validator=_non_negative)
+    eviction_policy: str = attrs.field(default="lru", validator=_one_of(EVICTION_POLICIES))
+    load_back_threshold: int = attrs.field(default=0, validator=_non_negative)
+    load_back_max_tokens: int | None = attrs.field(default=None, validator=_non_negative)
+    write_behind_idle_steps: int = attrs.field(default=2, validator=_non_negative)
+    write_behind_batch_tokens: int = attrs.field(default=1 << 20, validator=_non_negative)

@@ -1,0 +1,239 @@
+"""Page-copy kernels between a DeviceKVPool and a HostKVPool.
+
+Index tensors name token slots and must be page aligned. ``coalesce_runs``
+turns a pair of index tensors into runs where both sides' pages are
+consecutive; every run is then moved with slice copies (``dst[a:b].copy_``),
+never per-token indexing.
+
+Two strategies, picked by the device pool's device:
+
+* CPU: one strided copy per run covering K and V (and all layers for a full
+  backup), since both pools keep K and V in one buffer; the CPU copy kernel
+  handles the strides.
+* CUDA: copies whose host side is one contiguous block, so each is a single
+  asynchronous memcpy to or from pinned memory (the GPU makes its side
+  contiguous with a kernel). For ``page_first`` loads, where one layer of a
+  page is scattered over the host, the whole run (all layers) is staged on the
+  GPU first and scattered layer by layer from there. A single-layer backup of
+  a ``page_first`` pool goes through a host temporary (synchronous).
+
+All functions take ``runs`` in the (device_start, host_start, length) token
+form that ``plan_runs(device_indices, host_indices, page_size)`` returns, so
+a caller computes runs once per batch and reuses them for every layer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hicache_fsm.errors import BadIndices
+from hicache_fsm.pools import DeviceKVPool, HostKVPool, pages_of
+
+Run = tuple[int, int, int]
+
+
+def coalesce_runs(src_idx, dst_idx, page_size: int) -> list[Run]:
+    """Maximal runs where src and dst pages are both consecutive.
+
+    Returns ``(src_start, dst_start, length)`` in tokens, in index order.
+    Raises BadIndices unless both tensors are page aligned and of equal length.
+    """
+    src_pages = pages_of(src_idx, page_size, what="src indices")
+    dst_pages = pages_of(dst_idx, page_size, what="dst indices")
+    if src_pages.numel() != dst_pages.numel():
+        raise BadIndices(f"src and dst lengths differ: {src_pages.numel() * page_size} vs {dst_pages.numel() * page_size}")
+    n = src_pages.numel()
+    if n == 0:
+        return []
+    if n == 1:
+        return [(int(src_pages[0]) * page_size, int(dst_pages[0]) * page_size, page_size)]
+    breaks = ((src_pages[1:] - src_pages[:-1]) != 1) | ((dst_pages[1:] - dst_pages[:-1]) != 1)
+    starts = torch.cat([torch.zeros(1, dtype=torch.int64), torch.nonzero(breaks).flatten() + 1])
+    ends = torch.cat([starts[1:], torch.tensor([n])])
+    src_starts = (src_pages[starts] * page_size).tolist()
+    dst_starts = (dst_pages[starts] * page_size).tolist()
+    lengths = ((ends - starts) * page_size).tolist()
+    return list(zip(src_starts, dst_starts, lengths))
+
+
+def plan_runs(device_indices, host_indices, page_size: int) -> list[Run]:
+    """Runs as ``(device_start, host_start, length)`` for the copy functions."""
+    return coalesce_runs(device_indices, host_indices, page_size)
+
+
+def _check(device_pool: DeviceKVPool, host_pool: HostKVPool, runs: list[Run], layer: int | None) -> None:
+    if device_pool.shape != host_pool.shape:
+        raise BadIndices(f"device pool shape {device_pool.shape} differs from host pool shape {host_pool.shape}")
+    if device_pool.page_size != host_pool.page_size:
+        raise BadIndices("device and host pools have different page sizes")
+    if layer is not None and not (isinstance(layer, int) and 0 <= layer < device_pool.layers):
+        raise BadIndices(f"layer {layer!r} out of range [0, {device_pool.layers})")
+    dev_end = max((d + n for d, _, n in runs), default=0)
+    host_end = max((h + n for _, h, n in runs), default=0)
+    if dev_end > device_pool.size_tokens:
+        raise BadIndices(f"device index {dev_end - 1} out of range (pool has {device_pool.size_tokens} slots)")
+    if host_end > host_pool.size_tokens:
+        raise BadIndices(f"host index {host_end - 1} out of range (pool has {host_pool.size_tokens} slots)")
+
+
+def _runs_for(device_pool, host_pool, device_indices, host_indices, runs):
+    if runs is None:
+        runs = plan_runs(device_indices, host_indices, device_pool.page_size)
+    return runs
+
+
+# ---------------------------------------------------------------- device -> host
+
+
+def backup_to_host(device_pool: DeviceKVPool, host_pool: HostKVPool, device_indices=None, host_indices=None,
+                   layer: int | None = None, *, runs: list[Run] | None = None, non_blocking: bool = False) -> None:
+    """Copy device slots to host slots: all layers, or only ``layer``."""
+    runs = _runs_for(device_pool, host_pool, device_indices, host_indices, runs)
+    _check(device_pool, host_pool, runs, layer)
+    if not runs:
+        return
+    if device_pool.device.type == "cpu":
+        _d2h_cpu(device_pool, host_pool, runs, layer)
+    else:
+        _d2h_cuda(device_pool, host_pool, runs, layer, non_blocking)
+
+
+def _cpu_pairs(dev: DeviceKVPool, host: HostKVPool, runs: list[Run], layer: int | None):
+    """(device view, host view) pairs of equal shape, one per run, for the CPU path.
+
+    Views are built with ``narrow`` on views prepared once per call: on a slow
+    core, creating views costs about as much as copying a 100 KB run.
+    """
+    ps, layout = dev.page_size, host.layout
+    L, H, D = dev.shape.layers, dev.shape.heads, dev.shape.head_dim
+    if layer is None:
+        dkv = dev.kv
+        if layout == "layer_first":
+            hkv = host.kv
+            return [(dkv.narrow(2, d, n), hkv.narrow(2, h, n)) for d, h, n in runs]
+        if layout == "page_first":
+            dt = dkv.transpose(1, 2)  # (2, T, L, H, D) view of the device buffer
+            hkv = host.kv
+            return [(dt.narrow(1, d, n), hkv.narrow(1, h, n)) for d, h, n in runs]
+        hkv = host.kv
+        return [(dkv.narrow(2, d, n).view(2, L, n // ps, ps, H, D).transpose(1, 2), hkv.narrow(1, h // ps, n // ps))
+                for d, h, n in runs]
+    dl = dev.kv.select(1, layer)  # (2, T, H, D)
+    if layout == "layer_first":
+        hl = host.kv.select(1, layer)
+        return [(dl.narrow(1, d, n), hl.narrow(1, h, n)) for d, h, n in runs]
+    if layout == "page_first":
+        hl = host.kv.select(2, layer)  # (2, T, H, D), strided
+        return [(dl.narrow(1, d, n), hl.narrow(1, h, n)) for d, h, n in runs]
+    hl = host.kv.select(2, layer)  # (2, P, ps, H, D)
+    return [(dl.narrow(1, d, n).view(2, n // ps, ps, H, D), hl.narrow(1, h // ps, n // ps)) for d, h, n in runs]
+
+
+def _d2h_cpu(dev: DeviceKVPool, host: HostKVPool, runs: list[Run], layer: int | None) -> None:
+    for d, h in _cpu_pairs(dev, host, runs, layer):
+        h.copy_(d)
+
+
+def _d2h_cuda(dev: DeviceKVPool, host: HostKVPool, runs: list[Run], layer: int | None, nb: bool) -> None:
+    ps, layout, L = dev.page_size, host.layout, dev.layers
+    H, D = dev.shape.heads, dev.shape.head_dim
+    layers = range(L) if layer is None else (layer,)
+    for s in (0, 1):
+        dh, hh = dev.kv[s], host.kv[s]
+        for d, h, n in runs:
+            if layout == "layer_first":
+                for li in layers:
+                    hh[li, h:h + n].copy_(dh[li, d:d + n], non_blocking=nb)
+            elif layout == "page_first":
+                if layer is None:
+                    hh[h:h + n].copy_(dh[:, d:d + n].transpose(0, 1), non_blocking=nb)
+                else:
+                    hh[h:h + n, layer].copy_(dh[layer, d:d + n], non_blocking=False)
+            else:
+                p0, p1 = h // ps, (h + n) // ps
+                if layer is None:
+                    hh[p0:p1].copy_(dh[:, d:d + n].view(L, p1 - p0, ps, H, D).transpose(0, 1), non_blocking=nb)
+                else:
+                    for i, p in enumerate(range(p0, p1)):
+                        hh[p, layer].copy_(dh[layer, d + i * ps:d + (i + 1) * ps], non_blocking=nb)
+
+
+# ---------------------------------------------------------------- host -> device
+
+
+def load_to_device(device_pool: DeviceKVPool, host_pool: HostKVPool, host_indices=None, device_indices=None,
+                   layer: int = 0, *, runs: list[Run] | None = None, non_blocking: bool = False,
+                   staging: dict | None = None) -> None:
+    """Copy one layer of host slots into device slots.
+
+    ``staging`` is a dict the caller keeps for one batch (CUDA page_first only:
+    the staged runs are reused by the following layers).
+    """
+    if layer is None:
+        raise BadIndices("load_to_device copies one layer; use load_all_layers")
+    runs = _runs_for(device_pool, host_pool, device_indices, host_indices, runs)
+    _check(device_pool, host_pool, runs, layer)
+    if not runs:
+        return
+    if device_pool.device.type == "cpu":
+        _h2d_cpu(device_pool, host_pool, runs, layer)
+    else:
+        _h2d_cuda(device_pool, host_pool, runs, layer, non_blocking, staging)
+
+
+def load_all_layers(device_pool: DeviceKVPool, host_pool: HostKVPool, host_indices=None, device_indices=None,
+                    *, runs: list[Run] | None = None, non_blocking: bool = False) -> None:
+    """Copy every layer of host slots into device slots.
+
+    On CUDA this goes layer by layer (as an executor does between layer
+    events). On the CPU nothing runs concurrently, so layer order is not
+    observable and one copy per run covers every layer (fewer, larger copies).
+    """
+    runs = _runs_for(device_pool, host_pool, device_indices, host_indices, runs)
+    if device_pool.device.type == "cpu":
+        _check(device_pool, host_pool, runs, None)
+        _h2d_cpu(device_pool, host_pool, runs, None)
+        return
+    staging: dict = {}
+    for layer in range(device_pool.layers):
+        load_to_device(device_pool, host_pool, layer=layer, runs=runs, non_blocking=non_blocking, staging=staging)
+
+
+def _h2d_cpu(dev: DeviceKVPool, host: HostKVPool, runs: list[Run], layer: int | None) -> None:
+    for d, h in _cpu_pairs(dev, host, runs, layer):
+        d.copy_(h)
+
+
+def _h2d_cuda(dev: DeviceKVPool, host: HostKVPool, runs: list[Run], layer: int, nb: bool,
+              staging: dict | None) -> None:
+    ps, layout = dev.page_size, host.layout
+    if layout == "page_first":
+        if staging is None:
+            staging = {}
+        staged = staging.get("page_first")
+        if staged is None:
+            total = sum(n for _, _, n in runs)
+            staged = torch.empty((2, total, dev.layers, dev.shape.heads, dev.shape.head_dim),
+                                 dtype=dev.shape.dtype, device=dev.device)
+            off = 0
+            for d, h, n in runs:
+                staged[0, off:off + n].copy_(host.kv[0, h:h + n], non_blocking=nb)
+                staged[1, off:off + n].copy_(host.kv[1, h:h + n], non_blocking=nb)
+                off += n
+            staging["page_first"] = staged
+        off = 0
+        for d, h, n in runs:
+            dev.kv[:, layer, d:d + n].copy_(staged[:, off:off + n, layer])
+            off += n
+        return
+    for s in (0, 1):
+        dl, hh = dev.kv[s, layer], host.kv[s]
+        for d, h, n in runs:
+            if layout == "layer_first":
+                dl[d:d + n].copy_(hh[layer, h:h + n], non_blocking=nb)
+            else:
+                for i, p in enumerate(range(h // ps, (h + n) // ps)):
+                    dl[d + i * ps:d + (i + 1) * ps].copy_(hh[p, layer], non_blocking=nb)
+
+
+__all__ = ["Run", "coalesce_runs", "plan_runs", "backup_to_host", "load_to_device", "load_all_layers"]

@@ -1,0 +1,173 @@
+"""A tiny deterministic transformer, for end-to-end checks of cached KV reuse.
+
+Random weights come from a seeded ``torch.Generator`` (no download), so two
+models built with the same arguments are identical. Positions use rotary
+embeddings by absolute position, so the K/V of a token depend only on the
+tokens up to it: KV computed once, stored in the cache and loaded back gives
+the same continuation as recomputing from scratch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from hicache_fsm.errors import BadIndices, ConfigError
+from hicache_fsm.pools import KVShape
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+class TinyModel:
+    """Pre-norm decoder: RMSNorm, multi-head attention with RoPE, GELU MLP."""
+
+    def __init__(self, layers: int = 4, heads: int = 2, head_dim: int = 16, vocab: int = 256, seed: int = 0,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
+                 rope_base: float = 10000.0) -> None:
+        for name, value in (("layers", layers), ("heads", heads), ("head_dim", head_dim), ("vocab", vocab)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"{name} must be a positive int, got {value!r}")
+        if head_dim % 2:
+            raise ConfigError(f"head_dim must be even for rotary embeddings, got {head_dim}")
+        self.layers, self.heads, self.head_dim, self.vocab = layers, heads, head_dim, vocab
+        self.seed = seed
+        self.dtype = dtype
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        d = heads * head_dim
+        self.d_model = d
+        g = torch.Generator().manual_seed(seed)
+
+        def init(*shape: int, std: float) -> torch.Tensor:
+            w = torch.randn(*shape, generator=g, dtype=torch.float64) * std
+            return w.to(self.device, dtype)
+
+        self.embed = init(vocab, d, std=1.0)
+        self.blocks = []
+        for _ in range(layers):
+            self.blocks.append({
+                "norm1": torch.ones(d, dtype=dtype, device=self.device),
+                "wqkv": init(d, 3 * d, std=1.0 / math.sqrt(d)),
+                "wo": init(d, d, std=1.0 / math.sqrt(d)),
+                "norm2": torch.ones(d, dtype=dtype, device=self.device),
+                "w1": init(d, 4 * d, std=1.0 / math.sqrt(d)),
+                "w2": init(4 * d, d, std=1.0 / math.sqrt(4 * d)),
+            })
+        self.final_norm = torch.ones(d, dtype=dtype, device=self.device)
+        self.lm_head = init(d, vocab, std=2.0 / math.sqrt(d))
+        half = head_dim // 2
+        self._inv_freq = rope_base ** (-torch.arange(half, dtype=torch.float64) * 2.0 / head_dim)
+
+    @property
+    def kv_shape(self) -> KVShape:
+        return KVShape(self.layers, self.heads, self.head_dim, self.dtype)
+
+    def _rope(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        pos = torch.arange(start, start + n, dtype=torch.float64)
+        angles = pos[:, None] * self._inv_freq[None, :]
+        cos = angles.cos().to(self.device, self.dtype)[:, None, :]
+        sin = angles.sin().to(self.device, self.dtype)[:, None, :]
+        return cos, sin
+
+    @staticmethod
+    def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+        return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+    def _check_past(self, past_k, past_v) -> int:
+        if past_k is None and past_v is None:
+            return 0
+        if past_k is None or past_v is None:
+            raise BadIndices("give both past_k and past_v, or neither")
+        want = (self.layers, self.heads, self.head_dim)
+        for t, name in ((past_k, "past_k"), (past_v, "past_v")):
+            if t.dim() != 4 or (t.shape[0], t.shape[2], t.shape[3]) != want:
+                raise BadIndices(f"{name} must be (layers={self.layers}, n, heads={self.heads}, "
+                                 f"head_dim={self.head_dim}), got {tuple(t.shape)}")
+        if past_k.shape[1] != past_v.shape[1]:
+            raise BadIndices("past_k and past_v cover different numbers of tokens")
+        return int(past_k.shape[1])
+
+    @torch.inference_mode()
+    def prefill(self, tokens, past_k: torch.Tensor | None = None, past_v: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Run ``tokens`` after ``past`` KV; returns (logits of the last token, k, v).
+
+        ``past_k``/``past_v`` are (layers, n_past, heads, head_dim) for the
+        tokens before ``tokens``; the returned ``k``/``v`` are (layers, n_new,
+        heads, head_dim) for the new tokens only.
+        """
+        ids = torch.as_tensor(list(tokens), dtype=torch.int64)
+        n = ids.numel()
+        if n == 0:
+            raise BadIndices("prefill needs at least one new token")
+        if int(ids.min()) < 0 or int(ids.max()) >= self.vocab:
+            raise BadIndices(f"token ids must be in [0, {self.vocab})")
+        n_past = self._check_past(past_k, past_v)
+        H, D = self.heads, self.head_dim
+        x = self.embed[ids.to(self.device)]
+        cos, sin = self._rope(n_past, n)
+        mask = None
+        if n_past:
+            q_pos = torch.arange(n_past, n_past + n, device=self.device)
+            mask = torch.arange(n_past + n, device=self.device)[None, :] <= q_pos[:, None]
+        ks, vs = [], []
+        for li, blk in enumerate(self.blocks):
+            h = _rms_norm(x, blk["norm1"])
+            q, k, v = (h @ blk["wqkv"]).view(n, 3, H, D).unbind(1)
+            q = self._apply_rope(q, cos, sin)
+            k = self._apply_rope(k, cos, sin)
+            ks.append(k)
+            vs.append(v)
+            if n_past:
+                k_all = torch.cat([past_k[li].to(self.device, self.dtype), k], 0)
+                v_all = torch.cat([past_v[li].to(self.device, self.dtype), v], 0)
+            else:
+                k_all, v_all = k, v
+            attn = F.scaled_dot_product_attention(
+                q.transpose(0, 1), k_all.transpose(0, 1), v_all.transpose(0, 1),
+                attn_mask=mask, is_causal=mask is None)
+            x = x + attn.transpose(0, 1).reshape(n, H * D) @ blk["wo"]
+            x = x + F.gelu(_rms_norm(x, blk["norm2"]) @ blk["w1"]) @ blk["w2"]
+        logits = _rms_norm(x[-1], self.final_norm) @ self.lm_head
+        return logits, torch.stack(ks), torch.stack(vs)
+
+    @torch.inference_mode()
+    def generate(self, tokens, max_new: int, past_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> list[int]:
+        """Greedy continuation of ``tokens`` (``max_new`` new ids).
+
+        ``past_kv`` = (k, v) of the first n_past tokens of ``tokens`` (e.g.
+        loaded from the cache); only the rest are computed. If it covers every
+        token, the last one is recomputed to get its logits.
+        """
+        tokens = list(tokens)
+        if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 0:
+            raise BadIndices(f"max_new must be a non-negative int, got {max_new!r}")
+        if not tokens:
+            raise BadIndices("generate needs at least one prompt token")
+        past_k, past_v = past_kv if past_kv is not None else (None, None)
+        n_past = self._check_past(past_k, past_v)
+        if n_past > len(tokens):
+            raise BadIndices(f"past_kv covers {n_past} tokens but the prompt has {len(tokens)}")
+        if n_past == len(tokens):
+            n_past -= 1
+            past_k, past_v = past_k[:, :n_past], past_v[:, :n_past]
+        if n_past == 0:
+            past_k = past_v = None
+        out: list[int] = []
+        new = tokens[n_past:]
+        for _ in range(max_new):
+            logits, k, v = self.prefill(new, past_k, past_v)
+            past_k = k if past_k is None else torch.cat([past_k.to(k.device, k.dtype), k], 1)
+            past_v = v if past_v is None else torch.cat([past_v.to(v.device, v.dtype), v], 1)
+            nxt = int(torch.argmax(logits))
+            out.append(nxt)
+            new = [nxt]
+        return out
+
+
+__all__ = ["TinyModel"]

@@ -1,0 +1,195 @@
+"""A page-aligned radix tree of token prefixes.
+
+Each node owns a run of whole pages: its token ids (``key``), and, depending on
+its residency state, device and host slot indices for them. The tree only
+knows shape; where the KV lives is the residency machine's business, driven by
+``HiCache``. Entries carry an optional namespace (LoRA id, cache salt, tenant)
+so that two namespaces never match each other's prefixes.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Hashable, Iterator
+
+import torch
+
+ROOT_STATE = "root"
+
+
+class TreeNode:
+    """One run of pages in the tree.
+
+    ``lock_ref`` pins the node on the device (it propagates to ancestors);
+    ``host_ref`` pins its host copy (prefetch anchors). ``pending_jobs`` holds
+    ids of in-flight jobs that cover this node, so a node split mid-transfer
+    can enrol its new half in the same jobs.
+    """
+
+    __slots__ = (
+        "id",
+        "parent",
+        "children",
+        "key",
+        "namespace",
+        "state",
+        "device_indices",
+        "host_indices",
+        "lock_ref",
+        "host_ref",
+        "hit_count",
+        "last_access",
+        "priority",
+        "storage_keys",
+        "pending_jobs",
+        "cp_meta",
+    )
+
+    def __init__(self, node_id: int, key: tuple[int, ...], namespace: Hashable, parent: "TreeNode | None") -> None:
+        self.id = node_id
+        self.parent = parent
+        self.children: dict[tuple, TreeNode] = {}
+        self.key = key
+        self.namespace = namespace
+        self.state = ROOT_STATE if parent is None else "absent"
+        self.device_indices: torch.Tensor | None = None
+        self.host_indices: torch.Tensor | None = None
+        self.lock_ref = 0
+        self.host_ref = 0
+        self.hit_count = 0
+        self.last_access = 0
+        self.priority = 0
+        self.storage_keys: tuple[str, ...] | None = None
+        self.pending_jobs: set[int] = set()
+        self.cp_meta: object | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.key)
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None
+
+    def __repr__(self) -> str:
+        return f"TreeNode(id={self.id}, tokens={len(self.key)}, state={self.state})"
+
+
+class RadixTree:
+    """Prefix match, insert and split over page-aligned token runs."""
+
+    def __init__(self, page_size: int) -> None:
+        if page_size <= 0:
+            raise ValueError("page_size must be positive")
+        self.page_size = page_size
+        self._ids = itertools.count(1)
+        self.root = TreeNode(0, (), None, None)
+        self._nodes: dict[int, TreeNode] = {0: self.root}
+
+    # ------------------------------------------------------------------ lookup
+
+    def get(self, node_id: int) -> TreeNode | None:
+        return self._nodes.get(node_id)
+
+    def owns(self, node: TreeNode) -> bool:
+        return self._nodes.get(node.id) is node
+
+    def nodes(self) -> Iterator[TreeNode]:
+        """Every live node, the root included."""
+        return iter(list(self._nodes.values()))
+
+    def __len__(self) -> int:
+        return len(self._nodes) - 1
+
+    def _child_key(self, namespace: Hashable, tokens: tuple[int, ...], start: int) -> tuple:
+        return (namespace, tokens[start : start + self.page_size])
+
+    def aligned(self, tokens: tuple[int, ...]) -> tuple[int, ...]:
+        return tokens[: len(tokens) - len(tokens) % self.page_size]
+
+    def walk(self, tokens: tuple[int, ...], namespace: Hashable = None) -> tuple[list[TreeNode], int, int]:
+        """Follow ``tokens`` down the tree without changing it.
+
+        Returns the fully matched nodes (top-down), the matched token count, and
+        how many tokens of the next node also match (0 when none, else a page
+        multiple shorter than that node: the caller splits it to use them).
+        """
+        tokens = self.aligned(tokens)
+        path: list[TreeNode] = []
+        node, pos, ps = self.root, 0, self.page_size
+        while pos < len(tokens):
+            child = node.children.get(self._child_key(namespace, tokens, pos))
+            if child is None:
+                break
+            key = child.key
+            shared = ps
+            limit = min(len(key), len(tokens) - pos)
+            while shared < limit and key[shared : shared + ps] == tokens[pos + shared : pos + shared + ps]:
+                shared += ps
+            if shared < len(key):
+                return path, pos, shared
+            path.append(child)
+            node = child
+            pos += shared
+        return path, pos, 0
+
+    # ------------------------------------------------------------------ change
+
+    def split(self, node: TreeNode, at: int) -> TreeNode:
+        """Split ``node`` after ``at`` tokens; the new upper half is returned.
+
+        The upper half takes the first ``at`` tokens and slots, the node keeps
+        the rest. Both halves keep the residency state, lock and host pins, hit
+        count, recency, priority and in-flight job ids, because a pin or a job
+        on the whole run covers both halves.
+        """
+        if at <= 0 or at >= node.num_tokens or at % self.page_size:
+            raise ValueError(f"cannot split node of {node.num_tokens} tokens at {at}")
+        parent = node.parent
+        upper = TreeNode(next(self._ids), node.key[:at], node.namespace, parent)
+        upper.state = node.state
+        upper.lock_ref, upper.host_ref = node.lock_ref, node.host_ref
+        upper.hit_count, upper.last_access, upper.priority = node.hit_count, node.last_access, node.priority
+        upper.pending_jobs = set(node.pending_jobs)
+        if node.device_indices is not None:
+            upper.device_indices, node.device_indices = node.device_indices[:at], node.device_indices[at:]
+        if node.host_indices is not None:
+            upper.host_indices, node.host_indices = node.host_indices[:at], node.host_indices[at:]
+        if node.storage_keys is not None:
+            pages = at // self.page_size
+            upper.storage_keys, node.storage_keys = node.storage_keys[:pages], node.storage_keys[pages:]
+        parent.children[self._child_key(node.namespace, node.key, 0)] = upper
+        node.key = node.key[at:]
+        node.parent = upper
+        upper.children[self._child_key(node.namespace, node.key, 0)] = node
+        self._nodes[upper.id] = upper
+        return upper
+
+    def add_child(self, parent: TreeNode, key: tuple[int, ...], namespace: Hashable) -> TreeNode:
+        """Attach a new node (state ``absent``) holding ``key`` under ``parent``."""
+        if not key or len(key) % self.page_size:
+            raise ValueError("a node holds a positive whole number of pages")
+        child_key = self._child_key(namespace, key, 0)
+        if child_key in parent.children:
+            raise ValueError("a child with that first page already exists")
+        child = TreeNode(next(self._ids), key, namespace, parent)
+        parent.children[child_key] = child
+        self._nodes[child.id] = child
+        return child
+
+    def remove_leaf(self, node: TreeNode) -> None:
+        if node.children:
+            raise ValueError(f"node {node.id} has children; only leaves leave the tree")
+        del node.parent.children[self._child_key(node.namespace, node.key, 0)]
+        del self._nodes[node.id]
+
+    def path_to_root(self, node: TreeNode) -> Iterator[TreeNode]:
+        """``node`` and its ancestors, bottom-up, the root excluded."""
+        while node.parent is not None:
+            yield node
+            node = node.parent
+
+    def prefix_tokens(self, node: TreeNode) -> tuple[int, ...]:
+        """All tokens from the root down to and including ``node``."""
+        parts = [n.key for n in self.path_to_root(node)]
+        return tuple(t for part in reversed(parts) for t in part)

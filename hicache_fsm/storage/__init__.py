@@ -1,0 +1,60 @@
+"""L3 storage: chained page keys, namespaces and pluggable backends.
+
+``open_backend(url, **options)`` picks a backend by URL scheme:
+
+* ``file:///DIR``            -> :class:`~hicache_fsm.storage.file.FileBackend` (the default)
+* ``redis://HOST:PORT/DB``   -> :class:`~hicache_fsm.storage.redis.RedisBackend`
+* ``memory://`` / ``memory://NAME`` -> :class:`~hicache_fsm.storage.memory.MemoryBackend`
+
+``options`` go to the backend's constructor (``namespace=KeyNamespace(...)`` for
+all of them; ``max_bytes``, ``fsync``, ``io_threads`` for files;
+``socket_timeout``, ``connect_timeout``, ``max_connections``, ``retries``,
+``ttl`` for Redis). An unknown scheme raises
+:class:`~hicache_fsm.errors.StorageURLError`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+from hicache_fsm.errors import StorageURLError
+from hicache_fsm.storage.base import HostPoolLike, StorageBackend
+from hicache_fsm.storage.keys import KeyNamespace, page_hash, page_keys
+
+__all__ = [
+    "SCHEMES",
+    "HostPoolLike",
+    "KeyNamespace",
+    "StorageBackend",
+    "open_backend",
+    "page_hash",
+    "page_keys",
+]
+
+SCHEMES = ("file", "redis", "memory")
+
+
+def open_backend(url: str, **options: Any) -> StorageBackend:
+    """Open the backend that ``url`` names; ``options`` go to its constructor."""
+    if not isinstance(url, str) or "://" not in url:
+        raise StorageURLError(f"storage URL must look like SCHEME://..., got {url!r}")
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    if scheme == "file":
+        if parts.netloc not in ("", "localhost") or not parts.path or parts.query:
+            raise StorageURLError(f"file URLs look like file:///absolute/dir, got {url!r}")
+        from hicache_fsm.storage.file import FileBackend
+
+        return FileBackend(unquote(parts.path), **options)
+    if scheme == "memory":
+        if parts.path not in ("", "/") or parts.query:
+            raise StorageURLError(f"memory URLs look like memory:// or memory://NAME, got {url!r}")
+        from hicache_fsm.storage.memory import MemoryBackend
+
+        return MemoryBackend(store=parts.netloc or None, **options)
+    if scheme in ("redis", "rediss", "unix"):
+        from hicache_fsm.storage.redis import RedisBackend
+
+        return RedisBackend(url, **options)
+    raise StorageURLError(f"unknown storage scheme {parts.scheme!r} in {url!r}; known: {', '.join(SCHEMES)}")

@@ -1,0 +1,498 @@
+"""The L3 storage interface every backend implements, plus what backends share.
+
+Keys given to a backend are page-level keys (normally the chained page hashes of
+:mod:`hicache_fsm.storage.keys`); the backend stores each one under its
+:class:`~hicache_fsm.storage.keys.KeyNamespace`, so a backend opened for one
+model/tenant/rank never sees another's pages.
+
+Contract of every backend:
+
+* ``batch_exists(keys)`` -> how many keys in a row, from the first, are stored.
+* ``batch_get(keys)`` -> one ``bytes`` or ``None`` (miss) per key.
+* ``batch_set(keys, values)`` -> one bool per key: True when the page is stored
+  afterwards (written now, or already present and skipped), False when it could
+  not be stored (e.g. larger than a size cap).
+* ``batch_get_into(keys, host_pool, page_ids)`` / ``batch_set_from(...)``: the
+  same, reading into / writing from host-pool pages without an intermediate
+  page-sized buffer wherever the medium allows. On a False result the
+  destination page's contents are unspecified.
+* An I/O failure raises :class:`~hicache_fsm.errors.StorageError` (or a subclass:
+  ``StorageUnavailable``, ``StorageTimeout``, ``StorageFull``); a backend never
+  returns bytes it has not verified. A stored page that is corrupt or short is
+  a miss (None / False), counted as ``corrupt`` in ``stats()`` and logged on the
+  ``hicache_fsm.storage`` logger.
+
+Every stored value carries a small header (see :func:`encode_header`): magic,
+format version, key length, payload length, CRC-32 of the payload and CRC-32 of
+the header itself, followed by the full storage key and then the payload. The
+key copy catches a value that landed under the wrong name.
+
+The host pool is duck-typed (:class:`HostPoolLike`): ``page_nbytes``,
+``page_size``, ``read_page(page_id)``, ``write_page(page_id, data)`` and
+``page_views(page_id)`` (contiguous CPU uint8 tensors that together are the page).
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import threading
+import zlib
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from typing import Any, Hashable, Iterable, Protocol, Sequence, runtime_checkable
+
+import torch
+
+from hicache_fsm.errors import StorageError, StorageKeyError, StorageUnavailable
+from hicache_fsm.storage.keys import KeyNamespace
+
+logger = logging.getLogger("hicache_fsm.storage")
+
+__all__ = [
+    "DEFAULT_NAMESPACE",
+    "FORMAT_VERSION",
+    "HEADER",
+    "MAGIC",
+    "STAT_FIELDS",
+    "HostPoolLike",
+    "LRUIndex",
+    "StorageBackend",
+    "StorageStats",
+    "as_byte_view",
+    "crc_of",
+    "decode_blob",
+    "encode_header",
+    "parse_header",
+]
+
+MAGIC = b"HCKV"
+FORMAT_VERSION = 1
+# magic, version, key length, payload length, payload crc32, header crc32
+HEADER = struct.Struct("<4sHHQII")
+_HEADER_CRC_SPAN = HEADER.size - 4
+
+DEFAULT_NAMESPACE = KeyNamespace("default")
+
+STAT_FIELDS = (
+    "exists_queries",  # keys probed by batch_exists
+    "gets",  # keys asked for by batch_get / batch_get_into
+    "hits",
+    "misses",  # includes corrupt pages
+    "corrupt",  # stored pages rejected by the header/checksum check
+    "sets",  # keys offered to batch_set / batch_set_from
+    "skipped_existing",  # of those, already stored (not rewritten)
+    "set_failures",  # of those, refused without an error (e.g. over the size cap)
+    "errors",  # calls that raised StorageError
+    "evictions",  # pages dropped by a size cap
+    "bytes_read",  # payload bytes returned on hits
+    "bytes_written",  # payload bytes actually written
+)
+
+# Outcome of storing one page (backend-internal).
+WRITTEN = "written"
+EXISTS = "exists"
+FAILED = "failed"
+
+
+class CorruptPage(Exception):
+    """Internal: a stored value failed verification (reported as a miss, never raised out)."""
+
+
+@runtime_checkable
+class HostPoolLike(Protocol):
+    page_nbytes: int
+    page_size: int
+
+    def read_page(self, page_id: int) -> torch.Tensor: ...
+
+    def write_page(self, page_id: int, data: Any) -> None: ...
+
+    def page_views(self, page_id: int) -> list[torch.Tensor]: ...
+
+
+# ---------------------------------------------------------------- buffers
+
+
+def as_byte_view(value: Any, *, writable: bool = False) -> memoryview:
+    """A flat ``memoryview`` of unsigned bytes over ``value`` without copying.
+
+    Accepts bytes-like objects and CPU torch tensors (any dtype, must be contiguous).
+    """
+    if isinstance(value, torch.Tensor):
+        if value.device.type != "cpu":
+            raise StorageKeyError(f"page buffers must be CPU tensors, got device {value.device}")
+        if not value.is_contiguous():
+            raise StorageKeyError("page buffers must be contiguous tensors")
+        flat = value.detach().reshape(-1)
+        if flat.dtype != torch.uint8:
+            flat = flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
+        view = memoryview(flat.numpy())
+    else:
+        try:
+            view = memoryview(value)
+        except TypeError:
+            raise StorageKeyError(f"page values must be bytes-like or tensors, got {type(value).__name__}") from None
+        if not view.c_contiguous:
+            raise StorageKeyError("page buffers must be contiguous")
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    if writable and view.readonly:
+        raise StorageKeyError("destination buffer is read-only")
+    return view
+
+
+def crc_of(parts: Iterable[memoryview | bytes]) -> int:
+    crc = 0
+    for part in parts:
+        crc = zlib.crc32(part, crc)
+    return crc
+
+
+def encode_header(key: bytes, payload_len: int, payload_crc: int) -> bytes:
+    """Header + key bytes that precede a payload in every stored value."""
+    head = HEADER.pack(MAGIC, FORMAT_VERSION, len(key), payload_len, payload_crc, 0)[:_HEADER_CRC_SPAN]
+    header_crc = zlib.crc32(key, zlib.crc32(head))
+    return head + struct.pack("<I", header_crc) + key
+
+
+def parse_header(buf: bytes | memoryview, key: bytes) -> tuple[int, int]:
+    """Check the header + key at the start of ``buf``; returns (payload_len, payload_crc).
+
+    Raises :class:`CorruptPage` when anything does not match.
+    """
+    if len(buf) < HEADER.size + len(key):
+        raise CorruptPage(f"short header ({len(buf)} bytes)")
+    magic, version, key_len, payload_len, payload_crc, header_crc = HEADER.unpack_from(buf, 0)
+    if magic != MAGIC:
+        raise CorruptPage("bad magic")
+    if version != FORMAT_VERSION:
+        raise CorruptPage(f"unknown format version {version}")
+    if key_len != len(key):
+        raise CorruptPage("key length mismatch")
+    stored_key = bytes(buf[HEADER.size : HEADER.size + key_len])
+    if zlib.crc32(stored_key, zlib.crc32(bytes(buf[:_HEADER_CRC_SPAN]))) != header_crc:
+        raise CorruptPage("header checksum mismatch")
+    if stored_key != key:
+        raise CorruptPage("stored under a different key")
+    return payload_len, payload_crc
+
+
+def decode_blob(blob: bytes | memoryview, key: bytes) -> memoryview:
+    """Verify a whole stored value and return a view of its payload (raises CorruptPage)."""
+    view = memoryview(blob)
+    payload_len, payload_crc = parse_header(view, key)
+    start = HEADER.size + len(key)
+    if len(view) - start != payload_len:
+        raise CorruptPage(f"payload is {len(view) - start} bytes, header says {payload_len}")
+    payload = view[start:]
+    if zlib.crc32(payload) != payload_crc:
+        raise CorruptPage("payload checksum mismatch")
+    return payload
+
+
+# ---------------------------------------------------------------- stats / LRU
+
+
+class StorageStats:
+    """Thread-safe counters; ``snapshot()`` returns a plain dict."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts = dict.fromkeys(STAT_FIELDS, 0)
+
+    def add(self, **deltas: int) -> None:
+        with self._lock:
+            for name, delta in deltas.items():
+                self._counts[name] += delta
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
+
+
+class LRUIndex:
+    """Recency order and sizes of stored pages, for a ``max_bytes`` cap.
+
+    Not thread-safe on its own; backends call it under their lock.
+    """
+
+    def __init__(self, max_bytes: int | None) -> None:
+        if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1):
+            raise StorageKeyError(f"max_bytes must be a positive int or None, got {max_bytes!r}")
+        self.max_bytes = max_bytes
+        self._order: OrderedDict[Hashable, int] = OrderedDict()
+        self.total = 0
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def __contains__(self, item: Hashable) -> bool:
+        return item in self._order
+
+    def add(self, item: Hashable, nbytes: int) -> None:
+        old = self._order.pop(item, None)
+        if old is not None:
+            self.total -= old
+        self._order[item] = nbytes
+        self.total += nbytes
+
+    def touch(self, item: Hashable) -> None:
+        if item in self._order:
+            self._order.move_to_end(item)
+
+    def discard(self, item: Hashable) -> None:
+        nbytes = self._order.pop(item, None)
+        if nbytes is not None:
+            self.total -= nbytes
+
+    def clear(self) -> None:
+        self._order.clear()
+        self.total = 0
+
+    def fits(self, nbytes: int) -> bool:
+        return self.max_bytes is None or nbytes <= self.max_bytes
+
+    def over_budget(self) -> list[Hashable]:
+        """Pops and returns the least recently used items until the total fits the cap."""
+        victims: list[Hashable] = []
+        if self.max_bytes is None:
+            return victims
+        while self.total > self.max_bytes and self._order:
+            item, nbytes = self._order.popitem(last=False)
+            self.total -= nbytes
+            victims.append(item)
+        return victims
+
+
+# ---------------------------------------------------------------- the interface
+
+
+def _check_keys(keys: Sequence[str]) -> list[str]:
+    if isinstance(keys, (str, bytes)):
+        raise StorageKeyError("keys must be a sequence of str, not a single str")
+    return list(keys)
+
+
+def _check_page_ids(page_ids: Sequence[int], n: int) -> list[int]:
+    if hasattr(page_ids, "tolist"):
+        page_ids = page_ids.tolist()
+    ids = list(page_ids)
+    if len(ids) != n:
+        raise StorageKeyError(f"{n} keys but {len(ids)} page ids")
+    for p in ids:
+        if isinstance(p, bool) or not isinstance(p, int) or p < 0:
+            raise StorageKeyError(f"page ids must be non-negative ints, got {p!r}")
+    return ids
+
+
+def _pool_views(host_pool: Any, page_id: int, *, writable: bool) -> list[memoryview] | None:
+    """Contiguous byte views of one host page, or None if the pool offers none usable."""
+    get_views = getattr(host_pool, "page_views", None)
+    if get_views is None:
+        return None
+    try:
+        views = [as_byte_view(v, writable=writable) for v in get_views(page_id)]
+    except StorageKeyError:
+        return None
+    if sum(len(v) for v in views) != host_pool.page_nbytes:
+        raise StorageKeyError(
+            f"page_views({page_id}) cover {sum(len(v) for v in views)} bytes, page_nbytes is {host_pool.page_nbytes}"
+        )
+    return views
+
+
+class StorageBackend(ABC):
+    """Abstract L3 backend. Subclasses implement the ``_``-prefixed hooks on storage keys.
+
+    Public methods validate arguments, map page keys through the namespace,
+    keep ``stats()`` and count raised errors. All public methods are thread-safe.
+    """
+
+    scheme: str = ""
+
+    def __init__(self, namespace: KeyNamespace | None = None) -> None:
+        if namespace is not None and not isinstance(namespace, KeyNamespace):
+            raise StorageKeyError(f"namespace must be a KeyNamespace, got {type(namespace).__name__}")
+        self._namespace = namespace if namespace is not None else DEFAULT_NAMESPACE
+        self._stats = StorageStats()
+        self._closed = False
+
+    # -- public API ------------------------------------------------------
+
+    @property
+    def namespace(self) -> KeyNamespace:
+        return self._namespace
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def batch_exists(self, keys: Sequence[str]) -> int:
+        """How many of ``keys``, in order from the first, are stored."""
+        skeys = self._enter(keys)
+        self._stats.add(exists_queries=len(skeys))
+        if not skeys:
+            return 0
+        return self._guard(self._exists, skeys)
+
+    def batch_get(self, keys: Sequence[str]) -> list[bytes | None]:
+        """The payload of each key, or None where it is missing or corrupt."""
+        skeys = self._enter(keys)
+        results = self._guard(self._get, skeys) if skeys else []
+        hits = [r for r in results if r is not None]
+        self._stats.add(
+            gets=len(skeys), hits=len(hits), misses=len(skeys) - len(hits), bytes_read=sum(len(r) for r in hits)
+        )
+        return results
+
+    def batch_set(self, keys: Sequence[str], values: Sequence[Any]) -> list[bool]:
+        """Store each value under its key, skipping keys already stored; True where stored."""
+        skeys = self._enter(keys)
+        values = list(values)
+        if len(values) != len(skeys):
+            raise StorageKeyError(f"{len(skeys)} keys but {len(values)} values")
+        payloads = [[as_byte_view(v)] for v in values]
+        return self._store(skeys, payloads)
+
+    def batch_get_into(self, keys: Sequence[str], host_pool: Any, page_ids: Sequence[int]) -> list[bool]:
+        """Read each key's page straight into ``host_pool`` page ``page_ids[i]``; True on a hit."""
+        skeys = self._enter(keys)
+        ids = _check_page_ids(page_ids, len(skeys))
+        if not skeys:
+            return []
+        nbytes = int(host_pool.page_nbytes)
+        dests: list[list[memoryview]] = []
+        staged: dict[int, bytearray] = {}
+        for i, pid in enumerate(ids):
+            views = _pool_views(host_pool, pid, writable=True)
+            if views is None:  # no usable views: stage, then write_page
+                staged[i] = bytearray(nbytes)
+                views = [memoryview(staged[i])]
+            dests.append(views)
+        results = self._guard(self._get_into, skeys, dests)
+        for i, buf in staged.items():
+            if results[i]:
+                host_pool.write_page(ids[i], torch.frombuffer(buf, dtype=torch.uint8))
+        hits = sum(1 for r in results if r)
+        self._stats.add(gets=len(skeys), hits=hits, misses=len(skeys) - hits, bytes_read=hits * nbytes)
+        return results
+
+    def batch_set_from(self, keys: Sequence[str], host_pool: Any, page_ids: Sequence[int]) -> list[bool]:
+        """Store host-pool pages ``page_ids`` under ``keys`` (skipping stored keys); True where stored."""
+        skeys = self._enter(keys)
+        ids = _check_page_ids(page_ids, len(skeys))
+        payloads = []
+        for pid in ids:
+            views = _pool_views(host_pool, pid, writable=False)
+            if views is None:
+                views = [as_byte_view(host_pool.read_page(pid))]
+            payloads.append(views)
+        return self._store(skeys, payloads)
+
+    def clear(self) -> None:
+        """Delete every page of this backend's namespace (nothing else)."""
+        self._enter(())
+        self._guard(self._clear)
+
+    def stats(self) -> dict[str, int]:
+        return self._stats.snapshot()
+
+    def close(self) -> None:
+        """Release connections/handles; idempotent. Later calls raise StorageUnavailable."""
+        if self._closed:
+            return
+        self._closed = True
+        self._close()
+
+    # single-key conveniences
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    def get(self, key: str) -> bytes | None:
+        return self.batch_get([key])[0]
+
+    def set(self, key: str, value: Any) -> bool:
+        return self.batch_set([key], [value])[0]
+
+    def __enter__(self) -> "StorageBackend":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(namespace={self._namespace.prefix!r})"
+
+    # -- helpers for subclasses -------------------------------------------
+
+    def _enter(self, keys: Sequence[str]) -> list[str]:
+        if self._closed:
+            raise StorageUnavailable(f"{type(self).__name__} is closed")
+        return self._namespace.storage_keys(_check_keys(keys))
+
+    def _guard(self, fn, *args):
+        try:
+            return fn(*args)
+        except StorageError:
+            self._stats.add(errors=1)
+            raise
+
+    def _store(self, skeys: list[str], payloads: list[list[memoryview]]) -> list[bool]:
+        if not skeys:
+            return []
+        outcomes = self._guard(self._set, skeys, payloads)
+        written = [i for i, o in enumerate(outcomes) if o == WRITTEN]
+        self._stats.add(
+            sets=len(skeys),
+            skipped_existing=sum(1 for o in outcomes if o == EXISTS),
+            set_failures=sum(1 for o in outcomes if o == FAILED),
+            bytes_written=sum(sum(len(p) for p in payloads[i]) for i in written),
+        )
+        return [o != FAILED for o in outcomes]
+
+    def _report_corrupt(self, skey: str, reason: str) -> None:
+        self._stats.add(corrupt=1)
+        logger.warning("%s: stored page %s is corrupt (%s); treating it as a miss", type(self).__name__, skey, reason)
+
+    # -- hooks -------------------------------------------------------------
+
+    @abstractmethod
+    def _exists(self, skeys: list[str]) -> int: ...
+
+    @abstractmethod
+    def _get(self, skeys: list[str]) -> list[bytes | None]: ...
+
+    @abstractmethod
+    def _set(self, skeys: list[str], payloads: list[list[memoryview]]) -> list[str]:
+        """Store each payload (given as byte parts) unless present; one of WRITTEN/EXISTS/FAILED each."""
+
+    def _get_into(self, skeys: list[str], dests: list[list[memoryview]]) -> list[bool]:
+        """Default: fetch whole payloads, then copy them into the destination parts."""
+        out = []
+        for skey, data, parts in zip(skeys, self._get(skeys), dests):
+            if data is None:
+                out.append(False)
+                continue
+            total = sum(len(p) for p in parts)
+            if len(data) != total:
+                self._report_corrupt(skey, f"payload is {len(data)} bytes, destination page is {total}")
+                out.append(False)
+                continue
+            src = memoryview(data)
+            offset = 0
+            for part in parts:
+                part[:] = src[offset : offset + len(part)]
+                offset += len(part)
+            out.append(True)
+        return out
+
+    @abstractmethod
+    def _clear(self) -> None: ...
+
+    def _close(self) -> None:
+        pass
+
+    def _debug_corrupt(self, key: str) -> bool:
+        """Test hook: damage the stored copy of page key ``key``; False if it is not stored."""
+        raise NotImplementedError(f"{type(self).__name__} cannot corrupt pages for tests")

@@ -1,0 +1,234 @@
+"""Fault injection for any storage backend: ``FaultyBackend(inner, schedule)``.
+
+The wrapper behaves exactly like ``inner`` except on calls that a :class:`Fault`
+in the schedule selects. A fault selects calls by method name (``None``: any of
+:data:`METHODS`), by the per-method call index (0-based; ``None``: every call),
+by a firing limit (``times``) and by a probability drawn from the wrapper's own
+seeded RNG (so a fuzzer run replays exactly). The first fault in the schedule
+that selects a call fires; at most one fault fires per call. ``schedule`` may
+instead be a callable ``(method, call_index, keys) -> Fault | None``.
+
+Kinds:
+
+``error`` / ``unavailable``
+    raise StorageError / StorageUnavailable instead of calling ``inner``
+    (``after=True``: call ``inner`` first, so the operation happened but its
+    answer was lost).
+``timeout``
+    sleep ``delay`` seconds (the caller's deadline passing), then raise
+    StorageTimeout; ``after=True`` as above.
+``slow``
+    sleep ``delay`` seconds, then answer normally.
+``partial``
+    only the first ``keep`` keys reach ``inner``; the rest are answered as
+    misses (``batch_exists`` is capped at ``keep``; gets give None / False;
+    sets give False and store nothing).
+``corrupt``
+    damage the stored copy of the keys at ``positions`` (default: all) through
+    ``inner._debug_corrupt`` -- before a get, so ``inner``'s checksum check turns
+    them into counted misses; after a set, so the next read does. This never
+    makes a backend return unverified bytes.
+
+Every fired fault is appended to ``fired`` as ``(method, call_index, kind)``;
+``stats()`` is ``inner``'s plus ``faults_injected`` (and injected raises are
+added to ``errors``).
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from typing import Any, Callable, Iterable, Sequence, Union
+
+import attrs
+
+from hicache_fsm.errors import StorageError, StorageKeyError, StorageTimeout, StorageUnavailable
+from hicache_fsm.storage.base import StorageBackend
+
+__all__ = ["FAULT_KINDS", "METHODS", "Fault", "FaultyBackend"]
+
+METHODS = ("batch_exists", "batch_get", "batch_set", "batch_get_into", "batch_set_from", "clear")
+FAULT_KINDS = ("error", "unavailable", "timeout", "slow", "partial", "corrupt")
+_RAISING = {"error": StorageError, "unavailable": StorageUnavailable, "timeout": StorageTimeout}
+
+
+def _calls(value: int | Iterable[int] | None) -> frozenset[int] | None:
+    if value is None:
+        return None
+    if isinstance(value, int):
+        return frozenset({value})
+    return frozenset(value)
+
+
+@attrs.frozen
+class Fault:
+    """One rule of a fault schedule (see the module docstring)."""
+
+    kind: str = attrs.field(validator=attrs.validators.in_(FAULT_KINDS))
+    method: str | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.in_(METHODS)))
+    calls: frozenset[int] | None = attrs.field(default=None, converter=_calls)
+    times: int | None = None
+    probability: float = 1.0
+    keep: int = 0
+    positions: tuple[int, ...] | None = attrs.field(
+        default=None, converter=attrs.converters.optional(tuple)
+    )
+    delay: float = 0.0
+    after: bool = False
+    message: str = "injected fault"
+
+
+Schedule = Union[Sequence[Fault], Callable[[str, int, Sequence[str]], Union[Fault, None]]]
+
+
+class FaultyBackend(StorageBackend):
+    """Wraps ``inner`` and injects the faults that ``schedule`` selects."""
+
+    def __init__(self, inner: StorageBackend, schedule: Schedule = (), *, seed: int = 0) -> None:
+        super().__init__(inner.namespace)
+        self.inner = inner
+        self.scheme = inner.scheme
+        self._rules: list[Fault] | None = None if callable(schedule) else list(schedule)
+        self._chooser = schedule if callable(schedule) else None
+        self._rng = random.Random(seed)
+        self._lock = threading.Lock()
+        self._call_index = dict.fromkeys(METHODS, 0)
+        self._fire_counts: dict[int, int] = {}
+        self._raised = 0
+        self.fired: list[tuple[str, int, str]] = []
+
+    def add(self, fault: Fault) -> None:
+        """Append a rule to a list schedule."""
+        if self._rules is None:
+            raise StorageKeyError("this FaultyBackend uses a callable schedule")
+        with self._lock:
+            self._rules.append(fault)
+
+    def calls(self, method: str) -> int:
+        """How many times ``method`` has been called so far."""
+        return self._call_index[method]
+
+    # -- selection --------------------------------------------------------
+
+    def _select(self, method: str, keys: Sequence[str]) -> Fault | None:
+        with self._lock:
+            index = self._call_index[method]
+            self._call_index[method] = index + 1
+            fault = None
+            if self._chooser is not None:
+                fault = self._chooser(method, index, list(keys))
+            else:
+                for rule_id, rule in enumerate(self._rules or ()):
+                    if rule.method is not None and rule.method != method:
+                        continue
+                    if rule.calls is not None and index not in rule.calls:
+                        continue
+                    if rule.times is not None and self._fire_counts.get(rule_id, 0) >= rule.times:
+                        continue
+                    if rule.probability < 1.0 and self._rng.random() >= rule.probability:
+                        continue
+                    self._fire_counts[rule_id] = self._fire_counts.get(rule_id, 0) + 1
+                    fault = rule
+                    break
+            if fault is not None:
+                self.fired.append((method, index, fault.kind))
+            return fault
+
+    def _raise(self, fault: Fault, method: str) -> None:
+        with self._lock:
+            self._raised += 1
+        raise _RAISING[fault.kind](f"{fault.message} ({fault.kind} in {method})")
+
+    def _run(self, method: str, keys: Sequence[str], call: Callable[[Sequence[str]], Any], miss: Any) -> Any:
+        """Apply the selected fault around ``call(keys_subset)``; ``miss`` pads partial answers."""
+        if self._closed:
+            raise StorageUnavailable("FaultyBackend is closed")
+        keys = list(keys)
+        fault = self._select(method, keys)
+        if fault is None:
+            return call(keys)
+        kind = fault.kind
+        if kind in ("slow", "timeout"):
+            time.sleep(fault.delay)
+        if kind in _RAISING:
+            if fault.after:
+                try:
+                    call(keys)
+                except StorageError:
+                    pass
+            self._raise(fault, method)
+        if kind == "partial":
+            keep = max(0, min(fault.keep, len(keys)))
+            if method == "batch_exists":
+                return min(call(keys[:keep]) if keep else 0, keep)
+            if method == "clear":
+                return None
+            head = call(keys[:keep]) if keep else []
+            return list(head) + [miss] * (len(keys) - keep)
+        if kind == "corrupt":
+            chosen = range(len(keys)) if fault.positions is None else [p for p in fault.positions if 0 <= p < len(keys)]
+            targets = [keys[p] for p in chosen]
+            if method in ("batch_set", "batch_set_from"):
+                result = call(keys)
+                for key in targets:
+                    self.inner._debug_corrupt(key)
+                return result
+            for key in targets:
+                self.inner._debug_corrupt(key)
+        return call(keys)
+
+    # -- the interface ----------------------------------------------------
+
+    def batch_exists(self, keys: Sequence[str]) -> int:
+        return self._run("batch_exists", keys, self.inner.batch_exists, None)
+
+    def batch_get(self, keys: Sequence[str]) -> list[bytes | None]:
+        return self._run("batch_get", keys, self.inner.batch_get, None)
+
+    def batch_set(self, keys: Sequence[str], values: Sequence[Any]) -> list[bool]:
+        values = list(values)
+        if len(values) != len(list(keys)):
+            raise StorageKeyError(f"{len(list(keys))} keys but {len(values)} values")
+        return self._run("batch_set", keys, lambda ks: self.inner.batch_set(ks, values[: len(ks)]), False)
+
+    def batch_get_into(self, keys: Sequence[str], host_pool: Any, page_ids: Sequence[int]) -> list[bool]:
+        ids = page_ids.tolist() if hasattr(page_ids, "tolist") else list(page_ids)
+        return self._run(
+            "batch_get_into", keys, lambda ks: self.inner.batch_get_into(ks, host_pool, ids[: len(ks)]), False
+        )
+
+    def batch_set_from(self, keys: Sequence[str], host_pool: Any, page_ids: Sequence[int]) -> list[bool]:
+        ids = page_ids.tolist() if hasattr(page_ids, "tolist") else list(page_ids)
+        return self._run(
+            "batch_set_from", keys, lambda ks: self.inner.batch_set_from(ks, host_pool, ids[: len(ks)]), False
+        )
+
+    def clear(self) -> None:
+        self._run("clear", (), lambda ks: self.inner.clear(), None)
+
+    def stats(self) -> dict[str, int]:
+        stats = self.inner.stats()
+        with self._lock:
+            stats["errors"] += self._raised
+            stats["faults_injected"] = len(self.fired)
+        return stats
+
+    def _close(self) -> None:
+        self.inner.close()
+
+    def _debug_corrupt(self, key: str) -> bool:
+        return self.inner._debug_corrupt(key)
+
+    # Hooks are never reached: every public method delegates to ``inner``.
+    def _exists(self, skeys: list[str]) -> int:  # pragma: no cover
+        raise NotImplementedError
+
+    def _get(self, skeys: list[str]) -> list[bytes | None]:  # pragma: no cover
+        raise NotImplementedError
+
+    def _set(self, skeys: list[str], payloads: list[list[memoryview]]) -> list[str]:  # pragma: no cover
+        raise NotImplementedError
+
+    def _clear(self) -> None:  # pragma: no cover
+        raise NotImplementedError

@@ -1,0 +1,408 @@
+"""The embedded default backend: one file per page under a directory (``file:///DIR``).
+
+Layout::
+
+    DIR/ns-<16 hex>/NAMESPACE          the namespace prefix, for humans
+    DIR/ns-<16 hex>/<2 hex>/<32 hex>.kv one page
+
+The namespace directory name is a BLAKE2b digest of the namespace prefix and a
+page's file name a BLAKE2b digest of its full storage key, so no user-supplied
+string ever becomes part of a path. Each file holds the shared header (magic,
+version, lengths, CRC-32 of header and payload), the storage key, then the
+payload.
+
+* Writes go to a temporary file in the same directory and are renamed into place
+  (``os.replace``), so a reader sees a whole page or nothing; a failed write
+  removes its temporary file. ``fsync=True`` also flushes before the rename.
+* A key whose file exists is not rewritten (counted ``skipped_existing``).
+* A missing file is a miss; a short, oversized or checksum-failing file is a miss
+  counted ``corrupt``; any other OS error raises StorageError (ENOSPC/EDQUOT:
+  StorageFull).
+* ``max_bytes`` caps the bytes of this namespace's files: least recently used
+  pages are deleted first. Recency is tracked in memory, seeded from file mtimes
+  when the backend opens (hits refresh the mtime), so it survives restarts but
+  does not see pages other processes write meanwhile.
+* ``batch_get_into`` reads header, key and payload with one ``readv`` straight
+  into the host pool's page views; ``batch_set_from`` writes them with ``writev``.
+* ``io_threads > 1`` spreads a batch's pages over a thread pool (file I/O and
+  CRC-32 release the GIL).
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import itertools
+import logging
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Sequence, TypeVar
+
+from hicache_fsm.errors import StorageError, StorageFull, StorageTimeout, StorageUnavailable, StorageURLError
+from hicache_fsm.storage.base import (
+    EXISTS,
+    FAILED,
+    HEADER,
+    WRITTEN,
+    CorruptPage,
+    LRUIndex,
+    StorageBackend,
+    crc_of,
+    encode_header,
+    parse_header,
+)
+from hicache_fsm.storage.keys import KeyNamespace
+
+__all__ = ["FileBackend"]
+
+logger = logging.getLogger("hicache_fsm.storage")
+
+_SUFFIX = ".kv"
+_TMP_SUFFIX = ".tmp"
+_STALE_TMP_SECONDS = 600.0
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_FULL_ERRNOS = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC), errno.EFBIG}
+_UNAVAILABLE_ERRNOS = {
+    getattr(errno, name) for name in ("ENOTCONN", "ESTALE", "EHOSTDOWN", "EHOSTUNREACH", "ENODEV") if hasattr(errno, name)
+}
+_T = TypeVar("_T")
+
+
+def _digest(text: str, size: int) -> str:
+    return hashlib.blake2b(text.encode(), digest_size=size).hexdigest()
+
+
+def _os_error(exc: OSError, what: str) -> StorageError:
+    message = f"{what}: {exc.strerror or exc}"
+    if exc.errno in _FULL_ERRNOS:
+        return StorageFull(message)
+    if exc.errno == errno.ETIMEDOUT:
+        return StorageTimeout(message)
+    if exc.errno in _UNAVAILABLE_ERRNOS:
+        return StorageUnavailable(message)
+    return StorageError(message)
+
+
+def _writev_all(fd: int, parts: list) -> None:
+    views = [memoryview(p) for p in parts if len(p)]
+    while views:
+        written = os.writev(fd, views)
+        if written <= 0:
+            raise OSError(errno.EIO, "writev wrote nothing")
+        while views and written >= len(views[0]):
+            written -= len(views[0])
+            views.pop(0)
+        if written:
+            views[0] = views[0][written:]
+
+
+class FileBackend(StorageBackend):
+    """Pages as files under ``root``; see the module docstring for the guarantees."""
+
+    scheme = "file"
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        namespace: KeyNamespace | None = None,
+        *,
+        max_bytes: int | None = None,
+        fsync: bool = False,
+        io_threads: int = 1,
+    ) -> None:
+        super().__init__(namespace)
+        if isinstance(io_threads, bool) or not isinstance(io_threads, int) or io_threads < 1:
+            raise StorageURLError(f"io_threads must be a positive int, got {io_threads!r}")
+        self.root = os.path.abspath(os.fspath(root))
+        self.fsync = bool(fsync)
+        self._lru = LRUIndex(max_bytes)
+        self._lock = threading.Lock()
+        self._tmp_counter = itertools.count()
+        self._made_dirs: set[str] = set()
+        self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="hicache-file") if io_threads > 1 else None
+        self.ns_dir = os.path.join(self.root, "ns-" + _digest(self.namespace.prefix, 8))
+        try:
+            os.makedirs(self.ns_dir, exist_ok=True)
+            label = os.path.join(self.ns_dir, "NAMESPACE")
+            if not os.path.exists(label):
+                self._write_atomic(label, [self.namespace.prefix.encode() + b"\n"])
+        except OSError as exc:
+            raise _os_error(exc, f"cannot open storage directory {self.root}") from exc
+        if not os.access(self.ns_dir, os.W_OK | os.X_OK):
+            raise StorageUnavailable(f"storage directory {self.ns_dir} is not writable")
+        if max_bytes is not None:
+            self._seed_lru()
+
+    @property
+    def max_bytes(self) -> int | None:
+        return self._lru.max_bytes
+
+    def path_for(self, key: str) -> str:
+        """The file that holds page key ``key`` (whether or not it exists)."""
+        return self._path(self.namespace.storage_key(key))
+
+    # -- layout -----------------------------------------------------------
+
+    def _path(self, skey: str) -> str:
+        name = _digest(skey, 16)
+        return os.path.join(self.ns_dir, name[:2], name + _SUFFIX)
+
+    def _shards(self) -> list[str]:
+        try:
+            with os.scandir(self.ns_dir) as it:
+                return [e.path for e in it if e.is_dir(follow_symlinks=False) and len(e.name) == 2]
+        except FileNotFoundError:
+            return []
+
+    def _seed_lru(self) -> None:
+        now = time.time()
+        found = []
+        for shard in self._shards():
+            with os.scandir(shard) as it:
+                for entry in it:
+                    try:
+                        st = entry.stat(follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue
+                    if entry.name.endswith(_SUFFIX):
+                        found.append((st.st_mtime_ns, entry.path, st.st_size))
+                    elif entry.name.endswith(_TMP_SUFFIX) and now - st.st_mtime > _STALE_TMP_SECONDS:
+                        self._unlink(entry.path)
+        found.sort()
+        for _, path, size in found:
+            self._lru.add(path, size)
+        victims = self._lru.over_budget()
+        for victim in victims:
+            self._unlink(victim)
+        if victims:
+            self._stats.add(evictions=len(victims))
+
+    @staticmethod
+    def _unlink(path: str) -> None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+    def _map(self, fn: Callable[..., _T], *iterables: Sequence) -> list[_T]:
+        if self._pool is None or len(iterables[0]) < 2:
+            return [fn(*args) for args in zip(*iterables)]
+        futures = [self._pool.submit(fn, *args) for args in zip(*iterables)]
+        results, first_error = [], None
+        for fut in futures:  # wait for all, so nothing still runs when we raise
+            try:
+                results.append(fut.result())
+            except StorageError as exc:
+                first_error = first_error or exc
+                results.append(None)
+        if first_error is not None:
+            raise first_error
+        return results
+
+    # -- hooks ------------------------------------------------------------
+
+    def _exists(self, skeys: list[str]) -> int:
+        n = 0
+        for skey in skeys:
+            try:
+                st = os.stat(self._path(skey))
+            except FileNotFoundError:
+                break
+            except OSError as exc:
+                raise _os_error(exc, f"stat of page {skey}") from exc
+            if st.st_size < HEADER.size:
+                break
+            n += 1
+        return n
+
+    def _get(self, skeys: list[str]) -> list[bytes | None]:
+        return self._map(self._read_one, skeys)
+
+    def _get_into(self, skeys: list[str], dests: list[list[memoryview]]) -> list[bool]:
+        return self._map(self._read_into_one, skeys, dests)
+
+    def _set(self, skeys: list[str], payloads: list[list[memoryview]]) -> list[str]:
+        outcomes = self._map(self._write_one, skeys, payloads)
+        if self._lru.max_bytes is not None:
+            with self._lock:
+                victims = self._lru.over_budget()
+            for victim in victims:
+                self._unlink(victim)
+            if victims:
+                self._stats.add(evictions=len(victims))
+        return outcomes
+
+    def _clear(self) -> None:
+        try:
+            for shard in self._shards():
+                with os.scandir(shard) as it:
+                    for entry in it:
+                        if entry.name.endswith(_SUFFIX) or entry.name.endswith(_TMP_SUFFIX):
+                            self._unlink(entry.path)
+        except OSError as exc:
+            raise _os_error(exc, f"clearing {self.ns_dir}") from exc
+        with self._lock:
+            self._lru.clear()
+
+    def _close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+    def _debug_corrupt(self, key: str) -> bool:
+        path = self.path_for(key)
+        try:
+            with open(path, "r+b") as f:
+                f.seek(-1, os.SEEK_END)
+                last = f.read(1)
+                f.seek(-1, os.SEEK_END)
+                f.write(bytes([last[0] ^ 0xFF]))
+            return True
+        except FileNotFoundError:
+            return False
+
+    # -- one page -----------------------------------------------------------
+
+    def _hit(self, path: str) -> None:
+        if self._lru.max_bytes is None:
+            return
+        with self._lock:
+            self._lru.touch(path)
+        try:
+            os.utime(path)
+        except OSError:
+            pass
+
+    def _gone(self, path: str) -> None:
+        if self._lru.max_bytes is not None:
+            with self._lock:
+                self._lru.discard(path)
+
+    def _open_page(self, skey: str) -> tuple[str, int | None]:
+        path = self._path(skey)
+        try:
+            return path, os.open(path, os.O_RDONLY | _O_CLOEXEC)
+        except FileNotFoundError:
+            self._gone(path)
+            return path, None
+        except OSError as exc:
+            raise _os_error(exc, f"opening page {skey}") from exc
+
+    def _read_one(self, skey: str) -> bytes | None:
+        path, fd = self._open_page(skey)
+        if fd is None:
+            return None
+        key = skey.encode()
+        try:
+            size = os.fstat(fd).st_size
+            head = os.read(fd, HEADER.size + len(key))
+            payload_len, payload_crc = parse_header(head, key)
+            if size != len(head) + payload_len:
+                raise CorruptPage(f"file is {size} bytes, header says {len(head) + payload_len}")
+            chunks = []
+            remaining = payload_len
+            while remaining:
+                chunk = os.read(fd, remaining)
+                if not chunk:
+                    raise CorruptPage("file ended early")
+                chunks.append(chunk)
+                remaining -= len(chunk)
+            data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            if crc_of([data]) != payload_crc:
+                raise CorruptPage("payload checksum mismatch")
+        except CorruptPage as exc:
+            self._report_corrupt(skey, str(exc))
+            return None
+        except OSError as exc:
+            raise _os_error(exc, f"reading page {skey}") from exc
+        finally:
+            os.close(fd)
+        self._hit(path)
+        return data
+
+    def _read_into_one(self, skey: str, parts: list[memoryview]) -> bool:
+        path, fd = self._open_page(skey)
+        if fd is None:
+            return False
+        key = skey.encode()
+        head = bytearray(HEADER.size + len(key))
+        expected = len(head) + sum(len(p) for p in parts)
+        try:
+            size = os.fstat(fd).st_size
+            if size != expected:
+                raise CorruptPage(f"file is {size} bytes, a page here is {expected}")
+            got = os.readv(fd, [head, *parts])
+            while got < expected:  # rare: a short readv on a regular file
+                more = self._readv_rest(fd, [head, *parts], got)
+                if more == 0:
+                    raise CorruptPage("file ended early")
+                got += more
+            payload_len, payload_crc = parse_header(head, key)
+            if payload_len != expected - len(head):
+                raise CorruptPage("payload length mismatch")
+            if crc_of(parts) != payload_crc:
+                raise CorruptPage("payload checksum mismatch")
+        except CorruptPage as exc:
+            self._report_corrupt(skey, str(exc))
+            return False
+        except OSError as exc:
+            raise _os_error(exc, f"reading page {skey}") from exc
+        finally:
+            os.close(fd)
+        self._hit(path)
+        return True
+
+    @staticmethod
+    def _readv_rest(fd: int, buffers: list, done: int) -> int:
+        views = []
+        for buf in buffers:
+            view = memoryview(buf)
+            if done >= len(view):
+                done -= len(view)
+                continue
+            views.append(view[done:])
+            done = 0
+        return os.readv(fd, views) if views else 0
+
+    def _write_one(self, skey: str, parts: list[memoryview]) -> str:
+        path = self._path(skey)
+        if os.path.exists(path):
+            return EXISTS
+        nbytes = sum(len(p) for p in parts)
+        key = skey.encode()
+        header = encode_header(key, nbytes, crc_of(parts))
+        total = len(header) + nbytes
+        if not self._lru.fits(total):
+            logger.warning("FileBackend: page %s (%d bytes) exceeds max_bytes=%d; not stored",
+                           skey, total, self._lru.max_bytes)
+            return FAILED
+        shard = os.path.dirname(path)
+        try:
+            if shard not in self._made_dirs:
+                os.makedirs(shard, exist_ok=True)
+                self._made_dirs.add(shard)
+            self._write_atomic(path, [header, *parts])
+        except OSError as exc:
+            self._made_dirs.discard(shard)
+            raise _os_error(exc, f"writing page {skey}") from exc
+        if self._lru.max_bytes is not None:
+            with self._lock:
+                self._lru.add(path, total)
+        return WRITTEN
+
+    def _write_atomic(self, path: str, parts: list) -> None:
+        directory, name = os.path.split(path)
+        tmp = os.path.join(directory, f".{name}.{os.getpid()}.{threading.get_ident()}.{next(self._tmp_counter)}{_TMP_SUFFIX}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC, 0o644)
+        try:
+            try:
+                _writev_all(fd, parts)
+                if self.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except BaseException:
+            self._unlink(tmp)
+            raise

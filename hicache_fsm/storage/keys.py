@@ -1,0 +1,176 @@
+"""Storage keys: one chained SHA-256 per full page, namespaced per model/tenant/rank.
+
+A page's hash covers the previous page's hash (its 32 raw bytes, decoded from
+hex) followed by every token id of the page as a 4-byte little-endian unsigned
+integer. The first page of a sequence has no prior. Because each hash folds in
+its parent, a hash names the whole prefix up to and including its page, so
+"how many keys exist in a row from the start" answers "how long a prefix is
+stored". The byte layout matches SGLang's ``get_hash_str``, so keys computed
+here and there agree.
+
+Only full pages get keys: hashing a partial tail would give the same prefix a
+different key depending on where the sequence was cut.
+
+:class:`KeyNamespace` turns a page hash into the key a backend stores under::
+
+    {model}/{tenant or _}/{tp_rank}of{tp_size}/{page_hash}   (MHA: one copy per rank)
+    {model}/{tenant or _}/mla/{page_hash}                     (MLA: one shared copy)
+
+Model and tenant names are validated so a key can never climb out of a
+directory, glob-match a neighbour, or collide with another tenant's key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import struct
+from typing import Iterable, Sequence
+
+import attrs
+
+from hicache_fsm.errors import StorageKeyError
+
+__all__ = [
+    "HASH_HEX_LEN",
+    "MAX_NAME_LEN",
+    "MAX_PAGE_KEY_LEN",
+    "KeyNamespace",
+    "page_hash",
+    "page_keys",
+    "validate_page_key",
+]
+
+HASH_HEX_LEN = 64
+MAX_NAME_LEN = 128
+MAX_PAGE_KEY_LEN = 256
+_NO_TENANT = "_"
+_MLA_PART = "mla"
+
+# Printable ASCII without whitespace, '/', '\\' or glob metacharacters.
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.:@+=,~%#!$&()\-]+$")
+_PAGE_KEY_RE = re.compile(r"^[A-Za-z0-9_.:@+=,~%#!$&()\-]+$")
+_HEX_RE = re.compile(r"^[0-9a-fA-F]{64}$")
+
+
+def _token_bytes(tokens: Sequence[int]) -> bytes:
+    if hasattr(tokens, "tolist"):  # torch tensors, numpy arrays
+        tokens = tokens.tolist()
+    values = list(tokens)
+    for t in values:
+        if isinstance(t, bool) or not isinstance(t, int):
+            raise StorageKeyError(f"token ids must be ints, got {type(t).__name__}: {t!r}")
+    try:
+        return struct.pack(f"<{len(values)}I", *values)
+    except struct.error:
+        bad = next(t for t in values if not 0 <= t < 2**32)
+        raise StorageKeyError(f"token id {bad} does not fit in 4 unsigned bytes") from None
+
+
+def _prior_bytes(prior: str | None) -> bytes:
+    if prior is None or prior == "":
+        return b""
+    if not isinstance(prior, str) or not _HEX_RE.match(prior):
+        raise StorageKeyError(f"prior page hash must be {HASH_HEX_LEN} hex digits, got {prior!r}")
+    return bytes.fromhex(prior)
+
+
+def page_hash(tokens: Sequence[int], prior: str | None = None) -> str:
+    """SHA-256 hex digest of one page of ``tokens`` chained onto ``prior`` (None: first page)."""
+    hasher = hashlib.sha256()
+    hasher.update(_prior_bytes(prior))
+    hasher.update(_token_bytes(tokens))
+    return hasher.hexdigest()
+
+
+def page_keys(tokens: Sequence[int], page_size: int, prior: str | None = None) -> list[str]:
+    """Chained page hashes of every full page of ``tokens``; a partial tail page gets none."""
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+        raise StorageKeyError(f"page_size must be a positive int, got {page_size!r}")
+    raw = _token_bytes(tokens)
+    chained = _prior_bytes(prior)
+    stride = 4 * page_size
+    keys: list[str] = []
+    for start in range(0, len(raw) - stride + 1, stride):
+        digest = hashlib.sha256(chained + raw[start : start + stride]).digest()
+        keys.append(digest.hex())
+        chained = digest
+    return keys
+
+
+def _check_name(kind: str, value: object) -> str:
+    if not isinstance(value, str):
+        raise StorageKeyError(f"{kind} must be a str, got {type(value).__name__}")
+    if not 1 <= len(value) <= MAX_NAME_LEN:
+        raise StorageKeyError(f"{kind} must have 1..{MAX_NAME_LEN} characters, got {len(value)}")
+    if not _NAME_RE.match(value):
+        raise StorageKeyError(
+            f"{kind} {value!r} may only hold printable ASCII without whitespace, '/', '\\' "
+            "or glob characters (replace '/' in model ids with '--')"
+        )
+    if ".." in value or value.startswith("."):
+        raise StorageKeyError(f"{kind} {value!r} may not start with '.' or contain '..'")
+    return value
+
+
+def validate_page_key(key: object) -> str:
+    """Check one page-level key (normally a page hash); returns it unchanged."""
+    if not isinstance(key, str):
+        raise StorageKeyError(f"storage keys must be str, got {type(key).__name__}: {key!r}")
+    if not 1 <= len(key) <= MAX_PAGE_KEY_LEN or not _PAGE_KEY_RE.match(key):
+        raise StorageKeyError(
+            f"storage key {key!r} must be 1..{MAX_PAGE_KEY_LEN} printable ASCII characters "
+            "without whitespace, '/', '\\' or glob characters"
+        )
+    return key
+
+
+def _check_rank(instance: "KeyNamespace", attribute: attrs.Attribute, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise StorageKeyError(f"{attribute.name} must be an int, got {value!r}")
+
+
+@attrs.frozen
+class KeyNamespace:
+    """Where one model's pages live for one tenant and one tensor-parallel rank.
+
+    Two namespaces produce equal keys only if every field that reaches the key
+    is equal: different tenants, models or (for non-MLA models) ranks never
+    share a key. MLA models keep one copy for all ranks.
+    """
+
+    model: str
+    tp_rank: int = attrs.field(default=0, validator=_check_rank)
+    tp_size: int = attrs.field(default=1, validator=_check_rank)
+    is_mla: bool = False
+    tenant: str | None = None
+
+    def __attrs_post_init__(self) -> None:
+        _check_name("model", self.model)
+        if self.tenant is not None:
+            _check_name("tenant", self.tenant)
+            if self.tenant == _NO_TENANT:
+                raise StorageKeyError(f"tenant {_NO_TENANT!r} is reserved for 'no tenant'")
+        if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
+            raise StorageKeyError(f"need 0 <= tp_rank < tp_size, got {self.tp_rank} of {self.tp_size}")
+        if not isinstance(self.is_mla, bool):
+            raise StorageKeyError(f"is_mla must be a bool, got {self.is_mla!r}")
+
+    @property
+    def prefix(self) -> str:
+        """The common start of every key in this namespace, ending in '/'."""
+        tenant = self.tenant if self.tenant is not None else _NO_TENANT
+        part = _MLA_PART if self.is_mla else f"{self.tp_rank}of{self.tp_size}"
+        return f"{self.model}/{tenant}/{part}/"
+
+    def storage_key(self, page_hash: str) -> str:
+        """The backend key of one page-level key (normally a page hash)."""
+        return self.prefix + validate_page_key(page_hash)
+
+    def storage_keys(self, page_hashes: Iterable[str]) -> list[str]:
+        prefix = self.prefix
+        return [prefix + validate_page_key(h) for h in page_hashes]
+
+    def owns(self, storage_key: str) -> bool:
+        """Whether ``storage_key`` was produced by this namespace."""
+        return storage_key.startswith(self.prefix) and "/" not in storage_key[len(self.prefix) :]

@@ -1,0 +1,138 @@
+"""A dict-backed backend for tests and simulations (``memory://`` or ``memory://NAME``).
+
+``memory://`` gives a private store; ``memory://NAME`` a store shared by every
+backend opened with the same name in this process (so two tenants or two ranks
+can be shown to stay apart). Values are kept in the same header + checksum
+format as the other backends, so corruption behaves the same way. For injected
+failures wrap a backend in :class:`hicache_fsm.storage.faults.FaultyBackend`.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from hicache_fsm.storage.base import (
+    EXISTS,
+    FAILED,
+    WRITTEN,
+    CorruptPage,
+    LRUIndex,
+    StorageBackend,
+    crc_of,
+    decode_blob,
+    encode_header,
+)
+from hicache_fsm.storage.keys import KeyNamespace
+
+__all__ = ["MemoryBackend"]
+
+
+class _Store:
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.data: dict[str, bytes] = {}
+
+
+_SHARED: dict[str, _Store] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+class MemoryBackend(StorageBackend):
+    """In-process storage; ``max_bytes`` caps this namespace's payload bytes with LRU eviction."""
+
+    scheme = "memory"
+
+    def __init__(
+        self, namespace: KeyNamespace | None = None, *, store: str | None = None, max_bytes: int | None = None
+    ) -> None:
+        super().__init__(namespace)
+        if store:
+            with _SHARED_LOCK:
+                self._mem = _SHARED.setdefault(store, _Store())
+        else:
+            self._mem = _Store()
+        self.store_name = store
+        self._lru = LRUIndex(max_bytes)
+        with self._mem.lock:  # adopt pages already in a shared store
+            prefix = self.namespace.prefix
+            for skey, blob in self._mem.data.items():
+                if skey.startswith(prefix):
+                    self._lru.add(skey, len(blob))
+
+    @staticmethod
+    def drop_shared(name: str) -> None:
+        """Forget a named shared store (test teardown)."""
+        with _SHARED_LOCK:
+            _SHARED.pop(name, None)
+
+    def _exists(self, skeys: list[str]) -> int:
+        data = self._mem.data
+        with self._mem.lock:
+            n = 0
+            for skey in skeys:
+                if skey not in data:
+                    break
+                n += 1
+            return n
+
+    def _get(self, skeys: list[str]) -> list[bytes | None]:
+        out: list[bytes | None] = []
+        with self._mem.lock:
+            for skey in skeys:
+                blob = self._mem.data.get(skey)
+                if blob is None:
+                    self._lru.discard(skey)
+                    out.append(None)
+                    continue
+                try:
+                    out.append(bytes(decode_blob(blob, skey.encode())))
+                except CorruptPage as exc:
+                    self._report_corrupt(skey, str(exc))
+                    out.append(None)
+                    continue
+                self._lru.touch(skey)
+        return out
+
+    def _set(self, skeys: list[str], payloads: list[list[memoryview]]) -> list[str]:
+        outcomes = []
+        with self._mem.lock:
+            for skey, parts in zip(skeys, payloads):
+                if skey in self._mem.data:
+                    outcomes.append(EXISTS)
+                    continue
+                nbytes = sum(len(p) for p in parts)
+                if not self._lru.fits(nbytes):
+                    outcomes.append(FAILED)
+                    continue
+                key = skey.encode()
+                self._mem.data[skey] = encode_header(key, nbytes, crc_of(parts)) + b"".join(parts)
+                self._lru.add(skey, nbytes)
+                outcomes.append(WRITTEN)
+            victims = self._lru.over_budget()
+            for victim in victims:
+                self._mem.data.pop(victim, None)
+        if victims:
+            self._stats.add(evictions=len(victims))
+        return outcomes
+
+    def _clear(self) -> None:
+        prefix = self.namespace.prefix
+        with self._mem.lock:
+            for skey in [k for k in self._mem.data if k.startswith(prefix)]:
+                del self._mem.data[skey]
+            self._lru.clear()
+
+    def _close(self) -> None:
+        if not self.store_name:
+            self._mem.data.clear()
+
+    def _debug_corrupt(self, key: str) -> bool:
+        skey = self.namespace.storage_key(key)
+        with self._mem.lock:
+            blob = self._mem.data.get(skey)
+            if blob is None:
+                return False
+            damaged = bytearray(blob)
+            damaged[-1] ^= 0xFF
+            self._mem.data[skey] = bytes(damaged)
+            return True

@@ -1,0 +1,237 @@
+"""Redis backend (``redis://HOST:PORT/DB``) on redis-py.
+
+* One blocking connection pool per backend; ``socket_timeout`` bounds every
+  command, ``connect_timeout`` every connect. A dropped connection is retried
+  ``retries`` times at once (so the first call after a server restart works);
+  timeouts are not retried.
+* Batches are pipelined (no MULTI): EXISTS per key for ``batch_exists``; GET per
+  key for gets; EXISTS then ``SET NX`` (optionally ``EX ttl``) for sets, so pages
+  already stored are neither re-sent nor overwritten. Pipelines are cut every
+  ``chunk_pages`` pages to bound client memory.
+* Values are raw bytes: the shared header (magic, version, lengths, CRC-32s),
+  the key, then the payload; never pickle. A value that fails verification is
+  a miss counted ``corrupt``.
+* redis-py errors map to StorageTimeout (timeouts), StorageUnavailable
+  (connection trouble, read-only replica, server loading), StorageFull (OOM)
+  and StorageError (anything else).
+* ``clear()`` SCANs this namespace's prefix and UNLINKs what it finds; it never
+  flushes the database.
+
+``batch_get_into`` still costs one copy from the reply buffer into the host
+page (redis-py materialises replies as ``bytes``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from typing import Iterator
+
+import redis as redis_py
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry
+
+from hicache_fsm.errors import (
+    StorageError,
+    StorageFull,
+    StorageTimeout,
+    StorageUnavailable,
+    StorageURLError,
+)
+from hicache_fsm.storage.base import (
+    EXISTS,
+    WRITTEN,
+    CorruptPage,
+    StorageBackend,
+    crc_of,
+    decode_blob,
+    encode_header,
+)
+from hicache_fsm.storage.keys import KeyNamespace
+
+__all__ = ["RedisBackend"]
+
+_GLOB_CHARS = re.compile(r"([*?\[\]\\^])")
+
+
+@contextlib.contextmanager
+def _mapped(what: str) -> Iterator[None]:
+    try:
+        yield
+    except RedisTimeoutError as exc:
+        raise StorageTimeout(f"redis {what} timed out: {exc}") from exc
+    except RedisConnectionError as exc:
+        raise StorageUnavailable(f"redis {what}: server unreachable: {exc}") from exc
+    except ResponseError as exc:
+        text = str(exc)
+        if text.startswith("OOM"):
+            raise StorageFull(f"redis {what}: {text}") from exc
+        if text.startswith(("READONLY", "LOADING", "MASTERDOWN")):
+            raise StorageUnavailable(f"redis {what}: {text}") from exc
+        raise StorageError(f"redis {what}: {text}") from exc
+    except RedisError as exc:
+        raise StorageError(f"redis {what}: {exc}") from exc
+
+
+class RedisBackend(StorageBackend):
+    """Pages as Redis string values under ``namespace.prefix + key``."""
+
+    scheme = "redis"
+
+    def __init__(
+        self,
+        url: str = "redis://127.0.0.1:6379/0",
+        namespace: KeyNamespace | None = None,
+        *,
+        socket_timeout: float = 5.0,
+        connect_timeout: float = 1.0,
+        max_connections: int = 16,
+        retries: int = 1,
+        ttl: int | None = None,
+        chunk_pages: int = 32,
+        check: bool = True,
+    ) -> None:
+        super().__init__(namespace)
+        if ttl is not None and (not isinstance(ttl, int) or ttl < 1):
+            raise StorageURLError(f"ttl must be a positive number of seconds, got {ttl!r}")
+        if chunk_pages < 1 or max_connections < 1 or retries < 0:
+            raise StorageURLError("chunk_pages and max_connections must be >= 1, retries >= 0")
+        self.url = url
+        self.ttl = ttl
+        self.chunk_pages = int(chunk_pages)
+        retry = Retry(NoBackoff(), int(retries), supported_errors=(RedisConnectionError,))
+        try:
+            self._pool = redis_py.BlockingConnectionPool.from_url(
+                url,
+                max_connections=max_connections,
+                timeout=connect_timeout + socket_timeout,
+                socket_timeout=socket_timeout,
+                socket_connect_timeout=connect_timeout,
+                retry=retry,
+                health_check_interval=0,
+            )
+        except ValueError as exc:
+            raise StorageURLError(f"bad redis URL {url!r}: {exc}") from exc
+        self._client = redis_py.Redis(connection_pool=self._pool)
+        if check:
+            try:
+                with _mapped(f"PING {self._safe_url()}"):
+                    self._client.ping()
+            except StorageError:
+                self._pool.disconnect()
+                raise
+
+    def _safe_url(self) -> str:
+        return re.sub(r"//[^@/]*@", "//***@", self.url)
+
+    def _chunks(self, items: list) -> Iterator[tuple[int, list]]:
+        for start in range(0, len(items), self.chunk_pages):
+            yield start, items[start : start + self.chunk_pages]
+
+    # -- hooks ------------------------------------------------------------
+
+    def _exists(self, skeys: list[str]) -> int:
+        n = 0
+        with _mapped("EXISTS"):
+            for _, chunk in self._chunks(skeys):
+                pipe = self._client.pipeline(transaction=False)
+                for skey in chunk:
+                    pipe.exists(skey)
+                for found in pipe.execute():
+                    if not found:
+                        return n
+                    n += 1
+        return n
+
+    def _fetch(self, skeys: list[str]) -> Iterator[tuple[str, bytes | None]]:
+        with _mapped("GET"):
+            for _, chunk in self._chunks(skeys):
+                pipe = self._client.pipeline(transaction=False)
+                for skey in chunk:
+                    pipe.get(skey)
+                yield from zip(chunk, pipe.execute())
+
+    def _verified(self, skey: str, blob: bytes | None) -> memoryview | None:
+        if blob is None:
+            return None
+        try:
+            return decode_blob(blob, skey.encode())
+        except CorruptPage as exc:
+            self._report_corrupt(skey, str(exc))
+            return None
+
+    def _get(self, skeys: list[str]) -> list[bytes | None]:
+        out: list[bytes | None] = []
+        for skey, blob in self._fetch(skeys):
+            payload = self._verified(skey, blob)
+            out.append(None if payload is None else bytes(payload))
+        return out
+
+    def _get_into(self, skeys: list[str], dests: list[list[memoryview]]) -> list[bool]:
+        out = []
+        for (skey, blob), parts in zip(self._fetch(skeys), dests):
+            payload = self._verified(skey, blob)
+            if payload is None:
+                out.append(False)
+                continue
+            if len(payload) != sum(len(p) for p in parts):
+                self._report_corrupt(skey, f"payload is {len(payload)} bytes, destination page is "
+                                           f"{sum(len(p) for p in parts)}")
+                out.append(False)
+                continue
+            offset = 0
+            for part in parts:
+                part[:] = payload[offset : offset + len(part)]
+                offset += len(part)
+            out.append(True)
+        return out
+
+    def _set(self, skeys: list[str], payloads: list[list[memoryview]]) -> list[str]:
+        outcomes: list[str] = []
+        for start, chunk in self._chunks(skeys):
+            with _mapped("EXISTS"):
+                pipe = self._client.pipeline(transaction=False)
+                for skey in chunk:
+                    pipe.exists(skey)
+                present = pipe.execute()
+            todo = [i for i, found in enumerate(present) if not found]
+            results: dict[int, bool] = {}
+            if todo:
+                with _mapped("SET"):
+                    pipe = self._client.pipeline(transaction=False)
+                    for i in todo:
+                        skey, parts = chunk[i], payloads[start + i]
+                        key = skey.encode()
+                        blob = encode_header(key, sum(len(p) for p in parts), crc_of(parts)) + b"".join(parts)
+                        pipe.set(skey, blob, nx=True, ex=self.ttl)
+                    results = dict(zip(todo, pipe.execute()))
+            outcomes.extend(WRITTEN if results.get(i) else EXISTS for i in range(len(chunk)))
+        return outcomes
+
+    def _clear(self) -> None:
+        pattern = _GLOB_CHARS.sub(r"\\\1", self.namespace.prefix) + "*"
+        with _mapped("SCAN/UNLINK"):
+            batch: list[bytes] = []
+            for key in self._client.scan_iter(match=pattern, count=1000):
+                batch.append(key)
+                if len(batch) >= 500:
+                    self._client.unlink(*batch)
+                    batch.clear()
+            if batch:
+                self._client.unlink(*batch)
+
+    def _close(self) -> None:
+        self._pool.disconnect()
+
+    def _debug_corrupt(self, key: str) -> bool:
+        skey = self.namespace.storage_key(key)
+        with _mapped("corrupt"):
+            length = self._client.strlen(skey)
+            if not length:
+                return False
+            last = self._client.getrange(skey, length - 1, length - 1)
+            self._client.setrange(skey, length - 1, bytes([last[0] ^ 0xFF]))
+            return True
