@@ -31,9 +31,16 @@ class CacheConfig:
       ``write_through`` backs up every new node at once;
       ``write_through_selective`` once a node's hit count reaches
       ``write_through_threshold``; ``write_back`` only when an un-backed node is
-      evicted from the device; ``write_behind`` defers backup of nodes that have
-      gone cold (untouched for ``write_behind_idle_steps`` calls of ``poll``) and
-      backs them up in batches of at most ``write_behind_batch_tokens`` per poll.
+      evicted from the device (eviction waits for the copy); ``write_behind``
+      defers backup: each ``poll`` backs up device-only nodes that have gone
+      cold (not matched or inserted during the last ``write_behind_idle_steps``
+      calls of ``poll``; 0 = at the next poll), coldest first, at most
+      ``write_behind_batch_tokens`` tokens per poll, so hot prefixes are not
+      copied while they churn and copies go out in batches. Like
+      ``write_back``, eviction of a node not yet backed up backs it up first
+      instead of losing it. Under both, a node whose backup cannot start
+      (host full even after host eviction) is dropped when eviction needs
+      its room.
     - ``eviction_policy``: order of device/host eviction among evictable leaves.
     - ``load_back_threshold``: a load-back of fewer tokens is skipped (recompute is cheaper).
     - ``load_back_max_tokens``: a load-back of more tokens is skipped (memory quota); None = no cap.

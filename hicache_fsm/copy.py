@@ -8,8 +8,9 @@ never per-token indexing.
 Two strategies, picked by the device pool's device:
 
 * CPU: one strided copy per run covering K and V (and all layers for a full
-  backup), since both pools keep K and V in one buffer; the CPU copy kernel
-  handles the strides.
+  backup, or a full load), since both pools keep K and V in one buffer; the
+  CPU copy kernel handles the strides. Large batches spread their runs over a
+  few single-threaded worker threads (see ``_copy_pairs``).
 * CUDA: copies whose host side is one contiguous block, so each is a single
   asynchronous memcpy to or from pinned memory (the GPU makes its side
   contiguous with a kernel). For ``page_first`` loads, where one layer of a
@@ -24,9 +25,13 @@ a caller computes runs once per batch and reuses them for every layer.
 
 from __future__ import annotations
 
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 import torch
 
-from hicache_fsm.errors import BadIndices
+from hicache_fsm.errors import BadIndices, ConfigError
 from hicache_fsm.pools import DeviceKVPool, HostKVPool, pages_of
 
 Run = tuple[int, int, int]
@@ -63,10 +68,11 @@ def plan_runs(device_indices, host_indices, page_size: int) -> list[Run]:
 
 def _check(device_pool: DeviceKVPool, host_pool: HostKVPool, runs: list[Run], layer: int | None) -> None:
     if device_pool.shape != host_pool.shape:
-        raise BadIndices(f"device pool shape {device_pool.shape} differs from host pool shape {host_pool.shape}")
+        raise ConfigError(f"device pool shape {device_pool.shape} differs from host pool shape {host_pool.shape}")
     if device_pool.page_size != host_pool.page_size:
-        raise BadIndices("device and host pools have different page sizes")
-    if layer is not None and not (isinstance(layer, int) and 0 <= layer < device_pool.layers):
+        raise ConfigError("device and host pools have different page sizes")
+    if layer is not None and (isinstance(layer, bool) or not isinstance(layer, int)
+                              or not 0 <= layer < device_pool.layers):
         raise BadIndices(f"layer {layer!r} out of range [0, {device_pool.layers})")
     dev_end = max((d + n for d, _, n in runs), default=0)
     host_end = max((h + n for _, h, n in runs), default=0)
@@ -101,8 +107,9 @@ def backup_to_host(device_pool: DeviceKVPool, host_pool: HostKVPool, device_indi
 def _cpu_pairs(dev: DeviceKVPool, host: HostKVPool, runs: list[Run], layer: int | None):
     """(device view, host view) pairs of equal shape, one per run, for the CPU path.
 
-    Views are built with ``narrow`` on views prepared once per call: on a slow
-    core, creating views costs about as much as copying a 100 KB run.
+    Views are built with ``narrow`` on views prepared once per call: creating a
+    view by multi-dimensional indexing costs a few microseconds, a sizeable
+    share of copying one 100 KB run.
     """
     ps, layout = dev.page_size, host.layout
     L, H, D = dev.shape.layers, dev.shape.heads, dev.shape.head_dim
@@ -129,9 +136,58 @@ def _cpu_pairs(dev: DeviceKVPool, host: HostKVPool, runs: list[Run], layer: int 
     return [(dl.narrow(1, d, n).view(2, n // ps, ps, H, D), hl.narrow(1, h // ps, n // ps)) for d, h, n in runs]
 
 
+# Many run copies on the CPU: each copy_ big enough for ATen to split over its
+# OpenMP threads pays a fork/join barrier, and on a shared machine one
+# descheduled thread stalls every barrier. Instead, worker threads limited to
+# one intra-op thread each take runs from a shared iterator (copy_ releases
+# the GIL), so the copies proceed in parallel without per-copy barriers.
+PARALLEL_MIN_BYTES = 4 << 20
+_pool_lock = threading.Lock()
+_pool: ThreadPoolExecutor | None = None
+_pool_size = 0
+_pool_pid = 0
+
+
+def _single_thread_init() -> None:
+    torch.set_num_threads(1)
+
+
+def _copy_pool(workers: int) -> ThreadPoolExecutor:
+    global _pool, _pool_size, _pool_pid
+    with _pool_lock:
+        if _pool is None or _pool_size != workers or _pool_pid != os.getpid():
+            if _pool is not None and _pool_pid == os.getpid():
+                _pool.shutdown(wait=False)
+            _pool = ThreadPoolExecutor(workers, thread_name_prefix="hicache-copy", initializer=_single_thread_init)
+            _pool_size, _pool_pid = workers, os.getpid()
+        return _pool
+
+
+def _copy_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """``dst.copy_(src)`` for each (dst, src) pair, spread over worker threads when large."""
+    workers = min(torch.get_num_threads(), len(pairs))
+    if workers <= 1 or sum(d.numel() * d.element_size() for d, _ in pairs) < PARALLEL_MIN_BYTES:
+        for dst, src in pairs:
+            dst.copy_(src)
+        return
+    it = iter(pairs)
+    lock = threading.Lock()
+
+    def drain() -> None:
+        while True:
+            with lock:
+                pair = next(it, None)
+            if pair is None:
+                return
+            pair[0].copy_(pair[1])
+
+    futures = [_copy_pool(workers).submit(drain) for _ in range(workers)]
+    for f in futures:
+        f.result()
+
+
 def _d2h_cpu(dev: DeviceKVPool, host: HostKVPool, runs: list[Run], layer: int | None) -> None:
-    for d, h in _cpu_pairs(dev, host, runs, layer):
-        h.copy_(d)
+    _copy_pairs([(h, d) for d, h in _cpu_pairs(dev, host, runs, layer)])
 
 
 def _d2h_cuda(dev: DeviceKVPool, host: HostKVPool, runs: list[Run], layer: int | None, nb: bool) -> None:
@@ -200,8 +256,7 @@ def load_all_layers(device_pool: DeviceKVPool, host_pool: HostKVPool, host_indic
 
 
 def _h2d_cpu(dev: DeviceKVPool, host: HostKVPool, runs: list[Run], layer: int | None) -> None:
-    for d, h in _cpu_pairs(dev, host, runs, layer):
-        d.copy_(h)
+    _copy_pairs(list(_cpu_pairs(dev, host, runs, layer)))
 
 
 def _h2d_cuda(dev: DeviceKVPool, host: HostKVPool, runs: list[Run], layer: int, nb: bool,

@@ -25,11 +25,12 @@ INSTALL_HINT = (
 DOT_TIMEOUT_S = 30.0
 DESCRIPTION_CHARS = 60
 
-# Words the mermaid state-diagram grammar treats specially; a state with one of
-# these names gets a safe id and keeps its name as the displayed label.
+# Words the mermaid state-diagram lexer (case-insensitively) reads as keywords
+# when they open a statement; a state so named is drawn under a safe id
+# (``state "note" as s_note``) and keeps its name as the displayed label.
 _MERMAID_KEYWORDS = frozenset(
-    {"state", "note", "end", "direction", "class", "classdef", "style", "click", "as", "left", "right", "of",
-     "acctitle", "accdescr", "hide", "empty", "default"}
+    {"state", "note", "class", "classdef", "scale", "direction", "hide", "acctitle", "accdescr", "end", "as",
+     "statediagram", "style", "click"}
 )
 
 
@@ -45,11 +46,13 @@ def edge_label(t: TransitionSpec) -> str:
 
 
 def short_doc(text: str, limit: int = DESCRIPTION_CHARS) -> str:
-    """The first clause of a doc (up to ``.`` or ``;``), on one line, cut at a word to ``limit`` characters."""
+    """A doc's first sentence on one line; its first clause if that is too long; cut at a word to ``limit``."""
     text = " ".join(text.split())
     if not text:
         return ""
-    first = re.split(r"(?<=[.!?;])\s", text, maxsplit=1)[0].rstrip(".;")
+    first = re.split(r"(?<=[.!?])\s", text, maxsplit=1)[0].rstrip(".")
+    if len(first) > limit:
+        first = first.split("; ", 1)[0].rstrip(".;")
     if len(first) > limit:
         cut = first[: limit - 3]
         if " " in cut:
@@ -61,38 +64,59 @@ def short_doc(text: str, limit: int = DESCRIPTION_CHARS) -> str:
 # --------------------------------------------------------------------------- mermaid
 
 
-def _mermaid_id(name: str) -> str:
-    return f"{name}_state" if name.lower() in _MERMAID_KEYWORDS else name
+def _mermaid_ids(spec: Spec) -> dict[str, str]:
+    """State name -> mermaid id; names the lexer would misread get an ``s_`` prefix."""
+    names = set(spec.state_names)
+    ids = {}
+    for name in spec.state_names:
+        ident = name
+        if name in _MERMAID_KEYWORDS or name.startswith("default"):
+            ident = f"s_{name}"
+            while ident in names:
+                ident = f"s_{ident}"
+        ids[name] = ident
+    return ids
 
 
 def _mermaid_text(text: str) -> str:
-    """Text safe after ``:`` in a mermaid line: no ``:``, ``;``, ``#``, ``%``, quotes or braces."""
+    """Text safe after ``:`` on a mermaid line.
+
+    The lexer ends a description at ``:``, ``;`` or a newline, treats ``%%`` as
+    a comment and ``direction XX`` anywhere as a statement; quotes, ``#``, angle
+    brackets and braces are replaced too, for the renderers' sake.
+    """
     text = " ".join(text.split())
     text = text.replace(":", " -").replace(";", ",").replace("#", "no.").replace("%", " pct")
     text = text.replace('"', "'").replace("{", "(").replace("}", ")").replace("<", "(").replace(">", ")")
-    return text.strip()
+    text = re.sub(r"(?i)\bdirection\b", "heading", text)
+    return " ".join(text.split())
 
 
 def to_mermaid(spec: Spec) -> str:
-    """A mermaid ``stateDiagram-v2`` of the spec (ends with a newline)."""
+    """A mermaid ``stateDiagram-v2`` of the spec (ends with a newline).
+
+    ``[*] --> initial``; one ``a --> b : label`` line per (source, transition);
+    ``t --> [*]`` for each terminal state; each state's short doc as its
+    description; in-flight states drawn dashed.
+    """
+    ids = _mermaid_ids(spec)
     lines = ["stateDiagram-v2"]
     for st in spec.states:
-        ident = _mermaid_id(st.name)
-        if ident != st.name:
-            lines.append(f'    state "{st.name}" as {ident}')
+        if ids[st.name] != st.name:
+            lines.append(f'    state "{st.name}" as {ids[st.name]}')
     for st in spec.states:
         desc = _mermaid_text(short_doc(st.doc))
         if desc:
-            lines.append(f"    {_mermaid_id(st.name)} : {desc}")
-    lines.append(f"    [*] --> {_mermaid_id(spec.initial)}")
+            lines.append(f"    {ids[st.name]} : {desc}")
+    lines.append(f"    [*] --> {ids[spec.initial]}")
     for t in spec.transitions:
         label = _mermaid_text(edge_label(t))
         for source in t.sources:
-            lines.append(f"    {_mermaid_id(source)} --> {_mermaid_id(t.dest)} : {label}")
+            lines.append(f"    {ids[source]} --> {ids[t.dest]} : {label}")
     for st in spec.states:
         if st.terminal:
-            lines.append(f"    {_mermaid_id(st.name)} --> [*]")
-    in_flight = [_mermaid_id(s.name) for s in spec.states if "in_flight" in s.tags]
+            lines.append(f"    {ids[st.name]} --> [*]")
+    in_flight = [ids[s.name] for s in spec.states if "in_flight" in s.tags]
     if in_flight:
         lines.append("    classDef in_flight stroke-dasharray: 5 5")
         lines.append(f"    class {','.join(in_flight)} in_flight")

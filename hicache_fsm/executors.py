@@ -364,7 +364,7 @@ class ManualExecutor:
         self._pending: dict[int, tuple[TransferJob, list[_Copy]]] = {}
         self._queue: list[Completion] = []
         self._closed = False
-        self.submitted: list[JobBatch] = []
+        self.submitted: list[JobBatch] = []  # every accepted batch, in order (for tests)
 
     @property
     def closed(self) -> bool:

@@ -9,6 +9,7 @@ the same continuation as recomputing from scratch.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -18,22 +19,45 @@ from hicache_fsm.errors import BadIndices, ConfigError
 from hicache_fsm.pools import KVShape
 
 
+@contextlib.contextmanager
+def _intra_op_threads(n: int | None):
+    """Run with ``n`` intra-op threads on this thread, then restore the setting."""
+    before = torch.get_num_threads()
+    if n is None or n == before:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
 class TinyModel:
-    """Pre-norm decoder: RMSNorm, multi-head attention with RoPE, GELU MLP."""
+    """Pre-norm decoder: RMSNorm, multi-head attention with RoPE, GELU MLP.
+
+    ``threads`` is the number of intra-op threads a forward pass uses (None:
+    torch's current setting). The default 1 suits a model this small: with
+    more, every tiny op pays a thread barrier, which on a busy machine makes a
+    forward pass ten times slower.
+    """
 
     def __init__(self, layers: int = 4, heads: int = 2, head_dim: int = 16, vocab: int = 256, seed: int = 0,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
-                 rope_base: float = 10000.0) -> None:
+                 rope_base: float = 10000.0, threads: int | None = 1) -> None:
         for name, value in (("layers", layers), ("heads", heads), ("head_dim", head_dim), ("vocab", vocab)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"{name} must be a positive int, got {value!r}")
         if head_dim % 2:
             raise ConfigError(f"head_dim must be even for rotary embeddings, got {head_dim}")
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads <= 0):
+            raise ConfigError(f"threads must be a positive int or None, got {threads!r}")
         self.layers, self.heads, self.head_dim, self.vocab = layers, heads, head_dim, vocab
+        self.threads = threads
         self.seed = seed
         self.dtype = dtype
         self.device = torch.device(device) if device is not None else torch.device("cpu")
@@ -92,7 +116,6 @@ class TinyModel:
             raise BadIndices("past_k and past_v cover different numbers of tokens")
         return int(past_k.shape[1])
 
-    @torch.inference_mode()
     def prefill(self, tokens, past_k: torch.Tensor | None = None, past_v: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Run ``tokens`` after ``past`` KV; returns (logits of the last token, k, v).
@@ -101,6 +124,10 @@ class TinyModel:
         tokens before ``tokens``; the returned ``k``/``v`` are (layers, n_new,
         heads, head_dim) for the new tokens only.
         """
+        with _intra_op_threads(self.threads), torch.inference_mode():
+            return self._prefill(tokens, past_k, past_v)
+
+    def _prefill(self, tokens, past_k, past_v) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         ids = torch.as_tensor(list(tokens), dtype=torch.int64)
         n = ids.numel()
         if n == 0:
@@ -114,7 +141,9 @@ class TinyModel:
         mask = None
         if n_past:
             q_pos = torch.arange(n_past, n_past + n, device=self.device)
-            mask = torch.arange(n_past + n, device=self.device)[None, :] <= q_pos[:, None]
+            allowed = torch.arange(n_past + n, device=self.device)[None, :] <= q_pos[:, None]
+            # an additive float mask, built once, spares SDPA a bool->float conversion per layer
+            mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device).masked_fill_(~allowed, float("-inf"))
         ks, vs = [], []
         for li, blk in enumerate(self.blocks):
             h = _rms_norm(x, blk["norm1"])
@@ -128,15 +157,15 @@ class TinyModel:
                 v_all = torch.cat([past_v[li].to(self.device, self.dtype), v], 0)
             else:
                 k_all, v_all = k, v
+            # 4-D (batch, heads, seq, dim) inputs take the fused CPU kernel, not the math path
             attn = F.scaled_dot_product_attention(
-                q.transpose(0, 1), k_all.transpose(0, 1), v_all.transpose(0, 1),
-                attn_mask=mask, is_causal=mask is None)
+                q.transpose(0, 1)[None], k_all.transpose(0, 1)[None], v_all.transpose(0, 1)[None],
+                attn_mask=mask, is_causal=mask is None)[0]
             x = x + attn.transpose(0, 1).reshape(n, H * D) @ blk["wo"]
             x = x + F.gelu(_rms_norm(x, blk["norm2"]) @ blk["w1"]) @ blk["w2"]
         logits = _rms_norm(x[-1], self.final_norm) @ self.lm_head
         return logits, torch.stack(ks), torch.stack(vs)
 
-    @torch.inference_mode()
     def generate(self, tokens, max_new: int, past_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> list[int]:
         """Greedy continuation of ``tokens`` (``max_new`` new ids).
 
@@ -160,13 +189,13 @@ class TinyModel:
             past_k = past_v = None
         out: list[int] = []
         new = tokens[n_past:]
-        for _ in range(max_new):
-            logits, k, v = self.prefill(new, past_k, past_v)
-            past_k = k if past_k is None else torch.cat([past_k.to(k.device, k.dtype), k], 1)
-            past_v = v if past_v is None else torch.cat([past_v.to(v.device, v.dtype), v], 1)
-            nxt = int(torch.argmax(logits))
-            out.append(nxt)
-            new = [nxt]
+        with _intra_op_threads(self.threads), torch.inference_mode():
+            for _ in range(max_new):
+                logits, k, v = self._prefill(new, past_k, past_v)
+                past_k = k if past_k is None else torch.cat([past_k.to(k.device, k.dtype), k], 1)
+                past_v = v if past_v is None else torch.cat([past_v.to(v.device, v.dtype), v], 1)
+                out.append(int(torch.argmax(logits)))
+                new = [out[-1]]
         return out
 
 

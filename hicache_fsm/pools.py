@@ -106,11 +106,13 @@ def pages_of(indices, page_size: int, limit_tokens: int | None = None, what: str
 class PageAllocator:
     """Page-granular allocator of token-slot indices.
 
-    Free pages are kept as a sorted tensor plus a list of recently released
-    pages; allocation takes from the front of the sorted list (low page ids
-    first) and only merges and re-sorts the released pages when the sorted list
-    runs short, so after churn the pages handed out are not always contiguous,
-    as in a real serving engine. ``alloc`` and ``free`` are O(pages) tensor ops.
+    Free pages are a tensor (initially sorted) plus a list of released
+    batches. Allocation takes from the front of the free tensor; only when it
+    runs short are the released pages sorted and appended after what is left.
+    So fresh pools hand out low page ids in order, while after churn a request
+    can get e.g. the tail of one sorted segment then low ids of the next: not
+    always contiguous, as in a real serving engine. ``alloc`` and ``free`` are
+    O(pages) tensor ops; a bool tensor tracks ownership for validation.
     """
 
     def __init__(self, size_tokens: int, page_size: int) -> None:
@@ -159,7 +161,8 @@ class PageAllocator:
 
     def _merge(self) -> None:
         if self._released:
-            self._free = torch.sort(torch.cat([self._free, *self._released])).values
+            released = torch.sort(torch.cat(self._released)).values
+            self._free = torch.cat([self._free, released]) if self._free.numel() else released
             self._released = []
 
     def alloc(self, num_tokens: int) -> torch.Tensor | None:

@@ -20,10 +20,11 @@ ROOT_STATE = "root"
 class TreeNode:
     """One run of pages in the tree.
 
-    ``lock_ref`` pins the node on the device (it propagates to ancestors);
-    ``host_ref`` pins its host copy (prefetch anchors). ``pending_jobs`` holds
-    ids of in-flight jobs that cover this node, so a node split mid-transfer
-    can enrol its new half in the same jobs.
+    ``lock_ref`` counts locks on this node or any descendant (a lock pins the
+    whole path to the root on the device); ``host_ref`` pins this node's host
+    copy only (prefetch anchors). ``pending_jobs`` holds ids of in-flight jobs
+    that cover this node, so a node split mid-transfer can enrol its new half
+    in the same jobs.
     """
 
     __slots__ = (
@@ -43,6 +44,7 @@ class TreeNode:
         "storage_keys",
         "pending_jobs",
         "cp_meta",
+        "last_poll",
     )
 
     def __init__(self, node_id: int, key: tuple[int, ...], namespace: Hashable, parent: "TreeNode | None") -> None:
@@ -62,6 +64,7 @@ class TreeNode:
         self.storage_keys: tuple[str, ...] | None = None
         self.pending_jobs: set[int] = set()
         self.cp_meta: object | None = None
+        self.last_poll = 0  # the cache's poll count at the last access (write_behind coldness)
 
     @property
     def num_tokens(self) -> int:
@@ -85,6 +88,7 @@ class RadixTree:
         self._ids = itertools.count(1)
         self.root = TreeNode(0, (), None, None)
         self._nodes: dict[int, TreeNode] = {0: self.root}
+        self.version = 0  # bumped by every change of shape (split, add, remove)
 
     # ------------------------------------------------------------------ lookup
 
@@ -117,11 +121,18 @@ class RadixTree:
         tokens = self.aligned(tokens)
         path: list[TreeNode] = []
         node, pos, ps = self.root, 0, self.page_size
-        while pos < len(tokens):
-            child = node.children.get(self._child_key(namespace, tokens, pos))
+        n = len(tokens)
+        while pos < n:
+            child = node.children.get((namespace, tokens[pos : pos + ps]))
             if child is None:
                 break
             key = child.key
+            end = pos + len(key)
+            if end <= n and tokens[pos:end] == key:  # fast path: the whole node matches
+                path.append(child)
+                node = child
+                pos = end
+                continue
             shared = ps
             limit = min(len(key), len(tokens) - pos)
             while shared < limit and key[shared : shared + ps] == tokens[pos + shared : pos + shared + ps]:
@@ -139,17 +150,24 @@ class RadixTree:
         """Split ``node`` after ``at`` tokens; the new upper half is returned.
 
         The upper half takes the first ``at`` tokens and slots, the node keeps
-        the rest. Both halves keep the residency state, lock and host pins, hit
-        count, recency, priority and in-flight job ids, because a pin or a job
-        on the whole run covers both halves.
+        the rest (and its identity, so handles the engine holds stay valid).
+        Both halves keep the residency state, hit count, recency, priority and
+        in-flight job ids (a job on the whole run covers both halves). The
+        upper half gets the node's ``lock_ref``: it counts locks at or below a
+        node, and the upper half is now an ancestor of every such lock. The
+        host pin stays on the node only: ``host_ref`` is not propagated to
+        ancestors, so copying it would leave the upper half pinned forever
+        after the pin holder unpins the node; the upper half's host copy is
+        still safe, since host eviction never takes a node with children.
         """
         if at <= 0 or at >= node.num_tokens or at % self.page_size:
             raise ValueError(f"cannot split node of {node.num_tokens} tokens at {at}")
         parent = node.parent
         upper = TreeNode(next(self._ids), node.key[:at], node.namespace, parent)
         upper.state = node.state
-        upper.lock_ref, upper.host_ref = node.lock_ref, node.host_ref
+        upper.lock_ref = node.lock_ref
         upper.hit_count, upper.last_access, upper.priority = node.hit_count, node.last_access, node.priority
+        upper.last_poll = node.last_poll
         upper.pending_jobs = set(node.pending_jobs)
         if node.device_indices is not None:
             upper.device_indices, node.device_indices = node.device_indices[:at], node.device_indices[at:]
@@ -163,6 +181,7 @@ class RadixTree:
         node.parent = upper
         upper.children[self._child_key(node.namespace, node.key, 0)] = node
         self._nodes[upper.id] = upper
+        self.version += 1
         return upper
 
     def add_child(self, parent: TreeNode, key: tuple[int, ...], namespace: Hashable) -> TreeNode:
@@ -175,6 +194,7 @@ class RadixTree:
         child = TreeNode(next(self._ids), key, namespace, parent)
         parent.children[child_key] = child
         self._nodes[child.id] = child
+        self.version += 1
         return child
 
     def remove_leaf(self, node: TreeNode) -> None:
@@ -182,6 +202,7 @@ class RadixTree:
             raise ValueError(f"node {node.id} has children; only leaves leave the tree")
         del node.parent.children[self._child_key(node.namespace, node.key, 0)]
         del self._nodes[node.id]
+        self.version += 1
 
     def path_to_root(self, node: TreeNode) -> Iterator[TreeNode]:
         """``node`` and its ancestors, bottom-up, the root excluded."""

@@ -9,6 +9,7 @@ builds nothing.
 
 from __future__ import annotations
 
+import difflib
 import re
 from collections import deque
 from pathlib import Path
@@ -131,6 +132,9 @@ def _compose(text: str, path: str) -> Any:
         mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
         line = mark.line + 1 if mark is not None else None
         problem = getattr(exc, "problem", None) or str(exc)
+        context, context_mark = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+        if context and context_mark is not None and context_mark is not mark:
+            problem += f" ({context} started at line {context_mark.line + 1})"
         raise SpecError(path, line, f"YAML syntax error: {problem}") from None
     finally:
         loader.dispose()
@@ -222,7 +226,7 @@ def _check_keys(obj: _Lined, allowed: dict[str, Any], what: str, problems: _Prob
     for key, value in obj.items():
         line = obj.key_lines.get(key, obj.line)
         if key not in allowed:
-            close = [k for k in allowed if _similar(k, key)]
+            close = difflib.get_close_matches(key, list(allowed), n=1, cutoff=0.7)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             problems.add(line, f"unknown key {key!r} in {what}{hint}; allowed: {', '.join(sorted(allowed))}")
             ok = False
@@ -230,13 +234,6 @@ def _check_keys(obj: _Lined, allowed: dict[str, Any], what: str, problems: _Prob
             problems.add(line, f"{what} key {key!r} must be {_type_name(allowed[key])}, got {_kind(value)}")
             ok = False
     return ok
-
-
-def _similar(a: str, b: str) -> bool:
-    if abs(len(a) - len(b)) > 2:
-        return False
-    common = sum(1 for x, y in zip(sorted(a), sorted(b)) if x == y)
-    return common >= max(len(a), len(b)) - 2
 
 
 def _line_of(obj: Any, default: int | None) -> int | None:

@@ -22,11 +22,17 @@ EVICTED = frozenset({"host", "host_storing", "host_stored"}) | LOADING
 
 @residency.guard
 def host_has_room(node, cache) -> bool:
+    cp = getattr(cache, "cp", None)
+    if cp is not None:  # CP: the layer-write runtime reserved slots for the owned pages
+        return cp.host_has_room(node)
     return cache.host_allocator.available_tokens >= node.num_tokens
 
 
 @residency.guard
 def device_has_room(node, cache) -> bool:
+    cp = getattr(cache, "cp", None)
+    if cp is not None:  # CP: a load reserved pages replaying the node's owner pattern
+        return cp.device_has_room(node)
     return cache.device_allocator.available_tokens >= node.num_tokens
 
 
@@ -42,11 +48,16 @@ def host_unpinned(node, cache) -> bool:
 
 @residency.guard
 def storage_attached(node, cache) -> bool:
-    return cache.storage_attached
+    # a CP host copy holds one rank's pages only: storing it per page is not wired (docs/cp-writes.md)
+    return cache.storage_attached and getattr(node, "cp_meta", None) is None
 
 
 @residency.effect
 def alloc_host(node, cache) -> None:
+    cp = getattr(cache, "cp", None)
+    if cp is not None:
+        cp.alloc_host(node)
+        return
     node.host_indices = cache.host_allocator.alloc(node.num_tokens)
 
 
@@ -54,10 +65,17 @@ def alloc_host(node, cache) -> None:
 def free_host(node, cache) -> None:
     cache.host_allocator.free(node.host_indices)
     node.host_indices = None
+    cp = getattr(cache, "cp", None)
+    if cp is not None:  # CP: draft host slots and the owner pattern go with the host copy
+        cp.release_host(node)
 
 
 @residency.effect
 def alloc_device(node, cache) -> None:
+    cp = getattr(cache, "cp", None)
+    if cp is not None:
+        cp.alloc_device(node)
+        return
     node.device_indices = cache.device_allocator.alloc(node.num_tokens)
 
 
@@ -157,7 +175,7 @@ def jobs_acked_once(cache) -> list[str]:
     if stats.duplicate_acks:
         problems.append(f"jobs acked more than once: {stats.duplicate_acks[:8]}")
     outstanding = set(cache.pending_job_ids())
-    finished = stats.acked | stats.failed
+    finished = stats.acked | stats.failed | stats.cancelled
     if outstanding & finished:
         problems.append(f"finished jobs still pending: {sorted(outstanding & finished)[:8]}")
     unknown = stats.emitted - outstanding - finished

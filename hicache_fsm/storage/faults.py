@@ -144,6 +144,8 @@ class FaultyBackend(StorageBackend):
         """Apply the selected fault around ``call(keys_subset)``; ``miss`` pads partial answers."""
         if self._closed:
             raise StorageUnavailable("FaultyBackend is closed")
+        if isinstance(keys, (str, bytes)):
+            raise StorageKeyError("keys must be a sequence of str, not a single str")
         keys = list(keys)
         fault = self._select(method, keys)
         if fault is None:
@@ -187,9 +189,9 @@ class FaultyBackend(StorageBackend):
         return self._run("batch_get", keys, self.inner.batch_get, None)
 
     def batch_set(self, keys: Sequence[str], values: Sequence[Any]) -> list[bool]:
-        values = list(values)
-        if len(values) != len(list(keys)):
-            raise StorageKeyError(f"{len(list(keys))} keys but {len(values)} values")
+        keys, values = list(keys), list(values)
+        if len(values) != len(keys):
+            raise StorageKeyError(f"{len(keys)} keys but {len(values)} values")
         return self._run("batch_set", keys, lambda ks: self.inner.batch_set(ks, values[: len(ks)]), False)
 
     def batch_get_into(self, keys: Sequence[str], host_pool: Any, page_ids: Sequence[int]) -> list[bool]:

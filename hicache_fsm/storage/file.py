@@ -8,8 +8,8 @@ Layout::
 The namespace directory name is a BLAKE2b digest of the namespace prefix and a
 page's file name a BLAKE2b digest of its full storage key, so no user-supplied
 string ever becomes part of a path. Each file holds the shared header (magic,
-version, lengths, CRC-32 of header and payload), the storage key, then the
-payload.
+version, lengths, payload checksum, header CRC-32), the storage key, then
+the payload.
 
 * Writes go to a temporary file in the same directory and are renamed into place
   (``os.replace``), so a reader sees a whole page or nothing; a failed write
@@ -25,7 +25,7 @@ payload.
 * ``batch_get_into`` reads header, key and payload with one ``readv`` straight
   into the host pool's page views; ``batch_set_from`` writes them with ``writev``.
 * ``io_threads > 1`` spreads a batch's pages over a thread pool (file I/O and
-  CRC-32 release the GIL).
+  the checksum release the GIL).
 """
 
 from __future__ import annotations
@@ -49,9 +49,8 @@ from hicache_fsm.storage.base import (
     CorruptPage,
     LRUIndex,
     StorageBackend,
-    crc_of,
-    encode_header,
     parse_header,
+    verify_payload,
 )
 from hicache_fsm.storage.keys import KeyNamespace
 
@@ -111,8 +110,9 @@ class FileBackend(StorageBackend):
         max_bytes: int | None = None,
         fsync: bool = False,
         io_threads: int = 1,
+        checksum: str = "wsum64",
     ) -> None:
-        super().__init__(namespace)
+        super().__init__(namespace, checksum=checksum)
         if isinstance(io_threads, bool) or not isinstance(io_threads, int) or io_threads < 1:
             raise StorageURLError(f"io_threads must be a positive int, got {io_threads!r}")
         self.root = os.path.abspath(os.fspath(root))
@@ -297,7 +297,7 @@ class FileBackend(StorageBackend):
         try:
             size = os.fstat(fd).st_size
             head = os.read(fd, HEADER.size + len(key))
-            payload_len, payload_crc = parse_header(head, key)
+            payload_len, algo, check = parse_header(head, key)
             if size != len(head) + payload_len:
                 raise CorruptPage(f"file is {size} bytes, header says {len(head) + payload_len}")
             chunks = []
@@ -309,8 +309,7 @@ class FileBackend(StorageBackend):
                 chunks.append(chunk)
                 remaining -= len(chunk)
             data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-            if crc_of([data]) != payload_crc:
-                raise CorruptPage("payload checksum mismatch")
+            verify_payload([data], algo, check)
         except CorruptPage as exc:
             self._report_corrupt(skey, str(exc))
             return None
@@ -338,11 +337,10 @@ class FileBackend(StorageBackend):
                 if more == 0:
                     raise CorruptPage("file ended early")
                 got += more
-            payload_len, payload_crc = parse_header(head, key)
+            payload_len, algo, check = parse_header(head, key)
             if payload_len != expected - len(head):
                 raise CorruptPage("payload length mismatch")
-            if crc_of(parts) != payload_crc:
-                raise CorruptPage("payload checksum mismatch")
+            verify_payload(parts, algo, check)
         except CorruptPage as exc:
             self._report_corrupt(skey, str(exc))
             return False
@@ -369,20 +367,23 @@ class FileBackend(StorageBackend):
         path = self._path(skey)
         if os.path.exists(path):
             return EXISTS
-        nbytes = sum(len(p) for p in parts)
-        key = skey.encode()
-        header = encode_header(key, nbytes, crc_of(parts))
-        total = len(header) + nbytes
+        total = HEADER.size + len(skey.encode()) + sum(len(p) for p in parts)
         if not self._lru.fits(total):
-            logger.warning("FileBackend: page %s (%d bytes) exceeds max_bytes=%d; not stored",
-                           skey, total, self._lru.max_bytes)
+            logger.warning(
+                "FileBackend: page %s (%d bytes) exceeds max_bytes=%d; not stored", skey, total, self._lru.max_bytes
+            )
             return FAILED
+        header = self._encode_header(skey, parts)
         shard = os.path.dirname(path)
         try:
             if shard not in self._made_dirs:
                 os.makedirs(shard, exist_ok=True)
                 self._made_dirs.add(shard)
-            self._write_atomic(path, [header, *parts])
+            try:
+                self._write_atomic(path, [header, *parts])
+            except FileNotFoundError:  # the directory was removed under us: recreate it once
+                os.makedirs(shard, exist_ok=True)
+                self._write_atomic(path, [header, *parts])
         except OSError as exc:
             self._made_dirs.discard(shard)
             raise _os_error(exc, f"writing page {skey}") from exc

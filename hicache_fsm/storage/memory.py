@@ -18,9 +18,7 @@ from hicache_fsm.storage.base import (
     CorruptPage,
     LRUIndex,
     StorageBackend,
-    crc_of,
     decode_blob,
-    encode_header,
 )
 from hicache_fsm.storage.keys import KeyNamespace
 
@@ -43,9 +41,14 @@ class MemoryBackend(StorageBackend):
     scheme = "memory"
 
     def __init__(
-        self, namespace: KeyNamespace | None = None, *, store: str | None = None, max_bytes: int | None = None
+        self,
+        namespace: KeyNamespace | None = None,
+        *,
+        store: str | None = None,
+        max_bytes: int | None = None,
+        checksum: str = "wsum64",
     ) -> None:
-        super().__init__(namespace)
+        super().__init__(namespace, checksum=checksum)
         if store:
             with _SHARED_LOCK:
                 self._mem = _SHARED.setdefault(store, _Store())
@@ -104,8 +107,7 @@ class MemoryBackend(StorageBackend):
                 if not self._lru.fits(nbytes):
                     outcomes.append(FAILED)
                     continue
-                key = skey.encode()
-                self._mem.data[skey] = encode_header(key, nbytes, crc_of(parts)) + b"".join(parts)
+                self._mem.data[skey] = b"".join([self._encode_header(skey, parts), *parts])
                 self._lru.add(skey, nbytes)
                 outcomes.append(WRITTEN)
             victims = self._lru.over_budget()

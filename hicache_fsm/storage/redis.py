@@ -7,8 +7,9 @@
 * Batches are pipelined (no MULTI): EXISTS per key for ``batch_exists``; GET per
   key for gets; EXISTS then ``SET NX`` (optionally ``EX ttl``) for sets, so pages
   already stored are neither re-sent nor overwritten. Pipelines are cut every
-  ``chunk_pages`` pages to bound client memory.
-* Values are raw bytes: the shared header (magic, version, lengths, CRC-32s),
+  ``chunk_pages`` pages to bound client memory. SETs are framed by hand so the
+  header and the host page's views go to the socket without a joined copy.
+* Values are raw bytes: the shared header (magic, version, lengths, checksums),
   the key, then the payload; never pickle. A value that fails verification is
   a miss counted ``corrupt``.
 * redis-py errors map to StorageTimeout (timeouts), StorageUnavailable
@@ -30,7 +31,7 @@ from typing import Iterator
 import redis as redis_py
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import MasterDownError, OutOfMemoryError, ReadOnlyError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
@@ -46,14 +47,13 @@ from hicache_fsm.storage.base import (
     WRITTEN,
     CorruptPage,
     StorageBackend,
-    crc_of,
     decode_blob,
-    encode_header,
 )
 from hicache_fsm.storage.keys import KeyNamespace
 
 __all__ = ["RedisBackend"]
 
+_EXISTS_CHUNK = 1024  # keys per EXISTS pipeline (replies are tiny)
 _GLOB_CHARS = re.compile(r"([*?\[\]\\^])")
 
 
@@ -65,12 +65,14 @@ def _mapped(what: str) -> Iterator[None]:
         raise StorageTimeout(f"redis {what} timed out: {exc}") from exc
     except RedisConnectionError as exc:
         raise StorageUnavailable(f"redis {what}: server unreachable: {exc}") from exc
+    except OutOfMemoryError as exc:
+        raise StorageFull(f"redis {what}: out of memory: {exc}") from exc
+    except (ReadOnlyError, MasterDownError) as exc:
+        raise StorageUnavailable(f"redis {what}: {exc}") from exc
     except ResponseError as exc:
         text = str(exc)
         if text.startswith("OOM"):
             raise StorageFull(f"redis {what}: {text}") from exc
-        if text.startswith(("READONLY", "LOADING", "MASTERDOWN")):
-            raise StorageUnavailable(f"redis {what}: {text}") from exc
         raise StorageError(f"redis {what}: {text}") from exc
     except RedisError as exc:
         raise StorageError(f"redis {what}: {exc}") from exc
@@ -93,8 +95,9 @@ class RedisBackend(StorageBackend):
         ttl: int | None = None,
         chunk_pages: int = 32,
         check: bool = True,
+        checksum: str = "wsum64",
     ) -> None:
-        super().__init__(namespace)
+        super().__init__(namespace, checksum=checksum)
         if ttl is not None and (not isinstance(ttl, int) or ttl < 1):
             raise StorageURLError(f"ttl must be a positive number of seconds, got {ttl!r}")
         if chunk_pages < 1 or max_connections < 1 or retries < 0:
@@ -127,16 +130,17 @@ class RedisBackend(StorageBackend):
     def _safe_url(self) -> str:
         return re.sub(r"//[^@/]*@", "//***@", self.url)
 
-    def _chunks(self, items: list) -> Iterator[tuple[int, list]]:
-        for start in range(0, len(items), self.chunk_pages):
-            yield start, items[start : start + self.chunk_pages]
+    def _chunks(self, items: list, size: int | None = None) -> Iterator[tuple[int, list]]:
+        size = size or self.chunk_pages
+        for start in range(0, len(items), size):
+            yield start, items[start : start + size]
 
     # -- hooks ------------------------------------------------------------
 
     def _exists(self, skeys: list[str]) -> int:
         n = 0
         with _mapped("EXISTS"):
-            for _, chunk in self._chunks(skeys):
+            for _, chunk in self._chunks(skeys, _EXISTS_CHUNK):
                 pipe = self._client.pipeline(transaction=False)
                 for skey in chunk:
                     pipe.exists(skey)
@@ -198,18 +202,55 @@ class RedisBackend(StorageBackend):
                     pipe.exists(skey)
                 present = pipe.execute()
             todo = [i for i, found in enumerate(present) if not found]
-            results: dict[int, bool] = {}
+            results: dict[int, object] = {}
             if todo:
+                items = [(chunk[i], payloads[start + i]) for i in todo]
                 with _mapped("SET"):
-                    pipe = self._client.pipeline(transaction=False)
-                    for i in todo:
-                        skey, parts = chunk[i], payloads[start + i]
-                        key = skey.encode()
-                        blob = encode_header(key, sum(len(p) for p in parts), crc_of(parts)) + b"".join(parts)
-                        pipe.set(skey, blob, nx=True, ex=self.ttl)
-                    results = dict(zip(todo, pipe.execute()))
+                    results = dict(zip(todo, self._send_sets(items)))
             outcomes.extend(WRITTEN if results.get(i) else EXISTS for i in range(len(chunk)))
         return outcomes
+
+    def _send_sets(self, items: list[tuple[str, list[memoryview]]]) -> list[object]:
+        """Pipelined ``SET key value NX [EX ttl]`` sending header and payload parts without joining them.
+
+        The RESP frames are written by hand so each host-page view goes to the
+        socket as is (redis-py would need the value as one bytes object, i.e. a
+        page-sized copy). One connection is taken from the pool; any error drops
+        it, so no reply is ever read out of turn. SET NX is idempotent, so a
+        dropped connection is retried like redis-py retries its own pipelines.
+        """
+        nargs = 4 if self.ttl is None else 6
+        tail = b"$2\r\nNX\r\n" if self.ttl is None else b"$2\r\nNX\r\n$2\r\nEX\r\n$%d\r\n%d\r\n" % (
+            len(str(self.ttl)), self.ttl)
+        chunks: list[bytes | memoryview] = []
+        pending = b""
+        for skey, parts in items:
+            key = skey.encode()
+            head = self._encode_header(skey, parts)
+            vlen = len(head) + sum(len(p) for p in parts)
+            pending += b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n%s" % (nargs, len(key), key, vlen, head)
+            for part in parts:
+                if len(part) < 65536:
+                    pending += bytes(part)
+                else:
+                    chunks.append(pending)
+                    chunks.append(part)
+                    pending = b""
+            pending += b"\r\n" + tail
+        chunks.append(pending)
+
+        conn = self._pool.get_connection()
+        try:
+            def attempt() -> list[object]:
+                conn.send_packed_command(chunks, check_health=False)
+                return [conn.read_response() for _ in items]
+
+            return conn.retry.call_with_retry(attempt, lambda error: conn.disconnect())
+        except BaseException:
+            conn.disconnect()
+            raise
+        finally:
+            self._pool.release(conn)
 
     def _clear(self) -> None:
         pattern = _GLOB_CHARS.sub(r"\\\1", self.namespace.prefix) + "*"

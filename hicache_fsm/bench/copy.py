@@ -1,0 +1,114 @@
+"""Page copy throughput of TorchExecutor (random page order) beside a plain contiguous copy.
+
+Every page of the device pool is backed up to a shuffled set of host pages
+(D2H), then loaded back to a shuffled set of device pages (H2D), through
+``TorchExecutor``. The baseline is one ``dst.copy_(src)`` of the same number
+of bytes between the same two buffers, timed interleaved in the same run.
+``ratio`` is the worse of the two directions' executor/baseline ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from hicache_fsm.bench.common import interleaved_medians, machine_description, report
+from hicache_fsm.executors import TorchExecutor
+from hicache_fsm.jobs import JobBatch, JobKind
+from hicache_fsm.pools import LAYOUTS, DeviceKVPool, HostKVPool, KVShape
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--layout", choices=LAYOUTS, default="page_first")
+    parser.add_argument("--page-size", type=int, default=64)
+    parser.add_argument("--tokens", type=int, default=8192, help="tokens moved (and size of each pool)")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def _shuffled_indices(pages: int, page_size: int, gen: torch.Generator) -> torch.Tensor:
+    perm = torch.randperm(pages, generator=gen)
+    return (perm[:, None] * page_size + torch.arange(page_size)).reshape(-1)
+
+
+def run(args: argparse.Namespace) -> dict:
+    ps = args.page_size
+    tokens = args.tokens - args.tokens % ps
+    if tokens <= 0:
+        raise SystemExit(f"--tokens must be at least one page ({ps})")
+    shape = KVShape(args.layers, args.heads, args.head_dim, DTYPES[args.dtype])
+    device = DeviceKVPool(shape, tokens, ps)
+    host = HostKVPool(shape, tokens, ps, args.layout)
+    device.kv.normal_()
+    gen = torch.Generator().manual_seed(args.seed)
+    pages = tokens // ps
+    d2h = JobBatch(JobKind.D2H, (), _shuffled_indices(pages, ps, gen), _shuffled_indices(pages, ps, gen))
+    h2d = JobBatch(JobKind.H2D, (), _shuffled_indices(pages, ps, gen), _shuffled_indices(pages, ps, gen))
+    executor = TorchExecutor(device, host)
+    flat_dev, flat_host = device.kv.view(-1), host.kv.view(-1)
+    cuda = device.device.type == "cuda"
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    def run_batch(batch: JobBatch):
+        def fn() -> None:
+            executor.submit(batch)
+            executor.synchronize()
+            executor.poll()
+        return fn
+
+    def contiguous(dst: torch.Tensor, src: torch.Tensor):
+        def fn() -> None:
+            dst.copy_(src, non_blocking=cuda)
+            sync()
+        return fn
+
+    times = interleaved_medians({
+        "d2h": run_batch(d2h),
+        "contiguous_d2h": contiguous(flat_host, flat_dev),
+        "h2d": run_batch(h2d),
+        "contiguous_h2d": contiguous(flat_dev, flat_host),
+    }, repeats=args.repeats, warmup=1)
+    executor.close()
+    nbytes = tokens * shape.token_bytes
+    gbps = {name: nbytes / t / 1e9 for name, t in times.items()}
+    ratio_d2h = gbps["d2h"] / gbps["contiguous_d2h"]
+    ratio_h2d = gbps["h2d"] / gbps["contiguous_h2d"]
+    result = {
+        "benchmark": "copy",
+        "layout": args.layout,
+        "page_size": ps,
+        "tokens": tokens,
+        "bytes": nbytes,
+        "device": str(device.device),
+        "pinned": host.pinned,
+        "d2h_gbps": round(gbps["d2h"], 3),
+        "h2d_gbps": round(gbps["h2d"], 3),
+        "gbps": round(min(gbps["d2h"], gbps["h2d"]), 3),
+        "contiguous_d2h_gbps": round(gbps["contiguous_d2h"], 3),
+        "contiguous_h2d_gbps": round(gbps["contiguous_h2d"], 3),
+        "contiguous_gbps": round(min(gbps["contiguous_d2h"], gbps["contiguous_h2d"]), 3),
+        "ratio_d2h": round(ratio_d2h, 3),
+        "ratio_h2d": round(ratio_h2d, 3),
+        "ratio": round(min(ratio_d2h, ratio_h2d), 3),
+        "machine": machine_description(),
+    }
+    rows = [
+        ("layout / page size", f"{args.layout} / {ps}"),
+        ("bytes moved per direction", f"{nbytes / 1e6:.1f} MB ({tokens} tokens, {pages} pages, shuffled)"),
+        ("device", f"{device.device} (host pinned: {host.pinned})"),
+        ("executor d2h / h2d", f"{gbps['d2h']:.2f} / {gbps['h2d']:.2f} GB/s"),
+        ("contiguous d2h / h2d", f"{gbps['contiguous_d2h']:.2f} / {gbps['contiguous_h2d']:.2f} GB/s"),
+        ("ratio d2h / h2d (min)", f"{ratio_d2h:.2f} / {ratio_h2d:.2f} ({min(ratio_d2h, ratio_h2d):.2f})"),
+    ]
+    report("bench copy: executor page copies vs one contiguous copy", rows, result, args.json)
+    return result

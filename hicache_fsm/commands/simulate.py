@@ -1,0 +1,211 @@
+"""Run a multi-turn chat workload through the cache tiers with real KV and compare them."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from hicache_fsm.errors import HiCacheError
+from hicache_fsm.pools import LAYOUTS
+from hicache_fsm.simulate import (
+    ARRIVALS,
+    INFINITE,
+    Options,
+    Progress,
+    Simulation,
+    TierResult,
+    Workload,
+    capacity_grid,
+    hit_rate_sweep,
+)
+
+_DEFAULTS = Options()
+_W = _DEFAULTS.workload
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Serve a multi-turn chat workload (SGLang multi-turn benchmark shape) with a tiny deterministic "
+        "model through four cache configurations in one run: device only, device + host, "
+        "device + host + storage, and an infinite cache as the bound. Every KV page the cache serves is "
+        "checked bit for bit and every answer against a cache-free run.")
+    w = parser.add_argument_group("workload")
+    w.add_argument("--clients", type=int, default=_W.clients, help=f"conversations (default {_W.clients})")
+    w.add_argument("--rounds", type=int, default=_W.rounds, help=f"turns per conversation (default {_W.rounds})")
+    w.add_argument("--request-length", type=int, default=_W.request_length,
+                   help=f"tokens of each new user turn (default {_W.request_length})")
+    w.add_argument("--output-length", type=int, default=_W.output_length,
+                   help=f"greedy answer tokens per request (default {_W.output_length})")
+    w.add_argument("--system-prompt-length", type=int, default=_W.system_prompt_length,
+                   help=f"tokens of the system prompt every client shares (default {_W.system_prompt_length})")
+    w.add_argument("--arrival", choices=ARRIVALS, default=_W.arrival,
+                   help="round-robin: every client's round r before any round r+1; random: a random client "
+                        "with turns left each time (default round-robin)")
+    w.add_argument("--seed", type=int, default=_W.seed, help="seeds the model weights and the tokens (default 0)")
+    c = parser.add_argument_group("cache")
+    c.add_argument("--device-tokens", type=int, default=_DEFAULTS.device_tokens,
+                   help=f"device (L1) pool size in tokens (default {_DEFAULTS.device_tokens})")
+    c.add_argument("--host-tokens", type=int, default=_DEFAULTS.host_tokens,
+                   help=f"host (L2) pool size in tokens (default {_DEFAULTS.host_tokens})")
+    c.add_argument("--storage-url", default=None,
+                   help="L3 storage URL (file:///DIR, redis://HOST:PORT/DB, memory://); "
+                        "default: a file:// directory in a temporary directory, removed afterwards")
+    c.add_argument("--no-storage", action="store_true", help="leave out the device + host + storage configuration")
+    c.add_argument("--page-size", type=int, default=_DEFAULTS.page_size,
+                   help=f"tokens per page (default {_DEFAULTS.page_size})")
+    c.add_argument("--layout", choices=LAYOUTS, default=_DEFAULTS.layout,
+                   help=f"host pool layout (default {_DEFAULTS.layout})")
+    c.add_argument("--device", default=None, help="torch device of the model and device pool (default: cuda if present)")
+    o = parser.add_argument_group("output")
+    o.add_argument("--json", action="store_true", help="end with one JSON object (hit_rate, hit_rate_bound, ...)")
+    o.add_argument("--plot", metavar="FILE.png",
+                   help="also draw hit rate against device and host capacity (needs the `plot` extra: matplotlib)")
+    o.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads (default 1: the tiny model is latency-bound)")
+    o.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.2f} MB"
+
+
+def format_table(sim: Simulation) -> str:
+    """One column per configuration, one row per figure."""
+    tiers = sim.tiers
+
+    def cap(t: TierResult) -> str:
+        if t.name == INFINITE:
+            return "unbounded"
+        host = "-" if t.name == "device" else str(t.host_tokens)
+        return f"{t.device_tokens}/{host}" + ("/L3" if t.storage_url else "")
+
+    def pct(x: float) -> str:
+        return f"{100 * x:.1f}%"
+
+    rows: list[tuple[str, list[str]]] = [
+        ("capacity device/host(/L3)", [cap(t) for t in tiers]),
+        ("token hit rate", [pct(t.hit_rate) for t in tiers]),
+        ("  from device", [pct(t.rate(t.device_hit_tokens)) for t in tiers]),
+        ("  from host", [pct(t.rate(t.host_hit_tokens)) for t in tiers]),
+        ("  from storage", [pct(t.rate(t.storage_hit_tokens)) for t in tiers]),
+        ("prefill tokens saved", [str(t.hit_tokens) for t in tiers]),
+        ("prefill tokens computed", [str(t.computed_tokens) for t in tiers]),
+        ("bytes device->host", [_mb(t.bytes.get("d2h", 0)) for t in tiers]),
+        ("bytes host->device", [_mb(t.bytes.get("h2d", 0)) for t in tiers]),
+        ("bytes host->storage", [_mb(t.bytes["h2s"]) if "h2s" in t.bytes else "-" for t in tiers]),
+        ("bytes storage->host", [_mb(t.bytes["s2h"]) if "s2h" in t.bytes else "-" for t in tiers]),
+        ("controller us/request", [f"{t.controller_us_per_request:.0f}" for t in tiers]),
+        ("transfer time (executor)", [f"{t.transfer_s * 1e3:.1f} ms" for t in tiers]),
+        ("prefetch wait (storage I/O)", [f"{t.prefetch_wait_s * 1e3:.1f} ms" if t.storage_url else "-" for t in tiers]),
+        ("model time", [f"{t.model_s:.2f} s" for t in tiers]),
+        ("KV pages checked", [str(t.kv_checked_pages) for t in tiers]),
+        ("KV mismatches", [str(t.kv_mismatches) for t in tiers]),
+        ("answer tokens != cache-free", [str(t.output_mismatches) for t in tiers]),
+    ]
+    head = ["", *[t.name for t in tiers]]
+    width0 = max(len(r[0]) for r in rows)
+    widths = [max(len(head[i + 1]), *(len(r[1][i]) for r in rows)) for i in range(len(tiers))]
+    lines = ["  ".join([head[0].ljust(width0), *(h.rjust(wd) for h, wd in zip(head[1:], widths))])]
+    lines.append("  ".join(["-" * width0, *("-" * wd for wd in widths)]))
+    for label, cells in rows:
+        lines.append("  ".join([label.ljust(width0), *(c.rjust(wd) for c, wd in zip(cells, widths))]))
+    return "\n".join(lines)
+
+
+def summary(sim: Simulation) -> str:
+    w = sim.workload
+    full = sim.hierarchy
+    bound = sim.tier(INFINITE)
+    dev = sim.tier("device")
+    out = [
+        f"workload: {w.clients} clients x {w.rounds} rounds, system prompt {w.system_prompt_length}, "
+        f"turn {w.request_length}, answer {w.output_length} tokens, {w.arrival} arrival, "
+        f"page {sim.page_size}, host layout {sim.layout}, model on {sim.device}",
+    ]
+    if bound is not None and bound.hit_rate:
+        line = (f"{full.name}: hit rate {100 * full.hit_rate:.1f}% = "
+                f"{100 * full.hit_rate / bound.hit_rate:.1f}% of the infinite bound ({100 * bound.hit_rate:.1f}%)")
+        if dev is not None:
+            line += f"; device only {100 * dev.hit_rate:.1f}%"
+        out.append(line)
+    ok = sim.kv_mismatches == 0 and sim.output_mismatches == 0
+    out.append(f"KV served: {sum(t.kv_checked_pages for t in sim.tiers)} pages checked, "
+               f"{sim.kv_mismatches} mismatches; answers differing from the cache-free run: "
+               f"{sim.output_mismatches} tokens -> {'OK' if ok else 'MISMATCH'}")
+    if sim.storage_skipped:
+        out.append(f"storage configuration skipped: {sim.storage_skipped}")
+    out.append(f"wall time {sim.wall_s:.1f} s (cache-free reference {sim.reference_s:.1f} s)")
+    return "\n".join(out)
+
+
+def plot(sim: Simulation, options: Options, path: str, reference) -> None:
+    """Hit rate against device capacity, one line per host capacity, plus the bound."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    devices, hosts = capacity_grid(options)
+    storage_url = "memory://" if sim.tier("device+host+storage") is not None else None
+    series = hit_rate_sweep(options, reference, devices, hosts, storage_url)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, pts in series.items():
+        ax.plot([d for d, _ in pts], [100 * r for _, r in pts], marker="o", label=label)
+    bound = sim.tier(INFINITE)
+    if bound is not None:
+        ax.axhline(100 * bound.hit_rate, color="gray", linestyle="--", label="infinite cache (bound)")
+    ax.axvline(options.device_tokens, color="lightgray", linestyle=":")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("device capacity (tokens)")
+    ax.set_ylabel("token hit rate (%)")
+    w = options.workload
+    ax.set_title(f"{w.clients} clients x {w.rounds} rounds, page {options.page_size}")
+    ax.set_ylim(0, 100)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("hicache-fsm simulate: --plot needs matplotlib; install the extra: pip install -e '.[plot]'",
+                  file=sys.stderr)
+            return 2
+    if args.threads < 1:
+        print("hicache-fsm simulate: --threads must be >= 1", file=sys.stderr)
+        return 2
+    torch.set_num_threads(args.threads)
+    try:
+        workload = Workload(args.clients, args.rounds, args.request_length, args.output_length,
+                            args.system_prompt_length, args.arrival, args.seed)
+        options = Options(workload, args.device_tokens, args.host_tokens, args.storage_url, not args.no_storage,
+                          args.page_size, args.layout, args.device)
+    except HiCacheError as exc:
+        print(f"hicache-fsm simulate: {exc}", file=sys.stderr)
+        return 2
+    from hicache_fsm.simulate import run_simulation
+
+    progress = Progress(0, sys.stderr, enabled=False if args.no_progress else None)
+    try:
+        sim = run_simulation(options, progress)
+    except HiCacheError as exc:
+        print(f"hicache-fsm simulate: {exc}", file=sys.stderr)
+        return 1
+    print(format_table(sim))
+    print()
+    print(summary(sim))
+    if args.plot:
+        plot(sim, options, args.plot, sim.reference)
+        print(f"plot written to {args.plot}")
+    if args.json:
+        print(json.dumps(sim.as_dict(), sort_keys=True))
+    return 0 if sim.kv_mismatches == 0 and sim.output_mismatches == 0 else 1
+

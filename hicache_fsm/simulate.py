@@ -1,0 +1,816 @@
+"""A multi-turn chat workload run through ``HiCache`` with real KV tensors.
+
+The workload has the shape of SGLang's multi-turn benchmark: ``clients``
+conversations of ``rounds`` turns each. A request is the shared system prompt,
+then the client's history (every earlier user turn and answer), then a new user
+turn of ``request_length`` tokens; the answer is ``output_length`` greedy tokens
+of :class:`~hicache_fsm.model.TinyModel`, appended to the history.
+
+Every request goes through an engine step loop over the cache (see
+``hicache_fsm.cache``): ``match_prefix``; with storage attached, ``prefetch`` of
+the part beyond the in-memory hit, polled until ready, then a second match;
+``load_back`` of the host part; ``lock``; for each layer, the load's
+``wait(layer)`` and then a read of that layer's KV from the device pool;
+``alloc_device`` for the tokens to compute; the model's prefill over the rest
+with the cached KV as its past; decode; the new KV written into the slots;
+``insert``; ``unlock``; ``poll``.
+
+Several cache configurations run the same requests in one run: device only,
+device + host, device + host + storage, and an infinite cache (pools that hold
+everything) as the bound. A cache-free run comes first and gives the reference
+answers: every configuration must produce the same greedy tokens (checked token
+by token; the reference tokens are then fed back, so every configuration sees
+the same token stream).
+
+KV check. Float kernels give results that depend on how a sequence is chunked
+(a prefix computed in one piece or in two differs in the last bits), so the
+reference for a page is the KV the model wrote for it in this configuration,
+not a fresh recomputation. Each page is keyed by its whole prefix (a chained
+hash of the tokens up to and including it: the client's history, the system
+prompt being the shared start of every history); every KV the engine hands to
+the cache is recorded under those keys, and every page the cache serves must
+equal, bit for bit, a KV recorded for that prefix. A page recomputed after its
+copy was dropped is recorded again (one more accepted version).
+
+``run_simulation`` returns a :class:`Simulation`; ``hit_rate_sweep`` replays the
+reference token stream without the model (a one-element KV shape) to map hit
+rate against device and host capacity for ``--plot``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from typing import Callable, Iterable, Sequence, TextIO
+
+import attrs
+import torch
+
+from hicache_fsm.cache import HiCache
+from hicache_fsm.config import CacheConfig
+from hicache_fsm.errors import ConfigError
+from hicache_fsm.executors import TorchExecutor
+from hicache_fsm.model import TinyModel
+from hicache_fsm.pools import LAYOUTS, KVShape, PoolConfig, build_pools, default_device
+
+ARRIVALS = ("round-robin", "random")
+NEVER = 1 << 62
+# A sequential engine waits for its prefetch; any full page is worth fetching (recompute is the alternative).
+STORAGE_OPTIONS = {"stop_policy": "wait_complete"}
+PREFETCH_TIMEOUT_S = 10.0  # a prefetch still running then is aborted (counted in prefetch_timeouts)  # a write_through_selective threshold no node reaches: nothing is backed up
+
+DEVICE = "device"
+DEVICE_HOST = "device+host"
+FULL = "device+host+storage"
+INFINITE = "infinite"
+
+
+def _positive_int(name: str, value: object, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+# ====================================================================== workload
+
+
+@attrs.frozen
+class Workload:
+    """The requests: who asks what, in which order (token ids only)."""
+
+    clients: int = 8
+    rounds: int = 4
+    request_length: int = 128
+    output_length: int = 32
+    system_prompt_length: int = 256
+    arrival: str = "round-robin"
+    seed: int = 0
+    vocab: int = 256
+
+    def __attrs_post_init__(self) -> None:
+        _positive_int("clients", self.clients)
+        _positive_int("rounds", self.rounds)
+        _positive_int("request_length", self.request_length)
+        _positive_int("output_length", self.output_length)
+        _positive_int("system_prompt_length", self.system_prompt_length, 0)
+        _positive_int("vocab", self.vocab, 2)
+        if self.arrival not in ARRIVALS:
+            raise ConfigError(f"arrival must be one of {', '.join(ARRIVALS)}, got {self.arrival!r}")
+
+    @property
+    def requests(self) -> int:
+        return self.clients * self.rounds
+
+    def _tokens(self, n: int, *salt: int) -> list[int]:
+        rng = random.Random(":".join(map(str, (self.seed, *salt))))
+        return [rng.randrange(self.vocab) for _ in range(n)]
+
+    def system_prompt(self) -> list[int]:
+        return self._tokens(self.system_prompt_length, -1)
+
+    def user_turn(self, client: int, round_: int) -> list[int]:
+        return self._tokens(self.request_length, client, round_)
+
+    def schedule(self) -> list[tuple[int, int]]:
+        """(client, round) in arrival order; a client's rounds always come in order."""
+        if self.arrival == "round-robin":
+            return [(c, r) for r in range(self.rounds) for c in range(self.clients)]
+        rng = random.Random(f"{self.seed}:arrival")
+        done = [0] * self.clients
+        out = []
+        while len(out) < self.requests:
+            c = rng.choice([c for c in range(self.clients) if done[c] < self.rounds])
+            out.append((c, done[c]))
+            done[c] += 1
+        return out
+
+    def max_tokens(self) -> int:
+        """Tokens of every client's full history (what an infinite cache holds at most)."""
+        per_client = self.rounds * (self.request_length + self.output_length)
+        return self.system_prompt_length + self.clients * per_client
+
+
+@attrs.frozen
+class Reference:
+    """The cache-free run: each request's prompt and greedy answer."""
+
+    prompts: dict[tuple[int, int], tuple[int, ...]]
+    outputs: dict[tuple[int, int], tuple[int, ...]]
+    prompt_tokens: int
+    seconds: float
+
+
+def reference_run(model: TinyModel, workload: Workload, on_request: Callable[[], None] = lambda: None) -> Reference:
+    """Run every request from scratch (no cache) and keep prompts and answers."""
+    start = time.perf_counter()
+    system = workload.system_prompt()
+    history = {c: list(system) for c in range(workload.clients)}
+    prompts, outputs = {}, {}
+    total = 0
+    for c, r in workload.schedule():
+        prompt = history[c] + workload.user_turn(c, r)
+        out = model.generate(prompt, workload.output_length)
+        prompts[(c, r)] = tuple(prompt)
+        outputs[(c, r)] = tuple(out)
+        total += len(prompt)
+        history[c] = prompt + out
+        on_request()
+    return Reference(prompts, outputs, total, time.perf_counter() - start)
+
+
+def token_stream(workload: Workload, outputs: dict[tuple[int, int], Sequence[int]]) -> Reference:
+    """The prompts a given set of answers leads to (no model needed)."""
+    system = workload.system_prompt()
+    history = {c: list(system) for c in range(workload.clients)}
+    prompts = {}
+    total = 0
+    for c, r in workload.schedule():
+        prompt = history[c] + workload.user_turn(c, r)
+        prompts[(c, r)] = tuple(prompt)
+        total += len(prompt)
+        history[c] = prompt + list(outputs[(c, r)])
+    return Reference(prompts, dict(outputs), total, 0.0)
+
+
+# ====================================================================== configurations
+
+
+@attrs.frozen
+class Tier:
+    """One cache configuration of the comparison."""
+
+    name: str
+    device_tokens: int
+    host_tokens: int
+    storage_url: str | None = None
+    write_policy: str = "write_through"
+    write_through_threshold: int = 2
+
+    def cache_config(self) -> CacheConfig:
+        return CacheConfig(write_policy=self.write_policy, write_through_threshold=self.write_through_threshold)
+
+
+def device_only(name: str, device_tokens: int, page_size: int) -> Tier:
+    """No host tier: a one-page host pool that nothing is ever written to."""
+    return Tier(name, device_tokens, page_size, None, "write_through_selective", NEVER)
+
+
+def storage_available() -> bool:
+    return all(hasattr(HiCache, name) for name in ("attach_storage", "prefetch", "prefetch_ready"))
+
+
+# ====================================================================== timing
+
+
+class _Clock:
+    """Seconds inside HiCache calls and inside the executor (a subset of them).
+
+    ``by_call`` splits the controller time by HiCache method, executor time excluded.
+    """
+
+    def __init__(self) -> None:
+        self.controller = 0.0
+        self.executor = 0.0
+        self.by_call: dict[str, float] = {}
+
+    def call(self, fn, *args, **kwargs):
+        start, copies = time.perf_counter(), self.executor
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            spent = time.perf_counter() - start
+            self.controller += spent
+            name = getattr(fn, "__name__", "?")
+            self.by_call[name] = self.by_call.get(name, 0.0) + spent - (self.executor - copies)
+
+
+class TimedExecutor:
+    """Wraps an executor and adds the time of its calls to a clock (transfer time)."""
+
+    manual = False
+
+    def __init__(self, inner, clock: _Clock) -> None:
+        self._inner = inner
+        self._clock = clock
+
+    def _timed(self, fn, *args):
+        start = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self._clock.executor += time.perf_counter() - start
+
+    def submit(self, batch):
+        return self._timed(self._inner.submit, batch)
+
+    def poll(self):
+        return self._timed(self._inner.poll)
+
+    def synchronize(self) -> None:
+        self._timed(self._inner.synchronize)
+
+    def close(self) -> None:
+        self._inner.close()
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+# ====================================================================== KV oracle
+
+
+class KVOracle:
+    """Every KV page the engine wrote, keyed by its whole prefix; checks what the cache serves."""
+
+    def __init__(self, page_size: int) -> None:
+        self.page_size = page_size
+        self._pages: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.checked_pages = 0
+        self.mismatched_pages = 0
+        self.versions = 0
+
+    def keys(self, tokens: Sequence[int], n_pages: int) -> list[int]:
+        ps = self.page_size
+        out, h = [], 0
+        for i in range(n_pages):
+            h = hash((h, tuple(tokens[i * ps : (i + 1) * ps])))
+            out.append(h)
+        return out
+
+    def record(self, tokens: Sequence[int], start: int, end: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """KV ``k``/``v`` (layers, >= end, heads, dim) of ``tokens[start:end]`` was handed to the cache."""
+        ps = self.page_size
+        keys = self.keys(tokens, end // ps)
+        for p in range(start // ps, end // ps):
+            kp, vp = k[:, p * ps : (p + 1) * ps], v[:, p * ps : (p + 1) * ps]
+            versions = self._pages.setdefault(keys[p], [])
+            if not any(torch.equal(kp, a) and torch.equal(vp, b) for a, b in versions):
+                versions.append((kp.clone(), vp.clone()))
+                self.versions += 1
+
+    def check(self, tokens: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> int:
+        """Pages of ``k``/``v`` (the served prefix of ``tokens``) that match no recorded KV."""
+        ps = self.page_size
+        n_pages = k.shape[1] // ps
+        bad = 0
+        for p, key in enumerate(self.keys(tokens, n_pages)):
+            kp, vp = k[:, p * ps : (p + 1) * ps], v[:, p * ps : (p + 1) * ps]
+            if not any(torch.equal(kp, a) and torch.equal(vp, b) for a, b in self._pages.get(key, ())):
+                bad += 1
+        self.checked_pages += n_pages
+        self.mismatched_pages += bad
+        return bad
+
+
+# ====================================================================== results
+
+
+@attrs.define
+class TierResult:
+    """What one configuration did over the whole workload."""
+
+    name: str
+    device_tokens: int
+    host_tokens: int
+    storage_url: str | None
+    requests: int = 0
+    prompt_tokens: int = 0
+    device_hit_tokens: int = 0
+    host_hit_tokens: int = 0
+    storage_hit_tokens: int = 0
+    computed_tokens: int = 0
+    kv_checked_pages: int = 0
+    kv_mismatches: int = 0
+    output_tokens: int = 0
+    output_mismatches: int = 0
+    alloc_failures: int = 0
+    load_back_skipped: int = 0
+    prefetches: int = 0
+    prefetch_timeouts: int = 0
+    prefetch_wait_s: float = 0.0
+    controller_s: float = 0.0
+    transfer_s: float = 0.0
+    model_s: float = 0.0
+    wall_s: float = 0.0
+    bytes: dict = attrs.Factory(dict)
+    counters: dict = attrs.Factory(dict)
+    controller_by_call: dict = attrs.Factory(dict)
+
+    @property
+    def hit_tokens(self) -> int:
+        return self.device_hit_tokens + self.host_hit_tokens + self.storage_hit_tokens
+
+    def rate(self, tokens: int) -> float:
+        return tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.rate(self.hit_tokens)
+
+    @property
+    def controller_us_per_request(self) -> float:
+        return self.controller_s / self.requests * 1e6 if self.requests else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "device_tokens": self.device_tokens,
+            "host_tokens": self.host_tokens,
+            "storage": self.storage_url is not None,
+            "requests": self.requests,
+            "prompt_tokens": self.prompt_tokens,
+            "hit_rate": round(self.hit_rate, 4),
+            "hit_rate_device": round(self.rate(self.device_hit_tokens), 4),
+            "hit_rate_host": round(self.rate(self.host_hit_tokens), 4),
+            "hit_rate_storage": round(self.rate(self.storage_hit_tokens), 4),
+            "prefill_tokens_saved": self.hit_tokens,
+            "prefill_tokens_computed": self.computed_tokens,
+            "bytes": dict(self.bytes),
+            "kv_checked_pages": self.kv_checked_pages,
+            "kv_mismatches": self.kv_mismatches,
+            "output_tokens": self.output_tokens,
+            "output_mismatches": self.output_mismatches,
+            "alloc_failures": self.alloc_failures,
+            "load_back_skipped": self.load_back_skipped,
+            "prefetches": self.prefetches,
+            "prefetch_timeouts": self.prefetch_timeouts,
+            "prefetch_wait_ms": round(self.prefetch_wait_s * 1e3, 2),
+            "controller_us_per_request": round(self.controller_us_per_request, 1),
+            "controller_us_per_request_by_call": {
+                k: round(v / self.requests * 1e6, 1) for k, v in sorted(self.controller_by_call.items())
+            } if self.requests else {},
+            "transfer_ms": round(self.transfer_s * 1e3, 2),
+            "model_s": round(self.model_s, 3),
+            "wall_s": round(self.wall_s, 3),
+        }
+
+
+@attrs.define
+class Simulation:
+    """Every configuration's result plus the workload and the cache-free reference."""
+
+    workload: Workload
+    page_size: int
+    layout: str
+    device: str
+    tiers: list[TierResult]
+    reference_s: float
+    wall_s: float
+    storage_skipped: str | None = None
+    reference: Reference | None = attrs.field(default=None, repr=False)
+
+    def tier(self, name: str) -> TierResult | None:
+        return next((t for t in self.tiers if t.name == name), None)
+
+    @property
+    def hierarchy(self) -> TierResult:
+        """The fullest real hierarchy of the run (with storage when it ran)."""
+        return self.tier(FULL) or self.tier(DEVICE_HOST) or self.tiers[0]
+
+    @property
+    def kv_mismatches(self) -> int:
+        return sum(t.kv_mismatches for t in self.tiers)
+
+    @property
+    def output_mismatches(self) -> int:
+        return sum(t.output_mismatches for t in self.tiers)
+
+    def as_dict(self) -> dict:
+        full = self.hierarchy
+        bound = self.tier(INFINITE)
+        return {
+            "hit_rate": round(full.hit_rate, 4),
+            "hit_rate_bound": round(bound.hit_rate, 4) if bound else None,
+            "hierarchy": full.name,
+            "kv_mismatches": self.kv_mismatches,
+            "output_mismatches": self.output_mismatches,
+            "requests": self.workload.requests,
+            "controller_us_per_request": round(full.controller_us_per_request, 1),
+            "configs": {t.name: t.as_dict() for t in self.tiers},
+            "workload": attrs.asdict(self.workload),
+            "page_size": self.page_size,
+            "layout": self.layout,
+            "device": self.device,
+            "storage_skipped": self.storage_skipped,
+            "reference_s": round(self.reference_s, 3),
+            "wall_s": round(self.wall_s, 3),
+        }
+
+
+# ====================================================================== the engine loop
+
+
+class _Engine:
+    """Serves requests one at a time through a HiCache, the way an engine's step loop would."""
+
+    def __init__(self, tier: Tier, workload: Workload, model: TinyModel | None, page_size: int, layout: str,
+                 device: str, storage_options: dict | None = None) -> None:
+        self.tier = tier
+        self.workload = workload
+        self.model = model
+        self.ps = page_size
+        self.clock = _Clock()
+        shape = model.kv_shape if model is not None else KVShape(1, 1, 2)
+        pools = build_pools(PoolConfig(shape, tier.device_tokens, page_size, layout,
+                                       host_tokens=tier.host_tokens, device=device))
+        self.pool = pools.device
+        executor = TimedExecutor(TorchExecutor(pools.device, pools.host), self.clock)
+        self.cache = HiCache(pools.device, pools.host, tier.cache_config(), executor)
+        self.oracle = KVOracle(page_size) if model is not None else None
+        self.result = TierResult(tier.name, tier.device_tokens, tier.host_tokens, tier.storage_url)
+        self.storage = False
+        if tier.storage_url is not None:
+            options = dict(STORAGE_OPTIONS, model=f"tinymodel-{shape.layers}x{shape.heads}x{shape.head_dim}-s{workload.seed}")
+            options["prefetch_threshold"] = page_size
+            options.update(storage_options or {})
+            self.cache.attach_storage(tier.storage_url, **options)  # setup, not per-request controller time
+            self.storage = True
+        self._next_request = 0
+
+    # ------------------------------------------------------------------ one request
+
+    def serve(self, prompt: Sequence[int], answer: Sequence[int]) -> None:
+        call = self.clock.call
+        cache, ps, res = self.cache, self.ps, self.result
+        res.requests += 1
+        res.prompt_tokens += len(prompt)
+        prompt = tuple(prompt)
+        aligned_prompt = len(prompt) // ps * ps
+
+        m = call(cache.match_prefix, prompt)
+        first_device, first_host = m.device_hit_length, m.host_hit_length
+        if self.storage and first_device + first_host < aligned_prompt:
+            m = self._prefetch(prompt, m)
+        lb = call(cache.load_back, m.last_host_node) if m.host_hit_length else None
+        if m.host_hit_length and lb is None:
+            res.load_back_skipped += 1
+        node = lb.last_node if lb is not None else m.last_device_node
+        call(cache.lock, node)
+        try:
+            served = m.device_indices if lb is None else torch.cat([m.device_indices, lb.device_indices])
+            n_served = int(served.numel())
+            device_part = min(first_device, n_served)
+            host_part = min(first_host, n_served - device_part)
+            res.device_hit_tokens += device_part
+            res.host_hit_tokens += host_part
+            res.storage_hit_tokens += n_served - device_part - host_part
+
+            out_len = len(answer)
+            kv_len = len(prompt) + out_len - 1  # the last answer token is never run through the model
+            aligned = kv_len // ps * ps
+            n_new = aligned - n_served
+            new = call(cache.alloc_device, n_new) if n_new > 0 else None
+            if n_new > 0 and new is None:
+                res.alloc_failures += 1
+
+            past_k, past_v = self._read_past(m, lb, served)
+            if self.model is None:
+                res.computed_tokens += len(prompt) - n_served
+            else:
+                start = time.perf_counter()
+                k, v = self._compute(prompt, answer, past_k, past_v)
+                res.model_s += time.perf_counter() - start
+                if n_served:
+                    bad = self.oracle.check(prompt, past_k, past_v)
+                    res.kv_mismatches += bad
+                if new is not None:
+                    self.pool.write(new, None, k[:, n_served:aligned], v[:, n_served:aligned])
+                    self.oracle.record(prompt + tuple(answer), n_served, aligned, k, v)
+            if new is not None:
+                indices = new if not n_served else torch.cat([served, new])
+                call(cache.insert, (prompt + tuple(answer))[:aligned], indices)
+        finally:
+            call(cache.unlock, node)
+        call(cache.poll)
+
+    def _prefetch(self, prompt: tuple, m):
+        call = self.clock.call
+        rid = f"req-{self._next_request}"
+        self._next_request += 1
+        if not call(self.cache.prefetch, rid, prompt, m):
+            return m
+        self.result.prefetches += 1
+        # Waiting for storage I/O: a real scheduler serves other requests meanwhile, so the
+        # polls of this loop count as prefetch wait, not as controller time of this request.
+        clock = self.clock
+        start, c0, e0, b0 = time.perf_counter(), clock.controller, clock.executor, dict(clock.by_call)
+        while not call(self.cache.prefetch_ready, rid):
+            if time.perf_counter() > start + PREFETCH_TIMEOUT_S:
+                self.result.prefetch_timeouts += 1
+                call(self.cache.abort_prefetch, rid)
+                break
+            time.sleep(0.0005)
+            call(self.cache.poll)
+        clock.controller, clock.executor, clock.by_call = c0, e0, b0
+        self.result.prefetch_wait_s += time.perf_counter() - start
+        return call(self.cache.match_prefix, prompt)
+
+    def _read_past(self, m, lb, served: torch.Tensor):
+        """Per layer: wait for that layer's loads, then read it (as a forward pass would)."""
+        if not served.numel():
+            return None, None
+        if self.model is None:
+            for layer in range(self.pool.layers):
+                self.clock.call(m.wait, layer)
+                if lb is not None:
+                    self.clock.call(lb.wait, layer)
+            return None, None
+        idx = served.to(self.pool.device)
+        ks, vs = [], []
+        for layer in range(self.pool.layers):
+            self.clock.call(m.wait, layer)
+            if lb is not None:
+                self.clock.call(lb.wait, layer)
+            ks.append(self.pool.k[layer].index_select(0, idx))
+            vs.append(self.pool.v[layer].index_select(0, idx))
+        return torch.stack(ks), torch.stack(vs)
+
+    def _compute(self, prompt: tuple, answer: Sequence[int], past_k, past_v):
+        """Prefill the uncached part, then decode the answer with the reference tokens fed back.
+
+        Returns K and V of ``prompt + answer[:-1]`` (layers, tokens, heads, dim).
+        """
+        model, res = self.model, self.result
+        n_past = 0 if past_k is None else past_k.shape[1]
+        if n_past == len(prompt):  # everything cached: run the last token again for its logits
+            n_past -= 1
+        pk = past_k[:, :n_past] if n_past else None
+        pv = past_v[:, :n_past] if n_past else None
+        logits, k, v = model.prefill(prompt[n_past:], pk, pv)
+        res.computed_tokens += len(prompt) - n_past
+        k_all = k if pk is None else torch.cat([pk, k], 1)
+        v_all = v if pv is None else torch.cat([pv, v], 1)
+        if past_k is not None and past_k.shape[1] > n_past:  # keep the cache's KV for the re-run token
+            k_all = torch.cat([past_k, k_all[:, past_k.shape[1]:]], 1)
+            v_all = torch.cat([past_v, v_all[:, past_v.shape[1]:]], 1)
+        for j, tok in enumerate(answer):
+            res.output_tokens += 1
+            if int(torch.argmax(logits)) != tok:
+                res.output_mismatches += 1
+            if j == len(answer) - 1:
+                break
+            logits, k, v = model.prefill([tok], k_all, v_all)
+            k_all = torch.cat([k_all, k], 1)
+            v_all = torch.cat([v_all, v], 1)
+        return k_all, v_all
+
+    # ------------------------------------------------------------------ wrap up
+
+    def finish(self) -> TierResult:
+        cache, res = self.cache, self.result
+        if self.storage:
+            deadline = time.perf_counter() + 10.0
+            while cache.pending_job_ids() and time.perf_counter() < deadline:  # let backups land (untimed)
+                cache.poll()
+                time.sleep(0.001)
+        counters = cache.stats()
+        res.counters = {k: v for k, v in counters.items() if isinstance(v, (int, float))}
+        res.bytes = {kind: int(counters.get(f"bytes_{kind}", 0)) for kind in ("d2h", "h2d")}
+        storage = counters.get("storage")
+        if isinstance(storage, dict):
+            backend = storage.get("backend_stats") or {}
+            res.bytes["h2s"] = int(backend.get("bytes_written", counters.get("bytes_h2s", 0)))
+            res.bytes["s2h"] = int(backend.get("bytes_read", 0))
+        res.kv_checked_pages = self.oracle.checked_pages if self.oracle else 0
+        res.controller_s = max(0.0, self.clock.controller - self.clock.executor)
+        res.transfer_s = self.clock.executor
+        res.controller_by_call = dict(self.clock.by_call)
+        cache.check_invariants()
+        cache.close()
+        return res
+
+
+def run_tier(tier: Tier, workload: Workload, reference: Reference, model: TinyModel | None, page_size: int,
+             layout: str = "page_first", device: str | None = None, storage_options: dict | None = None,
+             on_request: Callable[[], None] = lambda: None) -> TierResult:
+    """Serve the reference's requests through one configuration (``model=None``: tokens only, no KV)."""
+    start = time.perf_counter()
+    engine = _Engine(tier, workload, model, page_size, layout, device or "cpu", storage_options)
+    try:
+        for key in workload.schedule():
+            engine.serve(reference.prompts[key], reference.outputs[key])
+            on_request()
+    except BaseException:
+        engine.cache.close()
+        raise
+    result = engine.finish()
+    result.wall_s = time.perf_counter() - start
+    return result
+
+
+# ====================================================================== the whole comparison
+
+
+@attrs.frozen
+class Options:
+    """Everything ``hicache-fsm simulate`` takes."""
+
+    workload: Workload = Workload()
+    device_tokens: int = 1024
+    host_tokens: int = 3072
+    storage_url: str | None = None  # None: a file:// directory in a fresh temporary directory
+    storage: bool = True
+    page_size: int = 16
+    layout: str = "page_first"
+    device: str | None = None  # None: CUDA when present, else CPU
+    model_layers: int = 4
+    model_heads: int = 2
+    model_head_dim: int = 16
+
+    def __attrs_post_init__(self) -> None:
+        ps = _positive_int("page_size", self.page_size)
+        for name in ("device_tokens", "host_tokens"):
+            value = _positive_int(name, getattr(self, name))
+            if value % ps:
+                raise ConfigError(f"{name} {value} is not a multiple of page_size {ps}")
+        if self.layout not in LAYOUTS:
+            raise ConfigError(f"layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
+        per_request = self.workload.system_prompt_length + self.workload.rounds * (
+            self.workload.request_length + self.workload.output_length)
+        if self.device_tokens < per_request:
+            raise ConfigError(
+                f"device_tokens {self.device_tokens} cannot hold one conversation "
+                f"({per_request} tokens); raise --device-tokens or shorten the workload")
+
+    def infinite_tokens(self) -> int:
+        n = self.workload.max_tokens() + self.workload.requests * self.page_size
+        return math.ceil(n / self.page_size) * self.page_size
+
+    def tiers(self, storage_url: str | None) -> list[Tier]:
+        ps = self.page_size
+        out = [
+            device_only(DEVICE, self.device_tokens, ps),
+            Tier(DEVICE_HOST, self.device_tokens, self.host_tokens),
+        ]
+        if storage_url is not None:
+            out.append(Tier(FULL, self.device_tokens, self.host_tokens, storage_url))
+        big = self.infinite_tokens()
+        out.append(Tier(INFINITE, big, big))
+        return out
+
+
+class Progress:
+    """A one-line progress bar on a terminal (no output when the stream is not one)."""
+
+    def __init__(self, total: int, stream: TextIO | None = None, enabled: bool | None = None, width: int = 30) -> None:
+        self.total = max(1, total)
+        self.done = 0
+        self.stream = stream if stream is not None else sys.stderr
+        self.enabled = self.stream.isatty() if enabled is None else enabled
+        self.width = width
+        self.label = ""
+        self._last = 0.0
+
+    def step(self, n: int = 1) -> None:
+        self.done += n
+        now = time.perf_counter()
+        if self.enabled and (now - self._last > 0.1 or self.done >= self.total):
+            self._last = now
+            filled = int(self.width * self.done / self.total)
+            bar = "#" * filled + "." * (self.width - filled)
+            self.stream.write(f"\r[{bar}] {self.done}/{self.total} {self.label:<22}")
+            self.stream.flush()
+
+    def set_label(self, label: str) -> None:
+        self.label = label
+        self.step(0)
+
+    def close(self) -> None:
+        if self.enabled:
+            self.stream.write("\r" + " " * (self.width + 40) + "\r")
+            self.stream.flush()
+
+
+def run_simulation(options: Options = Options(), progress: Progress | None = None,
+                   storage_options: dict | None = None) -> Simulation:
+    """Run the cache-free reference and every configuration on the same requests."""
+    start = time.perf_counter()
+    w = options.workload
+    device = options.device or str(default_device())
+    model = TinyModel(options.model_layers, options.model_heads, options.model_head_dim, vocab=w.vocab,
+                      seed=w.seed, device=device)
+    storage_skipped = None
+    tmp = None
+    storage_url = None
+    if options.storage:
+        if not storage_available():
+            storage_skipped = "this build of HiCache has no storage tier (attach_storage)"
+        elif options.storage_url is not None:
+            storage_url = options.storage_url
+        else:
+            tmp = tempfile.mkdtemp(prefix="hicache-sim-")
+            storage_url = "file://" + os.path.join(tmp, "l3")
+    tiers = options.tiers(storage_url)
+    if progress is None:
+        progress = Progress(w.requests * (len(tiers) + 1), enabled=False)
+    else:
+        progress.total = w.requests * (len(tiers) + 1)
+    try:
+        progress.set_label("cache-free reference")
+        reference = reference_run(model, w, progress.step)
+        results = []
+        for tier in tiers:
+            progress.set_label(tier.name)
+            results.append(run_tier(tier, w, reference, model, options.page_size, options.layout, device,
+                                    storage_options, progress.step))
+    finally:
+        progress.close()
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return Simulation(w, options.page_size, options.layout, device, results, reference.seconds,
+                      time.perf_counter() - start, storage_skipped, reference)
+
+
+# ====================================================================== capacity sweep (for --plot)
+
+
+def capacity_grid(options: Options) -> tuple[list[int], list[int]]:
+    """Device sizes (x axis) and host sizes (one line each) around the chosen ones."""
+    ps = options.page_size
+    w = options.workload
+    smallest = w.system_prompt_length + w.rounds * (w.request_length + w.output_length)
+    top = options.infinite_tokens()
+    devices = sorted({math.ceil(smallest * f / ps) * ps for f in (1, 1.5, 2, 3, 4, 6, 8)}
+                     | {options.device_tokens} | {top})
+    devices = [d for d in devices if d <= top]
+    hosts = sorted({options.host_tokens // 2 // ps * ps or ps, options.host_tokens, options.host_tokens * 2,
+                    top})
+    return devices, hosts
+
+
+def hit_rate_sweep(options: Options, reference: Reference, devices: Iterable[int], hosts: Iterable[int],
+                   storage_url: str | None = None) -> dict[str, list[tuple[int, float]]]:
+    """Hit rate of the token stream for each capacity: one series per host size (0 = device only).
+
+    No model runs: a one-element KV shape and the reference answers; hit rates
+    depend only on tokens and capacities. With ``storage_url``, an extra series
+    adds storage to the chosen host size.
+    """
+    w, ps = options.workload, options.page_size
+    series: dict[str, list[tuple[int, float]]] = {}
+    for host in [0, *hosts]:
+        label = "device only" if host == 0 else f"host {host} tokens"
+        pts = []
+        for dev in devices:
+            tier = device_only("sweep", dev, ps) if host == 0 else Tier("sweep", dev, host)
+            pts.append((dev, run_tier(tier, w, reference, None, ps, options.layout, "cpu").hit_rate))
+        series[label] = pts
+    if storage_url is not None:
+        pts = []
+        for dev in devices:
+            tier = Tier("sweep", dev, options.host_tokens, storage_url)
+            pts.append((dev, run_tier(tier, w, reference, None, ps, options.layout, "cpu").hit_rate))
+        series[f"host {options.host_tokens} + storage"] = pts
+    return series
+
+
+__all__ = [
+    "ARRIVALS", "DEVICE", "DEVICE_HOST", "FULL", "INFINITE", "KVOracle", "Options", "Progress", "Reference",
+    "Simulation", "Tier", "TierResult", "TimedExecutor", "Workload", "capacity_grid", "device_only",
+    "hit_rate_sweep", "reference_run", "run_simulation", "run_tier", "storage_available", "token_stream",
+]

@@ -1,0 +1,88 @@
+"""The attachment of one storage backend: its handle and the threads that use it.
+
+A ``StorageLink`` is the object the ``storage_link`` machine moves
+(``detached -> attaching -> attached -> detaching -> detached``). It holds
+what an attach opened, so the machine's effects can undo exactly that:
+``rollback`` (attach failed), ``signal_stop`` (detach began) and
+``close_backend`` (every thread exited). Each attach gets a fresh stop event:
+a thread that outlived an earlier detach keeps seeing its own event set and
+never touches the new backend.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable
+
+log = logging.getLogger("hicache_fsm.storage.tier")
+
+THREAD_PREFIX = "hicache-storage"
+
+
+class StorageLink:
+    """Backend handle, threads and stop event of one attachment (see module docstring)."""
+
+    def __init__(self, wake: Callable[[], None], join_timeout: float = 10.0) -> None:
+        self.state = "detached"
+        self.backend = None
+        self.threads: list[threading.Thread] = []
+        self.stop_event = threading.Event()
+        self.join_timeout = join_timeout
+        self._wake = wake
+        self.last_backend_stats: dict = {}
+
+    # ------------------------------------------------------------------ used by attach
+
+    def start_threads(self, targets: dict[str, Callable[[threading.Event, object], None]]) -> None:
+        """Start one thread per target, each called as ``fn(stop_event, backend)``."""
+        self.stop_event = threading.Event()
+        for name, fn in targets.items():
+            thread = threading.Thread(
+                target=fn, args=(self.stop_event, self.backend), name=f"{THREAD_PREFIX}-{name}", daemon=True
+            )
+            self.threads.append(thread)
+            thread.start()
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait (bounded) for every thread to exit; True when none is alive."""
+        deadline = time.monotonic() + (self.join_timeout if timeout is None else timeout)
+        for thread in self.threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        alive = [t.name for t in self.threads if t.is_alive()]
+        if alive:
+            log.error("storage threads still running after %.1fs: %s", self.join_timeout, alive)
+        return not alive
+
+    # ------------------------------------------------------------------ machine effects / guards
+
+    def threads_alive(self) -> bool:
+        return any(t.is_alive() for t in self.threads)
+
+    def signal_stop(self) -> None:
+        self.stop_event.set()
+        self._wake()
+
+    def rollback(self) -> None:
+        """Undo a failed attach: stop the threads it started, close the backend it opened."""
+        self.signal_stop()
+        self.join()
+        self.close_backend()
+
+    def close_backend(self) -> None:
+        backend, self.backend = self.backend, None
+        self.threads = [t for t in self.threads if t.is_alive()]
+        if backend is None:
+            return
+        try:
+            self.last_backend_stats = dict(backend.stats())
+        except Exception:  # noqa: BLE001 - stats of a broken backend are not worth failing a close
+            pass
+        try:
+            backend.close()
+        except Exception:  # noqa: BLE001 - a close that fails leaves nothing for us to undo
+            log.exception("closing storage backend %r failed", backend)
+
+
+__all__ = ["StorageLink", "THREAD_PREFIX"]

@@ -1,0 +1,122 @@
+"""Options of the storage tier (``HiCache.attach_storage(url, **options)``).
+
+``attach_storage`` takes the fields of :class:`TierOptions` by name; every
+other keyword goes to the backend's constructor (``socket_timeout`` for Redis,
+``max_bytes`` for files, ...). Values are checked before anything is opened.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from hicache_fsm.errors import ConfigError
+from hicache_fsm.storage.keys import KeyNamespace
+
+STOP_POLICIES = ("best_effort", "wait_complete", "timeout")
+
+
+def _positive_int(instance, attribute, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{attribute.name} must be a positive int, got {value!r}")
+
+
+def _non_negative_int(instance, attribute, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"{attribute.name} must be a non-negative int, got {value!r}")
+
+
+def _opt_non_negative_int(instance, attribute, value) -> None:
+    if value is not None:
+        _non_negative_int(instance, attribute, value)
+
+
+def _non_negative_number(instance, attribute, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise ConfigError(f"{attribute.name} must be a number >= 0, got {value!r}")
+
+
+def _positive_number(instance, attribute, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ConfigError(f"{attribute.name} must be a number > 0, got {value!r}")
+
+
+def _policy(instance, attribute, value) -> None:
+    if value not in STOP_POLICIES:
+        raise ConfigError(f"stop_policy must be one of {', '.join(STOP_POLICIES)}; got {value!r}")
+
+
+def _opt_namespace(instance, attribute, value) -> None:
+    if value is not None and not isinstance(value, KeyNamespace):
+        raise ConfigError(f"namespace must be a KeyNamespace, got {type(value).__name__}")
+
+
+def _bool(instance, attribute, value) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{attribute.name} must be a bool, got {value!r}")
+
+
+@attrs.frozen
+class TierOptions:
+    """How the storage tier behaves; defaults follow the reference.
+
+    Prefetch: ``prefetch_threshold`` tokens (at least one page) is the least
+    worth fetching, checked at admission and again on the hit count;
+    ``prefetch_capacity_tokens`` caps the host tokens all running prefetches
+    hold (None: 80% of the host pool); ``stop_policy`` says when the scheduler
+    may end a prefetch (``best_effort``: any time, ``wait_complete``: once the
+    transfer ended, ``timeout``: once it ended or ``min(timeout_base +
+    timeout_per_1k_tokens * tokens / 1024, timeout_max)`` seconds passed);
+    ``batch_pages`` pages go per storage call (hit query and transfers).
+
+    Keys: ``namespace`` (a ``KeyNamespace``), or one built from ``model``,
+    ``tenant``, ``tp_rank``, ``tp_size``, ``is_mla``. MLA models keep one copy
+    for all ranks: ranks other than 0 skip their writes and ack them at once.
+
+    Failures: a failed backup is retried when storage answers again, at most
+    ``retry_batch_tokens`` tokens every ``retry_interval`` seconds; while
+    storage is unhealthy the I/O thread probes it every ``probe_interval``
+    seconds. Stopping the threads waits at most ``join_timeout`` seconds.
+    """
+
+    prefetch_threshold: int = attrs.field(default=256, validator=_non_negative_int)
+    prefetch_capacity_tokens: int | None = attrs.field(default=None, validator=_opt_non_negative_int)
+    stop_policy: str = attrs.field(default="best_effort", validator=_policy)
+    timeout_base: float = attrs.field(default=1.0, validator=_non_negative_number)
+    timeout_per_1k_tokens: float = attrs.field(default=0.25, validator=_non_negative_number)
+    timeout_max: float = attrs.field(default=30.0, validator=_non_negative_number)
+    batch_pages: int = attrs.field(default=128, validator=_positive_int)
+    model: str = "default"
+    tenant: str | None = None
+    tp_rank: int = attrs.field(default=0, validator=_non_negative_int)
+    tp_size: int = attrs.field(default=1, validator=_positive_int)
+    is_mla: bool = attrs.field(default=False, validator=_bool)
+    namespace: KeyNamespace | None = attrs.field(default=None, validator=_opt_namespace)
+    retry_interval: float = attrs.field(default=1.0, validator=_non_negative_number)
+    retry_batch_tokens: int = attrs.field(default=1 << 16, validator=_positive_int)
+    probe_interval: float = attrs.field(default=0.5, validator=_positive_number)
+    join_timeout: float = attrs.field(default=10.0, validator=_positive_number)
+
+    @classmethod
+    def split(cls, options: dict[str, Any]) -> tuple["TierOptions", dict[str, Any]]:
+        """(tier options, backend options) from ``attach_storage``'s keywords."""
+        names = {f.name for f in attrs.fields(cls)}
+        mine = {k: v for k, v in options.items() if k in names}
+        rest = {k: v for k, v in options.items() if k not in names}
+        return cls(**mine), rest
+
+    def key_namespace(self) -> KeyNamespace:
+        if self.namespace is not None:
+            return self.namespace
+        return KeyNamespace(self.model, self.tp_rank, self.tp_size, self.is_mla, self.tenant)
+
+    @property
+    def skip_writes(self) -> bool:
+        """MLA keeps one shared copy: only rank 0 writes it."""
+        if self.namespace is not None:
+            return self.namespace.is_mla and self.namespace.tp_rank != 0
+        return self.is_mla and self.tp_rank != 0
+
+
+__all__ = ["STOP_POLICIES", "TierOptions"]

@@ -1,0 +1,376 @@
+"""Prefetch of one request's KV pages from storage (L3) into host memory (L2).
+
+Theory of operation. ``PrefetchRuntime`` is the context of the ``prefetch``
+machine (``specs/prefetch.yaml``); each request's ``PrefetchOp`` moves through
+it only on the scheduler's thread. Storage threads never fire a trigger: the
+query thread reports hits, the I/O thread fills reserved host pages and counts
+what landed (``add_landed``), and both post events that the tier turns into
+``start_query`` / ``query_done`` / ``batch_done`` / ... when it drains them.
+
+Slots. Admission reserves the host slots for every requested page. Each
+reserved page leaves the op exactly once, either into the tree (a fetched page
+inserted as a host-only node) or back to the allocator (not hit, not fetched,
+or already cached). Pages a storage thread may still write are not freed at
+once: they wait in the op's release queue until its transfer job has finished.
+``completed_tokens`` only grows while the op is not terminated, and a page is
+counted only after its bytes landed, so what ``stop`` inserts is final.
+
+Anchor. The node the fetched pages hang under is protected for the whole
+prefetch: its host copy is pinned (``pin_host``); a device-only anchor (no host
+copy yet) is locked on the device instead; the root needs nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from typing import TYPE_CHECKING, Callable, Hashable
+
+import torch
+
+from hicache_fsm.errors import HiCacheError
+from hicache_fsm.jobs import JobKind, TransferJob
+from hicache_fsm.machine import compile_machine
+from hicache_fsm.spec import load_builtin
+from hicache_fsm.storage.options import TierOptions
+
+if TYPE_CHECKING:  # pragma: no cover
+    from hicache_fsm.cache import HiCache
+    from hicache_fsm.radix import TreeNode
+
+log = logging.getLogger("hicache_fsm.storage.tier")
+
+_EMPTY = torch.empty(0, dtype=torch.int64)
+# states in which a storage thread may still pick the op up or report on it
+THREAD_STATES = frozenset({"admitted", "querying", "transferring"})
+ENDED = frozenset({"completed", "partial"})
+
+
+class PrefetchError(HiCacheError):
+    """A prefetch call was out of protocol (duplicate request id, ...)."""
+
+
+class PrefetchOp:
+    """One request's prefetch; ``state`` is moved by the ``prefetch`` machine only."""
+
+    def __init__(self, request_id: Hashable, tokens: tuple, keys: tuple[str, ...], anchor: "TreeNode",
+                 anchor_pin: str | None, namespace: Hashable, host_indices: torch.Tensor, page_size: int,
+                 gen: int) -> None:
+        self.state = "admitted"
+        self.request_id = request_id
+        self.tokens = tokens  # the tokens to fetch (after the in-memory hit), whole pages
+        self.anchor = anchor
+        self.anchor_pin = anchor_pin  # "host", "lock" or None (root)
+        self.anchor_pinned = anchor_pin is not None
+        self.keys = keys  # chained storage key of every page of ``tokens``
+        self.namespace = namespace
+        self.page_size = page_size
+        self.gen = gen
+        self.host_indices = host_indices  # slots this op still holds (a prefix of what it reserved)
+        self.deferred: list[torch.Tensor] = []  # release queue: freed when the transfer job ends
+        self.reserved_pages = set(_pages(host_indices, page_size))
+        self.inserted_pages: set[int] = set()
+        self.freed_pages: Counter[int] = Counter()
+        self.hit_keys: tuple[str, ...] = ()
+        self.hit_tokens = 0
+        self.completed_tokens = 0
+        self.landed_tokens = 0  # written by the I/O thread under ``_lock``
+        self.inserted_tokens = 0
+        self.job: TransferJob | None = None
+        self.io_active = False
+        self.start_time = time.monotonic()
+        self.error = ""
+        self._lock = threading.Lock()
+        self._terminated = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def terminated(self) -> bool:
+        return self._terminated
+
+    def add_landed(self, num_tokens: int) -> bool:
+        """I/O thread: ``num_tokens`` more arrived; refused (False) once terminated."""
+        with self._lock:
+            if self._terminated:
+                return False
+            self.landed_tokens += num_tokens
+            return True
+
+    def mark_terminated(self) -> None:
+        """Freeze the op: no later page counts; ``completed_tokens`` is what landed."""
+        with self._lock:
+            self._terminated = True
+            self.completed_tokens = self.landed_tokens
+
+    def held_tokens(self) -> int:
+        return int(self.host_indices.numel()) + sum(int(t.numel()) for t in self.deferred)
+
+    def __repr__(self) -> str:
+        return (f"PrefetchOp({self.request_id!r}, {self.state}, tokens={self.num_tokens}, hit={self.hit_tokens}, "
+                f"completed={self.completed_tokens})")
+
+
+def _pages(indices: torch.Tensor, page_size: int) -> list[int]:
+    if indices is None or not indices.numel():
+        return []
+    return (indices[::page_size] // page_size).tolist()
+
+
+class PrefetchRuntime:
+    """Owner of every running prefetch and context of the ``prefetch`` machine."""
+
+    def __init__(self, cache: "HiCache", submit_transfer: Callable[[PrefetchOp, TransferJob], None]) -> None:
+        self.cache = cache
+        self.page_size = cache.page_size
+        self.machine = compile_machine(load_builtin("prefetch"))
+        self.options = TierOptions()
+        self._submit_transfer = submit_transfer
+        self.active: dict[Hashable, PrefetchOp] = {}  # admitted, not yet released
+        self.draining: dict[int, PrefetchOp] = {}  # released, transfer job still running (by job id)
+        self.occupied_tokens = 0
+        self.counters: Counter[str] = Counter()
+        self._violations: list[str] = []
+
+    # ------------------------------------------------------------------ configuration
+
+    def configure(self, options: TierOptions) -> None:
+        self.options = options
+
+    @property
+    def threshold_tokens(self) -> int:
+        return max(self.options.prefetch_threshold, self.page_size)
+
+    @property
+    def capacity_tokens(self) -> int:
+        cap = self.options.prefetch_capacity_tokens
+        if cap is None:
+            cap = int(0.8 * self.cache.host_pool.size_tokens)
+        return cap - cap % self.page_size
+
+    def timeout_for(self, op: PrefetchOp) -> float:
+        o = self.options
+        tokens = op.hit_tokens if op.hit_tokens else op.num_tokens
+        return min(o.timeout_base + o.timeout_per_1k_tokens * tokens / 1024.0, o.timeout_max)
+
+    # ------------------------------------------------------------------ machine
+
+    def fire(self, op: PrefetchOp, trigger: str):
+        transition = self.machine.fire(op, trigger, self)
+        for kind in transition.emits:
+            if kind is JobKind.S2H:
+                self._start_transfer(op)
+        return transition
+
+    def _start_transfer(self, op: PrefetchOp) -> None:
+        job = TransferJob(JobKind.S2H, (), op.host_indices, keys=op.hit_keys)
+        op.job = job
+        op.io_active = True
+        self._submit_transfer(op, job)
+
+    # guards / effects (bindings/prefetch.py calls these)
+
+    def stop_allowed(self, op: PrefetchOp) -> bool:
+        policy = self.options.stop_policy
+        if policy == "best_effort":
+            return True
+        if op.state in ENDED:
+            return True
+        if policy == "timeout":
+            return time.monotonic() - op.start_time > self.timeout_for(op)
+        return False
+
+    def trim_to_hits(self, op: PrefetchOp) -> None:
+        hit = op.hit_tokens
+        extra = op.host_indices[hit:]
+        op.host_indices = op.host_indices[:hit]
+        self._free(op, extra)
+        self.counters["prefetch_trimmed_tokens"] += int(extra.numel())
+
+    def insert_fetched(self, op: PrefetchOp) -> None:
+        """Fetched pages become host-only nodes under the anchor; pages the tree already has are freed."""
+        done = op.completed_tokens - op.completed_tokens % self.page_size
+        done = min(done, int(op.host_indices.numel()))
+        if done <= 0:
+            return
+        slots, op.host_indices = op.host_indices[:done], op.host_indices[done:]
+        cache = self.cache
+        tree = cache.tree
+        anchor = op.anchor
+        if not (anchor.is_root or tree.owns(anchor)):  # cannot happen while the anchor is pinned
+            log.error("prefetch %r: anchor node %d left the tree; dropping %d fetched tokens",
+                      op.request_id, anchor.id, done)
+            self._free(op, slots)
+            return
+        prefix = tree.prefix_tokens(anchor)
+        full = prefix + op.tokens[:done]
+        path, matched = cache._walk_splitting(full, op.namespace)
+        start = len(prefix)
+        if matched < start:  # defensive: the anchor is on every path of its own prefix
+            log.error("prefetch %r: prefix walk stopped above the anchor; dropping fetched pages", op.request_id)
+            self._free(op, slots)
+            return
+        dup = matched - start
+        if dup:
+            self._free(op, slots[:dup])
+            self.counters["prefetch_duplicate_tokens"] += dup
+        if matched < len(full):
+            parent = path[-1] if path else tree.root
+            node = tree.add_child(parent, full[matched:], op.namespace)
+            node.host_indices = slots[dup:]
+            first_page = dup // self.page_size
+            node.storage_keys = tuple(op.hit_keys[first_page: done // self.page_size])
+            node.last_access = cache._tick()
+            node.last_poll = cache._polls
+            cache._fire(node, "insert_prefetched", cache)
+            op.inserted_pages.update(_pages(node.host_indices, self.page_size))
+            self.occupied_tokens -= node.num_tokens
+            op.inserted_tokens += node.num_tokens
+            self.counters["prefetch_inserted_tokens"] += node.num_tokens
+
+    def release_unused(self, op: PrefetchOp) -> None:
+        rest, op.host_indices = op.host_indices, _EMPTY
+        if not rest.numel():
+            return
+        if op.io_active:  # a storage thread may still write these pages: release when its job ends
+            op.deferred.append(rest)
+        else:
+            self._free(op, rest)
+
+    def unpin_anchor(self, op: PrefetchOp) -> None:
+        if not op.anchor_pinned:
+            return
+        op.anchor_pinned = False
+        anchor = op.anchor
+        if not self.cache.tree.owns(anchor):
+            log.error("prefetch %r: anchor node %d left the tree while pinned", op.request_id, anchor.id)
+            return
+        if op.anchor_pin == "host":
+            self.cache.unpin_host(anchor)
+        else:
+            self.cache.unlock(anchor)
+
+    def _free(self, op: PrefetchOp, indices: torch.Tensor) -> None:
+        if indices is None or not indices.numel():
+            return
+        pages = _pages(indices, self.page_size)
+        again = [p for p in pages if op.freed_pages[p] or p in op.inserted_pages or p not in op.reserved_pages]
+        if again:  # never hand a page back twice (the upstream double free)
+            self._violations.append(f"prefetch {op.request_id!r} tried to release pages {again[:8]} twice")
+            return
+        self.cache.host_allocator.free(indices)
+        op.freed_pages.update(pages)
+        self.occupied_tokens -= int(indices.numel())
+        self.counters["prefetch_released_tokens"] += int(indices.numel())
+
+    # ------------------------------------------------------------------ events from the tier
+
+    def transfer_finished(self, op: PrefetchOp) -> None:
+        """The op's transfer job ended: the I/O thread is done with its pages."""
+        op.io_active = False
+        deferred, op.deferred = op.deferred, []
+        for t in deferred:
+            self._free(op, t)
+        if op.job is not None:
+            self.draining.pop(op.job.id, None)
+        if op.state == "released":
+            self._check_done(op)
+
+    def release(self, op: PrefetchOp) -> None:
+        """Fire ``release`` (insert what arrived, release the rest, unpin) and forget the op."""
+        self.fire(op, "release")
+        self.active.pop(op.request_id, None)
+        if op.io_active and op.job is not None:
+            self.draining[op.job.id] = op
+        else:
+            self._check_done(op)
+
+    def _check_done(self, op: PrefetchOp) -> None:
+        accounted = set(op.freed_pages) | op.inserted_pages
+        if accounted != op.reserved_pages:
+            missing = sorted(op.reserved_pages - accounted)[:8]
+            self._violations.append(f"prefetch {op.request_id!r} ended holding pages {missing} (leak)")
+
+    # ------------------------------------------------------------------ invariants
+
+    def _ops(self) -> list[PrefetchOp]:
+        return list(self.active.values()) + list(self.draining.values())
+
+    def slot_release_violations(self) -> list[str]:
+        problems = list(self._violations)
+        for op in self._ops():
+            both = set(op.freed_pages) & op.inserted_pages
+            if both:
+                problems.append(f"prefetch {op.request_id!r}: pages {sorted(both)[:8]} both inserted and freed")
+            twice = [p for p, n in op.freed_pages.items() if n > 1]
+            if twice:
+                problems.append(f"prefetch {op.request_id!r}: pages {twice[:8]} freed twice")
+            held = set(_pages(op.host_indices, self.page_size))
+            for t in op.deferred:
+                held.update(_pages(t, self.page_size))
+            if held & (set(op.freed_pages) | op.inserted_pages):
+                problems.append(f"prefetch {op.request_id!r} still holds pages it released")
+            if held | set(op.freed_pages) | op.inserted_pages != op.reserved_pages:
+                problems.append(f"prefetch {op.request_id!r}: reserved pages are not all accounted for")
+            if op.deferred and not op.io_active:
+                problems.append(f"prefetch {op.request_id!r}: release queue waits on a transfer that ended")
+        return problems
+
+    def anchor_pin_violations(self) -> list[str]:
+        problems = []
+        tree = self.cache.tree
+        for op in self.active.values():
+            anchor = op.anchor
+            if anchor.is_root:
+                continue
+            if not tree.owns(anchor):
+                problems.append(f"prefetch {op.request_id!r}: anchor node {anchor.id} left the tree")
+            elif not op.anchor_pinned:
+                problems.append(f"prefetch {op.request_id!r}: anchor node {anchor.id} is not pinned")
+            elif op.anchor_pin == "host" and anchor.host_ref <= 0:
+                problems.append(f"prefetch {op.request_id!r}: anchor node {anchor.id} host copy unpinned")
+            elif op.anchor_pin == "lock" and anchor.lock_ref <= 0:
+                problems.append(f"prefetch {op.request_id!r}: anchor node {anchor.id} unlocked")
+        for op in self.draining.values():
+            if op.anchor_pinned:
+                problems.append(f"released prefetch {op.request_id!r} still pins its anchor")
+        return problems
+
+    def capacity_violations(self) -> list[str]:
+        held = sum(op.held_tokens() for op in self._ops())
+        problems = []
+        if held != self.occupied_tokens:
+            problems.append(f"prefetches hold {held} host tokens but the counter says {self.occupied_tokens}")
+        if held > self.capacity_tokens:
+            problems.append(f"prefetches hold {held} host tokens, over the capacity of {self.capacity_tokens}")
+        return problems
+
+    def violations(self) -> list[str]:
+        reg = self.machine.registry
+        out = []
+        for name in self.machine.spec.invariants:
+            out += [f"{name}: {p}" for p in reg.invariants[name](self)]
+        return out
+
+    def host_owners(self):
+        for op in self._ops():
+            if op.host_indices.numel():
+                yield f"prefetch {op.request_id!r}", op.host_indices
+            for i, t in enumerate(op.deferred):
+                yield f"prefetch {op.request_id!r} release queue {i}", t
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def clear(self) -> None:
+        """Forget every op (the cache is resetting its pools and tree)."""
+        self.active.clear()
+        self.draining.clear()
+        self.occupied_tokens = 0
+        self._violations.clear()
+
+
+__all__ = ["ENDED", "THREAD_STATES", "PrefetchError", "PrefetchOp", "PrefetchRuntime"]

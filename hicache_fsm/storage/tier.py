@@ -1,0 +1,807 @@
+"""The storage tier (L3) of a running cache: ``cache.storage``.
+
+Theory of operation. ``StorageTier`` joins three things:
+
+* the ``storage_link`` machine over a :class:`~hicache_fsm.storage.link.StorageLink`
+  (attach / detach at run time, rollback of a failed attach);
+* two background threads per attachment: the *query* thread answers prefetch
+  hit queries (``batch_exists`` in batches, stopping at the first miss), the
+  *I/O* thread runs transfers (prefetch pages into reserved host slots first,
+  then host-to-storage backups);
+* the ``prefetch`` machine's runtime (:mod:`hicache_fsm.storage.prefetch`).
+
+Threads never change the tree, a pool allocator or a machine state. They read
+host pages the residency machine keeps pinned (``*_storing`` states) or write
+host pages a prefetch reserved, and post events to a queue. The scheduler's
+thread drains that queue in ``poll`` (and in the prefetch calls), fires the
+prefetch triggers and hands ``Completion`` records of H2S / S2H jobs to the
+cache, which fires ``store_done`` / ``store_failed``.
+
+Failures. Any ``StorageError`` marks storage unhealthy: backups are not
+started (the residency guard ``storage_attached`` says no), prefetches are not
+admitted, and the I/O thread probes the backend every ``probe_interval``
+seconds. Once it answers, ``poll`` re-fires ``store`` for nodes whose host
+copy is not in storage yet (failed or skipped backups), rate-limited. Failed
+prefetch batches end the prefetch with the pages that arrived.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+import threading
+import time
+from collections import Counter, deque
+from typing import TYPE_CHECKING, Any, Hashable
+
+import torch
+
+from hicache_fsm.bindings.residency import ON_HOST
+from hicache_fsm.errors import (
+    BadIndices,
+    GuardRejected,
+    HiCacheError,
+    InvalidTransition,
+    StorageError,
+    StorageLinkError,
+)
+from hicache_fsm.jobs import Completion, JobKind, TransferJob
+from hicache_fsm.machine import compile_machine
+from hicache_fsm.spec import load_builtin
+from hicache_fsm.storage import open_backend
+from hicache_fsm.storage.base import StorageBackend
+from hicache_fsm.storage.keys import page_keys
+from hicache_fsm.storage.link import StorageLink
+from hicache_fsm.storage.options import TierOptions
+from hicache_fsm.storage.prefetch import PrefetchError, PrefetchOp, PrefetchRuntime
+
+if TYPE_CHECKING:  # pragma: no cover
+    from hicache_fsm.cache import HiCache
+    from hicache_fsm.radix import TreeNode
+
+log = logging.getLogger("hicache_fsm.storage.tier")
+
+STORING = frozenset({"device_host_storing", "host_storing", "loading_storing"})
+# nodes with a host copy that is not (yet) in storage: a retried backup starts from these
+UNSTORED = frozenset({"device_host", "host", "loading"})
+_PROBE_KEY = "0" * 64
+
+
+def namespace_seed(namespace: Hashable) -> str | None:
+    """The prior of a tree namespace's first page (None keeps SGLang-compatible keys)."""
+    if namespace is None:
+        return None
+    return hashlib.sha256(b"hicache-fsm-namespace\0" + repr(namespace).encode()).hexdigest()
+
+
+def _page_ids(indices: torch.Tensor, page_size: int) -> list[int]:
+    return (indices[::page_size] // page_size).tolist()
+
+
+class StorageTier:
+    """``cache.storage``: backend link, storage threads, backups and prefetches (see module docstring)."""
+
+    def __init__(self, cache: "HiCache") -> None:
+        if cache.cp is not None:
+            raise StorageLinkError("a context-parallel cache cannot attach storage")
+        if cache.draft_host_pool is not None:
+            raise StorageLinkError("storage of draft-model KV is not supported; detach the draft pools first")
+        self.cache = cache
+        self.page_size = cache.page_size
+        self.options = TierOptions()
+        self.link_machine = compile_machine(load_builtin("storage_link"))
+        self._cv = threading.Condition()
+        self.link = StorageLink(self._wake)
+        self.runtime = PrefetchRuntime(cache, self._submit_transfer)
+        self._query_q: deque[tuple[int, PrefetchOp]] = deque()
+        self._transfer_q: deque[tuple[int, TransferJob, PrefetchOp]] = deque()
+        self._backup_q: deque[tuple[int, TransferJob]] = deque()
+        self._busy = 0
+        self._gen = 0
+        self._events: deque[tuple] = deque()
+        self._completions: list[Completion] = []
+        self._pending_transfer: dict[int, PrefetchOp] = {}  # S2H job id -> op, between emit and submit
+        self._skip_writes = False
+        self.healthy = True
+        self.last_error = ""
+        self._last_probe = 0.0
+        self._sweep_due = False
+        self._last_sweep = 0.0
+        self.counters: Counter[str] = Counter()
+        self._thread_counts: Counter[str] = Counter()  # written by storage threads under _cv
+        self.closed = False
+        cache.register_host_owner(self.runtime.host_owners)
+        cache.register_invariants(self.violations)
+
+    # ================================================================== link: attach / detach
+
+    @property
+    def state(self) -> str:
+        return self.link.state
+
+    @property
+    def backend(self) -> StorageBackend | None:
+        return self.link.backend
+
+    def attach(self, url_or_backend: str | StorageBackend, **options: Any) -> None:
+        """Open the backend, start the threads; on any failure undo all of it and raise StorageLinkError."""
+        self._check_open()
+        tier_options, backend_options = TierOptions.split(options)
+        namespace = tier_options.key_namespace()  # validates model / tenant / ranks
+        if isinstance(url_or_backend, str):
+            pass
+        elif isinstance(url_or_backend, StorageBackend) or hasattr(url_or_backend, "batch_exists"):
+            if backend_options:
+                raise StorageLinkError(f"backend options {sorted(backend_options)} need a URL, not an open backend")
+        else:
+            raise StorageLinkError(f"attach_storage wants a storage URL or a backend, got {type(url_or_backend).__name__}")
+        self._drain()
+        if self.link.state == "detaching":
+            raise StorageLinkError("the previous detach has not finished (storage threads alive); call detach again")
+        old_options = self.options
+        try:
+            self.link_machine.fire(self.link, "attach", self.cache)
+        except GuardRejected:
+            raise StorageLinkError(
+                f"cannot attach storage: {self.cache.storage_transfers_in_flight()} storage transfers in flight"
+            ) from None
+        except InvalidTransition:
+            raise StorageLinkError(f"cannot attach storage: the link is {self.link.state}") from None
+        try:
+            if isinstance(url_or_backend, str):
+                self.link.backend = open_backend(url_or_backend, namespace=namespace, **backend_options)
+            else:
+                self.link.backend = url_or_backend
+            self.options = tier_options
+            self.link.join_timeout = tier_options.join_timeout
+            self.runtime.configure(tier_options)
+            self._skip_writes = tier_options.skip_writes
+            self.healthy, self.last_error = True, ""
+            self.link.start_threads({"query": self._query_loop, "io": self._io_loop})
+            self.link.backend.batch_exists([_PROBE_KEY])  # the backend answers, end to end
+        except BaseException as exc:  # anything, even KeyboardInterrupt: undo the attach first
+            self.link_machine.fire(self.link, "attach_failed", self.cache)
+            self.options = old_options
+            self.runtime.configure(old_options)
+            self._skip_writes = old_options.skip_writes
+            self.counters["attach_failures"] += 1
+            log.warning("attaching storage %s failed: %s; rolled back", self._describe(url_or_backend), exc)
+            if isinstance(exc, (HiCacheError, OSError, ValueError, TypeError)):
+                raise StorageLinkError(f"attaching storage failed: {exc}") from exc
+            raise
+        self.link_machine.fire(self.link, "attach_ok", self.cache)
+        self._sweep_due = True  # host copies made before the attach get stored too
+        self.counters["attaches"] += 1
+        log.info("storage attached: %s (namespace %s)", self._describe(url_or_backend), namespace.prefix)
+
+    @staticmethod
+    def _describe(url_or_backend: object) -> str:
+        if isinstance(url_or_backend, str):
+            return re.sub(r"//[^@/]*@", "//***@", url_or_backend)
+        return repr(url_or_backend)
+
+    def detach(self) -> None:
+        """Stop the threads and close the backend; no-op when detached.
+
+        Refused (StorageLinkError, nothing changed) while storage transfers are
+        in flight. If a thread does not exit within ``join_timeout`` the link
+        stays ``detaching`` and StorageLinkError is raised: call again.
+        """
+        self._drain()
+        if self.link.state in ("detached", "attached"):
+            try:
+                self.link_machine.fire(self.link, "detach", self.cache)
+            except GuardRejected:
+                raise StorageLinkError(
+                    f"cannot detach storage: {self.cache.storage_transfers_in_flight()} storage transfers in flight"
+                ) from None
+            if self.link.state == "detached":
+                return
+        elif self.link.state != "detaching":
+            raise StorageLinkError(f"cannot detach storage while the link is {self.link.state}")
+        self.link.join()
+        try:
+            self.link_machine.fire(self.link, "threads_stopped", self.cache)
+        except GuardRejected:
+            raise StorageLinkError("storage threads did not stop in time; detach again to retry") from None
+        self.counters["detaches"] += 1
+        log.info("storage detached")
+
+    def accepting_backups(self) -> bool:
+        return self.link.state == "attached" and self.healthy and not self.closed
+
+    # ================================================================== jobs from the cache
+
+    def keys_for(self, node: "TreeNode") -> tuple[str, ...]:
+        """Chained page keys of ``node`` (cached on the node; a split slices them)."""
+        ps = self.page_size
+        if node.storage_keys is not None and len(node.storage_keys) == node.num_tokens // ps:
+            return node.storage_keys
+        chain = []
+        n = node
+        while not n.is_root and (n.storage_keys is None or len(n.storage_keys) != n.num_tokens // ps):
+            chain.append(n)
+            n = n.parent
+        prior = None if n.is_root else n.storage_keys[-1]
+        for m in reversed(chain):
+            if m.parent.is_root:
+                prior = namespace_seed(m.namespace)
+            m.storage_keys = tuple(page_keys(m.key, ps, prior))
+            prior = m.storage_keys[-1]
+        return node.storage_keys
+
+    def prior_key(self, node: "TreeNode", namespace: Hashable) -> str | None:
+        return namespace_seed(namespace) if node.is_root else self.keys_for(node)[-1]
+
+    def submit(self, job: TransferJob) -> None:
+        """The cache emitted an H2S (or, through the prefetch runtime, an S2H) job."""
+        if job.kind is JobKind.H2S:
+            self.counters["backups_submitted"] += 1
+            if self.link.state != "attached":
+                self._events.append((self._gen, "done", job, False, "storage is not attached", None))
+                return
+            if self._skip_writes:  # MLA: rank 0 writes the shared copy
+                self.counters["backups_skipped_mla"] += 1
+                self._events.append((self._gen, "done", job, True, "", None))
+                return
+            with self._cv:
+                self._backup_q.append((self._gen, job))
+                self._cv.notify_all()
+            return
+        if job.kind is JobKind.S2H:
+            op = self._pending_transfer.pop(job.id)
+            with self._cv:
+                self._transfer_q.append((self._gen, job, op))
+                self._cv.notify_all()
+            return
+        raise HiCacheError(f"the storage tier runs h2s and s2h jobs, not {job.kind.value}")
+
+    def _submit_transfer(self, op: PrefetchOp, job: TransferJob) -> None:
+        self._pending_transfer[job.id] = op
+        self.cache._emit(job)
+
+    # ================================================================== poll
+
+    def poll(self) -> list[Completion]:
+        """Drain thread events, retry failed backups when due; completions for the cache."""
+        self._drain()
+        self._maybe_sweep()
+        done, self._completions = self._completions, []
+        return done
+
+    def _drain(self) -> None:
+        events = self._events
+        rt = self.runtime
+        while events:
+            ev = events.popleft()
+            if ev[0] != self._gen:
+                continue
+            kind = ev[1]
+            if kind == "done":
+                _, _, job, ok, error, op = ev
+                self._completions.append(Completion(job.id, ok, error))
+                if job.kind is JobKind.H2S:
+                    if ok:
+                        self.counters["backups_stored"] += 1
+                        self.counters["backup_tokens_stored"] += job.num_tokens
+                    else:
+                        self.counters["backup_failures"] += 1
+                        self._sweep_due = True
+                        log.warning("storage backup of %d tokens (job %d) failed: %s", job.num_tokens, job.id, error)
+                elif op is not None:
+                    rt.transfer_finished(op)
+            elif kind == "health":
+                _, _, healthy, error = ev
+                self._set_health(healthy, error)
+            else:
+                op = ev[2]
+                if rt.active.get(op.request_id) is not op:
+                    continue  # ended (aborted, stopped) meanwhile
+                getattr(self, "_on_" + kind)(op, *ev[3:])
+
+    def _set_health(self, healthy: bool, error: str) -> None:
+        if healthy == self.healthy:
+            return
+        self.healthy = healthy
+        if healthy:
+            self.counters["storage_recoveries"] += 1
+            self._sweep_due = True
+            log.warning("storage answers again; pending backups will be retried")
+        else:
+            self.last_error = error
+            self.counters["storage_outages"] += 1
+            log.warning("storage is unavailable (%s); backups paused, prefetches refused", error)
+
+    def _on_query_start(self, op: PrefetchOp) -> None:
+        if op.state == "admitted":
+            self.runtime.fire(op, "start_query")
+
+    def _on_query_done(self, op: PrefetchOp, keys: tuple[str, ...]) -> None:
+        if op.state != "querying":
+            return
+        op.hit_keys = keys
+        op.hit_tokens = len(keys) * self.page_size
+        self.counters["prefetch_hit_tokens"] += op.hit_tokens
+        t = self.runtime.fire(op, "query_done")
+        if t.dest == "revoked":
+            self.counters["prefetch_revoked"] += 1
+            log.info("prefetch %r revoked: %d hit tokens < threshold %d", op.request_id, op.hit_tokens,
+                     self.runtime.threshold_tokens)
+            self.runtime.release(op)
+
+    def _on_query_failed(self, op: PrefetchOp, error: str) -> None:
+        if op.state != "querying":
+            return
+        op.error = error
+        self.counters["prefetch_query_failures"] += 1
+        log.warning("prefetch %r: storage hit query failed: %s", op.request_id, error)
+        self.runtime.fire(op, "query_failed")
+        self.runtime.release(op)
+
+    def _on_batch(self, op: PrefetchOp, tokens: int, short: bool, error: str) -> None:
+        if op.state != "transferring":
+            return
+        op.completed_tokens += tokens
+        self.counters["prefetch_fetched_tokens"] += tokens
+        if short:
+            op.error = error
+            self.counters["prefetch_short_batches"] += 1
+            log.warning("prefetch %r: batch came back short after %d of %d tokens: %s", op.request_id,
+                        op.completed_tokens, op.hit_tokens, error or "miss or corrupt page")
+            self.runtime.fire(op, "batch_short")
+        else:
+            self.runtime.fire(op, "batch_done")
+
+    # ------------------------------------------------------------------ retry of backups
+
+    def _maybe_sweep(self) -> None:
+        if not self._sweep_due or not self.accepting_backups():
+            return
+        now = time.monotonic()
+        if now - self._last_sweep < self.options.retry_interval:
+            return
+        self._last_sweep = now
+        cache = self.cache
+        budget = self.options.retry_batch_tokens
+        started = 0
+        more = False
+        for node in sorted((n for n in cache.tree.nodes() if n.state in UNSTORED), key=lambda n: n.id):
+            if node.num_tokens > budget:
+                more = True
+                break
+            if not cache.residency.can_fire(node, "store", cache):
+                continue
+            cache._fire(node, "store", cache)
+            budget -= node.num_tokens
+            started += 1
+        self._sweep_due = more
+        if started:
+            self.counters["backup_retries"] += started
+            log.info("retrying storage backup of %d nodes", started)
+
+    # ================================================================== prefetch (engine-facing)
+
+    def prefetch(self, request_id: Hashable, tokens: Any, match: Any, namespace: Hashable = None) -> bool:
+        """Admit a prefetch of the tokens after ``match``'s in-memory hit; False when not admitted."""
+        from hicache_fsm.cache import MatchResult, _as_tokens
+
+        self._check_open()
+        self._drain()
+        tokens = _as_tokens(tokens)
+        if not isinstance(match, MatchResult):
+            raise BadIndices(f"prefetch wants the MatchResult of match_prefix, got {type(match).__name__}")
+        try:
+            hash(request_id)
+        except TypeError:
+            raise BadIndices(f"request ids must be hashable, got {type(request_id).__name__}") from None
+        rt = self.runtime
+        if request_id in rt.active:
+            raise PrefetchError(f"request {request_id!r} already has a prefetch running")
+        cache = self.cache
+        anchor = match.last_host_node
+        if not (anchor is cache.tree.root or cache.tree.owns(anchor)):
+            raise BadIndices("the MatchResult is stale: its last node left the tree")
+        if not anchor.is_root:
+            if namespace is not None and namespace != anchor.namespace:
+                raise BadIndices(f"namespace {namespace!r} does not match the matched prefix's {anchor.namespace!r}")
+            namespace = anchor.namespace
+        start = match.device_hit_length + match.host_hit_length
+        prefix = cache.tree.prefix_tokens(anchor)
+        if len(prefix) != start or tuple(tokens[:start]) != prefix:
+            raise BadIndices("the MatchResult does not belong to these tokens (or is stale)")
+        ps = self.page_size
+        want = tokens[start: len(tokens) - len(tokens) % ps]
+        if self.link.state != "attached":
+            return self._reject("detached")
+        if not self.healthy:
+            return self._reject("unhealthy")
+        need = len(want)
+        if need == 0 or need < rt.threshold_tokens:
+            return self._reject("below_threshold")
+        if rt.occupied_tokens + need > rt.capacity_tokens:
+            return self._reject("capacity")
+        prior = self.prior_key(anchor, namespace)
+        keys = tuple(page_keys(want, ps, prior))  # also validates the token ids before anything changes
+        if anchor.is_root:
+            pin = None
+        elif anchor.state in ON_HOST:
+            pin = "host"
+            cache.pin_host(anchor)
+        else:
+            pin = "lock"
+            cache.lock(anchor)
+        slots = cache.host_allocator.alloc(need)
+        if slots is None:
+            cache.evict_host(need - cache.host_allocator.available_tokens)
+            slots = cache.host_allocator.alloc(need)
+        if slots is None:
+            if pin == "host":
+                cache.unpin_host(anchor)
+            elif pin == "lock":
+                cache.unlock(anchor)
+            return self._reject("host_full")
+        op = PrefetchOp(request_id, want, keys, anchor, pin, namespace, slots, ps, self._gen)
+        rt.active[request_id] = op
+        rt.occupied_tokens += need
+        self.counters["prefetch_admitted"] += 1
+        self.counters["prefetch_requested_tokens"] += need
+        with self._cv:
+            self._query_q.append((self._gen, op))
+            self._cv.notify_all()
+        return True
+
+    def _reject(self, reason: str) -> bool:
+        self.counters[f"prefetch_rejected_{reason}"] += 1
+        return False
+
+    def prefetch_ready(self, request_id: Hashable) -> bool:
+        """Scheduler's per-step check: True once the request may proceed (the prefetch ended and was released)."""
+        self._check_open()
+        self._drain()
+        rt = self.runtime
+        op = rt.active.get(request_id)
+        if op is None:
+            return True
+        if op.state in ("failed", "revoked", "aborted", "terminated"):
+            rt.release(op)
+            return True
+        if not rt.machine.can_fire(op, "stop", rt):
+            return False
+        rt.fire(op, "stop")
+        self._count_outcome(op)
+        rt.release(op)
+        return True
+
+    def _count_outcome(self, op: PrefetchOp) -> None:
+        if op.hit_tokens and op.completed_tokens >= op.hit_tokens:
+            self.counters["prefetch_completed"] += 1
+        elif op.completed_tokens:
+            self.counters["prefetch_partial"] += 1
+        else:
+            self.counters["prefetch_empty"] += 1
+
+    def abort_prefetch(self, request_id: Hashable) -> bool:
+        """The request was aborted: end its prefetch and release everything; False if it had none."""
+        self._check_open()
+        self._drain()
+        rt = self.runtime
+        op = rt.active.get(request_id)
+        if op is None:
+            return False
+        rt.fire(op, "abort")
+        self.counters["prefetch_aborted"] += 1
+        rt.release(op)
+        return True
+
+    # ================================================================== storage threads
+
+    def _wake(self) -> None:
+        with self._cv:
+            self._cv.notify_all()
+
+    def _take(self, stop: threading.Event, queues: tuple[deque, ...], timeout: float):
+        """Next item of the first non-empty queue (None on stop or timeout); counts as busy until _done."""
+        with self._cv:
+            deadline = time.monotonic() + timeout
+            while not stop.is_set():
+                for q in queues:
+                    if q:
+                        self._busy += 1
+                        return q.popleft()
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                self._cv.wait(remaining)
+            return None
+
+    def _done(self) -> None:
+        with self._cv:
+            self._busy -= 1
+            self._cv.notify_all()
+
+    def _post(self, *event: object) -> None:
+        self._events.append(event)
+
+    def _failed(self, gen: int, exc: BaseException) -> str:
+        text = f"{type(exc).__name__}: {exc}"
+        if isinstance(exc, StorageError):
+            self._post(gen, "health", False, text)
+        else:
+            log.error("storage thread: unexpected error", exc_info=exc)
+        with self._cv:
+            self._thread_counts["storage_errors"] += 1
+        return text
+
+    def _query_loop(self, stop: threading.Event, backend: StorageBackend) -> None:
+        while not stop.is_set():
+            item = self._take(stop, (self._query_q,), 0.5)
+            if item is None:
+                continue
+            try:
+                self._run_query(stop, backend, *item)
+            except BaseException as exc:  # noqa: BLE001 - a thread must never die silently
+                log.error("storage query thread: unexpected error", exc_info=exc)
+            finally:
+                self._done()
+
+    def _run_query(self, stop: threading.Event, backend: StorageBackend, gen: int, op: PrefetchOp) -> None:
+        if op.terminated or gen != self._gen:
+            return
+        self._post(gen, "query_start", op)
+        step = self.options.batch_pages
+        hits: list[str] = []
+        try:
+            for start in range(0, len(op.keys), step):
+                if stop.is_set() or op.terminated:
+                    self._post(gen, "query_failed", op, "cancelled")
+                    return
+                keys = list(op.keys[start: start + step])
+                n = backend.batch_exists(keys)
+                hits.extend(keys[:n])
+                if n < len(keys):
+                    break
+        except Exception as exc:  # noqa: BLE001 - reported as a failed query
+            self._post(gen, "query_failed", op, self._failed(gen, exc))
+            return
+        self._post(gen, "health", True, "")
+        self._post(gen, "query_done", op, tuple(hits))
+
+    def _io_loop(self, stop: threading.Event, backend: StorageBackend) -> None:
+        while not stop.is_set():
+            timeout = self.options.probe_interval if not self.healthy else 0.5
+            item = self._take(stop, (self._transfer_q, self._backup_q), timeout)
+            if item is None:
+                if not self.healthy and not stop.is_set():
+                    self._probe(backend)
+                continue
+            try:
+                if len(item) == 3:
+                    self._run_transfer(stop, backend, *item)
+                else:
+                    self._run_backup(stop, backend, *item)
+            except BaseException as exc:  # noqa: BLE001 - a thread must never die silently
+                log.error("storage I/O thread: unexpected error", exc_info=exc)
+            finally:
+                self._done()
+
+    def _probe(self, backend: StorageBackend) -> None:
+        now = time.monotonic()
+        if now - self._last_probe < self.options.probe_interval:
+            return
+        self._last_probe = now
+        gen = self._gen
+        with self._cv:
+            self._thread_counts["health_probes"] += 1
+        try:
+            backend.batch_exists([_PROBE_KEY])
+        except Exception as exc:  # noqa: BLE001 - still down
+            self._post(gen, "health", False, f"{type(exc).__name__}: {exc}")
+            return
+        self._post(gen, "health", True, "")
+
+    def _run_transfer(self, stop: threading.Event, backend: StorageBackend, gen: int, job: TransferJob,
+                      op: PrefetchOp) -> None:
+        ps = self.page_size
+        keys = job.keys
+        pages = _page_ids(job.host_indices, ps)
+        pool = self.cache.host_pool
+        step = self.options.batch_pages
+        ok, error = True, ""
+        for start in range(0, len(keys), step):
+            if stop.is_set() or op.terminated or gen != self._gen:
+                ok, error = False, "prefetch ended"
+                break
+            batch_keys = list(keys[start: start + step])
+            batch_pages = pages[start: start + step]
+            got, error = 0, ""
+            try:
+                if hasattr(backend, "batch_get_into"):
+                    results = backend.batch_get_into(batch_keys, pool, batch_pages)
+                else:  # a duck-typed backend without the zero-copy call
+                    results = []
+                    for data, page in zip(backend.batch_get(batch_keys), batch_pages):
+                        if data is None:
+                            results.append(False)
+                            break
+                        pool.write_page(page, data)
+                        results.append(True)
+                for r in results:
+                    if not r:
+                        break
+                    got += 1
+                if got == len(batch_keys):
+                    self._post(gen, "health", True, "")
+            except Exception as exc:  # noqa: BLE001 - the batch failed: keep what arrived before it
+                error = self._failed(gen, exc)
+            short = got < len(batch_keys)
+            if short and not error:
+                error = f"page {start + got} missing or corrupt"
+            accepted = op.add_landed(got * ps)
+            self._post(gen, "batch", op, got * ps, short, error)
+            if short or not accepted:
+                ok = False
+                break
+        self._post(gen, "done", job, ok, error, op)
+
+    def _run_backup(self, stop: threading.Event, backend: StorageBackend, gen: int, job: TransferJob) -> None:
+        if gen != self._gen:
+            return
+        ps = self.page_size
+        pages = _page_ids(job.host_indices, ps)
+        keys = job.keys
+        step = self.options.batch_pages
+        ok, error = True, ""
+        for start in range(0, len(keys), step):
+            if stop.is_set():
+                ok, error = False, "storage is detaching"
+                break
+            try:
+                stored = backend.batch_set_from(list(keys[start: start + step]), self.cache.host_pool,
+                                                pages[start: start + step])
+            except Exception as exc:  # noqa: BLE001 - the backup failed; retried later
+                ok, error = False, self._failed(gen, exc)
+                break
+            if not all(stored):
+                ok, error = False, f"storage refused {stored.count(False)} of {len(stored)} pages"
+                break
+        else:
+            self._post(gen, "health", True, "")
+        self._post(gen, "done", job, ok, error, None)
+
+    # ================================================================== accounting
+
+    def transfers_in_flight(self) -> int:
+        """Storage jobs not yet acknowledged plus prefetches a storage thread may still pick up."""
+        pending = sum(1 for j in self.cache.pending_jobs() if j.kind in (JobKind.H2S, JobKind.S2H))
+        waiting = sum(1 for op in self.runtime.active.values() if op.state in ("admitted", "querying"))
+        return pending + waiting
+
+    def stats(self) -> dict:
+        out: dict[str, Any] = dict(self.counters)
+        with self._cv:
+            out.update(self._thread_counts)
+        rt = self.runtime
+        out.update(rt.counters)
+        backend = self.link.backend
+        out.update(
+            link=self.link.state,
+            healthy=self.healthy,
+            last_error=self.last_error,
+            backend=(getattr(backend, "scheme", None) or type(backend).__name__) if backend is not None else None,
+            backend_stats=dict(backend.stats()) if backend is not None else dict(self.link.last_backend_stats),
+            prefetch_running=len(rt.active),
+            prefetch_tokens_held=rt.occupied_tokens,
+            prefetch_capacity_tokens=rt.capacity_tokens,
+            transfers_in_flight=self.transfers_in_flight(),
+        )
+        return out
+
+    def link_violations(self) -> list[str]:
+        """``no_transfer_while_detached``: nothing moves to or from storage unless attached."""
+        problems = []
+        state = self.link.state
+        if state == "attached":
+            dead = [t.name for t in self.link.threads if not t.is_alive()]
+            if dead:
+                problems.append(f"storage threads died while attached: {dead}")
+            return problems
+        if state != "detached":
+            return problems
+        pending = [j.id for j in self.cache.pending_jobs() if j.kind in (JobKind.H2S, JobKind.S2H)]
+        if pending:
+            problems.append(f"storage jobs {pending[:8]} pending while detached")
+        storing = [n.id for n in self.cache.tree.nodes() if n.state in STORING]
+        if storing:
+            problems.append(f"nodes {storing[:8]} are storing while detached")
+        if self.link.threads_alive():
+            problems.append("storage threads alive while detached")
+        if self.link.backend is not None:
+            problems.append("a backend is open while detached")
+        moving = [op.request_id for op in self.runtime.active.values() if op.state in ("admitted", "querying", "transferring")]
+        if moving:
+            problems.append(f"prefetches {moving[:8]} in flight while detached")
+        return problems
+
+    def violations(self) -> list[str]:
+        reg = self.link_machine.registry
+        out = []
+        for name in self.link_machine.spec.invariants:
+            out += [f"{name}: {p}" for p in reg.invariants[name](self.cache)]
+        return out + self.runtime.violations()
+
+    # ================================================================== lifecycle
+
+    def _wait_idle(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while self._busy:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    log.error("storage threads still busy after %.1fs", timeout)
+                    return False
+                self._cv.wait(remaining)
+        return True
+
+    def reset(self) -> None:
+        """The cache is dropping everything: cancel queued work, wait for running I/O, forget all prefetches."""
+        with self._cv:
+            self._gen += 1
+            self._query_q.clear()
+            self._transfer_q.clear()
+            self._backup_q.clear()
+            self._cv.notify_all()
+        for op in self.runtime._ops():
+            op.mark_terminated()
+        self._wait_idle(self.options.join_timeout)
+        self._events.clear()
+        self._completions.clear()
+        self.runtime.clear()
+        self._sweep_due = False
+
+    def close(self) -> None:
+        """Engine shutdown: abort prefetches, fail queued backups, stop threads, close the backend."""
+        if self.closed:
+            return
+        rt = self.runtime
+        try:
+            self._drain()
+            for rid in list(rt.active):
+                self.abort_prefetch(rid)
+            with self._cv:
+                queued = [(g, job) for g, job in self._backup_q] + [(g, job) for g, job, _ in self._transfer_q]
+                ops = {job.id: op for _, job, op in self._transfer_q}
+                self._backup_q.clear()
+                self._transfer_q.clear()
+                self._query_q.clear()
+            for g, job in queued:
+                self._post(g, "done", job, False, "storage closed", ops.get(job.id))
+            self._wait_idle(self.options.join_timeout)
+            self._drain()
+            done, self._completions = self._completions, []
+            for c in done:
+                self.cache.complete(c)
+            if self.link.state in ("attached", "detaching"):
+                self.detach()
+        except HiCacheError as exc:
+            log.error("closing the storage tier: %s", exc)
+            self.link.signal_stop()
+            self.link.join()
+            self.link.close_backend()
+        finally:
+            self.closed = True
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise HiCacheError("this storage tier is closed")
+
+
+def attach_storage(cache: "HiCache", url_or_backend: str | StorageBackend, **options: Any) -> StorageTier:
+    """Create ``cache.storage`` on first use and attach ``url_or_backend`` (HiCache.attach_storage)."""
+    if cache.storage is None:
+        cache.storage = StorageTier(cache)
+    cache.storage.attach(url_or_backend, **options)
+    return cache.storage
+
+
+__all__ = ["StorageTier", "attach_storage", "namespace_seed"]

@@ -1,0 +1,925 @@
+"""Adapters: the one interface the protocol fuzzers drive a cache through.
+
+A ``CacheAdapter`` speaks in token sequences, not in the cache's own objects,
+so the same stateful machine (``stateful.py``) and the same bounded explorer
+(``explorer.py``) run against any prefix cache: ``HiCacheAdapter`` wraps our
+``HiCache`` with a ``ManualExecutor`` (every job waits until the driver
+completes or fails it, so every acknowledgement order is reachable), and
+``docs/fuzzing.md`` adapts a small two-tier LRU cache written for the example.
+
+Operations, all optional except ``insert``, ``match``, ``read_kv`` and
+``invariant_violations``:
+
+=====================  ==========================================================
+insert(tokens)         compute KV for ``tokens`` and hand it to the cache -> bool
+match(tokens)          longest cached prefix -> ``MatchInfo`` (counts as a hit)
+lock / unlock          pin a matched prefix on the device (engine-held lock ids)
+pin_host / unpin_host  pin the host copy of the node that ends at ``tokens``
+evict / evict_host     free at least N tokens of a tier -> tokens freed
+load_back(tokens)      start loading the host-only part of a match -> tokens
+backup(tokens)         back up the device-only node ending at ``tokens`` -> bool
+pending_jobs()         jobs in flight; ``complete_job`` / ``fail_job`` end one
+redeliver(job_id)      acknowledge a finished job again (must be ``Rejected``)
+prefetch / abort       storage prefetch of a prompt, abort its request
+storage_fault(fault)   make the storage tier raise / time out as scheduled
+read_kv(tokens)        per token, the KV fingerprint read from each valid copy
+=====================  ==========================================================
+
+An operation the adapter does not override raises ``NotSupported``; the
+stateful machine and the explorer consult ``supports(name)`` and never pick
+it. A cache that refuses an operation with its documented error is reported
+as ``Rejected``; the fuzzers then check that nothing changed (``snapshot``).
+
+KV content is checked end to end: ``insert`` writes, for token ``i`` of a
+prompt, a value derived from the prefix ``tokens[:i+1]`` (``kv_fingerprint``)
+into every layer, exactly as a transformer's KV depends only on the tokens up
+to it. ``read_kv`` reads back every copy the cache claims is valid (device,
+host, ...); any copy that differs from the fingerprint is a lost or stale copy.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import itertools
+from collections import Counter
+from typing import Any, Hashable, Iterable, Sequence
+
+import attrs
+import torch
+
+__all__ = [
+    "CacheAdapter",
+    "HiCacheAdapter",
+    "JobInfo",
+    "MatchInfo",
+    "NotSupported",
+    "Occupancy",
+    "Rejected",
+    "StorageFault",
+    "CORRUPT",
+    "kv_fingerprint",
+    "encode_kv",
+    "decode_kv_lists",
+    "OPTIONAL_OPS",
+]
+
+FP_LIMIT = 1 << 17  # fingerprint * 64 + layer stays exact in float32
+MAX_LAYERS = 64
+CORRUPT = -1  # what ``decode`` returns for a token whose layers / K / V disagree
+
+
+class NotSupported(Exception):
+    """The adapter does not implement this operation; rules that need it are skipped."""
+
+
+class Rejected(Exception):
+    """The cache refused the operation with its documented error; it must have changed nothing."""
+
+
+@attrs.frozen
+class MatchInfo:
+    """Tokens of a prompt served from the device, then from the host (after the device part)."""
+
+    device_tokens: int
+    host_tokens: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.device_tokens + self.host_tokens
+
+
+@attrs.frozen
+class JobInfo:
+    """One job in flight: its id, kind (``d2h``, ``h2d``, ``h2s``, ``s2h``, ...) and a description."""
+
+    id: int
+    kind: str
+    detail: tuple = ()
+
+
+@attrs.frozen
+class Occupancy:
+    """Tokens in use per tier (used to check that evictions report what they freed)."""
+
+    device_tokens: int
+    host_tokens: int = 0
+
+
+@attrs.frozen
+class StorageFault:
+    """One scheduled storage failure: calls of ``call`` after the ``after``-th fail ``count`` times.
+
+    ``kind`` is ``raise`` (the backend raises), ``timeout`` (the call times
+    out), ``short`` (a batch returns fewer pages) or ``corrupt`` (a page
+    fails its checksum). ``call`` is ``get``, ``set``, ``exists`` or ``any``.
+    """
+
+    kind: str
+    call: str = "any"
+    after: int = 0
+    count: int = 1
+
+
+def kv_fingerprint(prefix: Sequence[int]) -> int:
+    """The value ``insert`` writes for the last token of ``prefix`` (deterministic across runs)."""
+    return hash(tuple(prefix)) % (FP_LIMIT - 1) + 1
+
+
+def fingerprints(tokens: Sequence[int]) -> list[int]:
+    tokens = tuple(tokens)
+    return [kv_fingerprint(tokens[: i + 1]) for i in range(len(tokens))]
+
+
+def encode_kv(tokens: Sequence[int], layers: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V, each ``(layers, len(tokens), 1, 1)`` float32, carrying each token's fingerprint."""
+    if not 0 < layers <= MAX_LAYERS:
+        raise ValueError(f"layers must be in [1, {MAX_LAYERS}]")
+    fp = torch.tensor(fingerprints(tokens), dtype=torch.float32)
+    k = fp[None, :] * MAX_LAYERS + torch.arange(layers, dtype=torch.float32)[:, None]
+    k = k[:, :, None, None]
+    return k, -k
+
+
+def decode_kv_lists(k: list, v: list, slot: int) -> int:
+    """Fingerprint stored at ``slot`` of K / V given as nested lists ``[layer][slot][0][0]``."""
+    first = k[0][slot][0][0]
+    fp = int(first) // MAX_LAYERS
+    if fp <= 0:
+        return CORRUPT
+    for layer in range(len(k)):
+        want = float(fp * MAX_LAYERS + layer)
+        if k[layer][slot][0][0] != want or v[layer][slot][0][0] != -want:
+            return CORRUPT
+    return fp
+
+
+# The operations a subclass may leave out (the base raises NotSupported).
+OPTIONAL_OPS = (
+    "lock", "unlock", "held_locks", "pin_host", "unpin_host", "held_pins", "evict", "evict_host",
+    "load_back", "backup", "complete_job", "fail_job", "redeliver", "prefetch", "abort",
+    "storage_fault", "occupancy", "snapshot", "state_key", "size",
+)
+
+
+class CacheAdapter:
+    """Drive a prefix KV cache through token sequences; see the module docstring.
+
+    Subclasses implement ``insert``, ``match``, ``read_kv`` and
+    ``invariant_violations`` and whichever optional operations their cache
+    has. ``page_size`` is the token granularity (prompts are cut to whole pages).
+    """
+
+    name = "cache"
+    page_size = 1
+
+    # ------------------------------------------------------------------ capability
+
+    def supports(self, op: str) -> bool:
+        """True when this adapter overrides ``op`` (or ``pending_jobs`` returns jobs)."""
+        mine = getattr(type(self), op, None)
+        base = getattr(CacheAdapter, op, None)
+        return mine is not None and mine is not base
+
+    # ------------------------------------------------------------------ required
+
+    def insert(self, tokens: Sequence[int]) -> bool:
+        """Compute KV for ``tokens`` (whole pages) and insert it; False when there is no room."""
+        raise NotImplementedError
+
+    def match(self, tokens: Sequence[int]) -> MatchInfo:
+        raise NotImplementedError
+
+    def read_kv(self, tokens: Sequence[int]) -> list[tuple[int, ...]]:
+        """For each token of the longest cached prefix of ``tokens`` that some tier can serve
+        now, the fingerprints read from every copy the cache claims is valid (stop at the first
+        token with none). Must not change the cache (no hit counts, no splits)."""
+        raise NotImplementedError
+
+    def invariant_violations(self) -> list[str]:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ optional
+
+    def read_kv_many(self, prompts: Iterable[Sequence[int]]) -> dict[tuple, list[tuple[int, ...]]]:
+        return {tuple(p): self.read_kv(p) for p in prompts}
+
+    def lock(self, tokens: Sequence[int]) -> int | None:
+        """Match ``tokens`` and lock the device part; a lock id, or None when nothing is on the device."""
+        raise NotSupported("lock")
+
+    def unlock(self, lock_id: int) -> None:
+        raise NotSupported("unlock")
+
+    def held_locks(self) -> list[int]:
+        raise NotSupported("held_locks")
+
+    def pin_host(self, tokens: Sequence[int]) -> int | None:
+        raise NotSupported("pin_host")
+
+    def unpin_host(self, pin_id: int) -> None:
+        raise NotSupported("unpin_host")
+
+    def held_pins(self) -> list[int]:
+        raise NotSupported("held_pins")
+
+    def evict(self, num_tokens: int) -> int:
+        raise NotSupported("evict")
+
+    def evict_host(self, num_tokens: int) -> int:
+        raise NotSupported("evict_host")
+
+    def load_back(self, tokens: Sequence[int]) -> int:
+        raise NotSupported("load_back")
+
+    def backup(self, tokens: Sequence[int]) -> bool | None:
+        """True: backup started; False: refused for lack of room; None: no such device-only node."""
+        raise NotSupported("backup")
+
+    def pending_jobs(self) -> list[JobInfo]:
+        """Jobs in flight (a synchronous cache has none)."""
+        return []
+
+    def complete_job(self, job_id: int) -> None:
+        raise NotSupported("complete_job")
+
+    def fail_job(self, job_id: int) -> None:
+        raise NotSupported("fail_job")
+
+    def finished_jobs(self) -> list[int]:
+        """Ids of jobs already completed or failed (candidates for ``redeliver``)."""
+        return []
+
+    def redeliver(self, job_id: int) -> None:
+        """Deliver a finished job's acknowledgement again; a correct cache raises ``Rejected``."""
+        raise NotSupported("redeliver")
+
+    def poll(self) -> None:
+        """One engine step with nothing else to do (flush queued work)."""
+
+    def prefetch(self, tokens: Sequence[int]) -> Hashable | None:
+        """Start prefetching ``tokens`` from storage; a request id, or None when not admitted."""
+        raise NotSupported("prefetch")
+
+    def abort(self, request: Hashable) -> None:
+        raise NotSupported("abort")
+
+    def storage_fault(self, fault: StorageFault) -> None:
+        raise NotSupported("storage_fault")
+
+    def occupancy(self) -> Occupancy:
+        raise NotSupported("occupancy")
+
+    def snapshot(self) -> Any:
+        """A comparable picture of the whole cache (checks that a rejected call changed nothing)."""
+        raise NotSupported("snapshot")
+
+    def state_key(self) -> Hashable:
+        """A canonical, hashable abstraction of the state (the explorer's visited set)."""
+        raise NotSupported("state_key")
+
+    def size(self) -> int:
+        """Number of entries (tree nodes); the explorer bounds it."""
+        raise NotSupported("size")
+
+    def machines(self) -> list:
+        """Compiled state machines to listen to (coverage)."""
+        return []
+
+    def applicable(self, op: str, args: tuple) -> bool:
+        """False only when running ``op(*args)`` now surely changes nothing, or has exactly the
+        effect of another step the explorer also tries (it skips the clone). Default: True."""
+        return True
+
+    def clone(self) -> "CacheAdapter":
+        """An independent copy (the explorer forks states); deep copy by default."""
+        return copy.deepcopy(self)
+
+    def close(self) -> None:
+        pass
+
+    def describe(self) -> str:
+        return self.name
+
+
+# =========================================================================== HiCache
+
+
+@functools.lru_cache(maxsize=None)
+def _residency_spec():
+    from hicache_fsm.spec import load_builtin
+
+    return load_builtin("residency")
+
+
+def _fork_allocator(alloc, memo: dict):
+    if id(alloc) in memo:
+        return memo[id(alloc)]
+    new = object.__new__(type(alloc))
+    new.__dict__.update(alloc.__dict__)
+    new._allocated = alloc._allocated.clone()
+    new._released = list(alloc._released)
+    memo[id(alloc)] = new
+    return new
+
+
+def _fork_pool(pool, memo: dict):
+    """Copy a KV pool: its buffer is cloned and every view of it re-made on the clone."""
+    if pool is None:
+        return None
+    if id(pool) in memo:
+        return memo[id(pool)]
+    new = object.__new__(type(pool))
+    d = new.__dict__
+    d.update(pool.__dict__)
+    base = pool.kv
+    d["kv"] = kv = base.clone()
+    for name, value in pool.__dict__.items():
+        if name == "kv" or type(value) is not torch.Tensor:
+            continue
+        if value._base is base:
+            d[name] = kv.as_strided(value.size(), value.stride(), value.storage_offset())
+        else:
+            d[name] = value.clone()
+    alloc = d.get("allocator")
+    if alloc is not None:
+        d["allocator"] = _fork_allocator(alloc, memo)
+    memo[id(pool)] = new
+    return new
+
+
+_SLOTS: dict[type, tuple[str, ...]] = {}
+
+
+def _fork_tree(tree, memo: dict):
+    new = object.__new__(type(tree))
+    new.__dict__.update(tree.__dict__)
+    nxt = next(tree._ids)
+    tree._ids = itertools.count(nxt)
+    new._ids = itertools.count(nxt)
+    nodes = {}
+    pairs = []
+    for nid, node in tree._nodes.items():
+        cls = type(node)
+        slots = _SLOTS.get(cls)
+        if slots is None:
+            slots = _SLOTS[cls] = tuple(s for c in cls.__mro__ for s in getattr(c, "__slots__", ()))
+        m = object.__new__(cls)
+        for s in slots:
+            setattr(m, s, getattr(node, s))
+        m.pending_jobs = set(node.pending_jobs)
+        if node.cp_meta is not None:
+            m.cp_meta = copy.deepcopy(node.cp_meta)
+        memo[id(node)] = m
+        nodes[nid] = m
+        pairs.append((node, m))
+    for node, m in pairs:
+        if node.parent is not None:
+            m.parent = memo[id(node.parent)]
+        m.children = {k: memo[id(c)] for k, c in node.children.items()}
+    new._nodes = nodes
+    new.root = memo[id(tree.root)]
+    memo[id(tree)] = new
+    return new
+
+
+def _fork_manual_executor(ex, memo: dict):
+    """Copy a ``ManualExecutor``: its pending copies are re-pointed at the copied pools."""
+    new = object.__new__(type(ex))
+    new.__dict__.update(ex.__dict__)
+    ps = object.__new__(type(ex.pools))
+    ps.__dict__.update({k: _fork_pool(v, memo) for k, v in ex.pools.__dict__.items()})
+    new.pools = ps
+    new._pending = {
+        jid: (job, [attrs.evolve(c, device_pool=memo[id(c.device_pool)], host_pool=memo[id(c.host_pool)])
+                    for c in copies])
+        for jid, (job, copies) in ex._pending.items()
+    }
+    new._queue = list(ex._queue)
+    new.submitted = list(ex.submitted)
+    memo[id(ex)] = new
+    return new
+
+
+_ATOMIC = (int, float, str, bool, type(None), bytes)
+# HiCache attributes that never change after construction (shared by forks)
+_SHARED_ATTRS = ("config", "residency", "_residency_registry", "_offsets", "_np_offsets", "_observers")
+
+
+def fork_cache(cache, memo: dict | None = None):
+    """An independent copy of a ``HiCache`` driven by a ``ManualExecutor``, in ~100-200 us.
+
+    The heavy parts are copied structurally: KV buffers (views re-made on the
+    copy), allocators, the tree and the executor's pending jobs. What never
+    changes is shared: config, compiled machine, frozen jobs and batches, and
+    the slot-index tensors nodes hold (never written in place). Every other
+    attribute is deep-copied with the same memo, so references to nodes,
+    pools, the executor or the cache itself land on the copies, and a field
+    added to ``HiCache`` later is still copied.
+    """
+    from hicache_fsm.executors import ManualExecutor
+
+    memo = {} if memo is None else memo
+    if not isinstance(cache.executor, ManualExecutor):
+        raise NotSupported("fork needs a ManualExecutor (nothing may run behind the explorer's back)")
+    if (getattr(cache, "storage", None) is not None or getattr(cache, "cp", None) is not None
+            or cache._extra_host_owners or cache._extra_invariants):
+        raise NotSupported("fork of a cache with storage or registered runtimes is not implemented yet")
+    new = object.__new__(type(cache))
+    memo[id(cache)] = new
+    for name in _SHARED_ATTRS:
+        if name in cache.__dict__:
+            memo[id(cache.__dict__[name])] = cache.__dict__[name]
+    ex = cache.executor
+    for job in itertools.chain(cache._pending.values(), cache._outbox, ex.pending_jobs()):
+        memo[id(job)] = job
+    for batch in ex.submitted:
+        memo[id(batch)] = batch
+    d = new.__dict__
+    d["device_pool"] = _fork_pool(cache.device_pool, memo)
+    d["host_pool"] = _fork_pool(cache.host_pool, memo)
+    d["draft_device_pool"] = _fork_pool(cache.draft_device_pool, memo)
+    d["draft_host_pool"] = _fork_pool(cache.draft_host_pool, memo)
+    d["executor"] = _fork_manual_executor(ex, memo)
+    d["tree"] = _fork_tree(cache.tree, memo)
+    for name, value in cache.__dict__.items():
+        if name not in d:
+            d[name] = _copy_value(value, memo)
+    return new
+
+
+def _copy_value(value, memo: dict):
+    """Deep copy, with fast paths for atoms, containers of atoms and attrs records of them."""
+    if isinstance(value, _ATOMIC):
+        return value
+    if id(value) in memo:
+        return memo[id(value)]
+    t = type(value)
+    if t in (set, frozenset, list, tuple) and all(isinstance(v, _ATOMIC) for v in value):
+        return t(value)
+    if t in (dict, Counter) and all(isinstance(v, _ATOMIC) for v in value.values()):
+        return t(value)
+    if attrs.has(t) and not getattr(t, "__attrs_frozen__", False) is True:
+        fields = attrs.fields(t)
+        if all(f.init for f in fields):
+            return t(**{f.name: _copy_value(getattr(value, f.name), memo) for f in fields})
+    return copy.deepcopy(value, memo)
+
+
+class HiCacheAdapter(CacheAdapter):
+    """``CacheAdapter`` over our ``HiCache`` with tiny pools and a ``ManualExecutor``.
+
+    Pools hold ``device_pages`` / ``host_pages`` pages of ``page_size`` tokens,
+    ``layers`` layers, one head of dimension one (a token's KV is its
+    fingerprint). Other keyword arguments go to ``CacheConfig`` (``write_policy``,
+    ``eviction_policy``, ...). ``dispatcher`` shares one compiled residency
+    machine between adapters (coverage listeners); by default each adapter
+    compiles its own from the registry as it is now (so a mutant patched into
+    the registry is picked up).
+    """
+
+    name = "hicache"
+
+    def __init__(self, *, device_pages: int = 4, host_pages: int = 4, page_size: int = 1, layers: int = 2,
+                 host_layout: str = "layer_first", dispatcher=None, **config: Any) -> None:
+        from hicache_fsm.cache import HiCache
+        from hicache_fsm.config import CacheConfig
+        from hicache_fsm.executors import ManualExecutor
+        from hicache_fsm.machine import compile_machine
+        from hicache_fsm.pools import DeviceKVPool, HostKVPool, KVShape
+
+        shape = KVShape(layers, 1, 1)
+        self.page_size = page_size
+        self.layers = layers
+        self.device_pool = DeviceKVPool(shape, device_pages * page_size, page_size, "cpu")
+        self.host_pool = HostKVPool(shape, host_pages * page_size, page_size, host_layout, pin_memory=False)
+        self.executor = ManualExecutor(self.device_pool, self.host_pool)
+        machine = dispatcher if dispatcher is not None else compile_machine(_residency_spec())
+        self.config = CacheConfig(**config)
+        self.cache = HiCache(self.device_pool, self.host_pool, self.config, self.executor, dispatcher=machine)
+        self._locks: dict[int, Any] = {}
+        self._pins: dict[int, tuple[Any, tuple[int, ...], int]] = {}
+        self._next_handle = 1
+        self._finished: list[int] = []
+        self.symmetric = True  # state_key identifies caches that differ by a renaming of token ids
+
+    def describe(self) -> str:
+        c = self.config
+        return (f"hicache(device={self.device_pool.allocator.total_pages}, host={self.host_pool.allocator.total_pages}, "
+                f"page={self.page_size}, layers={self.layers}, {c.write_policy}, {c.eviction_policy})")
+
+    # ------------------------------------------------------------------ helpers
+
+    def _aligned(self, tokens: Sequence[int]) -> tuple[int, ...]:
+        tokens = tuple(tokens)
+        return tokens[: len(tokens) - len(tokens) % self.page_size]
+
+    def _exact_node(self, tokens: Sequence[int]):
+        """The node whose run ends exactly at ``tokens`` (no split), or None."""
+        tokens = self._aligned(tokens)
+        if not tokens:
+            return None
+        path, matched, partial = self.cache.tree.walk(tokens)
+        if partial or matched != len(tokens) or not path:
+            return None
+        return path[-1]
+
+    def _handle(self) -> int:
+        h = self._next_handle
+        self._next_handle += 1
+        return h
+
+    # ------------------------------------------------------------------ operations
+
+    def insert(self, tokens: Sequence[int]) -> bool:
+        tokens = self._aligned(tokens)
+        if not tokens:
+            return False
+        idx = self.cache.alloc_device(len(tokens))
+        if idx is None:
+            self.cache.flush()
+            return False
+        k, v = encode_kv(tokens, self.layers)
+        self.device_pool.write(idx, None, k, v)
+        self.cache.insert(tokens, idx)
+        self.cache.flush()
+        return True
+
+    def match(self, tokens: Sequence[int]) -> MatchInfo:
+        m = self.cache.match_prefix(self._aligned(tokens))
+        self.cache.flush()
+        return MatchInfo(m.device_hit_length, m.host_hit_length)
+
+    def lock(self, tokens: Sequence[int]) -> int | None:
+        m = self.cache.match_prefix(self._aligned(tokens))
+        self.cache.flush()
+        node = m.last_device_node
+        if node.is_root:
+            return None
+        self.cache.lock(node)
+        h = self._handle()
+        self._locks[h] = node
+        return h
+
+    def unlock(self, lock_id: int) -> None:
+        from hicache_fsm.errors import LockError, UnknownNode
+
+        node = self._locks.get(lock_id)
+        if node is None:
+            raise Rejected(f"lock {lock_id} is not held")
+        try:
+            self.cache.unlock(node)
+        except (LockError, UnknownNode) as exc:
+            raise Rejected(str(exc)) from None
+        del self._locks[lock_id]
+
+    def held_locks(self) -> list[int]:
+        return list(self._locks)
+
+    def pin_host(self, tokens: Sequence[int]) -> int | None:
+        from hicache_fsm.bindings.residency import ON_HOST
+
+        node = self._exact_node(tokens)
+        if node is None or node.state not in ON_HOST:
+            return None
+        self.cache.pin_host(node)
+        h = self._handle()
+        tree = self.cache.tree
+        self._pins[h] = (node, tree.prefix_tokens(node), len(tree.prefix_tokens(node.parent)))
+        return h
+
+    def unpin_host(self, pin_id: int) -> None:
+        from hicache_fsm.errors import LockError, UnknownNode
+
+        pin = self._pins.get(pin_id)
+        if pin is None:
+            raise Rejected(f"pin {pin_id} is not held")
+        try:
+            self.cache.unpin_host(pin[0])
+        except (LockError, UnknownNode) as exc:
+            raise Rejected(str(exc)) from None
+        del self._pins[pin_id]
+
+    def held_pins(self) -> list[int]:
+        return list(self._pins)
+
+    def evict(self, num_tokens: int) -> int:
+        freed = self.cache.evict(num_tokens)
+        self.cache.flush()
+        return freed
+
+    def evict_host(self, num_tokens: int) -> int:
+        freed = self.cache.evict_host(num_tokens)
+        self.cache.flush()
+        return freed
+
+    def load_back(self, tokens: Sequence[int]) -> int:
+        m = self.cache.match_prefix(self._aligned(tokens))
+        if m.host_hit_length == 0:
+            self.cache.flush()
+            return 0
+        lb = self.cache.load_back(m.last_host_node)
+        self.cache.flush()
+        return 0 if lb is None else int(lb.device_indices.numel())
+
+    def backup(self, tokens: Sequence[int]) -> bool | None:
+        node = self._exact_node(tokens)
+        if node is None or node.state != "device":
+            return None
+        ok = self.cache.write_backup(node)
+        self.cache.flush()
+        return ok
+
+    def pending_jobs(self) -> list[JobInfo]:
+        self.cache.flush()
+        return [JobInfo(j.id, j.kind.value, tuple(j.node_ids)) for j in self.executor.pending_jobs()]
+
+    def complete_job(self, job_id: int) -> None:
+        self.executor.complete(job_id)
+        self.cache.poll()
+        self._finished.append(job_id)
+
+    def fail_job(self, job_id: int) -> None:
+        self.executor.fail(job_id)
+        self.cache.poll()
+        self._finished.append(job_id)
+
+    def finished_jobs(self) -> list[int]:
+        return list(self._finished[-4:])
+
+    def redeliver(self, job_id: int) -> None:
+        from hicache_fsm.errors import UnknownJob
+        from hicache_fsm.jobs import Completion
+
+        try:
+            self.cache.complete(Completion(job_id, True))
+        except UnknownJob as exc:
+            raise Rejected(str(exc)) from None
+
+    def poll(self) -> None:
+        self.cache.poll()
+
+    def occupancy(self) -> Occupancy:
+        ps = self.page_size
+        return Occupancy(self.device_pool.allocator.used_pages * ps, self.host_pool.allocator.used_pages * ps)
+
+    def snapshot(self) -> Any:
+        return (self.cache.snapshot(), sorted(self._locks), sorted(self._pins))
+
+    def size(self) -> int:
+        return len(self.cache.tree)
+
+    def machines(self) -> list:
+        return [self.cache.residency]
+
+    def close(self) -> None:
+        self.cache.close()
+
+    # ------------------------------------------------------------------ reading KV back
+
+    def _pool_lists(self):
+        dev = self.device_pool
+        host = self.host_pool
+        dk, dv = dev.read(torch.arange(dev.size_tokens))
+        hk, hv = host.read(torch.arange(host.size_tokens))
+        return (dk.tolist(), dv.tolist()), (hk.tolist(), hv.tolist())
+
+    def _read(self, tokens: tuple[int, ...], lists) -> list[tuple[int, ...]]:
+        from hicache_fsm.bindings.residency import LOADING, ON_DEVICE, ON_HOST
+
+        (dk, dv), (hk, hv) = lists
+        tree = self.cache.tree
+        tokens = tree.aligned(tokens)
+        path, matched, partial = tree.walk(tokens)
+        parts = [(n, n.num_tokens) for n in path]
+        if partial:
+            parent = path[-1] if path else tree.root
+            child = parent.children.get(tree._child_key(None, tokens, matched))
+            if child is not None:
+                parts.append((child, partial))
+        out: list[tuple[int, ...]] = []
+        for node, n in parts:
+            dev = node.device_indices.tolist() if node.state in ON_DEVICE and node.device_indices is not None else None
+            host = node.host_indices.tolist() if (node.state in ON_HOST and node.host_indices is not None) else None
+            if node.state in LOADING:
+                dev = None  # the device copy is valid only once the load is acknowledged
+            if dev is None and host is None:
+                break
+            for i in range(n):
+                copies = []
+                if dev is not None:
+                    copies.append(decode_kv_lists(dk, dv, dev[i]) if i < len(dev) else CORRUPT)
+                if host is not None:
+                    copies.append(decode_kv_lists(hk, hv, host[i]) if i < len(host) else CORRUPT)
+                out.append(tuple(copies))
+        return out
+
+    def read_kv(self, tokens: Sequence[int]) -> list[tuple[int, ...]]:
+        return self._read(tuple(tokens), self._pool_lists())
+
+    def read_kv_many(self, prompts: Iterable[Sequence[int]]) -> dict[tuple, list[tuple[int, ...]]]:
+        lists = self._pool_lists()
+        return {tuple(p): self._read(tuple(p), lists) for p in prompts}
+
+    # ------------------------------------------------------------------ invariants
+
+    def invariant_violations(self) -> list[str]:
+        problems = list(self.cache.invariant_violations())
+        problems += hicache_structure_violations(self.cache)
+        problems += self._engine_ref_violations()
+        return problems
+
+    def _engine_ref_violations(self) -> list[str]:
+        """Lock and host-pin counts equal what the engine (this adapter) holds."""
+        tree = self.cache.tree
+        want_lock: Counter[int] = Counter()
+        for node in self._locks.values():
+            if not tree.owns(node):
+                return [f"locks: locked node {node.id} left the tree"]
+            for n in tree.path_to_root(node):
+                want_lock[n.id] += 1
+        want_pin: Counter[int] = Counter()
+        for node, _, _ in self._pins.values():  # a host pin covers the pinned node only, never its split-off half
+            if not tree.owns(node):
+                return [f"pins: host-pinned node {node.id} left the tree"]
+            want_pin[node.id] += 1
+        problems = []
+        for n in tree.nodes():
+            if n.is_root:
+                continue
+            if n.lock_ref != want_lock[n.id]:
+                problems.append(f"engine_locks: node {n.id} has lock_ref {n.lock_ref}, the engine holds {want_lock[n.id]}")
+            if n.host_ref != want_pin[n.id]:
+                problems.append(f"engine_pins: node {n.id} has host_ref {n.host_ref}, the engine holds {want_pin[n.id]}")
+        return problems
+
+    # ------------------------------------------------------------------ explorer support
+
+    def clone(self) -> "HiCacheAdapter":
+        memo: dict = {}
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        new.cache = fork_cache(self.cache, memo)
+        new.device_pool = new.cache.device_pool
+        new.host_pool = new.cache.host_pool
+        new.executor = new.cache.executor
+        new._locks = {h: memo[id(n)] for h, n in self._locks.items()}
+        new._pins = {h: (memo[id(n)], pre, start) for h, (n, pre, start) in self._pins.items()}
+        new._finished = list(self._finished[-4:])
+        return new
+
+    def applicable(self, op: str, args: tuple) -> bool:
+        from hicache_fsm.bindings.residency import ON_DEVICE, ON_HOST
+
+        resident = ON_DEVICE | LOADING_STATES
+        tree = self.cache.tree
+        if op in ("match", "lock", "load_back"):
+            tokens = self._aligned(args[0])
+            path, matched, partial = tree.walk(tokens)
+            if partial:
+                parent = path[-1] if path else tree.root
+                path = path + [parent.children[tree._child_key(None, tokens, matched)]]
+            if not path:
+                return False  # nothing matches: only the clock moves
+            if op == "lock":  # without a device part, lock is just a match
+                return path[0].state in resident
+            if op == "load_back":  # without a host-only part, load_back is just a match
+                return any(n.state not in resident for n in path)
+            return True
+        if op == "backup":
+            node = self._exact_node(args[0])
+            return node is not None and node.state == "device"
+        if op == "pin_host":
+            node = self._exact_node(args[0])
+            return node is not None and node.state in ON_HOST
+        if op == "evict":
+            return any(n.state in ON_DEVICE and n.lock_ref == 0 for n in tree.nodes() if not n.is_root)
+        if op == "evict_host":
+            return any(n.state in ON_HOST and n.state not in LOADING_STATES and not n.children
+                       for n in tree.nodes() if not n.is_root)
+        return True
+
+    def state_key(self) -> Hashable:
+        """Canonical state (see ``explorer``): prefixes, not ids; eviction rank, not clocks; token ids
+        up to renaming (two caches that differ only by a permutation of token ids share a key)."""
+        cache = self.cache
+        tree = cache.tree
+        sort_key = getattr(cache, "_sort_key", lambda n: (n.last_access, n.id))
+        nodes = [n for n in tree.nodes() if not n.is_root]
+        rank = {n.id: i for i, n in enumerate(sorted(nodes, key=sort_key))}
+        prefix = {tree.root.id: ()}
+        stack = [tree.root]
+        while stack:
+            p = stack.pop()
+            for c in p.children.values():
+                prefix[c.id] = prefix[p.id] + c.key
+                stack.append(c)
+        pending = cache.pending_jobs()
+        kinds = {j.id: j.kind.value for j in pending}
+        outbox = {j.id for j in cache._outbox}
+        selective = cache.config.write_policy == "write_through_selective"
+        cap = max(1, cache.config.write_through_threshold) if selective else 1
+        orphan = (-1,)
+        rows = [
+            (prefix.get(n.id, orphan + (n.id,)), n.state, n.lock_ref, n.host_ref, min(n.hit_count, cap), rank[n.id],
+             tuple(sorted((kinds.get(j, "?"), j in outbox) for j in n.pending_jobs)))
+            for n in nodes
+        ]
+        jobs = [(j.kind.value, j.id in outbox, tuple(prefix.get(i, orphan + (i,)) for i in j.node_ids)) for j in pending]
+        locks = [prefix.get(n.id, orphan + (n.id,)) for n in self._locks.values()]
+        pins = [(pre, start) for _, pre, start in self._pins.values()]
+        extra = len(cache._engine_pages)
+        alphabet = sorted({t for n in nodes for t in n.key})
+        if not self.symmetric or len(alphabet) > 4:
+            perms = [None]
+        else:
+            perms = [dict(zip(alphabet, p)) for p in itertools.permutations(alphabet)]
+        best = None
+        for m in perms:
+            if m is None:
+                f = tuple
+            else:
+                f = lambda pre, m=m: tuple(m.get(t, t) if t >= 0 else t for t in pre)  # noqa: E731
+            key = (
+                tuple(sorted((f(r[0]),) + r[1:] for r in rows)),
+                tuple(sorted((k, o, tuple(sorted(f(x) for x in ns))) for k, o, ns in jobs)),
+                tuple(sorted(f(x) for x in locks)),
+                tuple(sorted((f(pre), start) for pre, start in pins)),
+                extra,
+            )
+            if best is None or key < best:
+                best = key
+        return best
+
+
+LOADING_STATES = frozenset({"loading", "loading_storing", "loading_stored"})
+
+
+def hicache_structure_violations(cache) -> list[str]:
+    """Checks of the cache's bookkeeping that the residency spec cannot express.
+
+    - ``tree_well_formed``: every node is reachable from the root through its
+      parent's children map, and every node the map names is live;
+    - ``in_flight_has_job``: a node in a copy-in-flight state is covered by a
+      pending job of the right kind, and a pending job covers only live nodes
+      in a state waiting for it;
+    - ``hit_counts_monotone``: a match counts every node on its path, so a
+      parent has been hit at least as often as each child.
+    """
+    from hicache_fsm.bindings.residency import LOADING
+
+    problems = []
+    tree = cache.tree
+    seen = {tree.root.id}
+    stack = [tree.root]
+    while stack:
+        p = stack.pop()
+        for key, c in p.children.items():
+            if c.parent is not p:
+                problems.append(f"tree_well_formed: node {c.id} is a child of {p.id} but its parent is "
+                                f"{getattr(c.parent, 'id', None)}")
+            if not tree.owns(c):
+                problems.append(f"tree_well_formed: node {c.id} under {p.id} is not a live node")
+            if c.id in seen:
+                problems.append(f"tree_well_formed: node {c.id} is reachable twice")
+                continue
+            seen.add(c.id)
+            stack.append(c)
+    for n in tree.nodes():
+        if n.id not in seen:
+            problems.append(f"tree_well_formed: node {n.id} ({n.state}) is not reachable from the root (orphaned)")
+    pending = {j.id: j for j in cache.pending_jobs()}
+    want = {"writing_host": "d2h", "device_host_storing": "h2s", "host_storing": "h2s", "loading_storing": "h2s"}
+    for n in tree.nodes():
+        if n.is_root:
+            continue
+        kinds = {pending[j].kind.value for j in n.pending_jobs if j in pending}
+        stale = [j for j in n.pending_jobs if j not in pending]
+        if stale:
+            problems.append(f"in_flight_has_job: node {n.id} waits for jobs {sorted(stale)} that are not pending")
+        needed = set()
+        if n.state in want:
+            needed.add(want[n.state])
+        if n.state in LOADING:
+            needed.add("h2d")
+        if n.state == "loading_storing":
+            needed.add("h2s")
+        missing = needed - kinds
+        if missing:
+            problems.append(f"in_flight_has_job: node {n.id} in {n.state} has no pending {'/'.join(sorted(missing))} job")
+        extra = kinds - needed - {"s2h"}
+        if extra:
+            problems.append(f"in_flight_has_job: node {n.id} in {n.state} is covered by pending {'/'.join(sorted(extra))} jobs")
+    for j in pending.values():
+        for nid in j.node_ids:
+            node = tree.get(nid)
+            if node is None:
+                problems.append(f"in_flight_has_job: pending job {j.id} ({j.kind.value}) covers node {nid}, which left the tree")
+        for n in cache._job_nodes.get(j.id, ()):
+            if j.id not in n.pending_jobs:
+                problems.append(f"in_flight_has_job: job {j.id} covers node {n.id}, which does not know it")
+    for n in tree.nodes():
+        p = n.parent
+        if p is not None and not p.is_root and p.hit_count < n.hit_count:
+            problems.append(f"hit_counts_monotone: node {n.id} was hit {n.hit_count} times, its parent {p.id} only {p.hit_count}")
+    return problems

@@ -1,0 +1,311 @@
+"""Exhaustive, bounded exploration of the composed cache protocol.
+
+What is explored. Not one spec in isolation but the *composition* the cache
+runs: a radix tree of up to ``nodes`` nodes, each in its own residency state,
+over device and host pools of a few pages, with engine-held locks and host
+pins, and every job in flight completed or failed in every order. From the
+empty cache, every step an engine or an executor can take is tried in every
+state (``Bounds`` lists them: insert / match / lock / load back / back up /
+pin each prompt of a small alphabet, unlock / unpin each held handle, evict
+each tier by 1..N pages, complete or fail each pending job, re-deliver a
+finished job's acknowledgement). Breadth-first, so the first trace found to a
+violation is a shortest one.
+
+Why the real cache and not an abstract model. The explorer drives the real
+``HiCache`` through its ``CacheAdapter``, forking the state before each
+step (``HiCacheAdapter.clone``: a structural copy in ~100 us; a generic deep
+copy costs ~2 ms). A faithful abstract model would be faster but would have
+to restate the cache's eviction order, split rules and job bookkeeping, and
+would check the model, not the code: a controller bug (the planted
+``mutants``) lives in exactly the code a model would paraphrase. Driving the
+real code keeps one source of truth; the spec is still the judge, through
+the invariants the cache registers from its specs and the adapter's checks.
+
+State identity. States are deduplicated on ``adapter.state_key()``, a
+canonical abstraction: the tree by token prefixes (node and job ids and slot
+numbers dropped), each node's residency, lock and pin counts, hit count
+capped at ``max(2, write_through_threshold)`` and its *rank* in the eviction
+order instead of clock values, pending jobs by kind and nodes, and the
+engine's handles. Under LRU the rank is exact; under LFU two states whose
+hit counts differ beyond the cap but order the nodes alike are merged (a
+documented under-approximation). KV contents are not part of the key: every
+new state is checked to read back exactly what was written, so every state
+kept holds correct KV.
+
+Checks in every new state: the adapter's invariant catalogue, KV read-back of
+every prompt of the alphabet, and per step the contract of ``checks.perform``
+(refusals change nothing, evictions report what they freed, a second ack is
+refused, no unexpected exception). A successor larger than ``nodes`` is
+checked but not expanded.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import sys
+import time
+from collections import deque
+from typing import Callable, Iterable, TextIO
+
+import attrs
+
+from hicache_fsm.testing.adapter import CacheAdapter
+from hicache_fsm.testing.checks import Step, catalogue, perform, replay_steps
+from hicache_fsm.testing.paths import CoverageTracker
+
+__all__ = ["Bounds", "Violation", "ExploreResult", "Explorer", "explore", "prompts_for", "hicache_factory"]
+
+
+@attrs.frozen
+class Bounds:
+    """How far to explore.
+
+    ``alphabet`` distinct token ids, prompts of 1..``max_len`` pages (default:
+    ``min(nodes, device_pages)``, the longest prompt that fits on the device),
+    at most ``max_locks`` engine locks and ``max_pins`` host pins held at once,
+    evictions of 1..``device_pages`` / 1..``host_pages`` pages.
+    """
+
+    nodes: int = 3
+    device_pages: int = 2
+    host_pages: int = 2
+    layers: int = 1
+    page_size: int = 1
+    alphabet: int = 2
+    max_len: int | None = None
+    max_locks: int = 1
+    max_pins: int = 1
+    write_policy: str = "write_through"
+    eviction_policy: str = "lru"
+    redeliver: bool = True
+    max_states: int | None = None
+    max_seconds: float | None = None
+
+    @property
+    def prompt_pages(self) -> int:
+        return self.max_len if self.max_len is not None else max(1, min(self.nodes, self.device_pages))
+
+
+def prompts_for(bounds: Bounds) -> list[tuple[int, ...]]:
+    """Every prompt of 1..prompt_pages pages over the alphabet (each page repeats one token id)."""
+    out = []
+    ps = bounds.page_size
+    for n in range(1, bounds.prompt_pages + 1):
+        for pages in itertools.product(range(bounds.alphabet), repeat=n):
+            out.append(tuple(t for p in pages for t in [p + 1] * ps))
+    return out
+
+
+def hicache_factory(bounds: Bounds) -> CacheAdapter:
+    from hicache_fsm.testing.adapter import HiCacheAdapter
+
+    return HiCacheAdapter(device_pages=bounds.device_pages, host_pages=bounds.host_pages, page_size=bounds.page_size,
+                          layers=bounds.layers, write_policy=bounds.write_policy,
+                          eviction_policy=bounds.eviction_policy)
+
+
+@attrs.frozen
+class Violation:
+    problems: tuple[str, ...]
+    trace: tuple[Step, ...]
+
+    def to_json(self) -> dict:
+        return {"problems": list(self.problems), "trace": [s.to_json() for s in self.trace],
+                "steps": [str(s) for s in self.trace]}
+
+    def format(self) -> str:
+        lines = [f"violation after {len(self.trace)} steps:"]
+        lines += [f"  {i + 1:2d}. {s}" for i, s in enumerate(self.trace)]
+        lines += [f"  ! {p}" for p in self.problems]
+        return "\n".join(lines)
+
+
+@attrs.define
+class ExploreResult:
+    bounds: Bounds
+    adapter: str = ""
+    states: int = 0
+    transitions: int = 0
+    pruned: int = 0
+    skipped: int = 0
+    max_depth: int = 0
+    seconds: float = 0.0
+    complete: bool = False
+    violations: list[Violation] = attrs.Factory(list)
+    coverage: dict = attrs.Factory(dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+    def to_json(self) -> dict:
+        return {
+            "adapter": self.adapter,
+            "bounds": attrs.asdict(self.bounds),
+            "states": self.states,
+            "transitions": self.transitions,
+            "pruned": self.pruned,
+            "max_depth": self.max_depth,
+            "complete": self.complete,
+            "seconds": round(self.seconds, 3),
+            "violations": len(self.violations),
+            "counterexamples": [v.to_json() for v in self.violations],
+            "coverage": self.coverage,
+        }
+
+
+class Explorer:
+    """Breadth-first search over ``factory(bounds)``'s reachable states (see the module docstring)."""
+
+    def __init__(self, factory: Callable[[Bounds], CacheAdapter] = hicache_factory, bounds: Bounds = Bounds(), *,
+                 stop_on_first: bool = False, max_violations: int = 5, progress: TextIO | None = None,
+                 progress_every: float = 1.0, coverage: CoverageTracker | None = None) -> None:
+        self.factory = factory
+        self.bounds = bounds
+        self.stop_on_first = stop_on_first
+        self.max_violations = max_violations
+        self.progress = progress
+        self.progress_every = progress_every
+        self.coverage = coverage
+        self.prompts = prompts_for(bounds)
+
+    def steps(self, adapter: CacheAdapter) -> list[Step]:
+        b = self.bounds
+        sup = adapter.supports
+        out: list[Step] = []
+        for p in self.prompts:
+            out.append(Step("insert", (p,)))
+            out.append(Step("match", (p,)))
+            if sup("lock") and len(adapter.held_locks()) < b.max_locks:
+                out.append(Step("lock", (p,)))
+            if sup("load_back"):
+                out.append(Step("load_back", (p,)))
+            if sup("backup"):
+                out.append(Step("backup", (p,)))
+            if sup("pin_host") and len(adapter.held_pins()) < b.max_pins:
+                out.append(Step("pin_host", (p,)))
+        if sup("unlock"):
+            out += [Step("unlock", (i,)) for i in range(len(adapter.held_locks()))]
+        if sup("unpin_host"):
+            out += [Step("unpin_host", (i,)) for i in range(len(adapter.held_pins()))]
+        ps = adapter.page_size
+        if sup("evict"):
+            out += [Step("evict", (k * ps,)) for k in range(1, b.device_pages + 1)]
+        if sup("evict_host"):
+            out += [Step("evict_host", (k * ps,)) for k in range(1, b.host_pages + 1)]
+        jobs = adapter.pending_jobs()
+        for i in range(len(jobs)):
+            if sup("complete_job"):
+                out.append(Step("complete_job", (i,)))
+            if sup("fail_job"):
+                out.append(Step("fail_job", (i,)))
+        if b.redeliver and sup("redeliver") and adapter.finished_jobs():
+            out.append(Step("redeliver", (len(adapter.finished_jobs()) - 1,)))
+        return out
+
+    def _trace(self, parents: dict, key) -> tuple[Step, ...]:
+        steps = []
+        while True:
+            parent, step = parents[key]
+            if parent is None:
+                return tuple(reversed(steps))
+            steps.append(step)
+            key = parent
+
+    def run(self) -> ExploreResult:
+        b = self.bounds
+        t0 = time.perf_counter()
+        root = self.factory(b)
+        result = ExploreResult(b, adapter=root.describe())
+        if self.coverage is not None:
+            self.coverage.attach_all(root.machines())
+        key0 = root.state_key()
+        parents: dict = {key0: (None, None)}
+        outside: set = set()
+        seen_problems: set[str] = set()
+
+        def report(problems: list[str], trace: tuple[Step, ...]) -> bool:
+            kinds = {p.split(":")[0] for p in problems}
+            if not self.stop_on_first and kinds <= seen_problems:
+                return False
+            seen_problems.update(kinds)
+            result.violations.append(Violation(tuple(problems), trace))
+            return self.stop_on_first or len(result.violations) >= self.max_violations
+
+        problems = catalogue(root, self.prompts)
+        if problems and report(problems, ()):
+            return self._finish(result, t0, len(parents), False)
+        queue = deque([(root, key0, 0)])
+        last = t0
+        stop = False
+        while queue and not stop:
+            world, key, depth = queue.popleft()
+            for step in self.steps(world):
+                if not world.applicable(step.op, step.args):
+                    result.skipped += 1
+                    continue
+                child = world.clone()
+                out = perform(child, step)
+                if out.skipped:
+                    result.skipped += 1
+                    continue
+                result.transitions += 1
+                if out.problems:
+                    if report(out.problems, self._trace(parents, key) + (step,)):
+                        stop = True
+                        break
+                    continue
+                ckey = child.state_key()
+                if ckey in parents or ckey in outside:
+                    continue
+                too_big = b.nodes is not None and child.size() > b.nodes
+                if too_big:
+                    outside.add(ckey)
+                    result.pruned += 1
+                else:
+                    parents[ckey] = (key, step)
+                problems = catalogue(child, self.prompts)
+                if problems:
+                    trace = (self._trace(parents, key) + (step,))
+                    if report(problems, trace):
+                        stop = True
+                        break
+                    continue
+                if not too_big:
+                    queue.append((child, ckey, depth + 1))
+                    result.max_depth = max(result.max_depth, depth + 1)
+            now = time.perf_counter()
+            if self.progress is not None and now - last >= self.progress_every:
+                last = now
+                print(f"explore: {len(parents)} states, {result.transitions} transitions, frontier {len(queue)}, "
+                      f"depth {depth}, {now - t0:.1f}s", file=self.progress, flush=True)
+            if b.max_states is not None and len(parents) >= b.max_states:
+                break
+            if b.max_seconds is not None and now - t0 >= b.max_seconds:
+                break
+        return self._finish(result, t0, len(parents), not queue and not stop)
+
+    def _finish(self, result: ExploreResult, t0: float, states: int, complete: bool) -> ExploreResult:
+        result.states = states
+        result.complete = complete and not result.violations
+        result.seconds = time.perf_counter() - t0
+        if self.coverage is not None:
+            result.coverage = self.coverage.report()
+        if self.progress is not None:
+            print(f"explore: done: {states} states, {result.transitions} transitions, "
+                  f"{len(result.violations)} violations, {result.seconds:.1f}s", file=self.progress, flush=True)
+        return result
+
+    def replay(self, trace: Iterable[Step]) -> list[str]:
+        """Re-run a counterexample on a fresh adapter; the problems it ends with."""
+        return replay_steps(self.factory(self.bounds), trace, self.prompts)
+
+
+def explore(bounds: Bounds = Bounds(), factory: Callable[[Bounds], CacheAdapter] = hicache_factory, **kw) -> ExploreResult:
+    """Run an ``Explorer``; keyword arguments go to its constructor."""
+    return Explorer(factory, bounds, **kw).run()
+
+
+def main_json(result: ExploreResult, out: TextIO = sys.stdout) -> None:
+    print(json.dumps(result.to_json(), sort_keys=True), file=out)

@@ -1,0 +1,347 @@
+"""Planted controller bugs, to prove the fuzzer and the explorer catch them.
+
+Each mutant re-creates one class of bug from the reference's history (see
+``HICACHE_SEMANTICS.md``) by patching ``HiCache`` methods, ``RadixTree`` or
+the residency bindings *for the duration of a* ``with mutant(name):`` block
+only; nothing here is imported by the library itself, so no production path
+can reach a mutant. Caches must be created inside the block (each
+``HiCacheAdapter`` compiles its residency machine from the registry as it is
+then, so patched guards and effects take effect).
+
+    from hicache_fsm.testing.mutants import MUTANTS, mutant
+    with mutant("double_free_host"):
+        result = explore(Bounds(nodes=2, device_pages=2, host_pages=2), stop_on_first=True)
+    assert result.violations
+
+``MUTANTS[name].variant`` names the cache configuration the bug lives in
+(e.g. ``write_back``); the fuzzer draws it among its variants anyway, the
+explorer should be run with it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator
+
+import attrs
+
+__all__ = ["Mutant", "MUTANTS", "mutant", "Patcher"]
+
+
+class Patcher:
+    """Record attribute / item replacements and undo them in reverse order."""
+
+    def __init__(self) -> None:
+        self._undo: list[Callable[[], None]] = []
+
+    def setattr(self, obj: Any, name: str, value: Any) -> None:
+        missing = object()
+        old = obj.__dict__.get(name, missing) if isinstance(obj, type) else getattr(obj, name, missing)
+        if old is missing and not hasattr(obj, name):
+            raise AttributeError(f"{obj!r} has no attribute {name!r} to patch (the code moved?)")
+        setattr(obj, name, value)
+        if old is missing:
+            self._undo.append(lambda: delattr(obj, name))
+        else:
+            self._undo.append(lambda: setattr(obj, name, old))
+
+    def setitem(self, mapping: dict, key: Any, value: Any) -> None:
+        if key not in mapping:
+            raise KeyError(f"{key!r} is not bound (the code moved?)")
+        old = mapping[key]
+        mapping[key] = value
+        self._undo.append(lambda: mapping.__setitem__(key, old))
+
+    def undo(self) -> None:
+        while self._undo:
+            self._undo.pop()()
+
+
+@attrs.frozen
+class Mutant:
+    name: str
+    bug: str  # the bug class, in the reference's words
+    apply: Callable[[Patcher], None] = attrs.field(repr=False)
+    variant: dict = attrs.Factory(dict)  # cache configuration the bug needs (write policy, ...)
+
+
+MUTANTS: dict[str, Mutant] = {}
+
+
+def _mutant(name: str, bug: str, **variant: Any):
+    def deco(fn: Callable[[Patcher], None]) -> Callable[[Patcher], None]:
+        MUTANTS[name] = Mutant(name, bug, fn, dict(variant))
+        return fn
+
+    return deco
+
+
+def _cache():
+    from hicache_fsm import cache
+
+    return cache
+
+
+def _residency():
+    from hicache_fsm.registry import registry_for
+
+    return registry_for("residency")
+
+
+@contextlib.contextmanager
+def mutant(name: str) -> Iterator[Mutant]:
+    """Apply the named mutant for the duration of the block."""
+    m = MUTANTS[name]
+    p = Patcher()
+    try:
+        m.apply(p)
+        yield m
+    finally:
+        p.undo()
+
+
+# =========================================================================== slot bookkeeping
+
+
+@_mutant("double_free_host", "double free of host slots released on two paths")
+def _double_free_host(p: Patcher) -> None:
+    """A failed backup's host slots are freed by the transition and again by the completion path."""
+    HiCache = _cache().HiCache
+    orig = HiCache._fire
+
+    def _fire(self, node, trigger, ctx, *a, **kw):
+        held = node.host_indices
+        t = orig(self, node, trigger, ctx, *a, **kw)
+        if trigger == "write_failed" and held is not None:
+            self.host_allocator.free(held)
+        return t
+
+    p.setattr(HiCache, "_fire", _fire)
+
+
+@_mutant("leak_host_on_failed_backup", "leaked host slots (bookkeeping dropped before the slots were released)")
+def _leak_host(p: Patcher) -> None:
+    reg = _residency()
+    orig = reg.effects["free_host"]
+
+    def free_host(node, cache):
+        if node.state == "writing_host":  # the failure path forgets the allocator
+            node.host_indices = None
+            return
+        orig(node, cache)
+
+    p.setitem(reg.effects, "free_host", free_host)
+
+
+@_mutant("leak_device_on_failed_load", "leaked device slots when a load fails")
+def _leak_device(p: Patcher) -> None:
+    reg = _residency()
+    orig = reg.effects["free_device"]
+
+    def free_device(node, cache):
+        if node.state in ("loading", "loading_storing", "loading_stored"):
+            node.device_indices = None
+            return
+        orig(node, cache)
+
+    p.setitem(reg.effects, "free_device", free_device)
+
+
+# =========================================================================== host copies
+
+
+@_mutant("evict_host_while_loading", "host copy of a loading chain evicted before the load ack")
+def _evict_loading(p: Patcher) -> None:
+    """Host eviction also reclaims the host copy of loading leaves (they look host-resident)."""
+    HiCache = _cache().HiCache
+    orig = HiCache.evict_host
+
+    def evict_host(self, num_tokens):
+        freed = orig(self, num_tokens)
+        for n in list(self.tree.nodes()):
+            if freed >= num_tokens:
+                break
+            if n.state in ("loading", "loading_stored") and not n.children and n.host_ref == 0:
+                self.host_allocator.free(n.host_indices)  # the node still believes it holds them
+                freed += n.num_tokens
+        return freed
+
+    p.setattr(HiCache, "evict_host", evict_host)
+
+
+@_mutant("load_from_freed_host", "load-back of a node whose host copy was already freed")
+def _stale_host_node(p: Patcher) -> None:
+    """Host eviction frees the slots but leaves the node in the tree, so matches and loads find it."""
+    HiCache = _cache().HiCache
+    orig = HiCache.evict_host
+
+    def evict_host(self, num_tokens):
+        self.__dict__["_remove"] = lambda node: None  # lazy deletion that never happens
+        try:
+            return orig(self, num_tokens)
+        finally:
+            self.__dict__.pop("_remove", None)
+
+    p.setattr(HiCache, "evict_host", evict_host)
+
+
+@_mutant("orphan_subtree_on_host_evict", "host eviction orphaning subtrees of inner nodes")
+def _orphan(p: Patcher) -> None:
+    """Host eviction also takes host-only *inner* nodes and unlinks them, stranding their children."""
+    HiCache = _cache().HiCache
+    orig = HiCache.evict_host
+
+    def evict_host(self, num_tokens):
+        freed = orig(self, num_tokens)
+        for n in list(self.tree.nodes()):
+            if freed >= num_tokens:
+                break
+            if n.is_root or not n.children or n.state not in ("host", "host_stored") or n.host_ref:
+                continue
+            self._fire(n, "evict_host", self)
+            del n.parent.children[(n.namespace, n.key[: self.page_size])]
+            del self.tree._nodes[n.id]
+            freed += n.num_tokens
+        return freed
+
+    p.setattr(HiCache, "evict_host", evict_host)
+
+
+@_mutant("write_back_failed_as_backed_up", "write_back treating a failed backup as backed up", write_policy="write_back")
+def _failed_as_backed_up(p: Patcher) -> None:
+    HiCache = _cache().HiCache
+    orig = HiCache._fire
+
+    def _fire(self, node, trigger, ctx, *a, **kw):
+        if trigger == "write_failed" and self.config.write_policy == "write_back":
+            trigger = "write_done"
+        return orig(self, node, trigger, ctx, *a, **kw)
+
+    p.setattr(HiCache, "_fire", _fire)
+
+
+# =========================================================================== acknowledgements
+
+
+@_mutant("ack_before_copy", "ack handled before the copy finished (layer read before its load event)")
+def _ack_early(p: Patcher) -> None:
+    """Loads are acknowledged as soon as they are submitted, before the executor copied anything."""
+    cache_mod = _cache()
+    HiCache = cache_mod.HiCache
+    orig = HiCache.flush
+
+    def flush(self):
+        from hicache_fsm.jobs import Completion, JobKind
+
+        before = set(self.executor.pending_job_ids()) if hasattr(self.executor, "pending_job_ids") else set()
+        orig(self)
+        for job in list(self._pending.values()):
+            if job.kind is JobKind.H2D and job.id not in before:
+                self._apply([Completion(job.id, True)])
+
+    p.setattr(HiCache, "flush", flush)
+
+
+@_mutant("double_ack", "ack handled twice (a re-delivered completion is accepted)")
+def _double_ack(p: Patcher) -> None:
+    HiCache = _cache().HiCache
+    orig = HiCache._check_completion
+
+    def _check_completion(self, c):
+        if c.job_id in self.job_ledger.acked or c.job_id in self.job_ledger.failed:
+            return
+        return orig(self, c)
+
+    p.setattr(HiCache, "_check_completion", _check_completion)
+
+
+# =========================================================================== locks, splits, eviction
+
+
+@_mutant("lock_ref_underflow", "lock refs going negative (split forgets the lock, unlock does not check)")
+def _lock_underflow(p: Patcher) -> None:
+    from hicache_fsm.radix import RadixTree
+
+    HiCache = _cache().HiCache
+    split = RadixTree.split
+
+    def split_(self, node, at):
+        upper = split(self, node, at)
+        upper.lock_ref = 0
+        return upper
+
+    def unlock(self, node):
+        node = self._require_node(node)
+        for n in self.tree.path_to_root(node):
+            n.lock_ref -= 1
+
+    p.setattr(RadixTree, "split", split_)
+    p.setattr(HiCache, "unlock", unlock)
+
+
+@_mutant("hit_count_lost_on_split", "hit count lost on node split")
+def _hits_lost(p: Patcher) -> None:
+    from hicache_fsm.radix import RadixTree
+
+    split = RadixTree.split
+
+    def split_(self, node, at):
+        upper = split(self, node, at)
+        upper.hit_count = 0
+        return upper
+
+    p.setattr(RadixTree, "split", split_)
+
+
+@_mutant("split_drops_job", "a node split mid-transfer leaves its new half out of the job")
+def _split_drops_job(p: Patcher) -> None:
+    HiCache = _cache().HiCache
+    orig = HiCache._split
+
+    def _split(self, node, at):
+        upper = orig(self, node, at)
+        for j in upper.pending_jobs:
+            nodes = self._job_nodes.get(j)
+            if nodes is not None and upper in nodes:
+                nodes.remove(upper)
+        upper.pending_jobs = set()
+        return upper
+
+    p.setattr(HiCache, "_split", _split)
+
+
+@_mutant("evict_locked_node", "evicting a locked node")
+def _evict_locked(p: Patcher) -> None:
+    cache_mod = _cache()
+    HiCache = cache_mod.HiCache
+
+    def _device_leaf(self, node):
+        if node.state not in cache_mod.DEVICE_EVICTABLE:
+            return False
+        return not any(c.state in cache_mod.RESIDENT for c in node.children.values())
+
+    p.setattr(HiCache, "_device_leaf", _device_leaf)
+    p.setitem(_residency().guards, "unlocked", lambda node, cache: True)
+
+
+@_mutant("evict_inner_device_node", "device not prefix-closed after evicting an inner node")
+def _evict_inner(p: Patcher) -> None:
+    cache_mod = _cache()
+    HiCache = cache_mod.HiCache
+
+    def _device_leaf(self, node):
+        return node.state in cache_mod.DEVICE_EVICTABLE and node.lock_ref == 0 and node.state != "device"
+
+    p.setattr(HiCache, "_device_leaf", _device_leaf)
+
+
+@_mutant("eviction_counter_stuck", "eviction counter that never advanced")
+def _counter_stuck(p: Patcher) -> None:
+    HiCache = _cache().HiCache
+    orig = HiCache._evict_pass
+
+    def _evict_pass(self, num_tokens, *a, **kw):
+        _, started = orig(self, 1 << 40, *a, **kw)  # the loop never sees its goal reached...
+        return 0, started  # ...and reports nothing freed
+
+    p.setattr(HiCache, "_evict_pass", _evict_pass)

@@ -1,0 +1,339 @@
+"""Record a cache's events as JSONL and check that a recording is a valid run of the specs.
+
+Recording: ``TraceRecorder(cache)`` registers an observer (``cache.add_observer``)
+and keeps one JSON object per line: a header, then every ``transition``
+(machine, object, trigger, source, dest), ``job`` (id, kind, nodes),
+``completion`` (job, ok), ``split`` (node, new upper half) and ``removed``
+event, each with a sequence number. ``TraceRecorder(cache, path)`` also
+writes the lines as they happen.
+
+Replay: ``replay(trace)`` re-checks the recording against the specs alone,
+without the cache:
+
+- every transition is legal: the object is known (or a new object leaving the
+  spec's initial state), its recorded state equals the transition's source,
+  and the spec has that (trigger, source -> dest);
+- every acknowledgement transition (``write_done``, ``load_failed``, ...) is
+  justified by a pending job of the matching kind covering that object
+  (nodes split off while a job was in flight are enrolled in it);
+- job ids are never reused; a completion names a pending job (a second
+  completion of the same job is a divergence) and, when ``ok``, every live
+  node of the job went through the matching ``*_done`` transition;
+- a removed node is in a terminal state and never appears again;
+- with ``require_quiescent``, no job is left pending and no node is left in a
+  copy-in-flight state at the end.
+
+The first violation is reported as a ``Divergence``: the 1-based line, the
+event, what was expected, and the few events before it.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from collections import deque
+from pathlib import Path
+from typing import IO, Iterable
+
+import attrs
+
+from hicache_fsm.spec import Spec, load_builtin
+
+__all__ = ["TRACE_VERSION", "TraceRecorder", "record", "load_trace", "Divergence", "ReplayResult", "replay"]
+
+TRACE_VERSION = 1
+
+# ack trigger -> job kind that justifies it
+ACK_KIND = {
+    "write_done": "d2h", "write_failed": "d2h",
+    "load_done": "h2d", "load_failed": "h2d",
+    "store_done": "h2s", "store_failed": "h2s",
+}
+DONE_TRIGGERS = {"d2h": "write_done", "h2d": "load_done", "h2s": "store_done"}
+# job kind -> residency states that wait for such a job
+WAITING = {
+    "d2h": {"writing_host"},
+    "h2d": {"loading", "loading_storing", "loading_stored"},
+    "h2s": {"device_host_storing", "host_storing", "loading_storing"},
+}
+
+
+class TraceRecorder:
+    """Collect (and optionally write) a cache's events as JSONL."""
+
+    def __init__(self, cache, out: str | Path | IO[str] | None = None, *, meta: dict | None = None) -> None:
+        self.events: list[dict] = []
+        self._seq = 0
+        self._file: IO[str] | None = None
+        self._owns_file = False
+        if isinstance(out, (str, Path)):
+            self._file = open(out, "w", encoding="utf-8")
+            self._owns_file = True
+        elif out is not None:
+            self._file = out
+        header = {"event": "header", "version": TRACE_VERSION, "machines": ["residency"]}
+        header.update(meta or {})
+        self._add(header)
+        cache.add_observer(self._add)
+
+    def _add(self, event: dict) -> None:
+        rec = {"seq": self._seq, **event}
+        self._seq += 1
+        self.events.append(rec)
+        if self._file is not None:
+            self._file.write(json.dumps(rec, sort_keys=True) + "\n")
+            self._file.flush()
+
+    def lines(self) -> list[str]:
+        return [json.dumps(e, sort_keys=True) for e in self.events]
+
+    def text(self) -> str:
+        return "".join(line + "\n" for line in self.lines())
+
+    def dump(self, path: str | Path) -> None:
+        Path(path).write_text(self.text(), encoding="utf-8")
+
+    def close(self) -> None:
+        if self._owns_file and self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def record(cache, out: str | Path | IO[str] | None = None, **meta) -> TraceRecorder:
+    """Start recording ``cache``'s events (see ``TraceRecorder``)."""
+    return TraceRecorder(cache, out, meta=meta or None)
+
+
+def load_trace(source: str | Path | IO[str] | Iterable[str] | Iterable[dict]) -> list[dict]:
+    """Events from a JSONL file / path / text lines / already-parsed dicts."""
+    if isinstance(source, (str, Path)) and "\n" not in str(source) and Path(source).exists():
+        with open(source, encoding="utf-8") as f:
+            return _parse(f)
+    if isinstance(source, str):
+        return _parse(io.StringIO(source))
+    if hasattr(source, "read"):
+        return _parse(source)  # type: ignore[arg-type]
+    items = list(source)
+    if items and isinstance(items[0], dict):
+        return [dict(e) for e in items]
+    return _parse(items)
+
+
+def _parse(lines: Iterable[str]) -> list[dict]:
+    out = []
+    for n, line in enumerate(lines, 1):
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            ev = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"trace line {n}: not JSON: {exc}") from None
+        if not isinstance(ev, dict) or "event" not in ev:
+            raise ValueError(f"trace line {n}: not an event object")
+        ev["_line"] = n
+        out.append(ev)
+    return out
+
+
+@attrs.frozen
+class Divergence:
+    index: int  # 0-based position in the events
+    line: int  # 1-based line in the file
+    event: dict
+    reason: str
+    context: tuple[dict, ...] = ()
+
+    def format(self) -> str:
+        clean = {k: v for k, v in self.event.items() if k != "_line"}
+        lines = [f"line {self.line}: {self.reason}", f"  event: {json.dumps(clean, sort_keys=True)}"]
+        if self.context:
+            lines.append("  after:")
+            for e in self.context:
+                c = {k: v for k, v in e.items() if k != "_line"}
+                lines.append(f"    line {e.get('_line', '?')}: {json.dumps(c, sort_keys=True)}")
+        return "\n".join(lines)
+
+
+@attrs.define
+class ReplayResult:
+    events: int = 0
+    transitions: int = 0
+    jobs: int = 0
+    completions: int = 0
+    objects: int = 0
+    pending_jobs: list[int] = attrs.Factory(list)
+    divergence: Divergence | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.divergence is None
+
+    def to_json(self) -> dict:
+        out = {"ok": self.ok, "events": self.events, "transitions": self.transitions, "jobs": self.jobs,
+               "completions": self.completions, "objects": self.objects, "pending_jobs": self.pending_jobs}
+        if self.divergence is not None:
+            d = self.divergence
+            out["divergence"] = {"line": d.line, "index": d.index, "reason": d.reason,
+                                 "event": {k: v for k, v in d.event.items() if k != "_line"}}
+        return out
+
+
+class _Diverged(Exception):
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+@attrs.define
+class _Job:
+    kind: str
+    nodes: set
+    acked: set = attrs.Factory(set)  # nodes that went through an ack transition for this job
+
+
+class _Replayer:
+    def __init__(self, specs: dict[str, Spec] | None) -> None:
+        self.specs = dict(specs or {})
+        self.state: dict[tuple[str, object], str] = {}
+        self.removed: set[tuple[str, object]] = set()
+        self.jobs: dict[int, _Job] = {}
+        self.finished: dict[int, bool] = {}
+        self.result = ReplayResult()
+
+    def spec(self, machine: str) -> Spec:
+        if machine not in self.specs:
+            try:
+                self.specs[machine] = load_builtin(machine)
+            except Exception as exc:  # noqa: BLE001
+                raise _Diverged(f"unknown machine {machine!r}: {exc}") from None
+        return self.specs[machine]
+
+    def node_state(self, node) -> str:
+        key = ("residency", node)
+        if key in self.removed:
+            raise _Diverged(f"node {node} was removed earlier")
+        if key not in self.state:
+            raise _Diverged(f"node {node} never appeared in the trace")
+        return self.state[key]
+
+    # ------------------------------------------------------------------ events
+
+    def on_header(self, ev: dict) -> None:
+        if ev.get("version") != TRACE_VERSION:
+            raise _Diverged(f"trace version {ev.get('version')!r}, this replayer reads {TRACE_VERSION}")
+
+    def on_transition(self, ev: dict) -> None:
+        machine = ev.get("machine", "residency")
+        spec = self.spec(machine)
+        obj = ev.get("node", ev.get("object"))
+        key = (machine, obj)
+        trigger, source, dest = ev.get("trigger"), ev.get("source"), ev.get("dest")
+        if key in self.removed:
+            raise _Diverged(f"{machine} object {obj} fired {trigger!r} after it was removed")
+        current = self.state.get(key)
+        if current is None:
+            if source != spec.initial:
+                raise _Diverged(f"{machine} object {obj} appears in state {source!r}; a new object starts in "
+                                f"{spec.initial!r}")
+            current = spec.initial
+            self.result.objects += 1
+        if current != source:
+            raise _Diverged(f"{machine} object {obj} is in {current!r}, the event says it left {source!r}")
+        allowed = [t.dest for t in spec.transitions_from(source, trigger)]
+        if not allowed:
+            legal = sorted({t.trigger for t in spec.transitions if source in t.sources})
+            raise _Diverged(f"{machine}: {trigger!r} is not a transition from {source!r} (legal: {', '.join(legal)})")
+        if dest not in allowed:
+            raise _Diverged(f"{machine}: {source!r} --{trigger}--> goes to {', '.join(allowed)}, not {dest!r}")
+        kind = ACK_KIND.get(trigger) if machine == "residency" else None
+        if kind is not None:
+            covering = [j for j, job in self.jobs.items() if job.kind == kind and obj in job.nodes and obj not in job.acked]
+            if not covering:
+                raise _Diverged(f"{trigger!r} on node {obj} without a pending {kind} job covering it")
+            self.jobs[covering[0]].acked.add(obj)
+        self.state[key] = dest
+        self.result.transitions += 1
+
+    def on_job(self, ev: dict) -> None:
+        job_id = ev.get("job")
+        if job_id in self.jobs or job_id in self.finished:
+            raise _Diverged(f"job id {job_id} was used before")
+        nodes = set(ev.get("nodes", ()))
+        for n in nodes:
+            self.node_state(n)
+        self.jobs[job_id] = _Job(ev.get("kind"), nodes)
+        self.result.jobs += 1
+
+    def on_completion(self, ev: dict) -> None:
+        job_id = ev.get("job")
+        if job_id in self.finished:
+            raise _Diverged(f"job {job_id} completed a second time")
+        job = self.jobs.pop(job_id, None)
+        if job is None:
+            raise _Diverged(f"completion of job {job_id}, which was never emitted")
+        self.finished[job_id] = bool(ev.get("ok"))
+        if ev.get("ok") and job.kind in DONE_TRIGGERS:
+            live = {n for n in job.nodes if ("residency", n) not in self.removed and ("residency", n) in self.state}
+            missing = sorted(live - job.acked)
+            if missing:
+                raise _Diverged(f"job {job_id} ({job.kind}) completed but nodes {missing} never went through "
+                                f"{DONE_TRIGGERS[job.kind]!r}")
+        self.result.completions += 1
+
+    def on_split(self, ev: dict) -> None:
+        node, upper = ev.get("node"), ev.get("upper")
+        state = self.node_state(node)
+        if ("residency", upper) in self.state or ("residency", upper) in self.removed:
+            raise _Diverged(f"split created node {upper}, an id already used")
+        self.state[("residency", upper)] = state
+        self.result.objects += 1
+        for job in self.jobs.values():
+            if node in job.nodes:
+                job.nodes.add(upper)
+                if node in job.acked:
+                    job.acked.add(upper)
+
+    def on_removed(self, ev: dict) -> None:
+        node = ev.get("node")
+        state = self.node_state(node)
+        spec = self.spec("residency")
+        if not spec.state(state).terminal:
+            raise _Diverged(f"node {node} left the tree in state {state!r}, which is not terminal")
+        self.removed.add(("residency", node))
+        del self.state[("residency", node)]
+
+    def finish(self, require_quiescent: bool) -> None:
+        self.result.pending_jobs = sorted(self.jobs)
+        if require_quiescent:
+            if self.jobs:
+                raise _Diverged(f"the trace ends with jobs still pending: {sorted(self.jobs)}")
+            busy = sorted(o for (m, o), s in self.state.items() if any(s in w for w in WAITING.values()))
+            if busy:
+                raise _Diverged(f"the trace ends with nodes {busy} waiting for copies")
+
+
+def replay(trace, specs: Iterable[Spec] | None = None, *, require_quiescent: bool = False,
+           context: int = 4) -> ReplayResult:
+    """Check a recorded trace against the specs; ``result.divergence`` names the first problem."""
+    events = load_trace(trace)
+    r = _Replayer({s.name: s for s in specs} if specs is not None else None)
+    recent: deque[dict] = deque(maxlen=context)
+    handlers = {"header": r.on_header, "transition": r.on_transition, "job": r.on_job,
+                "completion": r.on_completion, "split": r.on_split, "removed": r.on_removed}
+    for i, ev in enumerate(events):
+        r.result.events += 1
+        handler = handlers.get(ev.get("event"))
+        try:
+            if handler is None:
+                raise _Diverged(f"unknown event type {ev.get('event')!r}")
+            handler(ev)
+        except _Diverged as d:
+            r.result.divergence = Divergence(i, ev.get("_line", i + 1), ev, d.reason, tuple(recent))
+            return r.result
+        recent.append(ev)
+    try:
+        r.finish(require_quiescent)
+    except _Diverged as d:
+        last = events[-1] if events else {}
+        r.result.divergence = Divergence(len(events) - 1, last.get("_line", len(events)), last, d.reason, tuple(recent))
+    return r.result

@@ -1,0 +1,233 @@
+"""Bad input: every rejection is a typed error with a clear message, and changes nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cache_helpers import drain, make_cache, pages, put
+from hicache_fsm.errors import BadIndices, GuardRejected, HiCacheError, LockError, UnknownJob, UnknownNode
+from hicache_fsm.jobs import Completion
+
+
+def rejected(cache, error, match, fn, *args, **kw):
+    before = cache.snapshot()
+    with pytest.raises(error, match=match):
+        fn(*args, **kw)
+    assert cache.snapshot() == before
+    cache.check_invariants()
+
+
+@pytest.fixture
+def loaded():
+    cache, ex = make_cache()
+    a = put(cache, pages(2)).node
+    b = put(cache, pages(4)).node
+    drain(cache, ex)
+    return cache, ex, a, b
+
+
+# ------------------------------------------------------------------ nodes
+
+
+def test_unknown_nodes_are_rejected(loaded):
+    cache, ex, a, b = loaded
+    other, _ = make_cache()
+    foreign = put(other, pages(2)).node
+    for op in (cache.lock, cache.unlock, cache.load_back, cache.write_backup, cache.evict_node,
+               cache.pin_host, cache.unpin_host):
+        for bad in (foreign, 17, "node", None):
+            rejected(cache, UnknownNode, "not a live node", op, bad)
+
+
+def test_removed_node_is_unknown(loaded):
+    cache, ex, a, b = loaded
+    cache.evict(100)
+    cache.evict_host(4 * 4)  # b (a leaf) leaves the tree
+    assert not cache.tree.owns(b)
+    rejected(cache, UnknownNode, "not a live node", cache.load_back, b)
+    rejected(cache, UnknownNode, "not a live node", cache.lock, b)
+
+
+def test_root_is_not_an_operand_of_node_operations(loaded):
+    cache, ex, a, b = loaded
+    for op in (cache.write_backup, cache.evict_node, cache.pin_host):
+        rejected(cache, UnknownNode, "not a live node", op, cache.tree.root)
+
+
+# ------------------------------------------------------------------ jobs
+
+
+def test_ack_of_unknown_job(loaded):
+    cache, ex, a, b = loaded
+    rejected(cache, UnknownJob, "not a job of this cache", cache.complete, Completion(10**9))
+    rejected(cache, UnknownJob, "expected a Completion", cache.complete, 5)
+
+
+def test_double_ack_is_rejected():
+    cache, ex = make_cache()
+    put(cache, pages(2))
+    (job,) = cache.pending_job_ids()
+    cache.complete(Completion(job))
+    rejected(cache, UnknownJob, "already acknowledged", cache.complete, Completion(job))
+    rejected(cache, UnknownJob, "already acknowledged", cache.complete, Completion(job, ok=False))
+
+
+def test_poll_applies_valid_completions_before_reporting_an_unknown_one():
+    cache, ex = make_cache()
+    node = put(cache, pages(2)).node
+    cache.poll()
+    ex.complete_all()
+    ex._queue.append(Completion(10**9))  # an executor reporting a job it was never given
+    with pytest.raises(UnknownJob):
+        cache.poll()
+    assert node.state == "device_host"
+    cache.check_invariants()
+
+
+# ------------------------------------------------------------------ locks
+
+
+def test_unlock_below_zero(loaded):
+    cache, ex, a, b = loaded
+    rejected(cache, LockError, "below zero", cache.unlock, b)
+    cache.lock(a)
+    rejected(cache, LockError, "below zero", cache.unlock, b)  # b itself was never locked
+    cache.unlock(a)
+    rejected(cache, LockError, "below zero", cache.unpin_host, a)
+
+
+def test_locked_node_is_skipped_by_evict_and_refused_by_explicit_eviction(loaded):
+    cache, ex, a, b = loaded
+    cache.lock(b)
+    assert cache.evict(100) == 0
+    assert a.state == b.state == "device_host"
+    rejected(cache, LockError, "locked", cache.evict_node, b)
+    rejected(cache, LockError, "locked", cache.evict_node, a)
+    rejected(cache, BadIndices, "not handed out by alloc_device", cache.free_device, b.device_indices)
+    cache.unlock(b)
+    assert cache.evict(100) == 16
+
+
+def test_explicit_operations_in_the_wrong_state(loaded):
+    cache, ex, a, b = loaded
+    rejected(cache, GuardRejected, "only a device-only node", cache.write_backup, b)
+    rejected(cache, GuardRejected, "children", cache.evict_node, a)  # b is still on the device
+    cache.evict_node(b)
+    rejected(cache, LockError, "not on the device", cache.lock, b)
+    rejected(cache, GuardRejected, "evict_device", cache.evict_node, b)
+    cache.evict_node(a)
+    cache.load_back(b)
+    rejected(cache, GuardRejected, "not evictable now", cache.evict_node, b)  # loading
+
+
+# ------------------------------------------------------------------ index tensors
+
+
+def _fresh(cache, n):
+    idx = cache.alloc_device(n)
+    assert idx is not None
+    return idx
+
+
+BAD_TENSORS = [
+    (lambda idx: idx.to(torch.int32), "1-D int64"),
+    (lambda idx: idx.to(torch.float32), "1-D int64"),
+    (lambda idx: idx.view(2, -1), "1-D int64"),
+    (lambda idx: idx.tolist(), "torch.Tensor"),
+    (lambda idx: torch.empty(idx.numel(), dtype=torch.int64, device="meta"), "kept on the CPU"),
+    (lambda idx: idx[:-4], "expected 8"),
+    (lambda idx: idx + 1, "whole pages"),
+    (lambda idx: idx.flip(0), "whole pages"),
+    (lambda idx: torch.cat([idx[:2], idx[4:], idx[2:4]]), "whole pages"),
+    (lambda idx: idx - idx.min() - 4 * 1000, "whole pages"),
+]
+
+
+@pytest.mark.parametrize("make_bad,match", BAD_TENSORS)
+def test_insert_rejects_malformed_indices(make_bad, match):
+    cache, ex = make_cache()
+    put(cache, pages(1))
+    idx = _fresh(cache, 8)
+    rejected(cache, BadIndices, match, cache.insert, pages(2, start=100), make_bad(idx))
+    cache.insert(pages(2, start=100), idx)  # the good tensor still works afterwards
+    cache.check_invariants()
+
+
+def test_insert_rejects_indices_not_from_alloc_device(loaded):
+    cache, ex, a, b = loaded
+    free_page = sorted(set(range(16)) - cache.device_allocator.owned_pages())[0]
+    never_allocated = torch.arange(free_page * 4, free_page * 4 + 8) if free_page < 15 else None
+    if never_allocated is not None:
+        rejected(cache, BadIndices, "not handed out by alloc_device", cache.insert, pages(2, start=50), never_allocated)
+    # a node's own slots for tokens that are not that node's
+    rejected(cache, BadIndices, "not handed out by alloc_device", cache.insert, pages(2, start=50), a.device_indices)
+    idx = _fresh(cache, 4)
+    rejected(cache, BadIndices, "same page twice", cache.insert, pages(2, start=50), torch.cat([idx, idx]))
+    cache.insert(pages(1, start=50), idx)
+    rejected(cache, BadIndices, "already inserted", cache.insert, pages(1, start=60), idx)
+
+
+def test_insert_own_indices_must_match_page_for_page(loaded):
+    cache, ex, a, b = loaded
+    own = cache.match_prefix(pages(4)).device_indices
+    swapped = torch.cat([own[4:8], own[:4], own[8:]])  # the cache's pages, in the wrong order
+    rejected(cache, BadIndices, "not handed out", cache.insert, pages(4), swapped)
+
+
+def test_insert_rejects_token_count_not_whole_pages(loaded):
+    cache, ex, a, b = loaded
+    idx = _fresh(cache, 8)
+    rejected(cache, BadIndices, "whole pages", cache.insert, tuple(range(7)), idx)
+    rejected(cache, BadIndices, "int", cache.insert, pages(2, start=70), idx, priority="high")
+
+
+def test_unhashable_namespace_is_rejected(loaded):
+    cache, ex, a, b = loaded
+    rejected(cache, BadIndices, "hashable", cache.match_prefix, pages(2), ["lora"])
+    idx = _fresh(cache, 8)
+    rejected(cache, BadIndices, "hashable", cache.insert, pages(2), idx, ["lora"])
+
+
+def test_float_token_tensor_is_rejected(loaded):
+    cache, ex, a, b = loaded
+    rejected(cache, BadIndices, "integer tensor", cache.match_prefix, torch.zeros(8))
+    m = cache.match_prefix(torch.arange(16))  # an integer tensor of token ids is fine
+    assert m.device_hit_length == 16
+
+
+FREE_BAD = [
+    (lambda idx: idx.to(torch.int32), "1-D int64"),
+    (lambda idx: idx.to(torch.float32), "1-D int64"),
+    (lambda idx: idx.view(2, -1), "1-D int64"),
+    (lambda idx: idx.tolist(), "torch.Tensor"),
+    (lambda idx: torch.empty(8, dtype=torch.int64, device="meta"), "kept on the CPU"),
+    (lambda idx: idx[:6], "whole number of pages"),
+    (lambda idx: idx + 1, "whole pages"),
+]
+
+
+@pytest.mark.parametrize("make_bad,match", FREE_BAD)
+def test_free_device_rejects_malformed_indices(make_bad, match):
+    cache, ex = make_cache()
+    idx = _fresh(cache, 8)
+    rejected(cache, BadIndices, match, cache.free_device, make_bad(idx))
+    cache.free_device(idx)
+    rejected(cache, BadIndices, "not handed out", cache.free_device, idx)  # double free
+
+
+@pytest.mark.parametrize("n", [3, -4, 4.0, True])
+def test_alloc_device_rejects_bad_counts(n):
+    cache, ex = make_cache()
+    rejected(cache, BadIndices, "alloc_device wants", cache.alloc_device, n)
+
+
+@pytest.mark.parametrize("fn", ["evict", "evict_host"])
+def test_evict_counts_must_be_ints(fn):
+    cache, ex = make_cache()
+    rejected(cache, BadIndices, "int token count", getattr(cache, fn), 2.5)
+
+
+def test_errors_share_one_base_class():
+    for err in (BadIndices, GuardRejected, LockError, UnknownJob, UnknownNode):
+        assert issubclass(err, HiCacheError)

@@ -1,0 +1,229 @@
+"""Page-aligned radix tree: match / insert / split, and splits in a live cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cache_helpers import drain, make_cache, put
+from hicache_fsm.radix import RadixTree
+
+PAGE = 2
+
+
+def tree_insert(tree: RadixTree, tokens: tuple[int, ...], namespace=None):
+    """Insert like the cache does: walk, split a partial match, add the rest as one child."""
+    tokens = tree.aligned(tokens)
+    path, matched, partial = tree.walk(tokens, namespace)
+    parent = path[-1] if path else tree.root
+    if partial:
+        child = parent.children[(namespace, tokens[matched : matched + tree.page_size])]
+        parent = tree.split(child, partial)
+        matched += partial
+    if matched < len(tokens):
+        return tree.add_child(parent, tokens[matched:], namespace)
+    return parent
+
+
+def common_prefix(a: tuple, b: tuple, page: int) -> int:
+    n = 0
+    while n + page <= min(len(a), len(b)) and a[n : n + page] == b[n : n + page]:
+        n += page
+    return n
+
+
+def check_shape(tree: RadixTree) -> None:
+    for node in tree.nodes():
+        if node.is_root:
+            continue
+        assert node.key and len(node.key) % tree.page_size == 0
+        assert node.parent.children[(node.namespace, node.key[: tree.page_size])] is node
+        if not node.parent.is_root:
+            assert node.parent.namespace == node.namespace
+    for node in tree.nodes():
+        firsts = [k for k in node.children]
+        assert len(firsts) == len(set(firsts))
+
+
+token_seqs = st.lists(st.lists(st.integers(0, 3), min_size=0, max_size=14).map(tuple), min_size=1, max_size=12)
+
+
+@settings(max_examples=150, deadline=None)
+@given(seqs=token_seqs, probe=st.lists(st.integers(0, 3), max_size=16).map(tuple))
+def test_match_is_longest_page_aligned_common_prefix(seqs, probe):
+    tree = RadixTree(PAGE)
+    for s in seqs:
+        tree_insert(tree, s)
+        check_shape(tree)
+    for s in seqs:
+        path, matched, partial = tree.walk(s)
+        assert (matched, partial) == (len(tree.aligned(s)), 0)
+        assert tree.prefix_tokens(path[-1]) if path else True
+        if path:
+            assert tree.prefix_tokens(path[-1]) == tree.aligned(s)
+    path, matched, partial = tree.walk(probe)
+    best = max(common_prefix(tree.aligned(probe), tree.aligned(s), PAGE) for s in seqs)
+    assert matched + partial == best
+    assert matched % PAGE == 0 and partial % PAGE == 0
+    if path:
+        assert tree.prefix_tokens(path[-1]) == probe[:matched]
+
+
+@settings(max_examples=100, deadline=None)
+@given(seqs=token_seqs, ns=st.sampled_from(["a", "b", None]))
+def test_namespaces_never_match_each_other(seqs, ns):
+    tree = RadixTree(PAGE)
+    for s in seqs:
+        tree_insert(tree, s, namespace="lora-1")
+    for s in seqs:
+        if ns != "lora-1":
+            assert tree.walk(s, ns) == ([], 0, 0)
+        assert tree.walk(s, "lora-1")[1] == len(tree.aligned(s))
+    # the same tokens in a second namespace make a separate subtree
+    for s in seqs:
+        tree_insert(tree, s, namespace="lora-2")
+    check_shape(tree)
+    for node in tree.nodes():
+        if not node.is_root:
+            assert node.namespace in ("lora-1", "lora-2")
+            chain = [n.namespace for n in tree.path_to_root(node)]
+            assert set(chain) == {node.namespace}
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    n_pages=st.integers(2, 8),
+    at_page=st.integers(1, 7),
+    lock=st.integers(0, 3),
+    host_ref=st.integers(0, 2),
+    hits=st.integers(0, 9),
+    jobs=st.sets(st.integers(1, 100), max_size=3),
+    with_host=st.booleans(),
+    state=st.sampled_from(["device", "writing_host", "device_host", "loading", "host"]),
+)
+def test_split_keeps_both_halves_consistent(n_pages, at_page, lock, host_ref, hits, jobs, with_host, state):
+    at_page = min(at_page, n_pages - 1)
+    tree = RadixTree(PAGE)
+    parent = tree_insert(tree, (9, 9))
+    tokens = tuple(range(n_pages * PAGE))
+    node = tree.add_child(parent, tokens, None)
+    child = tree.add_child(node, (7, 7), None)
+    node.state = state
+    node.device_indices = torch.arange(100, 100 + n_pages * PAGE)
+    node.host_indices = torch.arange(40, 40 + n_pages * PAGE) if with_host else None
+    node.lock_ref, node.host_ref, node.hit_count, node.last_access, node.priority = lock, host_ref, hits, 5, 3
+    node.pending_jobs = set(jobs)
+    node.storage_keys = tuple(f"k{i}" for i in range(n_pages))
+    before = tree.prefix_tokens(child)
+    upper = tree.split(node, at_page * PAGE)
+
+    assert upper.parent is parent and node.parent is upper and child.parent is node
+    assert upper.key + node.key == tokens and len(upper.key) == at_page * PAGE
+    assert tree.prefix_tokens(child) == before
+    assert upper.state == node.state == state
+    assert upper.lock_ref == node.lock_ref == lock  # a lock below counts on every ancestor
+    assert node.host_ref == host_ref and upper.host_ref == 0  # the pin stays with its holder's node
+    assert upper.hit_count == node.hit_count == hits
+    assert upper.pending_jobs == node.pending_jobs == set(jobs)
+    assert upper.pending_jobs is not node.pending_jobs
+    assert (upper.last_access, upper.priority) == (node.last_access, node.priority)
+    assert torch.equal(torch.cat([upper.device_indices, node.device_indices]), torch.arange(100, 100 + n_pages * PAGE))
+    if with_host:
+        assert torch.equal(torch.cat([upper.host_indices, node.host_indices]), torch.arange(40, 40 + n_pages * PAGE))
+    else:
+        assert upper.host_indices is None and node.host_indices is None
+    assert upper.storage_keys + node.storage_keys == tuple(f"k{i}" for i in range(n_pages))
+    assert len(upper.storage_keys) == at_page
+    check_shape(tree)
+
+
+@pytest.mark.parametrize("at", [0, 3, 8, 10])
+def test_split_rejects_bad_offsets(at):
+    tree = RadixTree(4)
+    node = tree_insert(tree, tuple(range(8)))
+    with pytest.raises(ValueError):
+        tree.split(node, at)
+
+
+def test_add_child_and_remove_leaf_guard_shape():
+    tree = RadixTree(2)
+    a = tree_insert(tree, (1, 2, 3, 4))
+    with pytest.raises(ValueError):
+        tree.add_child(tree.root, (1, 2, 5, 6), None)  # same first page as a
+    with pytest.raises(ValueError):
+        tree.add_child(a, (5,), None)  # not whole pages
+    b = tree.add_child(a, (5, 6), None)
+    with pytest.raises(ValueError):
+        tree.remove_leaf(a)
+    v = tree.version
+    tree.remove_leaf(b)
+    assert tree.version > v and not tree.owns(b)
+
+
+# ------------------------------------------------------------------ splits inside a live cache
+
+
+def test_split_during_inflight_backup_enrols_both_halves():
+    cache, ex = make_cache(page=2)
+    res = put(cache, range(8))
+    node = res.node
+    assert node.state == "writing_host"
+    (job,) = cache.pending_job_ids()
+    m = cache.match_prefix(tuple(range(4)) + (99, 99))  # splits node at 4 tokens
+    upper = m.last_device_node
+    assert upper is node.parent and upper.pending_jobs == node.pending_jobs == {job}
+    cache.check_invariants()
+    cache.poll()
+    ex.complete(job)
+    cache.poll()
+    assert upper.state == node.state == "device_host" and not upper.pending_jobs and not node.pending_jobs
+    cache.check_invariants()
+
+
+def test_split_during_failed_backup_frees_both_host_halves():
+    cache, ex = make_cache(page=2)
+    node = put(cache, range(8)).node
+    cache.match_prefix(tuple(range(2)))
+    upper = node.parent
+    host_free = cache.host_allocator.free_pages
+    cache.poll()
+    ex.fail(cache.pending_job_ids()[0])
+    cache.poll()
+    assert upper.state == node.state == "device"
+    assert upper.host_indices is None and node.host_indices is None
+    assert cache.host_allocator.free_pages == host_free + 4
+    cache.check_invariants()
+
+
+def test_split_of_loading_chain_completes_on_both_halves():
+    cache, ex = make_cache(page=2)
+    node = put(cache, range(8)).node
+    drain(cache, ex)
+    assert cache.evict(8) == 8 and node.state == "host"
+    lb = cache.load_back(cache.match_prefix(range(8)).last_host_node)
+    assert lb is not None and node.state == "loading"
+    m = cache.match_prefix((0, 1, 2, 3, 50, 51))
+    upper = node.parent
+    assert upper.state == "loading" and upper.pending_jobs == node.pending_jobs
+    assert m.loads == (lb.handle,)
+    cache.check_invariants()
+    drain(cache, ex)
+    assert upper.state == node.state == "device_host"
+    cache.check_invariants()
+
+
+def test_split_keeps_lock_and_hit_counts_in_cache():
+    cache, ex = make_cache(page=2, config=None)
+    node = put(cache, range(8)).node
+    cache.lock(node)
+    cache.match_prefix(range(8))
+    hits = node.hit_count
+    cache.match_prefix((0, 1, 2, 3))
+    upper = node.parent
+    assert upper.lock_ref == node.lock_ref == 1
+    assert upper.hit_count == hits + 1 and node.hit_count == hits
+    cache.unlock(node)
+    assert upper.lock_ref == node.lock_ref == 0
+    cache.check_invariants()

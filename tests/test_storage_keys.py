@@ -1,0 +1,153 @@
+"""Page keys (chained SHA-256) and key namespaces."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hicache_fsm.errors import HiCacheError, StorageKeyError
+from hicache_fsm.storage.keys import KeyNamespace, page_hash, page_keys
+
+TOKENS = st.lists(st.integers(min_value=0, max_value=2**32 - 1), max_size=40)
+
+
+def reference_hash(token_ids, prior_hash=None):
+    """The chaining rule, written out the slow way: prior digest bytes, then each token as u32 LE."""
+    hasher = hashlib.sha256()
+    if prior_hash:
+        hasher.update(bytes.fromhex(prior_hash))
+    for t in token_ids:
+        hasher.update(t.to_bytes(4, byteorder="little", signed=False))
+    return hasher.hexdigest()
+
+
+def test_page_hash_matches_reference_bytes():
+    first = page_hash([1, 2, 3, 4])
+    assert first == reference_hash([1, 2, 3, 4])
+    assert first == hashlib.sha256(bytes([1, 0, 0, 0, 2, 0, 0, 0, 3, 0, 0, 0, 4, 0, 0, 0])).hexdigest()
+    second = page_hash([5, 6, 7, 8], first)
+    assert second == hashlib.sha256(bytes.fromhex(first) + bytes([5, 0, 0, 0, 6, 0, 0, 0, 7, 0, 0, 0, 8, 0, 0, 0])).hexdigest()
+    assert page_hash([1, 2, 3, 4], "") == first  # empty prior = start of sequence
+
+
+def test_page_keys_only_full_pages_and_chained():
+    tokens = list(range(10))
+    keys = page_keys(tokens, 4)
+    assert len(keys) == 2  # the 2-token tail gets no key
+    assert keys[0] == reference_hash(tokens[0:4])
+    assert keys[1] == reference_hash(tokens[4:8], keys[0])
+    assert page_keys(tokens[:3], 4) == []
+    assert page_keys([], 4) == []
+
+
+def test_page_keys_accept_tensors_and_prior():
+    tokens = torch.arange(12, dtype=torch.int64)
+    keys = page_keys(tokens, 4)
+    assert keys == page_keys(list(range(12)), 4)
+    assert page_keys(list(range(4, 12)), 4, prior=keys[0]) == keys[1:]
+
+
+@pytest.mark.parametrize("bad", [[-1], [2**32], [1.5], ["7"], [True]])
+def test_bad_token_ids_rejected(bad):
+    with pytest.raises(StorageKeyError):
+        page_hash(bad)
+    with pytest.raises(StorageKeyError):
+        page_keys(bad * 4, 4)
+
+
+@pytest.mark.parametrize("prior", ["zz", "ab" * 31, 42])
+def test_bad_prior_rejected(prior):
+    with pytest.raises(StorageKeyError):
+        page_hash([1], prior)
+
+
+@pytest.mark.parametrize("page_size", [0, -4, 2.0, True])
+def test_bad_page_size_rejected(page_size):
+    with pytest.raises(StorageKeyError):
+        page_keys([1, 2, 3, 4], page_size)
+
+
+@settings(max_examples=60, deadline=None)
+@given(a=TOKENS, b=TOKENS, page_size=st.integers(1, 5))
+def test_keys_are_a_prefix_property(a, b, page_size):
+    """Key i depends on exactly the first i+1 pages: equal page prefixes <=> equal key prefixes."""
+    ka, kb = page_keys(a, page_size), page_keys(b, page_size)
+    assert len(ka) == len(a) // page_size
+    for i in range(min(len(ka), len(kb))):
+        same_prefix = a[: (i + 1) * page_size] == b[: (i + 1) * page_size]
+        assert (ka[i] == kb[i]) == same_prefix
+    # extending a sequence never changes the keys already computed
+    assert page_keys(a + b, page_size)[: len(a) // page_size] == ka
+
+
+@settings(max_examples=40, deadline=None)
+@given(tokens=TOKENS, page_size=st.integers(1, 4))
+def test_keys_match_reference_chaining(tokens, page_size):
+    prior = None
+    expected = []
+    for start in range(0, len(tokens) - page_size + 1, page_size):
+        prior = reference_hash(tokens[start : start + page_size], prior)
+        expected.append(prior)
+    assert page_keys(tokens, page_size) == expected
+
+
+# ---------------------------------------------------------------- namespaces
+
+H = "ab" * 32
+
+
+def test_namespace_key_layout():
+    assert KeyNamespace("llama-3-8b").storage_key(H) == f"llama-3-8b/_/0of1/{H}"
+    assert KeyNamespace("m", tp_rank=3, tp_size=8, tenant="acme").storage_key(H) == f"m/acme/3of8/{H}"
+    mla = KeyNamespace("dsv3", tp_rank=5, tp_size=8, is_mla=True)
+    assert mla.storage_key(H) == f"dsv3/_/mla/{H}"
+    assert mla.storage_key(H) == KeyNamespace("dsv3", tp_rank=0, tp_size=8, is_mla=True).storage_key(H)
+    assert mla.owns(mla.storage_key(H)) and not KeyNamespace("dsv3").owns(mla.storage_key(H))
+
+
+@pytest.mark.parametrize(
+    "model",
+    ["", "a/b", "..", "a..b", ".hidden", "has space", "tab\t", "x" * 129, "star*", "q?", "br[a]", "back\\slash", "é"],
+)
+def test_bad_model_names_rejected(model):
+    with pytest.raises(StorageKeyError):
+        KeyNamespace(model)
+    with pytest.raises(StorageKeyError):
+        KeyNamespace("ok", tenant=model)
+
+
+def test_reserved_tenant_and_ranks_rejected():
+    with pytest.raises(StorageKeyError):
+        KeyNamespace("m", tenant="_")
+    for rank, size in [(1, 1), (-1, 2), (0, 0), (True, 2)]:
+        with pytest.raises(StorageKeyError):
+            KeyNamespace("m", tp_rank=rank, tp_size=size)
+    with pytest.raises(HiCacheError):
+        KeyNamespace(None)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("key", ["", "a/b", "a b", "../x", 7, "k*"])
+def test_bad_page_keys_rejected(key):
+    with pytest.raises(StorageKeyError):
+        KeyNamespace("m").storage_key(key)
+
+
+NAME = st.text(alphabet="abcXYZ019-_.:", min_size=1, max_size=12).filter(
+    lambda s: ".." not in s and not s.startswith(".") and s != "_"
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(m1=NAME, t1=st.none() | NAME, r1=st.integers(0, 3), m2=NAME, t2=st.none() | NAME, r2=st.integers(0, 3),
+       mla1=st.booleans(), mla2=st.booleans(), key=st.sampled_from(["k", H]))
+def test_distinct_namespaces_never_share_keys(m1, t1, r1, m2, t2, r2, mla1, mla2, key):
+    a = KeyNamespace(m1, tp_rank=r1, tp_size=4, tenant=t1, is_mla=mla1)
+    b = KeyNamespace(m2, tp_rank=r2, tp_size=4, tenant=t2, is_mla=mla2)
+    same = (m1, t1, mla1, None if mla1 else r1) == (m2, t2, mla2, None if mla2 else r2)
+    assert (a.storage_key(key) == b.storage_key(key)) == same
+    if not same:
+        assert not a.prefix.startswith(b.prefix) and not b.prefix.startswith(a.prefix)
