@@ -19,6 +19,7 @@ class SpecError(HiCacheError):
         self.path = str(path)
         self.line = line
         self.message = message
+        self.problems: list[SpecError] = [self]  # every problem found; the first is this one
         where = f"{self.path}:{line}" if line is not None else self.path
         super().__init__(f"{where}: {message}")
 

@@ -46,7 +46,7 @@ import shutil
 import sys
 import tempfile
 import time
-from typing import Callable, Iterable, Sequence, TextIO
+from typing import Callable, Sequence, TextIO
 
 import attrs
 import torch
@@ -59,10 +59,10 @@ from hicache_fsm.model import TinyModel
 from hicache_fsm.pools import LAYOUTS, KVShape, PoolConfig, build_pools, default_device
 
 ARRIVALS = ("round-robin", "random")
-NEVER = 1 << 62
+NEVER = 1 << 62  # a write_through_selective threshold no node reaches: nothing is backed up
 # A sequential engine waits for its prefetch; any full page is worth fetching (recompute is the alternative).
 STORAGE_OPTIONS = {"stop_policy": "wait_complete"}
-PREFETCH_TIMEOUT_S = 10.0  # a prefetch still running then is aborted (counted in prefetch_timeouts)  # a write_through_selective threshold no node reaches: nothing is backed up
+PREFETCH_TIMEOUT_S = 10.0  # a prefetch still running then is aborted (counted in prefetch_timeouts)
 
 DEVICE = "device"
 DEVICE_HOST = "device+host"
@@ -465,8 +465,8 @@ class _Engine:
         self.result = TierResult(tier.name, tier.device_tokens, tier.host_tokens, tier.storage_url)
         self.storage = False
         if tier.storage_url is not None:
-            options = dict(STORAGE_OPTIONS, model=f"tinymodel-{shape.layers}x{shape.heads}x{shape.head_dim}-s{workload.seed}")
-            options["prefetch_threshold"] = page_size
+            model_name = f"tinymodel-{shape.layers}x{shape.heads}x{shape.head_dim}-s{workload.seed}"
+            options = dict(STORAGE_OPTIONS, model=model_name, prefetch_threshold=page_size)
             options.update(storage_options or {})
             self.cache.attach_storage(tier.storage_url, **options)  # setup, not per-request controller time
             self.storage = True
@@ -770,47 +770,62 @@ def run_simulation(options: Options = Options(), progress: Progress | None = Non
 
 
 def capacity_grid(options: Options) -> tuple[list[int], list[int]]:
-    """Device sizes (x axis) and host sizes (one line each) around the chosen ones."""
+    """Device sizes and host sizes to sweep: from one conversation (device) or one page (host) to everything."""
     ps = options.page_size
     w = options.workload
-    smallest = w.system_prompt_length + w.rounds * (w.request_length + w.output_length)
+    one = w.system_prompt_length + w.rounds * (w.request_length + w.output_length)
     top = options.infinite_tokens()
-    devices = sorted({math.ceil(smallest * f / ps) * ps for f in (1, 1.5, 2, 3, 4, 6, 8)}
-                     | {options.device_tokens} | {top})
-    devices = [d for d in devices if d <= top]
-    hosts = sorted({options.host_tokens // 2 // ps * ps or ps, options.host_tokens, options.host_tokens * 2,
-                    top})
+
+    def pages(x: float) -> int:
+        return max(ps, math.ceil(x / ps) * ps)
+
+    devices = sorted({pages(one * f) for f in (1, 1.5, 2, 3, 4, 6, 8)} | {options.device_tokens})
+    devices = [d for d in devices if d < top] + [top]
+    hosts = sorted({pages(top * f) for f in (0.125, 0.25, 0.375, 0.5, 0.75, 1.0)} | {options.host_tokens})
     return devices, hosts
 
 
-def hit_rate_sweep(options: Options, reference: Reference, devices: Iterable[int], hosts: Iterable[int],
-                   storage_url: str | None = None) -> dict[str, list[tuple[int, float]]]:
-    """Hit rate of the token stream for each capacity: one series per host size (0 = device only).
+def sweep_hit_rate(options: Options, reference: Reference, device_tokens: int, host_tokens: int,
+                   storage_url: str | None = None) -> float:
+    """Token hit rate of the reference stream for one capacity (host 0 = device only).
 
     No model runs: a one-element KV shape and the reference answers; hit rates
-    depend only on tokens and capacities. With ``storage_url``, an extra series
-    adds storage to the chosen host size.
+    depend only on tokens and capacities.
     """
-    w, ps = options.workload, options.page_size
-    series: dict[str, list[tuple[int, float]]] = {}
-    for host in [0, *hosts]:
-        label = "device only" if host == 0 else f"host {host} tokens"
-        pts = []
-        for dev in devices:
-            tier = device_only("sweep", dev, ps) if host == 0 else Tier("sweep", dev, host)
-            pts.append((dev, run_tier(tier, w, reference, None, ps, options.layout, "cpu").hit_rate))
-        series[label] = pts
+    ps = options.page_size
+    if host_tokens == 0:
+        tier = device_only("sweep", device_tokens, ps)
+    else:
+        tier = Tier("sweep", device_tokens, host_tokens, storage_url)
+    return run_tier(tier, options.workload, reference, None, ps, options.layout, "cpu").hit_rate
+
+
+def hit_rate_sweep(options: Options, reference: Reference, storage_url: str | None = None) -> dict[str, dict]:
+    """Hit rate against device capacity (one line per host size) and against host capacity.
+
+    Returns ``{"by_device": {label: [(device_tokens, rate)]}, "by_host": {label: [(host_tokens, rate)]}}``;
+    with ``storage_url`` each panel also has a line with storage added.
+    """
+    devices, hosts = capacity_grid(options)
+    by_device: dict[str, list[tuple[int, float]]] = {}
+    for host in (0, *sorted({hosts[1], options.host_tokens, hosts[-3]})):
+        label = "device only" if host == 0 else f"host {host}"
+        by_device[label] = [(d, sweep_hit_rate(options, reference, d, host)) for d in devices]
     if storage_url is not None:
-        pts = []
-        for dev in devices:
-            tier = Tier("sweep", dev, options.host_tokens, storage_url)
-            pts.append((dev, run_tier(tier, w, reference, None, ps, options.layout, "cpu").hit_rate))
-        series[f"host {options.host_tokens} + storage"] = pts
-    return series
+        by_device[f"host {options.host_tokens} + storage"] = [
+            (d, sweep_hit_rate(options, reference, d, options.host_tokens, storage_url)) for d in devices]
+    by_host: dict[str, list[tuple[int, float]]] = {}
+    dev = options.device_tokens
+    by_host[f"device {dev}"] = [(h, sweep_hit_rate(options, reference, dev, h)) for h in hosts]
+    if storage_url is not None:
+        by_host[f"device {dev} + storage"] = [
+            (h, sweep_hit_rate(options, reference, dev, h, storage_url)) for h in hosts]
+    return {"by_device": by_device, "by_host": by_host}
 
 
 __all__ = [
     "ARRIVALS", "DEVICE", "DEVICE_HOST", "FULL", "INFINITE", "KVOracle", "Options", "Progress", "Reference",
     "Simulation", "Tier", "TierResult", "TimedExecutor", "Workload", "capacity_grid", "device_only",
-    "hit_rate_sweep", "reference_run", "run_simulation", "run_tier", "storage_available", "token_stream",
+    "hit_rate_sweep", "reference_run", "sweep_hit_rate", "run_simulation", "run_tier", "storage_available",
+    "token_stream",
 ]

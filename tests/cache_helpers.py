@@ -46,18 +46,26 @@ def expected_kv(tokens, namespace=None, shape: KVShape = SHAPE) -> tuple[torch.T
 
 
 def put(cache: HiCache, tokens, namespace=None, priority: int = 0):
-    """The engine path: match, allocate the uncached part, write its KV, insert. None if the device is full."""
+    """The engine path: match, lock the hit, allocate the rest, write its KV, insert, unlock.
+
+    None if the device is full. The lock keeps ``alloc_device``'s eviction
+    away from the matched prefix whose indices the engine is about to reuse.
+    """
     tokens = tuple(tokens)
     m = cache.match_prefix(tokens, namespace)
-    n_new = len(tokens) - m.device_hit_length
-    idx = cache.alloc_device(n_new)
-    if idx is None:
-        return None
-    k, v = expected_kv(tokens, namespace)
-    if n_new:
-        cache.device_pool.write(idx, None, k[:, m.device_hit_length:], v[:, m.device_hit_length:])
-    full = torch.cat([m.device_indices, idx]) if m.device_hit_length else idx
-    return cache.insert(tokens, full, namespace, priority)
+    cache.lock(m.last_device_node)
+    try:
+        n_new = len(tokens) - m.device_hit_length
+        idx = cache.alloc_device(n_new)
+        if idx is None:
+            return None
+        k, v = expected_kv(tokens, namespace)
+        if n_new:
+            cache.device_pool.write(idx, None, k[:, m.device_hit_length:], v[:, m.device_hit_length:])
+        full = torch.cat([m.device_indices, idx]) if m.device_hit_length else idx
+        return cache.insert(tokens, full, namespace, priority)
+    finally:
+        cache.unlock(m.last_device_node)
 
 
 def put_fresh(cache: HiCache, tokens, namespace=None, priority: int = 0):

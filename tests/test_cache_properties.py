@@ -9,7 +9,7 @@ host, can be checked byte for byte.
 from __future__ import annotations
 
 import torch
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -33,7 +33,7 @@ class CacheMachine(RuleBasedStateMachine):
         eviction=st.sampled_from(["lru", "lfu", "priority"]),
         via_transitions=st.sampled_from([False, False, False, True]),
         device_pages=st.integers(4, 12),
-        host_pages=st.integers(4, 16),
+        host_pages=st.integers(6, 24),
     )
     def setup(self, policy, eviction, via_transitions, device_pages, host_pages):
         config = CacheConfig(write_policy=policy, eviction_policy=eviction, write_through_threshold=2,
@@ -139,11 +139,29 @@ class CacheMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def load_back(self, data):
-        tokens, ns = self._pick(data)
+        evicted = sorted((n for n in self.cache.tree.nodes() if n.state in ("host", "host_stored")), key=lambda n: n.id)
+        if evicted and data.draw(st.booleans()):
+            node = data.draw(st.sampled_from(evicted))  # an evicted node, by the engine's path
+            tokens, ns = self.cache.tree.prefix_tokens(node), node.namespace
+        else:
+            tokens, ns = self._pick(data)
         m = self.cache.match_prefix(tokens, ns)
         lb = self.cache.load_back(m.last_host_node)
+        event(f"load_back: host hit {m.host_hit_length > 0}, started {lb is not None}")
         if lb is not None:
             assert all(n.state in LOADING for n in lb.nodes)
+            self.loads.append(lb)
+
+    @rule(data=st.data(), n=st.integers(1, 16))
+    def evict_then_load_back(self, data, n):
+        """Make a written prefix host-only (backups land, device eviction) and start its load-back."""
+        tokens, ns = self._pick(data)
+        self.engine_step()
+        self.cache.evict(n * PAGE)
+        m = self.cache.match_prefix(tokens, ns)
+        lb = self.cache.load_back(m.last_host_node)
+        event(f"evict_then_load_back: host hit {m.host_hit_length > 0}, started {lb is not None}")
+        if lb is not None:
             self.loads.append(lb)
 
     @rule(data=st.data())
@@ -171,6 +189,7 @@ class CacheMachine(RuleBasedStateMachine):
           poll=st.booleans())
     def finish_jobs(self, picks, poll):
         self.cache.flush()  # hand queued jobs to the executor
+        retries = self.cache.counters["load_retries"]
         for i, ok in picks:
             ids = self.ex.pending_job_ids()
             if not ids:
@@ -182,9 +201,17 @@ class CacheMachine(RuleBasedStateMachine):
                 self.ex.fail(job)
         if poll:
             self.cache.poll()
+            event(f"failed load retried: {self.cache.counters['load_retries'] > retries}")
 
     @rule()
     def poll(self):
+        self.cache.poll()
+
+    @rule()
+    def engine_step(self):
+        """A step with a fast executor: everything started so far lands, then the acks are applied."""
+        self.cache.flush()
+        self.ex.complete_all()
         self.cache.poll()
 
     @precondition(lambda self: self.loads)

@@ -140,3 +140,13 @@ def test_diagram_svg_without_graphviz_says_how_to_install(capsys, monkeypatch):
     assert main(["diagram", "residency", "--format", "svg"]) == 1
     err = capsys.readouterr().err
     assert "Graphviz" in err and "apt-get install graphviz" in err
+
+
+def test_bench_dispatch_smoke(capsys):
+    import json
+
+    assert main(["bench", "dispatch", "--objects", "200", "--repeats", "1", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for key in ("compiled_ns", "transitions_ns", "dict_ns", "speedup_vs_transitions", "ratio_vs_dict"):
+        assert result[key] > 0
+    assert result["objects"] == 200

@@ -173,7 +173,7 @@ def _assert_clean_outcome(text: str, where: str) -> None:
     except SpecError as err:
         assert err.path == where
         assert isinstance(err.line, int) and err.line >= 1, f"no line for: {err}"
-        for p in getattr(err, "problems", [err]):
+        for p in err.problems:
             assert isinstance(p.line, int) and p.line >= 1, f"no line for: {p}"
             assert "\n" not in p.message
     else:

@@ -346,7 +346,7 @@ def test_checksum_independent_of_split_and_catches_bit_flips(data, cuts, flip):
 
 
 def test_open_backend_rejects_unknown_urls(tmp_path):
-    for url in ["s3://bucket/x", "nonsense", "file://host/dir", "memory://x/y", "file://"]:
+    for url in ["s3://bucket/x", "nonsense", "file://host/dir", "memory://x/y", "file://", "memory://a[b]"]:
         with pytest.raises(StorageURLError) as info:
             open_backend(url)
         assert isinstance(info.value, ConfigError) and isinstance(info.value, StorageError)

@@ -10,4 +10,5 @@ BENCHMARKS = {
     "copy": "hicache_fsm.bench.copy",
     "controller": "hicache_fsm.bench.controller",
     "storage": "hicache_fsm.bench.storage",
+    "all": "hicache_fsm.bench.all",
 }

@@ -12,13 +12,13 @@ from hicache_fsm.errors import HiCacheError
 from hicache_fsm.pools import LAYOUTS
 from hicache_fsm.simulate import (
     ARRIVALS,
+    FULL,
     INFINITE,
     Options,
     Progress,
     Simulation,
     TierResult,
     Workload,
-    capacity_grid,
     hit_rate_sweep,
 )
 
@@ -58,7 +58,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                    help=f"tokens per page (default {_DEFAULTS.page_size})")
     c.add_argument("--layout", choices=LAYOUTS, default=_DEFAULTS.layout,
                    help=f"host pool layout (default {_DEFAULTS.layout})")
-    c.add_argument("--device", default=None, help="torch device of the model and device pool (default: cuda if present)")
+    c.add_argument("--device", default=None,
+                   help="torch device of the model and device pool (default: cuda if present)")
     o = parser.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="end with one JSON object (hit_rate, hit_rate_bound, ...)")
     o.add_argument("--plot", metavar="FILE.png",
@@ -141,31 +142,36 @@ def summary(sim: Simulation) -> str:
     return "\n".join(out)
 
 
-def plot(sim: Simulation, options: Options, path: str, reference) -> None:
-    """Hit rate against device capacity, one line per host capacity, plus the bound."""
+def plot(sim: Simulation, options: Options, path: str) -> None:
+    """Hit rate against device capacity (one line per host size) and against host capacity."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    devices, hosts = capacity_grid(options)
-    storage_url = "memory://" if sim.tier("device+host+storage") is not None else None
-    series = hit_rate_sweep(options, reference, devices, hosts, storage_url)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for label, pts in series.items():
-        ax.plot([d for d, _ in pts], [100 * r for _, r in pts], marker="o", label=label)
+    storage_url = "memory://" if sim.tier(FULL) is not None else None
+    sweep = hit_rate_sweep(options, sim.reference, storage_url)
     bound = sim.tier(INFINITE)
-    if bound is not None:
-        ax.axhline(100 * bound.hit_rate, color="gray", linestyle="--", label="infinite cache (bound)")
-    ax.axvline(options.device_tokens, color="lightgray", linestyle=":")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("device capacity (tokens)")
-    ax.set_ylabel("token hit rate (%)")
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5), sharey=True)
+    panels = (
+        (axes[0], sweep["by_device"], "device capacity (tokens)", options.device_tokens),
+        (axes[1], sweep["by_host"], "host capacity (tokens)", options.host_tokens),
+    )
+    for ax, series, xlabel, chosen in panels:
+        for label, pts in series.items():
+            ax.plot([x for x, _ in pts], [100 * r for _, r in pts], marker="o", markersize=4, label=label)
+        if bound is not None:
+            ax.axhline(100 * bound.hit_rate, color="gray", linestyle="--", label="infinite cache (bound)")
+        ax.axvline(chosen, color="lightgray", linestyle=":")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel(xlabel)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8, loc="lower right")
+    axes[0].set_ylabel("token hit rate (%)")
+    axes[0].set_ylim(0, 100)
     w = options.workload
-    ax.set_title(f"{w.clients} clients x {w.rounds} rounds, page {options.page_size}")
-    ax.set_ylim(0, 100)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
+    fig.suptitle(f"{w.clients} clients x {w.rounds} rounds ({w.arrival}), system prompt {w.system_prompt_length}, "
+                 f"turn {w.request_length}, answer {w.output_length}, page {options.page_size}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -203,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
     print()
     print(summary(sim))
     if args.plot:
-        plot(sim, options, args.plot, sim.reference)
+        plot(sim, options, args.plot)
         print(f"plot written to {args.plot}")
     if args.json:
         print(json.dumps(sim.as_dict(), sort_keys=True))

@@ -33,7 +33,7 @@ def expand_paths(args: Iterable[str]) -> list[Path]:
 
 def problem_lines(err: SpecError) -> list[str]:
     """Every problem of a ``SpecError`` as ``FILE:LINE: message`` (``FILE: message`` without a line)."""
-    problems = getattr(err, "problems", None) or [err]
+    problems = err.problems
     out = []
     for p in problems:
         where = display_path(p.path) if p.path and not p.path.startswith("<") else p.path

@@ -39,7 +39,10 @@ def open_backend(url: str, **options: Any) -> StorageBackend:
     """Open the backend that ``url`` names; ``options`` go to its constructor."""
     if not isinstance(url, str) or "://" not in url:
         raise StorageURLError(f"storage URL must look like SCHEME://..., got {url!r}")
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+    except ValueError as exc:  # e.g. brackets read as a malformed IPv6 host
+        raise StorageURLError(f"malformed storage URL {url!r}: {exc}") from None
     scheme = parts.scheme.lower()
     if scheme == "file":
         if parts.netloc not in ("", "localhost") or not parts.path or parts.query:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 log = logging.getLogger("hicache_fsm.storage.tier")
 
@@ -77,12 +77,12 @@ class StorageLink:
             return
         try:
             self.last_backend_stats = dict(backend.stats())
-        except Exception:  # noqa: BLE001 - stats of a broken backend are not worth failing a close
-            pass
+        except Exception as exc:  # noqa: BLE001 - stats of a broken backend are not worth failing a close
+            log.debug("storage backend stats unavailable at close: %s", exc)
         try:
             backend.close()
-        except Exception:  # noqa: BLE001 - a close that fails leaves nothing for us to undo
+        except Exception:
             log.exception("closing storage backend %r failed", backend)
 
 
-__all__ = ["StorageLink", "THREAD_PREFIX"]
+__all__ = ["THREAD_PREFIX", "StorageLink"]

@@ -99,7 +99,7 @@ class TierOptions:
     join_timeout: float = attrs.field(default=10.0, validator=_positive_number)
 
     @classmethod
-    def split(cls, options: dict[str, Any]) -> tuple["TierOptions", dict[str, Any]]:
+    def split(cls, options: dict[str, Any]) -> tuple[TierOptions, dict[str, Any]]:
         """(tier options, backend options) from ``attach_storage``'s keywords."""
         names = {f.name for f in attrs.fields(cls)}
         mine = {k: v for k, v in options.items() if k in names}

@@ -26,7 +26,8 @@ import logging
 import threading
 import time
 from collections import Counter
-from typing import TYPE_CHECKING, Callable, Hashable
+from collections.abc import Callable, Hashable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -55,7 +56,7 @@ class PrefetchError(HiCacheError):
 class PrefetchOp:
     """One request's prefetch; ``state`` is moved by the ``prefetch`` machine only."""
 
-    def __init__(self, request_id: Hashable, tokens: tuple, keys: tuple[str, ...], anchor: "TreeNode",
+    def __init__(self, request_id: Hashable, tokens: tuple, keys: tuple[str, ...], anchor: TreeNode,
                  anchor_pin: str | None, namespace: Hashable, host_indices: torch.Tensor, page_size: int,
                  gen: int) -> None:
         self.state = "admitted"
@@ -124,7 +125,7 @@ def _pages(indices: torch.Tensor, page_size: int) -> list[int]:
 class PrefetchRuntime:
     """Owner of every running prefetch and context of the ``prefetch`` machine."""
 
-    def __init__(self, cache: "HiCache", submit_transfer: Callable[[PrefetchOp, TransferJob], None]) -> None:
+    def __init__(self, cache: HiCache, submit_transfer: Callable[[PrefetchOp, TransferJob], None]) -> None:
         self.cache = cache
         self.page_size = cache.page_size
         self.machine = compile_machine(load_builtin("prefetch"))
@@ -249,7 +250,10 @@ class PrefetchRuntime:
         if not self.cache.tree.owns(anchor):
             log.error("prefetch %r: anchor node %d left the tree while pinned", op.request_id, anchor.id)
             return
-        if op.anchor_pin == "host":
+        held = anchor.host_ref if op.anchor_pin == "host" else anchor.lock_ref
+        if held <= 0:  # someone else released our pin: report it, never go below zero
+            self._violations.append(f"prefetch {op.request_id!r}: anchor node {anchor.id} lost its pin early")
+        elif op.anchor_pin == "host":
             self.cache.unpin_host(anchor)
         else:
             self.cache.unlock(anchor)

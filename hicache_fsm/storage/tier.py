@@ -33,7 +33,8 @@ import re
 import threading
 import time
 from collections import Counter, deque
-from typing import TYPE_CHECKING, Any, Hashable
+from collections.abc import Hashable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -44,6 +45,8 @@ from hicache_fsm.errors import (
     HiCacheError,
     InvalidTransition,
     StorageError,
+    StorageFull,
+    StorageKeyError,
     StorageLinkError,
 )
 from hicache_fsm.jobs import Completion, JobKind, TransferJob
@@ -82,7 +85,7 @@ def _page_ids(indices: torch.Tensor, page_size: int) -> list[int]:
 class StorageTier:
     """``cache.storage``: backend link, storage threads, backups and prefetches (see module docstring)."""
 
-    def __init__(self, cache: "HiCache") -> None:
+    def __init__(self, cache: HiCache) -> None:
         if cache.cp is not None:
             raise StorageLinkError("a context-parallel cache cannot attach storage")
         if cache.draft_host_pool is not None:
@@ -108,6 +111,7 @@ class StorageTier:
         self._last_probe = 0.0
         self._sweep_due = False
         self._last_sweep = 0.0
+        self._retry_after: dict[int, tuple[float, int]] = {}  # node id -> (not before, failures so far)
         self.counters: Counter[str] = Counter()
         self._thread_counts: Counter[str] = Counter()  # written by storage threads under _cv
         self.closed = False
@@ -187,8 +191,9 @@ class StorageTier:
         Refused (StorageLinkError, nothing changed) while storage transfers are
         in flight. If a thread does not exit within ``join_timeout`` the link
         stays ``detaching`` and StorageLinkError is raised: call again.
+        Storage jobs that already finished are applied first (as ``poll`` would).
         """
-        self._drain()
+        self._apply_finished()
         if self.link.state in ("detached", "attached"):
             try:
                 self.link_machine.fire(self.link, "detach", self.cache)
@@ -205,15 +210,26 @@ class StorageTier:
             self.link_machine.fire(self.link, "threads_stopped", self.cache)
         except GuardRejected:
             raise StorageLinkError("storage threads did not stop in time; detach again to retry") from None
+        with self._cv:
+            self._gen += 1  # whatever the stopped threads posted last (a probe's verdict) is stale now
+        self._events.clear()
+        self.healthy, self.last_error = True, ""
         self.counters["detaches"] += 1
         log.info("storage detached")
+
+    def _apply_finished(self) -> None:
+        """Hand finished storage jobs to the cache now instead of at its next poll."""
+        self._drain()
+        done, self._completions = self._completions, []
+        for c in done:
+            self.cache.complete(c)
 
     def accepting_backups(self) -> bool:
         return self.link.state == "attached" and self.healthy and not self.closed
 
     # ================================================================== jobs from the cache
 
-    def keys_for(self, node: "TreeNode") -> tuple[str, ...]:
+    def keys_for(self, node: TreeNode) -> tuple[str, ...]:
         """Chained page keys of ``node`` (cached on the node; a split slices them)."""
         ps = self.page_size
         if node.storage_keys is not None and len(node.storage_keys) == node.num_tokens // ps:
@@ -231,7 +247,7 @@ class StorageTier:
             prior = m.storage_keys[-1]
         return node.storage_keys
 
-    def prior_key(self, node: "TreeNode", namespace: Hashable) -> str | None:
+    def prior_key(self, node: TreeNode, namespace: Hashable) -> str | None:
         return namespace_seed(namespace) if node.is_root else self.keys_for(node)[-1]
 
     def submit(self, job: TransferJob) -> None:
@@ -285,9 +301,12 @@ class StorageTier:
                     if ok:
                         self.counters["backups_stored"] += 1
                         self.counters["backup_tokens_stored"] += job.num_tokens
+                        for node_id in job.node_ids:
+                            self._retry_after.pop(node_id, None)
                     else:
                         self.counters["backup_failures"] += 1
                         self._sweep_due = True
+                        self._back_off(job.node_ids)
                         log.warning("storage backup of %d tokens (job %d) failed: %s", job.num_tokens, job.id, error)
                 elif op is not None:
                     rt.transfer_finished(op)
@@ -307,6 +326,7 @@ class StorageTier:
         if healthy:
             self.counters["storage_recoveries"] += 1
             self._sweep_due = True
+            self._retry_after.clear()  # storage is back: retry everything at once
             log.warning("storage answers again; pending backups will be retried")
         else:
             self.last_error = error
@@ -355,6 +375,14 @@ class StorageTier:
 
     # ------------------------------------------------------------------ retry of backups
 
+    def _back_off(self, node_ids: tuple[int, ...]) -> None:
+        """A node whose backup keeps failing while storage is up waits longer each time (at most 60 s)."""
+        now = time.monotonic()
+        for node_id in node_ids:
+            failures = self._retry_after.get(node_id, (0.0, 0))[1] + 1
+            delay = min(self.options.retry_interval * 2 ** min(failures - 1, 16), 60.0)
+            self._retry_after[node_id] = (now + delay, failures)
+
     def _maybe_sweep(self) -> None:
         if not self._sweep_due or not self.accepting_backups():
             return
@@ -363,13 +391,24 @@ class StorageTier:
             return
         self._last_sweep = now
         cache = self.cache
+        if self._retry_after:  # forget nodes that left the tree
+            self._retry_after = {k: v for k, v in self._retry_after.items() if cache.tree.get(k) is not None}
         budget = self.options.retry_batch_tokens
         started = 0
         more = False
-        for node in sorted((n for n in cache.tree.nodes() if n.state in UNSTORED), key=lambda n: n.id):
+        candidates = []
+        for n in cache.tree.nodes():
+            if n.state in UNSTORED:
+                candidates.append(n)
+            elif n.state in STORING:
+                more = True  # its backup may still fail: look again later
+        for node in sorted(candidates, key=lambda n: n.id):
             if node.num_tokens > budget:
                 more = True
                 break
+            if self._retry_after.get(node.id, (0.0, 0))[0] > now:
+                more = True
+                continue
             if not cache.residency.can_fire(node, "store", cache):
                 continue
             cache._fire(node, "store", cache)
@@ -525,7 +564,10 @@ class StorageTier:
 
     def _failed(self, gen: int, exc: BaseException) -> str:
         text = f"{type(exc).__name__}: {exc}"
-        if isinstance(exc, StorageError):
+        if isinstance(exc, (StorageFull, StorageKeyError)):
+            # reachable, but refusing writes (full) or a bad request: failed backups back off per node
+            log.warning("storage I/O failed: %s", text)
+        elif isinstance(exc, StorageError):
             self._post(gen, "health", False, text)
         else:
             log.error("storage thread: unexpected error", exc_info=exc)
@@ -540,7 +582,7 @@ class StorageTier:
                 continue
             try:
                 self._run_query(stop, backend, *item)
-            except BaseException as exc:  # noqa: BLE001 - a thread must never die silently
+            except BaseException as exc:
                 log.error("storage query thread: unexpected error", exc_info=exc)
             finally:
                 self._done()
@@ -580,7 +622,7 @@ class StorageTier:
                     self._run_transfer(stop, backend, *item)
                 else:
                     self._run_backup(stop, backend, *item)
-            except BaseException as exc:  # noqa: BLE001 - a thread must never die silently
+            except BaseException as exc:
                 log.error("storage I/O thread: unexpected error", exc_info=exc)
             finally:
                 self._done()
@@ -610,7 +652,9 @@ class StorageTier:
         ok, error = True, ""
         for start in range(0, len(keys), step):
             if stop.is_set() or op.terminated or gen != self._gen:
-                ok, error = False, "prefetch ended"
+                ok, error = False, "prefetch ended" if op.terminated else "storage threads stopping"
+                if not op.terminated:  # end the transfer as partial, so no stop policy waits forever
+                    self._post(gen, "batch", op, 0, True, error)
                 break
             batch_keys = list(keys[start: start + step])
             batch_pages = pages[start: start + step]
@@ -758,6 +802,7 @@ class StorageTier:
         self._completions.clear()
         self.runtime.clear()
         self._sweep_due = False
+        self._retry_after.clear()
 
     def close(self) -> None:
         """Engine shutdown: abort prefetches, fail queued backups, stop threads, close the backend."""
@@ -777,10 +822,7 @@ class StorageTier:
             for g, job in queued:
                 self._post(g, "done", job, False, "storage closed", ops.get(job.id))
             self._wait_idle(self.options.join_timeout)
-            self._drain()
-            done, self._completions = self._completions, []
-            for c in done:
-                self.cache.complete(c)
+            self._apply_finished()
             if self.link.state in ("attached", "detaching"):
                 self.detach()
         except HiCacheError as exc:
@@ -796,7 +838,7 @@ class StorageTier:
             raise HiCacheError("this storage tier is closed")
 
 
-def attach_storage(cache: "HiCache", url_or_backend: str | StorageBackend, **options: Any) -> StorageTier:
+def attach_storage(cache: HiCache, url_or_backend: str | StorageBackend, **options: Any) -> StorageTier:
     """Create ``cache.storage`` on first use and attach ``url_or_backend`` (HiCache.attach_storage)."""
     if cache.storage is None:
         cache.storage = StorageTier(cache)

@@ -1,0 +1,100 @@
+"""Protocol fuzzing and verification for prefix KV caches (ours, or yours through an adapter).
+
+- ``adapter``:    ``CacheAdapter`` (the interface every tool drives) and ``HiCacheAdapter``;
+- ``strategies``: hypothesis strategies for prompts, multi-turn workloads and fault schedules;
+- ``stateful``:   ``CacheProtocolMachine``, a ``RuleBasedStateMachine`` checking the invariant
+                  catalogue after every step; ``run_fuzz`` runs it outside pytest;
+- ``explorer``:   exhaustive bounded BFS over the composed cache state (``hicache-fsm check``);
+- ``paths``:      shortest spec paths to every state / transition, and ``CoverageTracker``;
+- ``trace``:      JSONL recording of a cache's events and ``replay`` against the specs;
+- ``mutants``:    planted controller bugs (tests only) that the tools must catch.
+
+See ``docs/fuzzing.md`` for a worked example on a cache written from scratch.
+"""
+
+from hicache_fsm.testing.adapter import (
+    CacheAdapter,
+    HiCacheAdapter,
+    JobInfo,
+    MatchInfo,
+    NotSupported,
+    Occupancy,
+    Rejected,
+    StorageFault,
+    decode_kv_lists,
+    encode_kv,
+    kv_fingerprint,
+)
+from hicache_fsm.testing.checks import Outcome, Step, catalogue, perform, replay_steps
+from hicache_fsm.testing.explorer import Bounds, ExploreResult, Explorer, Violation, explore
+from hicache_fsm.testing.paths import CoverageTracker, SpecPath, run_path, shortest_paths, spec_paths
+from hicache_fsm.testing.stateful import (
+    HICACHE_VARIANTS,
+    CacheProtocolMachine,
+    FuzzResult,
+    hicache_machine,
+    regression_test,
+    run_fuzz,
+)
+from hicache_fsm.testing.strategies import (
+    FaultSchedule,
+    Request,
+    Workload,
+    fault_schedules,
+    multi_turn_workloads,
+    pages_to_tokens,
+    prefix_families,
+    prompt_pages,
+    token_sequences,
+)
+from hicache_fsm.testing.trace import Divergence, ReplayResult, TraceRecorder, load_trace, record, replay
+
+__all__ = [
+    "Bounds",
+    "CacheAdapter",
+    "CacheProtocolMachine",
+    "CoverageTracker",
+    "Divergence",
+    "ExploreResult",
+    "Explorer",
+    "FaultSchedule",
+    "FuzzResult",
+    "HICACHE_VARIANTS",
+    "HiCacheAdapter",
+    "JobInfo",
+    "MatchInfo",
+    "NotSupported",
+    "Occupancy",
+    "Outcome",
+    "Rejected",
+    "ReplayResult",
+    "Request",
+    "SpecPath",
+    "Step",
+    "StorageFault",
+    "TraceRecorder",
+    "Violation",
+    "Workload",
+    "catalogue",
+    "decode_kv_lists",
+    "encode_kv",
+    "explore",
+    "fault_schedules",
+    "hicache_machine",
+    "kv_fingerprint",
+    "load_trace",
+    "multi_turn_workloads",
+    "pages_to_tokens",
+    "perform",
+    "prefix_families",
+    "prompt_pages",
+    "record",
+    "regression_test",
+    "replay",
+    "replay_steps",
+    "run_fuzz",
+    "run_path",
+    "shortest_paths",
+    "spec_paths",
+    "token_sequences",
+]

@@ -26,7 +26,7 @@ of every prompt against what was written.
 from __future__ import annotations
 
 import traceback
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import attrs
 
@@ -93,12 +93,16 @@ def _aligned(adapter: CacheAdapter, tokens: Sequence[int]) -> tuple[int, ...]:
     return tokens[: len(tokens) - len(tokens) % adapter.page_size]
 
 
-def perform(adapter: CacheAdapter, step: Step, *, catch: bool = True) -> Outcome:
+def perform(adapter: CacheAdapter, step: Step, *, catch: bool = True,
+            before: Callable[[], Any] | None = None) -> Outcome:
     """Run ``step`` on ``adapter`` and check its contract (see the module docstring).
 
     ``skipped`` when the adapter lacks the operation or the indexed object does
     not exist. With ``catch=False`` an unexpected exception propagates (so a
     test runner shows its traceback); otherwise it becomes a problem.
+    ``before`` returns the snapshot of the state before the step, on demand
+    (the explorer passes the untouched parent state's); by default the
+    snapshot is taken eagerly for steps that may be refused.
     """
     if not adapter.supports(step.op) and step.op not in ("insert", "match", "poll"):
         return Outcome(skipped=True)
@@ -106,7 +110,9 @@ def perform(adapter: CacheAdapter, step: Step, *, catch: bool = True) -> Outcome
     if args is None:
         return Outcome(skipped=True)
     fn = getattr(adapter, step.op)
-    snap = adapter.snapshot() if step.op in SNAPSHOT_OPS and adapter.supports("snapshot") else None
+    snap = None
+    if step.op in SNAPSHOT_OPS and adapter.supports("snapshot"):
+        snap = before if before is not None else adapter.snapshot()
     occ = adapter.occupancy() if step.op in ("evict", "evict_host") and adapter.supports("occupancy") else None
     try:
         result = fn(*args)
@@ -116,9 +122,11 @@ def perform(adapter: CacheAdapter, step: Step, *, catch: bool = True) -> Outcome
         out = Outcome(rejected=str(exc))
         if step.op in MUST_SUCCEED:
             out.problems.append(f"{step}: refused although the engine is entitled to it: {exc}")
-        if snap is None and adapter.supports("snapshot") and step.op not in SNAPSHOT_OPS:
-            pass  # no snapshot was taken before an op not expected to be refused
-        elif snap is not None and adapter.snapshot() != snap:
+        if snap is None and before is not None and adapter.supports("snapshot"):
+            snap = before
+        if callable(snap):
+            snap = snap()
+        if snap is not None and adapter.snapshot() != snap:
             out.problems.append(f"{step}: refused ({exc}) but the cache changed")
         return out
     except Exception as exc:  # noqa: BLE001 - every other exception is a finding

@@ -23,14 +23,15 @@ the invariants the cache registers from its specs and the adapter's checks.
 
 State identity. States are deduplicated on ``adapter.state_key()``, a
 canonical abstraction: the tree by token prefixes (node and job ids and slot
-numbers dropped), each node's residency, lock and pin counts, hit count
-capped at ``max(2, write_through_threshold)`` and its *rank* in the eviction
-order instead of clock values, pending jobs by kind and nodes, and the
-engine's handles. Under LRU the rank is exact; under LFU two states whose
-hit counts differ beyond the cap but order the nodes alike are merged (a
-documented under-approximation). KV contents are not part of the key: every
-new state is checked to read back exactly what was written, so every state
-kept holds correct KV.
+numbers dropped; token ids up to renaming), each node's residency, lock and
+pin counts, whether it was ever hit (the hit count up to the threshold under
+``write_through_selective``) and its *rank* in the eviction order instead of
+clock values, pending jobs by kind and nodes, and the engine's handles. Under
+LRU the rank is exact; under LFU two states whose hit counts differ but order
+the nodes alike are merged (a documented under-approximation). KV contents are not part of the key, so read-back
+is checked after every step, also when it lands on a known key; the key does
+carry the free-page counts and job counts, so a leak or a stray job makes a
+new state that gets the full invariant check.
 
 Checks in every new state: the adapter's invariant catalogue, KV read-back of
 every prompt of the alphabet, and per step the contract of ``checks.perform``
@@ -41,17 +42,21 @@ checked but not expanded.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import itertools
 import json
+import logging
 import sys
 import time
 from collections import deque
-from typing import Callable, Iterable, TextIO
+from typing import Callable, Iterable, Iterator, TextIO
 
 import attrs
+import torch
 
 from hicache_fsm.testing.adapter import CacheAdapter
-from hicache_fsm.testing.checks import Step, catalogue, perform, replay_steps
+from hicache_fsm.testing.checks import Step, catalogue, kv_problems, perform, replay_steps
 from hicache_fsm.testing.paths import CoverageTracker
 
 __all__ = ["Bounds", "Violation", "ExploreResult", "Explorer", "explore", "prompts_for", "hicache_factory"]
@@ -95,6 +100,18 @@ def prompts_for(bounds: Bounds) -> list[tuple[int, ...]]:
         for pages in itertools.product(range(bounds.alphabet), repeat=n):
             out.append(tuple(t for p in pages for t in [p + 1] * ps))
     return out
+
+
+@contextlib.contextmanager
+def quiet_cache_logs() -> Iterator[None]:
+    """Failed jobs are the point of fuzzing: keep the cache's per-failure warnings out of the output."""
+    logger = logging.getLogger("hicache_fsm")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def hicache_factory(bounds: Bounds) -> CacheAdapter:
@@ -214,6 +231,20 @@ class Explorer:
             key = parent
 
     def run(self) -> ExploreResult:
+        """Explore; torch runs single-threaded and the cyclic GC runs rarely meanwhile (tiny tensors,
+        many short-lived object graphs), both restored afterwards."""
+        threads = torch.get_num_threads()
+        gc_threshold = gc.get_threshold()
+        torch.set_num_threads(1)
+        gc.set_threshold(max(gc_threshold[0], 20000), 50, 50)
+        try:
+            with quiet_cache_logs():
+                return self._run()
+        finally:
+            torch.set_num_threads(threads)
+            gc.set_threshold(*gc_threshold)
+
+    def _run(self) -> ExploreResult:
         b = self.bounds
         t0 = time.perf_counter()
         root = self.factory(b)
@@ -246,7 +277,7 @@ class Explorer:
                     result.skipped += 1
                     continue
                 child = world.clone()
-                out = perform(child, step)
+                out = perform(child, step, before=world.snapshot)
                 if out.skipped:
                     result.skipped += 1
                     continue
@@ -258,6 +289,12 @@ class Explorer:
                     continue
                 ckey = child.state_key()
                 if ckey in parents or ckey in outside:
+                    # KV contents are not in the key: a step that corrupts a copy can land on a key
+                    # first reached with good data, so read-back is checked after every step
+                    bad = kv_problems(child.read_kv_many(self.prompts))
+                    if bad and report(bad, self._trace(parents, key) + (step,)):
+                        stop = True
+                        break
                     continue
                 too_big = b.nodes is not None and child.size() > b.nodes
                 if too_big:

@@ -1,0 +1,157 @@
+"""The workload simulator: a small run end to end, its KV check, and the command line."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+
+from hicache_fsm.cli import main
+from hicache_fsm.errors import ConfigError
+from hicache_fsm.model import TinyModel
+from hicache_fsm.simulate import (
+    DEVICE,
+    DEVICE_HOST,
+    FULL,
+    INFINITE,
+    KVOracle,
+    Options,
+    Tier,
+    Workload,
+    _Engine,
+    reference_run,
+    run_simulation,
+    storage_available,
+)
+
+SMALL = Workload(clients=3, rounds=3, request_length=32, output_length=8, system_prompt_length=32)
+
+
+def small_options(tmp_path, **kw) -> Options:
+    base = dict(workload=SMALL, device_tokens=160, host_tokens=256, storage_url=f"file://{tmp_path}/l3",
+                page_size=8, device="cpu")
+    base.update(kw)
+    return Options(**base)
+
+
+@pytest.fixture(scope="module")
+def small_sim(tmp_path_factory):
+    torch.set_num_threads(1)
+    return run_simulation(small_options(tmp_path_factory.mktemp("sim")))
+
+
+def test_small_simulation_is_exact_and_ordered(small_sim):
+    sim = small_sim
+    names = [t.name for t in sim.tiers]
+    assert names[:2] == [DEVICE, DEVICE_HOST] and names[-1] == INFINITE
+    if storage_available():
+        assert FULL in names
+    assert sim.kv_mismatches == 0
+    assert sim.output_mismatches == 0
+    for t in sim.tiers:
+        assert t.requests == SMALL.requests
+        assert t.kv_checked_pages > 0
+        assert t.output_tokens == SMALL.requests * SMALL.output_length
+        assert t.hit_tokens + t.computed_tokens == t.prompt_tokens
+    device, bound = sim.tier(DEVICE), sim.tier(INFINITE)
+    full = sim.hierarchy
+    assert device.bytes["d2h"] == 0 and device.host_hit_tokens == 0  # device only: nothing goes to host
+    assert device.hit_rate <= full.hit_rate <= bound.hit_rate
+    assert sim.tier(DEVICE_HOST).hit_rate >= device.hit_rate
+
+
+def test_json_fields(small_sim):
+    out = json.loads(json.dumps(small_sim.as_dict()))
+    for key in ("hit_rate", "hit_rate_bound", "kv_mismatches", "requests", "controller_us_per_request", "configs"):
+        assert key in out
+    assert out["requests"] == SMALL.requests
+    assert out["kv_mismatches"] == 0
+    assert out["hit_rate"] <= out["hit_rate_bound"]
+    assert set(out["configs"]) == {t.name for t in small_sim.tiers}
+    full = out["configs"][out["hierarchy"]]
+    assert full["controller_us_per_request"] == out["controller_us_per_request"]
+
+
+def test_storage_serves_what_host_cannot_hold(small_sim):
+    if not storage_available():
+        pytest.skip("no storage tier in this build")
+    full, bound = small_sim.tier(FULL), small_sim.tier(INFINITE)
+    assert full.storage_hit_tokens > 0 and full.bytes["s2h"] > 0
+    assert full.hit_rate >= 0.95 * bound.hit_rate
+    assert full.hit_rate > small_sim.tier(DEVICE_HOST).hit_rate > small_sim.tier(DEVICE).hit_rate
+
+
+def test_the_kv_check_catches_corruption():
+    torch.set_num_threads(1)
+    w = Workload(clients=2, rounds=2, request_length=16, output_length=4, system_prompt_length=16)
+    model = TinyModel(vocab=w.vocab)
+    ref = reference_run(model, w)
+    engine = _Engine(Tier("t", 256, 256), w, model, 8, "page_first", "cpu")
+    try:
+        schedule = w.schedule()
+        for key in schedule[:2]:
+            engine.serve(ref.prompts[key], ref.outputs[key])
+        assert engine.result.kv_mismatches == 0
+        engine.pool.kv.add_(1.0)  # every cached page now differs from what the model wrote
+        engine.serve(ref.prompts[schedule[2]], ref.outputs[schedule[2]])
+        assert engine.result.kv_mismatches > 0
+    finally:
+        engine.cache.close()
+
+
+def test_oracle_keys_whole_prefixes():
+    o = KVOracle(2)
+    k = torch.arange(8, dtype=torch.float32).view(1, 4, 1, 2)
+    o.record([1, 2, 3, 4], 0, 4, k, k)
+    assert o.check([1, 2, 3, 4], k, k) == 0
+    assert o.check([9, 2, 3, 4], k, k) == 2  # same pages after another first page: other prefixes
+    assert o.check([1, 2, 3, 4], k + 1, k) == 2
+
+
+def test_workload_schedules():
+    w = Workload(clients=3, rounds=4, arrival="random", seed=5)
+    order = w.schedule()
+    assert sorted(order) == sorted((c, r) for c in range(3) for r in range(4))
+    for c in range(3):
+        assert [r for cc, r in order if cc == c] == [0, 1, 2, 3]
+    assert order == Workload(clients=3, rounds=4, arrival="random", seed=5).schedule()
+    rr = Workload(clients=2, rounds=2).schedule()
+    assert rr == [(0, 0), (1, 0), (0, 1), (1, 1)]
+    assert w.user_turn(0, 1) == Workload(clients=3, rounds=4, arrival="random", seed=5).user_turn(0, 1)
+
+
+def test_bad_options():
+    with pytest.raises(ConfigError):
+        Workload(clients=0)
+    with pytest.raises(ConfigError):
+        Workload(arrival="poisson")
+    with pytest.raises(ConfigError):
+        Options(SMALL, device_tokens=100, page_size=8)  # not a page multiple
+    with pytest.raises(ConfigError):
+        Options(SMALL, device_tokens=64, host_tokens=64, page_size=8)  # cannot hold one conversation
+
+
+def test_cli_json_last_line(capsys, tmp_path):
+    rc = main(["simulate", "--clients", "2", "--rounds", "2", "--request-length", "16", "--output-length", "4",
+               "--system-prompt-length", "16", "--page-size", "8", "--device-tokens", "64", "--host-tokens", "64",
+               "--storage-url", f"file://{tmp_path}/l3", "--device", "cpu", "--no-progress", "--json"])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert rc == 0
+    result = json.loads(out[-1])
+    assert result["kv_mismatches"] == 0 and result["requests"] == 4
+    assert any("token hit rate" in line for line in out)
+
+
+def test_plot_without_matplotlib(capsys, monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as if not installed
+    rc = main(["simulate", "--plot", str(tmp_path / "x.png"), "--no-progress"])
+    assert rc == 2
+    assert "pip install" in capsys.readouterr().err
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_cli_rejects_bad_sizes(capsys):
+    assert main(["simulate", "--device-tokens", "100", "--no-progress"]) == 2
+    assert "multiple of page_size" in capsys.readouterr().err
