@@ -13,7 +13,7 @@ A step of an engine, in order::
     m = cache.match_prefix(tokens)               # device indices + host hit
     lb = cache.load_back(m.last_host_node)       # evicted chain -> device (maybe None)
     node = lb.last_node if lb else m.last_device_node
-    cache.lock(node)                             # while the request reads the prefix
+    cache.lock(node)                             # before alloc_device: its eviction must not take the prefix
     ... for layer in layers: m.wait(layer); lb and lb.wait(layer); compute layer ...
     idx = cache.alloc_device(n_new)              # slots for the new tokens' KV
     ... write KV into idx ...
@@ -74,6 +74,9 @@ REVIVABLE = EVICTED - LOADING
 _DONE_TRIGGER = {JobKind.D2H: "write_done", JobKind.H2D: "load_done", JobKind.H2S: "store_done"}
 _FAIL_TRIGGER = {JobKind.D2H: "write_failed", JobKind.H2D: "load_failed", JobKind.H2S: "store_failed"}
 _EMPTY = torch.empty(0, dtype=torch.int64)
+_JOBS_KEY = {k: f"jobs_{k.value}" for k in JobKind}
+_BYTES_KEY = {k: f"bytes_{k.value}" for k in JobKind}
+_FAILED_KEY = {k: f"failed_{k.value}" for k in JobKind}
 
 
 class InvariantViolation(HiCacheError):
@@ -261,6 +264,7 @@ class HiCache:
         self._offsets = torch.arange(self.page_size, dtype=torch.int64)
         self._np_offsets = self._offsets.numpy() if _np is not None else None
         self._token_bytes = device_pool.shape.token_bytes
+        self._slot_limit = int(device_pool.allocator.size_tokens)  # slots the allocator hands out (logical under CP)
         self._clock = 0
         self._polls = 0
         self._memo: tuple | None = None  # the last tree walk (see _walk)
@@ -336,7 +340,7 @@ class HiCache:
         if not n:
             return []
         if _np is not None:
-            a = indices.detach().numpy()
+            a = indices.numpy()
             first = a[::ps]
             bad = bool((first < 0).any()) or (
                 ps > 1 and (bool((first % ps).any()) or bool((a.reshape(-1, ps) - first[:, None] != self._np_offsets).any()))
@@ -349,7 +353,11 @@ class HiCache:
             )
         if bad:
             raise BadIndices("device indices must be whole pages: each page aligned, in order and contiguous")
-        return (first // ps).tolist()
+        pages = (first // ps).tolist()
+        top = max(pages) * ps + ps
+        if top > self._slot_limit:
+            raise BadIndices(f"device index {top - 1} is out of range (the device allocator has {self._slot_limit} slots)")
+        return pages
 
     def _validate_indices(self, indices: object, length: int, engine_held: bool) -> torch.Tensor:
         """Check an engine index tensor (and, with ``engine_held``, that alloc_device handed it out)."""
@@ -358,9 +366,21 @@ class HiCache:
             self._check_engine_pages(pages)
         return indices  # type: ignore[return-value]
 
+    def _node_pages(self, node: TreeNode) -> list[int]:
+        """Page ids of a node's device slots, remembered for as long as the node keeps the same tensor."""
+        memo = node.page_memo
+        indices = node.device_indices
+        if memo is not None and memo[0] is indices:
+            return memo[1]
+        pages = self._page_ids(indices)
+        node.page_memo = (indices, pages)
+        return pages
+
     def _check_engine_pages(self, page_ids: list[int]) -> None:
         if len(set(page_ids)) != len(page_ids):
             raise BadIndices("device indices name the same page twice")
+        if self._engine_pages.issuperset(page_ids):
+            return
         foreign = [p for p in page_ids if p not in self._engine_pages]
         if foreign:
             raise BadIndices(
@@ -493,7 +513,9 @@ class HiCache:
         already cached on the device, the slots may be the cache's own (as
         ``match_prefix`` returned them: kept) or fresh ones from
         ``alloc_device`` (duplicates: freed). Every other slot must come from
-        ``alloc_device``; an evicted part is revived with them.
+        ``alloc_device``; an evicted part is revived with them. Nodes keep
+        views of ``device_indices``: hand over a tensor you will not modify
+        (clone a view of a reused buffer such as a request-to-token table).
         """
         self._check_open()
         tokens = _as_tokens(tokens)
@@ -508,7 +530,7 @@ class HiCache:
         own: list[int | None] = []
         for node in path:
             if node.state in RESIDENT:
-                own.extend(self._page_ids(node.device_indices))
+                own.extend(self._node_pages(node))
             else:
                 own.extend([None] * (node.num_tokens // ps))
         if partial:
@@ -518,7 +540,10 @@ class HiCache:
             else:
                 own.extend([None] * (partial // ps))
         n_own = len(own)
-        engine = [p for i, p in enumerate(page_ids) if i >= n_own or own[i] != p]
+        if own == page_ids[:n_own]:  # the usual case: the cached part is the cache's own slots
+            engine = page_ids[n_own:]
+        else:
+            engine = [p for i, p in enumerate(page_ids) if i >= n_own or own[i] != p]
         self._check_engine_pages(engine)
         # ---- apply
         if partial:
@@ -529,7 +554,6 @@ class HiCache:
         duplicate: list[torch.Tensor] = []
         for node in path:
             size = node.num_tokens
-            part = device_indices[pos : pos + size]
             first = pos // ps
             pos += size
             node.last_access = now
@@ -537,11 +561,11 @@ class HiCache:
             if priority > node.priority:
                 node.priority = priority
             if node.state in REVIVABLE:
-                self._fire(node, "revive", DeviceGrant(part))
+                self._fire(node, "revive", DeviceGrant(device_indices[pos - size : pos]))
                 self._engine_pages.difference_update(page_ids[first : first + size // ps])
                 self.counters["revived_tokens"] += size
             elif own[first : first + size // ps] != page_ids[first : first + size // ps]:
-                duplicate.append(part)
+                duplicate.append(device_indices[pos - size : pos])
         for part in duplicate:
             pages = self._page_ids(part)
             mine = [i for i, p in enumerate(pages) if p in self._engine_pages]
@@ -557,6 +581,7 @@ class HiCache:
             node = self.tree.add_child(parent, tokens[matched:], namespace)
             node.last_access, node.priority, node.last_poll = now, priority, polls
             node.device_indices = device_indices[matched:]
+            node.page_memo = (node.device_indices, page_ids[matched // ps :])
             self._fire(node, "insert", self)
             self._engine_pages.difference_update(page_ids[matched // ps :])
         if self.config.write_policy == "write_through":
@@ -634,11 +659,11 @@ class HiCache:
     def _try_backup(self, node: TreeNode) -> bool:
         if self.cp is not None:  # CP: owned pages only, copied layer by layer (hicache_fsm.layer_write)
             return self.cp.backup(node)
-        if not self.residency.can_fire(node, "backup", self):
+        if self.host_allocator.available_tokens < node.num_tokens:
             self.evict_host(node.num_tokens - self.host_allocator.available_tokens)
-            if not self.residency.can_fire(node, "backup", self):
-                self.counters["backup_host_full"] += 1
-                return False
+        if not self.residency.can_fire(node, "backup", self):
+            self.counters["backup_host_full"] += 1
+            return False
         self._fire(node, "backup", self)
         return True
 
@@ -924,15 +949,17 @@ class HiCache:
             self.storage.submit(job)
         else:
             self._outbox.append(job)
-        self.counters[f"jobs_{job.kind.value}"] += 1
+        self.counters[_JOBS_KEY[job.kind]] += 1
         if self._observers:
             self._notify({"event": "job", "job": job.id, "kind": job.kind.value, "nodes": list(job.node_ids),
                           "tokens": job.num_tokens})
 
     def pending_job_ids(self) -> list[int]:
+        """Ids of jobs emitted and not yet acknowledged (queued or running), oldest first."""
         return list(self._pending)
 
     def pending_jobs(self) -> list[TransferJob]:
+        """The pending jobs themselves (tests, tracing, an engine-side executor)."""
         return list(self._pending.values())
 
     def flush(self) -> None:
@@ -1040,13 +1067,13 @@ class HiCache:
                 trigger = _DONE_TRIGGER[job.kind]
                 for node in nodes:
                     self._fire(node, trigger, self)
-                self.counters[f"bytes_{job.kind.value}"] += job.num_tokens * self._token_bytes
+                self.counters[_BYTES_KEY[job.kind]] += job.num_tokens * self._token_bytes
                 if job.kind is JobKind.D2H and self.storage_attached:
                     for node in nodes:
                         if self.residency.can_fire(node, "store", self):
                             self._fire(node, "store", self)
             else:
-                self.counters[f"failed_{job.kind.value}"] += 1
+                self.counters[_FAILED_KEY[job.kind]] += 1
                 log.warning("job %d (%s) failed: %s", c.job_id, job.kind.value, c.error)
                 if job.kind is JobKind.H2D:
                     self._load_failed(nodes, handle)
@@ -1090,6 +1117,7 @@ class HiCache:
             fn(event)
 
     def device_slot_owners(self) -> list[tuple[str, torch.Tensor]]:
+        """(owner, slot indices) for every device slot held by a node or the engine (invariant checks)."""
         owners = [(f"node {n.id}", n.device_indices) for n in self.tree.nodes() if n.device_indices is not None]
         if self._engine_pages:
             pages = torch.tensor(sorted(self._engine_pages), dtype=torch.int64)
@@ -1097,6 +1125,7 @@ class HiCache:
         return owners
 
     def host_slot_owners(self) -> list[tuple[str, torch.Tensor]]:
+        """(owner, slot indices) for every host slot held by a node or a registered runtime (invariant checks)."""
         owners = [(f"node {n.id}", n.host_indices) for n in self.tree.nodes() if n.host_indices is not None]
         for source in self._extra_host_owners:
             owners.extend(source())
@@ -1107,9 +1136,11 @@ class HiCache:
         self._extra_host_owners.append(source)
 
     def register_invariants(self, check: Callable[[], list[str]]) -> None:
+        """Add a runtime's own invariant check (returns problems) to ``check_invariants``."""
         self._extra_invariants.append(check)
 
     def invariant_violations(self) -> list[str]:
+        """Every broken invariant of the residency spec and of registered runtimes, as text."""
         problems = []
         for name in self.residency.spec.invariants:
             problems += [f"{name}: {p}" for p in self._residency_registry.invariants[name](self)]

@@ -37,7 +37,6 @@ a ``CPPageAllocator`` (``build_cp_rank`` builds a whole rank).
 from __future__ import annotations
 
 import collections
-import functools
 import itertools
 from typing import Callable, Iterable
 
@@ -57,12 +56,6 @@ SOURCES = ("target", "draft")
 PENDING = frozenset({"reserved", "submitting", "all_submitted"})
 
 _write_ids = itertools.count(1)
-
-
-@functools.lru_cache(maxsize=None)
-def _spec(name: str):
-    """Specs are immutable; parse each once per process (YAML parsing dominates building a rank)."""
-    return load_builtin(name)
 
 
 def _empty() -> torch.Tensor:
@@ -150,7 +143,7 @@ class LayerWriteRuntime:
         self.layout: CPLayout = allocator.layout
         self.rank = self.layout.rank
         self.page_size = cache.page_size
-        self.machine = compile_machine(_spec("layer_write"))
+        self.machine = compile_machine(load_builtin("layer_write"))
         self._registry = registry_for("layer_write")
         self.has_draft = cache.draft_host_pool is not None
         self.target_layers = cache.device_pool.layers
@@ -632,7 +625,7 @@ def build_cp_rank(pool_config, world_size: int, rank: int, block_pages: int = 1,
     pools = build_cp_pools(pool_config, world_size, rank, block_pages)
     executor = executor_factory(pools) if executor_factory is not None else None
     cache = HiCache(pools.device, pools.host, cache_config, executor, pools.draft_device, pools.draft_host,
-                    dispatcher=compile_machine(_spec("residency")))
+                    dispatcher=compile_machine(load_builtin("residency")))
     return CPRank(pools.device.layout, pools, cache, LayerWriteRuntime(cache))
 
 

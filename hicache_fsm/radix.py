@@ -45,6 +45,7 @@ class TreeNode:
         "pending_jobs",
         "cp_meta",
         "last_poll",
+        "page_memo",
     )
 
     def __init__(self, node_id: int, key: tuple[int, ...], namespace: Hashable, parent: "TreeNode | None") -> None:
@@ -65,6 +66,7 @@ class TreeNode:
         self.pending_jobs: set[int] = set()
         self.cp_meta: object | None = None
         self.last_poll = 0  # the cache's poll count at the last access (write_behind coldness)
+        self.page_memo: tuple | None = None  # (device_indices tensor, its page ids): valid while that tensor is current
 
     @property
     def num_tokens(self) -> int:

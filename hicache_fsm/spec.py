@@ -10,6 +10,7 @@ builds nothing.
 from __future__ import annotations
 
 import difflib
+import functools
 import re
 from collections import deque
 from pathlib import Path
@@ -458,11 +459,22 @@ def spec_paths(directory: str | Path = SPEC_DIR) -> list[Path]:
 
 
 def load_builtin(name: str) -> Spec:
-    """Load one of the library's own specs by machine name."""
+    """Load one of the library's own specs by machine name.
+
+    Specs are immutable, so a parsed spec is reused until its file changes:
+    every ``HiCache`` compiles its machines from these and parsing YAML
+    dominates building one.
+    """
     path = SPEC_DIR / f"{name}.yaml"
     if not path.is_file():
         known = ", ".join(p.stem for p in spec_paths())
         raise SpecError(str(path), None, f"no spec named {name!r}; known: {known}")
+    stat = path.stat()
+    return _load_cached(str(path), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=32)
+def _load_cached(path: str, mtime_ns: int, size: int) -> Spec:
     return load_spec(path)
 
 

@@ -141,6 +141,7 @@ BAD_TENSORS = [
     (lambda idx: idx.flip(0), "whole pages"),
     (lambda idx: torch.cat([idx[:2], idx[4:], idx[2:4]]), "whole pages"),
     (lambda idx: idx - idx.min() - 4 * 1000, "whole pages"),
+    (lambda idx: idx + 4 * 1000, "out of range"),
 ]
 
 

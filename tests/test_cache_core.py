@@ -630,3 +630,47 @@ def test_close_then_calls_raise():
 
     with pytest.raises(HiCacheError, match="closed"):
         cache.match_prefix(pages(1))
+
+
+# ------------------------------------------------------------------ the transitions baseline
+
+
+def test_cache_behaves_the_same_through_transitions():
+    from hicache_fsm.spec import load_builtin
+    from hicache_fsm.transitions_dispatch import TransitionsDispatcher
+
+    def scenario(dispatcher):
+        cache, ex = make_cache(device_pages=6, host_pages=8)
+        if dispatcher is not None:
+            cache.residency = dispatcher
+        trace = []
+        cache.add_observer(lambda e: trace.append((e["event"], e.get("trigger"), e.get("dest"))))
+        put(cache, pages(2))
+        put(cache, pages(4))
+        cache.poll()
+        ex.fail(cache.pending_job_ids()[0])
+        drain(cache, ex)
+        cache.evict(100)
+        cache.load_back(cache.match_prefix(pages(4)).last_host_node)
+        drain(cache, ex)
+        cache.evict_host(100)
+        put(cache, (9,) * 12)
+        drain(cache, ex)
+        cache.check_invariants()
+        return trace, cache.snapshot()["nodes"]
+
+    d = TransitionsDispatcher(load_builtin("residency"))
+    assert scenario(None) == scenario(d)
+    assert d.model_count > 0
+
+
+def test_controller_bench_reports_both_figures():
+    import argparse
+
+    from hicache_fsm.bench import controller
+
+    parser = argparse.ArgumentParser()
+    controller.configure(parser)
+    result = controller.run(parser.parse_args(["--requests", "20", "--repeats", "1", "--tree-nodes", "30"]))
+    assert result["us_per_request"] > 0 and result["transitions_us_per_request"] > 0
+    assert result["speedup"] == pytest.approx(result["transitions_us_per_request"] / result["us_per_request"], rel=0.01)

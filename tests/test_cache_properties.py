@@ -224,7 +224,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def reset(self, data):
-        if not data.draw(st.integers(0, 9)) == 0:
+        if data.draw(st.integers(0, 9)) != 0:
             return
         stale = self.ex.pending_job_ids()
         self.cache.reset()

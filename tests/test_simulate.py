@@ -155,3 +155,14 @@ def test_plot_without_matplotlib(capsys, monkeypatch, tmp_path):
 def test_cli_rejects_bad_sizes(capsys):
     assert main(["simulate", "--device-tokens", "100", "--no-progress"]) == 2
     assert "multiple of page_size" in capsys.readouterr().err
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_small_simulation_on_cuda(tmp_path):
+    """Model and device pool on CUDA: loads wait per layer on the load stream's events."""
+    sim = run_simulation(small_options(tmp_path, device="cuda"))
+    assert sim.device == "cuda"
+    assert sim.kv_mismatches == 0
+    assert sim.hierarchy.hit_rate >= sim.tier(DEVICE).hit_rate
+    assert sum(t.kv_checked_pages for t in sim.tiers) > 0

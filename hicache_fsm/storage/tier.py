@@ -162,7 +162,7 @@ class StorageTier:
             self.runtime.configure(tier_options)
             self._skip_writes = tier_options.skip_writes
             self.healthy, self.last_error = True, ""
-            self.link.start_threads({"query": self._query_loop, "io": self._io_loop})
+            self._start_workers()
             self.link.backend.batch_exists([_PROBE_KEY])  # the backend answers, end to end
         except BaseException as exc:  # anything, even KeyboardInterrupt: undo the attach first
             self.link_machine.fire(self.link, "attach_failed", self.cache)
@@ -178,6 +178,15 @@ class StorageTier:
         self._sweep_due = True  # host copies made before the attach get stored too
         self.counters["attaches"] += 1
         log.info("storage attached: %s (namespace %s)", self._describe(url_or_backend), namespace.prefix)
+
+    def _start_workers(self) -> None:
+        """Start the query and I/O threads over the attached backend.
+
+        The one seam for deterministic tests: a subclass may start nothing and run the
+        queued work items itself (``_run_query`` / ``_run_transfer`` / ``_run_backup``,
+        one at a time, in any order; see ``hicache_fsm.testing.storage.ManualStorageTier``).
+        """
+        self.link.start_threads({"query": self._query_loop, "io": self._io_loop})
 
     @staticmethod
     def _describe(url_or_backend: object) -> str:

@@ -26,13 +26,26 @@ from hicache_fsm.testing.adapter import (
     kv_fingerprint,
 )
 from hicache_fsm.testing.checks import Outcome, Step, catalogue, perform, replay_steps
-from hicache_fsm.testing.explorer import Bounds, ExploreResult, Explorer, Violation, explore
-from hicache_fsm.testing.paths import CoverageTracker, SpecPath, run_path, shortest_paths, spec_paths
+from hicache_fsm.testing.explorer import (
+    Bounds,
+    Explorer,
+    ExploreResult,
+    Violation,
+    explore,
+)
+from hicache_fsm.testing.paths import (
+    CoverageTracker,
+    SpecPath,
+    run_path,
+    shortest_paths,
+    spec_paths,
+)
 from hicache_fsm.testing.stateful import (
     HICACHE_VARIANTS,
     CacheProtocolMachine,
     FuzzResult,
     hicache_machine,
+    protocol_test_case,
     regression_test,
     run_fuzz,
 )
@@ -47,9 +60,17 @@ from hicache_fsm.testing.strategies import (
     prompt_pages,
     token_sequences,
 )
-from hicache_fsm.testing.trace import Divergence, ReplayResult, TraceRecorder, load_trace, record, replay
+from hicache_fsm.testing.trace import (
+    Divergence,
+    ReplayResult,
+    TraceRecorder,
+    load_trace,
+    record,
+    replay,
+)
 
 __all__ = [
+    "HICACHE_VARIANTS",
     "Bounds",
     "CacheAdapter",
     "CacheProtocolMachine",
@@ -59,7 +80,6 @@ __all__ = [
     "Explorer",
     "FaultSchedule",
     "FuzzResult",
-    "HICACHE_VARIANTS",
     "HiCacheAdapter",
     "JobInfo",
     "MatchInfo",
@@ -88,6 +108,7 @@ __all__ = [
     "perform",
     "prefix_families",
     "prompt_pages",
+    "protocol_test_case",
     "record",
     "regression_test",
     "replay",

@@ -20,8 +20,13 @@ load_back(tokens)      start loading the host-only part of a match -> tokens
 backup(tokens)         back up the device-only node ending at ``tokens`` -> bool
 pending_jobs()         jobs in flight; ``complete_job`` / ``fail_job`` end one
 redeliver(job_id)      acknowledge a finished job again (must be ``Rejected``)
-prefetch / abort       storage prefetch of a prompt, abort its request
+prefetch(tokens)       storage prefetch of what memory lacks of a prompt -> request
+prefetching()          requests whose prefetch is still running (``JobInfo``)
+prefetch_ready / abort poll a prefetch like a scheduler step / abort its request
 storage_fault(fault)   make the storage tier raise / time out as scheduled
+storage_steps()        queued storage work; ``complete_storage`` / ``fail_storage``
+                       run one (hit query, S2H transfer, H2S backup, probe)
+store_remote(tokens)   another instance sharing the storage tier stores a prompt's KV
 read_kv(tokens)        per token, the KV fingerprint read from each valid copy
 =====================  ==========================================================
 
@@ -43,12 +48,15 @@ import copy
 import functools
 import itertools
 from collections import Counter
-from typing import Any, Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from typing import Any
 
 import attrs
 import torch
 
 __all__ = [
+    "CORRUPT",
+    "OPTIONAL_OPS",
     "CacheAdapter",
     "HiCacheAdapter",
     "JobInfo",
@@ -57,11 +65,9 @@ __all__ = [
     "Occupancy",
     "Rejected",
     "StorageFault",
-    "CORRUPT",
-    "kv_fingerprint",
-    "encode_kv",
     "decode_kv_lists",
-    "OPTIONAL_OPS",
+    "encode_kv",
+    "kv_fingerprint",
 ]
 
 FP_LIMIT = 1 << 17  # fingerprint * 64 + layer stays exact in float32
@@ -146,6 +152,11 @@ def _encoded(tokens: tuple[int, ...], layers: int) -> tuple[torch.Tensor, torch.
     return encode_kv(tokens, layers)
 
 
+@functools.lru_cache(maxsize=1 << 16)
+def _prefix_fingerprints(tokens: tuple[int, ...]) -> list[int]:
+    return fingerprints(tokens)
+
+
 def decode_kv_lists(k: list, v: list, slot: int) -> int:
     """Fingerprint stored at ``slot`` of K / V given as nested lists ``[layer][slot][0][0]``."""
     first = k[0][slot][0][0]
@@ -162,8 +173,11 @@ def decode_kv_lists(k: list, v: list, slot: int) -> int:
 # The operations a subclass may leave out (the base raises NotSupported).
 OPTIONAL_OPS = (
     "lock", "unlock", "held_locks", "pin_host", "unpin_host", "held_pins", "evict", "evict_host",
-    "load_back", "backup", "complete_job", "fail_job", "redeliver", "prefetch", "abort",
-    "storage_fault", "occupancy", "snapshot", "state_key", "size",
+    "load_back", "backup", "complete_job", "fail_job", "redeliver", "prefetch", "prefetching", "prefetch_ready",
+    "abort", "storage_fault", "storage_steps", "stored_prefix", "store_remote", "complete_storage", "fail_storage",
+    "occupancy",
+    "snapshot",
+    "state_key", "size",
 )
 
 
@@ -208,6 +222,11 @@ class CacheAdapter:
 
     def read_kv_many(self, prompts: Iterable[Sequence[int]]) -> dict[tuple, list[tuple[int, ...]]]:
         return {tuple(p): self.read_kv(p) for p in prompts}
+
+    def kv_violations(self) -> list[str]:
+        """Optional: check *every* cached token's valid copies against ``kv_fingerprint`` at once
+        (faster than reading prompt by prompt). Raise ``NotSupported`` to use ``read_kv``."""
+        raise NotSupported("kv_violations")
 
     def lock(self, tokens: Sequence[int]) -> int | None:
         """Match ``tokens`` and lock the device part; a lock id, or None when nothing is on the device."""
@@ -266,11 +285,40 @@ class CacheAdapter:
         """Start prefetching ``tokens`` from storage; a request id, or None when not admitted."""
         raise NotSupported("prefetch")
 
+    def prefetching(self) -> list[JobInfo]:
+        """Prefetches in flight (``id``: the request; ``detail``: its tokens)."""
+        return []
+
+    def prefetch_ready(self, request: Hashable) -> bool:
+        """Poll a prefetch like a scheduler step: True once it ended (then it leaves ``prefetching``)."""
+        raise NotSupported("prefetch_ready")
+
     def abort(self, request: Hashable) -> None:
+        """The request was aborted mid-prefetch; it leaves ``prefetching``."""
         raise NotSupported("abort")
 
     def storage_fault(self, fault: StorageFault) -> None:
         raise NotSupported("storage_fault")
+
+    def storage_steps(self) -> list:
+        """Queued storage work the driver may run (objects with an ``id``); empty when none."""
+        return []
+
+    def stored_prefix(self, tokens: Sequence[int]) -> int:
+        """How many leading tokens of ``tokens`` the storage tier holds (no side effects)."""
+        raise NotSupported("stored_prefix")
+
+    def store_remote(self, tokens: Sequence[int]) -> int:
+        """Another cache sharing the storage tier stores the KV of ``tokens`` there -> tokens written."""
+        raise NotSupported("store_remote")
+
+    def complete_storage(self, step_id: Hashable) -> None:
+        """Run one queued storage step (hit query, transfer, backup) now."""
+        raise NotSupported("complete_storage")
+
+    def fail_storage(self, step_id: Hashable) -> None:
+        """Run one queued storage step with its backend call failing."""
+        raise NotSupported("fail_storage")
 
     def occupancy(self) -> Occupancy:
         raise NotSupported("occupancy")
@@ -296,7 +344,7 @@ class CacheAdapter:
         effect of another step the explorer also tries (it skips the clone). Default: True."""
         return True
 
-    def clone(self) -> "CacheAdapter":
+    def clone(self) -> CacheAdapter:
         """An independent copy (the explorer forks states); deep copy by default."""
         return copy.deepcopy(self)
 
@@ -310,7 +358,7 @@ class CacheAdapter:
 # =========================================================================== HiCache
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _residency_spec():
     from hicache_fsm.spec import load_builtin
 
@@ -540,7 +588,8 @@ class HiCacheAdapter(CacheAdapter):
     name = "hicache"
 
     def __init__(self, *, device_pages: int = 4, host_pages: int = 4, page_size: int = 1, layers: int = 2,
-                 host_layout: str = "layer_first", dispatcher=None, **config: Any) -> None:
+                 host_layout: str = "layer_first", dispatcher=None, storage: bool = False,
+                 stop_policy: str = "best_effort", batch_pages: int = 2, **config: Any) -> None:
         from hicache_fsm.cache import HiCache
         from hicache_fsm.config import CacheConfig
         from hicache_fsm.executors import ManualExecutor
@@ -561,14 +610,39 @@ class HiCacheAdapter(CacheAdapter):
         self._next_handle = 1
         self._finished: list[int] = []
         self.symmetric = True  # state_key identifies caches that differ by a renaming of token ids
+        self.track_hits = False  # state_key tells hit from never-hit nodes even when the policy ignores hits
         self._kv_shared = False  # True after clone(): the KV buffers are shared until one side writes
         self._kv_writes = 0  # bumped before every write into the pools (read_kv caches per value)
         self._lists = None
+        self._requests: dict[int, tuple[int, ...]] = {}  # prefetches the engine is waiting for
+        self._next_request = 1
+        self.faults = None
+        self.backend = None
+        if storage:
+            self._attach_storage(stop_policy, batch_pages)
+
+    def _attach_storage(self, stop_policy: str, batch_pages: int) -> None:
+        """L3 on a ``memory://`` backend behind a ``FaultyBackend``, run step by step (``ManualStorageTier``)."""
+        from hicache_fsm.storage import open_backend
+        from hicache_fsm.storage.faults import FaultyBackend
+        from hicache_fsm.testing.storage import FaultPlan, ManualStorageTier
+
+        self.faults = FaultPlan()
+        self.backend = FaultyBackend(open_backend("memory://"), self.faults)
+        ManualStorageTier.attach_to(
+            self.cache, self.backend, prefetch_threshold=self.page_size, stop_policy=stop_policy,
+            prefetch_capacity_tokens=self.host_pool.size_tokens, batch_pages=batch_pages, retry_interval=0.0)
 
     def describe(self) -> str:
         c = self.config
+        storage = ", storage" if self.cache.storage is not None else ""
         return (f"hicache(device={self.device_pool.allocator.total_pages}, host={self.host_pool.allocator.total_pages}, "
-                f"page={self.page_size}, layers={self.layers}, {c.write_policy}, {c.eviction_policy})")
+                f"page={self.page_size}, layers={self.layers}, {c.write_policy}, {c.eviction_policy}{storage})")
+
+    def supports(self, op: str) -> bool:
+        if op in STORAGE_OPS and self.cache.storage is None:
+            return False
+        return super().supports(op)
 
     # ------------------------------------------------------------------ helpers
 
@@ -730,6 +804,125 @@ class HiCacheAdapter(CacheAdapter):
     def poll(self) -> None:
         self.cache.poll()
 
+    # ------------------------------------------------------------------ storage (L3)
+
+    def prefetch(self, tokens: Sequence[int]) -> Hashable | None:
+        """Match ``tokens`` and prefetch what memory lacks from storage, as an engine admitting a request."""
+        tokens = self._aligned(tokens)
+        m = self.cache.match_prefix(tokens)
+        rid = self._next_request
+        ok = self.cache.prefetch(rid, tokens, m)
+        self.cache.flush()
+        if not ok:
+            return None
+        self._next_request += 1
+        self._requests[rid] = tokens
+        return rid
+
+    def prefetching(self) -> list[JobInfo]:
+        """Requests whose prefetch the engine still waits for (id = request id, detail = tokens)."""
+        return [JobInfo(rid, "prefetch", tokens) for rid, tokens in self._requests.items()]
+
+    def prefetch_ready(self, request: Hashable) -> bool:
+        """The scheduler's per-step check; True once the prefetch ended (its pages are in the tree)."""
+        if request not in self._requests:
+            raise Rejected(f"request {request!r} has no prefetch")
+        ready = self.cache.prefetch_ready(request)
+        self.cache.flush()
+        if ready:
+            del self._requests[request]
+        return ready
+
+    def abort(self, request: Hashable) -> bool:
+        """The request was aborted: its prefetch must end and release everything."""
+        if request not in self._requests:
+            raise Rejected(f"request {request!r} has no prefetch")
+        had = self.cache.abort_prefetch(request)
+        self.cache.flush()
+        del self._requests[request]
+        return had
+
+    def storage_fault(self, fault: StorageFault) -> None:
+        self.faults.arm(fault)
+
+    def store_remote(self, tokens: Sequence[int]) -> int:
+        """Another engine instance sharing this L3 (same model and key namespace) backs ``tokens`` up:
+        their KV pages land in storage under the same chained keys; pages stored already are kept.
+        Returns the tokens written. Nothing in this cache changes."""
+        from hicache_fsm.pools import HostKVPool
+        from hicache_fsm.storage.keys import page_keys
+
+        tokens = self._aligned(tokens)
+        if not tokens or self.backend is None:
+            return 0
+        ps = self.page_size
+        scratch = HostKVPool(self.host_pool.shape, len(tokens), ps, self.host_pool.layout, pin_memory=False)
+        k, v = _encoded(tokens, self.layers)
+        scratch.write(torch.arange(len(tokens)), k, v)
+        values = [scratch.read_page(p).numpy().tobytes() for p in range(len(tokens) // ps)]
+        stored = self.backend.inner.batch_set(page_keys(tokens, ps, None), values)
+        return sum(stored) * ps
+
+    def stored_prefix(self, tokens: Sequence[int]) -> int:
+        """How many leading tokens of ``tokens`` storage holds (read without faults or side effects)."""
+        from hicache_fsm.storage.keys import page_keys
+
+        tokens = self._aligned(tokens)
+        if not tokens or self.backend is None:
+            return 0
+        keys = page_keys(tokens, self.page_size, None)
+        return self.backend.inner.batch_exists(keys) * self.page_size
+
+    def storage_steps(self) -> list:
+        """Queued storage work (``StorageStep``: hit queries, S2H transfers, H2S backups, a probe)."""
+        return self.cache.storage.steps()
+
+    def _run_storage(self, step_id: str, fail: bool) -> None:
+        if step_id not in {s.id for s in self.cache.storage.steps()}:
+            raise Rejected(f"storage step {step_id!r} is not queued")
+        if fail:
+            self.faults.fail_next()
+        self._kv_writes += 1  # an S2H transfer writes host pages
+        try:
+            self.cache.storage.run(step_id)
+        finally:
+            self.faults.clear_next()  # a step that made no backend call leaves no failure armed
+        self.cache.poll()
+
+    def complete_storage(self, step_id: str) -> None:
+        """Run one queued storage step (armed ``storage_fault`` records may still fail its calls)."""
+        self._run_storage(step_id, False)
+
+    def fail_storage(self, step_id: str) -> None:
+        """Run one queued storage step with its first backend call raising ``StorageError``."""
+        self._run_storage(step_id, True)
+
+    def storage_violations(self) -> list[str]:
+        """``stored_means_stored``: a node in a ``*_stored`` state has every page in storage, byte for byte
+        its host copy (pages a scheduled corrupt fault damaged are exempt)."""
+        tier = self.cache.storage
+        if tier is None or self.backend is None or tier.link.state != "attached":
+            return []
+        inner = self.backend.inner
+        problems = []
+        for node in self.cache.tree.nodes():
+            if node.is_root or not node.state.endswith("_stored"):
+                continue
+            keys = list(tier.keys_for(node))
+            pages = _host_pages(node.host_indices, self.page_size)
+            blobs = inner.batch_get(keys)
+            for i, (key, blob) in enumerate(zip(keys, blobs)):
+                if key in self.faults.corrupted:
+                    continue
+                if blob is None:
+                    problems.append(f"stored_means_stored: node {node.id} ({node.state}) page {i} is not in storage")
+                    break
+                if i < len(pages) and bytes(blob) != self.host_pool.read_page(pages[i]).numpy().tobytes():
+                    problems.append(f"stored_means_stored: node {node.id} ({node.state}) page {i}: storage holds "
+                                    f"other bytes than its host copy")
+                    break
+        return problems
+
     def occupancy(self) -> Occupancy:
         ps = self.page_size
         return Occupancy(self.device_pool.allocator.used_pages * ps, self.host_pool.allocator.used_pages * ps)
@@ -741,7 +934,10 @@ class HiCacheAdapter(CacheAdapter):
         return len(self.cache.tree)
 
     def machines(self) -> list:
-        return [self.cache.residency]
+        tier = self.cache.storage
+        if tier is None:
+            return [self.cache.residency]
+        return [self.cache.residency, tier.runtime.machine, tier.link_machine]
 
     def close(self) -> None:
         self.cache.close()
@@ -798,6 +994,35 @@ class HiCacheAdapter(CacheAdapter):
     def read_kv(self, tokens: Sequence[int]) -> list[tuple[int, ...]]:
         return self._read(tuple(tokens), self._pool_lists())
 
+    def kv_violations(self) -> list[str]:
+        from hicache_fsm.bindings.residency import LOADING, ON_DEVICE, ON_HOST
+
+        dev_fp, host_fp = self._pool_lists()
+        tree = self.cache.tree
+        problems = []
+        stack = [(tree.root, ())]
+        while stack:
+            node, before = stack.pop()
+            for child in node.children.values():
+                stack.append((child, before + child.key))
+            if node.parent is None:
+                continue
+            want = _prefix_fingerprints(before)[-node.num_tokens:]
+            state = node.state
+            for tier, fps, idx, valid in (
+                ("device", dev_fp, node.device_indices, state in ON_DEVICE and state not in LOADING),
+                ("host", host_fp, node.host_indices, state in ON_HOST),
+            ):
+                if not valid or idx is None:
+                    continue
+                got = [fps[i] for i in idx.tolist()]
+                if got != want:
+                    i = next(i for i, (g, w) in enumerate(zip(got + [None] * len(want), want)) if g != w)
+                    problems.append(f"kv_readback: node {node.id} ({state}) token {len(before) - node.num_tokens + i} "
+                                    f"of prefix {list(before)}: its {tier} copy reads {got[i] if i < len(got) else None}, "
+                                    f"{want[i]} was written")
+        return problems
+
     def read_kv_many(self, prompts: Iterable[Sequence[int]]) -> dict[tuple, list[tuple[int, ...]]]:
         lists = self._pool_lists()
         return {tuple(p): self._read(tuple(p), lists) for p in prompts}
@@ -808,6 +1033,7 @@ class HiCacheAdapter(CacheAdapter):
         problems = list(self.cache.invariant_violations())
         problems += hicache_structure_violations(self.cache)
         problems += self._engine_ref_violations()
+        problems += self.storage_violations()
         return problems
 
     def _engine_ref_violations(self) -> list[str]:
@@ -824,6 +1050,15 @@ class HiCacheAdapter(CacheAdapter):
             if not tree.owns(node):
                 return [f"pins: host-pinned node {node.id} left the tree"]
             want_pin[node.id] += 1
+        tier = self.cache.storage
+        for op in (tier.runtime.active.values() if tier is not None else ()):  # prefetch anchors pin too
+            if not op.anchor_pinned or op.anchor.is_root or not tree.owns(op.anchor):
+                continue
+            if op.anchor_pin == "host":
+                want_pin[op.anchor.id] += 1
+            elif op.anchor_pin == "lock":
+                for n in tree.path_to_root(op.anchor):
+                    want_lock[n.id] += 1
         problems = []
         for n in tree.nodes():
             if n.is_root:
@@ -836,7 +1071,7 @@ class HiCacheAdapter(CacheAdapter):
 
     # ------------------------------------------------------------------ explorer support
 
-    def clone(self) -> "HiCacheAdapter":
+    def clone(self) -> HiCacheAdapter:
         memo: dict = {}
         new = object.__new__(type(self))
         new.__dict__.update(self.__dict__)
@@ -896,8 +1131,13 @@ class HiCacheAdapter(CacheAdapter):
         pending = cache.pending_jobs()
         kinds = {j.id: j.kind.value for j in pending}
         outbox = {j.id for j in cache._outbox}
-        selective = cache.config.write_policy == "write_through_selective"
-        cap = max(1, cache.config.write_through_threshold) if selective else 1
+        # hit counts matter to a policy that reads them: the selective threshold, LFU order
+        if cache.config.write_policy == "write_through_selective":
+            cap = max(1, cache.config.write_through_threshold)
+        elif cache.config.eviction_policy == "lfu" or self.track_hits:
+            cap = 1
+        else:
+            cap = 0
         ranked = sorted(nodes, key=sort_key)
         rows = [
             (pre[n.id], n.state, n.lock_ref, n.host_ref, min(n.hit_count, cap), r,
@@ -943,6 +1183,13 @@ def _rename(mapping: dict, prefix: tuple) -> tuple:
 
 
 LOADING_STATES = frozenset({"loading", "loading_storing", "loading_stored"})
+# operations that need an attached storage tier
+STORAGE_OPS = frozenset({"prefetch", "prefetching", "prefetch_ready", "abort", "storage_fault", "storage_steps",
+                         "stored_prefix", "store_remote", "complete_storage", "fail_storage"})
+
+
+def _host_pages(indices, page_size: int) -> list[int]:
+    return [] if indices is None else (indices[::page_size] // page_size).tolist()
 
 
 def hicache_structure_violations(cache) -> list[str]:
@@ -964,7 +1211,7 @@ def hicache_structure_violations(cache) -> list[str]:
     stack = [tree.root]
     while stack:
         p = stack.pop()
-        for key, c in p.children.items():
+        for c in p.children.values():
             if c.parent is not p:
                 problems.append(f"tree_well_formed: node {c.id} is a child of {p.id} but its parent is "
                                 f"{getattr(c.parent, 'id', None)}")

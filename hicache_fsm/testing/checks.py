@@ -26,13 +26,19 @@ of every prompt against what was written.
 from __future__ import annotations
 
 import traceback
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import attrs
 
-from hicache_fsm.testing.adapter import CacheAdapter, NotSupported, Rejected, kv_fingerprint
+from hicache_fsm.testing.adapter import (
+    CacheAdapter,
+    NotSupported,
+    Rejected,
+    kv_fingerprint,
+)
 
-__all__ = ["Step", "Outcome", "perform", "catalogue", "kv_problems", "replay_steps", "INDEXED_OPS"]
+__all__ = ["INDEXED_OPS", "Outcome", "Step", "catalogue", "kv_check", "kv_problems", "perform", "replay_steps"]
 
 # op -> the adapter list its (first) argument indexes
 INDEXED_OPS = {
@@ -41,8 +47,13 @@ INDEXED_OPS = {
     "unlock": "held_locks",
     "unpin_host": "held_pins",
     "redeliver": "finished_jobs",
+    "prefetch_ready": "prefetching",
+    "abort": "prefetching",
+    "complete_storage": "storage_steps",
+    "fail_storage": "storage_steps",
 }
-MUST_SUCCEED = frozenset({"unlock", "unpin_host", "complete_job", "fail_job"})
+MUST_SUCCEED = frozenset({"unlock", "unpin_host", "complete_job", "fail_job", "prefetch_ready", "abort",
+                          "complete_storage", "fail_storage"})
 MUST_REJECT = frozenset({"redeliver"})
 SNAPSHOT_OPS = frozenset({"unlock", "unpin_host", "redeliver"})
 
@@ -63,7 +74,7 @@ class Step:
         return [self.op, *[list(a) if isinstance(a, tuple) else a for a in self.args]]
 
     @classmethod
-    def from_json(cls, data: Sequence) -> "Step":
+    def from_json(cls, data: Sequence) -> Step:
         return cls(data[0], tuple(tuple(a) if isinstance(a, list) else a for a in data[1:]))
 
 
@@ -129,7 +140,7 @@ def perform(adapter: CacheAdapter, step: Step, *, catch: bool = True,
         if snap is not None and adapter.snapshot() != snap:
             out.problems.append(f"{step}: refused ({exc}) but the cache changed")
         return out
-    except Exception as exc:  # noqa: BLE001 - every other exception is a finding
+    except Exception as exc:
         if not catch:
             raise
         tb = traceback.extract_tb(exc.__traceback__)
@@ -169,13 +180,22 @@ def kv_problems(reads: dict[tuple, list[tuple[int, ...]]]) -> list[str]:
     return problems
 
 
+def kv_check(adapter: CacheAdapter, prompts: Iterable[Sequence[int]]) -> list[str]:
+    """KV read back from every valid copy equals what was written (``adapter.kv_violations`` when the
+    adapter checks all its entries at once, plus ``read_kv`` of ``prompts``)."""
+    prompts = [tuple(p) for p in prompts]
+    try:
+        problems = adapter.kv_violations()
+    except NotSupported:
+        problems = []
+    if prompts and not problems:
+        problems = kv_problems(adapter.read_kv_many(prompts))
+    return problems
+
+
 def catalogue(adapter: CacheAdapter, prompts: Iterable[Sequence[int]]) -> list[str]:
     """Every invariant violation now, KV read-back of ``prompts`` included."""
-    problems = list(adapter.invariant_violations())
-    prompts = [tuple(p) for p in prompts]
-    if prompts:
-        problems += kv_problems(adapter.read_kv_many(prompts))
-    return problems
+    return list(adapter.invariant_violations()) + kv_check(adapter, prompts)
 
 
 def replay_steps(adapter: CacheAdapter, steps: Iterable[Step], prompts: Iterable[Sequence[int]] = ()) -> list[str]:

@@ -45,21 +45,20 @@ from __future__ import annotations
 import contextlib
 import gc
 import itertools
-import json
 import logging
-import sys
 import time
 from collections import deque
-from typing import Callable, Iterable, Iterator, TextIO
+from collections.abc import Callable, Iterable, Iterator
+from typing import TextIO
 
 import attrs
 import torch
 
 from hicache_fsm.testing.adapter import CacheAdapter
-from hicache_fsm.testing.checks import Step, catalogue, kv_problems, perform, replay_steps
+from hicache_fsm.testing.checks import Step, catalogue, kv_check, perform, replay_steps
 from hicache_fsm.testing.paths import CoverageTracker
 
-__all__ = ["Bounds", "Violation", "ExploreResult", "Explorer", "explore", "prompts_for", "hicache_factory"]
+__all__ = ["Bounds", "ExploreResult", "Explorer", "Violation", "explore", "hicache_factory", "prompts_for"]
 
 
 @attrs.frozen
@@ -69,7 +68,9 @@ class Bounds:
     ``alphabet`` distinct token ids, prompts of 1..``max_len`` pages (default:
     ``min(nodes, device_pages)``, the longest prompt that fits on the device),
     at most ``max_locks`` engine locks and ``max_pins`` host pins held at once,
-    evictions of 1..``device_pages`` / 1..``host_pages`` pages.
+    evictions of 1..``device_pages`` / 1..``host_pages`` pages. ``track_hits``
+    keeps "was this node ever hit" in the state key even when the policy does
+    not read hit counts (LRU, not selective), to explore hit-count bookkeeping.
     """
 
     nodes: int = 3
@@ -83,6 +84,7 @@ class Bounds:
     max_pins: int = 1
     write_policy: str = "write_through"
     eviction_policy: str = "lru"
+    track_hits: bool = False
     redeliver: bool = True
     max_states: int | None = None
     max_seconds: float | None = None
@@ -117,9 +119,11 @@ def quiet_cache_logs() -> Iterator[None]:
 def hicache_factory(bounds: Bounds) -> CacheAdapter:
     from hicache_fsm.testing.adapter import HiCacheAdapter
 
-    return HiCacheAdapter(device_pages=bounds.device_pages, host_pages=bounds.host_pages, page_size=bounds.page_size,
-                          layers=bounds.layers, write_policy=bounds.write_policy,
-                          eviction_policy=bounds.eviction_policy)
+    adapter = HiCacheAdapter(device_pages=bounds.device_pages, host_pages=bounds.host_pages,
+                             page_size=bounds.page_size, layers=bounds.layers, write_policy=bounds.write_policy,
+                             eviction_policy=bounds.eviction_policy)
+    adapter.track_hits = bounds.track_hits
+    return adapter
 
 
 @attrs.frozen
@@ -249,6 +253,7 @@ class Explorer:
         t0 = time.perf_counter()
         root = self.factory(b)
         result = ExploreResult(b, adapter=root.describe())
+        self._node_kv = root.supports("kv_violations")
         if self.coverage is not None:
             self.coverage.attach_all(root.machines())
         key0 = root.state_key()
@@ -291,7 +296,7 @@ class Explorer:
                 if ckey in parents or ckey in outside:
                     # KV contents are not in the key: a step that corrupts a copy can land on a key
                     # first reached with good data, so read-back is checked after every step
-                    bad = kv_problems(child.read_kv_many(self.prompts))
+                    bad = kv_check(child, () if self._node_kv else self.prompts)
                     if bad and report(bad, self._trace(parents, key) + (step,)):
                         stop = True
                         break
@@ -302,7 +307,7 @@ class Explorer:
                     result.pruned += 1
                 else:
                     parents[ckey] = (key, step)
-                problems = catalogue(child, self.prompts)
+                problems = catalogue(child, () if self._node_kv else self.prompts)
                 if problems:
                     trace = (self._trace(parents, key) + (step,))
                     if report(problems, trace):
@@ -325,7 +330,7 @@ class Explorer:
 
     def _finish(self, result: ExploreResult, t0: float, states: int, complete: bool) -> ExploreResult:
         result.states = states
-        result.complete = complete and not result.violations
+        result.complete = complete  # the frontier ran dry (states with violations are not expanded)
         result.seconds = time.perf_counter() - t0
         if self.coverage is not None:
             result.coverage = self.coverage.report()
@@ -342,7 +347,3 @@ class Explorer:
 def explore(bounds: Bounds = Bounds(), factory: Callable[[Bounds], CacheAdapter] = hicache_factory, **kw) -> ExploreResult:
     """Run an ``Explorer``; keyword arguments go to its constructor."""
     return Explorer(factory, bounds, **kw).run()
-
-
-def main_json(result: ExploreResult, out: TextIO = sys.stdout) -> None:
-    print(json.dumps(result.to_json(), sort_keys=True), file=out)

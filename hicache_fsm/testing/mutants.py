@@ -21,11 +21,12 @@ explorer should be run with it.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import attrs
 
-__all__ = ["Mutant", "MUTANTS", "mutant", "Patcher"]
+__all__ = ["MUTANTS", "Mutant", "Patcher", "mutant"]
 
 
 class Patcher:
@@ -63,14 +64,15 @@ class Mutant:
     bug: str  # the bug class, in the reference's words
     apply: Callable[[Patcher], None] = attrs.field(repr=False)
     variant: dict = attrs.Factory(dict)  # cache configuration the bug needs (write policy, ...)
+    explorer: bool = True  # False: the explorer cannot reach it (storage is not forked); the fuzzer must
 
 
 MUTANTS: dict[str, Mutant] = {}
 
 
-def _mutant(name: str, bug: str, **variant: Any):
+def _mutant(name: str, bug: str, explorer: bool = True, **variant: Any):
     def deco(fn: Callable[[Patcher], None]) -> Callable[[Patcher], None]:
-        MUTANTS[name] = Mutant(name, bug, fn, dict(variant))
+        MUTANTS[name] = Mutant(name, bug, fn, dict(variant), explorer)
         return fn
 
     return deco
@@ -279,7 +281,7 @@ def _lock_underflow(p: Patcher) -> None:
     p.setattr(HiCache, "unlock", unlock)
 
 
-@_mutant("hit_count_lost_on_split", "hit count lost on node split")
+@_mutant("hit_count_lost_on_split", "hit count lost on node split", eviction_policy="lfu")
 def _hits_lost(p: Patcher) -> None:
     from hicache_fsm.radix import RadixTree
 
@@ -345,3 +347,98 @@ def _counter_stuck(p: Patcher) -> None:
         return 0, started  # ...and reports nothing freed
 
     p.setattr(HiCache, "_evict_pass", _evict_pass)
+
+
+# =========================================================================== storage tier (L3) and prefetch
+# These need a cache with storage attached: the fuzzer's storage variants (``HiCacheAdapter(storage=True)``,
+# a step-by-step ``ManualStorageTier``); the explorer does not fork storage, so ``explorer=False``.
+
+
+def _tier():
+    from hicache_fsm.storage import tier
+
+    return tier
+
+
+def _prefetch():
+    from hicache_fsm.storage import prefetch
+
+    return prefetch
+
+
+@_mutant("prefetch_double_release", "double free of prefetch host slots released on two paths", explorer=False)
+def _prefetch_double_release(p: Patcher) -> None:
+    """The abort handler hands the prefetch's slots back itself, then the ``release`` effect does it again."""
+    StorageTier = _tier().StorageTier
+    orig = StorageTier.abort_prefetch
+
+    def abort_prefetch(self, request_id):
+        op = self.runtime.active.get(request_id)
+        if op is not None and op.host_indices.numel() and not op.io_active:
+            self.cache.host_allocator.free(op.host_indices)
+        return orig(self, request_id)
+
+    p.setattr(StorageTier, "abort_prefetch", abort_prefetch)
+
+
+@_mutant("abort_leaks_prefetch", "aborted requests leaking prefetch slots", explorer=False)
+def _abort_leaks(p: Patcher) -> None:
+    """Abort drops the bookkeeping and ends the op, but never fires ``release`` (slots and anchor pin leak)."""
+    StorageTier = _tier().StorageTier
+
+    def abort_prefetch(self, request_id):
+        self._drain()
+        op = self.runtime.active.pop(request_id, None)
+        if op is None:
+            return False
+        self.runtime.fire(op, "abort")
+        return True
+
+    p.setattr(StorageTier, "abort_prefetch", abort_prefetch)
+
+
+@_mutant("failed_store_as_stored", "failed L3 backup treated as stored (host copy then evicted as safe)",
+         explorer=False)
+def _failed_store(p: Patcher) -> None:
+    HiCache = _cache().HiCache
+    orig = HiCache._fire
+
+    def _fire(self, node, trigger, ctx, *a, **kw):
+        if trigger == "store_failed":
+            trigger = "store_done"
+        return orig(self, node, trigger, ctx, *a, **kw)
+
+    p.setattr(HiCache, "_fire", _fire)
+
+
+@_mutant("short_prefetch_inserted_in_full", "fetched pages inserted after a short batch (pages that never arrived)",
+         explorer=False)
+def _short_inserted(p: Patcher) -> None:
+    """On stop, every hit page is inserted, as if the transfer had completed."""
+    PrefetchRuntime = _prefetch().PrefetchRuntime
+    orig = PrefetchRuntime.insert_fetched
+
+    def insert_fetched(self, op):
+        op.completed_tokens = max(op.completed_tokens, op.hit_tokens)
+        return orig(self, op)
+
+    p.setattr(PrefetchRuntime, "insert_fetched", insert_fetched)
+
+
+@_mutant("anchor_unpinned_twice", "prefetch anchor unpinned twice (by the abort handler and by release)",
+         explorer=False)
+def _anchor_twice(p: Patcher) -> None:
+    """The abort handler unpins the anchor itself; the ``release`` effect then unpins it again."""
+    StorageTier = _tier().StorageTier
+    orig = StorageTier.abort_prefetch
+
+    def abort_prefetch(self, request_id):
+        op = self.runtime.active.get(request_id)
+        if op is not None and op.anchor_pinned:
+            if op.anchor_pin == "host":
+                self.cache.unpin_host(op.anchor)
+            else:
+                self.cache.unlock(op.anchor)
+        return orig(self, request_id)
+
+    p.setattr(StorageTier, "abort_prefetch", abort_prefetch)

@@ -22,23 +22,28 @@ spec were reached, and which were not.
 from __future__ import annotations
 
 from collections import defaultdict, deque
-from typing import Iterable
+from collections.abc import Iterable
 
 import attrs
 
-from hicache_fsm.machine import CompiledMachine, ReferenceModel, compile_machine, reference_machine
+from hicache_fsm.machine import (
+    CompiledMachine,
+    ReferenceModel,
+    compile_machine,
+    reference_machine,
+)
 from hicache_fsm.registry import MachineRegistry
 from hicache_fsm.spec import Spec, TransitionSpec, load_all
 
 __all__ = [
+    "CoverageTracker",
     "Edge",
     "SpecPath",
-    "CoverageTracker",
     "edges",
+    "oracle_registry",
+    "run_path",
     "shortest_paths",
     "spec_paths",
-    "run_path",
-    "oracle_registry",
 ]
 
 
@@ -223,7 +228,7 @@ class CoverageTracker:
         self.states[machine].update((source, dest))
         self.transitions[machine].add((trigger, source, dest))
 
-    def merge(self, other: "CoverageTracker") -> None:
+    def merge(self, other: CoverageTracker) -> None:
         for name, s in other.states.items():
             self.states[name] |= s
         for name, t in other.transitions.items():

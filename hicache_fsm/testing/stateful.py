@@ -23,11 +23,10 @@ failing example turned into a runnable pytest test (``regression_test``).
 
 from __future__ import annotations
 
-import io
 import re
-import sys
 import time
-from typing import Any, Callable, Sequence, TextIO
+from collections.abc import Callable, Sequence
+from typing import Any, TextIO
 
 import attrs
 from hypothesis import HealthCheck, Phase, Verbosity
@@ -50,10 +49,14 @@ from hicache_fsm.testing.checks import Step, catalogue, perform
 from hicache_fsm.testing.paths import CoverageTracker
 from hicache_fsm.testing.strategies import pages_to_tokens, prompt_pages, storage_faults
 
-__all__ = ["CacheProtocolMachine", "hicache_machine", "HICACHE_VARIANTS", "FuzzResult", "run_fuzz", "regression_test"]
+__all__ = [
+    "HICACHE_VARIANTS", "CacheProtocolMachine", "FuzzResult", "hicache_machine", "protocol_test_case", "regression_test",
+    "run_fuzz",
+]
 
 ALPHABET = 3
 MAX_PAGES = 4
+REQUEST_ACTIONS = ("step", "step", "step", "fail", "ready", "abort")
 
 
 def _supports(op: str) -> Callable[[Any], bool]:
@@ -78,11 +81,11 @@ class CacheProtocolMachine(RuleBasedStateMachine):
         super().__init__()
         self.adapter: CacheAdapter | None = None
         self.seen: list[tuple[int, ...]] = []
-        self.requests: list = []
+        self.remote: list[tuple[int, ...]] = []  # prompts only other instances stored
 
     @classmethod
     def bind(cls, factory: Callable[..., CacheAdapter], *, variants: Sequence[dict] = ({},), name: str | None = None,
-             coverage: CoverageTracker | None = None, settings: Settings | None = None) -> type["CacheProtocolMachine"]:
+             coverage: CoverageTracker | None = None, settings: Settings | None = None) -> type[CacheProtocolMachine]:
         """A subclass driving ``factory``; its ``TestCase`` runs it under unittest / pytest."""
         attrs_ = {"adapter_factory": staticmethod(factory), "variants": tuple(variants), "coverage": coverage}
         sub = type(name or f"{cls.__name__}Bound", (cls,), attrs_)
@@ -214,9 +217,10 @@ class CacheProtocolMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.adapter is not None and self.adapter.supports("complete_job")
                   and bool(self.adapter.pending_jobs()))
-    @rule(order=st.permutations(range(8)), fail_mask=st.integers(0, 255))
-    def ack_round(self, order: list[int], fail_mask: int) -> None:
-        """Acknowledge every pending job in a drawn order, failing those the mask says."""
+    @rule(order=st.permutations(range(8)), fail_mask=st.integers(0, 255), storage=st.booleans())
+    def ack_round(self, order: list[int], fail_mask: int, storage: bool) -> None:
+        """Acknowledge every pending job in a drawn order, failing those the mask says; with ``storage``,
+        the storage threads then catch up too (``storage_round``)."""
         jobs = self.adapter.pending_jobs()
         ranked = sorted(range(len(jobs)), key=lambda i: order[i % 8] + 8 * (i // 8))
         ids = [jobs[i].id for i in ranked]
@@ -227,6 +231,8 @@ class CacheProtocolMachine(RuleBasedStateMachine):
             fail = bool(fail_mask >> (n % 8) & 1) and self.adapter.supports("fail_job")
             self._do("fail_job" if fail else "complete_job", current.index(job_id))
             self.check()
+        if storage and self.adapter.supports("complete_storage"):
+            self.storage_round(order, 1)
 
     @precondition(lambda self: self.adapter is not None and self.adapter.supports("redeliver")
                   and bool(self.adapter.finished_jobs()))
@@ -237,21 +243,150 @@ class CacheProtocolMachine(RuleBasedStateMachine):
     # ------------------------------------------------------------------ storage steps (when supported)
 
     @precondition(_supports("prefetch"))
-    @rule(tokens=prompts)
-    def prefetch(self, tokens: tuple[int, ...]) -> None:
-        req = self._do("prefetch", tokens)
-        if req is not None:
-            self.requests.append(req)
+    @rule(base=prompts, pages=prompt_pages(ALPHABET, 0, 2))
+    def prefetch(self, base: tuple[int, ...], pages: list[int]) -> None:
+        """A request arrives (a known prompt, or a next turn of one): prefetch from storage what memory
+        lacks of it; a cached prefix becomes the prefetch's anchor."""
+        self._do("prefetch", base + self._tokens(pages))
 
-    @precondition(lambda self: self.adapter is not None and self.adapter.supports("abort") and bool(self.requests))
+    def _refetch(self, tokens: tuple[int, ...], device: int, host: int) -> None:
+        """Memory pressure pushes prompts off the device and out of host memory; a request for one of them
+        prefetches it back from storage (where backups put it)."""
+        ps = self.adapter.page_size
+        if self.adapter.supports("evict"):
+            self._do("evict", device * ps)
+            self.check()
+        if host and self.adapter.supports("evict_host"):
+            self._do("evict_host", host * ps)
+            self.check()
+        self._do("prefetch", tokens)
+
+    def _stored(self) -> list[tuple[int, ...]]:
+        if self.adapter is None or not self.adapter.supports("stored_prefix"):
+            return []
+        return [p for p in self.seen + self.remote if self.adapter.stored_prefix(p)]
+
+    @precondition(_supports("store_remote"))
+    @rule(base=prompts, pages=prompt_pages(ALPHABET, 0, 2))
+    def store_remote(self, base: tuple[int, ...], pages: list[int]) -> None:
+        """Another engine instance sharing the storage tier backs a prompt (or a next turn of it) up."""
+        tokens = base + self._tokens(pages)
+        self._do("store_remote", tokens)
+        if tokens not in self.remote and tokens not in self.seen:
+            self.remote.append(tokens)
+
+    @precondition(lambda self: bool(self._stored()))
+    @rule(pick=st.integers(0, 15), device=st.integers(1, 8), host=st.integers(1, 8),
+          script=st.lists(st.sampled_from(REQUEST_ACTIONS), max_size=3), query=st.sampled_from(REQUEST_ACTIONS))
+    def refetch_stored(self, pick: int, device: int, host: int, script: list[str], query: str = "step") -> None:
+        """Memory pressure pushes prompts off the device and out of host memory, then a request for a prompt
+        whose pages backups put in storage prefetches it (L3 -> L2 again). ``query`` then ``script`` is
+        what happens to that request next: its storage step (the hit query, then the transfer) runs
+        (``step``) or fails (``fail``), the scheduler polls it (``ready``: once it ended, load back and
+        insert), or it is aborted (``abort``)."""
+        stored = self._stored()
+        before = {r.id for r in self.adapter.prefetching()}
+        self._refetch(stored[pick % len(stored)], device, host)
+        new = [r.id for r in self.adapter.prefetching() if r.id not in before]
+        if not new:
+            return
+        self._follow(new[0], [query, *script])
+
+    def _follow(self, request: Any, script: Sequence[str]) -> None:
+        for action in script:
+            self.check()
+            ids = [r.id for r in self.adapter.prefetching()]
+            if request not in ids:
+                return
+            if action in ("step", "fail"):
+                steps = self.adapter.storage_steps()
+                mine = [i for i, s in enumerate(steps) if s.kind in ("query", "s2h") and s.detail[0] == request]
+                if mine:
+                    self._do("fail_storage" if action == "fail" else "complete_storage", mine[0])
+            elif action == "ready":
+                self._ready(ids.index(request))
+            else:
+                self._do("abort", ids.index(request))
+
+    def _ready(self, i: int) -> None:
+        tokens = tuple(self.adapter.prefetching()[i].detail)
+        if self._do("prefetch_ready", i):  # the request runs: load its prefix back, insert its prompt
+            self.check()
+            if self.adapter.supports("load_back"):
+                self._do("load_back", tokens)
+                self.check()
+            self._do("insert", tokens)
+            self._remember(tokens)
+
+    @precondition(lambda self: self.adapter is not None and self.adapter.supports("prefetch_ready")
+                  and bool(self.adapter.prefetching()))
+    @rule(pick=st.integers(0, 7))
+    def prefetch_ready(self, pick: int) -> None:
+        """The scheduler polls a prefetch; once it ended, the request loads its prefix back (read back after)."""
+        self._ready(pick % len(self.adapter.prefetching()))
+
+    @precondition(lambda self: self.adapter is not None and self.adapter.supports("abort")
+                  and bool(self.adapter.prefetching()))
     @rule(pick=st.integers(0, 7))
     def abort(self, pick: int) -> None:
-        self._do("abort", self.requests.pop(pick % len(self.requests)))
+        self._do("abort", pick % len(self.adapter.prefetching()))
 
-    @precondition(_supports("storage_fault"))
-    @rule(fault=storage_faults())
+    @precondition(lambda self: self.adapter is not None and self.adapter.supports("complete_storage")
+                  and bool(self.adapter.pending_jobs() or self.adapter.storage_steps()))
+    @rule(order=st.permutations(range(8)), rounds=st.integers(1, 3), fail_at=st.none() | st.integers(0, 7))
+    def catch_up(self, order: list[int], rounds: int, fail_at: int | None) -> None:
+        """The executors and the storage threads catch up with the engine: every pending job completes,
+        then every queued storage step runs (the ``fail_at``-th fails), ``rounds`` times (a backup
+        follows its host copy's ack, a transfer its hit query)."""
+        for r in range(rounds):
+            if not (self.adapter.pending_jobs() or self.adapter.storage_steps()):
+                return
+            if self.adapter.pending_jobs():
+                self.ack_round(order, 0, False)
+            self.storage_round(order, 1, fail_at if r == 0 else None)
+
+    @precondition(lambda self: self.adapter is not None and self.adapter.supports("storage_fault")
+                  and bool(self.adapter.storage_steps()))
+    @rule(fault=storage_faults(max_after=4))
     def storage_fault(self, fault: StorageFault) -> None:
         self._do("storage_fault", fault)
+
+    @precondition(lambda self: self.adapter is not None and self.adapter.supports("complete_storage")
+                  and bool(self.adapter.storage_steps()))
+    @rule(pick=st.integers(0, 15), fail=st.sampled_from([False, False, False, True]))
+    def storage_step(self, pick: int, fail: bool) -> None:
+        """Run one queued storage step of the drawn position (hit query, transfer, backup, probe), or fail it."""
+        op = "fail_storage" if fail and self.adapter.supports("fail_storage") else "complete_storage"
+        self._do(op, pick % len(self.adapter.storage_steps()))
+
+    @precondition(lambda self: self.adapter is not None and self.adapter.supports("complete_storage")
+                  and bool(self.adapter.storage_steps()))
+    @rule(order=st.permutations(range(8)), rounds=st.integers(1, 3), fail_at=st.none() | st.integers(0, 7))
+    def storage_round(self, order: list[int], rounds: int, fail_at: int | None = None) -> None:
+        """Run every queued storage step in a drawn order, ``rounds`` times (a finished hit query queues
+        its transfer for the next round); the ``fail_at``-th step run fails."""
+        n = 0
+        for _ in range(rounds):
+            steps = self.adapter.storage_steps()
+            if not steps:
+                return
+            ranked = sorted(range(len(steps)), key=lambda i: order[i % 8] + 8 * (i // 8))
+            for step_id in [steps[i].id for i in ranked]:
+                current = [s.id for s in self.adapter.storage_steps()]
+                if step_id not in current:
+                    continue
+                fail = n == fail_at and self.adapter.supports("fail_storage")
+                n += 1
+                self._do("fail_storage" if fail else "complete_storage", current.index(step_id))
+                self.check()
+
+
+def protocol_test_case(factory: Callable[..., CacheAdapter], *, variants: Sequence[dict] = ({},), name: str = "CacheProtocol",
+                  examples: int = 60, steps: int = 40, **settings_kw: Any):
+    """A ``unittest.TestCase`` running the protocol machine against ``factory`` (collect it as a test class)."""
+    machine = CacheProtocolMachine.bind(factory, variants=variants, name=name,
+                                        settings=default_settings(examples, steps, **settings_kw))
+    return machine.TestCase
 
 
 def default_settings(examples: int = 60, steps: int = 40, **kw: Any) -> Settings:
@@ -261,10 +396,17 @@ def default_settings(examples: int = 60, steps: int = 40, **kw: Any) -> Settings
 
 # =========================================================================== HiCache binding
 
-HICACHE_VARIANTS: tuple[dict, ...] = tuple(
-    dict(write_policy=w, eviction_policy=e, device_pages=d, host_pages=h)
+_MEMORY_VARIANTS: tuple[dict, ...] = tuple(
+    {"write_policy": w, "eviction_policy": e, "device_pages": d, "host_pages": h}
     for w in ("write_through", "write_back", "write_through_selective", "write_behind")
     for e, d, h in (("lru", 3, 3), ("lfu", 4, 2), ("lru", 2, 4), ("priority", 5, 5))
+)
+# the same shapes with an L3 tier (memory:// behind a FaultyBackend, run step by step); LRU shapes end
+# prefetches whenever the scheduler asks (best_effort), the others only once the transfer ended
+HICACHE_VARIANTS: tuple[dict, ...] = _MEMORY_VARIANTS + tuple(
+    dict(v, storage=True, host_pages=v["host_pages"] + 3,
+         stop_policy="best_effort" if v["eviction_policy"] == "lru" else "wait_complete")
+    for v in _MEMORY_VARIANTS
 )
 
 
@@ -355,7 +497,7 @@ def run_fuzz(machine: type[CacheProtocolMachine], *, examples: int = 100, steps:
     with with_reporter(lines.append):
         try:
             test()
-        except BaseException as exc:  # noqa: BLE001 - any failure of the machine is the finding
+        except BaseException as exc:
             if isinstance(exc, KeyboardInterrupt):
                 raise
             result.ok = False

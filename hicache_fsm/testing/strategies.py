@@ -14,7 +14,7 @@ size (page ``p`` becomes ``page_size`` copies of token ``p + 1``).
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import attrs
 from hypothesis import strategies as st
@@ -22,16 +22,16 @@ from hypothesis import strategies as st
 from hicache_fsm.testing.adapter import StorageFault
 
 __all__ = [
-    "pages_to_tokens",
-    "prompt_pages",
-    "token_sequences",
-    "prefix_families",
+    "FaultSchedule",
     "Request",
     "Workload",
-    "multi_turn_workloads",
-    "FaultSchedule",
-    "storage_faults",
     "fault_schedules",
+    "multi_turn_workloads",
+    "pages_to_tokens",
+    "prefix_families",
+    "prompt_pages",
+    "storage_faults",
+    "token_sequences",
 ]
 
 

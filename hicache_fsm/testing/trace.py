@@ -32,14 +32,15 @@ from __future__ import annotations
 import io
 import json
 from collections import deque
+from collections.abc import Iterable
 from pathlib import Path
-from typing import IO, Iterable
+from typing import IO
 
 import attrs
 
 from hicache_fsm.spec import Spec, load_builtin
 
-__all__ = ["TRACE_VERSION", "TraceRecorder", "record", "load_trace", "Divergence", "ReplayResult", "replay"]
+__all__ = ["TRACE_VERSION", "Divergence", "ReplayResult", "TraceRecorder", "load_trace", "record", "replay"]
 
 TRACE_VERSION = 1
 
@@ -67,7 +68,7 @@ class TraceRecorder:
         self._file: IO[str] | None = None
         self._owns_file = False
         if isinstance(out, (str, Path)):
-            self._file = open(out, "w", encoding="utf-8")
+            self._file = open(out, "w", encoding="utf-8")  # noqa: SIM115 - closed by close()
             self._owns_file = True
         elif out is not None:
             self._file = out

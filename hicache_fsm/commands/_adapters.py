@@ -1,0 +1,47 @@
+"""Load a user's adapter factory named on the command line (``module:attr`` or ``path.py:attr``)."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+def load_factory(ref: str) -> Callable[..., Any]:
+    """``pkg.module:make`` or ``some/file.py:make`` -> the callable ``make``."""
+    if ":" not in ref:
+        raise SystemExit(f"--adapter wants MODULE:CALLABLE or FILE.py:CALLABLE, got {ref!r}")
+    where, _, attr = ref.rpartition(":")
+    if where.endswith(".py"):
+        path = Path(where)
+        if not path.is_file():
+            raise SystemExit(f"--adapter: no such file {where}")
+        name = path.stem
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules.setdefault(name, module)
+        spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(where)
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        raise SystemExit(f"--adapter: {where} has no attribute {attr!r}") from None
+
+
+def import_lines(ref: str, name: str) -> str:
+    """Python source that makes ``name`` the factory ``ref`` names (for generated tests)."""
+    where, _, attr = ref.rpartition(":")
+    if where.endswith(".py"):
+        stem = Path(where).stem
+        return (
+            "import importlib.util\n"
+            f"_spec = importlib.util.spec_from_file_location({stem!r}, {where!r})\n"
+            "_module = importlib.util.module_from_spec(_spec)\n"
+            "_spec.loader.exec_module(_module)\n"
+            f"{name} = _module.{attr}"
+        )
+    return f"from {where} import {attr} as {name}"

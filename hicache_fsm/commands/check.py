@@ -1,0 +1,104 @@
+"""Exhaustively explore the composed cache protocol within small bounds and check every invariant.
+
+Breadth-first over every reachable state of a cache with at most ``--nodes``
+radix nodes on ``--device-pages`` / ``--host-pages`` pages: every engine step
+(insert, match, lock, load back, back up, pin, evict) and every completion or
+failure of every pending job, in every order. Progress goes to stderr; the
+summary (states, transitions, violations with a shortest counterexample each,
+seconds) to stdout; with ``--json`` the last line is one JSON object. Exit
+status 1 when a violation was found.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from hicache_fsm.config import EVICTION_POLICIES, WRITE_POLICIES
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("bounds")
+    g.add_argument("--nodes", type=int, default=3, help="most radix nodes in a state (default 3)")
+    g.add_argument("--device-pages", type=int, default=2, help="device pool pages (default 2)")
+    g.add_argument("--host-pages", type=int, default=2, help="host pool pages (default 2)")
+    g.add_argument("--layers", type=int, default=1, help="model layers of the KV (default 1)")
+    g.add_argument("--page-size", type=int, default=1, help="tokens per page (default 1)")
+    g.add_argument("--alphabet", type=int, default=2, help="distinct page contents in prompts (default 2)")
+    g.add_argument("--max-len", type=int, default=None, help="longest prompt in pages (default: min(nodes, device pages))")
+    g.add_argument("--locks", type=int, default=1, help="engine locks held at once (default 1)")
+    g.add_argument("--pins", type=int, default=1, help="host pins held at once (default 1)")
+    g.add_argument("--write-policy", default="write_through", choices=[*WRITE_POLICIES, "all"],
+                   help="cache write policy, or 'all' to explore each (default write_through)")
+    g.add_argument("--eviction-policy", default="lru", choices=EVICTION_POLICIES)
+    g.add_argument("--track-hits", action="store_true", help="tell hit from never-hit nodes in the state key")
+    g.add_argument("--no-redeliver", action="store_true", help="do not try re-delivering finished acks")
+    g.add_argument("--max-states", type=int, default=None, help="stop after this many states")
+    g.add_argument("--max-seconds", type=float, default=None, help="stop after this long")
+    parser.add_argument("--stop-on-first", action="store_true", help="stop at the first violation")
+    parser.add_argument("--max-violations", type=int, default=5, help="distinct violations to collect (default 5)")
+    parser.add_argument("--adapter", metavar="MODULE:CALLABLE",
+                        help="explore your own cache: a callable taking the Bounds and returning a CacheAdapter")
+    parser.add_argument("--coverage", action="store_true", help="print which spec states/transitions were reached")
+    parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    parser.add_argument("--json", action="store_true", help="end with one JSON object")
+
+
+def _how_far(result, args) -> str:
+    if result.complete:
+        return "complete"
+    if result.violations and (args.stop_on_first or len(result.violations) >= args.max_violations):
+        return "stopped at a violation"
+    return "INCOMPLETE (stopped by --max-states / --max-seconds)"
+
+
+def run(args: argparse.Namespace) -> int:
+    from hicache_fsm.testing.explorer import Bounds, Explorer, hicache_factory
+    from hicache_fsm.testing.paths import CoverageTracker
+
+    factory = hicache_factory
+    if args.adapter:
+        from hicache_fsm.commands._adapters import load_factory
+
+        factory = load_factory(args.adapter)
+    policies = list(WRITE_POLICIES) if args.write_policy == "all" else [args.write_policy]
+    runs = []
+    status = 0
+    for policy in policies:
+        bounds = Bounds(
+            nodes=args.nodes, device_pages=args.device_pages, host_pages=args.host_pages, layers=args.layers,
+            page_size=args.page_size, alphabet=args.alphabet, max_len=args.max_len, max_locks=args.locks,
+            max_pins=args.pins, write_policy=policy, eviction_policy=args.eviction_policy,
+            track_hits=args.track_hits, redeliver=not args.no_redeliver, max_states=args.max_states,
+            max_seconds=args.max_seconds,
+        )
+        cov = CoverageTracker() if args.coverage or args.json else None
+        explorer = Explorer(factory, bounds, stop_on_first=args.stop_on_first, max_violations=args.max_violations,
+                            progress=None if args.quiet else sys.stderr, coverage=cov)
+        result = explorer.run()
+        runs.append(result)
+        if result.violations:
+            status = 1
+        out = sys.stderr if args.json else sys.stdout
+        print(f"{result.adapter}: {result.states} states, {result.transitions} transitions, max depth "
+              f"{result.max_depth}, {_how_far(result, args)}, "
+              f"{len(result.violations)} violations, {result.seconds:.1f}s", file=out)
+        for v in result.violations:
+            print(v.format(), file=out)
+        if args.coverage and cov is not None:
+            print(cov.format(), file=out)
+    if args.json:
+        if len(runs) == 1:
+            summary = runs[0].to_json()
+        else:
+            summary = {
+                "states": sum(r.states for r in runs),
+                "transitions": sum(r.transitions for r in runs),
+                "violations": sum(len(r.violations) for r in runs),
+                "seconds": round(sum(r.seconds for r in runs), 3),
+                "complete": all(r.complete for r in runs),
+                "runs": [r.to_json() for r in runs],
+            }
+        print(json.dumps(summary, sort_keys=True))
+    return status

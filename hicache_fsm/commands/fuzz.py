@@ -1,0 +1,75 @@
+"""Fuzz the cache protocol with the hypothesis state machine, outside pytest, reproducibly.
+
+Runs ``CacheProtocolMachine`` (engine and executor steps in random orders,
+every invariant checked after every step) for ``--examples`` runs of up to
+``--steps`` steps from ``--seed``. Progress on stderr. On failure it prints the
+shrunk failing program and a runnable pytest test replaying it (also written
+to ``--test-out``), and exits 1. With ``--json`` the last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--examples", type=int, default=100, help="state-machine runs (default 100)")
+    parser.add_argument("--steps", type=int, default=40, help="most steps per run (default 40)")
+    parser.add_argument("--seed", type=int, default=0, help="random seed; same seed, same runs (default 0)")
+    parser.add_argument("--no-shrink", action="store_true", help="report the first failure as found")
+    parser.add_argument("--adapter", metavar="MODULE:CALLABLE",
+                        help="fuzz your own cache: a callable returning a CacheAdapter")
+    parser.add_argument("--test-out", metavar="FILE", help="write the regression test for a failure here")
+    parser.add_argument("--coverage", action="store_true", help="print which spec states/transitions were reached")
+    parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    parser.add_argument("--json", action="store_true", help="end with one JSON object")
+
+
+def run(args: argparse.Namespace) -> int:
+    from hicache_fsm.testing.explorer import quiet_cache_logs
+    from hicache_fsm.testing.paths import CoverageTracker
+    from hicache_fsm.testing.stateful import (
+        CacheProtocolMachine,
+        hicache_machine,
+        run_fuzz,
+    )
+
+    cov = CoverageTracker()
+    if args.adapter:
+        from hicache_fsm.commands._adapters import import_lines, load_factory
+
+        factory = load_factory(args.adapter)
+        machine = CacheProtocolMachine.bind(factory, name="AdapterMachine", coverage=cov)
+        machine_import = (f"from hicache_fsm.testing import CacheProtocolMachine\n"
+                          f"{import_lines(args.adapter, '_factory')}\n"
+                          f"AdapterMachine = CacheProtocolMachine.bind(_factory, name='AdapterMachine')")
+    else:
+        machine = hicache_machine(coverage=cov)
+        machine_import = None
+    with quiet_cache_logs():
+        result = run_fuzz(machine, examples=args.examples, steps=args.steps, seed=args.seed,
+                          progress=None if args.quiet else sys.stderr, shrink=not args.no_shrink,
+                          machine_import=machine_import)
+    out = sys.stderr if args.json else sys.stdout
+    if result.ok:
+        print(f"fuzz: {result.examples} runs of up to {args.steps} steps, seed {args.seed}: no failure "
+              f"({result.seconds:.1f}s)", file=out)
+    else:
+        print(f"fuzz: FAILED after {result.examples} runs (seed {args.seed}, {result.seconds:.1f}s): "
+              f"{result.failure.splitlines()[0] if result.failure else ''}", file=out)
+        print("\nfailing steps:", file=out)
+        for line in result.steps:
+            print(f"  {line}", file=out)
+        print("\nregression test:\n", file=out)
+        print(result.test_code, file=out)
+        if args.test_out:
+            Path(args.test_out).write_text(result.test_code, encoding="utf-8")
+            print(f"(written to {args.test_out})", file=out)
+    if args.coverage:
+        print(cov.format(), file=out)
+    if args.json:
+        print(json.dumps(result.to_json(), sort_keys=True))
+    return 0 if result.ok else 1

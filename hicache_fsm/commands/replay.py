@@ -1,0 +1,47 @@
+"""Check that a recorded JSONL trace is a valid run of the specs; report the first divergence.
+
+Each transition must be legal from the object's recorded state, each
+acknowledgement must match a pending job, each job must complete exactly
+once (see ``hicache_fsm.testing.trace``). Exit status 0 when the trace is
+valid, 1 at the first divergence (printed with the events before it), 2 when
+the file cannot be read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("trace", metavar="TRACE", help="JSONL trace file (from hicache_fsm.testing.trace.record)")
+    parser.add_argument("--quiescent", action="store_true", help="also require no job or copy left in flight at the end")
+    parser.add_argument("--spec", action="append", default=[], metavar="FILE",
+                        help="also check against this spec file (a machine of your own cache); repeatable")
+    parser.add_argument("--context", type=int, default=4, help="events shown before a divergence (default 4)")
+    parser.add_argument("--json", action="store_true", help="end with one JSON object")
+
+
+def run(args: argparse.Namespace) -> int:
+    from hicache_fsm.errors import SpecError
+    from hicache_fsm.spec import load_all, load_spec
+    from hicache_fsm.testing.trace import load_trace, replay
+
+    try:
+        events = load_trace(args.trace)
+        specs = load_all() + [load_spec(p) for p in args.spec]
+    except (OSError, ValueError, SpecError) as exc:
+        print(f"replay: {exc}", file=sys.stderr)
+        return 2
+    result = replay(events, specs, require_quiescent=args.quiescent, context=args.context)
+    out = sys.stderr if args.json else sys.stdout
+    if result.ok:
+        print(f"ok: {result.events} events, {result.transitions} transitions, {result.jobs} jobs, "
+              f"{result.completions} completions, {len(result.pending_jobs)} jobs still pending", file=out)
+    else:
+        print(f"divergence in {args.trace}:", file=out)
+        print(result.divergence.format(), file=out)
+    if args.json:
+        print(json.dumps(result.to_json(), sort_keys=True))
+    return 0 if result.ok else 1

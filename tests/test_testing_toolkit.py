@@ -1,0 +1,285 @@
+"""The protocol fuzzing and verification toolkit (hicache_fsm.testing) against our own cache."""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hicache_fsm.cli import main
+from hicache_fsm.spec import load_all
+from hicache_fsm.testing import (
+    Bounds,
+    CoverageTracker,
+    HiCacheAdapter,
+    Step,
+    catalogue,
+    explore,
+    fault_schedules,
+    hicache_machine,
+    multi_turn_workloads,
+    perform,
+    record,
+    replay,
+    run_path,
+    spec_paths,
+)
+from hicache_fsm.testing.adapter import CacheAdapter, NotSupported
+from hicache_fsm.testing.explorer import quiet_cache_logs
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with quiet_cache_logs():
+        yield
+
+
+# ------------------------------------------------------------------ the stateful machine in our suite
+
+HiCacheProtocol = hicache_machine(name="HiCacheProtocol", examples=40, steps=30)
+TestHiCacheProtocol = HiCacheProtocol.TestCase
+
+
+# ------------------------------------------------------------------ engine-like workloads with fault schedules
+
+
+def _run_workload(adapter: CacheAdapter, workload, schedule) -> None:
+    """Serve a workload like an engine; acknowledge jobs as the schedule says; check after every step."""
+    ordinal = 0
+    rng = random.Random(schedule.shuffle_seed)
+    prompts = []
+    for n, req in enumerate(workload.requests):
+        for step in (Step("match", (req.tokens,)), Step("load_back", (req.tokens,)), Step("lock", (req.tokens,)),
+                     Step("insert", (req.tokens,))):
+            out = perform(adapter, step, catch=False)
+            assert not out.problems, out.problems
+            if step.op == "insert":
+                prompts.append(req.tokens)
+            assert not catalogue(adapter, prompts), catalogue(adapter, prompts)
+        if adapter.held_locks():
+            assert not perform(adapter, Step("unlock", (0,))).problems
+        if n % schedule.ack_every == 0:
+            jobs = [j.id for j in adapter.pending_jobs()]
+            if schedule.ack_order == "lifo":
+                jobs.reverse()
+            elif schedule.ack_order == "shuffle":
+                rng.shuffle(jobs)
+            for job_id in jobs:
+                ids = [j.id for j in adapter.pending_jobs()]
+                if job_id not in ids:
+                    continue
+                op = "fail_job" if ordinal in schedule.fail_jobs else "complete_job"
+                ordinal += 1
+                out = perform(adapter, Step(op, (ids.index(job_id),)), catch=False)
+                assert not out.problems, out.problems
+                problems = catalogue(adapter, prompts)
+                assert not problems, problems
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
+@given(workload=multi_turn_workloads(), schedule=fault_schedules(),
+       policy=st.sampled_from(["write_through", "write_back", "write_behind"]))
+def test_multi_turn_workloads_with_faults(workload, schedule, policy):
+    adapter = HiCacheAdapter(device_pages=6, host_pages=6, write_policy=policy)
+    _run_workload(adapter, workload, schedule)
+    while adapter.pending_jobs():  # drain: every job ends exactly once
+        assert not perform(adapter, Step("complete_job", (0,))).problems
+    assert not catalogue(adapter, workload.prompts)
+
+
+def test_unsupported_operations_are_skipped():
+    class Minimal(CacheAdapter):
+        def insert(self, tokens):
+            return False
+
+        def match(self, tokens):
+            raise AssertionError
+
+        def read_kv(self, tokens):
+            return []
+
+        def invariant_violations(self):
+            return []
+
+    a = Minimal()
+    assert not a.supports("lock") and not a.supports("prefetch") and a.supports("insert")
+    assert perform(a, Step("lock", ((1,),))).skipped
+    with pytest.raises(NotSupported):
+        a.prefetch((1,))
+
+
+# ------------------------------------------------------------------ model-based spec paths
+
+PATHS = spec_paths()
+
+
+@pytest.mark.parametrize("path", PATHS, ids=str)
+def test_spec_path(path):
+    visited = run_path(path)
+    assert visited[-1] == path.final_state
+
+
+def test_spec_paths_reach_every_state_and_transition():
+    for spec in load_all():
+        mine = [p for p in PATHS if p.spec.name == spec.name]
+        states = {p.final_state for p in mine if p.goal.startswith("state:")}
+        assert states == set(spec.state_names), spec.name
+        fired = {(s.trigger, s.source, s.dest) for p in mine for s in p.steps}
+        assert fired == {(t.trigger, s, t.dest) for t in spec.transitions for s in t.sources}, spec.name
+
+
+# ------------------------------------------------------------------ the explorer
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_explorer_finds_no_violation_on_the_real_cache(policy):
+    cov = CoverageTracker()
+    result = explore(Bounds(nodes=2, device_pages=2, host_pages=2, write_policy=policy), coverage=cov)
+    assert result.complete and not result.violations, [v.format() for v in result.violations]
+    assert result.states > 100 and result.transitions > result.states
+    summary = result.to_json()
+    assert {"states", "transitions", "violations", "seconds"} <= set(summary)
+    # without storage, every residency state and transition that does not involve L3 is reached
+    rep = cov.report(["residency"])["residency"]
+    assert all("stor" in s for s in rep["missing_states"]), rep["missing_states"]
+    assert all("stor" in t or "prefetched" in t for t in rep["missing_transitions"]), rep["missing_transitions"]
+
+
+@pytest.mark.xfail(reason="cache bug found by the explorer: under write_through_selective, match_prefix's backup "
+                          "can host-evict a node of its own result (reported; see the toolkit report)", strict=False)
+def test_explorer_write_through_selective():
+    result = explore(Bounds(nodes=3, device_pages=2, host_pages=2, write_policy="write_through_selective",
+                            max_seconds=20), stop_on_first=True)
+    assert not result.violations, result.violations[0].format()
+
+
+def test_explorer_counterexample_replays():
+    from hicache_fsm.testing.mutants import mutant
+
+    with mutant("split_drops_job"):
+        bounds = Bounds(nodes=2, device_pages=2, host_pages=2)
+        from hicache_fsm.testing.explorer import Explorer
+
+        ex = Explorer(bounds=bounds, stop_on_first=True)
+        result = ex.run()
+        assert result.violations
+        trace = result.violations[0].trace
+        assert ex.replay(trace)  # the shortest trace reproduces the problem on a fresh cache
+        assert not ex.replay(trace[:-1])  # and is minimal at its end
+
+
+def test_clone_is_independent():
+    a = HiCacheAdapter(device_pages=3, host_pages=3, layers=2)
+    a.insert((1, 2))
+    a.match((1,))
+    before = a.snapshot()
+    b = a.clone()
+    assert b.snapshot() == before and b.state_key() == a.state_key()
+    b.complete_job(b.pending_jobs()[0].id)
+    b.insert((3,))
+    b.evict(3)
+    assert a.snapshot() == before and not catalogue(a, [(1, 2)])
+    assert not catalogue(b, [(1, 2), (3,)])
+    a.complete_job(a.pending_jobs()[0].id)  # the original still works on its own
+    assert not catalogue(a, [(1, 2)])
+
+
+# ------------------------------------------------------------------ traces
+
+
+def _workload_trace():
+    a = HiCacheAdapter(device_pages=3, host_pages=3, layers=1)
+    rec = record(a.cache)
+    a.insert((1, 2))
+    a.insert((1, 3))
+    a.match((1,))
+    for j in a.pending_jobs():
+        a.complete_job(j.id)
+    a.insert((2,))
+    a.evict(2)
+    a.load_back((1, 2))
+    for j in a.pending_jobs():
+        a.fail_job(j.id)
+    a.load_back((1, 2))
+    for j in a.pending_jobs():
+        a.complete_job(j.id)
+    a.evict_host(3)
+    return rec
+
+
+def test_trace_round_trip(tmp_path):
+    rec = _workload_trace()
+    path = tmp_path / "run.jsonl"
+    rec.dump(path)
+    result = replay(path, require_quiescent=True)
+    assert result.ok, result.divergence.format()
+    assert result.transitions > 10 and result.completions == result.jobs
+    assert main(["replay", str(path)]) == 0
+
+
+@pytest.mark.parametrize("tamper", ["dest", "double_completion", "skipped_transition"])
+def test_tampered_trace_is_rejected(tmp_path, tamper, capsys):
+    events = [json.loads(line) for line in _workload_trace().lines()]
+    if tamper == "dest":
+        i = next(i for i, e in enumerate(events) if e.get("trigger") == "write_done")
+        events[i]["dest"] = "host"
+    elif tamper == "double_completion":
+        i = next(i for i, e in enumerate(events) if e["event"] == "completion")
+        events.insert(i + 1, dict(events[i]))
+    else:
+        i = next(i for i, e in enumerate(events) if e.get("trigger") == "backup")
+        del events[i]
+    path = tmp_path / "bad.jsonl"
+    path.write_text("".join(json.dumps(e) + "\n" for e in events))
+    result = replay(path)
+    assert not result.ok
+    if tamper == "skipped_transition":  # noticed where the node next moves from a state it is not in
+        assert result.divergence.line > i and "is in 'device'" in result.divergence.reason
+    else:
+        assert result.divergence.line == i + 1 + (tamper == "double_completion")
+    assert main(["replay", str(path)]) == 1
+    assert f"line {result.divergence.line}" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------ the commands
+
+
+def test_check_command_json(capsys):
+    rc = main(["check", "--nodes", "2", "--device-pages", "2", "--host-pages", "1", "--quiet", "--json"])
+    out = capsys.readouterr().out.strip().splitlines()[-1]
+    summary = json.loads(out)
+    assert rc == 0 and summary["violations"] == 0 and summary["states"] > 10 and summary["complete"]
+
+
+def test_fuzz_command_json(capsys):
+    rc = main(["fuzz", "--examples", "10", "--steps", "15", "--seed", "3", "--quiet", "--json"])
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 0 and summary["ok"] and summary["seed"] == 3
+
+
+def test_fuzz_failure_becomes_a_runnable_test():
+    from hicache_fsm.testing.mutants import mutant
+    from hicache_fsm.testing.stateful import run_fuzz
+
+    with mutant("double_ack"):
+        machine = hicache_machine(name="HiCacheMachine")
+        result = run_fuzz(machine, examples=200, steps=30, seed=0, wrap='mutant("double_ack")',
+                          machine_import="from hicache_fsm.testing.stateful import hicache_machine\n"
+                                         "from hicache_fsm.testing.mutants import mutant\n"
+                                         "HiCacheMachine = hicache_machine(name='HiCacheMachine')")
+    assert not result.ok and result.steps
+    namespace: dict = {}
+    exec(compile(result.test_code, "<regression>", "exec"), namespace)  # noqa: S102 - our own generated test
+    with pytest.raises(AssertionError, match="accepted again"):
+        namespace["test_fuzz_regression"]()
+
+
+def test_logging_is_restored():
+    logger = logging.getLogger("hicache_fsm")
+    assert logger.level == logging.ERROR  # inside the autouse fixture
