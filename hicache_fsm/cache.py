@@ -492,11 +492,28 @@ class HiCache:
         c["host_hit_tokens"] += host_hit
         c["miss_tokens"] += len(tokens) - len(tokens) % self.page_size - device_hit - host_hit
         if self.config.write_policy == "write_through_selective":
-            threshold = self.config.write_through_threshold
-            for node in path:
-                if node.state == "device" and node.hit_count >= threshold:
-                    self._try_backup(node)
+            self._selective_backups(path)
         return MatchResult(device_indices, last_device, last_host, host_hit, tuple(loads))
+
+    def _selective_backups(self, path: Sequence[TreeNode]) -> None:
+        """Back up matched nodes that reached the hit threshold.
+
+        A backup may evict host KV to make room; the host copies of the match
+        being returned are pinned meanwhile so it cannot evict its own result.
+        """
+        threshold = self.config.write_through_threshold
+        due = [n for n in path if n.state == "device" and n.hit_count >= threshold]
+        if not due:
+            return
+        pinned = [n for n in path if n.state in ON_HOST]
+        for n in pinned:
+            n.host_ref += 1
+        try:
+            for node in due:
+                self._try_backup(node)
+        finally:
+            for n in pinned:
+                n.host_ref -= 1
 
     def insert(
         self,

@@ -27,6 +27,7 @@ its host copy).
 from __future__ import annotations
 
 import attrs
+import numpy as np
 import torch
 
 from hicache_fsm.errors import BadIndices, ConfigError
@@ -150,23 +151,20 @@ class CPPageAllocator(PageAllocator):
             return torch.empty(0, dtype=torch.int64)
         if need > self.free_pages:
             return None
-        self._merge()
-        free = self._free
-        free_owner = self.layout.owner_for_logical_pages(free)
-        chosen = torch.empty(need, dtype=torch.int64)
-        taken = torch.zeros(free.numel(), dtype=torch.bool)
-        for rank in torch.unique(owners).tolist():
-            want = torch.nonzero(owners == rank).flatten()
-            have = torch.nonzero(free_owner == rank).flatten()
-            if have.numel() < want.numel():
+        free = self._free_array()
+        free_owner = self.layout.owner_for_logical_pages(torch.from_numpy(free)).numpy()
+        wanted = owners.numpy()
+        chosen = np.empty(need, dtype=np.int64)
+        taken = np.zeros(free.size, dtype=bool)
+        for rank in np.unique(wanted).tolist():
+            want = np.flatnonzero(wanted == rank)
+            have = np.flatnonzero(free_owner == rank)
+            if have.size < want.size:
                 return None
-            pick = have[: want.numel()]
+            pick = have[: want.size]
             chosen[want] = free[pick]
             taken[pick] = True
-        self._free = free[~taken]
-        self._allocated[chosen] = True
-        self._num_free -= need
-        return (chosen[:, None] * self.page_size + self._offsets).reshape(-1)
+        return self._claim(chosen, free[~taken])
 
 
 class CPDeviceKVPool(DeviceKVPool):

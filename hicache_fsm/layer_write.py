@@ -20,9 +20,9 @@ KV of the logical pages it owns. Backing a node up to host is one
    paths use it).
 3. When every target and draft layer was submitted and every copy landed,
    the record gets its one final ``ack`` and the node's residency fires
-   ``write_done`` (``writing_host -> device_host``). A failed copy is not in
-   the machine's vocabulary: the record is dropped once its copies are done
-   and the node fires ``write_failed`` instead (host slots freed).
+   ``write_done`` (``writing_host -> device_host``). If a copy failed, the
+   record instead takes ``copies_failed`` once its last copy ended, and the
+   node fires ``write_failed`` (host slots freed).
 
 ``load_cp(nodes)`` brings host-only CP nodes back: it asks the logical
 allocator for pages that replay the saved owner pattern, fires ``load`` on
@@ -363,6 +363,7 @@ class LayerWriteRuntime:
         self.cache.counters["cp_write_acks"] += 1
 
     def _abort(self, write: LayerWrite) -> None:
+        self.machine.fire(write, "copies_failed", LayerEvent(self))
         self._forget(write)
         for n in write.nodes:
             self.cache._fire(n, "write_failed", self.cache)

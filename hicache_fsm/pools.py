@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import warnings
 import attrs
+import numpy as np
 import torch
 
 from hicache_fsm.errors import AllocationError, BadIndices, ConfigError
@@ -106,13 +107,15 @@ def pages_of(indices, page_size: int, limit_tokens: int | None = None, what: str
 class PageAllocator:
     """Page-granular allocator of token-slot indices.
 
-    Free pages are a tensor (initially sorted) plus a list of released
-    batches. Allocation takes from the front of the free tensor; only when it
+    Free pages are an array (initially sorted) plus a list of released
+    batches. Allocation takes from the front of the free array; only when it
     runs short are the released pages sorted and appended after what is left.
     So fresh pools hand out low page ids in order, while after churn a request
     can get e.g. the tail of one sorted segment then low ids of the next: not
-    always contiguous, as in a real serving engine. ``alloc`` and ``free`` are
-    O(pages) tensor ops; a bool tensor tracks ownership for validation.
+    always contiguous, as in a real serving engine. A bool array tracks
+    ownership for validation. The bookkeeping is numpy (a few microseconds
+    per call, against tens for the same torch ops on tiny tensors); callers
+    get torch tensors sharing that memory.
     """
 
     def __init__(self, size_tokens: int, page_size: int) -> None:
@@ -124,14 +127,14 @@ class PageAllocator:
         self.size_tokens = size_tokens
         self.page_size = page_size
         self._total_pages = size_tokens // page_size
-        self._offsets = torch.arange(page_size, dtype=torch.int64)
+        self._offsets = np.arange(page_size, dtype=np.int64)
         self.reset()
 
     def reset(self) -> None:
         """Free every page."""
-        self._allocated = torch.zeros(self._total_pages, dtype=torch.bool)
-        self._free = torch.arange(self._total_pages, dtype=torch.int64)
-        self._released: list[torch.Tensor] = []
+        self._allocated = np.zeros(self._total_pages, dtype=bool)
+        self._free = np.arange(self._total_pages, dtype=np.int64)
+        self._released: list[np.ndarray] = []
         self._num_free = self._total_pages
 
     @property
@@ -157,13 +160,22 @@ class PageAllocator:
 
     def owned_pages(self) -> set[int]:
         """Ids of the allocated pages (for invariant checks)."""
-        return set(torch.nonzero(self._allocated).flatten().tolist())
+        return set(np.flatnonzero(self._allocated).tolist())
 
-    def _merge(self) -> None:
+    def _free_array(self) -> np.ndarray:
+        """Every free page id, in allocation order (released pages merged in)."""
         if self._released:
-            released = torch.sort(torch.cat(self._released)).values
-            self._free = torch.cat([self._free, released]) if self._free.numel() else released
+            released = np.sort(np.concatenate(self._released))
+            self._free = np.concatenate([self._free, released]) if self._free.size else released
             self._released = []
+        return self._free
+
+    def _claim(self, pages: np.ndarray, remaining_free: np.ndarray) -> torch.Tensor:
+        """Mark ``pages`` allocated, keep ``remaining_free`` as the free list; token indices of ``pages``."""
+        self._free = remaining_free
+        self._allocated[pages] = True
+        self._num_free -= pages.size
+        return torch.from_numpy((pages[:, None] * self.page_size + self._offsets).reshape(-1))
 
     def alloc(self, num_tokens: int) -> torch.Tensor | None:
         """Token indices (int64, CPU) of ``num_tokens / page_size`` free pages, or None if too few."""
@@ -174,30 +186,41 @@ class PageAllocator:
         need = num_tokens // self.page_size
         if need > self._num_free:
             return None
-        if need > self._free.numel():
-            self._merge()
-        pages = self._free[:need]
-        self._free = self._free[need:]
-        self._allocated[pages] = True
-        self._num_free -= need
-        return (pages[:, None] * self.page_size + self._offsets).reshape(-1)
+        free = self._free if need <= self._free.size else self._free_array()
+        return self._claim(free[:need], free[need:])
+
+    def _pages_to_free(self, indices) -> np.ndarray:
+        if isinstance(indices, torch.Tensor) and indices.dtype == torch.int64 and indices.dim() == 1 and indices.device.type == "cpu":
+            arr = indices.numpy()
+        else:
+            try:
+                arr = _as_index_tensor(indices, "free").numpy()
+            except BadIndices as exc:
+                raise AllocationError(str(exc)) from None
+        ps = self.page_size
+        if arr.size % ps:
+            raise AllocationError(f"free: length {arr.size} is not a multiple of page_size {ps}")
+        first = arr[::ps]
+        if first.size and (int(first.min()) < 0 or int(first.max()) + ps > self.size_tokens):
+            raise AllocationError(f"free: indices out of range [0, {self.size_tokens})")
+        if bool((first % ps).any()) or (ps > 1 and bool((arr.reshape(-1, ps) - first[:, None] != self._offsets).any())):
+            raise AllocationError("free: indices are not whole pages, each aligned and in order")
+        return first // ps
 
     def free(self, indices) -> None:
         """Return whole pages; validates everything first, so a bad call frees nothing."""
-        try:
-            pages = pages_of(indices, self.page_size, self.size_tokens, "free")
-        except BadIndices as exc:
-            raise AllocationError(str(exc)) from None
-        if pages.numel() == 0:
+        pages = self._pages_to_free(indices)
+        if pages.size == 0:
             return
-        if pages.numel() > 1 and torch.unique(pages).numel() != pages.numel():
+        if pages.size > 1 and np.unique(pages).size != pages.size:
             raise AllocationError("free: the same page appears twice in one call")
-        if not bool(self._allocated[pages].all()):
-            bad = pages[~self._allocated[pages]][:8].tolist()
+        held = self._allocated[pages]
+        if not held.all():
+            bad = pages[~held][:8].tolist()
             raise AllocationError(f"free: page(s) {bad} are not allocated (double free?)")
         self._allocated[pages] = False
-        self._released.append(pages.clone())
-        self._num_free += pages.numel()
+        self._released.append(pages.copy())
+        self._num_free += pages.size
 
 
 def default_device() -> torch.device:

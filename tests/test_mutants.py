@@ -1,9 +1,10 @@
 """Every planted controller bug (hicache_fsm.testing.mutants) is caught by the explorer or the fuzzer.
 
 For each mutant the bounded explorer runs first (2 nodes, 2 device and 2 host
-pages, in the configuration the bug lives in, stopping at the first
-violation), then the fuzzer with its default variants (seed 0, no shrinking,
-at most ``FUZZ_EXAMPLES`` runs). The test passes when at least one catches the
+pages, in the configuration the bug lives in -- with a step-by-step storage
+tier for the L3 / prefetch bugs -- stopping at the first violation), then the
+fuzzer with its default variants (seed 0, no shrinking, at most
+``FUZZ_EXAMPLES`` runs). The test passes when at least one catches the
 bug; the session ends with a table of who caught what, how fast and with how
 many steps.
 """
@@ -38,21 +39,26 @@ def table():
 def test_there_are_at_least_ten_mutants():
     assert len(MUTANTS) >= 10
     assert len({m.bug for m in MUTANTS.values()}) == len(MUTANTS)
+    assert sum(1 for m in MUTANTS.values() if m.variant.get("storage")) >= 3  # L3 / prefetch bugs
 
 
-def test_mutants_are_undone():
+def _patchable():
     from hicache_fsm.cache import HiCache
     from hicache_fsm.radix import RadixTree
     from hicache_fsm.registry import registry_for
+    from hicache_fsm.storage.prefetch import PrefetchOp, PrefetchRuntime
+    from hicache_fsm.storage.tier import StorageTier
 
-    before = (dict(vars(HiCache)), dict(vars(RadixTree)), dict(registry_for("residency").effects),
-              dict(registry_for("residency").guards))
+    return ([dict(vars(c)) for c in (HiCache, RadixTree, StorageTier, PrefetchRuntime, PrefetchOp)]
+            + [dict(getattr(registry_for(m), kind)) for m in ("residency", "prefetch") for kind in ("effects", "guards")])
+
+
+def test_mutants_are_undone():
+    before = _patchable()
     for name in MUTANTS:
         with mutant(name):
             pass
-    after = (dict(vars(HiCache)), dict(vars(RadixTree)), dict(registry_for("residency").effects),
-             dict(registry_for("residency").guards))
-    assert before == after
+    assert _patchable() == before
 
 
 @pytest.mark.parametrize("name", list(MUTANTS))

@@ -7,6 +7,7 @@
 - ``explorer``:   exhaustive bounded BFS over the composed cache state (``hicache-fsm check``);
 - ``paths``:      shortest spec paths to every state / transition, and ``CoverageTracker``;
 - ``trace``:      JSONL recording of a cache's events and ``replay`` against the specs;
+- ``storage``:    ``ManualStorageTier`` (the storage tier run step by step, no threads) and ``FaultPlan``;
 - ``mutants``:    planted controller bugs (tests only) that the tools must catch.
 
 See ``docs/fuzzing.md`` for a worked example on a cache written from scratch.
@@ -49,6 +50,7 @@ from hicache_fsm.testing.stateful import (
     regression_test,
     run_fuzz,
 )
+from hicache_fsm.testing.storage import FaultPlan, ManualStorageTier, StorageStep
 from hicache_fsm.testing.strategies import (
     FaultSchedule,
     Request,
@@ -78,10 +80,12 @@ __all__ = [
     "Divergence",
     "ExploreResult",
     "Explorer",
+    "FaultPlan",
     "FaultSchedule",
     "FuzzResult",
     "HiCacheAdapter",
     "JobInfo",
+    "ManualStorageTier",
     "MatchInfo",
     "NotSupported",
     "Occupancy",
@@ -92,6 +96,7 @@ __all__ = [
     "SpecPath",
     "Step",
     "StorageFault",
+    "StorageStep",
     "TraceRecorder",
     "Violation",
     "Workload",

@@ -370,7 +370,8 @@ def _fork_allocator(alloc, memo: dict):
         return memo[id(alloc)]
     new = object.__new__(type(alloc))
     new.__dict__.update(alloc.__dict__)
-    new._allocated = alloc._allocated.clone()
+    owned = alloc._allocated
+    new._allocated = owned.clone() if isinstance(owned, torch.Tensor) else owned.copy()  # torch or numpy
     new._released = list(alloc._released)
     memo[id(alloc)] = new
     return new
@@ -496,9 +497,14 @@ def fork_cache(cache, memo: dict | None = None, share_kv: bool = False):
     memo = {} if memo is None else memo
     if not isinstance(cache.executor, ManualExecutor):
         raise NotSupported("fork needs a ManualExecutor (nothing may run behind the explorer's back)")
-    if (getattr(cache, "storage", None) is not None or getattr(cache, "cp", None) is not None
-            or cache._extra_host_owners or cache._extra_invariants):
-        raise NotSupported("fork of a cache with storage or registered runtimes is not implemented yet")
+    from hicache_fsm.testing.storage import ManualStorageTier, fork_tier
+
+    storage = getattr(cache, "storage", None)
+    if storage is not None and not isinstance(storage, ManualStorageTier):
+        raise NotSupported("fork of a cache whose storage tier runs threads (use ManualStorageTier)")
+    if getattr(cache, "cp", None) is not None or (storage is None and (cache._extra_host_owners
+                                                                        or cache._extra_invariants)):
+        raise NotSupported("fork of a cache with CP or other registered runtimes is not implemented yet")
     new = object.__new__(type(cache))
     memo[id(cache)] = new
     d = new.__dict__
@@ -530,6 +536,10 @@ def fork_cache(cache, memo: dict | None = None, share_kv: bool = False):
                                         for v in [getattr(led, f.name)]})
     d["_engine_pages"] = set(cache._engine_pages)
     d["counters"] = Counter(cache.counters)
+    if storage is not None:  # the tier registered its slot owners and invariants: re-bind them to the copy
+        tier = d["storage"] = fork_tier(storage, memo, new)
+        d["_extra_host_owners"] = [tier.runtime.host_owners]
+        d["_extra_invariants"] = [tier.violations]
     for name, value in cache.__dict__.items():
         if name not in d:
             d[name] = None if name in _DROPPED_ATTRS else _copy_value(value, memo)
@@ -582,7 +592,10 @@ class HiCacheAdapter(CacheAdapter):
     ``eviction_policy``, ...). ``dispatcher`` shares one compiled residency
     machine between adapters (coverage listeners); by default each adapter
     compiles its own from the registry as it is now (so a mutant patched into
-    the registry is picked up).
+    the registry is picked up). ``storage=True`` attaches an L3 tier run step by
+    step (``testing.storage.ManualStorageTier`` over ``memory://`` behind a
+    ``FaultyBackend`` whose schedule is ``self.faults``), with prefetches of one
+    page and up, ``stop_policy`` and ``batch_pages`` as given.
     """
 
     name = "hicache"
@@ -875,13 +888,14 @@ class HiCacheAdapter(CacheAdapter):
 
     def storage_steps(self) -> list:
         """Queued storage work (``StorageStep``: hit queries, S2H transfers, H2S backups, a probe)."""
-        return self.cache.storage.steps()
+        return [] if self.cache.storage is None else self.cache.storage.steps()
 
     def _run_storage(self, step_id: str, fail: bool) -> None:
         if step_id not in {s.id for s in self.cache.storage.steps()}:
             raise Rejected(f"storage step {step_id!r} is not queued")
         if fail:
             self.faults.fail_next()
+        self._own_kv()
         self._kv_writes += 1  # an S2H transfer writes host pages
         try:
             self.cache.storage.run(step_id)
@@ -1083,6 +1097,10 @@ class HiCacheAdapter(CacheAdapter):
         new._locks = {h: memo[id(n)] for h, n in self._locks.items()}
         new._pins = {h: (memo[id(n)], pre, start) for h, (n, pre, start) in self._pins.items()}
         new._finished = list(self._finished[-4:])
+        new._requests = dict(self._requests)
+        if self.cache.storage is not None:
+            new.backend = new.cache.storage.link.backend
+            new.faults = new.backend._chooser
         return new
 
     def applicable(self, op: str, args: tuple) -> bool:
@@ -1109,6 +1127,10 @@ class HiCacheAdapter(CacheAdapter):
         if op == "pin_host":
             node = self._exact_node(args[0])
             return node is not None and node.state in ON_HOST
+        if op == "prefetch":  # a prompt wholly in memory is refused below the threshold: only a match
+            return len(self.read_kv(args[0])) < len(self._aligned(args[0]))
+        if op == "store_remote":  # pages stored already are kept: nothing changes
+            return self.stored_prefix(args[0]) < len(self._aligned(args[0]))
         return True  # evictions always run: what is evictable is the code under test
 
     def state_key(self) -> Hashable:
@@ -1152,7 +1174,12 @@ class HiCacheAdapter(CacheAdapter):
                  len(self.executor.pending_job_ids()), len(pending))
         alphabet = sorted({t for n in nodes for t in n.key})
         renamings: list[dict | None] = [None]
-        if self.symmetric and 1 < len(alphabet) <= 4:
+        if cache.storage is not None:  # storage keys hash token ids: no renaming, the tier's state as is
+            from hicache_fsm.testing.storage import tier_state_key
+
+            extra = extra + (tuple(self._requests.values()), tier_state_key(
+                cache.storage, lambda n: () if n.is_root else pre.get(n.id, orphan + (n.id,)), list(self._requests)))
+        elif self.symmetric and 1 < len(alphabet) <= 4:
             renamings = [dict(zip(alphabet, p)) for p in itertools.permutations(alphabet)]
         best = None
         for m in renamings:

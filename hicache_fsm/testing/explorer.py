@@ -8,8 +8,14 @@ empty cache, every step an engine or an executor can take is tried in every
 state (``Bounds`` lists them: insert / match / lock / load back / back up /
 pin each prompt of a small alphabet, unlock / unpin each held handle, evict
 each tier by 1..N pages, complete or fail each pending job, re-deliver a
-finished job's acknowledgement). Breadth-first, so the first trace found to a
-violation is a shortest one.
+finished job's acknowledgement). With ``Bounds(storage=True)`` the cache also
+has an L3 tier run step by step (``testing.storage.ManualStorageTier``): every
+prompt may be prefetched or stored by another instance, every running prefetch
+polled or aborted, every queued storage step (hit query, transfer, backup,
+probe) completed or failed; the tier and its ``memory://`` pages are forked
+with the cache, and the state key then carries the stored keys, the prefetches
+and the storage queues (token renaming is off: keys hash token ids).
+Breadth-first, so the first trace found to a violation is a shortest one.
 
 Why the real cache and not an abstract model. The explorer drives the real
 ``HiCache`` through its ``CacheAdapter``, forking the state before each
@@ -71,6 +77,10 @@ class Bounds:
     evictions of 1..``device_pages`` / 1..``host_pages`` pages. ``track_hits``
     keeps "was this node ever hit" in the state key even when the policy does
     not read hit counts (LRU, not selective), to explore hit-count bookkeeping.
+    ``storage`` attaches an L3 tier run step by step (``ManualStorageTier`` over ``memory://``):
+    then every prompt may also be prefetched or stored by another instance (``store_remote``),
+    each running prefetch (at most ``max_prefetches``) polled or aborted, and each queued storage
+    step completed or failed; ``stop_policy`` is the prefetch stop policy.
     """
 
     nodes: int = 3
@@ -86,6 +96,9 @@ class Bounds:
     eviction_policy: str = "lru"
     track_hits: bool = False
     redeliver: bool = True
+    storage: bool = False
+    stop_policy: str = "best_effort"
+    max_prefetches: int = 1
     max_states: int | None = None
     max_seconds: float | None = None
 
@@ -121,7 +134,8 @@ def hicache_factory(bounds: Bounds) -> CacheAdapter:
 
     adapter = HiCacheAdapter(device_pages=bounds.device_pages, host_pages=bounds.host_pages,
                              page_size=bounds.page_size, layers=bounds.layers, write_policy=bounds.write_policy,
-                             eviction_policy=bounds.eviction_policy)
+                             eviction_policy=bounds.eviction_policy, storage=bounds.storage,
+                             stop_policy=bounds.stop_policy)
     adapter.track_hits = bounds.track_hits
     return adapter
 
@@ -206,6 +220,10 @@ class Explorer:
                 out.append(Step("backup", (p,)))
             if sup("pin_host") and len(adapter.held_pins()) < b.max_pins:
                 out.append(Step("pin_host", (p,)))
+            if sup("prefetch") and len(adapter.prefetching()) < b.max_prefetches:
+                out.append(Step("prefetch", (p,)))
+            if sup("store_remote"):
+                out.append(Step("store_remote", (p,)))
         if sup("unlock"):
             out += [Step("unlock", (i,)) for i in range(len(adapter.held_locks()))]
         if sup("unpin_host"):
@@ -221,6 +239,16 @@ class Explorer:
                 out.append(Step("complete_job", (i,)))
             if sup("fail_job"):
                 out.append(Step("fail_job", (i,)))
+        for i in range(len(adapter.prefetching())):
+            if sup("prefetch_ready"):
+                out.append(Step("prefetch_ready", (i,)))
+            if sup("abort"):
+                out.append(Step("abort", (i,)))
+        for i in range(len(adapter.storage_steps())):
+            if sup("complete_storage"):
+                out.append(Step("complete_storage", (i,)))
+            if sup("fail_storage"):
+                out.append(Step("fail_storage", (i,)))
         if b.redeliver and sup("redeliver") and adapter.finished_jobs():
             out.append(Step("redeliver", (len(adapter.finished_jobs()) - 1,)))
         return out

@@ -2,7 +2,8 @@
 
 Each mutant re-creates one class of bug from the reference's history (see
 ``HICACHE_SEMANTICS.md``) by patching ``HiCache`` methods, ``RadixTree`` or
-the residency bindings *for the duration of a* ``with mutant(name):`` block
+the residency bindings (or the storage tier and its prefetch runtime)
+*for the duration of a* ``with mutant(name):`` block
 only; nothing here is imported by the library itself, so no production path
 can reach a mutant. Caches must be created inside the block (each
 ``HiCacheAdapter`` compiles its residency machine from the registry as it is
@@ -14,8 +15,8 @@ then, so patched guards and effects take effect).
     assert result.violations
 
 ``MUTANTS[name].variant`` names the cache configuration the bug lives in
-(e.g. ``write_back``); the fuzzer draws it among its variants anyway, the
-explorer should be run with it.
+(e.g. ``write_back``, or ``storage=True`` for the L3 / prefetch bugs); the
+fuzzer draws it among its variants anyway, the explorer should be run with it.
 """
 
 from __future__ import annotations
@@ -63,16 +64,15 @@ class Mutant:
     name: str
     bug: str  # the bug class, in the reference's words
     apply: Callable[[Patcher], None] = attrs.field(repr=False)
-    variant: dict = attrs.Factory(dict)  # cache configuration the bug needs (write policy, ...)
-    explorer: bool = True  # False: the explorer cannot reach it (storage is not forked); the fuzzer must
+    variant: dict = attrs.Factory(dict)  # cache configuration the bug needs (write policy, storage, ...)
 
 
 MUTANTS: dict[str, Mutant] = {}
 
 
-def _mutant(name: str, bug: str, explorer: bool = True, **variant: Any):
+def _mutant(name: str, bug: str, **variant: Any):
     def deco(fn: Callable[[Patcher], None]) -> Callable[[Patcher], None]:
-        MUTANTS[name] = Mutant(name, bug, fn, dict(variant), explorer)
+        MUTANTS[name] = Mutant(name, bug, fn, dict(variant))
         return fn
 
     return deco
@@ -350,8 +350,8 @@ def _counter_stuck(p: Patcher) -> None:
 
 
 # =========================================================================== storage tier (L3) and prefetch
-# These need a cache with storage attached: the fuzzer's storage variants (``HiCacheAdapter(storage=True)``,
-# a step-by-step ``ManualStorageTier``); the explorer does not fork storage, so ``explorer=False``.
+# These need a cache with storage attached (``HiCacheAdapter(storage=True)``: a ``ManualStorageTier`` run
+# step by step over ``memory://``): the fuzzer's storage variants, ``Bounds(storage=True)`` for the explorer.
 
 
 def _tier():
@@ -366,7 +366,7 @@ def _prefetch():
     return prefetch
 
 
-@_mutant("prefetch_double_release", "double free of prefetch host slots released on two paths", explorer=False)
+@_mutant("prefetch_double_release", "double free of prefetch host slots released on two paths", storage=True)
 def _prefetch_double_release(p: Patcher) -> None:
     """The abort handler hands the prefetch's slots back itself, then the ``release`` effect does it again."""
     StorageTier = _tier().StorageTier
@@ -381,7 +381,7 @@ def _prefetch_double_release(p: Patcher) -> None:
     p.setattr(StorageTier, "abort_prefetch", abort_prefetch)
 
 
-@_mutant("abort_leaks_prefetch", "aborted requests leaking prefetch slots", explorer=False)
+@_mutant("abort_leaks_prefetch", "aborted requests leaking prefetch slots", storage=True)
 def _abort_leaks(p: Patcher) -> None:
     """Abort drops the bookkeeping and ends the op, but never fires ``release`` (slots and anchor pin leak)."""
     StorageTier = _tier().StorageTier
@@ -397,9 +397,9 @@ def _abort_leaks(p: Patcher) -> None:
     p.setattr(StorageTier, "abort_prefetch", abort_prefetch)
 
 
-@_mutant("failed_store_as_stored", "failed L3 backup treated as stored (host copy then evicted as safe)",
-         explorer=False)
+@_mutant("failed_store_as_stored", "failed L3 backup (H2S) treated as stored", storage=True)
 def _failed_store(p: Patcher) -> None:
+    """A failed or refused H2S job moves the node to ``*_stored`` as if storage held its pages."""
     HiCache = _cache().HiCache
     orig = HiCache._fire
 
@@ -412,7 +412,7 @@ def _failed_store(p: Patcher) -> None:
 
 
 @_mutant("short_prefetch_inserted_in_full", "fetched pages inserted after a short batch (pages that never arrived)",
-         explorer=False)
+         storage=True)
 def _short_inserted(p: Patcher) -> None:
     """On stop, every hit page is inserted, as if the transfer had completed."""
     PrefetchRuntime = _prefetch().PrefetchRuntime
@@ -426,7 +426,7 @@ def _short_inserted(p: Patcher) -> None:
 
 
 @_mutant("anchor_unpinned_twice", "prefetch anchor unpinned twice (by the abort handler and by release)",
-         explorer=False)
+         storage=True)
 def _anchor_twice(p: Patcher) -> None:
     """The abort handler unpins the anchor itself; the ``release`` effect then unpins it again."""
     StorageTier = _tier().StorageTier
