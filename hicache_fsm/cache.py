@@ -40,12 +40,8 @@ from collections import Counter
 from typing import Callable, Hashable, Iterable, Sequence
 
 import attrs
+import numpy as np  # index checks on small CPU tensors are several times cheaper through numpy views
 import torch
-
-try:  # index checks on small CPU tensors are several times cheaper through numpy views
-    import numpy as _np
-except ImportError:  # pragma: no cover - torch works without numpy
-    _np = None
 
 from hicache_fsm.bindings.residency import EVICTED, LOADING, ON_DEVICE, ON_HOST
 from hicache_fsm.config import CacheConfig
@@ -262,7 +258,7 @@ class HiCache:
         self.job_ledger = JobLedger()
         self._engine_pages: set[int] = set()
         self._offsets = torch.arange(self.page_size, dtype=torch.int64)
-        self._np_offsets = self._offsets.numpy() if _np is not None else None
+        self._np_offsets = self._offsets.numpy()
         self._token_bytes = device_pool.shape.token_bytes
         self._slot_limit = int(device_pool.allocator.size_tokens)  # slots the allocator hands out (logical under CP)
         self._clock = 0
@@ -317,9 +313,7 @@ class HiCache:
         self._engine_pages.difference_update(pages)
 
     def _page_ids(self, indices: torch.Tensor) -> list[int]:
-        if _np is not None:
-            return (indices.numpy()[:: self.page_size] // self.page_size).tolist()
-        return (indices[:: self.page_size] // self.page_size).tolist()
+        return (indices.numpy()[:: self.page_size] // self.page_size).tolist()
 
     def _check_tensor(self, indices: object, length: int | None) -> list[int]:
         """Type, dtype, device, length and page alignment of an engine index tensor; returns its page ids."""
@@ -339,25 +333,15 @@ class HiCache:
             raise BadIndices(f"{n} indices is not a whole number of pages of {ps} tokens")
         if not n:
             return []
-        if _np is not None:
-            a = indices.numpy()
-            first = a[::ps]
-            bad = bool((first < 0).any()) or (
-                ps > 1 and (bool((first % ps).any()) or bool((a.reshape(-1, ps) - first[:, None] != self._np_offsets).any()))
-            )
-        else:
-            pages = indices.view(-1, ps)
-            first = indices[::ps]
-            bad = bool((first < 0).any()) or (
-                ps > 1 and (bool((first % ps).any()) or not torch.equal(pages, first[:, None] + self._offsets))
-            )
-        if bad:
+        # Page ids from each page's first slot; the whole tensor must then equal
+        # those pages' slots in order (which also rejects unaligned pages).
+        a = indices.numpy()
+        page_arr = a[::ps] // ps
+        if int(page_arr.min()) < 0 or (int(page_arr.max()) + 1) * ps > self._slot_limit:
+            raise BadIndices(f"device indices out of range: they must be whole pages within [0, {self._slot_limit}), the device allocator's slots")
+        if ps > 1 and not (a.reshape(-1, ps) == (page_arr * ps)[:, None] + self._np_offsets).all():
             raise BadIndices("device indices must be whole pages: each page aligned, in order and contiguous")
-        pages = (first // ps).tolist()
-        top = max(pages) * ps + ps
-        if top > self._slot_limit:
-            raise BadIndices(f"device index {top - 1} is out of range (the device allocator has {self._slot_limit} slots)")
-        return pages
+        return page_arr.tolist()
 
     def _validate_indices(self, indices: object, length: int, engine_held: bool) -> torch.Tensor:
         """Check an engine index tensor (and, with ``engine_held``, that alloc_device handed it out)."""
@@ -678,10 +662,11 @@ class HiCache:
             return self.cp.backup(node)
         if self.host_allocator.available_tokens < node.num_tokens:
             self.evict_host(node.num_tokens - self.host_allocator.available_tokens)
-        if not self.residency.can_fire(node, "backup", self):
+        try:
+            self._fire(node, "backup", self)
+        except GuardRejected:  # host still full after host eviction
             self.counters["backup_host_full"] += 1
             return False
-        self._fire(node, "backup", self)
         return True
 
     def _sort_key(self, node: TreeNode) -> tuple:
