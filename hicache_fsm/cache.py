@@ -258,7 +258,7 @@ class HiCache:
         self.job_ledger = JobLedger()
         self._engine_pages: set[int] = set()
         self._offsets = torch.arange(self.page_size, dtype=torch.int64)
-        self._np_offsets = self._offsets.numpy()
+        self._np_offsets = np.arange(self.page_size, dtype=np.int64)
         self._token_bytes = device_pool.shape.token_bytes
         self._slot_limit = int(device_pool.allocator.size_tokens)  # slots the allocator hands out (logical under CP)
         self._clock = 0
