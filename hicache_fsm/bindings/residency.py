@@ -85,6 +85,11 @@ def free_device(node, cache) -> None:
     node.device_indices = None
 
 
+@residency.effect
+def adopt_device(node, grant) -> None:
+    node.device_indices = grant.device_indices
+
+
 # --------------------------------------------------------------------------- invariants
 
 
@@ -183,7 +188,3 @@ def jobs_acked_once(cache) -> list[str]:
         problems.append(f"jobs emitted but neither pending nor finished: {sorted(unknown)[:8]}")
     return problems
 
-
-@residency.effect
-def adopt_device(node, grant) -> None:
-    node.device_indices = grant.device_indices
