@@ -63,7 +63,6 @@ log = logging.getLogger("hicache_fsm.cache")
 
 DEVICE_EVICTABLE = frozenset({"device", "device_host", "device_host_storing", "device_host_stored"})
 HOST_EVICTABLE = frozenset({"host", "host_stored"})
-IN_FLIGHT = frozenset({"writing_host", "device_host_storing", "host_storing"}) | LOADING
 RESIDENT = ON_DEVICE | LOADING  # device slots valid now or once the load's layer event fires
 REVIVABLE = EVICTED - LOADING
 
@@ -343,13 +342,6 @@ class HiCache:
         if ps > 1 and a.tobytes() != ((page_arr * ps)[:, None] + self._np_offsets).tobytes():
             raise BadIndices("device indices must be whole pages: each page aligned, in order and contiguous")
         return page_arr.tolist()
-
-    def _validate_indices(self, indices: object, length: int, engine_held: bool) -> torch.Tensor:
-        """Check an engine index tensor (and, with ``engine_held``, that alloc_device handed it out)."""
-        pages = self._check_tensor(indices, length)
-        if engine_held:
-            self._check_engine_pages(pages)
-        return indices  # type: ignore[return-value]
 
     def _node_pages(self, node: TreeNode) -> list[int]:
         """Page ids of a node's device slots, remembered for as long as the node keeps the same tensor."""

@@ -47,10 +47,6 @@ class AllocationError(HiCacheError):
     """A page allocator was asked to do something impossible (double free, bad index)."""
 
 
-class OutOfMemory(HiCacheError):
-    """A pool has too few free pages for the request."""
-
-
 class ConfigError(HiCacheError):
     """A configuration value is impossible (sizes, layouts, policies)."""
 

@@ -11,22 +11,6 @@ from typing import Callable
 import torch
 
 
-def median_seconds(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> float:
-    """Median wall time of ``fn`` over ``repeats`` runs after ``warmup`` runs.
-
-    Baselines and candidates are timed alternately by callers so that noise on a
-    shared machine hits both alike.
-    """
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int = 5, warmup: int = 1) -> dict[str, float]:
     """Median seconds of each function, timing them round-robin in the same run."""
     for fn in fns.values():
