@@ -40,7 +40,6 @@ from collections import Counter
 from typing import Callable, Hashable, Iterable, Sequence
 
 import attrs
-import numpy as np  # index checks on small CPU tensors are several times cheaper through numpy views
 import torch
 
 from hicache_fsm.bindings.residency import EVICTED, LOADING, ON_DEVICE, ON_HOST
@@ -177,17 +176,28 @@ class InsertResult:
 
 @attrs.define
 class JobLedger:
-    """Every job emitted and how it ended; checks that each ends exactly once.
+    """How every emitted job ended, in memory that stays bounded on a long-running server.
 
-    ``cancelled`` holds jobs that ``reset`` dropped while they were pending;
-    late completions of those are ignored.
+    The counts cover the cache's whole life, so "every emitted job is pending
+    or ended exactly once" is an equation. Ids are remembered for the last
+    ``window`` ended jobs only: enough to tell a re-delivered ack (an error) or
+    a late ack of a job ``reset`` cancelled (ignored) from an unknown job.
     """
 
-    emitted: set[int] = attrs.Factory(set)
-    acked: set[int] = attrs.Factory(set)
-    failed: set[int] = attrs.Factory(set)
-    cancelled: set[int] = attrs.Factory(set)
-    duplicate_acks: list[int] = attrs.Factory(list)
+    window: int = 65536
+    emitted: int = 0
+    acked: int = 0
+    failed: int = 0
+    cancelled: int = 0
+    recent: dict[int, str] = attrs.Factory(dict)  # job id -> "acked" | "failed" | "cancelled", oldest first
+
+    def ended(self, job_id: int, how: str) -> None:
+        """Record that ``job_id`` ended ``how``: "acked", "failed" or "cancelled"."""
+        setattr(self, how, getattr(self, how) + 1)
+        recent = self.recent
+        recent[job_id] = how
+        if len(recent) > self.window:
+            del recent[next(iter(recent))]
 
 
 def _batches(jobs: list[TransferJob]) -> list[JobBatch]:
@@ -257,7 +267,6 @@ class HiCache:
         self.job_ledger = JobLedger()
         self._engine_pages: set[int] = set()
         self._offsets = torch.arange(self.page_size, dtype=torch.int64)
-        self._np_offsets = np.arange(self.page_size, dtype=np.int64)
         self._token_bytes = device_pool.shape.token_bytes
         self._slot_limit = int(device_pool.allocator.size_tokens)  # slots the allocator hands out (logical under CP)
         self._clock = 0
@@ -322,7 +331,7 @@ class HiCache:
             raise BadIndices(
                 f"device indices must be a 1-D int64 tensor, got {indices.dtype} with shape {tuple(indices.shape)}"
             )
-        if indices.device.type != "cpu":
+        if not indices.is_cpu:
             raise BadIndices(f"slot indices are kept on the CPU; got a tensor on {indices.device}")
         n = indices.numel()
         if length is not None and n != length:
@@ -332,16 +341,14 @@ class HiCache:
             raise BadIndices(f"{n} indices is not a whole number of pages of {ps} tokens")
         if not n:
             return []
-        # Page ids from each page's first slot; the whole tensor must then equal
-        # those pages' slots in order (which also rejects unaligned pages).
         a = indices.numpy()
-        page_arr = a[::ps] // ps
-        if int(page_arr.min()) < 0 or (int(page_arr.max()) + 1) * ps > self._slot_limit:
+        pages = self.device_allocator.whole_pages(a)
+        if pages is not None:
+            return pages.tolist()
+        first = a[::ps]
+        if int(first.min()) < 0 or int(first.max()) + ps > self._slot_limit:
             raise BadIndices(f"device indices out of range: they must be whole pages within [0, {self._slot_limit}), the device allocator's slots")
-        # compared as bytes: one memcmp instead of an element-wise pass and a reduction
-        if ps > 1 and a.tobytes() != ((page_arr * ps)[:, None] + self._np_offsets).tobytes():
-            raise BadIndices("device indices must be whole pages: each page aligned, in order and contiguous")
-        return page_arr.tolist()
+        raise BadIndices("device indices must be whole pages: each page aligned, in order and contiguous")
 
     def _node_pages(self, node: TreeNode) -> list[int]:
         """Page ids of a node's device slots, remembered for as long as the node keeps the same tensor."""
@@ -921,7 +928,7 @@ class HiCache:
         transition = self.residency.fire(node, trigger, ctx)
         if emit:
             for kind in transition.emits:
-                self._emit(self._build_job(kind, node))
+                self._emit(self._build_job(kind, node), [node])
         if self._observers:
             self._notify({"event": "transition", "machine": "residency", "node": node.id, "trigger": trigger,
                           "source": transition.source, "dest": transition.dest})
@@ -933,13 +940,15 @@ class HiCache:
         draft = node.host_indices if self.draft_host_pool is not None else None
         return TransferJob(kind, (node.id,), node.host_indices, node.device_indices, draft_host_indices=draft)
 
-    def _emit(self, job: TransferJob) -> None:
-        nodes = [self.tree.get(n) for n in job.node_ids]
+    def _emit(self, job: TransferJob, nodes: list[TreeNode] | None = None) -> None:
+        """Register ``job`` as pending on its nodes (``nodes``: those of ``job.node_ids``, when at hand) and queue it."""
+        if nodes is None:
+            nodes = [self.tree.get(n) for n in job.node_ids]
         for n in nodes:
             n.pending_jobs.add(job.id)
         self._job_nodes[job.id] = nodes
         self._pending[job.id] = job
-        self.job_ledger.emitted.add(job.id)
+        self.job_ledger.emitted += 1
         if job.kind in (JobKind.H2S, JobKind.S2H):
             self.storage.submit(job)
         else:
@@ -1029,11 +1038,11 @@ class HiCache:
             raise UnknownJob(f"expected a Completion, got {type(c).__name__}")
         if c.job_id in self._pending:
             return
-        ledger = self.job_ledger
-        if c.job_id in ledger.acked or c.job_id in ledger.failed:
-            raise UnknownJob(f"job {c.job_id} was already acknowledged")
-        if c.job_id in ledger.cancelled:
+        how = self.job_ledger.recent.get(c.job_id)
+        if how == "cancelled":
             return
+        if how is not None:
+            raise UnknownJob(f"job {c.job_id} was already acknowledged ({how})")
         raise UnknownJob(f"job {c.job_id!r} is not a job of this cache")
 
     def _apply(self, completions: Iterable[Completion]) -> None:
@@ -1048,7 +1057,7 @@ class HiCache:
             if job is None:  # cancelled by reset
                 self.counters["late_cancelled_completions"] += 1
                 continue
-            (self.job_ledger.acked if c.ok else self.job_ledger.failed).add(c.job_id)
+            self.job_ledger.ended(c.job_id, "acked" if c.ok else "failed")
             nodes = self._job_nodes.pop(c.job_id)
             for node in nodes:
                 node.pending_jobs.discard(c.job_id)
@@ -1167,7 +1176,7 @@ class HiCache:
             "engine_pages": sorted(self._engine_pages),
             "pending": sorted(self._pending),
             "outbox": [j.id for j in self._outbox],
-            "ledger": (sorted(self.job_ledger.acked), sorted(self.job_ledger.failed), sorted(self.job_ledger.cancelled)),
+            "ledger": attrs.asdict(self.job_ledger),
             "counters": dict(self.counters),
             "clock": (self._clock, self._polls),
             "cp": self.cp.snapshot() if self.cp is not None else None,
@@ -1205,7 +1214,8 @@ class HiCache:
             self.executor.poll()
         if self.storage is not None:
             self.storage.reset()
-        self.job_ledger.cancelled |= set(self._pending)
+        for job_id in self._pending:
+            self.job_ledger.ended(job_id, "cancelled")
         for h in self._load_handles:
             h.cancelled = True
         self._outbox.clear()

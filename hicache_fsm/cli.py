@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_sub = bench.add_subparsers(dest="benchmark", required=True)
     for name, module in _available(BENCHMARKS).items():
         p = bench_sub.add_parser(name, help=(module.__doc__ or "").strip().splitlines()[0])
-        p.add_argument("--json", action="store_true", help="end with one JSON object")
+        p.add_argument("--json", action="store_true", help="print only one JSON object on stdout (the report goes to stderr)")
         module.configure(p)
         p.set_defaults(_run=lambda args, m=module: (m.run(args), 0)[1])
     return parser

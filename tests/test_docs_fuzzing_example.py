@@ -60,11 +60,11 @@ def test_planted_bugs_are_found(bug):
 def test_commands_on_the_example(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(ROOT)  # the docs run the commands from the repository root
     rc = main(["check", "--adapter", "examples/tiny_lru_cache.py:explorer_factory", "--quiet", "--json"])
-    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    summary = json.loads(capsys.readouterr().out)
     assert rc == 0 and summary["violations"] == 0 and summary["states"] > 50
     rc = main(["check", "--adapter", "examples/tiny_lru_cache.py:buggy_explorer_factory", "--host-pages", "1",
                "--stop-on-first", "--quiet", "--json"])
-    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    summary = json.loads(capsys.readouterr().out)
     assert rc == 1 and summary["violations"] == 1 and summary["counterexamples"][0]["steps"]
     rc = main(["fuzz", "--adapter", "examples/tiny_lru_cache.py:make_adapter", "--examples", "30", "--quiet"])
     assert rc == 0, capsys.readouterr().out

@@ -251,14 +251,14 @@ def test_tampered_trace_is_rejected(tmp_path, tamper, capsys):
 
 def test_check_command_json(capsys):
     rc = main(["check", "--nodes", "2", "--device-pages", "2", "--host-pages", "1", "--quiet", "--json"])
-    out = capsys.readouterr().out.strip().splitlines()[-1]
+    out = capsys.readouterr().out
     summary = json.loads(out)
     assert rc == 0 and summary["violations"] == 0 and summary["states"] > 10 and summary["complete"]
 
 
 def test_fuzz_command_json(capsys):
     rc = main(["fuzz", "--examples", "10", "--steps", "15", "--seed", "3", "--quiet", "--json"])
-    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    summary = json.loads(capsys.readouterr().out)
     assert rc == 0 and summary["ok"] and summary["seed"] == 3
 
 

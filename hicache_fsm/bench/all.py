@@ -11,8 +11,10 @@ tests; the figures are then noisy).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
 import importlib
+import json
 import os
 import platform
 import shlex
@@ -204,12 +206,14 @@ def run(args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     results: dict[str, dict] = {}
     commands: dict[str, str] = {}
-    for key, name, argv in STEPS:
-        commands[key] = _command(name, argv)
-        full = argv + (QUICK.get(name, []) if args.quick else [])
-        print(f"== {_command(name, full)}", flush=True)
-        results[key] = _run_one(name, full)
-        print(flush=True)
+    as_json = getattr(args, "json", False)
+    with contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext():  # stdout: JSON only
+        for key, name, argv in STEPS:
+            commands[key] = _command(name, argv)
+            full = argv + (QUICK.get(name, []) if args.quick else [])
+            print(f"== {_command(name, full)}", flush=True)
+            results[key] = _run_one(name, full)
+            print(flush=True)
     seconds = time.perf_counter() - t0
     page = render(results, commands, machine, started, seconds, args.quick)
     if out is not None:
@@ -217,8 +221,6 @@ def run(args: argparse.Namespace) -> dict:
         print(f"wrote {out}", file=sys.stderr)
     result = {"benchmark": "all", "results": results, "machine": machine, "seconds": round(seconds, 1),
               "output": str(out) if out else None}
-    if getattr(args, "json", False):
-        import json
-
+    if as_json:
         print(json.dumps(result, sort_keys=True, default=str))
     return result

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import platform
 import statistics
+import sys
 import time
 from typing import Callable
 
@@ -35,10 +36,11 @@ def machine_description() -> dict[str, object]:
 
 
 def report(title: str, rows: list[tuple[str, str]], result: dict, as_json: bool) -> None:
-    """Print a two-column table, then (with ``as_json``) the result as the last line."""
-    print(title)
+    """Print a two-column table; with ``as_json`` the table goes to stderr and stdout holds only the JSON result."""
+    out = sys.stderr if as_json else sys.stdout
+    print(title, file=out)
     width = max((len(k) for k, _ in rows), default=0)
     for key, value in rows:
-        print(f"  {key.ljust(width)}  {value}")
+        print(f"  {key.ljust(width)}  {value}", file=out)
     if as_json:
         print(json.dumps(result, sort_keys=True))

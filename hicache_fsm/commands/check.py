@@ -5,7 +5,7 @@ radix nodes on ``--device-pages`` / ``--host-pages`` pages: every engine step
 (insert, match, lock, load back, back up, pin, evict) and every completion or
 failure of every pending job, in every order. Progress goes to stderr; the
 summary (states, transitions, violations with a shortest counterexample each,
-seconds) to stdout; with ``--json`` the last line is one JSON object. Exit
+seconds) to stdout; with ``--json`` stdout is one JSON object. Exit
 status 1 when a violation was found.
 """
 
@@ -42,7 +42,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="explore your own cache: a callable taking the Bounds and returning a CacheAdapter")
     parser.add_argument("--coverage", action="store_true", help="print which spec states/transitions were reached")
     parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
-    parser.add_argument("--json", action="store_true", help="end with one JSON object")
+    parser.add_argument("--json", action="store_true", help="print only one JSON object on stdout (the report goes to stderr)")
 
 
 def _how_far(result, args) -> str:

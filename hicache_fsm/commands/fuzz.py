@@ -4,7 +4,7 @@ Runs ``CacheProtocolMachine`` (engine and executor steps in random orders,
 every invariant checked after every step) for ``--examples`` runs of up to
 ``--steps`` steps from ``--seed``. Progress on stderr. On failure it prints the
 shrunk failing program and a runnable pytest test replaying it (also written
-to ``--test-out``), and exits 1. With ``--json`` the last line is one JSON object.
+to ``--test-out``), and exits 1. With ``--json`` stdout is one JSON object.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--test-out", metavar="FILE", help="write the regression test for a failure here")
     parser.add_argument("--coverage", action="store_true", help="print which spec states/transitions were reached")
     parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
-    parser.add_argument("--json", action="store_true", help="end with one JSON object")
+    parser.add_argument("--json", action="store_true", help="print only one JSON object on stdout (the report goes to stderr)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -20,7 +20,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--spec", action="append", default=[], metavar="FILE",
                         help="also check against this spec file (a machine of your own cache); repeatable")
     parser.add_argument("--context", type=int, default=4, help="events shown before a divergence (default 4)")
-    parser.add_argument("--json", action="store_true", help="end with one JSON object")
+    parser.add_argument("--json", action="store_true", help="print only one JSON object on stdout (the report goes to stderr)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -61,7 +61,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--device", default=None,
                    help="torch device of the model and device pool (default: cuda if present)")
     o = parser.add_argument_group("output")
-    o.add_argument("--json", action="store_true", help="end with one JSON object (hit_rate, hit_rate_bound, ...)")
+    o.add_argument("--json", action="store_true", help="print only one JSON object on stdout (hit_rate, hit_rate_bound, ...); the table goes to stderr")
     o.add_argument("--plot", metavar="FILE.png",
                    help="also draw hit rate against device and host capacity (needs the `plot` extra: matplotlib)")
     o.add_argument("--threads", type=int, default=1,
@@ -205,12 +205,13 @@ def run(args: argparse.Namespace) -> int:
     except HiCacheError as exc:
         print(f"hicache-fsm simulate: {exc}", file=sys.stderr)
         return 1
-    print(format_table(sim))
-    print()
-    print(summary(sim))
+    out = sys.stderr if args.json else sys.stdout  # with --json, stdout holds only the JSON object
+    print(format_table(sim), file=out)
+    print(file=out)
+    print(summary(sim), file=out)
     if args.plot:
         plot(sim, options, args.plot)
-        print(f"plot written to {args.plot}")
+        print(f"plot written to {args.plot}", file=out)
     if args.json:
         print(json.dumps(sim.as_dict(), sort_keys=True))
     return 0 if sim.kv_mismatches == 0 and sim.output_mismatches == 0 else 1

@@ -476,7 +476,7 @@ def _fork_manual_executor(ex, memo: dict):
 
 _ATOMIC = (int, float, str, bool, type(None), bytes)
 # HiCache attributes that never change after construction (shared by forks)
-_SHARED_ATTRS = ("config", "residency", "_residency_registry", "_offsets", "_np_offsets", "_observers")
+_SHARED_ATTRS = ("config", "residency", "_residency_registry", "_offsets", "_observers")
 # HiCache attributes that only memoise (None = recompute)
 _DROPPED_ATTRS = ("_memo",)
 

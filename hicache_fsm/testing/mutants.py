@@ -250,7 +250,7 @@ def _double_ack(p: Patcher) -> None:
     orig = HiCache._check_completion
 
     def _check_completion(self, c):
-        if c.job_id in self.job_ledger.acked or c.job_id in self.job_ledger.failed:
+        if self.job_ledger.recent.get(c.job_id) in ("acked", "failed"):
             return
         return orig(self, c)
 
