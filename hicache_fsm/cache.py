@@ -579,7 +579,7 @@ class HiCache:
         node = path[-1] if path else self.tree.root
         if matched < len(tokens):
             parent = node
-            node = self.tree.add_child(parent, tokens[matched:], namespace)
+            node = self.tree.add_child(parent, tokens, namespace, matched)
             node.last_access, node.priority, node.last_poll = now, priority, polls
             node.device_indices = device_indices[matched:]
             node.page_memo = (node.device_indices, page_ids[matched // ps :])

@@ -131,6 +131,8 @@ class PageAllocator:
         # builds and checks index tensors ~3x faster than broadcasting arithmetic.
         self._page_slots = np.arange(size_tokens, dtype=np.int64).reshape(-1, page_size)
         self._page_slots.flags.writeable = False
+        self._expected = np.empty((0, page_size), dtype=np.int64)  # whole_pages scratch, grown on demand
+        self._matches = np.empty((0, page_size), dtype=bool)
         self.reset()
 
     def reset(self) -> None:
@@ -184,18 +186,24 @@ class PageAllocator:
         """Page ids of int64 ``slots`` if they are whole pages of this allocator, else None.
 
         Whole pages means: each group of ``page_size`` slots is one page's slots
-        in order, and every page is in range. One row gather and one memcmp, as
-        this runs on every engine index tensor.
+        in order, and every page is in range. This runs on every engine index
+        tensor, so it allocates nothing large: fresh temporaries of tens of KB
+        per call cost more in page faults than the comparison itself. Not
+        thread-safe (the cache calls it from the engine thread only).
         """
         ps = self.page_size
         if slots.size % ps:
             return None
         pages = slots[::ps] // ps
-        try:
-            expected = self._page_slots.take(pages, axis=0)  # negative ids wrap and then mismatch
-        except IndexError:
-            return None
-        return pages if slots.tobytes() == expected.tobytes() else None
+        n = pages.size
+        if self._expected.shape[0] < n:
+            self._expected = np.empty((n, ps), dtype=np.int64)
+            self._matches = np.empty((n, ps), dtype=bool)
+        expected, matches = self._expected[:n], self._matches[:n]
+        # "clip": an out-of-range id fetches an edge page's row, which cannot match
+        self._page_slots.take(pages, axis=0, out=expected, mode="clip")
+        np.equal(slots.reshape(n, ps), expected, out=matches)
+        return pages if matches.all() else None
 
     def alloc(self, num_tokens: int) -> torch.Tensor | None:
         """Token indices (int64, CPU) of ``num_tokens / page_size`` free pages, or None if too few."""

@@ -31,7 +31,9 @@ class TreeNode:
         "id",
         "parent",
         "children",
-        "key",
+        "_key",
+        "_key_source",
+        "_key_start",
         "namespace",
         "state",
         "device_indices",
@@ -48,11 +50,19 @@ class TreeNode:
         "page_memo",
     )
 
-    def __init__(self, node_id: int, key: tuple[int, ...], namespace: Hashable, parent: "TreeNode | None") -> None:
+    def __init__(self, node_id: int, key: tuple[int, ...], namespace: Hashable, parent: "TreeNode | None",
+                 key_start: int = 0) -> None:
         self.id = node_id
         self.parent = parent
         self.children: dict[tuple, TreeNode] = {}
-        self.key = key
+        # The key is ``key[key_start:]``, sliced when first read: slicing a
+        # request's tokens costs more than the rest of an insert, and the
+        # unique tail of most requests is never walked again. Until then the
+        # node keeps the whole (immutable) request tuple alive.
+        if key_start:
+            self._key, self._key_source, self._key_start = None, key, key_start
+        else:
+            self._key, self._key_source, self._key_start = key, None, 0
         self.namespace = namespace
         self.state = ROOT_STATE if parent is None else "absent"
         self.device_indices: torch.Tensor | None = None
@@ -69,15 +79,29 @@ class TreeNode:
         self.page_memo: tuple | None = None  # (device_indices tensor, its page ids): valid while that tensor is current
 
     @property
+    def key(self) -> tuple[int, ...]:
+        """The node's token ids (a tuple of whole pages)."""
+        key = self._key
+        if key is None:
+            key = self._key = self._key_source[self._key_start :]
+            self._key_source = None
+        return key
+
+    @key.setter
+    def key(self, value: tuple[int, ...]) -> None:
+        self._key, self._key_source, self._key_start = value, None, 0
+
+    @property
     def num_tokens(self) -> int:
-        return len(self.key)
+        key = self._key
+        return len(key) if key is not None else len(self._key_source) - self._key_start
 
     @property
     def is_root(self) -> bool:
         return self.parent is None
 
     def __repr__(self) -> str:
-        return f"TreeNode(id={self.id}, tokens={len(self.key)}, state={self.state})"
+        return f"TreeNode(id={self.id}, tokens={self.num_tokens}, state={self.state})"
 
 
 class RadixTree:
@@ -186,14 +210,19 @@ class RadixTree:
         self.version += 1
         return upper
 
-    def add_child(self, parent: TreeNode, key: tuple[int, ...], namespace: Hashable) -> TreeNode:
-        """Attach a new node (state ``absent``) holding ``key`` under ``parent``."""
-        if not key or len(key) % self.page_size:
+    def add_child(self, parent: TreeNode, tokens: tuple[int, ...], namespace: Hashable, start: int = 0) -> TreeNode:
+        """Attach a new node (state ``absent``) holding ``tokens[start:]`` under ``parent``.
+
+        Pass the request's whole token tuple and where the new part starts,
+        rather than a slice: the node slices it only if it is ever read.
+        """
+        length = len(tokens) - start
+        if start < 0 or length <= 0 or length % self.page_size:
             raise ValueError("a node holds a positive whole number of pages")
-        child_key = self._child_key(namespace, key, 0)
+        child_key = self._child_key(namespace, tokens, start)
         if child_key in parent.children:
             raise ValueError("a child with that first page already exists")
-        child = TreeNode(next(self._ids), key, namespace, parent)
+        child = TreeNode(next(self._ids), tokens, namespace, parent, start)
         parent.children[child_key] = child
         self._nodes[child.id] = child
         self.version += 1

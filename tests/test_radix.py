@@ -23,7 +23,7 @@ def tree_insert(tree: RadixTree, tokens: tuple[int, ...], namespace=None):
         parent = tree.split(child, partial)
         matched += partial
     if matched < len(tokens):
-        return tree.add_child(parent, tokens[matched:], namespace)
+        return tree.add_child(parent, tokens, namespace, matched)  # the key is sliced lazily
     return parent
 
 
@@ -227,3 +227,19 @@ def test_split_keeps_lock_and_hit_counts_in_cache():
     cache.unlock(node)
     assert upper.lock_ref == node.lock_ref == 0
     cache.check_invariants()
+
+
+def test_a_lazily_sliced_key_reads_and_splits_like_a_sliced_one():
+    tree = RadixTree(PAGE)
+    tokens = tuple(range(100, 100 + 4 * PAGE))
+    node = tree.add_child(tree.root, tokens, None, PAGE)
+    assert node.num_tokens == 3 * PAGE and node._key is None  # nothing sliced yet
+    assert tree.walk(tokens)[1] == 0  # the first page is not in the tree: only the tail is
+    assert tree.walk(tokens[PAGE:]) == ([node], 3 * PAGE, 0)
+    assert node.key == tokens[PAGE:]
+    lazy = tree.add_child(node, tuple(range(4 * PAGE)), None, 2 * PAGE)
+    upper = tree.split(lazy, PAGE)
+    assert (upper.key, lazy.key) == (tuple(range(2 * PAGE, 3 * PAGE)), tuple(range(3 * PAGE, 4 * PAGE)))
+    for bad_start in (-1, 4 * PAGE, 1):
+        with pytest.raises(ValueError):
+            tree.add_child(tree.root, tuple(range(500, 500 + 4 * PAGE)), None, bad_start)
