@@ -155,8 +155,8 @@ def _serve(cache: HiCache, requests: list[tuple[int, ...]], pc) -> float:
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=int, default=1000, help="timed requests per repeat (default 1000)")
-    parser.add_argument("--repeats", type=int, default=5,
-                        help="runs of --requests new requests per variant (default 5)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="runs of --requests new requests per variant (default 3)")
     parser.add_argument("--tree-nodes", type=int, default=None,
                         help="nodes in the tree before timing (default 10 x --requests)")
     parser.add_argument("--seed", type=int, default=0)
