@@ -268,7 +268,6 @@ class HiCache:
         self._engine_pages: set[int] = set()
         self._offsets = torch.arange(self.page_size, dtype=torch.int64)
         self._token_bytes = device_pool.shape.token_bytes
-        self._slot_limit = int(device_pool.allocator.size_tokens)  # slots the allocator hands out (logical under CP)
         self._clock = 0
         self._polls = 0
         self._memo: tuple | None = None  # the last tree walk (see _walk)
@@ -345,10 +344,7 @@ class HiCache:
         pages = self.device_allocator.whole_pages(a)
         if pages is not None:
             return pages.tolist()
-        first = a[::ps]
-        if int(first.min()) < 0 or int(first.max()) + ps > self._slot_limit:
-            raise BadIndices(f"device indices out of range: they must be whole pages within [0, {self._slot_limit}), the device allocator's slots")
-        raise BadIndices("device indices must be whole pages: each page aligned, in order and contiguous")
+        raise BadIndices(f"device indices {self.device_allocator.not_whole_pages_reason(a)}")
 
     def _node_pages(self, node: TreeNode) -> list[int]:
         """Page ids of a node's device slots, remembered for as long as the node keeps the same tensor."""

@@ -205,6 +205,13 @@ class PageAllocator:
         np.equal(slots.reshape(n, ps), expected, out=matches)
         return pages if matches.all() else None
 
+    def not_whole_pages_reason(self, slots: np.ndarray) -> str:
+        """Why page-multiple ``slots`` failed ``whole_pages`` (the slow path of an error message)."""
+        first = slots[:: self.page_size]
+        if int(first.min()) < 0 or int(first.max()) + self.page_size > self.size_tokens:
+            return f"are out of range: they must be whole pages within [0, {self.size_tokens})"
+        return "are not whole pages: each page aligned, in order and contiguous"
+
     def alloc(self, num_tokens: int) -> torch.Tensor | None:
         """Token indices (int64, CPU) of ``num_tokens / page_size`` free pages, or None if too few."""
         if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 0:
@@ -229,12 +236,9 @@ class PageAllocator:
         if arr.size % ps:
             raise AllocationError(f"free: length {arr.size} is not a multiple of page_size {ps}")
         pages = self.whole_pages(arr)
-        if pages is not None:
-            return pages
-        first = arr[::ps]
-        if int(first.min()) < 0 or int(first.max()) + ps > self.size_tokens:
-            raise AllocationError(f"free: indices out of range [0, {self.size_tokens})")
-        raise AllocationError("free: indices are not whole pages, each aligned and in order")
+        if pages is None:
+            raise AllocationError(f"free: indices {self.not_whole_pages_reason(arr)}")
+        return pages
 
     def free(self, indices) -> None:
         """Return whole pages; validates everything first, so a bad call frees nothing."""

@@ -22,7 +22,7 @@ import transitions
 
 from hicache_fsm.errors import GuardRejected, InvalidTransition
 from hicache_fsm.jobs import JobKind
-from hicache_fsm.machine import CompiledMachine, transitions_config
+from hicache_fsm.machine import CompiledMachine, reference_machine
 from hicache_fsm.registry import MachineRegistry
 from hicache_fsm.spec import Spec
 
@@ -55,15 +55,7 @@ class TransitionsDispatcher:
         self.initial = spec.initial
         terminal = {s.name for s in spec.states if getattr(s, "terminal", False)}
         self._terminal = terminal
-        self.machine = transitions.Machine(
-            model=None,
-            states=list(spec.state_names),
-            transitions=transitions_config(spec, registry),
-            initial=spec.initial,
-            auto_transitions=False,
-            send_event=True,
-            ignore_invalid_triggers=False,
-        )
+        self.machine = reference_machine(spec, [], registry)  # models are added per object, on first sight
         self._models: dict[int, _Model] = {}
         self._listeners: list[Callable[[object, Any], None]] = []
         # only for select(): which candidate a trigger would take (introspection, not dispatch)

@@ -577,21 +577,20 @@ class StorageBackend(ABC):
         """Default: fetch whole payloads, then copy them into the destination parts."""
         out = []
         for skey, data, parts in zip(skeys, self._get(skeys), dests):
-            if data is None:
-                out.append(False)
-                continue
-            total = sum(len(p) for p in parts)
-            if len(data) != total:
-                self._report_corrupt(skey, f"payload is {len(data)} bytes, destination page is {total}")
-                out.append(False)
-                continue
-            src = memoryview(data)
-            offset = 0
-            for part in parts:
-                part[:] = src[offset : offset + len(part)]
-                offset += len(part)
-            out.append(True)
+            out.append(data is not None and self._scatter(skey, memoryview(data), parts))
         return out
+
+    def _scatter(self, skey: str, payload: memoryview, parts: list[memoryview]) -> bool:
+        """Copy a fetched payload into a page's destination parts; a size mismatch is a corrupt page (False)."""
+        total = sum(len(p) for p in parts)
+        if len(payload) != total:
+            self._report_corrupt(skey, f"payload is {len(payload)} bytes, destination page is {total}")
+            return False
+        offset = 0
+        for part in parts:
+            part[:] = payload[offset : offset + len(part)]
+            offset += len(part)
+        return True
 
     @abstractmethod
     def _clear(self) -> None: ...

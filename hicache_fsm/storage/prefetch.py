@@ -221,7 +221,7 @@ class PrefetchRuntime:
             self.counters["prefetch_duplicate_tokens"] += dup
         if matched < len(full):
             parent = path[-1] if path else tree.root
-            node = tree.add_child(parent, full[matched:], op.namespace)
+            node = tree.add_child(parent, full, op.namespace, matched)
             node.host_indices = slots[dup:]
             first_page = dup // self.page_size
             node.storage_keys = tuple(op.hit_keys[first_page: done // self.page_size])

@@ -178,19 +178,7 @@ class RedisBackend(StorageBackend):
         out = []
         for (skey, blob), parts in zip(self._fetch(skeys), dests):
             payload = self._verified(skey, blob)
-            if payload is None:
-                out.append(False)
-                continue
-            if len(payload) != sum(len(p) for p in parts):
-                self._report_corrupt(skey, f"payload is {len(payload)} bytes, destination page is "
-                                           f"{sum(len(p) for p in parts)}")
-                out.append(False)
-                continue
-            offset = 0
-            for part in parts:
-                part[:] = payload[offset : offset + len(part)]
-                offset += len(part)
-            out.append(True)
+            out.append(payload is not None and self._scatter(skey, payload, parts))
         return out
 
     def _set(self, skeys: list[str], payloads: list[list[memoryview]]) -> list[str]:
