@@ -70,6 +70,7 @@ _FAIL_TRIGGER = {JobKind.D2H: "write_failed", JobKind.H2D: "load_failed", JobKin
 _EMPTY = torch.empty(0, dtype=torch.int64)
 _JOBS_KEY = {k: f"jobs_{k.value}" for k in JobKind}
 _BYTES_KEY = {k: f"bytes_{k.value}" for k in JobKind}
+_STORAGE_KINDS = frozenset({JobKind.H2S, JobKind.S2H})  # run by the storage tier, not the executor
 _FAILED_KEY = {k: f"failed_{k.value}" for k in JobKind}
 
 
@@ -577,7 +578,7 @@ class HiCache:
             parent = node
             node = self.tree.add_child(parent, tokens, namespace, matched)
             node.last_access, node.priority, node.last_poll = now, priority, polls
-            node.device_indices = device_indices[matched:]
+            node.device_indices = device_indices[matched : len(tokens)]  # an explicit stop slices faster
             node.page_memo = (node.device_indices, page_ids[matched // ps :])
             self._fire(node, "insert", self)
             self._engine_pages.difference_update(page_ids[matched // ps :])
@@ -945,7 +946,7 @@ class HiCache:
         self._job_nodes[job.id] = nodes
         self._pending[job.id] = job
         self.job_ledger.emitted += 1
-        if job.kind in (JobKind.H2S, JobKind.S2H):
+        if job.kind in _STORAGE_KINDS:
             self.storage.submit(job)
         else:
             self._outbox.append(job)
@@ -1068,7 +1069,7 @@ class HiCache:
                 for node in nodes:
                     self._fire(node, trigger, self)
                 self.counters[_BYTES_KEY[job.kind]] += job.num_tokens * self._token_bytes
-                if job.kind is JobKind.D2H and self.storage_attached:
+                if self.storage is not None and job.kind is JobKind.D2H and self.storage_attached:
                     for node in nodes:
                         if self.residency.can_fire(node, "store", self):
                             self._fire(node, "store", self)
@@ -1281,7 +1282,7 @@ class HiCache:
 
     def storage_transfers_in_flight(self) -> int:
         if self.storage is None:
-            return sum(1 for j in self._pending.values() if j.kind in (JobKind.H2S, JobKind.S2H))
+            return sum(1 for j in self._pending.values() if j.kind in _STORAGE_KINDS)
         return self.storage.transfers_in_flight()
 
     def storage_link_violations(self) -> list[str]:

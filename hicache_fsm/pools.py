@@ -104,6 +104,31 @@ def pages_of(indices, page_size: int, limit_tokens: int | None = None, what: str
     return first // page_size
 
 
+class _CheckScratch:
+    """Reused buffers of ``PageAllocator.whole_pages``, viewed for the last page count.
+
+    Requests of one size repeat, so the views are made once per size change,
+    and the buffers only grow.
+    """
+
+    __slots__ = ("pages", "expected", "expected_flat", "matches", "_rows", "_bools")
+
+    def __init__(self, page_size: int) -> None:
+        self._rows = np.empty((0, page_size), dtype=np.int64)
+        self._bools = np.empty(0, dtype=bool)
+        self.view(0)
+
+    def view(self, pages: int) -> "_CheckScratch":
+        if pages > self._rows.shape[0]:
+            self._rows = np.empty((pages, self._rows.shape[1]), dtype=np.int64)
+            self._bools = np.empty(self._rows.size, dtype=bool)
+        self.pages = pages
+        self.expected = self._rows[:pages]
+        self.expected_flat = self.expected.reshape(-1)
+        self.matches = self._bools[: self.expected.size]
+        return self
+
+
 class PageAllocator:
     """Page-granular allocator of token-slot indices.
 
@@ -116,9 +141,15 @@ class PageAllocator:
     ownership for validation. The bookkeeping is numpy (a few microseconds
     per call, against tens for the same torch ops on tiny tensors); callers
     get torch tensors sharing that memory.
+
+    With ``views=True`` an allocation that is one run of consecutive pages
+    is returned as a view of the allocator's slot-id table instead of a
+    copy: no table read, no fresh tensor. The caller must then never write
+    to the returned tensor. The host pool uses it, since host indices stay
+    inside the cache; engine-facing device slots are always copies.
     """
 
-    def __init__(self, size_tokens: int, page_size: int) -> None:
+    def __init__(self, size_tokens: int, page_size: int, *, views: bool = False) -> None:
         for name, value in (("size_tokens", size_tokens), ("page_size", page_size)):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"{name} must be a positive int, got {value!r}")
@@ -127,18 +158,23 @@ class PageAllocator:
         self.size_tokens = size_tokens
         self.page_size = page_size
         self._total_pages = size_tokens // page_size
+        self.views = views
         # Slot ids of every page, a row each (8 bytes a token): gathering rows
         # builds and checks index tensors ~3x faster than broadcasting arithmetic.
-        self._page_slots = np.arange(size_tokens, dtype=np.int64).reshape(-1, page_size)
-        self._page_slots.flags.writeable = False
-        self._expected = np.empty((0, page_size), dtype=np.int64)  # whole_pages scratch, grown on demand
-        self._matches = np.empty((0, page_size), dtype=bool)
+        # The numpy table and the torch one (sliced by ``views``) share memory;
+        # numpy allocates it, asking for huge pages (a gather here misses the TLB less).
+        table = np.arange(size_tokens, dtype=np.int64)
+        self._slot_ids = torch.from_numpy(table)
+        table.flags.writeable = False
+        self._page_slots = table.reshape(-1, page_size)
+        self._scratch = _CheckScratch(page_size)  # whole_pages buffers
         self.reset()
 
     def reset(self) -> None:
         """Free every page."""
         self._allocated = np.zeros(self._total_pages, dtype=bool)
         self._free = np.arange(self._total_pages, dtype=np.int64)
+        self._free_ascending = True  # kept by every claim: the rest of an ascending array is ascending
         self._released: list[np.ndarray] = []
         self._num_free = self._total_pages
 
@@ -171,15 +207,28 @@ class PageAllocator:
         """Every free page id, in allocation order (released pages merged in)."""
         if self._released:
             released = np.sort(np.concatenate(self._released))
-            self._free = np.concatenate([self._free, released]) if self._free.size else released
+            left = self._free
+            self._free_ascending = self._free_ascending and (not left.size or left[-1] < released[0])
+            self._free = np.concatenate([left, released]) if left.size else released
             self._released = []
         return self._free
 
-    def _claim(self, pages: np.ndarray, remaining_free: np.ndarray) -> torch.Tensor:
-        """Mark ``pages`` allocated, keep ``remaining_free`` as the free list; token indices of ``pages``."""
+    def _claim(self, pages: np.ndarray, remaining_free: np.ndarray, run: bool = False) -> torch.Tensor:
+        """Mark ``pages`` allocated, keep ``remaining_free`` as the free list; token indices of ``pages``.
+
+        ``remaining_free`` must keep the order it had in the free array.
+        ``run``: the caller knows ``pages`` are consecutive and ascending.
+        """
         self._free = remaining_free
-        self._allocated[pages] = True
         self._num_free -= pages.size
+        if run:  # a slice instead of a gather, and (``views``) a view instead of a copy
+            first = int(pages[0])
+            self._allocated[first : first + pages.size] = True
+            if self.views:
+                ps = self.page_size
+                return self._slot_ids[first * ps : (first + pages.size) * ps]
+        else:
+            self._allocated[pages] = True
         return torch.from_numpy(self._page_slots.take(pages, axis=0).reshape(-1))
 
     def whole_pages(self, slots: np.ndarray) -> np.ndarray | None:
@@ -196,14 +245,13 @@ class PageAllocator:
             return None
         pages = slots[::ps] // ps
         n = pages.size
-        if self._expected.shape[0] < n:
-            self._expected = np.empty((n, ps), dtype=np.int64)
-            self._matches = np.empty((n, ps), dtype=bool)
-        expected, matches = self._expected[:n], self._matches[:n]
+        scratch = self._scratch
+        if scratch.pages != n:
+            scratch.view(n)
         # "clip": an out-of-range id fetches an edge page's row, which cannot match
-        self._page_slots.take(pages, axis=0, out=expected, mode="clip")
-        np.equal(slots.reshape(n, ps), expected, out=matches)
-        return pages if matches.all() else None
+        self._page_slots.take(pages, axis=0, out=scratch.expected, mode="clip")
+        np.equal(slots, scratch.expected_flat, out=scratch.matches)
+        return pages if np.count_nonzero(scratch.matches) == slots.size else None  # measured faster than ``all()``
 
     def not_whole_pages_reason(self, slots: np.ndarray) -> str:
         """Why page-multiple ``slots`` failed ``whole_pages`` (the slow path of an error message)."""
@@ -221,8 +269,16 @@ class PageAllocator:
         need = num_tokens // self.page_size
         if need > self._num_free:
             return None
-        free = self._free if need <= self._free.size else self._free_array()
-        return self._claim(free[:need], free[need:])
+        free = self._free
+        short = need > free.size
+        if short:
+            free = self._free_array()  # the rest, then the sorted released pages
+        # from an ascending free array, ``need`` pages spanning ``need`` ids are one run
+        run = self._free_ascending and need > 0 and free[need - 1] - free[0] == need - 1
+        indices = self._claim(free[:need], free[need:], run)
+        if short:
+            self._free_ascending = True  # the claim took all the old rest: a tail of the sorted released pages is left
+        return indices
 
     def _pages_to_free(self, indices) -> np.ndarray:
         if isinstance(indices, torch.Tensor) and indices.dtype == torch.int64 and indices.dim() == 1 and indices.device.type == "cpu":
@@ -362,7 +418,7 @@ class HostKVPool:
         self.page_size = page_size
         self.size_tokens = size_tokens
         self.layout = layout
-        self.allocator = PageAllocator(size_tokens, page_size)
+        self.allocator = PageAllocator(size_tokens, page_size, views=True)  # host slots never leave the cache
         if pin_memory is None:
             pin_memory = torch.cuda.is_available()
         self.pinned = bool(pin_memory)

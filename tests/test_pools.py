@@ -177,6 +177,44 @@ def test_allocator_properties(ops, ps):
         assert a.available_tokens == a.free_pages * ps
 
 
+def test_view_allocator_hands_out_runs_as_views_and_the_rest_as_copies():
+    a = PageAllocator(64, 4, views=True)
+    run = a.alloc(16)
+    assert run._base is not None and run.tolist() == list(range(16))  # a view of the slot-id table
+    held = [a.alloc(4) for _ in range(10)]  # pages 4..13; 14 and 15 stay free
+    for i in (7, 2):
+        a.free(held[i])
+    mixed = a.alloc(16)  # pages 14, 15, then the released 6 and 11
+    assert mixed._base is None and pages_of(mixed, 4).tolist() == [14, 15, 6, 11]
+    a.free(mixed)
+    a.free(run)
+    assert a.alloc(16)._base is not None  # released pages 0..3 merged in ascending order: a run again
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=ops, ps=st.sampled_from([1, 2, 8]))
+def test_view_allocations_equal_copied_ones(ops, ps):
+    copies, views = PageAllocator(24 * ps, ps), PageAllocator(24 * ps, ps, views=True)
+    live: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for op, n, pick in ops:
+        if op == "alloc":
+            c, v = copies.alloc(n * ps), views.alloc(n * ps)
+            assert (c is None) == (v is None)
+            if c is None:
+                continue
+            assert torch.equal(c, v)
+            pages = pages_of(v, ps).tolist()
+            if v._base is not None and pages:
+                assert pages == list(range(pages[0], pages[0] + len(pages))), "a view of pages that are not one run"
+            live.append((c, v))
+        elif live:
+            c, v = live.pop(pick % len(live))
+            copies.free(c)
+            views.free(v)
+        assert views.owned_pages() == copies.owned_pages()
+    assert torch.equal(views._slot_ids, torch.arange(24 * ps)), "a caller wrote through a view"
+
+
 # ---------------------------------------------------------------- pools
 
 
