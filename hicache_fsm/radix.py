@@ -219,11 +219,10 @@ class RadixTree:
         length = len(tokens) - start
         if start < 0 or length <= 0 or length % self.page_size:
             raise ValueError("a node holds a positive whole number of pages")
-        child_key = self._child_key(namespace, tokens, start)
-        if child_key in parent.children:
-            raise ValueError("a child with that first page already exists")
         child = TreeNode(next(self._ids), tokens, namespace, parent, start)
-        parent.children[child_key] = child
+        # one hash of the first page, not two (a lookup, then a store)
+        if parent.children.setdefault(self._child_key(namespace, tokens, start), child) is not child:
+            raise ValueError("a child with that first page already exists")
         self._nodes[child.id] = child
         self.version += 1
         return child

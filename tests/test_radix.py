@@ -150,8 +150,10 @@ def test_split_rejects_bad_offsets(at):
 def test_add_child_and_remove_leaf_guard_shape():
     tree = RadixTree(2)
     a = tree_insert(tree, (1, 2, 3, 4))
+    version = tree.version
     with pytest.raises(ValueError):
         tree.add_child(tree.root, (1, 2, 5, 6), None)  # same first page as a
+    assert list(tree.root.children.values()) == [a] and len(tree) == 1 and tree.version == version
     with pytest.raises(ValueError):
         tree.add_child(a, (5,), None)  # not whole pages
     b = tree.add_child(a, (5, 6), None)
