@@ -579,9 +579,10 @@ class HiCache:
             node = self.tree.add_child(parent, tokens, namespace, matched)
             node.last_access, node.priority, node.last_poll = now, priority, polls
             node.device_indices = device_indices[matched : len(tokens)]  # an explicit stop slices faster
-            node.page_memo = (node.device_indices, page_ids[matched // ps :])
+            new_pages = page_ids[matched // ps :]
+            node.page_memo = (node.device_indices, new_pages)
             self._fire(node, "insert", self)
-            self._engine_pages.difference_update(page_ids[matched // ps :])
+            self._engine_pages.difference_update(new_pages)
         if self.config.write_policy == "write_through":
             # new node, plus any node on the path whose earlier backup failed or was refused
             for n in path:
