@@ -212,7 +212,7 @@ def test_view_allocations_equal_copied_ones(ops, ps):
             copies.free(c)
             views.free(v)
         assert views.owned_pages() == copies.owned_pages()
-    assert torch.equal(views._slot_ids, torch.arange(24 * ps)), "a caller wrote through a view"
+    assert torch.equal(views._slot_ids, torch.arange(24 * ps)), "the shared slot table changed"
 
 
 # ---------------------------------------------------------------- pools
