@@ -9,8 +9,8 @@ Two strategies, picked by the device pool's device:
 
 * CPU: one strided copy per run covering K and V (and all layers for a full
   backup, or a full load), since both pools keep K and V in one buffer; the
-  CPU copy kernel handles the strides. Large batches spread their runs over a
-  few single-threaded worker threads (see ``_copy_pairs``).
+  CPU copy kernel handles the strides (and ATen spreads a large one over its
+  intra-op threads).
 * CUDA: copies whose host side is one contiguous block, so each is a single
   asynchronous memcpy to or from pinned memory (the GPU makes its side
   contiguous with a kernel). For ``page_first`` loads, where one layer of a
@@ -24,10 +24,6 @@ a caller computes runs once per batch and reuses them for every layer.
 """
 
 from __future__ import annotations
-
-import os
-import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -136,54 +132,15 @@ def _cpu_pairs(dev: DeviceKVPool, host: HostKVPool, runs: list[Run], layer: int 
     return [(dl.narrow(1, d, n).view(2, n // ps, ps, H, D), hl.narrow(1, h // ps, n // ps)) for d, h, n in runs]
 
 
-# Many run copies on the CPU: each copy_ big enough for ATen to split over its
-# OpenMP threads pays a fork/join barrier, and on a shared machine one
-# descheduled thread stalls every barrier. Instead, worker threads limited to
-# one intra-op thread each take runs from a shared iterator (copy_ releases
-# the GIL), so the copies proceed in parallel without per-copy barriers.
-PARALLEL_MIN_BYTES = 4 << 20
-_pool_lock = threading.Lock()
-_pool: ThreadPoolExecutor | None = None
-_pool_size = 0
-_pool_pid = 0
-
-
-def _single_thread_init() -> None:
-    torch.set_num_threads(1)
-
-
-def _copy_pool(workers: int) -> ThreadPoolExecutor:
-    global _pool, _pool_size, _pool_pid
-    with _pool_lock:
-        if _pool is None or _pool_size != workers or _pool_pid != os.getpid():
-            if _pool is not None and _pool_pid == os.getpid():
-                _pool.shutdown(wait=False)
-            _pool = ThreadPoolExecutor(workers, thread_name_prefix="hicache-copy", initializer=_single_thread_init)
-            _pool_size, _pool_pid = workers, os.getpid()
-        return _pool
-
-
 def _copy_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """``dst.copy_(src)`` for each (dst, src) pair, spread over worker threads when large."""
-    workers = min(torch.get_num_threads(), len(pairs))
-    if workers <= 1 or sum(d.numel() * d.element_size() for d, _ in pairs) < PARALLEL_MIN_BYTES:
-        for dst, src in pairs:
-            dst.copy_(src)
-        return
-    it = iter(pairs)
-    lock = threading.Lock()
+    """``dst.copy_(src)`` for each (dst, src) pair, one after another.
 
-    def drain() -> None:
-        while True:
-            with lock:
-                pair = next(it, None)
-            if pair is None:
-                return
-            pair[0].copy_(pair[1])
-
-    futures = [_copy_pool(workers).submit(drain) for _ in range(workers)]
-    for f in futures:
-        f.result()
+    Each copy uses ATen's intra-op threads. A pool of Python worker threads
+    copying runs side by side measured slower in ``hicache-fsm bench copy`` on
+    a two-core machine, for both host layouts at pages of 16 and 64 tokens.
+    """
+    for dst, src in pairs:
+        dst.copy_(src)
 
 
 def _d2h_cpu(dev: DeviceKVPool, host: HostKVPool, runs: list[Run], layer: int | None) -> None:

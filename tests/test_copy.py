@@ -170,21 +170,6 @@ def test_copy_errors():
         backup_to_host(dev, other, tokens_of([0], 4), tokens_of([0], 4))
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_large_batch_uses_parallel_path(layout, monkeypatch):
-    import hicache_fsm.copy as copy_mod
-
-    monkeypatch.setattr(copy_mod, "PARALLEL_MIN_BYTES", 0)
-    gen = torch.Generator().manual_seed(3)
-    dev = DeviceKVPool(SHAPE, 64, 4, device="cpu")
-    host = HostKVPool(SHAPE, 64, 4, layout)
-    fill(dev, gen)
-    d_idx = tokens_of(torch.randperm(16, generator=gen), 4)
-    h_idx = tokens_of(torch.randperm(16, generator=gen), 4)
-    backup_to_host(dev, host, d_idx, h_idx)
-    assert torch.equal(host.read(h_idx)[1], dev.read(d_idx)[1])
-
-
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("layout", LAYOUTS)
