@@ -358,10 +358,10 @@ class HiCache:
         return pages
 
     def _check_engine_pages(self, page_ids: list[int]) -> None:
+        if len(self._engine_pages.intersection(page_ids)) == len(page_ids):  # all handed out, none twice
+            return
         if len(set(page_ids)) != len(page_ids):
             raise BadIndices("device indices name the same page twice")
-        if self._engine_pages.issuperset(page_ids):
-            return
         foreign = [p for p in page_ids if p not in self._engine_pages]
         if foreign:
             raise BadIndices(
