@@ -118,7 +118,7 @@ class _CheckScratch:
         self._bools = np.empty(0, dtype=bool)
         self.view(0)
 
-    def view(self, pages: int) -> "_CheckScratch":
+    def view(self, pages: int) -> None:
         if pages > self._rows.shape[0]:
             self._rows = np.empty((pages, self._rows.shape[1]), dtype=np.int64)
             self._bools = np.empty(self._rows.size, dtype=bool)
@@ -126,7 +126,6 @@ class _CheckScratch:
         self.expected = self._rows[:pages]
         self.expected_flat = self.expected.reshape(-1)
         self.matches = self._bools[: self.expected.size]
-        return self
 
 
 class PageAllocator:

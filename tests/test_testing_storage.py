@@ -24,17 +24,10 @@ from hicache_fsm.testing import (
     multi_turn_workloads,
     perform,
 )
-from hicache_fsm.testing.explorer import quiet_cache_logs
 from hicache_fsm.testing.stateful import HICACHE_VARIANTS
 from hicache_fsm.testing.storage import FaultPlan, ManualStorageTier
 
-pytestmark = pytest.mark.filterwarnings("ignore")
-
-
-@pytest.fixture(autouse=True)
-def _quiet():
-    with quiet_cache_logs():
-        yield
+pytestmark = [pytest.mark.filterwarnings("ignore"), pytest.mark.usefixtures("quiet_logs")]
 
 
 def _ok(adapter, prompts):

@@ -29,15 +29,8 @@ from hicache_fsm.testing import (
     spec_paths,
 )
 from hicache_fsm.testing.adapter import CacheAdapter, NotSupported
-from hicache_fsm.testing.explorer import quiet_cache_logs
 
-pytestmark = pytest.mark.filterwarnings("ignore")
-
-
-@pytest.fixture(autouse=True)
-def _quiet():
-    with quiet_cache_logs():
-        yield
+pytestmark = [pytest.mark.filterwarnings("ignore"), pytest.mark.usefixtures("quiet_logs")]
 
 
 # ------------------------------------------------------------------ the stateful machine in our suite

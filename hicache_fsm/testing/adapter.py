@@ -370,8 +370,7 @@ def _fork_allocator(alloc, memo: dict):
         return memo[id(alloc)]
     new = object.__new__(type(alloc))
     new.__dict__.update(alloc.__dict__)
-    owned = alloc._allocated
-    new._allocated = owned.clone() if isinstance(owned, torch.Tensor) else owned.copy()  # torch or numpy
+    new._allocated = alloc._allocated.copy()
     new._released = list(alloc._released)
     memo[id(alloc)] = new
     return new
