@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -19,8 +20,58 @@ from hicache_fsm.errors import BadIndices, ConfigError
 from hicache_fsm.pools import KVShape
 
 
+class KVModel(Protocol):
+    """What the simulator and the end-to-end checks need from a model.
+
+    KV tensors are (layers, tokens, kv_heads, head_dim), the layout of the
+    device pool's per-layer buffers, so the KV of a cached prefix goes from the
+    pool to the model and the KV of new tokens from the model to the pool as is.
+    """
+
+    vocab: int
+
+    @property
+    def name(self) -> str:
+        """Names the KV the model produces (storage keys are namespaced by it)."""
+
+    @property
+    def kv_shape(self) -> KVShape:
+        """Per-token KV geometry and dtype: what the pools are built for."""
+
+    def prefill(self, tokens, past_k: torch.Tensor | None = None, past_v: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(logits of the last token, k, v of the new tokens), after ``past`` KV."""
+
+    def generate(self, tokens, max_new: int, past_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> list[int]:
+        """Greedy continuation of ``tokens``; ``past_kv`` covers a prefix of them."""
+
+
+def check_tokens(tokens, vocab: int) -> list[int]:
+    """``tokens`` as a list of ints, each in [0, vocab)."""
+    ids = [int(t) for t in tokens]
+    if ids and (min(ids) < 0 or max(ids) >= vocab):
+        raise BadIndices(f"token ids must be in [0, {vocab})")
+    return ids
+
+
+def check_past(shape: KVShape, past_k: torch.Tensor | None, past_v: torch.Tensor | None) -> int:
+    """Tokens covered by a past (k, v) of ``shape`` (0 without one); a malformed past raises BadIndices."""
+    if past_k is None and past_v is None:
+        return 0
+    if past_k is None or past_v is None:
+        raise BadIndices("give both past_k and past_v, or neither")
+    want = (shape.layers, shape.heads, shape.head_dim)
+    for t, name in ((past_k, "past_k"), (past_v, "past_v")):
+        if t.dim() != 4 or (t.shape[0], t.shape[2], t.shape[3]) != want:
+            raise BadIndices(f"{name} must be (layers={shape.layers}, n, heads={shape.heads}, "
+                             f"head_dim={shape.head_dim}), got {tuple(t.shape)}")
+    if past_k.shape[1] != past_v.shape[1]:
+        raise BadIndices("past_k and past_v cover different numbers of tokens")
+    return int(past_k.shape[1])
+
+
 @contextlib.contextmanager
-def _intra_op_threads(n: int | None):
+def intra_op_threads(n: int | None):
     """Run with ``n`` intra-op threads on this thread, then restore the setting."""
     before = torch.get_num_threads()
     if n is None or n == before:
@@ -102,19 +153,10 @@ class TinyModel:
         x1, x2 = x[..., :half], x[..., half:]
         return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
-    def _check_past(self, past_k, past_v) -> int:
-        if past_k is None and past_v is None:
-            return 0
-        if past_k is None or past_v is None:
-            raise BadIndices("give both past_k and past_v, or neither")
-        want = (self.layers, self.heads, self.head_dim)
-        for t, name in ((past_k, "past_k"), (past_v, "past_v")):
-            if t.dim() != 4 or (t.shape[0], t.shape[2], t.shape[3]) != want:
-                raise BadIndices(f"{name} must be (layers={self.layers}, n, heads={self.heads}, "
-                                 f"head_dim={self.head_dim}), got {tuple(t.shape)}")
-        if past_k.shape[1] != past_v.shape[1]:
-            raise BadIndices("past_k and past_v cover different numbers of tokens")
-        return int(past_k.shape[1])
+    @property
+    def name(self) -> str:
+        """Names the KV this model produces (storage keys are namespaced by it)."""
+        return f"tinymodel-{self.layers}x{self.heads}x{self.head_dim}-s{self.seed}"
 
     def prefill(self, tokens, past_k: torch.Tensor | None = None, past_v: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -124,7 +166,7 @@ class TinyModel:
         tokens before ``tokens``; the returned ``k``/``v`` are (layers, n_new,
         heads, head_dim) for the new tokens only.
         """
-        with _intra_op_threads(self.threads), torch.inference_mode():
+        with intra_op_threads(self.threads), torch.inference_mode():
             return self._prefill(tokens, past_k, past_v)
 
     def _prefill(self, tokens, past_k, past_v) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -134,7 +176,7 @@ class TinyModel:
             raise BadIndices("prefill needs at least one new token")
         if int(ids.min()) < 0 or int(ids.max()) >= self.vocab:
             raise BadIndices(f"token ids must be in [0, {self.vocab})")
-        n_past = self._check_past(past_k, past_v)
+        n_past = check_past(self.kv_shape, past_k, past_v)
         H, D = self.heads, self.head_dim
         x = self.embed[ids.to(self.device)]
         cos, sin = self._rope(n_past, n)
@@ -179,7 +221,7 @@ class TinyModel:
         if not tokens:
             raise BadIndices("generate needs at least one prompt token")
         past_k, past_v = past_kv if past_kv is not None else (None, None)
-        n_past = self._check_past(past_k, past_v)
+        n_past = check_past(self.kv_shape, past_k, past_v)
         if n_past > len(tokens):
             raise BadIndices(f"past_kv covers {n_past} tokens but the prompt has {len(tokens)}")
         if n_past == len(tokens):
@@ -189,7 +231,7 @@ class TinyModel:
             past_k = past_v = None
         out: list[int] = []
         new = tokens[n_past:]
-        with _intra_op_threads(self.threads), torch.inference_mode():
+        with intra_op_threads(self.threads), torch.inference_mode():
             for _ in range(max_new):
                 logits, k, v = self._prefill(new, past_k, past_v)
                 past_k = k if past_k is None else torch.cat([past_k.to(k.device, k.dtype), k], 1)
@@ -199,4 +241,4 @@ class TinyModel:
         return out
 
 
-__all__ = ["TinyModel"]
+__all__ = ["KVModel", "TinyModel", "check_past", "check_tokens", "intra_op_threads"]

@@ -4,7 +4,11 @@ The workload has the shape of SGLang's multi-turn benchmark: ``clients``
 conversations of ``rounds`` turns each. A request is the shared system prompt,
 then the client's history (every earlier user turn and answer), then a new user
 turn of ``request_length`` tokens; the answer is ``output_length`` greedy tokens
-of :class:`~hicache_fsm.model.TinyModel`, appended to the history.
+of the model, appended to the history. The model is
+:class:`~hicache_fsm.model.TinyModel` (``tiny``) or a Hugging Face Llama
+(``llama``, :class:`~hicache_fsm.llama_model.LlamaModel`: grouped-query
+attention, rotary positions, random weights), both behind
+:class:`~hicache_fsm.model.KVModel`.
 
 Every request goes through an engine step loop over the cache (see
 ``hicache_fsm.cache``): ``match_prefix``; with storage attached, ``prefetch`` of
@@ -55,10 +59,11 @@ from hicache_fsm.cache import HiCache
 from hicache_fsm.config import CacheConfig
 from hicache_fsm.errors import ConfigError
 from hicache_fsm.executors import TorchExecutor
-from hicache_fsm.model import TinyModel
+from hicache_fsm.model import KVModel, TinyModel
 from hicache_fsm.pools import LAYOUTS, KVShape, PoolConfig, build_pools, default_device
 
 ARRIVALS = ("round-robin", "random")
+MODELS = ("tiny", "llama")
 NEVER = 1 << 62  # a write_through_selective threshold no node reaches: nothing is backed up
 # A sequential engine waits for its prefetch; any full page is worth fetching (recompute is the alternative).
 STORAGE_OPTIONS = {"stop_policy": "wait_complete"}
@@ -145,7 +150,7 @@ class Reference:
     seconds: float
 
 
-def reference_run(model: TinyModel, workload: Workload, on_request: Callable[[], None] = lambda: None) -> Reference:
+def reference_run(model: KVModel, workload: Workload, on_request: Callable[[], None] = lambda: None) -> Reference:
     """Run every request from scratch (no cache) and keep prompts and answers."""
     start = time.perf_counter()
     system = workload.system_prompt()
@@ -403,6 +408,8 @@ class Simulation:
     wall_s: float
     storage_skipped: str | None = None
     reference: Reference | None = attrs.field(default=None, repr=False)
+    model: str = "tiny"  # which of MODELS served the requests
+    model_name: str = ""  # its geometry, dtype and seed (KVModel.name)
 
     def tier(self, name: str) -> TierResult | None:
         return next((t for t in self.tiers if t.name == name), None)
@@ -436,6 +443,8 @@ class Simulation:
             "page_size": self.page_size,
             "layout": self.layout,
             "device": self.device,
+            "model": self.model,
+            "model_name": self.model_name,
             "storage_skipped": self.storage_skipped,
             "reference_s": round(self.reference_s, 3),
             "wall_s": round(self.wall_s, 3),
@@ -448,7 +457,7 @@ class Simulation:
 class _Engine:
     """Serves requests one at a time through a HiCache, the way an engine's step loop would."""
 
-    def __init__(self, tier: Tier, workload: Workload, model: TinyModel | None, page_size: int, layout: str,
+    def __init__(self, tier: Tier, workload: Workload, model: KVModel | None, page_size: int, layout: str,
                  device: str, storage_options: dict | None = None) -> None:
         self.tier = tier
         self.workload = workload
@@ -465,7 +474,7 @@ class _Engine:
         self.result = TierResult(tier.name, tier.device_tokens, tier.host_tokens, tier.storage_url)
         self.storage = False
         if tier.storage_url is not None:
-            model_name = f"tinymodel-{shape.layers}x{shape.heads}x{shape.head_dim}-s{workload.seed}"
+            model_name = model.name if model is not None else f"tokens-only-s{workload.seed}"
             options = dict(STORAGE_OPTIONS, model=model_name, prefetch_threshold=page_size)
             options.update(storage_options or {})
             self.cache.attach_storage(tier.storage_url, **options)  # setup, not per-request controller time
@@ -625,7 +634,7 @@ class _Engine:
         return res
 
 
-def run_tier(tier: Tier, workload: Workload, reference: Reference, model: TinyModel | None, page_size: int,
+def run_tier(tier: Tier, workload: Workload, reference: Reference, model: KVModel | None, page_size: int,
              layout: str = "page_first", device: str | None = None, storage_options: dict | None = None,
              on_request: Callable[[], None] = lambda: None) -> TierResult:
     """Serve the reference's requests through one configuration (``model=None``: tokens only, no KV)."""
@@ -658,11 +667,15 @@ class Options:
     page_size: int = 16
     layout: str = "page_first"
     device: str | None = None  # None: CUDA when present, else CPU
+    model: str = "tiny"  # one of MODELS
     model_layers: int = 4
-    model_heads: int = 2
+    model_heads: int = 2  # KV heads per layer (tiny: also its query heads)
     model_head_dim: int = 16
+    model_query_heads: int = 4  # llama only: query heads, sharing the model_heads KV heads (grouped-query)
 
     def __attrs_post_init__(self) -> None:
+        if self.model not in MODELS:
+            raise ConfigError(f"model must be one of {', '.join(MODELS)}, got {self.model!r}")
         ps = _positive_int("page_size", self.page_size)
         for name in ("device_tokens", "host_tokens"):
             value = _positive_int(name, getattr(self, name))
@@ -692,6 +705,27 @@ class Options:
         big = self.infinite_tokens()
         out.append(Tier(INFINITE, big, big))
         return out
+
+
+def build_model(options: Options, device: str) -> KVModel:
+    """The model ``options.model`` names, with seeded random weights, on ``device``.
+
+    The Llama runs in float64: a prefix computed in one piece or in two (past
+    from the cache, then the rest) may differ in the last bits, and in float64
+    that is far below any gap between the two best logits, so a greedy answer
+    does not flip on a near tie (in float32 it could, once in many thousand tokens).
+    """
+    w = options.workload
+    if options.model == "tiny":
+        return TinyModel(options.model_layers, options.model_heads, options.model_head_dim, vocab=w.vocab,
+                         seed=w.seed, device=device)
+    try:
+        from hicache_fsm.llama_model import LlamaModel
+    except ImportError as exc:
+        raise ConfigError(f"model 'llama' needs transformers ({exc}); install the extra: "
+                          "pip install -e '.[llama]'") from None
+    return LlamaModel(options.model_layers, options.model_query_heads, options.model_heads, options.model_head_dim,
+                      vocab=w.vocab, seed=w.seed, dtype=torch.float64, device=device)
 
 
 class Progress:
@@ -732,8 +766,7 @@ def run_simulation(options: Options = Options(), progress: Progress | None = Non
     start = time.perf_counter()
     w = options.workload
     device = options.device or str(default_device())
-    model = TinyModel(options.model_layers, options.model_heads, options.model_head_dim, vocab=w.vocab,
-                      seed=w.seed, device=device)
+    model = build_model(options, device)
     storage_skipped = None
     tmp = None
     storage_url = None
@@ -763,7 +796,7 @@ def run_simulation(options: Options = Options(), progress: Progress | None = Non
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
     return Simulation(w, options.page_size, options.layout, device, results, reference.seconds,
-                      time.perf_counter() - start, storage_skipped, reference)
+                      time.perf_counter() - start, storage_skipped, reference, options.model, model.name)
 
 
 # ====================================================================== capacity sweep (for --plot)
@@ -824,8 +857,8 @@ def hit_rate_sweep(options: Options, reference: Reference, storage_url: str | No
 
 
 __all__ = [
-    "ARRIVALS", "DEVICE", "DEVICE_HOST", "FULL", "INFINITE", "KVOracle", "Options", "Progress", "Reference",
-    "Simulation", "Tier", "TierResult", "TimedExecutor", "Workload", "capacity_grid", "device_only",
+    "ARRIVALS", "DEVICE", "DEVICE_HOST", "FULL", "INFINITE", "KVOracle", "MODELS", "Options", "Progress", "Reference",
+    "Simulation", "Tier", "TierResult", "TimedExecutor", "Workload", "build_model", "capacity_grid", "device_only",
     "hit_rate_sweep", "reference_run", "sweep_hit_rate", "run_simulation", "run_tier", "storage_available",
     "token_stream",
 ]

@@ -14,6 +14,7 @@ from hicache_fsm.simulate import (
     ARRIVALS,
     FULL,
     INFINITE,
+    MODELS,
     Options,
     Progress,
     Simulation,
@@ -28,7 +29,7 @@ _W = _DEFAULTS.workload
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.description = (
-        "Serve a multi-turn chat workload (SGLang multi-turn benchmark shape) with a tiny deterministic "
+        "Serve a multi-turn chat workload (SGLang multi-turn benchmark shape) with a deterministic "
         "model through four cache configurations in one run: device only, device + host, "
         "device + host + storage, and an infinite cache as the bound. Every KV page the cache serves is "
         "checked bit for bit and every answer against a cache-free run.")
@@ -45,6 +46,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                    help="round-robin: every client's round r before any round r+1; random: a random client "
                         "with turns left each time (default round-robin)")
     w.add_argument("--seed", type=int, default=_W.seed, help="seeds the model weights and the tokens (default 0)")
+    w.add_argument("--model", choices=MODELS, default=_DEFAULTS.model,
+                   help="tiny: the hand-written TinyModel (fastest); llama: a Hugging Face LlamaForCausalLM with "
+                        "grouped-query attention and rotary positions, random weights, float64 (needs the "
+                        "`llama` extra: transformers) (default tiny)")
     c = parser.add_argument_group("cache")
     c.add_argument("--device-tokens", type=int, default=_DEFAULTS.device_tokens,
                    help=f"device (L1) pool size in tokens (default {_DEFAULTS.device_tokens})")
@@ -124,7 +129,7 @@ def summary(sim: Simulation) -> str:
     out = [
         f"workload: {w.clients} clients x {w.rounds} rounds, system prompt {w.system_prompt_length}, "
         f"turn {w.request_length}, answer {w.output_length} tokens, {w.arrival} arrival, "
-        f"page {sim.page_size}, host layout {sim.layout}, model on {sim.device}",
+        f"page {sim.page_size}, host layout {sim.layout}, model {sim.model_name} on {sim.device}",
     ]
     if bound is not None and bound.hit_rate:
         line = (f"{full.name}: hit rate {100 * full.hit_rate:.1f}% = "
@@ -193,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
         workload = Workload(args.clients, args.rounds, args.request_length, args.output_length,
                             args.system_prompt_length, args.arrival, args.seed)
         options = Options(workload, args.device_tokens, args.host_tokens, args.storage_url, not args.no_storage,
-                          args.page_size, args.layout, args.device)
+                          args.page_size, args.layout, args.device, model=args.model)
     except HiCacheError as exc:
         print(f"hicache-fsm simulate: {exc}", file=sys.stderr)
         return 2
