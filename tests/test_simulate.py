@@ -67,6 +67,7 @@ def test_json_fields(small_sim):
     for key in ("hit_rate", "hit_rate_bound", "kv_mismatches", "requests", "controller_us_per_request", "configs"):
         assert key in out
     assert out["requests"] == SMALL.requests
+    assert out["model"] == "tiny" and out["model_name"].startswith("tinymodel-")  # tiny is the default
     assert out["kv_mismatches"] == 0
     assert out["hit_rate"] <= out["hit_rate_bound"]
     assert set(out["configs"]) == {t.name for t in small_sim.tiers}
@@ -131,6 +132,8 @@ def test_bad_options():
         Options(SMALL, device_tokens=100, page_size=8)  # not a page multiple
     with pytest.raises(ConfigError):
         Options(SMALL, device_tokens=64, host_tokens=64, page_size=8)  # cannot hold one conversation
+    with pytest.raises(ConfigError, match="model must be one of"):
+        Options(SMALL, model="gpt")
 
 
 def test_cli_json_is_the_whole_stdout(capsys, tmp_path):
