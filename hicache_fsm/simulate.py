@@ -711,9 +711,9 @@ def build_model(options: Options, device: str) -> KVModel:
     """The model ``options.model`` names, with seeded random weights, on ``device``.
 
     The Llama runs in float64: a prefix computed in one piece or in two (past
-    from the cache, then the rest) may differ in the last bits, and in float64
-    that is far below any gap between the two best logits, so a greedy answer
-    does not flip on a near tie (in float32 it could, once in many thousand tokens).
+    from the cache, then the rest) may differ in the last bits; in float64 that
+    is many orders of magnitude below the gap between the two best logits, so a
+    greedy answer does not flip on a near tie (in float32 it could, rarely).
     """
     w = options.workload
     if options.model == "tiny":

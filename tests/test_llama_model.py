@@ -17,7 +17,7 @@ from hicache_fsm.cli import main
 from hicache_fsm.copy import backup_to_host, load_all_layers
 from hicache_fsm.errors import BadIndices, ConfigError
 from hicache_fsm.pools import DeviceKVPool, HostKVPool, KVShape
-from hicache_fsm.simulate import INFINITE, Options, Tier, Workload, _Engine, build_model, reference_run
+from hicache_fsm.simulate import INFINITE, Options, Tier, Workload, _Engine, build_model, reference_run, run_simulation
 
 needs_transformers = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
                                         reason="needs the llama extra (transformers); .ci/run installs it")
@@ -175,3 +175,15 @@ def test_llama_without_transformers_says_so_in_one_line(capsys, monkeypatch, tmp
     assert rc == 1 and captured.out == ""
     err = captured.err.strip().splitlines()
     assert len(err) == 1 and "transformers" in err[0] and "pip install" in err[0]
+
+
+@needs_transformers
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_simulate_model_llama_on_cuda(tmp_path):
+    """Model and device pool on CUDA: the past goes from the pool to the model without leaving the device."""
+    w = Workload(clients=3, rounds=3, request_length=32, output_length=8, system_prompt_length=32)
+    sim = run_simulation(Options(w, 160, 256, f"file://{tmp_path}/l3", page_size=8, device="cuda", model="llama"))
+    assert sim.device == "cuda" and sim.model == "llama"
+    assert sim.kv_mismatches == 0 and sim.output_mismatches == 0
+    assert sum(t.kv_checked_pages for t in sim.tiers) > 0
