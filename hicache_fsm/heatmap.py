@@ -149,33 +149,39 @@ def tally(events: Iterable[dict], spec: Spec) -> Heat:
             named = named and ev.get("linear", True) is not False
             recorded_by = recorded_by or str(ev.get("recorded_by", ""))
             continue
-        occ.now += 1
-        if kind == "transition" and ev.get("machine", "residency") == spec.name:
-            edge = (ev.get("source"), ev.get("trigger"), ev.get("dest"))
-            if edge not in edges:
-                line = ev.get("_line")
-                where = f"trace line {line}: " if line is not None else ""
-                raise TraceMismatch(
-                    f"{where}{spec.name!r} has no transition {edge[0]} --{edge[1]}--> {edge[2]}; "
-                    "was the trace recorded from another version of the spec?")
-            fired[edge] += 1
-            obj = ev.get("node", ev.get("object"))
-            if obj is None:
-                named = False
-                occ.entered[edge[2]] += 1
-                continue
-            if obj not in occ.where:
-                occ.enter(obj, edge[0])
-            occ.enter(obj, edge[2])
-        elif kind == "split" and spec.name == "residency" and ev.get("node") in occ.where:
-            occ.enter(ev.get("upper"), occ.where[ev["node"]])
-        elif kind == "removed" and spec.name == "residency":
-            occ.leave(ev.get("node"))
+        _apply(ev, kind, spec, edges, fired, occ)
+        named = named and (kind != "transition" or ev.get("machine", "residency") != spec.name
+                           or ev.get("node", ev.get("object")) is not None)
+        occ.now += 1  # the state after each event holds for one tick
     states = {
         s: StateHeat(occ.entered[s], occ.mean(s), occ.peak[s]) if named else StateHeat(occ.entered[s])
         for s in spec.state_names
     }
     return Heat(spec.name, {e: fired[e] for e in edges}, states, occ.now, runs, named, recorded_by)
+
+
+def _apply(ev: dict, kind: object, spec: Spec, edges: dict, fired: Counter, occ: _Occupancy) -> None:
+    """One non-header trace event's effect on the counts."""
+    if kind == "transition" and ev.get("machine", "residency") == spec.name:
+        edge = (ev.get("source"), ev.get("trigger"), ev.get("dest"))
+        if edge not in edges:
+            line = ev.get("_line")
+            where = f"trace line {line}: " if line is not None else ""
+            raise TraceMismatch(
+                f"{where}{spec.name!r} has no transition {edge[0]} --{edge[1]}--> {edge[2]}; "
+                "was the trace recorded from another version of the spec?")
+        fired[edge] += 1
+        obj = ev.get("node", ev.get("object"))
+        if obj is None:
+            occ.entered[edge[2]] += 1
+            return
+        if obj not in occ.where:
+            occ.enter(obj, edge[0])
+        occ.enter(obj, edge[2])
+    elif kind == "split" and spec.name == "residency" and ev.get("node") in occ.where:
+        occ.enter(ev.get("upper"), occ.where[ev["node"]])
+    elif kind == "removed" and spec.name == "residency":
+        occ.leave(ev.get("node"))
 
 
 def machines_in(events: Iterable[dict]) -> list[str]:
