@@ -171,7 +171,7 @@ def legend_rows(spec: Spec) -> list[tuple[str, str]]:
     """(sample, meaning) rows, as HTML-label cells, for what this spec's drawing uses."""
     rows = [("<I>trigger [guard, not g] / job</I>", "edge label: guards that must hold, then the jobs it emits")]
     if any("in_flight" in s.tags for s in spec.states):
-        rows.append((f'<FONT COLOR="#8a6d00">dashed, amber</FONT>', "in-flight state: a copy is running"))
+        rows.append(('<FONT COLOR="#8a6d00">dashed, amber</FONT>', "in-flight state: a copy is running"))
     if any(s.terminal for s in spec.states):
         rows.append(("double border", "terminal state"))
     used = dict.fromkeys(j for t in spec.transitions for j in t.emits)
