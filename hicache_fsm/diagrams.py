@@ -64,7 +64,7 @@ def short_doc(text: str, limit: int = DESCRIPTION_CHARS) -> str:
 # --------------------------------------------------------------------------- mermaid
 
 
-def _mermaid_ids(spec: Spec) -> dict[str, str]:
+def mermaid_ids(spec: Spec) -> dict[str, str]:
     """State name -> mermaid id; names the lexer would misread get an ``s_`` prefix."""
     names = set(spec.state_names)
     ids = {}
@@ -78,7 +78,7 @@ def _mermaid_ids(spec: Spec) -> dict[str, str]:
     return ids
 
 
-def _mermaid_text(text: str) -> str:
+def mermaid_text(text: str) -> str:
     """Text safe after ``:`` on a mermaid line.
 
     The lexer ends a description at ``:``, ``;`` or a newline, treats ``%%`` as
@@ -99,18 +99,18 @@ def to_mermaid(spec: Spec) -> str:
     ``t --> [*]`` for each terminal state; each state's short doc as its
     description; in-flight states drawn dashed.
     """
-    ids = _mermaid_ids(spec)
+    ids = mermaid_ids(spec)
     lines = ["stateDiagram-v2"]
     for st in spec.states:
         if ids[st.name] != st.name:
             lines.append(f'    state "{st.name}" as {ids[st.name]}')
     for st in spec.states:
-        desc = _mermaid_text(short_doc(st.doc))
+        desc = mermaid_text(short_doc(st.doc))
         if desc:
             lines.append(f"    {ids[st.name]} : {desc}")
     lines.append(f"    [*] --> {ids[spec.initial]}")
     for t in spec.transitions:
-        label = _mermaid_text(edge_label(t))
+        label = mermaid_text(edge_label(t))
         for source in t.sources:
             lines.append(f"    {ids[source]} --> {ids[t.dest]} : {label}")
     for st in spec.states:
@@ -125,55 +125,124 @@ def to_mermaid(spec: Spec) -> str:
 
 # --------------------------------------------------------------------------- dot
 
+# Colour of the edges that emit each job kind, and what the legend says the kind is.
+JOB_COLOURS = {"d2h": "#1f6fb4", "h2d": "#23922f", "h2s": "#d9730d", "s2h": "#8e44ad"}
+JOB_MEANING = {
+    "d2h": "device to host copy",
+    "h2d": "host to device load",
+    "h2s": "host to storage backup",
+    "s2h": "storage to host fetch",
+}
+IN_FLIGHT_FILL = "#fff1c2"
+FONT = "Helvetica"
 
-def _dot_quote(text: str) -> str:
-    return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", " ") + '"'
+
+def dot_quote(text: str) -> str:
+    """``text`` as a double-quoted dot string."""
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
 
 
-def _dot_node(st: StateSpec) -> str:
-    attrs = []
+def html_escape(text: str) -> str:
+    """Text safe inside a Graphviz HTML-like label."""
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace('"', "&quot;")
+
+
+def state_style(st: StateSpec) -> list[str]:
+    """Dot attributes every drawing of a state shares: dashed amber when in flight, a double border when terminal."""
     styles = ["rounded"]
+    attrs = []
     if "in_flight" in st.tags:
-        styles.append("dashed")
-    attrs.append(f"style={_dot_quote(','.join(styles))}")
+        styles += ["dashed", "filled"]
+        attrs.append(f"fillcolor={dot_quote(IN_FLIGHT_FILL)}")
+    attrs.insert(0, f"style={dot_quote(','.join(styles))}")
     if st.terminal:
         attrs.append("peripheries=2")
     if st.doc:
-        attrs.append(f"tooltip={_dot_quote(' '.join(st.doc.split()))}")
-    return f"  {_dot_quote(st.name)} [{', '.join(attrs)}];"
+        attrs.append(f"tooltip={dot_quote(' '.join(st.doc.split()))}")
+    return attrs
 
 
-def to_dot(spec: Spec) -> str:
-    """A Graphviz ``digraph`` of the spec (ends with a newline)."""
-    lines = [
-        f"digraph {_dot_quote(spec.name)} {{",
-        "  rankdir=LR;",
-        '  node [shape=box, fontname="Helvetica", fontsize=11];',
-        '  edge [fontname="Helvetica", fontsize=9];',
-        '  "__start__" [shape=point, width=0.15, label=""];',
+def job_colour(emits: tuple[str, ...]) -> str:
+    """One colour per emitted job kind; Graphviz draws ``a:b`` as parallel lines."""
+    return ":".join(JOB_COLOURS.get(j, "black") for j in emits)
+
+
+def legend_rows(spec: Spec) -> list[tuple[str, str]]:
+    """(sample, meaning) rows, as HTML-label cells, for what this spec's drawing uses."""
+    rows = [("<I>trigger [guard, not g] / job</I>", "edge label: guards that must hold, then the jobs it emits")]
+    if any("in_flight" in s.tags for s in spec.states):
+        rows.append(('<FONT COLOR="#8a6d00">dashed, amber</FONT>', "in-flight state: a copy is running"))
+    if any(s.terminal for s in spec.states):
+        rows.append(("double border", "terminal state"))
+    used = dict.fromkeys(j for t in spec.transitions for j in t.emits)
+    for kind in used:
+        colour = JOB_COLOURS.get(kind, "black")
+        rows.append((f'<FONT COLOR="{colour}"><B>&#8212;&#8212; / {html_escape(kind)}</B></FONT>',
+                     f"emits a {html_escape(kind)} job ({JOB_MEANING.get(kind, kind)})"))
+    return rows
+
+
+def legend_node(title: str, rows: list[tuple[str, str]]) -> list[str]:
+    """A plaintext node holding an HTML table, kept at the far end of the drawing."""
+    cells = "".join(f'<TR><TD ALIGN="LEFT">{a}</TD><TD ALIGN="LEFT">{b}</TD></TR>' for a, b in rows)
+    table = (f'<TABLE BORDER="1" CELLBORDER="0" CELLSPACING="0" CELLPADDING="3" COLOR="#999999">'
+             f'<TR><TD COLSPAN="2" ALIGN="LEFT"><B>{html_escape(title)}</B></TD></TR>{cells}</TABLE>')
+    return [
+        f'  "__legend__" [shape=plaintext, fontsize=9, label=<{table}>];',
+        '  { rank=sink; "__legend__"; }',
     ]
-    for st in spec.states:
-        lines.append(_dot_node(st))
-    lines.append(f"  \"__start__\" -> {_dot_quote(spec.initial)};")
-    for t in spec.transitions:
-        attrs = [f"label={_dot_quote(edge_label(t))}"]
-        if t.doc:
-            attrs.append(f"tooltip={_dot_quote(' '.join(t.doc.split()))}")
-        for source in t.sources:
-            lines.append(f"  {_dot_quote(source)} -> {_dot_quote(t.dest)} [{', '.join(attrs)}];")
-    lines.append("}")
+
+
+def dot_document(spec: Spec, nodes: list[str], edges: list[str], legend: list[str]) -> str:
+    """The digraph around prepared node and edge lines: start point, layout and fonts shared by every drawing."""
+    lines = [
+        f"digraph {dot_quote(spec.name)} {{",
+        "  rankdir=TB;",
+        f'  node [shape=box, fontname="{FONT}", fontsize=11];',
+        f'  edge [fontname="{FONT}", fontsize=9];',
+        '  "__start__" [shape=point, width=0.15, label=""];',
+        *nodes,
+        f'  "__start__" -> {dot_quote(spec.initial)};',
+        *edges,
+        *legend,
+        "}",
+    ]
     return "\n".join(lines) + "\n"
 
 
+def to_dot(spec: Spec) -> str:
+    """A Graphviz ``digraph`` of the spec (ends with a newline), with a legend.
+
+    In-flight states are dashed and amber; an edge that emits jobs is drawn
+    bold in its job kind's colour (one parallel line per kind).
+    """
+    nodes = [f"  {dot_quote(st.name)} [{', '.join(state_style(st))}];" for st in spec.states]
+    edges = []
+    for t in spec.transitions:
+        attrs = [f"label={dot_quote(edge_label(t))}"]
+        if t.emits:
+            colour = job_colour(t.emits)
+            attrs += [f"color={dot_quote(colour)}", f"fontcolor={dot_quote(colour.split(':')[0])}", "penwidth=2"]
+        if t.doc:
+            attrs.append(f"tooltip={dot_quote(' '.join(t.doc.split()))}")
+        for source in t.sources:
+            edges.append(f"  {dot_quote(source)} -> {dot_quote(t.dest)} [{', '.join(attrs)}];")
+    return dot_document(spec, nodes, edges, legend_node("Legend", legend_rows(spec)))
+
+
 # --------------------------------------------------------------------------- svg
+
+# Comments Graphviz writes that name its version or restate the title: dropped so that
+# the same dot text gives the same SVG bytes wherever this Graphviz version runs.
+_GRAPHVIZ_COMMENTS = re.compile(r"<!-- (?:Generated by graphviz[^>]*|Title: .*? Pages: \d+) -->\n")
 
 
 def dot_available() -> bool:
     return shutil.which("dot") is not None
 
 
-def to_svg(spec: Spec, timeout: float = DOT_TIMEOUT_S) -> str:
-    """Render the spec to SVG with Graphviz's ``dot -Tsvg``.
+def svg_from_dot(dot_text: str, what: str = "diagram", timeout: float = DOT_TIMEOUT_S) -> str:
+    """Render dot text to SVG with Graphviz's ``dot -Tsvg``, without its version comments.
 
     Raises ``DiagramError`` when ``dot`` is missing (with how to install it),
     fails, or takes longer than ``timeout`` seconds.
@@ -184,20 +253,25 @@ def to_svg(spec: Spec, timeout: float = DOT_TIMEOUT_S) -> str:
     try:
         proc = subprocess.run(
             [exe, "-Tsvg"],
-            input=to_dot(spec),
+            input=dot_text,
             capture_output=True,
             text=True,
             timeout=timeout,
             check=False,
         )
     except subprocess.TimeoutExpired:
-        raise DiagramError(f"Graphviz `dot` took longer than {timeout:g}s to draw {spec.name!r}") from None
+        raise DiagramError(f"Graphviz `dot` took longer than {timeout:g}s to draw {what!r}") from None
     except OSError as exc:
         raise DiagramError(f"could not run Graphviz `dot`: {exc}; {INSTALL_HINT}") from None
     if proc.returncode != 0:
         detail = proc.stderr.strip() or f"exit status {proc.returncode}"
-        raise DiagramError(f"Graphviz `dot` failed on {spec.name!r}: {detail}")
-    return proc.stdout
+        raise DiagramError(f"Graphviz `dot` failed on {what!r}: {detail}")
+    return _GRAPHVIZ_COMMENTS.sub("", proc.stdout)
+
+
+def to_svg(spec: Spec, timeout: float = DOT_TIMEOUT_S) -> str:
+    """The spec's dot drawing rendered to SVG by Graphviz (see ``svg_from_dot``)."""
+    return svg_from_dot(to_dot(spec), spec.name, timeout)
 
 
 RENDERERS = {"mermaid": to_mermaid, "dot": to_dot, "svg": to_svg}

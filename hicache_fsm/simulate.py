@@ -69,6 +69,8 @@ NEVER = 1 << 62  # a write_through_selective threshold no node reaches: nothing 
 STORAGE_OPTIONS = {"stop_policy": "wait_complete"}
 PREFETCH_TIMEOUT_S = 10.0  # a prefetch still running then is aborted (counted in prefetch_timeouts)
 
+Observer = Callable[[str, HiCache], None]
+
 DEVICE = "device"
 DEVICE_HOST = "device+host"
 FULL = "device+host+storage"
@@ -458,7 +460,7 @@ class _Engine:
     """Serves requests one at a time through a HiCache, the way an engine's step loop would."""
 
     def __init__(self, tier: Tier, workload: Workload, model: KVModel | None, page_size: int, layout: str,
-                 device: str, storage_options: dict | None = None) -> None:
+                 device: str, storage_options: dict | None = None, observe: Observer | None = None) -> None:
         self.tier = tier
         self.workload = workload
         self.model = model
@@ -479,6 +481,8 @@ class _Engine:
             options.update(storage_options or {})
             self.cache.attach_storage(tier.storage_url, **options)  # setup, not per-request controller time
             self.storage = True
+        if observe is not None:
+            observe(tier.name, self.cache)
         self._next_request = 0
 
     # ------------------------------------------------------------------ one request
@@ -636,10 +640,10 @@ class _Engine:
 
 def run_tier(tier: Tier, workload: Workload, reference: Reference, model: KVModel | None, page_size: int,
              layout: str = "page_first", device: str | None = None, storage_options: dict | None = None,
-             on_request: Callable[[], None] = lambda: None) -> TierResult:
+             on_request: Callable[[], None] = lambda: None, observe: Observer | None = None) -> TierResult:
     """Serve the reference's requests through one configuration (``model=None``: tokens only, no KV)."""
     start = time.perf_counter()
-    engine = _Engine(tier, workload, model, page_size, layout, device or "cpu", storage_options)
+    engine = _Engine(tier, workload, model, page_size, layout, device or "cpu", storage_options, observe)
     try:
         for key in workload.schedule():
             engine.serve(reference.prompts[key], reference.outputs[key])
@@ -761,8 +765,12 @@ class Progress:
 
 
 def run_simulation(options: Options = Options(), progress: Progress | None = None,
-                   storage_options: dict | None = None) -> Simulation:
-    """Run the cache-free reference and every configuration on the same requests."""
+                   storage_options: dict | None = None, observe: Observer | None = None) -> Simulation:
+    """Run the cache-free reference and every configuration on the same requests.
+
+    ``observe(tier_name, cache)`` is called with each configuration's cache before
+    its first request (to record a trace or count transitions).
+    """
     start = time.perf_counter()
     w = options.workload
     device = options.device or str(default_device())
@@ -790,7 +798,7 @@ def run_simulation(options: Options = Options(), progress: Progress | None = Non
         for tier in tiers:
             progress.set_label(tier.name)
             results.append(run_tier(tier, w, reference, model, options.page_size, options.layout, device,
-                                    storage_options, progress.step))
+                                    storage_options, progress.step, observe))
     finally:
         progress.close()
         if tmp is not None:

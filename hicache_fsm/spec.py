@@ -258,8 +258,17 @@ def _check_name(name: str, what: str, line: int | None, problems: _Problems) -> 
         problems.add(line, f"{what} name {name!r} must match {NAME_RE.pattern}")
 
 
-def parse_spec(text: str, path: str = "<string>", registry: MachineRegistry | None = None) -> Spec:
-    """Parse and validate spec text; raise ``SpecError`` (file:line) on any problem."""
+def parse_spec(text: str, path: str = "<string>", registry: MachineRegistry | None = None, *,
+               require_bindings: bool | None = None) -> Spec:
+    """Parse and validate spec text; raise ``SpecError`` (file:line) on any problem.
+
+    Guards, effects and invariants are checked against Python bindings when
+    ``registry`` is given, when the machine is one of the library's own, or
+    when ``require_bindings`` is True (an unknown machine then has none); a
+    user's spec can be validated and drawn without any. ``require_bindings=False``
+    skips the check even for the library's machines. Running a machine always
+    needs its bindings (``compile_machine`` checks them again).
+    """
     raw = _compose(text, path)
     problems = _Problems(path)
     if not isinstance(raw, _Lined):
@@ -288,7 +297,11 @@ def parse_spec(text: str, path: str = "<string>", registry: MachineRegistry | No
         path=path,
     )
     _check_graph(spec, raw.key_lines["initial"], problems)
-    _check_bindings(spec, registry if registry is not None else registry_for(spec.name), raw, problems)
+    if registry is None and require_bindings is not False:
+        registry = registry_for(spec.name)
+    if require_bindings or (require_bindings is None and registry is not None):
+        _check_bindings(spec, registry, raw, problems)
+    _check_job_kinds(spec, problems)
     problems.raise_if_any()
     return spec
 
@@ -435,23 +448,28 @@ def _check_bindings(spec: Spec, registry: MachineRegistry | None, raw: _Lined, p
         for e in t.effects:
             if registry is None or e not in registry.effects:
                 problems.add(t.line, f"effect {e!r} has no registered implementation for machine {spec.name!r}")
-        for j in t.emits:
-            if j not in JOB_KIND_NAMES:
-                problems.add(t.line, f"job kind {j!r} is unknown; known: {', '.join(sorted(JOB_KIND_NAMES))}")
     inv_line = raw.key_lines.get("invariants")
     for inv in spec.invariants:
         if registry is None or inv not in registry.invariants:
             problems.add(inv_line, f"invariant {inv!r} has no registered check for machine {spec.name!r}")
 
 
-def load_spec(path: str | Path, registry: MachineRegistry | None = None) -> Spec:
-    """Read, parse and validate one spec file."""
+def _check_job_kinds(spec: Spec, problems: _Problems) -> None:
+    for t in spec.transitions:
+        for j in t.emits:
+            if j not in JOB_KIND_NAMES:
+                problems.add(t.line, f"job kind {j!r} is unknown; known: {', '.join(sorted(JOB_KIND_NAMES))}")
+
+
+def load_spec(path: str | Path, registry: MachineRegistry | None = None, *,
+              require_bindings: bool | None = None) -> Spec:
+    """Read, parse and validate one spec file (bindings as in ``parse_spec``)."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise SpecError(str(path), None, f"cannot read spec: {exc}") from None
-    return parse_spec(text, str(path), registry)
+    return parse_spec(text, str(path), registry, require_bindings=require_bindings)
 
 
 def spec_paths(directory: str | Path = SPEC_DIR) -> list[Path]:

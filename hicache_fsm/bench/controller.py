@@ -24,12 +24,21 @@ chunk runs (as ``timeit`` does).
 
 Result keys: ``us_per_request`` (compiled), ``transitions_us_per_request``,
 ``speedup`` (their ratio), plus the configuration.
+
+Metrics (with the ``metrics`` extra): a Prometheus scrape of the compiled
+cache after the run (``HiCacheCollector`` plus the text exposition, best of 5)
+adds nothing per request, so its cost is the scrape's time spread over the
+requests served between two scrapes (``--scrape-every``):
+``metrics_overhead_pct`` = scrape time / (requests per scrape x us/request).
+``metrics_breakeven_requests`` is how many requests a scrape interval must hold
+for that to stay under 1%.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import math
 import random
 import time
 
@@ -153,6 +162,24 @@ def _serve(cache: HiCache, requests: list[tuple[int, ...]], pc) -> float:
     return spent
 
 
+def scrape_cost_us(cache: HiCache, repeats: int = 5) -> float | None:
+    """Best time of one Prometheus scrape of ``cache`` (collect and text exposition); None without the extra."""
+    try:
+        from prometheus_client import CollectorRegistry, generate_latest
+
+        from hicache_fsm.metrics import HiCacheCollector
+    except ImportError:
+        return None
+    registry = CollectorRegistry()
+    registry.register(HiCacheCollector(cache))
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        generate_latest(registry)
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e6
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=int, default=1000, help="timed requests per repeat (default 1000)")
     parser.add_argument("--repeats", type=int, default=3,
@@ -160,6 +187,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tree-nodes", type=int, default=None,
                         help="nodes in the tree before timing (default 10 x --requests)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--scrape-every", type=int, default=1000,
+                        help="requests between two Prometheus scrapes, for the metrics overhead (default 1000)")
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -185,6 +214,7 @@ def run(args: argparse.Namespace) -> dict:
                 part = requests[start : start + chunk]
                 ours_us.append(serve(ours, part) / chunk * 1e6)
                 theirs_us.append(serve(theirs, part) / chunk * 1e6)
+        scrape_us = scrape_cost_us(ours)
     finally:
         torch.set_num_threads(threads)
     us = min(ours_us)
@@ -203,11 +233,24 @@ def run(args: argparse.Namespace) -> dict:
         "speedup": round(tus / us, 2),
         "machine": machine_description(),
     }
+    if scrape_us is not None:
+        every = max(1, getattr(args, "scrape_every", 1000))
+        result.update(
+            metrics_scrape_us=round(scrape_us, 1),
+            metrics_tree_nodes=len(ours.tree),
+            metrics_scrape_every=every,
+            metrics_overhead_pct=round(100 * scrape_us / (every * us), 3),
+            metrics_breakeven_requests=math.ceil(100 * scrape_us / us),
+        )
     rows = [
         ("requests", f"{repeats} x {n} x {REQUEST_TOKENS} tokens, page {PAGE_SIZE}, {tree_nodes} nodes already cached"),
         ("compiled table", f"{us:.1f} us/request"),
         ("transitions", f"{tus:.1f} us/request"),
         ("speedup", f"{tus / us:.2f}x"),
     ]
+    if scrape_us is not None:
+        rows.append(("metrics scrape", f"{scrape_us:.0f} us at {len(ours.tree)} nodes = "
+                     f"{result['metrics_overhead_pct']:.2f}% of the controller's time over {result['metrics_scrape_every']} "
+                     f"requests (1% at {result['metrics_breakeven_requests']})"))
     report("controller overhead: match + insert + backup + acks", rows, result, getattr(args, "json", False))
     return result

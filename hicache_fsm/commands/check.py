@@ -41,6 +41,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--adapter", metavar="MODULE:CALLABLE",
                         help="explore your own cache: a callable taking the Bounds and returning a CacheAdapter")
     parser.add_argument("--coverage", action="store_true", help="print which spec states/transitions were reached")
+    parser.add_argument("--record", metavar="FILE",
+                        help="write every transition fired while exploring to FILE (JSONL; "
+                             "`hicache-fsm diagram NAME --counts FILE` draws it)")
     parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
     parser.add_argument("--json", action="store_true", help="print only one JSON object on stdout (the report goes to stderr)")
 
@@ -56,6 +59,7 @@ def _how_far(result, args) -> str:
 def run(args: argparse.Namespace) -> int:
     from hicache_fsm.testing.explorer import Bounds, Explorer, hicache_factory
     from hicache_fsm.testing.paths import CoverageTracker
+    from hicache_fsm.testing.transition_log import RecordingCoverage, recording_writer
 
     factory = hicache_factory
     if args.adapter:
@@ -65,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
     policies = list(WRITE_POLICIES) if args.write_policy == "all" else [args.write_policy]
     runs = []
     status = 0
+    writer = recording_writer(args.record)
     for policy in policies:
         bounds = Bounds(
             nodes=args.nodes, device_pages=args.device_pages, host_pages=args.host_pages, layers=args.layers,
@@ -74,6 +79,8 @@ def run(args: argparse.Namespace) -> int:
             max_seconds=args.max_seconds,
         )
         cov = CoverageTracker() if args.coverage or args.json else None
+        if writer is not None:
+            cov = RecordingCoverage(writer, recorded_by="check", objects=False, write_policy=policy)
         explorer = Explorer(factory, bounds, stop_on_first=args.stop_on_first, max_violations=args.max_violations,
                             progress=None if args.quiet else sys.stderr, coverage=cov)
         result = explorer.run()
@@ -88,6 +95,8 @@ def run(args: argparse.Namespace) -> int:
             print(v.format(), file=out)
         if args.coverage and cov is not None:
             print(cov.format(), file=out)
+    if writer is not None:
+        writer.close()
     if args.json:
         if len(runs) == 1:
             summary = runs[0].to_json()

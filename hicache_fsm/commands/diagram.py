@@ -1,4 +1,11 @@
-"""Draw a spec as a mermaid, Graphviz dot or SVG diagram."""
+"""Draw a spec as a mermaid, Graphviz dot or SVG diagram; with --counts, as a heat map of a recorded run.
+
+Any spec file draws without Python bindings (``--require-bindings`` checks
+them too). ``--counts TRACE`` reads a JSONL trace (``simulate``, ``fuzz`` or
+``check`` with ``--record``, or ``hicache_fsm.testing.record``) and puts on
+every transition how often it fired and on every state how many objects sat in
+it (see ``hicache_fsm.heatmap``).
+"""
 
 from __future__ import annotations
 
@@ -6,7 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from hicache_fsm.commands.validate import problem_lines
+from hicache_fsm.commands.validate import add_bindings_flag, problem_lines
 from hicache_fsm.diagrams import RENDERERS, render
 from hicache_fsm.errors import DiagramError, SpecError
 from hicache_fsm.spec import Spec, load_all, load_builtin, load_spec
@@ -14,11 +21,11 @@ from hicache_fsm.spec import Spec, load_all, load_builtin, load_spec
 EXTENSIONS = {"mermaid": "mmd", "dot": "dot", "svg": "svg"}
 
 
-def resolve_spec(target: str) -> Spec:
+def resolve_spec(target: str, require_bindings: bool | None = None) -> Spec:
     """A library machine name (``residency``) or a path to a spec file."""
     p = Path(target)
     if p.suffix in (".yaml", ".yml") or p.is_file() or "/" in target or "\\" in target:
-        return load_spec(p)
+        return load_spec(p, require_bindings=require_bindings)
     return load_builtin(target)
 
 
@@ -30,6 +37,30 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "-o", "--output", metavar="FILE",
         help="write to FILE instead of stdout (with --all: a directory, one NAME.EXT file per spec)",
     )
+    parser.add_argument(
+        "--counts", metavar="TRACE",
+        help="draw a heat map of the run recorded in this JSONL trace: fire count per transition, "
+             "objects per state (with --all: every machine the trace has transitions of)",
+    )
+    add_bindings_flag(parser)
+
+
+def _heat_maps(specs: list[Spec], trace: str, fmt: str, all_specs: bool) -> list[tuple[Spec, str]]:
+    from hicache_fsm.heatmap import machines_in, render_heat, tally
+    from hicache_fsm.testing.trace import load_trace
+
+    events = load_trace(Path(trace)) if Path(trace).is_file() else None
+    if events is None:
+        raise DiagramError(f"no such trace file: {trace}")
+    recorded = machines_in(events)
+    if all_specs:
+        specs = [s for s in specs if s.name in recorded]
+    missing = [s.name for s in specs if s.name not in recorded]
+    if missing or not specs:
+        has = ", ".join(recorded) or "none"
+        raise DiagramError(f"{trace} records no transitions of {', '.join(missing) or 'any library machine'} "
+                           f"(it has transitions of: {has})")
+    return [(spec, render_heat(spec, tally(events, spec), fmt)) for spec in specs]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -37,13 +68,16 @@ def run(args: argparse.Namespace) -> int:
         print("hicache-fsm diagram: give one NAME|PATH, or --all", file=sys.stderr)
         return 2
     try:
-        specs = load_all() if args.all else [resolve_spec(args.spec)]
-        texts = [(spec, render(spec, args.format)) for spec in specs]
+        specs = load_all() if args.all else [resolve_spec(args.spec, args.require_bindings or None)]
+        if args.counts:
+            texts = _heat_maps(specs, args.counts, args.format, args.all)
+        else:
+            texts = [(spec, render(spec, args.format)) for spec in specs]
     except SpecError as err:
         for line in problem_lines(err):
             print(line, file=sys.stderr)
         return 1
-    except DiagramError as err:
+    except (DiagramError, ValueError, OSError) as err:
         print(f"hicache-fsm diagram: {err}", file=sys.stderr)
         return 1
     if args.output and args.all:

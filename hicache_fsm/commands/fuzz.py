@@ -24,6 +24,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="fuzz your own cache: a callable returning a CacheAdapter")
     parser.add_argument("--test-out", metavar="FILE", help="write the regression test for a failure here")
     parser.add_argument("--coverage", action="store_true", help="print which spec states/transitions were reached")
+    parser.add_argument("--record", metavar="FILE",
+                        help="write every transition the runs fire to FILE (JSONL, one run per example; "
+                             "`hicache-fsm diagram NAME --counts FILE` draws it)")
     parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
     parser.add_argument("--json", action="store_true", help="print only one JSON object on stdout (the report goes to stderr)")
 
@@ -31,13 +34,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from hicache_fsm.testing.explorer import quiet_cache_logs
     from hicache_fsm.testing.paths import CoverageTracker
+    from hicache_fsm.testing.transition_log import RecordingCoverage, recording_writer
     from hicache_fsm.testing.stateful import (
         CacheProtocolMachine,
         hicache_machine,
         run_fuzz,
     )
 
-    cov = CoverageTracker()
+    writer = recording_writer(args.record)
+    cov = CoverageTracker() if writer is None else RecordingCoverage(writer, recorded_by="fuzz", objects=True)
     if args.adapter:
         from hicache_fsm.commands._adapters import import_lines, load_factory
 
@@ -53,6 +58,8 @@ def run(args: argparse.Namespace) -> int:
         result = run_fuzz(machine, examples=args.examples, steps=args.steps, seed=args.seed,
                           progress=None if args.quiet else sys.stderr, shrink=not args.no_shrink,
                           machine_import=machine_import)
+    if writer is not None:
+        writer.close()
     out = sys.stderr if args.json else sys.stdout
     if result.ok:
         print(f"fuzz: {result.examples} runs of up to {args.steps} steps, seed {args.seed}: no failure "

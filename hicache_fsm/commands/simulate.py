@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections import Counter
 
 import torch
 
@@ -12,6 +13,8 @@ from hicache_fsm.errors import HiCacheError
 from hicache_fsm.pools import LAYOUTS
 from hicache_fsm.simulate import (
     ARRIVALS,
+    DEVICE,
+    DEVICE_HOST,
     FULL,
     INFINITE,
     MODELS,
@@ -72,6 +75,52 @@ def configure(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (default 1: the tiny model is latency-bound)")
     o.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    o.add_argument("--record", metavar="FILE.jsonl",
+                   help="record one configuration's cache events as a JSONL trace (`hicache-fsm replay` checks it, "
+                        "`hicache-fsm diagram residency --counts FILE` draws its heat map)")
+    o.add_argument("--record-tier", choices=(DEVICE, DEVICE_HOST, FULL, INFINITE), default=None,
+                   help="the configuration --record records (default: device+host+storage, "
+                        "or device+host with --no-storage)")
+
+
+class Recording:
+    """``--record``: a trace of one configuration's cache, and the residency transitions its machine fired.
+
+    The tally comes from a listener on the cache's compiled residency machine,
+    not from the trace, so the two can be checked against each other.
+    """
+
+    def __init__(self, path: str, tier: str) -> None:
+        self.path = path
+        self.tier = tier
+        self.recorder = None
+        self.fired: Counter[str] = Counter()
+
+    def observe(self, tier: str, cache) -> None:
+        if tier != self.tier:
+            return
+        from hicache_fsm.testing.trace import TraceRecorder
+
+        self.recorder = TraceRecorder(cache, self.path, meta={"recorded_by": "simulate", "tier": tier})
+        cache.residency.add_listener(self._count)
+
+    def _count(self, obj, transition) -> None:
+        self.fired[f"{transition.source} --{transition.trigger}--> {transition.dest}"] += 1
+
+    def close(self) -> None:
+        if self.recorder is not None:
+            self.recorder.close()
+
+    def summary(self) -> str:
+        if self.recorder is None:
+            return f"nothing recorded: configuration {self.tier} did not run"
+        return (f"trace of {self.tier} written to {self.path}: {len(self.recorder.events)} events, "
+                f"{sum(self.fired.values())} residency transitions")
+
+    def as_dict(self) -> dict:
+        return {"tier": self.tier, "trace": self.path,
+                "events": len(self.recorder.events) if self.recorder is not None else 0,
+                "transitions": {"residency": dict(sorted(self.fired.items()))}}
 
 
 def _mb(n: int) -> str:
@@ -205,11 +254,16 @@ def run(args: argparse.Namespace) -> int:
     from hicache_fsm.simulate import run_simulation
 
     progress = Progress(0, sys.stderr, enabled=False if args.no_progress else None)
+    tier = args.record_tier or (FULL if options.storage else DEVICE_HOST)
+    recording = Recording(args.record, tier) if args.record else None
     try:
-        sim = run_simulation(options, progress)
+        sim = run_simulation(options, progress, observe=recording.observe if recording else None)
     except HiCacheError as exc:
         print(f"hicache-fsm simulate: {exc}", file=sys.stderr)
         return 1
+    finally:
+        if recording is not None:
+            recording.close()
     out = sys.stderr if args.json else sys.stdout  # with --json, stdout holds only the JSON object
     print(format_table(sim), file=out)
     print(file=out)
@@ -217,7 +271,12 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         plot(sim, options, args.plot)
         print(f"plot written to {args.plot}", file=out)
+    if recording is not None:
+        print(recording.summary(), file=out)
     if args.json:
-        print(json.dumps(sim.as_dict(), sort_keys=True))
+        report = sim.as_dict()
+        if recording is not None:
+            report["recorded"] = recording.as_dict()
+        print(json.dumps(report, sort_keys=True))
     return 0 if sim.kv_mismatches == 0 and sim.output_mismatches == 0 else 1
 

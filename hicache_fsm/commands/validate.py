@@ -1,4 +1,9 @@
-"""Validate spec files: print `ok FILE` for each valid one, `FILE:LINE: message` for every problem."""
+"""Validate spec files: print `ok FILE` for each valid one, `FILE:LINE: message` for every problem.
+
+Any spec file validates without Python: guard, effect and invariant names are
+checked against their bindings only for the library's own machines, or for
+every file with ``--require-bindings``.
+"""
 
 from __future__ import annotations
 
@@ -46,6 +51,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "paths", nargs="*", metavar="PATH",
         help="spec files or directories of them (default: every spec in the library's specs/)",
     )
+    add_bindings_flag(parser)
+
+
+def add_bindings_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--require-bindings", action="store_true",
+        help="also require a registered Python implementation of every guard, effect and invariant "
+             "(always checked for the library's own machines)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -56,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     failed = 0
     for path in paths:
         try:
-            load_spec(path)
+            load_spec(path, require_bindings=args.require_bindings or None)
         except SpecError as err:
             failed += 1
             for line in problem_lines(err):
