@@ -53,6 +53,7 @@ from hicache_fsm.storage.base import (
     verify_payload,
 )
 from hicache_fsm.storage.keys import KeyNamespace
+from hicache_fsm.storage.page_format import PageFormat
 
 __all__ = ["FileBackend"]
 
@@ -111,8 +112,9 @@ class FileBackend(StorageBackend):
         fsync: bool = False,
         io_threads: int = 1,
         checksum: str = "wsum64",
+        page_format: PageFormat | None = None,
     ) -> None:
-        super().__init__(namespace, checksum=checksum)
+        super().__init__(namespace, checksum=checksum, page_format=page_format)
         if isinstance(io_threads, bool) or not isinstance(io_threads, int) or io_threads < 1:
             raise StorageURLError(f"io_threads must be a positive int, got {io_threads!r}")
         self.root = os.path.abspath(os.fspath(root))
@@ -217,14 +219,14 @@ class FileBackend(StorageBackend):
             n += 1
         return n
 
-    def _get(self, skeys: list[str]) -> list[bytes | None]:
-        return self._map(self._read_one, skeys)
+    def _get(self, skeys: list[str], fmt: bytes) -> list[bytes | None]:
+        return self._map(self._read_one, skeys, [fmt] * len(skeys))
 
-    def _get_into(self, skeys: list[str], dests: list[list[memoryview]]) -> list[bool]:
-        return self._map(self._read_into_one, skeys, dests)
+    def _get_into(self, skeys: list[str], dests: list[list[memoryview]], fmt: bytes) -> list[bool]:
+        return self._map(self._read_into_one, skeys, dests, [fmt] * len(skeys))
 
-    def _set(self, skeys: list[str], payloads: list[list[memoryview]]) -> list[str]:
-        outcomes = self._map(self._write_one, skeys, payloads)
+    def _set(self, skeys: list[str], payloads: list[list[memoryview]], fmt: bytes) -> list[str]:
+        outcomes = self._map(self._write_one, skeys, payloads, [fmt] * len(skeys))
         if self._lru.max_bytes is not None:
             with self._lock:
                 victims = self._lru.over_budget()
@@ -289,7 +291,7 @@ class FileBackend(StorageBackend):
         except OSError as exc:
             raise _os_error(exc, f"opening page {skey}") from exc
 
-    def _read_one(self, skey: str) -> bytes | None:
+    def _read_one(self, skey: str, fmt: bytes) -> bytes | None:
         path, fd = self._open_page(skey)
         if fd is None:
             return None
@@ -297,7 +299,7 @@ class FileBackend(StorageBackend):
         try:
             size = os.fstat(fd).st_size
             head = os.read(fd, HEADER.size + len(key))
-            payload_len, algo, check = parse_header(head, key)
+            payload_len, algo, check = parse_header(head, key, fmt)
             if size != len(head) + payload_len:
                 raise CorruptPage(f"file is {size} bytes, header says {len(head) + payload_len}")
             chunks = []
@@ -311,7 +313,7 @@ class FileBackend(StorageBackend):
             data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
             verify_payload([data], algo, check)
         except CorruptPage as exc:
-            self._report_corrupt(skey, str(exc))
+            self._report_corrupt(skey, exc)
             return None
         except OSError as exc:
             raise _os_error(exc, f"reading page {skey}") from exc
@@ -320,7 +322,7 @@ class FileBackend(StorageBackend):
         self._hit(path)
         return data
 
-    def _read_into_one(self, skey: str, parts: list[memoryview]) -> bool:
+    def _read_into_one(self, skey: str, parts: list[memoryview], fmt: bytes) -> bool:
         path, fd = self._open_page(skey)
         if fd is None:
             return False
@@ -329,7 +331,8 @@ class FileBackend(StorageBackend):
         expected = len(head) + sum(len(p) for p in parts)
         try:
             size = os.fstat(fd).st_size
-            if size != expected:
+            if size != expected:  # another format (the header says so) or a damaged file
+                parse_header(os.read(fd, len(head)), key, fmt)
                 raise CorruptPage(f"file is {size} bytes, a page here is {expected}")
             got = os.readv(fd, [head, *parts])
             while got < expected:  # rare: a short readv on a regular file
@@ -337,12 +340,12 @@ class FileBackend(StorageBackend):
                 if more == 0:
                     raise CorruptPage("file ended early")
                 got += more
-            payload_len, algo, check = parse_header(head, key)
+            payload_len, algo, check = parse_header(head, key, fmt)
             if payload_len != expected - len(head):
                 raise CorruptPage("payload length mismatch")
             verify_payload(parts, algo, check)
         except CorruptPage as exc:
-            self._report_corrupt(skey, str(exc))
+            self._report_corrupt(skey, exc)
             return False
         except OSError as exc:
             raise _os_error(exc, f"reading page {skey}") from exc
@@ -363,7 +366,7 @@ class FileBackend(StorageBackend):
             done = 0
         return os.readv(fd, views) if views else 0
 
-    def _write_one(self, skey: str, parts: list[memoryview]) -> str:
+    def _write_one(self, skey: str, parts: list[memoryview], fmt: bytes) -> str:
         path = self._path(skey)
         if os.path.exists(path):
             return EXISTS
@@ -373,7 +376,7 @@ class FileBackend(StorageBackend):
                 "FileBackend: page %s (%d bytes) exceeds max_bytes=%d; not stored", skey, total, self._lru.max_bytes
             )
             return FAILED
-        header = self._encode_header(skey, parts)
+        header = self._encode_header(skey, parts, fmt)
         shard = os.path.dirname(path)
         try:
             if shard not in self._made_dirs:
