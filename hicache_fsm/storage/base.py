@@ -100,6 +100,7 @@ STAT_FIELDS = (
     "set_failures",  # of those, refused without an error (e.g. over the size cap)
     "errors",  # calls that raised StorageError
     "evictions",  # pages dropped by a size cap
+    "orphans_removed",  # temporary files of crashed writers removed when the store opened (file)
     "bytes_read",  # payload bytes returned on hits
     "bytes_written",  # payload bytes actually written
 )

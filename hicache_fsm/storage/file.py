@@ -14,6 +14,9 @@ the payload.
 * Writes go to a temporary file in the same directory and are renamed into place
   (``os.replace``), so a reader sees a whole page or nothing; a failed write
   removes its temporary file. ``fsync=True`` also flushes before the rename.
+  Opening a store removes temporary files a crashed writer left: those whose
+  writer process (named in the file name) is gone from this host, and any older
+  than 10 minutes (counted ``orphans_removed``).
 * A key whose file exists is not rewritten (counted ``skipped_existing``).
 * A missing file is a miss; a short, oversized or checksum-failing file is a miss
   counted ``corrupt``; any other OS error raises StorageError (ENOSPC/EDQUOT:
@@ -85,6 +88,24 @@ def _os_error(exc: OSError, what: str) -> StorageError:
     return StorageError(message)
 
 
+def _writer_alive(tmp_name: str) -> bool:
+    """Whether the process that named temporary file ``tmp_name`` (``.NAME.PID.TID.N.tmp``) still runs here."""
+    fields = tmp_name.split(".")
+    try:
+        pid = int(fields[-4])
+    except (IndexError, ValueError):
+        return False
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
 def _writev_all(fd: int, parts: list) -> None:
     views = [memoryview(p) for p in parts if len(p)]
     while views:
@@ -134,6 +155,7 @@ class FileBackend(StorageBackend):
             raise _os_error(exc, f"cannot open storage directory {self.root}") from exc
         if not os.access(self.ns_dir, os.W_OK | os.X_OK):
             raise StorageUnavailable(f"storage directory {self.ns_dir} is not writable")
+        self._stats.add(orphans_removed=self._remove_orphans())
         if max_bytes is not None:
             self._seed_lru()
 
@@ -157,6 +179,28 @@ class FileBackend(StorageBackend):
                 return [e.path for e in it if e.is_dir(follow_symlinks=False) and len(e.name) == 2]
         except FileNotFoundError:
             return []
+
+    def _remove_orphans(self) -> int:
+        """Delete temporary files left by writers that died (see the module docstring); how many."""
+        removed = 0
+        now = time.time()
+        for shard in self._shards():
+            try:
+                with os.scandir(shard) as it:
+                    tmps = [e for e in it if e.name.endswith(_TMP_SUFFIX)]
+            except OSError:
+                continue
+            for entry in tmps:
+                try:
+                    age = now - entry.stat(follow_symlinks=False).st_mtime
+                except FileNotFoundError:
+                    continue
+                if age > _STALE_TMP_SECONDS or not _writer_alive(entry.name):
+                    self._unlink(entry.path)
+                    removed += 1
+        if removed:
+            logger.warning("FileBackend: removed %d temporary files left by crashed writers in %s", removed, self.ns_dir)
+        return removed
 
     def _seed_lru(self) -> None:
         now = time.time()
