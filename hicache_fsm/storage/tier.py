@@ -704,12 +704,12 @@ class StorageTier:
 
     def _io_loop(self, stop: threading.Event, backend: StorageBackend) -> None:
         while not stop.is_set():
-            down = bool(self._link_down)
-            if down:
-                self._probe(backend)  # rate-limited to one per probe_interval
+            down = bool(self._link_down)  # then queued jobs fail at once; probe only once none is left
             timeout = self.options.probe_interval if down else 0.5
             item = self._take(stop, (self._transfer_q, self._backup_q), timeout)
             if item is None:
+                if down and not stop.is_set():
+                    self._probe(backend)
                 continue
             try:
                 if len(item) == 3:
