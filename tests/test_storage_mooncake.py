@@ -74,11 +74,35 @@ def test_round_trip_bit_exact(mooncake_master, layout):
             assert torch.equal(dst.read_page(d), src.read_page(s))
         assert b.batch_set(["a" * 64], [b"bytes api"]) == [True]
         assert b.batch_get(["a" * 64, "b" * 64]) == [b"bytes api", None]
-        assert b._debug_corrupt(keys[1])
-        assert b.batch_get_into(keys, dst, [4, 5, 6]) == [True, False, True]  # a damaged page is a miss
-        assert b.stats()["corrupt"] == 1
         b.clear()
         assert b.batch_exists(keys) == 0
+    finally:
+        b.close()
+
+
+def test_a_checksummed_store_turns_a_damaged_page_into_a_miss(mooncake_master):
+    b = open_backend(mooncake_master.url + "&checksum=wsum64", namespace=NS)
+    try:
+        src, dst = pool(seed=2), pool(seed=None)
+        keys = page_keys(prompt(3 * PAGE, seed=5), PAGE)
+        assert b.batch_set_from(keys, src, [0, 1, 2]) == [True] * 3
+        assert b._debug_corrupt(keys[1])
+        assert b.batch_get_into(keys, dst, [4, 5, 6]) == [True, False, True]
+        assert b.stats()["corrupt"] == 1
+        assert torch.equal(dst.read_page(4), src.read_page(0)) and torch.equal(dst.read_page(6), src.read_page(2))
+    finally:
+        b.close()
+
+
+def test_a_value_of_another_size_is_a_miss(mooncake_master):
+    b = open_backend(mooncake_master.url, namespace=NS)
+    try:
+        keys = page_keys(prompt(PAGE, seed=6), PAGE)
+        small = HostKVPool(KVShape(layers=1, heads=2, head_dim=8, dtype=torch.bfloat16), 8 * PAGE, PAGE,
+                           "layer_first", pin_memory=False)
+        assert b.batch_set_from(keys, small, [0]) == [True]
+        assert b.batch_get_into(keys, pool(seed=None), [0]) == [False]
+        assert b.stats()["format_mismatch"] == 1
     finally:
         b.close()
 

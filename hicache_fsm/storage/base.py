@@ -30,7 +30,9 @@ the payload. The key copy catches a value that landed under the wrong name; the
 page format catches a reader whose host layout, KV shape, dtype or page size
 differs from the writer's (a miss counted ``format_mismatch``, never the bytes). The payload checksum is ``wsum64`` by default (a position-weighted 64-bit
 sum that runs at memory speed, see :class:`_WSum64`) or ``crc32``
-(``checksum="crc32"`` on any backend); readers accept either.
+(``checksum="crc32"`` on any backend), or ``none`` where the medium guards the
+payload itself (the Mooncake backend's default: RAM reached over TCP/RDMA; the
+header, key, format and size are still verified); readers accept each.
 
 The host pool is duck-typed (:class:`HostPoolLike`): ``page_nbytes``,
 ``page_size``, ``read_page(page_id)``, ``write_page(page_id, data)`` and
@@ -83,7 +85,7 @@ HEADER = struct.Struct("<4sBBHQQ64sI")
 _HEADER_CRC_SPAN = HEADER.size - 4
 
 # Payload checksum algorithms (the header records which one wrote a value; readers accept both).
-CHECKSUMS = {"wsum64": 1, "crc32": 2}
+CHECKSUMS = {"wsum64": 1, "crc32": 2, "none": 3}
 _CHECKSUM_NAMES = {v: k for k, v in CHECKSUMS.items()}
 
 DEFAULT_NAMESPACE = KeyNamespace("default")
@@ -240,6 +242,8 @@ def payload_checksum(parts: Iterable[memoryview | bytes], algo: int) -> int:
         for part in parts:
             state.update(part)
         return state.digest()
+    if algo == CHECKSUMS["none"]:
+        return 0
     if algo == CHECKSUMS["crc32"]:
         crc = 0
         for part in parts:

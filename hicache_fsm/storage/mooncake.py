@@ -13,6 +13,13 @@ into the distributed pool and keeps a ``buffer_mb`` MiB transfer buffer.
   checksum, page format, key copy) travels in a small registered scratch
   buffer as the first part of the same object. Values not in registered memory
   (the bytes API) are copied.
+* Payload checksum: ``none`` by default (``?checksum=wsum64`` or
+  ``checksum=`` to add one). Pages live in peers' RAM and move over TCP/RDMA,
+  whose own integrity checks cover the bytes; the header (key copy, page
+  format, size, header CRC) is verified on every read, which is what catches a
+  page stored under another key, in another format or cut short. Hashing each
+  page on both sides would cost more than the transfer (about 2 GB/s here
+  against Mooncake's ~10 GB/s).
 * Keys already stored are skipped (``batch_is_exist`` first): Mooncake's
   ``put`` on an existing key keeps the old value anyway, and stored pages are
   content-addressed.
@@ -71,11 +78,10 @@ logger = logging.getLogger("hicache_fsm.storage")
 # Mooncake error codes this backend tells apart (mooncake-store types.h)
 OBJECT_NOT_FOUND = -704
 OBJECT_ALREADY_EXISTS = -705
-TRANSFER_FAIL = -800
-RPC_FAIL = -900
-_UNREACHABLE_BELOW = -900  # RPC / metadata-service / client-state errors: the master is not answering
+# TRANSFER_FAIL (-800): the holder is gone, or the buffers do not fit the value: a miss
+_UNREACHABLE_BELOW = -900  # RPC_FAIL and below (metadata service, client state): the master is not answering
 
-_QUERY_KEYS = ("metadata", "segment_mb", "buffer_mb", "local_host")
+_QUERY_KEYS = ("metadata", "segment_mb", "buffer_mb", "local_host", "checksum")
 _SCRATCH_BYTES = 1 << 20
 
 
@@ -155,11 +161,11 @@ class MooncakeBackend(StorageBackend):
         namespace: KeyNamespace | None = None,
         *,
         connect_timeout: float = 2.0,
-        checksum: str = "wsum64",
+        checksum: str | None = None,
         page_format: PageFormat | None = None,
     ) -> None:
-        super().__init__(namespace, checksum=checksum, page_format=page_format)
         host, port, query = _parse_url(url)
+        super().__init__(namespace, checksum=checksum or query.get("checksum") or "none", page_format=page_format)
         self.url = url
         self.master = f"{host}:{port}"
         metadata = query.get("metadata") or "P2PHANDSHAKE"
@@ -257,7 +263,10 @@ class MooncakeBackend(StorageBackend):
         return out
 
     def _fetch_whole(self, skey: str, fmt: bytes) -> memoryview | None:
-        """The verified payload of one key by copy (bytes API, and sizing up a value that did not fit)."""
+        """The verified payload of one key by copy (bytes API, and sizing up a value that did not fit).
+
+        None for a miss, including a value whose holder died (the copy fails too).
+        """
         with self._lock:
             blob = self._mc.get(skey)
         if not blob:
@@ -314,14 +323,11 @@ class MooncakeBackend(StorageBackend):
                 out.append(True)
             elif code == OBJECT_NOT_FOUND:
                 out.append(False)
-            elif code == TRANSFER_FAIL:  # the holder of its segment died: gone until the master notices
-                logger.debug("mooncake: page %s unreadable (transfer failed); a miss", skey)
-                out.append(False)
-            else:  # another size (another format, or damaged): find out which, then miss
+            else:  # another size (another format, or damaged), or a dead holder (-800): a miss
                 resize.append(skey)
                 out.append(False)
-        for skey in resize:
-            if self._fetch_whole(skey, fmt) is not None:  # same format, same bytes but another size: damaged
+        for skey in resize:  # rare: read the whole value by copy to say which
+            if self._fetch_whole(skey, fmt) is not None:  # readable, our format, yet another size: damaged
                 self._report_corrupt(skey, "stored value has another size than this page")
         return out
 
