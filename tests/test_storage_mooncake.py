@@ -6,6 +6,7 @@ master binary is missing (``.ci/run`` installs both).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
@@ -16,9 +17,10 @@ import time
 import pytest
 import torch
 from mooncake_fixture import free_port
-from storage_util import PAGE, make_cache, prompt, put, wait_until
+from storage_util import PAGE, evict_all, make_cache, prompt, put, wait_until
 from test_storage_faults_cache import OPTS, is_stored, logged, prefetch_and_proceed, seed
 
+from hicache_fsm.cli import main
 from hicache_fsm.errors import StorageLinkError, StorageUnavailable, StorageURLError
 from hicache_fsm.pools import LAYOUTS, HostKVPool, KVShape
 from hicache_fsm.storage import KeyNamespace, open_backend, page_keys
@@ -224,8 +226,15 @@ def test_master_killed_mid_backup_then_restarted(cache, mooncake_master, caplog)
     wait_until(cache, lambda: cache.stats()["storage"]["backup_failures"] >= 1, timeout=30, what="failed backup")
     mooncake_master.restart()
     wait_until(cache, lambda: is_stored(cache, t), timeout=30, what="backup after restart")
-    from storage_util import evict_all
-
     evict_all(cache, t)
     assert prefetch_and_proceed(cache, t) == 48  # every page reached the restarted master
     cache.check_invariants()
+
+
+def test_bench_storage_compares_with_raw_mooncake_calls(mooncake_master, capsys):
+    url = mooncake_master.url
+    assert main(["bench", "storage", "--url", url, "--pages", "4", "--page-tokens", "4", "--layers", "2",
+                 "--repeats", "2", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["scheme"] == "mooncake" and result["raw_set_gbps"] > 0 and result["raw_get_gbps"] > 0
+    assert result["set_ratio"] > 0 and result["get_ratio"] > 0
