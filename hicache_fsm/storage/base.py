@@ -28,7 +28,8 @@ checksum, the writer's page format (:mod:`hicache_fsm.storage.page_format`)
 and a CRC-32 of the header itself, followed by the full storage key and then
 the payload. The key copy catches a value that landed under the wrong name; the
 page format catches a reader whose host layout, KV shape, dtype or page size
-differs from the writer's (a miss counted ``format_mismatch``, never the bytes). The payload checksum is ``wsum64`` by default (a position-weighted 64-bit
+differs from the writer's (a miss counted ``format_mismatch``, never the bytes).
+The payload checksum is ``wsum64`` by default (a position-weighted 64-bit
 sum that runs at memory speed, see :class:`_WSum64`) or ``crc32``
 (``checksum="crc32"`` on any backend), or ``none`` where the medium guards the
 payload itself (the Mooncake backend's default: RAM reached over TCP/RDMA; the

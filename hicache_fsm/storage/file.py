@@ -203,7 +203,6 @@ class FileBackend(StorageBackend):
         return removed
 
     def _seed_lru(self) -> None:
-        now = time.time()
         found = []
         for shard in self._shards():
             with os.scandir(shard) as it:
@@ -214,8 +213,6 @@ class FileBackend(StorageBackend):
                         continue
                     if entry.name.endswith(_SUFFIX):
                         found.append((st.st_mtime_ns, entry.path, st.st_size))
-                    elif entry.name.endswith(_TMP_SUFFIX) and now - st.st_mtime > _STALE_TMP_SECONDS:
-                        self._unlink(entry.path)
         found.sort()
         for _, path, size in found:
             self._lru.add(path, size)

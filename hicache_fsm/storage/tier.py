@@ -260,9 +260,8 @@ class StorageTier:
         self._fail_queued(reason)
         deadline = time.monotonic() + self.options.join_timeout
         while self.transfers_in_flight() and time.monotonic() < deadline:
-            with self._cv:
-                if self._busy:
-                    self._cv.wait(min(0.05, max(0.0, deadline - time.monotonic())))
+            with self._cv:  # woken when a storage thread finishes an item
+                self._cv.wait(min(0.05, max(0.0, deadline - time.monotonic())))
             self._apply_finished()
 
     def _fail_queued(self, reason: str) -> None:
