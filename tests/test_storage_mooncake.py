@@ -26,6 +26,7 @@ from hicache_fsm.pools import LAYOUTS, HostKVPool, KVShape
 from hicache_fsm.storage import KeyNamespace, open_backend, page_keys
 from hicache_fsm.storage.faults import FaultyBackend
 
+pytestmark = pytest.mark.mooncake
 NS = KeyNamespace("mc-test")
 SHAPE = KVShape(layers=3, heads=2, head_dim=8, dtype=torch.bfloat16)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
