@@ -62,6 +62,7 @@ from hicache_fsm.results import (
     as_tokens,
 )
 from hicache_fsm.spec import load_builtin
+from hicache_fsm.storage.ownership import check_completion_owner
 from hicache_fsm.storage.tier import attach_storage
 
 log = logging.getLogger("hicache_fsm.cache")
@@ -582,14 +583,17 @@ class HiCache:
         outbox.apply(done)
         return done
 
-    def complete(self, completion: Completion) -> None:
+    def complete(self, completion: Completion, *, owner: object = None) -> None:
         """Apply one completion reported by an engine-side executor.
 
         Raises ``UnknownJob`` (changing nothing) for a job that is not pending,
-        including a second ack of the same job.
+        including a second ack of the same job, and its subclass ``JobOwnerError``
+        for a job the caller does not run: h2s / s2h jobs are completed by the
+        storage tier alone (``owner=cache.storage``), every other job by the engine.
         """
         self.check_open()
         self.outbox.check(completion)
+        check_completion_owner(self.outbox.pending_job(completion.job_id), owner, self.storage)
         self.outbox.apply([completion])
 
     # ================================================================== observation
@@ -720,15 +724,18 @@ class HiCache:
             self.cp.reset()
         self.counters["resets"] += 1
 
-    def close(self) -> None:
-        """Finish in-flight copies, stop storage threads, release executor resources (engine shutdown)."""
+    def close(self, drain: float = 0.0) -> None:
+        """Finish in-flight copies, stop storage threads, release executor resources (engine shutdown).
+
+        ``drain``: seconds queued storage backups may take to finish first (0: they fail).
+        """
         if self.closed:
             return
         if self.executor_can_block():
             self.flush()
             self.executor.synchronize()
         if self.storage is not None:
-            self.storage.close()
+            self.storage.close(drain=drain)
         self.executor.close()
         self.closed = True
 

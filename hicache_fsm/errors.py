@@ -59,6 +59,10 @@ class UnknownJob(HiCacheError):
     """A completion names a job that is not pending (unknown, or already acked)."""
 
 
+class JobOwnerError(UnknownJob):
+    """A completion came from someone other than the job's owner (the storage tier runs h2s / s2h jobs)."""
+
+
 class LockError(HiCacheError):
     """A lock count would go negative, or a locked node was asked to be freed."""
 

@@ -105,6 +105,10 @@ class Outbox:
     def is_pending(self, job_id: int) -> bool:
         return job_id in self._pending
 
+    def pending_job(self, job_id: int) -> TransferJob | None:
+        """The pending job with this id, or None (never pending, acked, or cancelled)."""
+        return self._pending.get(job_id)
+
     def has_pending(self, kind: JobKind) -> bool:
         return any(j.kind is kind for j in self._pending.values())
 

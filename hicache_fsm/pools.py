@@ -17,8 +17,9 @@ Page byte format (``read_page`` / ``write_page`` / ``page_views``): the K bytes
 of the page, then the V bytes, each in the host layout's own element order
 (layer_first: layer by layer, each layer's ``page_size`` tokens; page_first:
 token by token, all layers of each token; page_first_direct: layer by layer).
-The format therefore depends on the layout, as it does upstream; a storage
-backend must be read back with the same layout and shape it was written with.
+The format therefore depends on the layout, as it does upstream; stored pages
+record it (:mod:`hicache_fsm.storage.page_format`), so a reader in another
+format gets a miss, never these bytes.
 """
 
 from __future__ import annotations

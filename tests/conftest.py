@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, settings
 
 from hicache_fsm.testing.explorer import quiet_cache_logs
 
-pytest_plugins = ["redis_fixture"]
+pytest_plugins = ["redis_fixture", "mooncake_fixture"]
 
 settings.register_profile("ci", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("dev", deadline=None)

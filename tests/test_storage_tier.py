@@ -138,16 +138,17 @@ def test_attach_bad_options_change_nothing(cache):
     assert not storage_threads()
 
 
-def test_detach_refused_while_backup_in_flight(cache):
+def test_detach_with_work_in_flight_ends_it_within_the_bound(cache):
     cache.attach_storage(slow(0.3, "batch_set_from"), **FAST)
-    put(cache, prompt(16))
+    t = prompt(16)
+    put(cache, t)
     wait_until(cache, lambda: cache.storage_transfers_in_flight() > 0, what="a backup to start")
-    with pytest.raises(StorageLinkError, match="in flight"):
-        cache.detach_storage()
-    assert cache.storage.state == "attached" and len(storage_threads()) == 2
-    settle(cache)
-    cache.detach_storage()
-    assert cache.storage.state == "detached"
+    start = time.monotonic()
+    cache.detach_storage()  # the running backup ends (or fails), nothing waits on a timeout per job
+    assert time.monotonic() - start < FAST["join_timeout"]
+    assert cache.storage.state == "detached" and not storage_threads()
+    assert cache.storage_transfers_in_flight() == 0
+    assert path_nodes(cache, t)[0][-1].state in ("device_host", "device_host_stored")
     cache.check_invariants()
 
 

@@ -12,7 +12,12 @@ baseline moves the same bytes on the same medium:
   preallocated host page, using the same number of threads as the backend;
 * ``redis://``: pipelined ``SET`` / ``GET`` of values of the page size on the
   same server (the raw GET only receives the bytes; the backend also verifies
-  and copies them into the host page).
+  and copies them into the host page);
+* ``mooncake://``: Mooncake's own ``batch_put_from`` / ``batch_get_into`` of
+  the same registered host pages through the backend's client (the backend
+  adds its header and checksum, and verifies every page it reads). Give the
+  URL a ``segment_mb`` that holds both copies (2 x pages x page size, plus room:
+  the master evicts past 90% full).
 
 Before every set round both sides delete what the previous round wrote
 (untimed), so neither side ever skips or overwrites. Reported: ``set_gbps``,
@@ -142,6 +147,29 @@ def _redis_baseline(url: str, n: int, src: _BenchPool):
     return clear, set_all, get_all, client
 
 
+def _mooncake_baseline(backend, n: int, src: _BenchPool, dst: _BenchPool):
+    store = backend.raw_store
+    backend.register_memory(src.data)
+    backend.register_memory(dst.data)
+    keys = [f"hicache-bench-raw/{i}" for i in range(n)]
+    size = src.data.shape[1]
+    src_ptrs = [src.data[i].data_ptr() for i in range(n)]
+    dst_ptrs = [dst.data[i].data_ptr() for i in range(n)]
+
+    def clear() -> None:
+        store.batch_remove(keys, True)
+
+    def set_all() -> None:
+        codes = store.batch_put_from(keys, src_ptrs, [size] * n)
+        assert all(c == 0 for c in codes), f"raw batch_put_from failed: {codes}"
+
+    def get_all() -> None:
+        codes = store.batch_get_into(keys, dst_ptrs, [size] * n)
+        assert all(c == size for c in codes), f"raw batch_get_into failed: {codes}"
+
+    return clear, set_all, get_all, None
+
+
 def run(args: argparse.Namespace) -> dict:
     page_nbytes = 2 * args.page_tokens * args.layers * args.kv_heads * args.head_dim * args.dtype_bytes
     n = args.pages
@@ -153,10 +181,10 @@ def run(args: argparse.Namespace) -> dict:
         tmpdir = tempfile.mkdtemp(prefix="hicache-bench-storage-")
         url = f"file://{tmpdir}/store"
     scheme = urlsplit(url).scheme
-    if scheme not in ("file", "redis", "rediss"):
-        raise SystemExit(f"bench storage: only file:// and redis:// URLs are benchmarked, got {url!r}")
+    if scheme not in ("file", "redis", "rediss", "mooncake"):
+        raise SystemExit(f"bench storage: only file://, redis:// and mooncake:// URLs are benchmarked, got {url!r}")
 
-    options = {"io_threads": args.threads} if scheme == "file" else {"socket_timeout": 30.0}
+    options = {"file": {"io_threads": args.threads}, "mooncake": {}}.get(scheme, {"socket_timeout": 30.0})
     try:
         backend = open_backend(url, namespace=KeyNamespace("bench-storage"), **options)
     except StorageError as exc:
@@ -176,6 +204,9 @@ def run(args: argparse.Namespace) -> dict:
         store_dir = unquote(urlsplit(url).path)
         raw_root = os.path.join(os.path.dirname(os.path.abspath(store_dir)), os.path.basename(store_dir) + "-raw")
         raw_clear, raw_set, raw_get, closer = _file_baseline(raw_root, n, src, raw_dst, args.threads)
+    elif scheme == "mooncake":
+        raw_root = None
+        raw_clear, raw_set, raw_get, closer = _mooncake_baseline(backend, n, src, raw_dst)
     else:
         raw_root = None
         raw_clear, raw_set, raw_get, closer = _redis_baseline(url, n, src)
@@ -203,13 +234,13 @@ def run(args: argparse.Namespace) -> dict:
         backend.clear()
         raw_clear()
     finally:
-        backend.close()
         if scheme == "file":
             if closer is not None:
                 closer.shutdown()
             shutil.rmtree(raw_root, ignore_errors=True)
-        else:
+        elif closer is not None:
             closer.close()
+        backend.close()
         if tmpdir:
             shutil.rmtree(tmpdir, ignore_errors=True)
 

@@ -5,11 +5,13 @@
 * ``file:///DIR``            -> :class:`~hicache_fsm.storage.file.FileBackend` (the default)
 * ``redis://HOST:PORT/DB``   -> :class:`~hicache_fsm.storage.redis.RedisBackend`
 * ``memory://`` / ``memory://NAME`` -> :class:`~hicache_fsm.storage.memory.MemoryBackend`
+* ``mooncake://HOST:PORT[?metadata=...&segment_mb=...&buffer_mb=...]`` ->
+  :class:`~hicache_fsm.storage.mooncake.MooncakeBackend` (the ``[mooncake]`` extra)
 
 ``options`` go to the backend's constructor (``namespace=KeyNamespace(...)`` for
 all of them; ``max_bytes``, ``fsync``, ``io_threads`` for files;
 ``socket_timeout``, ``connect_timeout``, ``max_connections``, ``retries``,
-``ttl`` for Redis). An unknown scheme raises
+``ttl`` for Redis; ``connect_timeout`` for Mooncake). An unknown scheme raises
 :class:`~hicache_fsm.errors.StorageURLError`.
 """
 
@@ -32,7 +34,7 @@ __all__ = [
     "page_keys",
 ]
 
-SCHEMES = ("file", "redis", "memory")
+SCHEMES = ("file", "redis", "memory", "mooncake")
 
 
 def open_backend(url: str, **options: Any) -> StorageBackend:
@@ -56,6 +58,10 @@ def open_backend(url: str, **options: Any) -> StorageBackend:
         from hicache_fsm.storage.memory import MemoryBackend
 
         return MemoryBackend(store=parts.netloc or None, **options)
+    if scheme == "mooncake":
+        from hicache_fsm.storage.mooncake import MooncakeBackend
+
+        return MooncakeBackend(url, **options)
     if scheme in ("redis", "rediss", "unix"):
         from hicache_fsm.storage.redis import RedisBackend
 

@@ -24,11 +24,16 @@ Contract of every backend:
 
 Every stored value carries a small header (see :func:`encode_header`): magic,
 format version, checksum algorithm, key length, payload length, payload
-checksum and a CRC-32 of the header itself, followed by the full storage key
-and then the payload. The key copy catches a value that landed under the wrong
-name. The payload checksum is ``wsum64`` by default (a position-weighted 64-bit
+checksum, the writer's page format (:mod:`hicache_fsm.storage.page_format`)
+and a CRC-32 of the header itself, followed by the full storage key and then
+the payload. The key copy catches a value that landed under the wrong name; the
+page format catches a reader whose host layout, KV shape, dtype or page size
+differs from the writer's (a miss counted ``format_mismatch``, never the bytes).
+The payload checksum is ``wsum64`` by default (a position-weighted 64-bit
 sum that runs at memory speed, see :class:`_WSum64`) or ``crc32``
-(``checksum="crc32"`` on any backend); readers accept either.
+(``checksum="crc32"`` on any backend), or ``none`` where the medium guards the
+payload itself (the Mooncake backend's default: RAM reached over TCP/RDMA; the
+header, key, format and size are still verified); readers accept each.
 
 The host pool is duck-typed (:class:`HostPoolLike`): ``page_nbytes``,
 ``page_size``, ``read_page(page_id)``, ``write_page(page_id, data)`` and
@@ -50,6 +55,7 @@ import torch
 
 from hicache_fsm.errors import StorageError, StorageKeyError, StorageUnavailable
 from hicache_fsm.storage.keys import KeyNamespace
+from hicache_fsm.storage.page_format import UNTYPED, PageFormat, describe, format_bytes, page_format_of
 
 logger = logging.getLogger("hicache_fsm.storage")
 
@@ -74,13 +80,13 @@ __all__ = [
 ]
 
 MAGIC = b"HCKV"
-FORMAT_VERSION = 1
-# magic, version, checksum algorithm, key length, payload length, payload checksum, header crc32
-HEADER = struct.Struct("<4sBBHQQI")
+FORMAT_VERSION = 2
+# magic, version, checksum algorithm, key length, payload length, payload checksum, page format, header crc32
+HEADER = struct.Struct("<4sBBHQQ64sI")
 _HEADER_CRC_SPAN = HEADER.size - 4
 
 # Payload checksum algorithms (the header records which one wrote a value; readers accept both).
-CHECKSUMS = {"wsum64": 1, "crc32": 2}
+CHECKSUMS = {"wsum64": 1, "crc32": 2, "none": 3}
 _CHECKSUM_NAMES = {v: k for k, v in CHECKSUMS.items()}
 
 DEFAULT_NAMESPACE = KeyNamespace("default")
@@ -91,11 +97,13 @@ STAT_FIELDS = (
     "hits",
     "misses",  # includes corrupt pages
     "corrupt",  # stored pages rejected by the header/checksum check
+    "format_mismatch",  # stored pages written with another page format (layout, shape, dtype, page size)
     "sets",  # keys offered to batch_set / batch_set_from
     "skipped_existing",  # of those, already stored (not rewritten)
     "set_failures",  # of those, refused without an error (e.g. over the size cap)
     "errors",  # calls that raised StorageError
     "evictions",  # pages dropped by a size cap
+    "orphans_removed",  # temporary files of crashed writers removed when the store opened (file)
     "bytes_read",  # payload bytes returned on hits
     "bytes_written",  # payload bytes actually written
 )
@@ -108,6 +116,15 @@ FAILED = "failed"
 
 class CorruptPage(Exception):
     """Internal: a stored value failed verification (reported as a miss, never raised out)."""
+
+
+class FormatMismatch(CorruptPage):
+    """Internal: a stored value is intact but was written in another page format (a miss)."""
+
+    def __init__(self, stored: bytes, expected: bytes) -> None:
+        super().__init__(f"written as {describe(stored)!r}, this reader expects {describe(expected)!r}")
+        self.stored = stored
+        self.expected = expected
 
 
 @runtime_checkable
@@ -226,6 +243,8 @@ def payload_checksum(parts: Iterable[memoryview | bytes], algo: int) -> int:
         for part in parts:
             state.update(part)
         return state.digest()
+    if algo == CHECKSUMS["none"]:
+        return 0
     if algo == CHECKSUMS["crc32"]:
         crc = 0
         for part in parts:
@@ -241,23 +260,25 @@ def checksum_id(name: str) -> int:
         raise StorageKeyError(f"checksum must be one of {sorted(CHECKSUMS)}, got {name!r}") from None
 
 
-def encode_header(key: bytes, parts: Sequence[memoryview | bytes], algo: int = CHECKSUMS["wsum64"]) -> bytes:
-    """Header + key bytes that precede the payload ``parts`` in every stored value."""
+def encode_header(key: bytes, parts: Sequence[memoryview | bytes], algo: int = CHECKSUMS["wsum64"],
+                  fmt: bytes = UNTYPED) -> bytes:
+    """Header + key bytes that precede the payload ``parts`` in every stored value (``fmt``: page format field)."""
     payload_len = sum(len(p) for p in parts)
     check = payload_checksum(parts, algo)
-    head = HEADER.pack(MAGIC, FORMAT_VERSION, algo, len(key), payload_len, check, 0)[:_HEADER_CRC_SPAN]
+    head = HEADER.pack(MAGIC, FORMAT_VERSION, algo, len(key), payload_len, check, fmt, 0)[:_HEADER_CRC_SPAN]
     header_crc = zlib.crc32(key, zlib.crc32(head))
     return head + struct.pack("<I", header_crc) + key
 
 
-def parse_header(buf: bytes | bytearray | memoryview, key: bytes) -> tuple[int, int, int]:
+def parse_header(buf: bytes | bytearray | memoryview, key: bytes, fmt: bytes = UNTYPED) -> tuple[int, int, int]:
     """Check the header + key at the start of ``buf``; returns (payload_len, algo, checksum).
 
-    Raises :class:`CorruptPage` when anything does not match.
+    Raises :class:`CorruptPage` when anything does not match (:class:`FormatMismatch`
+    when only the page format differs from ``fmt``).
     """
     if len(buf) < HEADER.size + len(key):
         raise CorruptPage(f"short header ({len(buf)} bytes)")
-    magic, version, algo, key_len, payload_len, check, header_crc = HEADER.unpack_from(buf, 0)
+    magic, version, algo, key_len, payload_len, check, stored_fmt, header_crc = HEADER.unpack_from(buf, 0)
     if magic != MAGIC:
         raise CorruptPage("bad magic")
     if version != FORMAT_VERSION:
@@ -271,6 +292,8 @@ def parse_header(buf: bytes | bytearray | memoryview, key: bytes) -> tuple[int, 
         raise CorruptPage("stored under a different key")
     if algo not in _CHECKSUM_NAMES:
         raise CorruptPage(f"unknown checksum algorithm {algo}")
+    if stored_fmt != fmt:
+        raise FormatMismatch(stored_fmt, fmt)
     return payload_len, algo, check
 
 
@@ -280,10 +303,10 @@ def verify_payload(parts: Sequence[memoryview | bytes], algo: int, check: int) -
         raise CorruptPage(f"payload {_CHECKSUM_NAMES.get(algo, algo)} checksum mismatch")
 
 
-def decode_blob(blob: bytes | memoryview, key: bytes) -> memoryview:
+def decode_blob(blob: bytes | memoryview, key: bytes, fmt: bytes = UNTYPED) -> memoryview:
     """Verify a whole stored value and return a view of its payload (raises CorruptPage)."""
     view = memoryview(blob)
-    payload_len, algo, check = parse_header(view, key)
+    payload_len, algo, check = parse_header(view, key, fmt)
     start = HEADER.size + len(key)
     if len(view) - start != payload_len:
         raise CorruptPage(f"payload is {len(view) - start} bytes, header says {payload_len}")
@@ -412,7 +435,12 @@ class StorageBackend(ABC):
 
     scheme: str = ""
 
-    def __init__(self, namespace: KeyNamespace | None = None, *, checksum: str = "wsum64") -> None:
+    def __init__(self, namespace: KeyNamespace | None = None, *, checksum: str = "wsum64",
+                 page_format: PageFormat | None = None) -> None:
+        if page_format is not None and not isinstance(page_format, PageFormat):
+            raise StorageKeyError(f"page_format must be a PageFormat or None, got {type(page_format).__name__}")
+        self.page_format = page_format  # of the bytes API; host-pool calls use the pool's own format
+        self._foreign_formats: set[bytes] = set()
         self.checksum = checksum
         self._algo = checksum_id(checksum)
         if namespace is not None and not isinstance(namespace, KeyNamespace):
@@ -439,24 +467,31 @@ class StorageBackend(ABC):
             return 0
         return self._guard(self._exists, skeys)
 
-    def batch_get(self, keys: Sequence[str]) -> list[bytes | None]:
-        """The payload of each key, or None where it is missing or corrupt."""
+    def batch_get(self, keys: Sequence[str], page_format: PageFormat | None = None) -> list[bytes | None]:
+        """The payload of each key, or None where it is missing, corrupt or in another page format.
+
+        ``page_format``: the format the caller reads (default: the backend's ``page_format``).
+        """
         skeys = self._enter(keys)
-        results = self._guard(self._get, skeys) if skeys else []
+        fmt = format_bytes(page_format or self.page_format)
+        results = self._guard(self._get, skeys, fmt) if skeys else []
         hits = [r for r in results if r is not None]
         self._stats.add(
             gets=len(skeys), hits=len(hits), misses=len(skeys) - len(hits), bytes_read=sum(len(r) for r in hits)
         )
         return results
 
-    def batch_set(self, keys: Sequence[str], values: Sequence[Any]) -> list[bool]:
-        """Store each value under its key, skipping keys already stored; True where stored."""
+    def batch_set(self, keys: Sequence[str], values: Sequence[Any], page_format: PageFormat | None = None) -> list[bool]:
+        """Store each value under its key, skipping keys already stored; True where stored.
+
+        ``page_format``: the format of ``values`` (default: the backend's ``page_format``).
+        """
         skeys = self._enter(keys)
         values = list(values)
         if len(values) != len(skeys):
             raise StorageKeyError(f"{len(skeys)} keys but {len(values)} values")
         payloads = [[as_byte_view(v)] for v in values]
-        return self._store(skeys, payloads)
+        return self._store(skeys, payloads, format_bytes(page_format or self.page_format))
 
     def batch_get_into(self, keys: Sequence[str], host_pool: Any, page_ids: Sequence[int]) -> list[bool]:
         """Read each key's page straight into ``host_pool`` page ``page_ids[i]``; True on a hit."""
@@ -473,7 +508,7 @@ class StorageBackend(ABC):
                 staged[i] = bytearray(nbytes)
                 views = [memoryview(staged[i])]
             dests.append(views)
-        results = self._guard(self._get_into, skeys, dests)
+        results = self._guard(self._get_into, skeys, dests, self._pool_format(host_pool))
         for i, buf in staged.items():
             if results[i]:
                 host_pool.write_page(ids[i], torch.frombuffer(buf, dtype=torch.uint8))
@@ -491,7 +526,7 @@ class StorageBackend(ABC):
             if views is None:
                 views = [as_byte_view(host_pool.read_page(pid))]
             payloads.append(views)
-        return self._store(skeys, payloads)
+        return self._store(skeys, payloads, self._pool_format(host_pool))
 
     def clear(self) -> None:
         """Delete every page of this backend's namespace (nothing else)."""
@@ -534,6 +569,9 @@ class StorageBackend(ABC):
             raise StorageUnavailable(f"{type(self).__name__} is closed")
         return self._namespace.storage_keys(_check_keys(keys))
 
+    def _pool_format(self, host_pool: Any) -> bytes:
+        return format_bytes(page_format_of(host_pool, self.page_format))
+
     def _guard(self, fn, *args):
         try:
             return fn(*args)
@@ -541,10 +579,10 @@ class StorageBackend(ABC):
             self._stats.add(errors=1)
             raise
 
-    def _store(self, skeys: list[str], payloads: list[list[memoryview]]) -> list[bool]:
+    def _store(self, skeys: list[str], payloads: list[list[memoryview]], fmt: bytes) -> list[bool]:
         if not skeys:
             return []
-        outcomes = self._guard(self._set, skeys, payloads)
+        outcomes = self._guard(self._set, skeys, payloads, fmt)
         written = [i for i, o in enumerate(outcomes) if o == WRITTEN]
         self._stats.add(
             sets=len(skeys),
@@ -554,10 +592,19 @@ class StorageBackend(ABC):
         )
         return [o != FAILED for o in outcomes]
 
-    def _encode_header(self, skey: str, parts: Sequence[memoryview | bytes]) -> bytes:
-        return encode_header(skey.encode(), parts, self._algo)
+    def _encode_header(self, skey: str, parts: Sequence[memoryview | bytes], fmt: bytes) -> bytes:
+        return encode_header(skey.encode(), parts, self._algo, fmt)
 
-    def _report_corrupt(self, skey: str, reason: str) -> None:
+    def _report_corrupt(self, skey: str, reason: str | CorruptPage) -> None:
+        """Count a stored page that is read as a miss: corrupt, or (warned once per format) foreign."""
+        if isinstance(reason, FormatMismatch):
+            self._stats.add(format_mismatch=1)
+            if reason.stored not in self._foreign_formats:
+                self._foreign_formats.add(reason.stored)
+                logger.warning(
+                    "%s: stored page %s was %s; treating it and every page of that format as a miss "
+                    "(counted in stats()['format_mismatch'])", type(self).__name__, skey, reason)
+            return
         self._stats.add(corrupt=1)
         logger.warning("%s: stored page %s is corrupt (%s); treating it as a miss", type(self).__name__, skey, reason)
 
@@ -567,16 +614,17 @@ class StorageBackend(ABC):
     def _exists(self, skeys: list[str]) -> int: ...
 
     @abstractmethod
-    def _get(self, skeys: list[str]) -> list[bytes | None]: ...
+    def _get(self, skeys: list[str], fmt: bytes) -> list[bytes | None]:
+        """Each verified payload stored in page format ``fmt`` (a header field), or None."""
 
     @abstractmethod
-    def _set(self, skeys: list[str], payloads: list[list[memoryview]]) -> list[str]:
-        """Store each payload (given as byte parts) unless present; one of WRITTEN/EXISTS/FAILED each."""
+    def _set(self, skeys: list[str], payloads: list[list[memoryview]], fmt: bytes) -> list[str]:
+        """Store each payload (given as byte parts, in format ``fmt``) unless present; WRITTEN/EXISTS/FAILED each."""
 
-    def _get_into(self, skeys: list[str], dests: list[list[memoryview]]) -> list[bool]:
+    def _get_into(self, skeys: list[str], dests: list[list[memoryview]], fmt: bytes) -> list[bool]:
         """Default: fetch whole payloads, then copy them into the destination parts."""
         out = []
-        for skey, data, parts in zip(skeys, self._get(skeys), dests):
+        for skey, data, parts in zip(skeys, self._get(skeys, fmt), dests):
             out.append(data is not None and self._scatter(skey, memoryview(data), parts))
         return out
 

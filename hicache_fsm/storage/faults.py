@@ -45,6 +45,7 @@ import attrs
 
 from hicache_fsm.errors import StorageError, StorageKeyError, StorageTimeout, StorageUnavailable
 from hicache_fsm.storage.base import StorageBackend
+from hicache_fsm.storage.page_format import PageFormat
 
 __all__ = ["FAULT_KINDS", "METHODS", "Fault", "FaultyBackend"]
 
@@ -185,14 +186,14 @@ class FaultyBackend(StorageBackend):
     def batch_exists(self, keys: Sequence[str]) -> int:
         return self._run("batch_exists", keys, self.inner.batch_exists, None)
 
-    def batch_get(self, keys: Sequence[str]) -> list[bytes | None]:
-        return self._run("batch_get", keys, self.inner.batch_get, None)
+    def batch_get(self, keys: Sequence[str], page_format: PageFormat | None = None) -> list[bytes | None]:
+        return self._run("batch_get", keys, lambda ks: self.inner.batch_get(ks, page_format), None)
 
-    def batch_set(self, keys: Sequence[str], values: Sequence[Any]) -> list[bool]:
+    def batch_set(self, keys: Sequence[str], values: Sequence[Any], page_format: PageFormat | None = None) -> list[bool]:
         keys, values = list(keys), list(values)
         if len(values) != len(keys):
             raise StorageKeyError(f"{len(keys)} keys but {len(values)} values")
-        return self._run("batch_set", keys, lambda ks: self.inner.batch_set(ks, values[: len(ks)]), False)
+        return self._run("batch_set", keys, lambda ks: self.inner.batch_set(ks, values[: len(ks)], page_format), False)
 
     def batch_get_into(self, keys: Sequence[str], host_pool: Any, page_ids: Sequence[int]) -> list[bool]:
         ids = page_ids.tolist() if hasattr(page_ids, "tolist") else list(page_ids)
@@ -226,10 +227,10 @@ class FaultyBackend(StorageBackend):
     def _exists(self, skeys: list[str]) -> int:  # pragma: no cover
         raise NotImplementedError
 
-    def _get(self, skeys: list[str]) -> list[bytes | None]:  # pragma: no cover
+    def _get(self, skeys: list[str], fmt: bytes) -> list[bytes | None]:  # pragma: no cover
         raise NotImplementedError
 
-    def _set(self, skeys: list[str], payloads: list[list[memoryview]]) -> list[str]:  # pragma: no cover
+    def _set(self, skeys: list[str], payloads: list[list[memoryview]], fmt: bytes) -> list[str]:  # pragma: no cover
         raise NotImplementedError
 
     def _clear(self) -> None:  # pragma: no cover

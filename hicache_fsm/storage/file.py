@@ -14,6 +14,9 @@ the payload.
 * Writes go to a temporary file in the same directory and are renamed into place
   (``os.replace``), so a reader sees a whole page or nothing; a failed write
   removes its temporary file. ``fsync=True`` also flushes before the rename.
+  Opening a store removes temporary files a crashed writer left: those whose
+  writer process (named in the file name) is gone from this host, and any older
+  than 10 minutes (counted ``orphans_removed``).
 * A key whose file exists is not rewritten (counted ``skipped_existing``).
 * A missing file is a miss; a short, oversized or checksum-failing file is a miss
   counted ``corrupt``; any other OS error raises StorageError (ENOSPC/EDQUOT:
@@ -53,6 +56,7 @@ from hicache_fsm.storage.base import (
     verify_payload,
 )
 from hicache_fsm.storage.keys import KeyNamespace
+from hicache_fsm.storage.page_format import PageFormat
 
 __all__ = ["FileBackend"]
 
@@ -84,6 +88,24 @@ def _os_error(exc: OSError, what: str) -> StorageError:
     return StorageError(message)
 
 
+def _writer_alive(tmp_name: str) -> bool:
+    """Whether the process that named temporary file ``tmp_name`` (``.NAME.PID.TID.N.tmp``) still runs here."""
+    fields = tmp_name.split(".")
+    try:
+        pid = int(fields[-4])
+    except (IndexError, ValueError):
+        return False
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
 def _writev_all(fd: int, parts: list) -> None:
     views = [memoryview(p) for p in parts if len(p)]
     while views:
@@ -111,8 +133,9 @@ class FileBackend(StorageBackend):
         fsync: bool = False,
         io_threads: int = 1,
         checksum: str = "wsum64",
+        page_format: PageFormat | None = None,
     ) -> None:
-        super().__init__(namespace, checksum=checksum)
+        super().__init__(namespace, checksum=checksum, page_format=page_format)
         if isinstance(io_threads, bool) or not isinstance(io_threads, int) or io_threads < 1:
             raise StorageURLError(f"io_threads must be a positive int, got {io_threads!r}")
         self.root = os.path.abspath(os.fspath(root))
@@ -132,6 +155,7 @@ class FileBackend(StorageBackend):
             raise _os_error(exc, f"cannot open storage directory {self.root}") from exc
         if not os.access(self.ns_dir, os.W_OK | os.X_OK):
             raise StorageUnavailable(f"storage directory {self.ns_dir} is not writable")
+        self._stats.add(orphans_removed=self._remove_orphans())
         if max_bytes is not None:
             self._seed_lru()
 
@@ -156,8 +180,29 @@ class FileBackend(StorageBackend):
         except FileNotFoundError:
             return []
 
-    def _seed_lru(self) -> None:
+    def _remove_orphans(self) -> int:
+        """Delete temporary files left by writers that died (see the module docstring); how many."""
+        removed = 0
         now = time.time()
+        for shard in self._shards():
+            try:
+                with os.scandir(shard) as it:
+                    tmps = [e for e in it if e.name.endswith(_TMP_SUFFIX)]
+            except OSError:
+                continue
+            for entry in tmps:
+                try:
+                    age = now - entry.stat(follow_symlinks=False).st_mtime
+                except FileNotFoundError:
+                    continue
+                if age > _STALE_TMP_SECONDS or not _writer_alive(entry.name):
+                    self._unlink(entry.path)
+                    removed += 1
+        if removed:
+            logger.warning("FileBackend: removed %d temporary files left by crashed writers in %s", removed, self.ns_dir)
+        return removed
+
+    def _seed_lru(self) -> None:
         found = []
         for shard in self._shards():
             with os.scandir(shard) as it:
@@ -168,8 +213,6 @@ class FileBackend(StorageBackend):
                         continue
                     if entry.name.endswith(_SUFFIX):
                         found.append((st.st_mtime_ns, entry.path, st.st_size))
-                    elif entry.name.endswith(_TMP_SUFFIX) and now - st.st_mtime > _STALE_TMP_SECONDS:
-                        self._unlink(entry.path)
         found.sort()
         for _, path, size in found:
             self._lru.add(path, size)
@@ -217,14 +260,14 @@ class FileBackend(StorageBackend):
             n += 1
         return n
 
-    def _get(self, skeys: list[str]) -> list[bytes | None]:
-        return self._map(self._read_one, skeys)
+    def _get(self, skeys: list[str], fmt: bytes) -> list[bytes | None]:
+        return self._map(self._read_one, skeys, [fmt] * len(skeys))
 
-    def _get_into(self, skeys: list[str], dests: list[list[memoryview]]) -> list[bool]:
-        return self._map(self._read_into_one, skeys, dests)
+    def _get_into(self, skeys: list[str], dests: list[list[memoryview]], fmt: bytes) -> list[bool]:
+        return self._map(self._read_into_one, skeys, dests, [fmt] * len(skeys))
 
-    def _set(self, skeys: list[str], payloads: list[list[memoryview]]) -> list[str]:
-        outcomes = self._map(self._write_one, skeys, payloads)
+    def _set(self, skeys: list[str], payloads: list[list[memoryview]], fmt: bytes) -> list[str]:
+        outcomes = self._map(self._write_one, skeys, payloads, [fmt] * len(skeys))
         if self._lru.max_bytes is not None:
             with self._lock:
                 victims = self._lru.over_budget()
@@ -289,7 +332,7 @@ class FileBackend(StorageBackend):
         except OSError as exc:
             raise _os_error(exc, f"opening page {skey}") from exc
 
-    def _read_one(self, skey: str) -> bytes | None:
+    def _read_one(self, skey: str, fmt: bytes) -> bytes | None:
         path, fd = self._open_page(skey)
         if fd is None:
             return None
@@ -297,7 +340,7 @@ class FileBackend(StorageBackend):
         try:
             size = os.fstat(fd).st_size
             head = os.read(fd, HEADER.size + len(key))
-            payload_len, algo, check = parse_header(head, key)
+            payload_len, algo, check = parse_header(head, key, fmt)
             if size != len(head) + payload_len:
                 raise CorruptPage(f"file is {size} bytes, header says {len(head) + payload_len}")
             chunks = []
@@ -311,7 +354,7 @@ class FileBackend(StorageBackend):
             data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
             verify_payload([data], algo, check)
         except CorruptPage as exc:
-            self._report_corrupt(skey, str(exc))
+            self._report_corrupt(skey, exc)
             return None
         except OSError as exc:
             raise _os_error(exc, f"reading page {skey}") from exc
@@ -320,7 +363,7 @@ class FileBackend(StorageBackend):
         self._hit(path)
         return data
 
-    def _read_into_one(self, skey: str, parts: list[memoryview]) -> bool:
+    def _read_into_one(self, skey: str, parts: list[memoryview], fmt: bytes) -> bool:
         path, fd = self._open_page(skey)
         if fd is None:
             return False
@@ -329,7 +372,8 @@ class FileBackend(StorageBackend):
         expected = len(head) + sum(len(p) for p in parts)
         try:
             size = os.fstat(fd).st_size
-            if size != expected:
+            if size != expected:  # another format (the header says so) or a damaged file
+                parse_header(os.read(fd, len(head)), key, fmt)
                 raise CorruptPage(f"file is {size} bytes, a page here is {expected}")
             got = os.readv(fd, [head, *parts])
             while got < expected:  # rare: a short readv on a regular file
@@ -337,12 +381,12 @@ class FileBackend(StorageBackend):
                 if more == 0:
                     raise CorruptPage("file ended early")
                 got += more
-            payload_len, algo, check = parse_header(head, key)
+            payload_len, algo, check = parse_header(head, key, fmt)
             if payload_len != expected - len(head):
                 raise CorruptPage("payload length mismatch")
             verify_payload(parts, algo, check)
         except CorruptPage as exc:
-            self._report_corrupt(skey, str(exc))
+            self._report_corrupt(skey, exc)
             return False
         except OSError as exc:
             raise _os_error(exc, f"reading page {skey}") from exc
@@ -363,7 +407,7 @@ class FileBackend(StorageBackend):
             done = 0
         return os.readv(fd, views) if views else 0
 
-    def _write_one(self, skey: str, parts: list[memoryview]) -> str:
+    def _write_one(self, skey: str, parts: list[memoryview], fmt: bytes) -> str:
         path = self._path(skey)
         if os.path.exists(path):
             return EXISTS
@@ -373,7 +417,7 @@ class FileBackend(StorageBackend):
                 "FileBackend: page %s (%d bytes) exceeds max_bytes=%d; not stored", skey, total, self._lru.max_bytes
             )
             return FAILED
-        header = self._encode_header(skey, parts)
+        header = self._encode_header(skey, parts, fmt)
         shard = os.path.dirname(path)
         try:
             if shard not in self._made_dirs:

@@ -21,6 +21,7 @@ from hicache_fsm.storage.base import (
     decode_blob,
 )
 from hicache_fsm.storage.keys import KeyNamespace
+from hicache_fsm.storage.page_format import PageFormat
 
 __all__ = ["MemoryBackend"]
 
@@ -47,8 +48,9 @@ class MemoryBackend(StorageBackend):
         store: str | None = None,
         max_bytes: int | None = None,
         checksum: str = "wsum64",
+        page_format: PageFormat | None = None,
     ) -> None:
-        super().__init__(namespace, checksum=checksum)
+        super().__init__(namespace, checksum=checksum, page_format=page_format)
         if store:
             with _SHARED_LOCK:
                 self._mem = _SHARED.setdefault(store, _Store())
@@ -78,7 +80,7 @@ class MemoryBackend(StorageBackend):
                 n += 1
             return n
 
-    def _get(self, skeys: list[str]) -> list[bytes | None]:
+    def _get(self, skeys: list[str], fmt: bytes) -> list[bytes | None]:
         out: list[bytes | None] = []
         with self._mem.lock:
             for skey in skeys:
@@ -88,15 +90,15 @@ class MemoryBackend(StorageBackend):
                     out.append(None)
                     continue
                 try:
-                    out.append(bytes(decode_blob(blob, skey.encode())))
+                    out.append(bytes(decode_blob(blob, skey.encode(), fmt)))
                 except CorruptPage as exc:
-                    self._report_corrupt(skey, str(exc))
+                    self._report_corrupt(skey, exc)
                     out.append(None)
                     continue
                 self._lru.touch(skey)
         return out
 
-    def _set(self, skeys: list[str], payloads: list[list[memoryview]]) -> list[str]:
+    def _set(self, skeys: list[str], payloads: list[list[memoryview]], fmt: bytes) -> list[str]:
         outcomes = []
         with self._mem.lock:
             for skey, parts in zip(skeys, payloads):
@@ -107,7 +109,7 @@ class MemoryBackend(StorageBackend):
                 if not self._lru.fits(nbytes):
                     outcomes.append(FAILED)
                     continue
-                self._mem.data[skey] = b"".join([self._encode_header(skey, parts), *parts])
+                self._mem.data[skey] = b"".join([self._encode_header(skey, parts, fmt), *parts])
                 self._lru.add(skey, nbytes)
                 outcomes.append(WRITTEN)
             victims = self._lru.over_budget()

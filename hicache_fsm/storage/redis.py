@@ -50,6 +50,7 @@ from hicache_fsm.storage.base import (
     decode_blob,
 )
 from hicache_fsm.storage.keys import KeyNamespace
+from hicache_fsm.storage.page_format import PageFormat
 
 __all__ = ["RedisBackend"]
 
@@ -96,8 +97,9 @@ class RedisBackend(StorageBackend):
         chunk_pages: int = 32,
         check: bool = True,
         checksum: str = "wsum64",
+        page_format: PageFormat | None = None,
     ) -> None:
-        super().__init__(namespace, checksum=checksum)
+        super().__init__(namespace, checksum=checksum, page_format=page_format)
         if ttl is not None and (not isinstance(ttl, int) or ttl < 1):
             raise StorageURLError(f"ttl must be a positive number of seconds, got {ttl!r}")
         if chunk_pages < 1 or max_connections < 1 or retries < 0:
@@ -158,30 +160,30 @@ class RedisBackend(StorageBackend):
                     pipe.get(skey)
                 yield from zip(chunk, pipe.execute())
 
-    def _verified(self, skey: str, blob: bytes | None) -> memoryview | None:
+    def _verified(self, skey: str, blob: bytes | None, fmt: bytes) -> memoryview | None:
         if blob is None:
             return None
         try:
-            return decode_blob(blob, skey.encode())
+            return decode_blob(blob, skey.encode(), fmt)
         except CorruptPage as exc:
-            self._report_corrupt(skey, str(exc))
+            self._report_corrupt(skey, exc)
             return None
 
-    def _get(self, skeys: list[str]) -> list[bytes | None]:
+    def _get(self, skeys: list[str], fmt: bytes) -> list[bytes | None]:
         out: list[bytes | None] = []
         for skey, blob in self._fetch(skeys):
-            payload = self._verified(skey, blob)
+            payload = self._verified(skey, blob, fmt)
             out.append(None if payload is None else bytes(payload))
         return out
 
-    def _get_into(self, skeys: list[str], dests: list[list[memoryview]]) -> list[bool]:
+    def _get_into(self, skeys: list[str], dests: list[list[memoryview]], fmt: bytes) -> list[bool]:
         out = []
         for (skey, blob), parts in zip(self._fetch(skeys), dests):
-            payload = self._verified(skey, blob)
+            payload = self._verified(skey, blob, fmt)
             out.append(payload is not None and self._scatter(skey, payload, parts))
         return out
 
-    def _set(self, skeys: list[str], payloads: list[list[memoryview]]) -> list[str]:
+    def _set(self, skeys: list[str], payloads: list[list[memoryview]], fmt: bytes) -> list[str]:
         outcomes: list[str] = []
         for start, chunk in self._chunks(skeys):
             with _mapped("EXISTS"):
@@ -194,11 +196,11 @@ class RedisBackend(StorageBackend):
             if todo:
                 items = [(chunk[i], payloads[start + i]) for i in todo]
                 with _mapped("SET"):
-                    results = dict(zip(todo, self._send_sets(items)))
+                    results = dict(zip(todo, self._send_sets(items, fmt)))
             outcomes.extend(WRITTEN if results.get(i) else EXISTS for i in range(len(chunk)))
         return outcomes
 
-    def _send_sets(self, items: list[tuple[str, list[memoryview]]]) -> list[object]:
+    def _send_sets(self, items: list[tuple[str, list[memoryview]]], fmt: bytes) -> list[object]:
         """Pipelined ``SET key value NX [EX ttl]`` sending header and payload parts without joining them.
 
         The RESP frames are written by hand so each host-page view goes to the
@@ -214,7 +216,7 @@ class RedisBackend(StorageBackend):
         pending = b""
         for skey, parts in items:
             key = skey.encode()
-            head = self._encode_header(skey, parts)
+            head = self._encode_header(skey, parts, fmt)
             vlen = len(head) + sum(len(p) for p in parts)
             pending += b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n%s" % (nargs, len(key), key, vlen, head)
             for part in parts:

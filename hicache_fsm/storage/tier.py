@@ -19,10 +19,20 @@ cache, which fires ``store_done`` / ``store_failed``.
 
 Failures. Any ``StorageError`` marks storage unhealthy: backups are not
 started (the residency guard ``storage_attached`` says no), prefetches are not
-admitted, and the I/O thread probes the backend every ``probe_interval``
-seconds. Once it answers, ``poll`` re-fires ``store`` for nodes whose host
-copy is not in storage yet (failed or skipped backups), rate-limited. Failed
-prefetch batches end the prefetch with the pages that arrived.
+admitted, jobs already queued fail at once without touching the backend (no
+per-job timeout), and the I/O thread probes the backend every
+``probe_interval`` seconds. Once it answers, ``poll`` re-fires ``store`` for
+nodes whose host copy is not in storage yet (failed or skipped backups),
+rate-limited. Failed prefetch batches end the prefetch with the pages that
+arrived.
+
+Ownership. Only this tier completes the h2s / s2h jobs it runs
+(``cache.complete(c, owner=tier)``); an engine acking one gets
+``JobOwnerError`` (see :mod:`hicache_fsm.storage.ownership`).
+
+Ending. ``drain(timeout)`` lets queued backups finish; ``detach`` and
+``close`` end every transfer within ``join_timeout`` (queued jobs fail, running
+ones stop at their next batch, prefetches are aborted).
 """
 
 from __future__ import annotations
@@ -53,7 +63,7 @@ from hicache_fsm.jobs import Completion, JobKind, TransferJob
 from hicache_fsm.machine import compile_machine
 from hicache_fsm.spec import load_builtin
 from hicache_fsm.storage import open_backend
-from hicache_fsm.storage.base import StorageBackend
+from hicache_fsm.storage.base import STAT_FIELDS, StorageBackend
 from hicache_fsm.storage.keys import page_keys
 from hicache_fsm.storage.link import StorageLink
 from hicache_fsm.storage.options import TierOptions
@@ -69,6 +79,18 @@ STORING = frozenset({"device_host_storing", "host_storing", "loading_storing"})
 # nodes with a host copy that is not (yet) in storage: a retried backup starts from these
 UNSTORED = frozenset({"device_host", "host", "loading"})
 _PROBE_KEY = "0" * 64
+REJECT_REASONS = ("detached", "unhealthy", "below_threshold", "capacity", "host_full")
+# every counter stats() reports, present (as 0) before it first counts; documented in docs/storage.md
+COUNTERS = (
+    "attaches", "attach_failures", "detaches",
+    "backups_submitted", "backups_stored", "backup_tokens_stored", "backup_failures", "backup_retries",
+    "backups_skipped_mla", "jobs_failed_fast", "storage_outages", "storage_recoveries", "storage_errors",
+    "health_probes",
+    "prefetch_admitted", "prefetch_requested_tokens", *(f"prefetch_rejected_{r}" for r in REJECT_REASONS),
+    "prefetch_revoked", "prefetch_query_failures", "prefetch_short_batches", "prefetch_completed",
+    "prefetch_partial", "prefetch_empty", "prefetch_aborted", "prefetch_hit_tokens", "prefetch_fetched_tokens",
+    "prefetch_inserted_tokens", "prefetch_duplicate_tokens", "prefetch_released_tokens", "prefetch_trimmed_tokens",
+)
 
 
 def namespace_seed(namespace: Hashable) -> str | None:
@@ -108,6 +130,7 @@ class StorageTier:
         self._skip_writes = False
         self.healthy = True
         self.last_error = ""
+        self._link_down = ""  # storage threads' view: why the backend is down ("" = up); under _cv
         self._last_probe = 0.0
         self._sweep_due = False
         self._last_sweep = 0.0
@@ -162,6 +185,7 @@ class StorageTier:
             self.runtime.configure(tier_options)
             self._skip_writes = tier_options.skip_writes
             self.healthy, self.last_error = True, ""
+            self._link_down = ""
             self._start_workers()
             self.link.backend.batch_exists([_PROBE_KEY])  # the backend answers, end to end
         except BaseException as exc:  # anything, even KeyboardInterrupt: undo the attach first
@@ -203,6 +227,8 @@ class StorageTier:
         Storage jobs that already finished are applied first (as ``poll`` would).
         """
         self._apply_finished()
+        if self.link.state == "attached":
+            self._wind_down("storage is detaching")
         if self.link.state in ("detached", "attached"):
             try:
                 self.link_machine.fire(self.link, "detach", self.cache)
@@ -223,15 +249,55 @@ class StorageTier:
             self._gen += 1  # whatever the stopped threads posted last (a probe's verdict) is stale now
         self._events.clear()
         self.healthy, self.last_error = True, ""
+        self._link_down = ""
         self.counters["detaches"] += 1
         log.info("storage detached")
+
+    def _wind_down(self, reason: str) -> None:
+        """End every storage transfer within ``join_timeout``: abort prefetches, fail queued jobs, await the rest."""
+        for rid in list(self.runtime.active):
+            self.abort_prefetch(rid)
+        self._fail_queued(reason)
+        deadline = time.monotonic() + self.options.join_timeout
+        while self.transfers_in_flight() and time.monotonic() < deadline:
+            with self._cv:  # woken when a storage thread finishes an item
+                self._cv.wait(min(0.05, max(0.0, deadline - time.monotonic())))
+            self._apply_finished()
+
+    def _fail_queued(self, reason: str) -> None:
+        """Every queued backup and transfer ends as failed (``reason``) without touching the backend."""
+        with self._cv:
+            queued = [(g, job, None) for g, job in self._backup_q] + list(self._transfer_q)
+            self._backup_q.clear()
+            self._transfer_q.clear()
+            self._query_q.clear()
+        for g, job, op in queued:
+            self._post(g, "done", job, False, reason, op)
+
+    def drain(self, timeout: float) -> bool:
+        """Let queued and running backups finish, for at most ``timeout`` seconds; True when none is left.
+
+        Starts no new backup (retries wait for the next ``poll``). While storage is
+        unhealthy queued backups fail at once, so this returns quickly then too.
+        """
+        self._check_open()
+        deadline = time.monotonic() + timeout
+        while True:
+            self._apply_finished()
+            if not any(j.kind is JobKind.H2S for j in self.cache.pending_jobs()):
+                return True
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            with self._cv:
+                self._cv.wait(min(remaining, 0.05))
 
     def _apply_finished(self) -> None:
         """Hand finished storage jobs to the cache now instead of at its next poll."""
         self._drain()
         done, self._completions = self._completions, []
         for c in done:
-            self.cache.complete(c)
+            self.cache.complete(c, owner=self)
 
     def accepting_backups(self) -> bool:
         return self.link.state == "attached" and self.healthy and not self.closed
@@ -571,13 +637,26 @@ class StorageTier:
     def _post(self, *event: object) -> None:
         self._events.append(event)
 
+    def _mark_link(self, gen: int, error: str) -> None:
+        """Storage threads' verdict on the link ("" = up); the scheduler hears it as a health event."""
+        with self._cv:
+            self._link_down = error
+        self._post(gen, "health", not error, error)
+
+    def _down(self) -> str:
+        """Why the link is down ("" when up); a queued job then fails at once instead of timing out."""
+        with self._cv:
+            if self._link_down:
+                self._thread_counts["jobs_failed_fast"] += 1
+            return self._link_down
+
     def _failed(self, gen: int, exc: BaseException) -> str:
         text = f"{type(exc).__name__}: {exc}"
         if isinstance(exc, (StorageFull, StorageKeyError)):
             # reachable, but refusing writes (full) or a bad request: failed backups back off per node
             log.warning("storage I/O failed: %s", text)
         elif isinstance(exc, StorageError):
-            self._post(gen, "health", False, text)
+            self._mark_link(gen, text)
         else:
             log.error("storage thread: unexpected error", exc_info=exc)
         with self._cv:
@@ -600,6 +679,10 @@ class StorageTier:
         if op.terminated or gen != self._gen:
             return
         self._post(gen, "query_start", op)
+        down = self._down()
+        if down:
+            self._post(gen, "query_failed", op, f"storage unavailable: {down}")
+            return
         step = self.options.batch_pages
         hits: list[str] = []
         try:
@@ -615,15 +698,16 @@ class StorageTier:
         except Exception as exc:  # noqa: BLE001 - reported as a failed query
             self._post(gen, "query_failed", op, self._failed(gen, exc))
             return
-        self._post(gen, "health", True, "")
+        self._mark_link(gen, "")
         self._post(gen, "query_done", op, tuple(hits))
 
     def _io_loop(self, stop: threading.Event, backend: StorageBackend) -> None:
         while not stop.is_set():
-            timeout = self.options.probe_interval if not self.healthy else 0.5
+            down = bool(self._link_down)  # then queued jobs fail at once; probe only once none is left
+            timeout = self.options.probe_interval if down else 0.5
             item = self._take(stop, (self._transfer_q, self._backup_q), timeout)
             if item is None:
-                if not self.healthy and not stop.is_set():
+                if down and not stop.is_set():
                     self._probe(backend)
                 continue
             try:
@@ -647,9 +731,9 @@ class StorageTier:
         try:
             backend.batch_exists([_PROBE_KEY])
         except Exception as exc:  # noqa: BLE001 - still down
-            self._post(gen, "health", False, f"{type(exc).__name__}: {exc}")
+            self._mark_link(gen, f"{type(exc).__name__}: {exc}")
             return
-        self._post(gen, "health", True, "")
+        self._mark_link(gen, "")
 
     def _run_transfer(self, stop: threading.Event, backend: StorageBackend, gen: int, job: TransferJob,
                       op: PrefetchOp) -> None:
@@ -659,6 +743,11 @@ class StorageTier:
         pool = self.cache.host_pool
         step = self.options.batch_pages
         ok, error = True, ""
+        down = self._down()
+        if down:  # fail fast: end the transfer as partial with nothing landed
+            self._post(gen, "batch", op, 0, True, f"storage unavailable: {down}")
+            self._post(gen, "done", job, False, f"storage unavailable: {down}", op)
+            return
         for start in range(0, len(keys), step):
             if stop.is_set() or op.terminated or gen != self._gen:
                 ok, error = False, "prefetch ended" if op.terminated else "storage threads stopping"
@@ -684,7 +773,7 @@ class StorageTier:
                         break
                     got += 1
                 if got == len(batch_keys):
-                    self._post(gen, "health", True, "")
+                    self._mark_link(gen, "")
             except Exception as exc:  # noqa: BLE001 - the batch failed: keep what arrived before it
                 error = self._failed(gen, exc)
             short = got < len(batch_keys)
@@ -705,6 +794,10 @@ class StorageTier:
         keys = job.keys
         step = self.options.batch_pages
         ok, error = True, ""
+        down = self._down()
+        if down:
+            self._post(gen, "done", job, False, f"storage unavailable: {down}", None)
+            return
         for start in range(0, len(keys), step):
             if stop.is_set():
                 ok, error = False, "storage is detaching"
@@ -719,7 +812,7 @@ class StorageTier:
                 ok, error = False, f"storage refused {stored.count(False)} of {len(stored)} pages"
                 break
         else:
-            self._post(gen, "health", True, "")
+            self._mark_link(gen, "")
         self._post(gen, "done", job, ok, error, None)
 
     # ================================================================== accounting
@@ -731,7 +824,9 @@ class StorageTier:
         return pending + waiting
 
     def stats(self) -> dict:
-        out: dict[str, Any] = dict(self.counters)
+        """Every counter of COUNTERS (0 until it counts), the link's state and the backend's counters."""
+        out: dict[str, Any] = dict.fromkeys(COUNTERS, 0)
+        out.update(self.counters)
         with self._cv:
             out.update(self._thread_counts)
         rt = self.runtime
@@ -742,7 +837,8 @@ class StorageTier:
             healthy=self.healthy,
             last_error=self.last_error,
             backend=(getattr(backend, "scheme", None) or type(backend).__name__) if backend is not None else None,
-            backend_stats=dict(backend.stats()) if backend is not None else dict(self.link.last_backend_stats),
+            backend_stats={**dict.fromkeys(STAT_FIELDS, 0),
+                           **(backend.stats() if backend is not None else self.link.last_backend_stats)},
             prefetch_running=len(rt.active),
             prefetch_tokens_held=rt.occupied_tokens,
             prefetch_capacity_tokens=rt.capacity_tokens,
@@ -813,23 +909,20 @@ class StorageTier:
         self._sweep_due = False
         self._retry_after.clear()
 
-    def close(self) -> None:
-        """Engine shutdown: abort prefetches, fail queued backups, stop threads, close the backend."""
+    def close(self, drain: float = 0.0) -> None:
+        """Engine shutdown: let queued backups finish for up to ``drain`` seconds, then abort
+        prefetches, fail what is still queued, stop the threads and close the backend."""
         if self.closed:
             return
         rt = self.runtime
         try:
+            if drain > 0 and self.link.state == "attached":
+                if not self.drain(drain):
+                    log.warning("storage close: backups still queued after draining %.1fs; failing them", drain)
             self._drain()
             for rid in list(rt.active):
                 self.abort_prefetch(rid)
-            with self._cv:
-                queued = [(g, job) for g, job in self._backup_q] + [(g, job) for g, job, _ in self._transfer_q]
-                ops = {job.id: op for _, job, op in self._transfer_q}
-                self._backup_q.clear()
-                self._transfer_q.clear()
-                self._query_q.clear()
-            for g, job in queued:
-                self._post(g, "done", job, False, "storage closed", ops.get(job.id))
+            self._fail_queued("storage closed")
             self._wait_idle(self.options.join_timeout)
             self._apply_finished()
             if self.link.state in ("attached", "detaching"):

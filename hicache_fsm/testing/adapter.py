@@ -854,6 +854,7 @@ class HiCacheAdapter(CacheAdapter):
         Returns the tokens written. Nothing in this cache changes."""
         from hicache_fsm.pools import HostKVPool
         from hicache_fsm.storage.keys import page_keys
+        from hicache_fsm.storage.page_format import page_format_of
 
         tokens = self._aligned(tokens)
         if not tokens or self.backend is None:
@@ -863,7 +864,7 @@ class HiCacheAdapter(CacheAdapter):
         k, v = _encoded(tokens, self.layers)
         scratch.write(torch.arange(len(tokens)), k, v)
         values = [scratch.read_page(p).numpy().tobytes() for p in range(len(tokens) // ps)]
-        stored = self.backend.inner.batch_set(page_keys(tokens, ps, None), values)
+        stored = self.backend.inner.batch_set(page_keys(tokens, ps, None), values, page_format_of(scratch))
         return sum(stored) * ps
 
     def stored_prefix(self, tokens: Sequence[int]) -> int:
@@ -904,6 +905,8 @@ class HiCacheAdapter(CacheAdapter):
     def storage_violations(self) -> list[str]:
         """``stored_means_stored``: a node in a ``*_stored`` state has every page in storage, byte for byte
         its host copy (pages a scheduled corrupt fault damaged are exempt)."""
+        from hicache_fsm.storage.page_format import page_format_of
+
         tier = self.cache.storage
         if tier is None or self.backend is None or tier.link.state != "attached":
             return []
@@ -914,7 +917,7 @@ class HiCacheAdapter(CacheAdapter):
                 continue
             keys = list(tier.keys_for(node))
             pages = _host_pages(node.host_indices, self.page_size)
-            blobs = inner.batch_get(keys)
+            blobs = inner.batch_get(keys, page_format_of(self.host_pool))
             for i, (key, blob) in enumerate(zip(keys, blobs)):
                 if key in self.faults.corrupted:
                     continue
