@@ -57,6 +57,7 @@ from hicache_fsm.machine import CompiledMachine, compile_machine
 from hicache_fsm.radix import RadixTree, TreeNode
 from hicache_fsm.registry import registry_for
 from hicache_fsm.spec import load_builtin
+from hicache_fsm.tokens import as_token_ids
 
 log = logging.getLogger("hicache_fsm.cache")
 
@@ -210,16 +211,7 @@ def _batches(jobs: list[TransferJob]) -> list[JobBatch]:
 
 
 def _as_tokens(tokens: object) -> tuple:
-    if isinstance(tokens, tuple):
-        return tokens
-    if isinstance(tokens, torch.Tensor):
-        if tokens.dim() != 1 or tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
-            raise BadIndices(f"token ids must be a 1-D integer tensor, got {tokens.dtype} with shape {tuple(tokens.shape)}")
-        return tuple(tokens.tolist())
-    try:
-        return tuple(tokens)  # type: ignore[arg-type]
-    except TypeError:
-        raise BadIndices(f"token ids must be a sequence of ints, got {type(tokens).__name__}") from None
+    return as_token_ids(tokens)
 
 
 class HiCache:
@@ -1034,6 +1026,8 @@ class HiCache:
     def _check_completion(self, c: object) -> None:
         if not isinstance(c, Completion):
             raise UnknownJob(f"expected a Completion, got {type(c).__name__}")
+        if isinstance(c.job_id, bool) or not isinstance(c.job_id, int):
+            raise UnknownJob(f"job ids are ints, got {type(c.job_id).__name__}: {c.job_id!r}")
         if c.job_id in self._pending:
             return
         how = self.job_ledger.recent.get(c.job_id)
