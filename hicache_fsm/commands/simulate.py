@@ -175,6 +175,9 @@ def plot(sim: Simulation, options: Options, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    if sweep["skipped"]:
+        print(f"plot: left out {len(sweep['skipped'])} capacities whose host pool is not larger than "
+              f"the device pool (e.g. {sweep['skipped'][0].split(':')[0]})", file=sys.stderr)
 
 
 def run(args: argparse.Namespace) -> int:
