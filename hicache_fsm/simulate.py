@@ -76,6 +76,20 @@ def _positive_int(name: str, value: object, minimum: int = 1) -> int:
     return value
 
 
+def _check_device(name: object) -> None:
+    try:
+        dev = torch.device(name)  # type: ignore[arg-type]
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"device must be cpu, cuda or cuda:N, got {name!r}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device must be cpu, cuda or cuda:N, got {name!r}")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device {name!r} requested but CUDA is not available (this torch has no usable GPU)")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ConfigError(f"device {name!r} requested but only {torch.cuda.device_count()} GPUs are visible")
+
+
 # ====================================================================== workload
 
 
@@ -679,6 +693,8 @@ class Options:
                 f"host_tokens {self.host_tokens} must be larger than device_tokens {self.device_tokens}: "
                 "the host tier keeps a copy of everything on the device, so a host pool no larger "
                 "than the device loses hits instead of adding them")
+        if self.device is not None:
+            _check_device(self.device)
         if self.layout not in LAYOUTS:
             raise ConfigError(f"layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
         per_request = self.workload.system_prompt_length + self.workload.rounds * (

@@ -171,7 +171,7 @@ class StorageTier:
             self.runtime.configure(old_options)
             self._skip_writes = old_options.skip_writes
             self.counters["attach_failures"] += 1
-            log.warning("attaching storage %s failed: %s; rolled back", self._describe(url_or_backend), exc)
+            log.info("attaching storage %s failed: %s; rolled back", self._describe(url_or_backend), exc)
             if isinstance(exc, (HiCacheError, OSError, ValueError, TypeError)):
                 raise StorageLinkError(f"attaching storage failed: {exc}") from exc
             raise
