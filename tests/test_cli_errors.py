@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # about 20 interpreters, each importing torch
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY_SIM = ["--clients", "1", "--rounds", "1", "--request-length", "8", "--output-length", "2",
             "--system-prompt-length", "8", "--page-size", "8", "--device-tokens", "32", "--host-tokens", "64",
