@@ -9,7 +9,10 @@ even where Python would silently treat them as numbers. A padding id such as
 
 The common case (a tuple or list of plain ints) is checked with two C-speed
 passes; only a bad or unusual sequence takes the element-by-element path that
-finds the first bad position.
+finds the first bad position. Those passes still cost more than a cached tree
+walk, and an engine passes the same tuple to ``match_prefix`` and then
+``insert``: tuples are immutable, so the last tuple found good is remembered
+(by identity, one entry) and not checked again.
 """
 
 from __future__ import annotations
@@ -24,9 +27,14 @@ TOKEN_ID_LIMIT = 1 << 32  # exclusive: storage keys pack ids as 4-byte unsigned 
 
 __all__ = ["TOKEN_ID_LIMIT", "as_token_ids"]
 
+_last_good: tuple[int, ...] = ()  # the last tuple found good (a stale entry only costs a re-check)
+
 
 def as_token_ids(tokens: Any) -> tuple[int, ...]:
     """``tokens`` as a tuple of Python ints, or a ``BadTokenIds`` naming the first bad one."""
+    global _last_good
+    if tokens is _last_good:
+        return tokens
     if hasattr(tokens, "tolist") and hasattr(tokens, "dtype"):  # torch tensors, numpy arrays
         ndim = tokens.dim() if callable(getattr(tokens, "dim", None)) else getattr(tokens, "ndim", None)
         if ndim != 1:
@@ -41,9 +49,11 @@ def as_token_ids(tokens: Any) -> tuple[int, ...]:
     if set(map(type, ids)) <= {int}:
         try:
             array("I", ids)  # range check in C
-            return ids
         except OverflowError:
             pass
+        else:
+            _last_good = ids
+            return ids
     return tuple(_check_one(i, t) for i, t in enumerate(ids))
 
 
