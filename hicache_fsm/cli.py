@@ -61,8 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _one_line(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.strerror:
         return f"{exc.strerror}: {exc.filename}" if exc.filename else exc.strerror
-    text = " ".join(str(exc).split()) or type(exc).__name__
-    return text
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def main(argv: Sequence[str] | None = None) -> int:

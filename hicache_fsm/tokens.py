@@ -7,12 +7,16 @@ integer tensors/arrays are accepted; bools, floats, None and strings are not,
 even where Python would silently treat them as numbers. A padding id such as
 -1 must be stripped by the engine before it reaches the cache.
 
-The common case (a tuple or list of plain ints) is checked with two C-speed
-passes; only a bad or unusual sequence takes the element-by-element path that
-finds the first bad position. Those passes still cost more than a cached tree
-walk, and an engine passes the same tuple to ``match_prefix`` and then
-``insert``: tuples are immutable, so the last tuple found good is remembered
-(by identity, one entry) and not checked again.
+Checking costs a pass over every token of every request, next to a tree walk
+that touches one dict entry per page, so the common case stays in C: packing
+into ``array("I")`` refuses every non-integer and every id out of range at
+once, and only when some id is 0 or 1 (the values a bool can take) is the type
+of each element looked at. An integer scalar from numpy or torch passes as the
+int it equals (tree keys and storage keys treat it as that int). A bad
+sequence takes the element-by-element path that names the first bad position.
+An engine passes the same tuple to ``match_prefix`` and then ``insert``:
+tuples are immutable, so the last tuple found good is remembered (by
+identity, one entry) and not checked again.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from __future__ import annotations
 import operator
 from array import array
 from typing import Any
+
+import numpy as np
 
 from hicache_fsm.errors import BadTokenIds, TokenIdTypeError
 
@@ -31,7 +37,7 @@ _last_good: tuple[int, ...] = ()  # the last tuple found good (a stale entry onl
 
 
 def as_token_ids(tokens: Any) -> tuple[int, ...]:
-    """``tokens`` as a tuple of Python ints, or a ``BadTokenIds`` naming the first bad one."""
+    """``tokens`` as a tuple of integers, or a ``BadTokenIds`` naming the first bad one."""
     global _last_good
     if tokens is _last_good:
         return tokens
@@ -46,14 +52,23 @@ def as_token_ids(tokens: Any) -> tuple[int, ...]:
         ids = tuple(tokens)
     except TypeError:
         raise TokenIdTypeError(f"token ids must be a sequence of ints, got {type(tokens).__name__}") from None
-    if set(map(type, ids)) <= {int}:
-        try:
-            array("I", ids)  # range check in C
-        except OverflowError:
-            pass
-        else:
-            _last_good = ids
-            return ids
+    try:
+        packed = array("I", ids)  # in C: refuses floats, None, str and ids out of range
+    except (TypeError, OverflowError):
+        return _checked(ids)
+    if _may_hold_bools(packed) and not set(map(type, ids)) <= {int}:
+        return _checked(ids)
+    _last_good = ids
+    return ids
+
+
+def _may_hold_bools(packed: array) -> bool:
+    """Whether some id is 0 or 1, in one vector op over the packed ids."""
+    return len(packed) > 0 and int(np.frombuffer(packed, dtype=np.uint32).min()) <= 1
+
+
+def _checked(ids: tuple) -> tuple[int, ...]:
+    """Element by element: raises for the first bad id; integer scalars become Python ints."""
     return tuple(_check_one(i, t) for i, t in enumerate(ids))
 
 

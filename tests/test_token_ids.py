@@ -49,9 +49,16 @@ def test_type_errors_are_also_type_errors_and_range_errors_value_errors():
 
 @pytest.mark.parametrize("tokens", [[1, 2], (1, 2), np.array([1, 2]), torch.tensor([1, 2], dtype=torch.int32),
                                     [np.int64(1), torch.tensor(2)], range(1, 3)])
-def test_integer_sequences_arrays_and_scalars_become_python_ints(tokens):
-    ids = as_token_ids(tokens)
-    assert ids == (1, 2) and all(type(t) is int for t in ids)
+def test_integer_sequences_arrays_and_scalars_are_accepted(tokens):
+    assert as_token_ids(tokens) == (1, 2)
+
+
+def test_integer_scalars_key_storage_like_the_ints_they_equal():
+    from hicache_fsm.storage.keys import page_keys
+
+    plain = list(range(5, 13))
+    scalars = [np.int64(t) for t in plain[:4]] + [torch.tensor(t) for t in plain[4:]]
+    assert page_keys(as_token_ids(scalars), 4) == page_keys(plain, 4)
 
 
 @pytest.mark.parametrize("tokens", ["abcd", b"ab", 7, None, torch.zeros(2, 2, dtype=torch.long),
