@@ -52,18 +52,11 @@ from hicache_fsm.outbox import STORAGE_KINDS, JobLedger, Outbox
 from hicache_fsm.radix import RadixTree, TreeNode
 from hicache_fsm.registry import registry_for
 from hicache_fsm.residency_driver import ResidencyDriver
-from hicache_fsm.results import (
-    DeviceGrant,
-    InsertResult,
-    LoadBack,
-    LoadCancelled,
-    LoadHandle,
-    MatchResult,
-    as_tokens,
-)
+from hicache_fsm.results import DeviceGrant, InsertResult, LoadBack, LoadCancelled, LoadHandle, MatchResult
 from hicache_fsm.spec import load_builtin
 from hicache_fsm.storage.ownership import check_completion_owner
 from hicache_fsm.storage.tier import attach_storage
+from hicache_fsm.tokens import as_token_ids
 
 log = logging.getLogger("hicache_fsm.cache")
 
@@ -255,7 +248,7 @@ class HiCache:
         reaches the threshold are backed up here.
         """
         self.check_open()
-        tokens = as_tokens(tokens)
+        tokens = as_token_ids(tokens)
         driver = self.driver
         path, _ = driver.walk_splitting(tokens, namespace)  # a bad namespace fails before any split
         now = driver.tick()
@@ -333,7 +326,7 @@ class HiCache:
         (clone a view of a reused buffer such as a request-to-token table).
         """
         self.check_open()
-        tokens = as_tokens(tokens)
+        tokens = as_token_ids(tokens)
         ps = self.page_size
         if len(tokens) % ps:
             raise BadIndices(f"insert wants whole pages of {ps} tokens; got {len(tokens)} tokens")

@@ -1,4 +1,11 @@
-"""The ``hicache-fsm`` command line: one subcommand per job, loaded lazily."""
+"""The ``hicache-fsm`` command line: one subcommand per job, loaded lazily.
+
+Exit statuses are the same for every subcommand: 0 success, 1 a failed check
+or a runtime error (the library's typed errors, a file that cannot be
+written, storage that cannot be reached), 2 a usage error (a bad option
+value, an adapter or input that cannot be used). Errors are one line on
+stderr, never a traceback; ``main`` is the one place that maps them.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +15,8 @@ import sys
 from typing import Sequence
 
 from hicache_fsm.bench import BENCHMARKS
+from hicache_fsm.commands.args import Parser, UsageError
+from hicache_fsm.errors import HiCacheError
 
 # Subcommand name -> module exposing ``configure(parser)`` and ``run(args) -> int``.
 COMMANDS = {
@@ -33,7 +42,7 @@ def _available(modules: dict[str, str]) -> dict[str, object]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hicache-fsm", description=__doc__)
+    parser = Parser(prog="hicache-fsm", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for name, module in _available(COMMANDS).items():
         p = sub.add_parser(name, help=(module.__doc__ or "").strip().splitlines()[0])
@@ -49,9 +58,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _one_line(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{exc.strerror}: {exc.filename}" if exc.filename else exc.strerror
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args._run(args) or 0)
+    name = "hicache-fsm " + args.command + (f" {args.benchmark}" if args.command == "bench" else "")
+    try:
+        return int(args._run(args) or 0)
+    except UsageError as exc:
+        print(f"{name}: error: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    except (HiCacheError, OSError) as exc:
+        print(f"{name}: {_one_line(exc)}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{name}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

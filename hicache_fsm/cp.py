@@ -190,8 +190,8 @@ def build_cp_pools(config: PoolConfig, world_size: int, rank: int, block_pages: 
 
     The host pools (target and draft) are this rank's own, sized as ``config`` says.
     """
-    host_tokens = config.validate()
     layout = CPLayout(world_size, rank, config.page_size, config.device_tokens, block_pages)
+    host_tokens = config.validate(backed_device_tokens=layout.physical_tokens)
     allocator = CPPageAllocator(layout)
     device = CPDeviceKVPool(config.shape, layout, config.device, allocator)
     host = HostKVPool(config.shape, host_tokens, config.page_size, config.host_layout, config.pin_memory)

@@ -105,3 +105,20 @@ class StorageURLError(StorageError, ConfigError):
 
 class DiagramError(HiCacheError):
     """A diagram could not be rendered (Graphviz missing, failed or timed out)."""
+
+
+class BadTokenIds(BadIndices, ValueError):
+    """A token id is out of the range storage keys encode, or not an integer at all.
+
+    ``position`` is the index of the first bad element (None when the container
+    itself is wrong) and ``value`` that element.
+    """
+
+    def __init__(self, message: str, position: int | None = None, value: object = None) -> None:
+        self.position = position
+        self.value = value
+        super().__init__(message)
+
+
+class TokenIdTypeError(BadTokenIds, TypeError):
+    """A token id (or the sequence holding them) has a type that is not an integer."""

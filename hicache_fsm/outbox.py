@@ -186,6 +186,8 @@ class Outbox:
         """Raise ``UnknownJob`` unless ``c`` is a completion of a pending (or reset-cancelled) job."""
         if not isinstance(c, Completion):
             raise UnknownJob(f"expected a Completion, got {type(c).__name__}")
+        if isinstance(c.job_id, bool) or not isinstance(c.job_id, int):
+            raise UnknownJob(f"job ids are ints, got {type(c.job_id).__name__}: {c.job_id!r}")
         if c.job_id in self._pending:
             return
         how = self.ledger.recent.get(c.job_id)

@@ -602,8 +602,16 @@ class PoolConfig:
                     f"({ps} tokens of {per_token} bytes each)")
         return tokens
 
-    def validate(self) -> int:
-        """Check everything; returns the host size in tokens."""
+    def validate(self, backed_device_tokens: int | None = None) -> int:
+        """Check everything; returns the host size in tokens.
+
+        The host pool must be larger than the device pool it backs
+        (``backed_device_tokens``, default ``device_tokens``; a CP rank passes
+        its own share): every device node is backed up on the host, so a host
+        pool no larger than the device pool cannot hold the device's backups
+        and the host tier loses hits instead of adding them. SGLang's host
+        pool asserts the same.
+        """
         if not isinstance(self.page_size, int) or isinstance(self.page_size, bool) or self.page_size <= 0:
             raise ConfigError(f"page_size must be a positive int, got {self.page_size!r}")
         if not isinstance(self.device_tokens, int) or isinstance(self.device_tokens, bool) or self.device_tokens <= 0:
@@ -613,6 +621,12 @@ class PoolConfig:
         if self.host_layout not in LAYOUTS:
             raise ConfigError(f"unknown host layout {self.host_layout!r}; choose one of {', '.join(LAYOUTS)}")
         host_tokens = self.resolved_host_tokens()
+        backed = self.device_tokens if backed_device_tokens is None else backed_device_tokens
+        if host_tokens <= backed:
+            raise ConfigError(
+                f"the host pool ({host_tokens} tokens) must be larger than the device pool it backs "
+                f"({backed} tokens): the host tier keeps a copy of everything on the device, so a smaller "
+                "one loses hits instead of adding them")
         shapes = [self.shape] + ([self.draft_shape] if self.draft_shape else [])
         host_bytes = sum(host_tokens * s.token_bytes for s in shapes)
         dev = torch.device(self.device) if self.device is not None else default_device()

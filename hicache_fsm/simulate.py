@@ -60,7 +60,7 @@ from hicache_fsm.config import CacheConfig
 from hicache_fsm.errors import ConfigError
 from hicache_fsm.executors import TorchExecutor
 from hicache_fsm.model import KVModel, TinyModel
-from hicache_fsm.pools import LAYOUTS, KVShape, PoolConfig, build_pools, default_device
+from hicache_fsm.pools import LAYOUTS, DeviceKVPool, HostKVPool, KVShape, PoolConfig, build_pools, default_device
 
 ARRIVALS = ("round-robin", "random")
 MODELS = ("tiny", "llama")
@@ -81,6 +81,20 @@ def _positive_int(name: str, value: object, minimum: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ConfigError(f"{name} must be an int >= {minimum}, got {value!r}")
     return value
+
+
+def _check_device(name: object) -> None:
+    try:
+        dev = torch.device(name)  # type: ignore[arg-type]
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"device must be cpu, cuda or cuda:N, got {name!r}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device must be cpu, cuda or cuda:N, got {name!r}")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device {name!r} requested but CUDA is not available (this torch has no usable GPU)")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ConfigError(f"device {name!r} requested but only {torch.cuda.device_count()} GPUs are visible")
 
 
 # ====================================================================== workload
@@ -197,6 +211,7 @@ class Tier:
     storage_url: str | None = None
     write_policy: str = "write_through"
     write_through_threshold: int = 2
+    has_host: bool = True  # False: no host tier (its pool is one unused page, so no size rule applies)
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(write_policy=self.write_policy, write_through_threshold=self.write_through_threshold)
@@ -204,7 +219,7 @@ class Tier:
 
 def device_only(name: str, device_tokens: int, page_size: int) -> Tier:
     """No host tier: a one-page host pool that nothing is ever written to."""
-    return Tier(name, device_tokens, page_size, None, "write_through_selective", NEVER)
+    return Tier(name, device_tokens, page_size, None, "write_through_selective", NEVER, has_host=False)
 
 
 def storage_available() -> bool:
@@ -467,11 +482,16 @@ class _Engine:
         self.ps = page_size
         self.clock = _Clock()
         shape = model.kv_shape if model is not None else KVShape(1, 1, 2)
-        pools = build_pools(PoolConfig(shape, tier.device_tokens, page_size, layout,
-                                       host_tokens=tier.host_tokens, device=device))
-        self.pool = pools.device
-        executor = TimedExecutor(TorchExecutor(pools.device, pools.host), self.clock)
-        self.cache = HiCache(pools.device, pools.host, tier.cache_config(), executor)
+        if tier.has_host:
+            pools = build_pools(PoolConfig(shape, tier.device_tokens, page_size, layout,
+                                           host_tokens=tier.host_tokens, device=device))
+            device_pool, host_pool = pools.device, pools.host
+        else:  # HiCache wants a host pool; this one is never written
+            device_pool = DeviceKVPool(shape, tier.device_tokens, page_size, device)
+            host_pool = HostKVPool(shape, tier.host_tokens, page_size, layout)
+        self.pool = device_pool
+        executor = TimedExecutor(TorchExecutor(device_pool, host_pool), self.clock)
+        self.cache = HiCache(device_pool, host_pool, tier.cache_config(), executor)
         self.oracle = KVOracle(page_size) if model is not None else None
         self.result = TierResult(tier.name, tier.device_tokens, tier.host_tokens, tier.storage_url)
         self.storage = False
@@ -685,6 +705,13 @@ class Options:
             value = _positive_int(name, getattr(self, name))
             if value % ps:
                 raise ConfigError(f"{name} {value} is not a multiple of page_size {ps}")
+        if self.host_tokens <= self.device_tokens:
+            raise ConfigError(
+                f"host_tokens {self.host_tokens} must be larger than device_tokens {self.device_tokens}: "
+                "the host tier keeps a copy of everything on the device, so a host pool no larger "
+                "than the device loses hits instead of adding them")
+        if self.device is not None:
+            _check_device(self.device)
         if self.layout not in LAYOUTS:
             raise ConfigError(f"layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
         per_request = self.workload.system_prompt_length + self.workload.rounds * (
@@ -707,7 +734,7 @@ class Options:
         if storage_url is not None:
             out.append(Tier(FULL, self.device_tokens, self.host_tokens, storage_url))
         big = self.infinite_tokens()
-        out.append(Tier(INFINITE, big, big))
+        out.append(Tier(INFINITE, big, big + ps))
         return out
 
 
@@ -844,24 +871,38 @@ def sweep_hit_rate(options: Options, reference: Reference, device_tokens: int, h
 def hit_rate_sweep(options: Options, reference: Reference, storage_url: str | None = None) -> dict[str, dict]:
     """Hit rate against device capacity (one line per host size) and against host capacity.
 
-    Returns ``{"by_device": {label: [(device_tokens, rate)]}, "by_host": {label: [(host_tokens, rate)]}}``;
-    with ``storage_url`` each panel also has a line with storage added.
+    Returns ``{"by_device": {label: [(device_tokens, rate)]}, "by_host": {label: [(host_tokens, rate)]},
+    "skipped": [reason]}``; with ``storage_url`` each panel also has a line with storage added. Points
+    whose host pool is not larger than the device pool cannot be configured; they are left out and
+    ``skipped`` says which.
     """
     devices, hosts = capacity_grid(options)
+    skipped: list[str] = []
+
+    def line(points: list[tuple[int, int]], x: int, storage: str | None = None) -> list[tuple[int, float]]:
+        """Hit rate at each (device, host) point, keyed by its ``x``-th coordinate."""
+        out = []
+        for point in points:
+            d, h = point
+            if 0 < h <= d:
+                skipped.append(f"device {d} / host {h}: the host pool must be larger than the device pool")
+            else:
+                out.append((point[x], sweep_hit_rate(options, reference, d, h, storage)))
+        return out
+
     by_device: dict[str, list[tuple[int, float]]] = {}
     for host in (0, *sorted({hosts[1], options.host_tokens, hosts[-3]})):
         label = "device only" if host == 0 else f"host {host}"
-        by_device[label] = [(d, sweep_hit_rate(options, reference, d, host)) for d in devices]
+        by_device[label] = line([(d, host) for d in devices], 0)
     if storage_url is not None:
-        by_device[f"host {options.host_tokens} + storage"] = [
-            (d, sweep_hit_rate(options, reference, d, options.host_tokens, storage_url)) for d in devices]
+        by_device[f"host {options.host_tokens} + storage"] = line(
+            [(d, options.host_tokens) for d in devices], 0, storage_url)
     by_host: dict[str, list[tuple[int, float]]] = {}
     dev = options.device_tokens
-    by_host[f"device {dev}"] = [(h, sweep_hit_rate(options, reference, dev, h)) for h in hosts]
+    by_host[f"device {dev}"] = line([(dev, h) for h in hosts], 1)
     if storage_url is not None:
-        by_host[f"device {dev} + storage"] = [
-            (h, sweep_hit_rate(options, reference, dev, h, storage_url)) for h in hosts]
-    return {"by_device": by_device, "by_host": by_host}
+        by_host[f"device {dev} + storage"] = line([(dev, h) for h in hosts], 1, storage_url)
+    return {"by_device": by_device, "by_host": by_host, "skipped": sorted(set(skipped))}
 
 
 __all__ = [

@@ -125,26 +125,85 @@ class _LinedList(list):
     item_lines: list[int]
 
 
+# Bounds on untrusted spec text, checked before anything is built from it. The
+# library's own specs are under 8 KB, 700 YAML events and 6 levels deep; these
+# limits leave plenty of room while keeping the worst input under a second.
+MAX_SPEC_BYTES = 256 * 1024
+MAX_EVENTS = 20_000  # scalars, collection starts/ends and aliases, as the parser reports them
+MAX_DEPTH = 32  # nested mappings/lists, counting what aliases expand to
+MAX_NODES = 50_000  # nodes after alias expansion (stops "billion laughs")
+MAX_PROBLEMS = 100  # validation stops collecting (and raises) after this many problems
+MAX_TRANSITIONS_PER_KEY = 32  # transitions sharing one (state, trigger): checked pairwise
+
+# libyaml when present (PyYAML ships it): the bounded pre-scan then costs milliseconds.
+_Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+# What YAML allows in a stream (PyYAML's reader refuses the rest, without a line).
+_NON_PRINTABLE = re.compile("[^\x09\x0A\x0D\x20-\x7E\x85\xA0-\uD7FF\uE000-\uFFFD\U00010000-\U0010FFFF]")
+
+
+def _decode(data: bytes, path: str) -> str:
+    """Spec bytes as text: bounded in size, UTF-8, the bad byte's line named."""
+    if len(data) > MAX_SPEC_BYTES:
+        raise SpecError(path, None, f"spec file is larger than {MAX_SPEC_BYTES} bytes")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise SpecError(path, line, f"cannot read spec: not UTF-8 (byte 0x{data[exc.start]:02x})") from None
+
+
+def _check_text(text: object, path: str) -> str:
+    if not isinstance(text, str):
+        raise SpecError(path, None, f"spec text must be a str, got {type(text).__name__}")
+    if len(text) > MAX_SPEC_BYTES or len(text.encode("utf-8", "surrogatepass")) > MAX_SPEC_BYTES:
+        raise SpecError(path, None, f"spec is larger than {MAX_SPEC_BYTES} bytes")
+    bad = _NON_PRINTABLE.search(text)
+    if bad is not None:
+        line = text.count("\n", 0, bad.start()) + 1
+        raise SpecError(path, line, f"character {bad.group()!r} is not allowed in YAML (binary data?)")
+    return text
+
+
+def _syntax_error(exc: yaml.YAMLError, path: str) -> SpecError:
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    line = mark.line + 1 if mark is not None else None
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    context, context_mark = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+    if context and context_mark is not None and context_mark is not mark:
+        problem += f" ({context} started at line {context_mark.line + 1})"
+    return SpecError(path, line, f"YAML syntax error: {problem}")
+
+
+def _prescan(text: str, path: str) -> None:
+    """Walk the parser's events (no tree is built) and stop at the first bound crossed."""
+    events = depth = 0
+    try:
+        for event in yaml.parse(text, Loader=_Loader):
+            events += 1
+            if events > MAX_EVENTS:
+                raise SpecError(path, event.start_mark.line + 1, f"spec too large: more than {MAX_EVENTS} YAML events")
+            if isinstance(event, yaml.CollectionStartEvent):
+                depth += 1
+                if depth > MAX_DEPTH:
+                    raise SpecError(path, event.start_mark.line + 1, f"spec nested deeper than {MAX_DEPTH} levels")
+            elif isinstance(event, yaml.CollectionEndEvent):
+                depth -= 1
+    except yaml.YAMLError as exc:
+        raise _syntax_error(exc, path) from None
+
+
 def _compose(text: str, path: str) -> Any:
-    loader = yaml.SafeLoader(text)
+    _prescan(_check_text(text, path), path)
+    loader = _Loader(text)
     try:
         node = loader.get_single_node()
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
-        line = mark.line + 1 if mark is not None else None
-        problem = getattr(exc, "problem", None) or str(exc)
-        context, context_mark = getattr(exc, "context", None), getattr(exc, "context_mark", None)
-        if context and context_mark is not None and context_mark is not mark:
-            problem += f" ({context} started at line {context_mark.line + 1})"
-        raise SpecError(path, line, f"YAML syntax error: {problem}") from None
+        raise _syntax_error(exc, path) from None
     finally:
         loader.dispose()
     if node is None:
         raise SpecError(path, 1, "empty spec file")
     return _convert(node, loader, path)
-
-
-MAX_NODES = 100_000  # a spec is small; this stops alias ("billion laughs") blow-ups
 
 
 def _convert(node: yaml.Node, loader: yaml.SafeLoader, path: str, _walk: dict | None = None) -> Any:
@@ -157,6 +216,8 @@ def _convert(node: yaml.Node, loader: yaml.SafeLoader, path: str, _walk: dict | 
         raise SpecError(path, line, f"spec too large: more than {MAX_NODES} YAML nodes (alias expansion?)")
     if id(node) in walk["path"]:
         raise SpecError(path, line, "recursive YAML alias: a node contains itself")
+    if len(walk["path"]) >= MAX_DEPTH and isinstance(node, yaml.CollectionNode):
+        raise SpecError(path, line, f"spec nested deeper than {MAX_DEPTH} levels (through aliases)")
     if isinstance(node, yaml.MappingNode):
         walk["path"].add(id(node))
         out = _Lined()
@@ -207,6 +268,8 @@ class _Problems:
 
     def add(self, line: int | None, message: str) -> None:
         self.items.append((line, message))
+        if len(self.items) >= MAX_PROBLEMS:  # enough to act on; validating further costs time for nothing
+            self.raise_if_any()
 
     def raise_if_any(self) -> None:
         if self.items:
@@ -367,6 +430,7 @@ def _parse_transitions(raw: _LinedList, problems: _Problems) -> tuple[Transition
 
 
 def _check_graph(spec: Spec, initial_line: int | None, problems: _Problems) -> None:
+    terminal = {st.name for st in spec.states if st.terminal}
     names = set(spec.state_names)
     if spec.initial not in names:
         problems.add(initial_line, f"initial state {spec.initial!r} is not a declared state")
@@ -383,7 +447,7 @@ def _check_graph(spec: Spec, initial_line: int | None, problems: _Problems) -> N
         if set(t.guards) & set(t.unless):
             problems.add(t.line, f"transition {t.trigger!r} both requires and forbids {sorted(set(t.guards) & set(t.unless))}")
         for s in t.sources:
-            if s in names and spec.state(s).terminal:
+            if s in terminal:
                 problems.add(t.line, f"transition {t.trigger!r} leaves terminal state {s!r}")
     if problems.items:
         return
@@ -411,6 +475,10 @@ def _check_ambiguity(spec: Spec, problems: _Problems) -> None:
         for s in t.sources:
             by_key.setdefault((s, t.trigger), []).append(t)
     for (s, trig), group in by_key.items():
+        if len(group) > MAX_TRANSITIONS_PER_KEY:
+            problems.add(group[MAX_TRANSITIONS_PER_KEY].line,
+                         f"more than {MAX_TRANSITIONS_PER_KEY} transitions on ({s!r}, {trig!r})")
+            continue
         for i, a in enumerate(group):
             for b in group[i + 1 :]:
                 exclusive = set(a.guards) & set(b.unless) or set(a.unless) & set(b.guards)
@@ -424,19 +492,21 @@ def _check_ambiguity(spec: Spec, problems: _Problems) -> None:
 
 
 def _check_reachability(spec: Spec, problems: _Problems) -> None:
+    dests: dict[str, set[str]] = {}  # state -> where its transitions go (one pass: linear in the spec)
+    for t in spec.transitions:
+        for s in t.sources:
+            dests.setdefault(s, set()).add(t.dest)
     reached = {spec.initial}
     queue = deque([spec.initial])
     while queue:
-        state = queue.popleft()
-        for t in spec.transitions:
-            if state in t.sources and t.dest not in reached:
-                reached.add(t.dest)
-                queue.append(t.dest)
+        for dest in dests.get(queue.popleft(), ()):
+            if dest not in reached:
+                reached.add(dest)
+                queue.append(dest)
     for st in spec.states:
         if st.name not in reached:
             problems.add(st.line, f"state {st.name!r} is unreachable from the initial state {spec.initial!r}")
-        exits = [t for t in spec.transitions if st.name in t.sources and t.dest != st.name]
-        if not st.terminal and not exits:
+        if not st.terminal and not dests.get(st.name, set()) - {st.name}:
             problems.add(st.line, f"state {st.name!r} is not terminal but has no way out (tag it terminal or add a transition)")
 
 
@@ -466,10 +536,13 @@ def load_spec(path: str | Path, registry: MachineRegistry | None = None, *,
     """Read, parse and validate one spec file (bindings as in ``parse_spec``)."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise SpecError(str(path), None, f"cannot read spec: {exc}") from None
-    return parse_spec(text, str(path), registry, require_bindings=require_bindings)
+        if path.exists() and not path.is_file():  # a directory, FIFO or device would block or never end
+            raise SpecError(str(path), None, "cannot read spec: not a regular file")
+        with path.open("rb") as f:
+            data = f.read(MAX_SPEC_BYTES + 1)  # never more than the limit, whatever the file is
+    except OSError as exc:
+        raise SpecError(str(path), None, f"cannot read spec: {exc.strerror or exc}") from None
+    return parse_spec(_decode(data, str(path)), str(path), registry, require_bindings=require_bindings)
 
 
 def spec_paths(directory: str | Path = SPEC_DIR) -> list[Path]:

@@ -218,7 +218,7 @@ def test_unhashable_namespace_is_rejected(loaded):
 
 def test_float_token_tensor_is_rejected(loaded):
     cache, ex, a, b = loaded
-    rejected(cache, BadIndices, "integer tensor", cache.match_prefix, torch.zeros(8))
+    rejected(cache, BadIndices, "must be an int", cache.match_prefix, torch.zeros(8))
     m = cache.match_prefix(torch.arange(16))  # an integer tensor of token ids is fine
     assert m.device_hit_length == 16
 

@@ -48,7 +48,7 @@ def manual(pools):
     return ManualExecutor(pools.device, pools.host, pools.draft_device, pools.draft_host)
 
 
-def pool_config(logical=64, host=64, draft=True):
+def pool_config(logical=64, host=96, draft=True):
     return PoolConfig(shape=TARGET.kv_shape, device_tokens=logical, page_size=PS, host_tokens=host,
                       draft_shape=DRAFT.kv_shape if draft else None)
 
@@ -349,9 +349,10 @@ def test_failed_copy_returns_node_to_device_and_frees_everything():
 
 
 def test_reserve_without_room_reports_needed_slots_and_holds_nothing():
-    (r,) = world_of(2, host=4)[:1]  # rank 0 of 2: owns half the pages
+    (r,) = world_of(2)[:1]  # rank 0 of 2: owns half the pages
     tokens = tuple(range(1, 13))
     node = r.cache.insert(tokens, r.cache.alloc_device(len(tokens))).node
+    hold_host(r.cache, 4)
     snap = full_snapshot(r)
     w = r.writes.reserve(node)
     assert w.state == "failed" and w.needed_slots == 6
@@ -363,7 +364,7 @@ def test_reserve_without_room_reports_needed_slots_and_holds_nothing():
     # target host has room but draft host does not: the target slots are not kept either
     (r,) = world_of(1)[:1]
     node = r.cache.insert(tokens, r.cache.alloc_device(len(tokens))).node
-    hold = r.writes.draft_host_allocator.alloc(60)
+    hold = r.writes.draft_host_allocator.alloc(r.writes.draft_host_allocator.available_tokens - 4)
     host_free = r.cache.host_allocator.free_pages
     w = r.writes.reserve(node)
     assert w.state == "failed" and w.needed_slots == 12 and r.cache.host_allocator.free_pages == host_free
@@ -371,8 +372,15 @@ def test_reserve_without_room_reports_needed_slots_and_holds_nothing():
     r.cache.check_invariants()
 
 
+def hold_host(cache, leave: int) -> None:
+    """Take all but ``leave`` tokens of the host pool (declared, so the leak check knows)."""
+    held = cache.host_allocator.alloc(cache.host_allocator.available_tokens - leave)
+    cache.register_host_owner(lambda: [("test hold", held)])
+
+
 def test_backup_evicts_host_kv_to_make_room():
-    (r,) = world_of(1, host=16)
+    (r,) = world_of(1)
+    hold_host(r.cache, 16)
     first, second = tuple(range(1, 13)), tuple(range(20, 32))
     a = r.cache.insert(first, r.cache.alloc_device(12)).node
     assert r.cache.write_backup(a)
@@ -500,7 +508,7 @@ OPS = (["insert"] * 4 + ["reserve"] * 2 + ["layer_end"] * 4 + ["submit_all"] * 2
     world=st.sampled_from([1, 2, 4]),
     rank_frac=st.floats(0, 1, exclude_max=True),
     block=st.sampled_from([1, 2]),
-    host=st.sampled_from([8, 16, 48]),
+    host=st.sampled_from([8, 16, 48]),  # room beyond the rank's device share
     seed=st.integers(0, 2**32 - 1),
 )
 def test_random_owner_patterns_layer_orders_and_failures(world, rank_frac, block, host, seed):
@@ -511,7 +519,9 @@ def test_random_owner_patterns_layer_orders_and_failures(world, rank_frac, block
     The schedule comes from ``seed`` (Hypothesis draws op by op favour short, trivial runs).
     """
     rng = random.Random(seed)
-    r = build_cp_rank(pool_config(logical=48, host=host), world, int(rank_frac * world), block,
+    rank = int(rank_frac * world)
+    host += CPLayout(world, rank, PS, 48, block).physical_tokens
+    r = build_cp_rank(pool_config(logical=48, host=host), world, rank, block,
                       CacheConfig(write_policy="write_back"), manual)
     cache, rt, ex = r.cache, r.writes, r.cache.executor
     held: list[torch.Tensor] = []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import attrs
 import pytest
 import torch
 from hypothesis import given, settings
@@ -313,11 +314,11 @@ def test_build_pools_ratio_default():
 def test_build_pools_host_sizes():
     cfg = PoolConfig(SHAPE, 32, 4, host_ratio=1.3, device="cpu")
     assert build_pools(cfg).host.size_tokens == 40  # 41.6 rounded down to whole pages
-    cfg = PoolConfig(SHAPE, 32, 4, host_tokens=12, device="cpu", host_layout="page_first_direct")
+    cfg = PoolConfig(SHAPE, 8, 4, host_tokens=12, device="cpu", host_layout="page_first_direct")
     assert build_pools(cfg).host.kv.shape[1] == 3
-    cfg = PoolConfig(SHAPE, 32, 4, host_bytes=10 * SHAPE.token_bytes + 5, device="cpu")
+    cfg = PoolConfig(SHAPE, 4, 4, host_bytes=10 * SHAPE.token_bytes + 5, device="cpu")
     assert build_pools(cfg).host.size_tokens == 8
-    cfg = PoolConfig(SHAPE, 32, 4, host_gb=SHAPE.token_bytes * 20 / (1 << 30), device="cpu")
+    cfg = PoolConfig(SHAPE, 16, 4, host_gb=SHAPE.token_bytes * 20 / (1 << 30), device="cpu")
     assert build_pools(cfg).host.size_tokens == 20
 
 
@@ -343,6 +344,9 @@ def test_build_pools_draft():
     (dict(host_bytes=SHAPE.token_bytes * 3), "smaller than one page"),
     (dict(host_tokens=8, host_ratio=2.0), "at most one"),
     (dict(host_layout="nope"), "unknown host layout"),
+    (dict(host_tokens=32), "must be larger than the device pool"),
+    (dict(host_tokens=16), "must be larger than the device pool"),
+    (dict(host_ratio=1.0), "must be larger than the device pool"),
     (dict(host_gb=1e7), "GiB of host memory"),
 ])
 def test_config_errors(kwargs, match):
@@ -368,3 +372,12 @@ def test_cuda_pools_pinned_and_on_device():
     pools.device.write(torch.arange(4), None, k, v)
     rk, rv = pools.device.read(torch.arange(4))
     assert rk.device.type == "cpu" and torch.equal(rk, k) and torch.equal(rv, v)
+
+
+def test_cp_rank_host_pool_must_exceed_its_device_share():
+    from hicache_fsm.cp import build_cp_pools
+
+    config = PoolConfig(SHAPE, 32, 4, host_tokens=16, device="cpu")  # rank 0 of 2 owns 16 device tokens
+    with pytest.raises(ConfigError, match=r"larger than the device pool it backs \(16 tokens\)"):
+        build_cp_pools(config, 2, 0)
+    assert build_cp_pools(attrs.evolve(config, host_tokens=20), 2, 0).host.size_tokens == 20

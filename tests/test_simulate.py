@@ -89,7 +89,7 @@ def test_the_kv_check_catches_corruption():
     w = Workload(clients=2, rounds=2, request_length=16, output_length=4, system_prompt_length=16)
     model = TinyModel(vocab=w.vocab)
     ref = reference_run(model, w)
-    engine = _Engine(Tier("t", 256, 256), w, model, 8, "page_first", "cpu")
+    engine = _Engine(Tier("t", 256, 512), w, model, 8, "page_first", "cpu")
     try:
         schedule = w.schedule()
         for key in schedule[:2]:
@@ -131,14 +131,18 @@ def test_bad_options():
     with pytest.raises(ConfigError):
         Options(SMALL, device_tokens=100, page_size=8)  # not a page multiple
     with pytest.raises(ConfigError):
-        Options(SMALL, device_tokens=64, host_tokens=64, page_size=8)  # cannot hold one conversation
+        Options(SMALL, device_tokens=64, host_tokens=128, page_size=8)  # cannot hold one conversation
+    with pytest.raises(ConfigError, match="host_tokens 3072 must be larger than device_tokens 3584"):
+        Options(SMALL, device_tokens=3584, host_tokens=3072)
+    with pytest.raises(ConfigError, match="must be larger"):
+        Options(SMALL, device_tokens=1024, host_tokens=1024)
     with pytest.raises(ConfigError, match="model must be one of"):
         Options(SMALL, model="gpt")
 
 
 def test_cli_json_is_the_whole_stdout(capsys, tmp_path):
     rc = main(["simulate", "--clients", "2", "--rounds", "2", "--request-length", "16", "--output-length", "4",
-               "--system-prompt-length", "16", "--page-size", "8", "--device-tokens", "64", "--host-tokens", "64",
+               "--system-prompt-length", "16", "--page-size", "8", "--device-tokens", "64", "--host-tokens", "128",
                "--storage-url", f"file://{tmp_path}/l3", "--device", "cpu", "--no-progress", "--json"])
     captured = capsys.readouterr()
     assert rc == 0
@@ -169,3 +173,19 @@ def test_small_simulation_on_cuda(tmp_path):
     assert sim.kv_mismatches == 0
     assert sim.hierarchy.hit_rate >= sim.tier(DEVICE).hit_rate
     assert sum(t.kv_checked_pages for t in sim.tiers) > 0
+
+
+def test_sweep_leaves_out_capacities_whose_host_is_not_larger(tmp_path):
+    from hicache_fsm.simulate import capacity_grid, hit_rate_sweep
+
+    torch.set_num_threads(1)
+    w = Workload(clients=2, rounds=2, request_length=16, output_length=4, system_prompt_length=16)
+    options = Options(w, device_tokens=64, host_tokens=128, page_size=8, device="cpu", storage=False)
+    devices, hosts = capacity_grid(options)
+    sweep = hit_rate_sweep(options, reference_run(TinyModel(vocab=w.vocab), w))
+    for label, points in sweep["by_device"].items():
+        if label != "device only":
+            host = int(label.split()[1])
+            assert [d for d, _ in points] == [d for d in devices if d < host]
+    assert [h for h, _ in sweep["by_host"]["device 64"]] == [h for h in hosts if h > 64]
+    assert sweep["skipped"] and all("must be larger" in s for s in sweep["skipped"])

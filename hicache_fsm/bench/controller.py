@@ -46,6 +46,7 @@ import torch
 
 from hicache_fsm.bench.common import machine_description, report
 from hicache_fsm.cache import HiCache
+from hicache_fsm.commands.args import non_negative_int, positive_int
 from hicache_fsm.config import CacheConfig
 from hicache_fsm.jobs import Completion, JobBatch, completed_all
 from hicache_fsm.pools import DeviceKVPool, HostKVPool, KVShape
@@ -181,10 +182,10 @@ def scrape_cost_us(cache: HiCache, repeats: int = 5) -> float | None:
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--requests", type=int, default=1000, help="timed requests per repeat (default 1000)")
-    parser.add_argument("--repeats", type=int, default=3,
+    parser.add_argument("--requests", type=positive_int, default=1000, help="timed requests per repeat (default 1000)")
+    parser.add_argument("--repeats", type=positive_int, default=3,
                         help="runs of --requests new requests per variant (default 3)")
-    parser.add_argument("--tree-nodes", type=int, default=None,
+    parser.add_argument("--tree-nodes", type=non_negative_int, default=None,
                         help="nodes in the tree before timing (default 10 x --requests)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--scrape-every", type=int, default=1000,
@@ -193,10 +194,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> dict:
     n = args.requests
-    repeats = max(1, args.repeats)
+    repeats = args.repeats
     tree_nodes = args.tree_nodes if getattr(args, "tree_nodes", None) is not None else 10 * n
-    if n <= 0 or tree_nodes < 0:
-        raise SystemExit("--requests must be positive and --tree-nodes non-negative")
     capacity = tree_nodes * PAGE_SIZE + (repeats * n + SYSTEM_PROMPTS) * REQUEST_TOKENS
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # index tensors are tiny: intra-op threads only add wake-up latency

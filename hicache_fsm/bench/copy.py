@@ -14,6 +14,7 @@ import argparse
 import torch
 
 from hicache_fsm.bench.common import interleaved_medians, machine_description, report
+from hicache_fsm.commands.args import UsageError, positive_int
 from hicache_fsm.executors import TorchExecutor
 from hicache_fsm.jobs import JobBatch, JobKind
 from hicache_fsm.pools import LAYOUTS, DeviceKVPool, HostKVPool, KVShape
@@ -23,13 +24,13 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layout", choices=LAYOUTS, default="page_first")
-    parser.add_argument("--page-size", type=int, default=64)
-    parser.add_argument("--tokens", type=int, default=8192, help="tokens moved (and size of each pool)")
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--page-size", type=positive_int, default=64)
+    parser.add_argument("--tokens", type=positive_int, default=8192, help="tokens moved (and size of each pool)")
+    parser.add_argument("--layers", type=positive_int, default=8)
+    parser.add_argument("--heads", type=positive_int, default=8)
+    parser.add_argument("--head-dim", type=positive_int, default=64)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=positive_int, default=7)
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -42,7 +43,7 @@ def run(args: argparse.Namespace) -> dict:
     ps = args.page_size
     tokens = args.tokens - args.tokens % ps
     if tokens <= 0:
-        raise SystemExit(f"--tokens must be at least one page ({ps})")
+        raise UsageError(f"--tokens must be at least one page ({ps})")
     shape = KVShape(args.layers, args.heads, args.head_dim, DTYPES[args.dtype])
     device = DeviceKVPool(shape, tokens, ps)
     host = HostKVPool(shape, tokens, ps, args.layout)

@@ -31,6 +31,7 @@ import time
 from typing import Callable
 
 from hicache_fsm.bench.common import machine_description, report
+from hicache_fsm.commands.args import positive_int
 from hicache_fsm.machine import CompiledMachine, ReferenceModel, reference_machine
 from hicache_fsm.registry import MachineRegistry
 from hicache_fsm.spec import Spec, parse_spec
@@ -126,9 +127,9 @@ def _timed_interleaved(
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--objects", type=int, default=10_000, help="objects driven through the cycle (default 10000)")
-    parser.add_argument("--repeats", type=int, default=7, help="timed rounds over all objects (default 7)")
-    parser.add_argument("--chunk", type=int, default=CHUNK, help=f"objects per timed sample (default {CHUNK})")
+    parser.add_argument("--objects", type=positive_int, default=10_000, help="objects driven through the cycle (default 10000)")
+    parser.add_argument("--repeats", type=positive_int, default=7, help="timed rounds over all objects (default 7)")
+    parser.add_argument("--chunk", type=positive_int, default=CHUNK, help=f"objects per timed sample (default {CHUNK})")
 
 
 def measure(objects: int = 10_000, repeats: int = 7, chunk: int = CHUNK) -> dict:

@@ -41,6 +41,7 @@ from urllib.parse import unquote, urlsplit
 import torch
 
 from hicache_fsm.bench.common import machine_description, report
+from hicache_fsm.commands.args import UsageError, positive_int
 from hicache_fsm.errors import StorageError
 from hicache_fsm.storage import KeyNamespace, open_backend, page_keys
 
@@ -69,14 +70,14 @@ class _BenchPool:
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", default=None, help="backend URL (default: a temporary file:// directory)")
-    parser.add_argument("--pages", type=int, default=32, help="pages per round (default 32)")
-    parser.add_argument("--page-tokens", type=int, default=64, help="tokens per page (default 64)")
-    parser.add_argument("--layers", type=int, default=16)
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--dtype-bytes", type=int, default=2, help="bytes per element (bf16: 2)")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=1, help="I/O threads of the file backend and its baseline")
+    parser.add_argument("--pages", type=positive_int, default=32, help="pages per round (default 32)")
+    parser.add_argument("--page-tokens", type=positive_int, default=64, help="tokens per page (default 64)")
+    parser.add_argument("--layers", type=positive_int, default=16)
+    parser.add_argument("--kv-heads", type=positive_int, default=8)
+    parser.add_argument("--head-dim", type=positive_int, default=128)
+    parser.add_argument("--dtype-bytes", type=positive_int, default=2, help="bytes per element (bf16: 2)")
+    parser.add_argument("--repeats", type=positive_int, default=5)
+    parser.add_argument("--threads", type=positive_int, default=1, help="I/O threads of the file backend and its baseline")
 
 
 def _medians(rounds: int, steps: list[tuple[str, Callable[[], None] | None, Callable[[], None]]]) -> dict[str, float]:
@@ -173,8 +174,6 @@ def _mooncake_baseline(backend, n: int, src: _BenchPool, dst: _BenchPool):
 def run(args: argparse.Namespace) -> dict:
     page_nbytes = 2 * args.page_tokens * args.layers * args.kv_heads * args.head_dim * args.dtype_bytes
     n = args.pages
-    if n < 1 or page_nbytes < 1 or args.repeats < 1:
-        raise SystemExit("bench storage: --pages, --repeats and the page shape must be positive")
     tmpdir = None
     url = args.url
     if url is None:
@@ -182,7 +181,7 @@ def run(args: argparse.Namespace) -> dict:
         url = f"file://{tmpdir}/store"
     scheme = urlsplit(url).scheme
     if scheme not in ("file", "redis", "rediss", "mooncake"):
-        raise SystemExit(f"bench storage: only file://, redis:// and mooncake:// URLs are benchmarked, got {url!r}")
+        raise UsageError(f"only file://, redis:// and mooncake:// URLs are benchmarked, got {url!r}")
 
     options = {"file": {"io_threads": args.threads}, "mooncake": {}}.get(scheme, {"socket_timeout": 30.0})
     try:

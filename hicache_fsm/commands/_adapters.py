@@ -9,27 +9,36 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from hicache_fsm.commands.args import UsageError
+
 
 def load_factory(ref: str) -> Callable[..., Any]:
-    """``pkg.module:make`` or ``some/file.py:make`` -> the callable ``make``."""
+    """``pkg.module:make`` or ``some/file.py:make`` -> the callable ``make`` (UsageError if it cannot be had)."""
     if ":" not in ref:
-        raise SystemExit(f"--adapter wants MODULE:CALLABLE or FILE.py:CALLABLE, got {ref!r}")
+        raise UsageError(f"--adapter wants MODULE:CALLABLE or FILE.py:CALLABLE, got {ref!r}")
     where, _, attr = ref.rpartition(":")
-    if where.endswith(".py"):
-        path = Path(where)
-        if not path.is_file():
-            raise SystemExit(f"--adapter: no such file {where}")
-        name = path.stem
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules.setdefault(name, module)
-        spec.loader.exec_module(module)
-    else:
-        module = importlib.import_module(where)
+    if where.endswith(".py") and not Path(where).is_file():
+        raise UsageError(f"--adapter: no such file {where}")
     try:
-        return getattr(module, attr)
-    except AttributeError:
-        raise SystemExit(f"--adapter: {where} has no attribute {attr!r}") from None
+        module = _import(where)
+    except Exception as exc:  # the user's module: any failure to import it is a bad --adapter
+        raise UsageError(f"--adapter: cannot import {where}: {type(exc).__name__}: {exc}") from None
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise UsageError(f"--adapter: {where} has no callable {attr!r}")
+    return factory
+
+
+def _import(where: str) -> Any:
+    if not where.endswith(".py"):
+        return importlib.import_module(where)
+    path = Path(where)
+    name = path.stem
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(name, module)
+    spec.loader.exec_module(module)
+    return module
 
 
 def import_lines(ref: str, name: str) -> str:

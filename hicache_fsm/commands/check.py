@@ -15,30 +15,31 @@ import argparse
 import json
 import sys
 
+from hicache_fsm.commands.args import UsageError, adapter_ref, non_negative_int, positive_float, positive_int
 from hicache_fsm.config import EVICTION_POLICIES, WRITE_POLICIES
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("bounds")
-    g.add_argument("--nodes", type=int, default=3, help="most radix nodes in a state (default 3)")
-    g.add_argument("--device-pages", type=int, default=2, help="device pool pages (default 2)")
-    g.add_argument("--host-pages", type=int, default=2, help="host pool pages (default 2)")
-    g.add_argument("--layers", type=int, default=1, help="model layers of the KV (default 1)")
-    g.add_argument("--page-size", type=int, default=1, help="tokens per page (default 1)")
-    g.add_argument("--alphabet", type=int, default=2, help="distinct page contents in prompts (default 2)")
-    g.add_argument("--max-len", type=int, default=None, help="longest prompt in pages (default: min(nodes, device pages))")
-    g.add_argument("--locks", type=int, default=1, help="engine locks held at once (default 1)")
-    g.add_argument("--pins", type=int, default=1, help="host pins held at once (default 1)")
+    g.add_argument("--nodes", type=positive_int, default=3, help="most radix nodes in a state (default 3)")
+    g.add_argument("--device-pages", type=positive_int, default=2, help="device pool pages (default 2)")
+    g.add_argument("--host-pages", type=positive_int, default=2, help="host pool pages (default 2)")
+    g.add_argument("--layers", type=positive_int, default=1, help="model layers of the KV (default 1)")
+    g.add_argument("--page-size", type=positive_int, default=1, help="tokens per page (default 1)")
+    g.add_argument("--alphabet", type=positive_int, default=2, help="distinct page contents in prompts (default 2)")
+    g.add_argument("--max-len", type=positive_int, default=None, help="longest prompt in pages (default: min(nodes, device pages))")
+    g.add_argument("--locks", type=non_negative_int, default=1, help="engine locks held at once (default 1)")
+    g.add_argument("--pins", type=non_negative_int, default=1, help="host pins held at once (default 1)")
     g.add_argument("--write-policy", default="write_through", choices=[*WRITE_POLICIES, "all"],
                    help="cache write policy, or 'all' to explore each (default write_through)")
     g.add_argument("--eviction-policy", default="lru", choices=EVICTION_POLICIES)
     g.add_argument("--track-hits", action="store_true", help="tell hit from never-hit nodes in the state key")
     g.add_argument("--no-redeliver", action="store_true", help="do not try re-delivering finished acks")
-    g.add_argument("--max-states", type=int, default=None, help="stop after this many states")
-    g.add_argument("--max-seconds", type=float, default=None, help="stop after this long")
+    g.add_argument("--max-states", type=positive_int, default=None, help="stop after this many states")
+    g.add_argument("--max-seconds", type=positive_float, default=None, help="stop after this long")
     parser.add_argument("--stop-on-first", action="store_true", help="stop at the first violation")
-    parser.add_argument("--max-violations", type=int, default=5, help="distinct violations to collect (default 5)")
-    parser.add_argument("--adapter", metavar="MODULE:CALLABLE",
+    parser.add_argument("--max-violations", type=positive_int, default=5, help="distinct violations to collect (default 5)")
+    parser.add_argument("--adapter", metavar="MODULE:CALLABLE", type=adapter_ref,
                         help="explore your own cache: a callable taking the Bounds and returning a CacheAdapter")
     parser.add_argument("--coverage", action="store_true", help="print which spec states/transitions were reached")
     parser.add_argument("--record", metavar="FILE",
@@ -56,10 +57,32 @@ def _how_far(result, args) -> str:
     return "INCOMPLETE (stopped by --max-states / --max-seconds)"
 
 
+# The search is exhaustive: each state tries every prompt and every eviction, so bounds must stay small.
+MAX_PROMPTS = 4096
+MAX_POOL_TOKENS = 1 << 20
+
+
+def _check_bounds_are_small(args: argparse.Namespace) -> None:
+    pages = args.max_len if args.max_len is not None else max(1, min(args.nodes, args.device_pages))
+    prompts, per_length = 0, 1
+    for _ in range(pages):  # stops as soon as the count is too big, however long --max-len is
+        per_length *= args.alphabet
+        prompts += per_length
+        if prompts > MAX_PROMPTS:
+            raise UsageError(f"--alphabet {args.alphabet} with prompts of up to {pages} pages gives more than "
+                             f"{MAX_PROMPTS} prompts to try in every state (lower --alphabet or --max-len)")
+    tokens = (args.device_pages + args.host_pages) * args.page_size * args.layers
+    if tokens > MAX_POOL_TOKENS:
+        raise UsageError(f"pools of {tokens} token-layers are far beyond what an exhaustive search can cover; "
+                         f"keep (--device-pages + --host-pages) x --page-size x --layers under {MAX_POOL_TOKENS}")
+
+
 def run(args: argparse.Namespace) -> int:
     from hicache_fsm.testing.explorer import Bounds, Explorer, hicache_factory
     from hicache_fsm.testing.paths import CoverageTracker
     from hicache_fsm.testing.transition_log import RecordingCoverage, recording_writer
+
+    _check_bounds_are_small(args)
 
     factory = hicache_factory
     if args.adapter:

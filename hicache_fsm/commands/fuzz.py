@@ -14,13 +14,15 @@ import json
 import sys
 from pathlib import Path
 
+from hicache_fsm.commands.args import adapter_ref, positive_int
+
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--examples", type=int, default=100, help="state-machine runs (default 100)")
-    parser.add_argument("--steps", type=int, default=40, help="most steps per run (default 40)")
+    parser.add_argument("--examples", type=positive_int, default=100, help="state-machine runs (default 100)")
+    parser.add_argument("--steps", type=positive_int, default=40, help="most steps per run (default 40)")
     parser.add_argument("--seed", type=int, default=0, help="random seed; same seed, same runs (default 0)")
     parser.add_argument("--no-shrink", action="store_true", help="report the first failure as found")
-    parser.add_argument("--adapter", metavar="MODULE:CALLABLE",
+    parser.add_argument("--adapter", metavar="MODULE:CALLABLE", type=adapter_ref,
                         help="fuzz your own cache: a callable returning a CacheAdapter")
     parser.add_argument("--test-out", metavar="FILE", help="write the regression test for a failure here")
     parser.add_argument("--coverage", action="store_true", help="print which spec states/transitions were reached")

@@ -13,13 +13,15 @@ import argparse
 import json
 import sys
 
+from hicache_fsm.commands.args import non_negative_int
+
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("trace", metavar="TRACE", help="JSONL trace file (from hicache_fsm.testing.trace.record)")
     parser.add_argument("--quiescent", action="store_true", help="also require no job or copy left in flight at the end")
     parser.add_argument("--spec", action="append", default=[], metavar="FILE",
                         help="also check against this spec file (a machine of your own cache); repeatable")
-    parser.add_argument("--context", type=int, default=4, help="events shown before a divergence (default 4)")
+    parser.add_argument("--context", type=non_negative_int, default=4, help="events shown before a divergence (default 4)")
     parser.add_argument("--json", action="store_true", help="print only one JSON object on stdout (the report goes to stderr)")
 
 
@@ -31,8 +33,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         events = load_trace(args.trace)
         specs = load_all() + [load_spec(p) for p in args.spec]
-    except (OSError, ValueError, SpecError) as exc:
-        print(f"replay: {exc}", file=sys.stderr)
+    except OSError as exc:
+        print(f"hicache-fsm replay: cannot read {exc.filename or args.trace}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    except (ValueError, SpecError) as exc:
+        print(f"hicache-fsm replay: {exc}", file=sys.stderr)
         return 2
     result = replay(events, specs, require_quiescent=args.quiescent, context=args.context)
     out = sys.stderr if args.json else sys.stdout

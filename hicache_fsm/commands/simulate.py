@@ -9,6 +9,7 @@ from collections import Counter
 
 import torch
 
+from hicache_fsm.commands.args import UsageError, positive_int
 from hicache_fsm.errors import HiCacheError
 from hicache_fsm.pools import LAYOUTS
 from hicache_fsm.simulate import (
@@ -72,7 +73,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--json", action="store_true", help="print only one JSON object on stdout (hit_rate, hit_rate_bound, ...); the table goes to stderr")
     o.add_argument("--plot", metavar="FILE.png",
                    help="also draw hit rate against device and host capacity (needs the `plot` extra: matplotlib)")
-    o.add_argument("--threads", type=int, default=1,
+    o.add_argument("--threads", type=positive_int, default=1,
                    help="torch CPU threads (default 1: the tiny model is latency-bound)")
     o.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     o.add_argument("--record", metavar="FILE.jsonl",
@@ -229,6 +230,9 @@ def plot(sim: Simulation, options: Options, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    if sweep["skipped"]:
+        print(f"plot: left out {len(sweep['skipped'])} capacities whose host pool is not larger than "
+              f"the device pool (e.g. {sweep['skipped'][0].split(':')[0]})", file=sys.stderr)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -239,28 +243,21 @@ def run(args: argparse.Namespace) -> int:
             print("hicache-fsm simulate: --plot needs matplotlib; install the extra: pip install -e '.[plot]'",
                   file=sys.stderr)
             return 2
-    if args.threads < 1:
-        print("hicache-fsm simulate: --threads must be >= 1", file=sys.stderr)
-        return 2
     torch.set_num_threads(args.threads)
     try:
         workload = Workload(args.clients, args.rounds, args.request_length, args.output_length,
                             args.system_prompt_length, args.arrival, args.seed)
         options = Options(workload, args.device_tokens, args.host_tokens, args.storage_url, not args.no_storage,
                           args.page_size, args.layout, args.device, model=args.model)
-    except HiCacheError as exc:
-        print(f"hicache-fsm simulate: {exc}", file=sys.stderr)
-        return 2
+    except HiCacheError as exc:  # an impossible configuration is a usage error
+        raise UsageError(str(exc)) from None
     from hicache_fsm.simulate import run_simulation
 
     progress = Progress(0, sys.stderr, enabled=False if args.no_progress else None)
     tier = args.record_tier or (FULL if options.storage else DEVICE_HOST)
     recording = Recording(args.record, tier) if args.record else None
-    try:
+    try:  # a runtime HiCacheError: cli.main prints it, exit 1
         sim = run_simulation(options, progress, observe=recording.observe if recording else None)
-    except HiCacheError as exc:
-        print(f"hicache-fsm simulate: {exc}", file=sys.stderr)
-        return 1
     finally:
         if recording is not None:
             recording.close()

@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import hashlib
 import re
-import struct
+import sys
+from array import array
 from typing import Iterable, Sequence
 
 import attrs
 
-from hicache_fsm.errors import StorageKeyError
+from hicache_fsm.errors import BadTokenIds, StorageKeyError
+from hicache_fsm.tokens import as_token_ids
 
 __all__ = [
     "HASH_HEX_LEN",
@@ -54,17 +56,14 @@ _HEX_RE = re.compile(r"^[0-9a-fA-F]{64}$")
 
 
 def _token_bytes(tokens: Sequence[int]) -> bytes:
-    if hasattr(tokens, "tolist"):  # torch tensors, numpy arrays
-        tokens = tokens.tolist()
-    values = list(tokens)
-    for t in values:
-        if isinstance(t, bool) or not isinstance(t, int):
-            raise StorageKeyError(f"token ids must be ints, got {type(t).__name__}: {t!r}")
     try:
-        return struct.pack(f"<{len(values)}I", *values)
-    except struct.error:
-        bad = next(t for t in values if not 0 <= t < 2**32)
-        raise StorageKeyError(f"token id {bad} does not fit in 4 unsigned bytes") from None
+        ids = as_token_ids(tokens)  # the one definition of a valid token id
+    except BadTokenIds as exc:
+        raise StorageKeyError(str(exc)) from None
+    packed = array("I", ids)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return packed.tobytes()
 
 
 def _prior_bytes(prior: str | None) -> bytes:

@@ -68,6 +68,7 @@ from hicache_fsm.storage.keys import page_keys
 from hicache_fsm.storage.link import StorageLink
 from hicache_fsm.storage.options import TierOptions
 from hicache_fsm.storage.prefetch import PrefetchError, PrefetchOp, PrefetchRuntime
+from hicache_fsm.tokens import as_token_ids
 
 if TYPE_CHECKING:  # pragma: no cover
     from hicache_fsm.cache import HiCache
@@ -194,7 +195,7 @@ class StorageTier:
             self.runtime.configure(old_options)
             self._skip_writes = old_options.skip_writes
             self.counters["attach_failures"] += 1
-            log.warning("attaching storage %s failed: %s; rolled back", self._describe(url_or_backend), exc)
+            log.info("attaching storage %s failed: %s; rolled back", self._describe(url_or_backend), exc)
             if isinstance(exc, (HiCacheError, OSError, ValueError, TypeError)):
                 raise StorageLinkError(f"attaching storage failed: {exc}") from exc
             raise
@@ -498,11 +499,11 @@ class StorageTier:
 
     def prefetch(self, request_id: Hashable, tokens: Any, match: Any, namespace: Hashable = None) -> bool:
         """Admit a prefetch of the tokens after ``match``'s in-memory hit; False when not admitted."""
-        from hicache_fsm.results import MatchResult, as_tokens
+        from hicache_fsm.results import MatchResult
 
         self._check_open()
         self._drain()
-        tokens = as_tokens(tokens)
+        tokens = as_token_ids(tokens)
         if not isinstance(match, MatchResult):
             raise BadIndices(f"prefetch wants the MatchResult of match_prefix, got {type(match).__name__}")
         try:

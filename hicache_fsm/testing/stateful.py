@@ -485,15 +485,22 @@ def run_fuzz(machine: type[CacheProtocolMachine], *, examples: int = 100, steps:
     count = [0]
     t0 = time.perf_counter()
     last = [t0]
+    # A terminal gets a bar redrawn in place; a file or pipe gets a plain line now and then.
+    live = progress is not None and progress.isatty()
+    every = 0.5 if live else 10.0
 
     def factory() -> CacheProtocolMachine:
         count[0] += 1
         now = time.perf_counter()
-        if progress is not None and (now - last[0] >= 0.5 or count[0] == 1):
+        if progress is not None and (now - last[0] >= every or count[0] == 1):
             last[0] = now
             done = min(count[0], examples)
-            bar = "#" * (20 * done // max(1, examples))
-            print(f"\rfuzz [{bar:<20}] {done}/{examples} examples, {now - t0:.1f}s", end="", file=progress, flush=True)
+            if live:
+                bar = "#" * (20 * done // max(1, examples))
+                print(f"\rfuzz [{bar:<20}] {done}/{examples} examples, {now - t0:.1f}s", end="", file=progress,
+                      flush=True)
+            else:
+                print(f"fuzz: {done}/{examples} examples, {now - t0:.1f}s", file=progress, flush=True)
         return machine()
 
     phases = [Phase.explicit, Phase.reuse, Phase.generate] + ([Phase.shrink] if shrink else [])
@@ -512,7 +519,7 @@ def run_fuzz(machine: type[CacheProtocolMachine], *, examples: int = 100, steps:
             result.ok = False
             result.failure = f"{type(exc).__name__}: {exc}"
             lines.extend(getattr(exc, "__notes__", ()))
-    if progress is not None:
+    if live:
         print(file=progress)
     result.examples = count[0]
     result.seconds = time.perf_counter() - t0

@@ -106,8 +106,13 @@ def record(cache, out: str | Path | IO[str] | None = None, **meta) -> TraceRecor
 
 
 def load_trace(source: str | Path | IO[str] | Iterable[str] | Iterable[dict]) -> list[dict]:
-    """Events from a JSONL file / path / text lines / already-parsed dicts."""
-    if isinstance(source, (str, Path)) and "\n" not in str(source) and Path(source).exists():
+    """Events from a JSONL file / path / text lines / already-parsed dicts.
+
+    A ``Path``, or a one-line string that is not a JSON object, names a file:
+    a missing one raises ``FileNotFoundError`` (not a parse error about its name).
+    """
+    if isinstance(source, Path) or (isinstance(source, str) and "\n" not in source
+                                    and source.strip() and not source.lstrip().startswith("{")):
         with open(source, encoding="utf-8") as f:
             return _parse(f)
     if isinstance(source, str):

@@ -1,0 +1,59 @@
+"""What every subcommand shares: argument types that refuse impossible values, and the usage error.
+
+Ranges are checked by argparse (``type=positive_int``), so a bad value is a usage
+error (exit status 2, one line) before the command starts; ``UsageError`` is for
+what a type cannot see (an adapter that does not import, a missing input file).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import NoReturn
+
+
+class UsageError(Exception):
+    """The command line names something that cannot be used; ``cli.main`` exits 2 with the message."""
+
+
+class Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose usage errors are one line on stderr (then exit status 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _int_at_least(minimum: int, what: str):
+    def check(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{text} is not {what} (must be >= {minimum})")
+        return value
+
+    check.__name__ = what.replace(" ", "_")  # argparse names the type in its messages
+    return check
+
+
+positive_int = _int_at_least(1, "a positive integer")
+non_negative_int = _int_at_least(0, "a non-negative integer")
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} is not a positive finite number")
+    return value
+
+
+def adapter_ref(text: str) -> str:
+    """``MODULE:CALLABLE`` or ``FILE.py:CALLABLE`` (only the form; ``load_factory`` resolves it)."""
+    where, sep, attr = text.rpartition(":")
+    if not sep or not where or not attr.isidentifier():
+        raise argparse.ArgumentTypeError(f"wants MODULE:CALLABLE or FILE.py:CALLABLE, got {text!r}")
+    return text
+

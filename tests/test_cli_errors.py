@@ -1,0 +1,132 @@
+"""Every command meets bad input or a bad environment with one line on stderr and the documented
+exit status (2: usage, 1: runtime), never a traceback; progress uses carriage returns only on a terminal.
+
+Each case runs the real command line in a fresh interpreter, as a user would. The interpreters
+start a few at a time (each imports torch), and each test then checks its own case.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow  # about 20 interpreters, each importing torch
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_SIM = ["--clients", "1", "--rounds", "1", "--request-length", "8", "--output-length", "2",
+            "--system-prompt-length", "8", "--page-size", "8", "--device-tokens", "32", "--host-tokens", "64",
+            "--device", "cpu", "--no-progress"]
+
+
+def command(*argv: str) -> list[str]:
+    return [sys.executable, "-m", "hicache_fsm.cli", *argv]
+
+
+def environment() -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+
+
+def cli(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run(command(*argv), capture_output=True, text=True, env=environment(), timeout=300)
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+MISSING_DIR = "/nonexistent-hicache-fsm-dir"
+# name -> (argv, exit status, fragments of the one stderr line)
+CASES: dict[str, tuple[list[str], int, tuple[str, ...]]] = {
+    "check_negative_pages": (["check", "--device-pages", "-1"], 2, ("--device-pages", "positive")),
+    "check_page_size_zero": (["check", "--page-size", "0"], 2, ("--page-size",)),
+    "check_missing_adapter": (["check", "--adapter", "nosuch:thing"], 2, ("cannot import nosuch",)),
+    "check_bounds_too_big": (["check", "--alphabet", "1000"], 2, ("prompts",)),
+    "fuzz_negative_examples": (["fuzz", "--examples", "-1"], 2, ("--examples",)),
+    "fuzz_zero_steps": (["fuzz", "--steps", "0"], 2, ("--steps",)),
+    "fuzz_adapter_format": (["fuzz", "--adapter", "badformat"], 2, ("MODULE:CALLABLE",)),
+    "bench_copy_negative_tokens": (["bench", "copy", "--tokens", "-1"], 2, ("--tokens",)),
+    "simulate_host_not_larger": (["simulate", "--device-tokens", "3584", "--host-tokens", "3072"], 2,
+                                 ("host_tokens 3072 must be larger than device_tokens 3584",)),
+    "simulate_bad_device": (["simulate", "--device", "tpu9"], 2, ("device must be cpu, cuda or cuda:N",)),
+    "replay_missing_file": (["replay", "/nonexistent.jsonl"], 2, ("No such file or directory",)),
+    "diagram_missing_directory": (["diagram", "residency", "-o", f"{MISSING_DIR}/x.mmd"], 1,
+                                  ("No such file or directory", f"{MISSING_DIR}/x.mmd")),
+    "simulate_unreachable_redis": (["simulate", *TINY_SIM, "--storage-url", f"redis://127.0.0.1:{closed_port()}/0"],
+                                   1, ("attaching storage failed", "unreachable")),
+}
+if not torch.cuda.is_available():
+    CASES["simulate_cuda_without_cuda"] = (["simulate", "--device", "cuda"], 2, ("CUDA is not available",))
+
+
+@pytest.fixture(scope="module")
+def hostile_specs(tmp_path_factory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("hostile")
+    files = {"deep": "x: " + "[" * 400 + "]" * 400 + "\n", "nul": "name: a\x00\n"}
+    for name, text in files.items():
+        (d / f"{name}.yaml").write_text(text, encoding="utf-8")
+    return {name: d / f"{name}.yaml" for name in files}
+
+
+@pytest.fixture(scope="module")
+def results(hostile_specs) -> dict[str, subprocess.CompletedProcess]:
+    cases = dict(CASES)
+    cases["validate_deep_spec"] = (["validate", str(hostile_specs["deep"])], 1, ("deep.yaml:1", "nested deeper"))
+    cases["list_nul_spec"] = (["list", str(hostile_specs["nul"])], 1, ("nul.yaml:1", "not allowed in YAML"))
+    cases["diagram_deep_spec"] = (["diagram", str(hostile_specs["deep"])], 1, ("deep.yaml:1", "nested deeper"))
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        runs = {name: pool.submit(cli, *argv) for name, (argv, _, _) in cases.items()}
+        return {name: (run.result(), cases[name][1:]) for name, run in runs.items()}
+
+
+ALL_CASES = sorted([*CASES, "validate_deep_spec", "list_nul_spec", "diagram_deep_spec"])
+
+
+@pytest.mark.parametrize("case", ALL_CASES)
+def test_one_line_the_documented_status_and_no_traceback(results, case):
+    proc, (status, fragments) = results[case]
+    assert "Traceback" not in proc.stderr + proc.stdout, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, f"expected one line on stderr, got {proc.stderr!r}"
+    assert proc.returncode == status, (proc.returncode, lines[0])
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    assert "not JSON" not in lines[0]
+
+
+def test_fuzz_progress_has_no_carriage_return_off_a_terminal():
+    proc = cli("fuzz", "--examples", "3", "--steps", "3")
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr
+    assert "\r" not in proc.stderr and "fuzz: " in proc.stderr
+
+
+@pytest.mark.skipif(not hasattr(os, "openpty"), reason="needs a pseudo-terminal")
+def test_fuzz_progress_redraws_in_place_on_a_terminal():
+    master, slave = os.openpty()
+    try:
+        proc = subprocess.Popen(command("fuzz", "--examples", "3", "--steps", "3"), stderr=slave,
+                                stdout=subprocess.DEVNULL, env=environment())
+    finally:
+        os.close(slave)
+    chunks = []
+    try:
+        while True:
+            try:
+                data = os.read(master, 4096)
+            except OSError:  # every writer closed the terminal
+                break
+            if not data:
+                break
+            chunks.append(data)
+    finally:
+        os.close(master)
+    assert proc.wait(timeout=300) == 0
+    assert b"\rfuzz [" in b"".join(chunks)

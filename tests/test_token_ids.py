@@ -1,0 +1,152 @@
+"""Token ids are checked at the API boundary: a typed error naming the first bad one, nothing changed."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cache_helpers import drain, make_cache, pages, put
+from hicache_fsm.errors import BadIndices, BadTokenIds, HiCacheError, TokenIdTypeError, UnknownJob
+from hicache_fsm.jobs import Completion
+from hicache_fsm.storage.memory import MemoryBackend
+from hicache_fsm.tokens import TOKEN_ID_LIMIT, as_token_ids
+
+BAD = [
+    (-1, BadTokenIds, "outside"),
+    (2**40, BadTokenIds, "outside"),
+    (TOKEN_ID_LIMIT, BadTokenIds, "outside"),
+    (0.5, TokenIdTypeError, "must be an int"),
+    (None, TokenIdTypeError, "must be an int"),
+    ("a", TokenIdTypeError, "must be an int"),
+    (True, TokenIdTypeError, "bool"),
+    (np.float32(3.0), TokenIdTypeError, "must be an int"),
+    (np.bool_(False), TokenIdTypeError, "bool"),
+    (torch.tensor(True), TokenIdTypeError, "bool"),
+]
+
+
+@pytest.mark.parametrize("bad,error,match", BAD)
+def test_first_bad_position_and_value_are_named(bad, error, match):
+    tokens = [5, 6, 7, bad, -1]
+    with pytest.raises(error, match=match) as info:
+        as_token_ids(tokens)
+    assert info.value.position == 3 and info.value.value is bad
+    assert "position 3" in str(info.value)
+    assert isinstance(info.value, (HiCacheError, ValueError)) and isinstance(info.value, BadIndices)
+
+
+def test_type_errors_are_also_type_errors_and_range_errors_value_errors():
+    with pytest.raises(TypeError):
+        as_token_ids([1, "x"])
+    with pytest.raises(ValueError):
+        as_token_ids([1, -1])
+
+
+@pytest.mark.parametrize("tokens", [[1, 2], (1, 2), np.array([1, 2]), torch.tensor([1, 2], dtype=torch.int32),
+                                    [np.int64(1), torch.tensor(2)], range(1, 3)])
+def test_integer_sequences_arrays_and_scalars_are_accepted(tokens):
+    assert as_token_ids(tokens) == (1, 2)
+
+
+def test_integer_scalars_key_storage_like_the_ints_they_equal():
+    from hicache_fsm.storage.keys import page_keys
+
+    plain = list(range(5, 13))
+    scalars = [np.int64(t) for t in plain[:4]] + [torch.tensor(t) for t in plain[4:]]
+    assert page_keys(as_token_ids(scalars), 4) == page_keys(plain, 4)
+
+
+@pytest.mark.parametrize("tokens", ["abcd", b"ab", 7, None, torch.zeros(2, 2, dtype=torch.long),
+                                    torch.zeros(4), np.array([0.5, 1.0])])
+def test_containers_that_are_not_token_sequences(tokens):
+    with pytest.raises(BadTokenIds):
+        as_token_ids(tokens)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(-2**40, 2**40), max_size=20))
+def test_accepts_exactly_the_range_storage_keys_encode(values):
+    good = all(0 <= v < 2**32 for v in values)
+    if good:
+        assert as_token_ids(values) == tuple(values)
+    else:
+        with pytest.raises(BadTokenIds) as info:
+            as_token_ids(values)
+        first = next(i for i, v in enumerate(values) if not 0 <= v < 2**32)
+        assert info.value.position == first
+
+
+# ------------------------------------------------------------------ through the cache
+
+
+def _rejected(cache, fn, *args):
+    before = cache.snapshot()
+    with pytest.raises(BadTokenIds):
+        fn(*args)
+    assert cache.snapshot() == before
+    cache.check_invariants()
+
+
+@pytest.mark.parametrize("bad,error,match", BAD[:7])
+def test_cache_entry_points_refuse_bad_ids_and_change_nothing(bad, error, match):
+    cache, ex = make_cache()
+    put(cache, pages(2))
+    drain(cache, ex)
+    tokens = list(pages(2)) + [bad] * 4
+    idx = cache.alloc_device(12)
+    _rejected(cache, cache.insert, tokens + [9] * 4, idx)
+    _rejected(cache, cache.match_prefix, tokens)
+    cache.free_device(idx)
+
+
+@pytest.mark.parametrize("bad", [b for b, _, _ in BAD[:7]])
+def test_prefetch_refuses_bad_ids_and_changes_nothing(bad):
+    cache, ex = make_cache()
+    try:
+        cache.attach_storage(MemoryBackend(), prefetch_threshold=4)
+        m = cache.match_prefix(pages(2))
+        _rejected(cache, cache.prefetch, "r", list(pages(2)) + [bad] * 4, m)
+    finally:
+        cache.close()
+
+
+def test_padding_ids_with_storage_attached_end_in_one_typed_error():
+    """The reproducer of a padding id (-1) reaching storage keys: refused at insert, nothing pinned."""
+    cache, ex = make_cache()
+    try:
+        cache.attach_storage(MemoryBackend(), prefetch_threshold=4)
+        put(cache, list(range(1, 9)))
+        idx = cache.alloc_device(8)
+        before = cache.snapshot()
+        with pytest.raises(BadTokenIds, match="position 0"):
+            cache.insert([-1] * 8, idx)
+        assert cache.snapshot() == before
+        cache.free_device(idx)
+        put(cache, list(range(100, 108)))
+        deadline = time.monotonic() + 10
+        while cache.pending_job_ids() and time.monotonic() < deadline:  # host, then storage backups
+            ex.complete_all()
+            cache.poll()
+            time.sleep(0.01)
+        assert not cache.pending_job_ids()
+        cache.check_invariants()
+        st = cache.stats()["storage"]
+        assert st["healthy"] and st["backend_stats"]["sets"] == 4 and st["backend_stats"]["errors"] == 0
+        assert all(cache.match_prefix(t).device_hit_length == 8 for t in (range(1, 9), range(100, 108)))
+    finally:
+        cache.close()
+
+
+def test_completion_with_a_list_job_id_is_an_unknown_job():
+    cache, ex = make_cache()
+    put(cache, pages(2))
+    before = cache.snapshot()
+    for bad in ([1], "1", 1.0, None, True):
+        with pytest.raises(UnknownJob, match="job ids are ints"):
+            cache.complete(Completion(bad, True))
+        assert cache.snapshot() == before
