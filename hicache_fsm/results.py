@@ -13,7 +13,7 @@ from typing import Protocol, Sequence
 import attrs
 import torch
 
-from hicache_fsm.errors import BadIndices, HiCacheError
+from hicache_fsm.errors import HiCacheError
 from hicache_fsm.jobs import LayerWait
 from hicache_fsm.radix import TreeNode
 
@@ -134,17 +134,3 @@ class InsertResult:
     node: TreeNode
     cached_tokens: int  # tokens that were already in the tree (engine slots there were freed)
     new_tokens: int
-
-
-def as_tokens(tokens: object) -> tuple:
-    """Token ids as a tuple (what the tree compares); ``BadIndices`` for anything else."""
-    if isinstance(tokens, tuple):
-        return tokens
-    if isinstance(tokens, torch.Tensor):
-        if tokens.dim() != 1 or tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
-            raise BadIndices(f"token ids must be a 1-D integer tensor, got {tokens.dtype} with shape {tuple(tokens.shape)}")
-        return tuple(tokens.tolist())
-    try:
-        return tuple(tokens)  # type: ignore[arg-type]
-    except TypeError:
-        raise BadIndices(f"token ids must be a sequence of ints, got {type(tokens).__name__}") from None
