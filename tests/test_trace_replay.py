@@ -200,3 +200,16 @@ def test_the_chat_workload_keeps_its_defaults(capsys):
     assert main(["simulate", "--page-size", "24", "--no-progress"]) == 2  # 1024 is no multiple of 24
     assert "device_tokens 1024" in capsys.readouterr().err
 
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_replay_with_the_device_pool_on_cuda(small_trace):
+    """The device pool on CUDA: load-backs and backups go through the executor's streams."""
+    sim = run_trace(TraceOptions(load_trace(small_trace, 32), device_tokens=256, host_tokens=512, page_size=8,
+                                 storage_url="memory://", device="cuda"))
+    assert sim.device == "cuda"
+    assert sim.tier(INFINITE).hit_tokens == sim.bound.hit_tokens
+    rates = [t.hit_rate for t in sim.tiers]
+    assert rates == sorted(rates)
+    assert sim.tier(DEVICE_HOST).bytes["h2d"] > 0

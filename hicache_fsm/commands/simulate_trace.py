@@ -142,10 +142,12 @@ def plot(sim: TraceSimulation, path: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     pts = sim.sweep or []
     ax.plot([c for c, _ in pts], [100 * r for _, r in pts], marker="o", markersize=4, label="device only (LRU)")
-    for t in sim.tiers:
-        if t.name not in ("device", INFINITE):
-            ax.axhline(100 * t.hit_rate, linestyle=":", linewidth=1,
-                       label=f"{t.name} at device {t.device_tokens}, host {t.host_tokens}")
+    for color, t in zip(("tab:orange", "tab:green"), [t for t in sim.tiers if t.name not in ("device", INFINITE)]):
+        ax.axhline(100 * t.hit_rate, color=color, linestyle=":", linewidth=1.2,
+                   label=f"{t.name} at device {t.device_tokens}, host {t.host_tokens}")
+    device = sim.tier("device")
+    if device is not None:
+        ax.axvline(device.device_tokens, color="lightgray", linestyle=":")
     ax.axhline(100 * sim.bound.hit_rate, color="gray", linestyle="--", label="infinite cache (bound)")
     ax.set_xscale("log")
     ax.set_xlabel("device capacity (tokens)")
