@@ -136,7 +136,7 @@ class TraceReplayer:
             try:
                 self.cache.attach_storage(tier.storage_url, **options)  # setup, not per-request time
             except BaseException:
-                self.cache.close()
+                self.close()
                 raise
         self._requests = 0
         self.storage_settle_s = 0.0
@@ -246,17 +246,21 @@ class TraceReplayer:
             cache.close()
         return res
 
+    def close(self) -> None:
+        """Release the cache (a no-op after ``finish``)."""
+        self.cache.close()
+
 
 def replay(tiers: Sequence[Tier], trace: Trace, tokens: BlockTokens, page_size: int, layout: str = "page_first",
            device: str = "cpu", storage_namespace: str = "trace-replay",
-           on_request: Callable[[int], None] = lambda n: None) -> list[TierResult]:
+           on_request: Callable[[], None] = lambda: None) -> list[TierResult]:
     """Serve every request of ``trace`` through each configuration, in step.
 
     Each request's tokens are derived once and served by every configuration
     before the next request (a 12k-token input costs tens of microseconds to
     build; the configurations share that). A configuration's ``wall_s`` counts
-    only its own setup, requests and wrap-up. ``on_request(n)`` is told of the
-    ``n`` requests served after each step.
+    only its own setup, requests and wrap-up. ``on_request()`` follows each
+    request (served by all of them).
     """
     replayers: list[TraceReplayer] = []
     spent: list[float] = []
@@ -271,7 +275,7 @@ def replay(tiers: Sequence[Tier], trace: Trace, tokens: BlockTokens, page_size: 
                 start = time.perf_counter()
                 replayer.serve(cacheable, r.input_length)
                 spent[i] += time.perf_counter() - start
-            on_request(len(replayers))
+            on_request()
         results = []
         for replayer, wall in zip(replayers, spent):
             start = time.perf_counter()
@@ -281,14 +285,17 @@ def replay(tiers: Sequence[Tier], trace: Trace, tokens: BlockTokens, page_size: 
         return results
     finally:
         for replayer in replayers:
-            replayer.cache.close()  # a no-op once finished
+            replayer.close()
 
 
 # ====================================================================== progress
 
 
 class ReplayProgress:
-    """Requests replayed so far, on stderr: a redrawn line on a terminal, a line every few seconds otherwise."""
+    """Trace requests replayed so far, on stderr: a redrawn line on a terminal, a line every few seconds otherwise.
+
+    A pass serves each request to all its configurations; a sweep is a second pass.
+    """
 
     def __init__(self, total: int = 0, stream: TextIO | None = None, enabled: bool = True,
                  every_s: float = 10.0) -> None:
@@ -395,14 +402,15 @@ def run_trace(options: TraceOptions, progress: ReplayProgress | None = None,
     namespace = f"trace-replay-{uuid.uuid4().hex[:12]}"  # a fresh key space: no pages of an earlier run
     n = len(trace.requests)
     progress = progress or ReplayProgress(enabled=False)
-    progress.total = n * (len(tiers) + len(sweep or ()))
+    passes = 2 if sweep else 1
+    progress.total = n * passes
     tokens = BlockTokens(trace.block_size)
     points = None
     try:
-        progress.set_label(", ".join(t.name for t in tiers))
+        progress.set_label(f"pass 1/{passes}: {len(tiers)} configurations")
         results = replay(tiers, trace, tokens, ps, options.layout, device, namespace, progress.step)
         if sweep:
-            progress.set_label(f"sweep of {len(sweep)} device sizes")
+            progress.set_label(f"pass 2/2: {len(sweep)} device sizes")
             swept = replay([device_only(f"sweep-{c}", c, ps) for c in sweep], trace, tokens, ps, options.layout,
                            device, namespace, progress.step)
             points = [(c, r.hit_rate) for c, r in zip(sweep, swept)]
