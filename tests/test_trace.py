@@ -189,3 +189,29 @@ def test_generator_command(tmp_path, capsys):
     assert gen_main(["-o", str(out), "--requests", "0"]) == 2
     assert "requests must be an int >= 1" in capsys.readouterr().err
     assert gen_main(["-o", str(tmp_path / "no" / "dir.jsonl")]) == 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.integers(0, 3), min_size=1, max_size=4), st.integers(1, 8)),
+                min_size=1, max_size=8),
+       st.sampled_from([1, 2, 4, 8]))
+def test_prefix_bound_equals_the_longest_cached_prefix(requests, page):
+    """From the hash ids alone, the bound equals a brute-force search over the tokens of every earlier input."""
+    bs = 8
+    t = trace_of(*[((len(ids) - 1) * bs + cut, tuple(ids)) for ids, cut in requests], block_size=bs)
+    bt = BlockTokens(bs)
+    cached: list[tuple[int, ...]] = []
+    hit = 0
+    for r in t.requests:
+        tokens = bt.tokens(r.hash_ids, r.input_length)
+        best = 0
+        for c in cached:
+            n = 0
+            while n < min(len(c), len(tokens)) and c[n] == tokens[n]:
+                n += 1
+            best = max(best, n)
+        hit += best // page * page
+        cached.append(tokens[: len(tokens) // page * page])
+    b = prefix_bound(t, page)
+    assert b.hit_tokens == hit
+    assert b.unique_tokens == len({c[:n] for c in cached for n in range(page, len(c) + 1, page)}) * page

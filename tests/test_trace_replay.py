@@ -8,13 +8,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hicache_fsm.cli import main
 from hicache_fsm.errors import ConfigError
-from hicache_fsm.simulate import DEVICE, DEVICE_HOST, FULL, INFINITE, storage_available
-from hicache_fsm.trace import load_trace, prefix_bound
+from hicache_fsm.simulate import DEVICE, DEVICE_HOST, FULL, INFINITE, device_only, storage_available
+from hicache_fsm.trace import BlockTokens, load_trace, parse_lines, prefix_bound
 from hicache_fsm.trace_gen import TraceShape, write
-from hicache_fsm.trace_replay import ReplayProgress, TraceOptions, run_trace, sweep_capacities
+from hicache_fsm.trace_replay import ReplayProgress, TraceOptions, replay, run_trace, sweep_capacities
 from redis_fixture import redis_server  # noqa: F401  (fixture)
 
 SHIPPED = Path(__file__).resolve().parent.parent / "examples" / "traces" / "synthetic-chat.jsonl"
@@ -60,6 +62,21 @@ def test_shipped_trace_through_every_configuration(shipped_sim):
         full = sim.tier(FULL)
         assert full.storage_hit_tokens > 0 and full.prefetches > 0
         assert full.hit_rate >= 0.95 * bound.hit_rate  # storage is unbounded here
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.integers(0, 3), min_size=1, max_size=4), st.integers(1, 16)),
+                min_size=1, max_size=10),
+       st.sampled_from([4, 8, 16]))
+def test_an_infinite_cache_hits_the_bound(requests, page):
+    """Whatever the trace, HiCache with room for everything hits exactly what the hash ids say."""
+    lines = [json.dumps({"timestamp": i, "input_length": (len(ids) - 1) * 16 + cut, "output_length": 1,
+                         "hash_ids": ids}) for i, (ids, cut) in enumerate(requests)]
+    trace = parse_lines(lines, 16)
+    bound = prefix_bound(trace, page)
+    [result] = replay([device_only(INFINITE, bound.unique_tokens + page, page)], trace, BlockTokens(16), page)
+    assert result.hit_tokens == bound.hit_tokens
+    assert result.alloc_failures == 0
 
 
 def test_json_shape(shipped_sim):

@@ -32,7 +32,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "Serve a multi-turn chat workload (SGLang multi-turn benchmark shape) with a tiny deterministic "
         "model through four cache configurations in one run: device only, device + host, "
         "device + host + storage, and an infinite cache as the bound. Every KV page the cache serves is "
-        "checked bit for bit and every answer against a cache-free run.")
+        "checked bit for bit and every answer against a cache-free run. With --trace, a production trace "
+        "(Mooncake format) is replayed instead, without a model.")
     w = parser.add_argument_group("workload")
     w.add_argument("--clients", type=int, default=_W.clients, help=f"conversations (default {_W.clients})")
     w.add_argument("--rounds", type=int, default=_W.rounds, help=f"turns per conversation (default {_W.rounds})")
@@ -68,7 +69,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     o = parser.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print only one JSON object on stdout (hit_rate, hit_rate_bound, ...); the table goes to stderr")
     o.add_argument("--plot", metavar="FILE.png",
-                   help="also draw hit rate against device and host capacity (needs the `plot` extra: matplotlib)")
+                   help="also draw hit rate against device and host capacity (with --trace: device-only hit rate against "
+                        "capacity); needs the `plot` extra: matplotlib")
     o.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (default 1: the tiny model is latency-bound)")
     o.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
