@@ -103,6 +103,17 @@ class StorageURLError(StorageError, ConfigError):
     """A storage URL names an unknown scheme or has an impossible form."""
 
 
+class TraceError(HiCacheError):
+    """A trace file is missing or malformed; carries the file and line of the problem."""
+
+    def __init__(self, path: str, line: int | None, message: str) -> None:
+        self.path = str(path)
+        self.line = line
+        self.message = message
+        where = f"{self.path}:{line}" if line is not None else self.path
+        super().__init__(f"{where}: {message}")
+
+
 class DiagramError(HiCacheError):
     """A diagram could not be rendered (Graphviz missing, failed or timed out)."""
 

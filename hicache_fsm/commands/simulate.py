@@ -1,4 +1,4 @@
-"""Run a multi-turn chat workload through the cache tiers with real KV and compare them."""
+"""Run a multi-turn chat workload (or replay a trace) through the cache tiers and compare them."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from collections import Counter
 import torch
 
 from hicache_fsm.commands.args import UsageError, positive_int
+from hicache_fsm.commands import simulate_trace
 from hicache_fsm.errors import HiCacheError
 from hicache_fsm.pools import LAYOUTS
 from hicache_fsm.simulate import (
@@ -36,7 +37,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "Serve a multi-turn chat workload (SGLang multi-turn benchmark shape) with a deterministic "
         "model through four cache configurations in one run: device only, device + host, "
         "device + host + storage, and an infinite cache as the bound. Every KV page the cache serves is "
-        "checked bit for bit and every answer against a cache-free run.")
+        "checked bit for bit and every answer against a cache-free run. With --trace, a production trace "
+        "(Mooncake format) is replayed instead, without a model.")
     w = parser.add_argument_group("workload")
     w.add_argument("--clients", type=int, default=_W.clients, help=f"conversations (default {_W.clients})")
     w.add_argument("--rounds", type=int, default=_W.rounds, help=f"turns per conversation (default {_W.rounds})")
@@ -55,13 +57,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         "grouped-query attention and rotary positions, random weights, float64 (needs the "
                         "`llama` extra: transformers) (default tiny)")
     c = parser.add_argument_group("cache")
-    c.add_argument("--device-tokens", type=int, default=_DEFAULTS.device_tokens,
-                   help=f"device (L1) pool size in tokens (default {_DEFAULTS.device_tokens})")
-    c.add_argument("--host-tokens", type=int, default=_DEFAULTS.host_tokens,
-                   help=f"host (L2) pool size in tokens (default {_DEFAULTS.host_tokens})")
+    c.add_argument("--device-tokens", type=int, default=None,
+                   help=f"device (L1) pool size in tokens (default {_DEFAULTS.device_tokens}; "
+                        f"with --trace {simulate_trace.DEFAULT_DEVICE_TOKENS})")
+    c.add_argument("--host-tokens", type=int, default=None,
+                   help=f"host (L2) pool size in tokens (default {_DEFAULTS.host_tokens}; "
+                        f"with --trace {simulate_trace.DEFAULT_HOST_TOKENS})")
     c.add_argument("--storage-url", default=None,
                    help="L3 storage URL (file:///DIR, redis://HOST:PORT/DB, memory://); "
-                        "default: a file:// directory in a temporary directory, removed afterwards")
+                        "default: a file:// directory in a temporary directory, removed afterwards "
+                        "(with --trace: memory://)")
     c.add_argument("--no-storage", action="store_true", help="leave out the device + host + storage configuration")
     c.add_argument("--page-size", type=int, default=_DEFAULTS.page_size,
                    help=f"tokens per page (default {_DEFAULTS.page_size})")
@@ -69,10 +74,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
                    help=f"host pool layout (default {_DEFAULTS.layout})")
     c.add_argument("--device", default=None,
                    help="torch device of the model and device pool (default: cuda if present)")
+    simulate_trace.configure(parser)
     o = parser.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print only one JSON object on stdout (hit_rate, hit_rate_bound, ...); the table goes to stderr")
     o.add_argument("--plot", metavar="FILE.png",
-                   help="also draw hit rate against device and host capacity (needs the `plot` extra: matplotlib)")
+                   help="also draw hit rate against device and host capacity (with --trace: device-only hit rate against "
+                        "capacity); needs the `plot` extra: matplotlib")
     o.add_argument("--threads", type=positive_int, default=1,
                    help="torch CPU threads (default 1: the tiny model is latency-bound)")
     o.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -244,10 +251,17 @@ def run(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             return 2
     torch.set_num_threads(args.threads)
+    if args.trace is not None:
+        return simulate_trace.run(args)
+    if simulate_trace.trace_only_options(args):
+        print(f"hicache-fsm simulate: {', '.join(simulate_trace.trace_only_options(args))} need --trace", file=sys.stderr)
+        return 2
+    device_tokens = _DEFAULTS.device_tokens if args.device_tokens is None else args.device_tokens
+    host_tokens = _DEFAULTS.host_tokens if args.host_tokens is None else args.host_tokens
     try:
         workload = Workload(args.clients, args.rounds, args.request_length, args.output_length,
                             args.system_prompt_length, args.arrival, args.seed)
-        options = Options(workload, args.device_tokens, args.host_tokens, args.storage_url, not args.no_storage,
+        options = Options(workload, device_tokens, host_tokens, args.storage_url, not args.no_storage,
                           args.page_size, args.layout, args.device, model=args.model)
     except HiCacheError as exc:  # an impossible configuration is a usage error
         raise UsageError(str(exc)) from None

@@ -1,0 +1,205 @@
+"""``hicache-fsm simulate --trace FILE.jsonl``: replay a production trace through the cache configurations."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import attrs
+
+from hicache_fsm.errors import ConfigError, HiCacheError, TraceError
+from hicache_fsm.simulate import INFINITE, TierResult, Workload
+from hicache_fsm.trace import DEFAULT_BLOCK_SIZE, load_trace, prefix_bound
+from hicache_fsm.trace_replay import (
+    ReplayProgress,
+    TraceOptions,
+    TraceSimulation,
+    sweep_capacities,
+)
+
+DEFAULT_DEVICE_TOKENS = attrs.fields(TraceOptions).device_tokens.default
+DEFAULT_HOST_TOKENS = attrs.fields(TraceOptions).host_tokens.default
+_WORKLOAD_OPTIONS = ("clients", "rounds", "request_length", "output_length", "system_prompt_length", "arrival", "seed")
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    t = parser.add_argument_group("trace replay (metadata mode: no model, one KV element per token)")
+    t.add_argument("--trace", metavar="FILE.jsonl",
+                   help="replay this Mooncake-format trace instead of the chat workload (see docs/traces.md)")
+    t.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
+                   help=f"tokens per hash id of the trace (default {DEFAULT_BLOCK_SIZE})")
+    t.add_argument("--sweep", nargs="?", const="auto", metavar="N,N,...",
+                   help="also replay device-only caches of these sizes in tokens (bare: ten sizes from the longest "
+                        "input to everything the trace caches, log-spaced); the JSON gets a 'sweep' entry")
+
+
+def _sweep(text: str | None, options: TraceOptions, want_plot: bool) -> list[int] | None:
+    if text is None and not want_plot:
+        return None
+    if text is None or text == "auto":
+        return sweep_capacities(options.trace, options.page_size, prefix_bound(options.trace, options.page_size))
+    try:
+        sizes = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise ConfigError(f"--sweep wants comma-separated token counts, got {text!r}") from None
+    ps = options.page_size
+    bad = [s for s in sizes if s < ps or s % ps]
+    if not sizes or bad:
+        raise ConfigError(f"--sweep sizes must be positive multiples of page size {ps}, got {text!r}")
+    return sizes
+
+
+def trace_only_options(args: argparse.Namespace) -> list[str]:
+    """Trace options given without ``--trace`` (they mean nothing to the chat workload)."""
+    given = ["--sweep"] if args.sweep is not None else []
+    return given + (["--block-size"] if args.block_size != DEFAULT_BLOCK_SIZE else [])
+
+
+def _unused_workload_options(args: argparse.Namespace) -> list[str]:
+    defaults = Workload()
+    return [f"--{n.replace('_', '-')}" for n in _WORKLOAD_OPTIONS if getattr(args, n) != getattr(defaults, n)]
+
+
+def format_table(sim: TraceSimulation) -> str:
+    """One column per configuration, one row per figure."""
+    tiers = sim.tiers
+
+    def cap(t: TierResult) -> str:
+        if t.name == INFINITE:
+            return f"{t.device_tokens} (all)"
+        host = "-" if t.name == "device" else str(t.host_tokens)
+        return f"{t.device_tokens}/{host}" + ("/L3" if t.storage_url else "")
+
+    def pct(x: float) -> str:
+        return f"{100 * x:.1f}%"
+
+    def mb(t: TierResult, kind: str) -> str:
+        return f"{t.bytes[kind] / 1e6:.2f} MB" if kind in t.bytes else "-"
+
+    rows: list[tuple[str, list[str]]] = [
+        ("capacity device/host(/L3)", [cap(t) for t in tiers]),
+        ("token hit rate", [pct(t.hit_rate) for t in tiers]),
+        ("  from device", [pct(t.rate(t.device_hit_tokens)) for t in tiers]),
+        ("  from host", [pct(t.rate(t.host_hit_tokens)) for t in tiers]),
+        ("  from storage", [pct(t.rate(t.storage_hit_tokens)) for t in tiers]),
+        ("prefill tokens saved", [str(t.hit_tokens) for t in tiers]),
+        ("prefill tokens computed", [str(t.computed_tokens) for t in tiers]),
+        ("bytes device->host", [mb(t, "d2h") for t in tiers]),
+        ("bytes host->device", [mb(t, "h2d") for t in tiers]),
+        ("bytes host->storage", [mb(t, "h2s") for t in tiers]),
+        ("bytes storage->host", [mb(t, "s2h") for t in tiers]),
+        ("controller us/request", [f"{t.controller_us_per_request:.0f}" for t in tiers]),
+        ("transfer time (executor)", [f"{t.transfer_s * 1e3:.1f} ms" for t in tiers]),
+        ("storage I/O wait", [f"{(t.prefetch_wait_s + t.counters.get('storage_settle_s', 0.0)):.2f} s"
+                              if t.storage_url else "-" for t in tiers]),
+        ("requests not cached (no room)", [str(t.alloc_failures) for t in tiers]),
+        ("wall time", [f"{t.wall_s:.1f} s" for t in tiers]),
+    ]
+    head = ["", *[t.name for t in tiers]]
+    width0 = max(len(r[0]) for r in rows)
+    widths = [max(len(head[i + 1]), *(len(r[1][i]) for r in rows)) for i in range(len(tiers))]
+    lines = ["  ".join([head[0].ljust(width0), *(h.rjust(wd) for h, wd in zip(head[1:], widths))])]
+    lines.append("  ".join(["-" * width0, *("-" * wd for wd in widths)]))
+    for label, cells in rows:
+        lines.append("  ".join([label.ljust(width0), *(c.rjust(wd) for c, wd in zip(cells, widths))]))
+    return "\n".join(lines)
+
+
+def bound_matches(sim: TraceSimulation) -> bool:
+    """The replayed infinite cache hits exactly what the hash ids say it must."""
+    infinite = sim.tier(INFINITE)
+    return infinite is not None and infinite.hit_tokens == sim.bound.hit_tokens
+
+
+def summary(sim: TraceSimulation) -> str:
+    s = sim.trace.summary()
+    full, bound = sim.hierarchy, sim.tier(INFINITE)
+    out = [f"trace {s['path']}: {s['requests']} requests, mean input {s['mean_input_length']:.0f} tokens "
+           f"(max {s['max_input_length']}), block {s['block_size']}, page {sim.page_size}, "
+           f"{sim.bound.unique_tokens} distinct cacheable tokens, pools on {sim.device}"]
+    if bound is not None and bound.hit_rate:
+        out.append(f"{full.name}: hit rate {100 * full.hit_rate:.1f}% = "
+                   f"{100 * full.hit_rate / bound.hit_rate:.1f}% of the infinite bound ({100 * bound.hit_rate:.1f}%)")
+    verdict = "OK" if bound_matches(sim) else "MISMATCH"
+    out.append(f"infinite cache hit {bound.hit_tokens if bound else '-'} tokens; from the hash ids alone: "
+               f"{sim.bound.hit_tokens} -> {verdict}")
+    if sim.sweep:
+        out.append("device-only sweep: " + ", ".join(f"{c}: {100 * r:.1f}%" for c, r in sim.sweep))
+    if sim.storage_skipped:
+        out.append(f"storage configuration skipped: {sim.storage_skipped}")
+    out.append(f"wall time {sim.wall_s:.1f} s")
+    return "\n".join(out)
+
+
+def plot(sim: TraceSimulation, path: str) -> None:
+    """Hit rate of a device-only cache against its capacity (log axis), with the infinite bound."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    pts = sim.sweep or []
+    ax.plot([c for c, _ in pts], [100 * r for _, r in pts], marker="o", markersize=4, label="device only (LRU)")
+    for color, t in zip(("tab:orange", "tab:green"), [t for t in sim.tiers if t.name not in ("device", INFINITE)]):
+        ax.axhline(100 * t.hit_rate, color=color, linestyle=":", linewidth=1.2,
+                   label=f"{t.name} at device {t.device_tokens}, host {t.host_tokens}")
+    device = sim.tier("device")
+    if device is not None:
+        ax.axvline(device.device_tokens, color="lightgray", linestyle=":")
+    ax.axhline(100 * sim.bound.hit_rate, color="gray", linestyle="--", label="infinite cache (bound)")
+    ax.set_xscale("log")
+    ax.set_xlabel("device capacity (tokens)")
+    ax.set_ylabel("token hit rate (%)")
+    ax.set_ylim(0, 100)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    s = sim.trace.summary()
+    ax.set_title(f"{s['path'].rsplit('/', 1)[-1]}: {s['requests']} requests, mean input "
+                 f"{s['mean_input_length']:.0f} tokens, block {s['block_size']}, page {sim.page_size}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> int:
+    """The ``--trace`` branch of ``simulate`` (called after its generic checks)."""
+    prog = "hicache-fsm simulate"
+    unused = _unused_workload_options(args)
+    if unused:
+        print(f"{prog}: {', '.join(unused)} describe the chat workload; a trace brings its own requests",
+              file=sys.stderr)
+        return 2
+    try:
+        trace = load_trace(args.trace, args.block_size)
+        options = TraceOptions(
+            trace,
+            DEFAULT_DEVICE_TOKENS if args.device_tokens is None else args.device_tokens,
+            DEFAULT_HOST_TOKENS if args.host_tokens is None else args.host_tokens,
+            args.storage_url, not args.no_storage, args.page_size, args.layout, args.device)
+        sweep = _sweep(args.sweep, options, bool(args.plot))
+    except (TraceError, ConfigError) as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 2
+    from hicache_fsm.trace_replay import run_trace
+
+    progress = ReplayProgress(stream=sys.stderr, enabled=not args.no_progress)
+    try:
+        sim = run_trace(options, progress, sweep)
+    except HiCacheError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 1
+    out = sys.stderr if args.json else sys.stdout  # with --json, stdout holds only the JSON object
+    print(format_table(sim), file=out)
+    print(file=out)
+    print(summary(sim), file=out)
+    if args.plot:
+        plot(sim, args.plot)
+        print(f"plot written to {args.plot}", file=out)
+    if args.json:
+        print(json.dumps(sim.as_dict(), sort_keys=True))
+    return 0 if bound_matches(sim) else 1
+
+
+__all__ = ["configure", "format_table", "plot", "run", "summary", "trace_only_options"]
