@@ -82,7 +82,7 @@ class LoadBacks:
             eviction.add_locks(anchor_path, 1)
             eviction.add_pins(chain, 1)
             try:
-                eviction.evict(total - device.available_tokens)
+                eviction.evict(total - device.available_tokens + cfg.eviction_headroom_tokens)
             finally:
                 eviction.add_pins(chain, -1)
                 eviction.add_locks(anchor_path, -1)
