@@ -10,7 +10,7 @@ so that two namespaces never match each other's prefixes.
 from __future__ import annotations
 
 import itertools
-from typing import Hashable, Iterator
+from typing import Callable, Hashable, Iterator
 
 import torch
 
@@ -236,6 +236,34 @@ class RadixTree:
         del node.parent.children[self._child_key(node.namespace, node.key, 0)]
         del self._nodes[node.id]
         self.version += 1
+
+    def fork(self, copy_node: Callable[[TreeNode], TreeNode], memo: dict) -> "RadixTree":
+        """An independent copy: ``copy_node`` copies one node's fields, links are re-made here.
+
+        ``memo`` maps ``id(old node)`` to its copy (for callers that re-point
+        their own references). Both trees go on numbering new nodes from the
+        same id, so ids stay comparable between a tree and its fork.
+        """
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        nxt = next(self._ids)
+        self._ids = itertools.count(nxt)
+        new._ids = itertools.count(nxt)
+        nodes: dict[int, TreeNode] = {}
+        pairs = []
+        for nid, node in self._nodes.items():
+            m = copy_node(node)
+            memo[id(node)] = m
+            nodes[nid] = m
+            pairs.append((node, m))
+        for node, m in pairs:
+            if node.parent is not None:
+                m.parent = memo[id(node.parent)]
+            m.children = {k: memo[id(c)] for k, c in node.children.items()}
+        new._nodes = nodes
+        new.root = memo[id(self.root)]
+        memo[id(self)] = new
+        return new
 
     def path_to_root(self, node: TreeNode) -> Iterator[TreeNode]:
         """``node`` and its ancestors, bottom-up, the root excluded."""

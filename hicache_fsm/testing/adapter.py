@@ -366,14 +366,9 @@ def _residency_spec():
 
 
 def _fork_allocator(alloc, memo: dict):
-    if id(alloc) in memo:
-        return memo[id(alloc)]
-    new = object.__new__(type(alloc))
-    new.__dict__.update(alloc.__dict__)
-    new._allocated = alloc._allocated.copy()
-    new._released = list(alloc._released)
-    memo[id(alloc)] = new
-    return new
+    if id(alloc) not in memo:
+        memo[id(alloc)] = alloc.fork()
+    return memo[id(alloc)]
 
 
 def _remake_views(pool, base, kv) -> None:
@@ -429,46 +424,24 @@ def _node_copier(cls: type) -> Callable:
     return fn
 
 
+def _copy_tree_node(node):
+    m = _node_copier(type(node))(node)
+    m.pending_jobs = set(node.pending_jobs)
+    if node.cp_meta is not None:
+        m.cp_meta = copy.deepcopy(node.cp_meta)
+    return m
+
+
 def _fork_tree(tree, memo: dict):
-    new = object.__new__(type(tree))
-    new.__dict__.update(tree.__dict__)
-    nxt = next(tree._ids)
-    tree._ids = itertools.count(nxt)
-    new._ids = itertools.count(nxt)
-    nodes = {}
-    pairs = []
-    for nid, node in tree._nodes.items():
-        m = _node_copier(type(node))(node)
-        m.pending_jobs = set(node.pending_jobs)
-        if node.cp_meta is not None:
-            m.cp_meta = copy.deepcopy(node.cp_meta)
-        memo[id(node)] = m
-        nodes[nid] = m
-        pairs.append((node, m))
-    for node, m in pairs:
-        if node.parent is not None:
-            m.parent = memo[id(node.parent)]
-        m.children = {k: memo[id(c)] for k, c in node.children.items()}
-    new._nodes = nodes
-    new.root = memo[id(tree.root)]
-    memo[id(tree)] = new
-    return new
+    return tree.fork(_copy_tree_node, memo)
 
 
 def _fork_manual_executor(ex, memo: dict):
     """Copy a ``ManualExecutor``: its pending copies are re-pointed at the copied pools."""
-    new = object.__new__(type(ex))
-    new.__dict__.update(ex.__dict__)
     ps = object.__new__(type(ex.pools))
     ps.__dict__.update({k: _fork_pool(v, memo) for k, v in ex.pools.__dict__.items()})
-    new.pools = ps
-    new._pending = {
-        jid: (job, [attrs.evolve(c, device_pool=memo[id(c.device_pool)], host_pool=memo[id(c.host_pool)])
-                    for c in copies])
-        for jid, (job, copies) in ex._pending.items()
-    }
-    new._queue = list(ex._queue)
-    new.submitted = list(ex.submitted)
+    new = ex.fork(ps, lambda c: attrs.evolve(c, device_pool=memo[id(c.device_pool)],
+                                             host_pool=memo[id(c.host_pool)]))
     memo[id(ex)] = new
     return new
 
