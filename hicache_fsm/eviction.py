@@ -104,9 +104,9 @@ class CandidateSet:
 
     def pop(self) -> TreeNode | None:
         """The member with the smallest key, or None when there is none."""
-        heap, members, key = self._heap, self._members, self.key
-        while heap:
-            k, _, node = heapq.heappop(heap)
+        members, key = self._members, self.key
+        while self._heap:  # re-read: a push below may rebuild the heap
+            k, _, node = heapq.heappop(self._heap)
             if members.get(node.id) is not node:
                 continue  # left the set since it was pushed
             current = key(node)

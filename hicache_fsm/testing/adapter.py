@@ -948,7 +948,7 @@ class HiCacheAdapter(CacheAdapter):
         parts = [(n, n.num_tokens) for n in path]
         if partial:
             parent = path[-1] if path else tree.root
-            child = parent.children.get(tree._child_key(None, tokens, matched))
+            child = parent.children.get(tree.child_key(None, tokens, matched))
             if child is not None:
                 parts.append((child, partial))
         out: list[tuple[int, ...]] = []
@@ -1063,7 +1063,7 @@ class HiCacheAdapter(CacheAdapter):
         new._requests = dict(self._requests)
         if self.cache.storage is not None:
             new.backend = new.cache.storage.link.backend
-            new.faults = new.backend._chooser
+            new.faults = new.backend.chooser
         return new
 
     def applicable(self, op: str, args: tuple) -> bool:
@@ -1076,7 +1076,7 @@ class HiCacheAdapter(CacheAdapter):
             path, matched, partial = tree.walk(tokens)
             if partial:
                 parent = path[-1] if path else tree.root
-                path = path + [parent.children[tree._child_key(None, tokens, matched)]]
+                path = path + [parent.children[tree.child_key(None, tokens, matched)]]
             if not path:
                 return False  # nothing matches: only the clock moves
             if op == "lock":  # without a device part, lock is just a match
