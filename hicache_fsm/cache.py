@@ -175,7 +175,8 @@ class HiCache:
         if num_tokens % self.page_size:
             raise BadIndices(f"alloc_device wants whole pages of {self.page_size} tokens; got {num_tokens}")
         if self.device_allocator.available_tokens < num_tokens:
-            self.eviction.evict(num_tokens - self.device_allocator.available_tokens)
+            self.eviction.evict(num_tokens - self.device_allocator.available_tokens
+                                + self.config.eviction_headroom_tokens)
         indices = self.device_allocator.alloc(num_tokens)
         if indices is not None:
             self.engine_pages.update(self._page_ids(indices))
@@ -594,6 +595,10 @@ class HiCache:
     def add_observer(self, fn: Callable[[dict], None]) -> None:
         """Call ``fn(event_dict)`` on every transition, job, completion and split (tracing)."""
         self.driver.add_observer(fn)
+
+    def remove_observer(self, fn: Callable[[dict], None]) -> None:
+        """Stop calling ``fn`` (added by ``add_observer``); ``ValueError`` if it was not added."""
+        self.driver.remove_observer(fn)
 
     def device_slot_owners(self) -> list[tuple[str, torch.Tensor]]:
         """(owner, slot indices) for every device slot held by a node or the engine (invariant checks)."""

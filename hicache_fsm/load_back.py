@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from hicache_fsm.bindings.residency import LOADING
 from hicache_fsm.errors import GuardRejected
 from hicache_fsm.eviction import RESIDENT, REVIVABLE
 from hicache_fsm.jobs import JobKind, TransferJob
-from hicache_fsm.bindings.residency import LOADING
 from hicache_fsm.radix import TreeNode
 from hicache_fsm.results import LoadBack, LoadHandle
 
@@ -82,7 +82,7 @@ class LoadBacks:
             eviction.add_locks(anchor_path, 1)
             eviction.add_pins(chain, 1)
             try:
-                eviction.evict(total - device.available_tokens)
+                eviction.evict(total - device.available_tokens + cfg.eviction_headroom_tokens)
             finally:
                 eviction.add_pins(chain, -1)
                 eviction.add_locks(anchor_path, -1)

@@ -28,7 +28,7 @@ class ResidencyDriver:
     Interface: ``fire``, ``can_fire``, ``build_job``; ``add_child``,
     ``split``, ``remove``, ``walk``, ``walk_splitting``, ``require_node``;
     ``tick``, ``touch``, ``count_poll``, ``clock``, ``polls``;
-    ``add_observer``, ``notify``, ``observed``.
+    ``add_observer``, ``remove_observer``, ``notify``, ``observed``.
     """
 
     def __init__(self, cache: "HiCache", machine: "CompiledMachine") -> None:
@@ -63,6 +63,9 @@ class ResidencyDriver:
 
     def add_observer(self, fn: Callable[[dict], None]) -> None:
         self._observers.append(fn)
+
+    def remove_observer(self, fn: Callable[[dict], None]) -> None:
+        self._observers.remove(fn)
 
     def notify(self, event: dict) -> None:
         for fn in self._observers:
