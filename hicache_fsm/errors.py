@@ -101,3 +101,10 @@ class StorageURLError(StorageError, ConfigError):
 
 class DiagramError(HiCacheError):
     """A diagram could not be rendered (Graphviz missing, failed or timed out)."""
+
+
+class MissingExtra(HiCacheError, ModuleNotFoundError):
+    """An optional dependency is not installed; the message names the extra that brings it."""
+
+    def __init__(self, feature: str, module: str, extra: str) -> None:
+        super().__init__(f"{feature} needs {module}: pip install 'hicache_fsm[{extra}]'", name=module)
