@@ -357,10 +357,7 @@ class DeviceKVPool:
         self._setup(shape, size_tokens, page_size, device, allocator)
         kv = torch.zeros((shape.parts, shape.layers, size_tokens, shape.heads, shape.head_dim),
                          dtype=shape.dtype, device=device)
-        pages = size_tokens // page_size
-        self._layer_pages = [tuple(kv[p, layer].unflatten(0, (pages, page_size)) for p in range(shape.parts))
-                             for layer in range(shape.layers)]
-        self.buffers = (kv,)
+        self._engine_pages = self._engine_buffers = None
         self.kv = kv
         self.k = kv[0]
         self.v = kv[1] if shape.parts == 2 else None
@@ -398,8 +395,8 @@ class DeviceKVPool:
         shape = KVShape(len(layer_pages), heads, head_dim, first.dtype, mla=mla)
         pool = cls.__new__(cls)
         pool._setup(shape, pages * page_size, page_size, first.device, allocator)
-        pool._layer_pages = [tuple(views) for views in layer_pages]
-        pool.buffers = tuple(buffers)
+        pool._engine_pages = [tuple(views) for views in layer_pages]
+        pool._engine_buffers = tuple(buffers)
         pool.kv = pool.k = pool.v = None
         return pool
 
@@ -428,9 +425,17 @@ class DeviceKVPool:
         """True when the memory is an engine's (``adopt``), not one buffer of the pool's own."""
         return self.kv is None
 
+    @property
+    def buffers(self) -> tuple[torch.Tensor, ...]:
+        """The tensors holding the KV: the pool's own ``kv``, or the engine's adopted buffers."""
+        return (self.kv,) if self.kv is not None else self._engine_buffers
+
     def layer_pages(self, layer: int) -> tuple[torch.Tensor, ...]:
         """Per part, the (pages, page_size, heads, head_dim) view of one layer's memory."""
-        return self._layer_pages[layer]
+        if self.kv is None:
+            return self._engine_pages[layer]
+        pages = self.size_tokens // self.page_size
+        return tuple(part[layer].unflatten(0, (pages, self.page_size)) for part in self.kv)
 
     def _index(self, indices) -> torch.Tensor:
         idx = _as_index_tensor(indices)
@@ -535,7 +540,6 @@ class HostKVPool:
         self.kv = torch.zeros(dims, dtype=shape.dtype, pin_memory=self.pinned)
         self.k = self.kv[0]
         self.v = self.kv[1] if P == 2 else None
-        self._parts = tuple(self.kv.unbind(0))
 
     @classmethod
     def matching(cls, device_pool: DeviceKVPool, size_tokens: int, layout: str = "layer_first",
@@ -571,6 +575,11 @@ class HostKVPool:
         if self.layout == "page_first":
             return half[idx].transpose(0, 1)
         return half[idx // self.page_size, :, idx % self.page_size].transpose(0, 1)
+
+    @property
+    def _parts(self) -> tuple[torch.Tensor, ...]:
+        """K and V, or the MLA latent (derived from ``k``/``v`` each time, so a copy of the pool stays whole)."""
+        return (self.k,) if self.v is None else (self.k, self.v)
 
     def layer_pages(self, layer: int) -> tuple[torch.Tensor, ...]:
         """Per part, the (pages, page_size, heads, head_dim) view of one layer (strided but for layer_first)."""

@@ -11,6 +11,7 @@ buffers must then hold the very same bits.
 from __future__ import annotations
 
 import itertools
+import json
 from collections.abc import Callable
 
 import attrs
@@ -268,3 +269,14 @@ def test_mla_ranks_share_one_stored_copy():
     finally:
         for cache in caches:
             cache.close()
+
+
+@pytest.mark.parametrize("engine", ["sglang_mha", "vllm"])
+def test_copy_bench_runs_on_adopted_buffers(engine, capsys):
+    from hicache_fsm.cli import main
+
+    argv = ["bench", "copy", "--engine", engine, "--layout", "page_first_direct", "--tokens", "128", "--page-size",
+            "16", "--layers", "2", "--heads", "2", "--head-dim", "8", "--repeats", "1", "--json"]
+    assert main(argv) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["engine"] == engine and result["d2h_gbps"] > 0 and result["h2d_gbps"] > 0
