@@ -6,6 +6,9 @@ out of the engine's tensors directly (``DeviceKVPool.adopt``: the pool's views
 share the engine's storage, whatever their strides). The cache then owns slot
 allocation: token slot ``t`` is row ``t`` of SGLang's buffers, or offset
 ``t % block_size`` of block ``t // block_size`` in vLLM's (a page is a block).
+Rows the engine keeps for itself (SGLang's padding slots at the front) stay
+out of the cache by adopting views that leave them out (``k[page_size:]``);
+slot ``t`` is then row ``t + page_size``.
 
 * SGLang MHA (``MHATokenToKVPool.k_buffer`` / ``v_buffer``): per layer one K and
   one V tensor of shape (tokens, kv_heads, head_dim).

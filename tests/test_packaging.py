@@ -9,7 +9,7 @@ the dependencies) on the path.
 from __future__ import annotations
 
 import ast
-import importlib
+import importlib.util
 import json
 import os
 import shutil
