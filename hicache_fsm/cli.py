@@ -18,43 +18,56 @@ from hicache_fsm.bench import BENCHMARKS
 from hicache_fsm.commands.args import Parser, UsageError
 from hicache_fsm.errors import HiCacheError
 
-# Subcommand name -> module exposing ``configure(parser)`` and ``run(args) -> int``.
+# Subcommand name -> (module exposing ``configure(parser)`` and ``run(args) -> int``, one-line help).
+# The help lines live here so that naming every command imports none of them: a command's
+# module is imported only to run it, and ``list``/``validate``/``diagram`` never import torch.
 COMMANDS = {
-    "list": "hicache_fsm.commands.list_specs",
-    "validate": "hicache_fsm.commands.validate",
-    "diagram": "hicache_fsm.commands.diagram",
-    "simulate": "hicache_fsm.commands.simulate",
-    "check": "hicache_fsm.commands.check",
-    "fuzz": "hicache_fsm.commands.fuzz",
-    "replay": "hicache_fsm.commands.replay",
+    "list": ("hicache_fsm.commands.list_specs", "List the specs: machine name, number of states and transitions, file."),
+    "validate": ("hicache_fsm.commands.validate",
+                 "Validate spec files: print `ok FILE` for each valid one, `FILE:LINE: message` for every problem."),
+    "diagram": ("hicache_fsm.commands.diagram", "Draw a spec as a mermaid, Graphviz dot or SVG diagram."),
+    "simulate": ("hicache_fsm.commands.simulate",
+                 "Run a multi-turn chat workload through the cache tiers with real KV and compare them."),
+    "check": ("hicache_fsm.commands.check",
+              "Exhaustively explore the composed cache protocol within small bounds and check every invariant."),
+    "fuzz": ("hicache_fsm.commands.fuzz",
+             "Fuzz the cache protocol with the hypothesis state machine, outside pytest, reproducibly."),
+    "replay": ("hicache_fsm.commands.replay",
+               "Check that a recorded JSONL trace is a valid run of the specs; report the first divergence."),
 }
+BENCH = "bench"
+_NONE = ""
 
 
-def _available(modules: dict[str, str]) -> dict[str, object]:
-    found = {}
-    for name, path in modules.items():
-        try:
-            found[name] = importlib.import_module(path)
-        except ModuleNotFoundError as exc:
-            if exc.name != path:
-                raise
-    return found
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="hicache-fsm", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    for name, module in _available(COMMANDS).items():
-        p = sub.add_parser(name, help=(module.__doc__ or "").strip().splitlines()[0])
-        module.configure(p)
-        p.set_defaults(_run=module.run)
-    bench = sub.add_parser("bench", help="run a benchmark against a same-run baseline")
+def _add_bench(sub: argparse._SubParsersAction, configure: bool) -> None:
+    bench = sub.add_parser(BENCH, help="run a benchmark against a same-run baseline")
+    if not configure:
+        return
     bench_sub = bench.add_subparsers(dest="benchmark", required=True)
-    for name, module in _available(BENCHMARKS).items():
+    for name, path in BENCHMARKS.items():
+        module = importlib.import_module(path)
         p = bench_sub.add_parser(name, help=(module.__doc__ or "").strip().splitlines()[0])
         p.add_argument("--json", action="store_true", help="print only one JSON object on stdout (the report goes to stderr)")
         module.configure(p)
         p.set_defaults(_run=lambda args, m=module: (m.run(args), 0)[1])
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The parser naming every subcommand; with ``only``, just that one is configured.
+
+    Configuring a subcommand imports its module, so ``main`` configures only the
+    command it runs (``only=""``: none, for ``--help`` and usage errors); tests and
+    docs checks use the full parser.
+    """
+    parser = Parser(prog="hicache-fsm", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (path, help_line) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_line)
+        if only is None or only == name:
+            module = importlib.import_module(path)
+            module.configure(p)
+            p.set_defaults(_run=module.run)
+    _add_bench(sub, configure=only is None or only == BENCH)
     return parser
 
 
@@ -64,15 +77,22 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 
 
+def _command_in(argv: Sequence[str]) -> str:
+    """The subcommand ``argv`` names (its first non-option word), or "" when none is known."""
+    first = next((a for a in argv if not a.startswith("-")), _NONE)
+    return first if first in COMMANDS or first == BENCH else _NONE
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    name = "hicache-fsm " + args.command + (f" {args.benchmark}" if args.command == "bench" else "")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(only=_command_in(argv)).parse_args(argv)
+    name = "hicache-fsm " + args.command + (f" {args.benchmark}" if args.command == BENCH else "")
     try:
         return int(args._run(args) or 0)
     except UsageError as exc:
         print(f"{name}: error: {_one_line(exc)}", file=sys.stderr)
         return 2
-    except (HiCacheError, OSError) as exc:
+    except (HiCacheError, OSError) as exc:  # MissingExtra too: it names the extra to install
         print(f"{name}: {_one_line(exc)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

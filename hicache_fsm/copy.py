@@ -5,18 +5,25 @@ turns a pair of index tensors into runs where both sides' pages are
 consecutive; every run is then moved with slice copies (``dst[a:b].copy_``),
 never per-token indexing.
 
+A device pool that owns its memory keeps every part and layer in one buffer;
+one adopted from an engine (``DeviceKVPool.adopt``) has a buffer per layer (or
+per layer and part) in the engine's own strides, and is copied through
+``layer_pages`` views: one copy per run, part and layer.
+
 Two strategies, picked by the device pool's device:
 
 * CPU: one strided copy per run covering K and V (and all layers for a full
-  backup, or a full load), since both pools keep K and V in one buffer; the
-  CPU copy kernel handles the strides (and ATen spreads a large one over its
+  backup, or a full load) when the device pool owns one buffer; the CPU copy
+  kernel handles the strides (and ATen spreads a large one over its
   intra-op threads).
 * CUDA: copies whose host side is one contiguous block, so each is a single
   asynchronous memcpy to or from pinned memory (the GPU makes its side
   contiguous with a kernel). For ``page_first`` loads, where one layer of a
   page is scattered over the host, the whole run (all layers) is staged on the
   GPU first and scattered layer by layer from there. A single-layer backup of
-  a ``page_first`` pool goes through a host temporary (synchronous).
+  a ``page_first`` pool goes through a host temporary (synchronous). Adopted
+  pools do the same per layer: ``page_first`` and ``page_first_direct`` runs
+  are gathered into (or scattered from) a GPU copy of the run's host block.
 
 All functions take ``runs`` in the (device_start, host_start, length) token
 form that ``plan_runs(device_indices, host_indices, page_size)`` returns, so
@@ -96,6 +103,8 @@ def backup_to_host(device_pool: DeviceKVPool, host_pool: HostKVPool, device_indi
         return
     if device_pool.device.type == "cpu":
         _d2h_cpu(device_pool, host_pool, runs, layer)
+    elif device_pool.adopted:
+        _d2h_cuda_paged(device_pool, host_pool, runs, layer, non_blocking)
     else:
         _d2h_cuda(device_pool, host_pool, runs, layer, non_blocking)
 
@@ -108,7 +117,7 @@ def _cpu_pairs(dev: DeviceKVPool, host: HostKVPool, runs: list[Run], layer: int 
     share of copying one 100 KB run.
     """
     ps, layout = dev.page_size, host.layout
-    L, H, D = dev.shape.layers, dev.shape.heads, dev.shape.head_dim
+    P, L, H, D = dev.shape.parts, dev.shape.layers, dev.shape.heads, dev.shape.head_dim
     if layer is None:
         dkv = dev.kv
         if layout == "layer_first":
@@ -119,17 +128,17 @@ def _cpu_pairs(dev: DeviceKVPool, host: HostKVPool, runs: list[Run], layer: int 
             hkv = host.kv
             return [(dt.narrow(1, d, n), hkv.narrow(1, h, n)) for d, h, n in runs]
         hkv = host.kv
-        return [(dkv.narrow(2, d, n).view(2, L, n // ps, ps, H, D).transpose(1, 2), hkv.narrow(1, h // ps, n // ps))
+        return [(dkv.narrow(2, d, n).view(P, L, n // ps, ps, H, D).transpose(1, 2), hkv.narrow(1, h // ps, n // ps))
                 for d, h, n in runs]
-    dl = dev.kv.select(1, layer)  # (2, T, H, D)
+    dl = dev.kv.select(1, layer)  # (P, T, H, D)
     if layout == "layer_first":
         hl = host.kv.select(1, layer)
         return [(dl.narrow(1, d, n), hl.narrow(1, h, n)) for d, h, n in runs]
     if layout == "page_first":
-        hl = host.kv.select(2, layer)  # (2, T, H, D), strided
+        hl = host.kv.select(2, layer)  # (P, T, H, D), strided
         return [(dl.narrow(1, d, n), hl.narrow(1, h, n)) for d, h, n in runs]
-    hl = host.kv.select(2, layer)  # (2, P, ps, H, D)
-    return [(dl.narrow(1, d, n).view(2, n // ps, ps, H, D), hl.narrow(1, h // ps, n // ps)) for d, h, n in runs]
+    hl = host.kv.select(2, layer)  # (P, pages, ps, H, D)
+    return [(dl.narrow(1, d, n).view(P, n // ps, ps, H, D), hl.narrow(1, h // ps, n // ps)) for d, h, n in runs]
 
 
 def _copy_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -143,15 +152,63 @@ def _copy_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         dst.copy_(src)
 
 
+def _paged_pairs(dev: DeviceKVPool, host: HostKVPool, runs: list[Run], layer: int | None):
+    """(device view, host view) pairs of (pages, page_size, heads, head_dim), one per run, part and layer.
+
+    Works for any device pool (the adopted ones have no single buffer) and any
+    host layout; the views keep each side's strides.
+    """
+    ps = dev.page_size
+    pairs = []
+    for li in range(dev.layers) if layer is None else (layer,):
+        for dev_pages, host_pages in zip(dev.layer_pages(li), host.layer_pages(li)):
+            pairs.extend((dev_pages.narrow(0, d // ps, n // ps), host_pages.narrow(0, h // ps, n // ps))
+                         for d, h, n in runs)
+    return pairs
+
+
+def _host_block(host: HostKVPool, part: int, h: int, n: int) -> torch.Tensor:
+    """Every layer of a run of host slots: one contiguous block in page_first and page_first_direct."""
+    if host.layout == "page_first":
+        return host.kv[part].narrow(0, h, n)  # (n, L, H, D)
+    return host.kv[part].narrow(0, h // host.page_size, n // host.page_size)  # (pages, L, ps, H, D)
+
+
+def _block_layer(block: torch.Tensor, layout: str, layer: int, page_size: int) -> torch.Tensor:
+    """One layer of a ``_host_block`` (or a copy of it) as (pages, page_size, heads, head_dim)."""
+    if layout == "page_first":
+        return block[:, layer].unflatten(0, (-1, page_size))
+    return block[:, layer]
+
+
 def _d2h_cpu(dev: DeviceKVPool, host: HostKVPool, runs: list[Run], layer: int | None) -> None:
-    _copy_pairs([(h, d) for d, h in _cpu_pairs(dev, host, runs, layer)])
+    pairs = _paged_pairs(dev, host, runs, layer) if dev.adopted else _cpu_pairs(dev, host, runs, layer)
+    _copy_pairs([(h, d) for d, h in pairs])
+
+
+def _d2h_cuda_paged(dev: DeviceKVPool, host: HostKVPool, runs: list[Run], layer: int | None, nb: bool) -> None:
+    if host.layout == "layer_first" or layer is not None:
+        # layer_first: each host view is contiguous, one async memcpy each. One layer of a
+        # page_first(_direct) pool is scattered over the host: synchronous, as for owned pools.
+        async_ok = host.layout == "layer_first"
+        for d, h in _paged_pairs(dev, host, runs, layer):
+            h.copy_(d, non_blocking=nb and async_ok)
+        return
+    ps = dev.page_size
+    for part in range(dev.shape.parts):
+        for d, h, n in runs:
+            block = _host_block(host, part, h, n)
+            staged = torch.empty(block.shape, dtype=block.dtype, device=dev.device)
+            for li in range(dev.layers):
+                _block_layer(staged, host.layout, li, ps).copy_(dev.layer_pages(li)[part].narrow(0, d // ps, n // ps))
+            block.copy_(staged, non_blocking=nb)  # one memcpy; the allocator keeps ``staged`` for this stream
 
 
 def _d2h_cuda(dev: DeviceKVPool, host: HostKVPool, runs: list[Run], layer: int | None, nb: bool) -> None:
     ps, layout, L = dev.page_size, host.layout, dev.layers
     H, D = dev.shape.heads, dev.shape.head_dim
     layers = range(L) if layer is None else (layer,)
-    for s in (0, 1):
+    for s in range(dev.shape.parts):
         dh, hh = dev.kv[s], host.kv[s]
         for d, h, n in runs:
             if layout == "layer_first":
@@ -190,6 +247,8 @@ def load_to_device(device_pool: DeviceKVPool, host_pool: HostKVPool, host_indice
         return
     if device_pool.device.type == "cpu":
         _h2d_cpu(device_pool, host_pool, runs, layer)
+    elif device_pool.adopted:
+        _h2d_cuda_paged(device_pool, host_pool, runs, layer, non_blocking, staging)
     else:
         _h2d_cuda(device_pool, host_pool, runs, layer, non_blocking, staging)
 
@@ -213,7 +272,28 @@ def load_all_layers(device_pool: DeviceKVPool, host_pool: HostKVPool, host_indic
 
 
 def _h2d_cpu(dev: DeviceKVPool, host: HostKVPool, runs: list[Run], layer: int | None) -> None:
-    _copy_pairs(list(_cpu_pairs(dev, host, runs, layer)))
+    _copy_pairs(_paged_pairs(dev, host, runs, layer) if dev.adopted else list(_cpu_pairs(dev, host, runs, layer)))
+
+
+def _h2d_cuda_paged(dev: DeviceKVPool, host: HostKVPool, runs: list[Run], layer: int, nb: bool,
+                    staging: dict | None) -> None:
+    if host.layout == "layer_first":
+        for d, h in _paged_pairs(dev, host, runs, layer):
+            d.copy_(h, non_blocking=nb)
+        return
+    # One layer of a page_first(_direct) run is scattered over the host: stage every layer of
+    # each run's block on the GPU once per batch (one memcpy each), then copy layer by layer.
+    staging = {} if staging is None else staging
+    staged = staging.get("paged")
+    if staged is None:
+        staged = [[_host_block(host, part, h, n).to(dev.device, non_blocking=nb) for _, h, n in runs]
+                  for part in range(dev.shape.parts)]
+        staging["paged"] = staged
+    ps = dev.page_size
+    for part, blocks in enumerate(staged):
+        dev_pages = dev.layer_pages(layer)[part]
+        for (d, _, n), block in zip(runs, blocks):
+            dev_pages.narrow(0, d // ps, n // ps).copy_(_block_layer(block, host.layout, layer, ps))
 
 
 def _h2d_cuda(dev: DeviceKVPool, host: HostKVPool, runs: list[Run], layer: int, nb: bool,
@@ -225,12 +305,12 @@ def _h2d_cuda(dev: DeviceKVPool, host: HostKVPool, runs: list[Run], layer: int, 
         staged = staging.get("page_first")
         if staged is None:
             total = sum(n for _, _, n in runs)
-            staged = torch.empty((2, total, dev.layers, dev.shape.heads, dev.shape.head_dim),
+            staged = torch.empty((dev.shape.parts, total, dev.layers, dev.shape.heads, dev.shape.head_dim),
                                  dtype=dev.shape.dtype, device=dev.device)
             off = 0
             for d, h, n in runs:
-                staged[0, off:off + n].copy_(host.kv[0, h:h + n], non_blocking=nb)
-                staged[1, off:off + n].copy_(host.kv[1, h:h + n], non_blocking=nb)
+                for s in range(dev.shape.parts):  # one contiguous host block each: an async memcpy
+                    staged[s, off:off + n].copy_(host.kv[s, h:h + n], non_blocking=nb)
                 off += n
             staging["page_first"] = staged
         off = 0
@@ -238,7 +318,7 @@ def _h2d_cuda(dev: DeviceKVPool, host: HostKVPool, runs: list[Run], layer: int, 
             dev.kv[:, layer, d:d + n].copy_(staged[:, off:off + n, layer])
             off += n
         return
-    for s in (0, 1):
+    for s in range(dev.shape.parts):
         dl, hh = dev.kv[s, layer], host.kv[s]
         for d, h, n in runs:
             if layout == "layer_first":

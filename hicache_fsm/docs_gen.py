@@ -26,7 +26,8 @@ from hicache_fsm.diagrams import svg_from_dot, to_dot, to_mermaid
 from hicache_fsm.errors import DiagramError
 from hicache_fsm.spec import SPEC_DIR, Spec, load_spec, spec_paths
 
-DOCS_DIR = SPEC_DIR.parent / "docs" / "machines"
+# A checkout's docs/ (this tool works on the repository, not on an installed package).
+DOCS_DIR = Path(__file__).resolve().parent.parent / "docs" / "machines"
 REGENERATE = "python -m hicache_fsm.docs_gen"
 
 

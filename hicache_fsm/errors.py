@@ -133,3 +133,10 @@ class BadTokenIds(BadIndices, ValueError):
 
 class TokenIdTypeError(BadTokenIds, TypeError):
     """A token id (or the sequence holding them) has a type that is not an integer."""
+
+
+class MissingExtra(HiCacheError, ModuleNotFoundError):
+    """An optional dependency is not installed; the message names the extra that brings it."""
+
+    def __init__(self, feature: str, module: str, extra: str) -> None:
+        super().__init__(f"{feature} needs {module}: pip install 'hicache_fsm[{extra}]'", name=module)

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import enum
 import itertools
-from typing import Iterable, Protocol, Sequence
+from typing import TYPE_CHECKING, Iterable, Protocol, Sequence
 
 import attrs
-import torch
+
+if TYPE_CHECKING:
+    import torch  # only ``merge_jobs`` needs torch at run time: importing jobs stays cheap
 
 
 class JobKind(str, enum.Enum):
@@ -85,6 +87,8 @@ class JobBatch:
 
 def merge_jobs(jobs: Sequence[TransferJob]) -> list[JobBatch]:
     """Merge pending jobs into one batch per (kind, layer), keeping submit order."""
+    import torch
+
     groups: dict[tuple[JobKind, int | None], list[TransferJob]] = {}
     for job in jobs:
         groups.setdefault((job.kind, job.layer), []).append(job)

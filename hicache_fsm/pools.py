@@ -4,17 +4,24 @@ Token slots are handed out in whole pages. A slot index names one token of the
 pool; a page ``p`` owns slots ``p * page_size .. (p + 1) * page_size - 1``.
 Index tensors are always int64 on the CPU.
 
-Device pool buffer: one tensor ``kv`` of shape (2, layers, tokens, heads, head_dim);
-``k`` and ``v`` are its two halves, each (layers, tokens, heads, head_dim).
+A token's KV has ``parts`` parts per layer: K and V (2), or for MLA models one
+latent vector (1; ``KVShape.mla``). Below, ``P`` is the number of parts.
+
+Device pool memory, either allocated by the pool (one tensor ``kv`` of shape
+(P, layers, tokens, heads, head_dim); ``k`` and ``v`` are its halves) or adopted
+from an engine without a copy (``hicache_fsm.engine_kv``: per-layer buffers in
+the engine's own layout and strides; ``kv`` is then None). Either way
+``layer_pages(layer)`` gives, per part, a (pages, page_size, heads, head_dim)
+view of the memory, which is what copies use.
 
 Host pool layouts (``HostKVPool.kv``):
 
-* ``layer_first``        (2, layers, tokens, heads, head_dim)
-* ``page_first``         (2, tokens, layers, heads, head_dim)
-* ``page_first_direct``  (2, pages, layers, page_size, heads, head_dim)
+* ``layer_first``        (P, layers, tokens, heads, head_dim)
+* ``page_first``         (P, tokens, layers, heads, head_dim)
+* ``page_first_direct``  (P, pages, layers, page_size, heads, head_dim)
 
 Page byte format (``read_page`` / ``write_page`` / ``page_views``): the K bytes
-of the page, then the V bytes, each in the host layout's own element order
+of the page, then the V bytes (MLA: the latent bytes), each in the host layout's own element order
 (layer_first: layer by layer, each layer's ``page_size`` tokens; page_first:
 token by token, all layers of each token; page_first_direct: layer by layer).
 The format therefore depends on the layout, as it does upstream; stored pages
@@ -45,14 +52,30 @@ def _is_dtype(instance, attribute, value) -> None:
         raise ConfigError(f"{attribute.name} must be a torch.dtype, got {value!r}")
 
 
+def _is_bool(instance, attribute, value) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{attribute.name} must be a bool, got {value!r}")
+
+
 @attrs.frozen
 class KVShape:
-    """Shape of one model's KV cache: per token, K and V of every layer."""
+    """Shape of one model's KV cache: per token, K and V of every layer.
+
+    ``mla``: a multi-head latent attention model, which caches one latent
+    vector per token and layer instead of K and V (``heads`` is then 1 and
+    ``head_dim`` is kv_lora_rank + qk_rope_head_dim).
+    """
 
     layers: int = attrs.field(validator=_positive)
     heads: int = attrs.field(validator=_positive)
     head_dim: int = attrs.field(validator=_positive)
     dtype: torch.dtype = attrs.field(default=torch.float32, validator=_is_dtype)
+    mla: bool = attrs.field(default=False, validator=_is_bool, kw_only=True)
+
+    @property
+    def parts(self) -> int:
+        """Tensors per token and layer: 2 (K and V), or 1 (the MLA latent)."""
+        return 1 if self.mla else 2
 
     @property
     def elem_bytes(self) -> int:
@@ -60,8 +83,8 @@ class KVShape:
 
     @property
     def token_bytes(self) -> int:
-        """Bytes of K plus V for one token over all layers."""
-        return 2 * self.layers * self.heads * self.head_dim * self.elem_bytes
+        """Bytes of K plus V (MLA: the latent) for one token over all layers."""
+        return self.parts * self.layers * self.heads * self.head_dim * self.elem_bytes
 
 
 def _as_index_tensor(indices, what: str = "indices") -> torch.Tensor:
@@ -325,29 +348,78 @@ def default_device() -> torch.device:
 
 
 class DeviceKVPool:
-    """The L1 pool: K and V of every layer for ``size_tokens`` token slots.
+    """The L1 pool: K and V (MLA: the latent) of every layer for ``size_tokens`` token slots.
 
-    ``kv`` is (2, layers, tokens, heads, head_dim); ``k = kv[0]`` and
-    ``v = kv[1]`` are each (layers, tokens, heads, head_dim). A draft pool may
-    share the target pool's allocator (same slot indices), as upstream.
+    Built with the constructor, the pool allocates one buffer ``kv`` of shape
+    (parts, layers, tokens, heads, head_dim); ``k = kv[0]`` and ``v = kv[1]``
+    are each (layers, tokens, heads, head_dim) (``v`` is None for MLA). Built
+    with ``adopt`` (through ``hicache_fsm.engine_kv``), it uses an engine's
+    existing per-layer buffers as they are, and ``kv``, ``k`` and ``v`` are
+    None. A draft pool may share the target pool's allocator (same slot
+    indices), as upstream.
     """
 
     def __init__(self, shape: KVShape, size_tokens: int, page_size: int,
                  device: torch.device | str | None = None,
                  allocator: PageAllocator | None = None) -> None:
-        self.shape = shape
-        self.page_size = page_size
-        self.size_tokens = size_tokens
+        device = torch.device(device) if device is not None else default_device()
+        self._setup(shape, size_tokens, page_size, device, allocator)
+        kv = torch.zeros((shape.parts, shape.layers, size_tokens, shape.heads, shape.head_dim),
+                         dtype=shape.dtype, device=device)
+        self._engine_pages = self._engine_buffers = None
+        self.kv = kv
+        self.k = kv[0]
+        self.v = kv[1] if shape.parts == 2 else None
+
+    @classmethod
+    def adopt(cls, layer_pages: list[tuple[torch.Tensor, ...]], *, mla: bool = False,
+              buffers: tuple[torch.Tensor, ...] = (), allocator: PageAllocator | None = None) -> DeviceKVPool:
+        """A pool over memory an engine owns: no allocation, no copy.
+
+        ``layer_pages[layer]`` holds, per part (K and V, or the MLA latent),
+        a (pages, page_size, heads, head_dim) view of the engine's buffer, in
+        any strides; ``buffers`` are the engine's tensors themselves (kept
+        alive by the pool). ``hicache_fsm.engine_kv`` builds these for each
+        engine layout. Raises ConfigError unless every view has the same
+        shape, dtype and device.
+        """
+        parts = 1 if mla else 2
+        if not layer_pages:
+            raise ConfigError("adopt needs the views of at least one layer")
+        first = layer_pages[0][0] if layer_pages[0] else None
+        if not isinstance(first, torch.Tensor) or first.dim() != 4:
+            raise ConfigError("each layer's views must be (pages, page_size, heads, head_dim) tensors")
+        for layer, views in enumerate(layer_pages):
+            if len(views) != parts:
+                raise ConfigError(f"layer {layer}: expected {parts} view(s) (mla={mla}), got {len(views)}")
+            for view in views:
+                if not isinstance(view, torch.Tensor) or view.shape != first.shape or view.dtype != first.dtype \
+                        or view.device != first.device:
+                    raise ConfigError(
+                        f"layer {layer}: every view must be a {tuple(first.shape)} {first.dtype} tensor on "
+                        f"{first.device}, got {_describe(view)}")
+        pages, page_size, heads, head_dim = first.shape
+        if pages == 0:
+            raise ConfigError("adopted buffers hold no page")
+        shape = KVShape(len(layer_pages), heads, head_dim, first.dtype, mla=mla)
+        pool = cls.__new__(cls)
+        pool._setup(shape, pages * page_size, page_size, first.device, allocator)
+        pool._engine_pages = [tuple(views) for views in layer_pages]
+        pool._engine_buffers = tuple(buffers)
+        pool.kv = pool.k = pool.v = None
+        return pool
+
+    def _setup(self, shape: KVShape, size_tokens: int, page_size: int, device: torch.device,
+               allocator: PageAllocator | None) -> None:
         if allocator is None:
             allocator = PageAllocator(size_tokens, page_size)
         elif allocator.size_tokens != size_tokens or allocator.page_size != page_size:
             raise ConfigError("a shared allocator must have the pool's size_tokens and page_size")
+        self.shape = shape
+        self.page_size = page_size
+        self.size_tokens = size_tokens
         self.allocator = allocator
-        self.device = torch.device(device) if device is not None else default_device()
-        self.kv = torch.zeros((2, shape.layers, size_tokens, shape.heads, shape.head_dim),
-                              dtype=shape.dtype, device=self.device)
-        self.k = self.kv[0]
-        self.v = self.kv[1]
+        self.device = device
 
     @property
     def layers(self) -> int:
@@ -357,41 +429,78 @@ class DeviceKVPool:
     def nbytes(self) -> int:
         return self.size_tokens * self.shape.token_bytes
 
+    @property
+    def adopted(self) -> bool:
+        """True when the memory is an engine's (``adopt``), not one buffer of the pool's own."""
+        return self.kv is None
+
+    @property
+    def buffers(self) -> tuple[torch.Tensor, ...]:
+        """The tensors holding the KV: the pool's own ``kv``, or the engine's adopted buffers."""
+        return (self.kv,) if self.kv is not None else self._engine_buffers
+
+    def layer_pages(self, layer: int) -> tuple[torch.Tensor, ...]:
+        """Per part, the (pages, page_size, heads, head_dim) view of one layer's memory."""
+        if self.kv is None:
+            return self._engine_pages[layer]
+        pages = self.size_tokens // self.page_size
+        return tuple(part[layer].unflatten(0, (pages, self.page_size)) for part in self.kv)
+
     def _index(self, indices) -> torch.Tensor:
         idx = _as_index_tensor(indices)
         if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.size_tokens):
             raise BadIndices(f"indices out of range [0, {self.size_tokens})")
         return idx
 
-    def write(self, indices, layer: int | None, k: torch.Tensor, v: torch.Tensor) -> None:
+    def write(self, indices, layer: int | None, k: torch.Tensor, v: torch.Tensor | None = None) -> None:
         """Engine-side write of computed KV into token slots.
 
         With ``layer`` an int, ``k``/``v`` are (n, heads, head_dim); with
         ``layer=None`` they are (layers, n, heads, head_dim) for all layers.
+        MLA pools take the latent as ``k`` and no ``v``.
         """
         idx = self._index(indices).to(self.device)
         hd = (self.shape.heads, self.shape.head_dim)
         if layer is None:
             want = (self.shape.layers, idx.numel(), *hd)
-            dst = self.kv
         else:
             if not 0 <= layer < self.shape.layers:
                 raise BadIndices(f"layer {layer} out of range [0, {self.shape.layers})")
             want = (idx.numel(), *hd)
-            dst = self.kv[:, layer]
-        if tuple(k.shape) != want or tuple(v.shape) != want:
-            raise BadIndices(f"k/v must have shape {want}, got {tuple(k.shape)} and {tuple(v.shape)}")
-        if layer is None:
-            dst[0][:, idx] = k.to(dst.device, dst.dtype)
-            dst[1][:, idx] = v.to(dst.device, dst.dtype)
-        else:
-            dst[0][idx] = k.to(dst.device, dst.dtype)
-            dst[1][idx] = v.to(dst.device, dst.dtype)
+        values = (k,) if self.shape.mla else (k, v)
+        if (v is not None) == self.shape.mla:
+            raise BadIndices("an MLA pool takes one latent tensor" if self.shape.mla else "k and v are both needed")
+        if any(tuple(t.shape) != want for t in values):
+            raise BadIndices(f"k/v must have shape {want}, got {[tuple(t.shape) for t in values]}")
+        if self.kv is not None:
+            dst = self.kv if layer is None else self.kv[:, layer]
+            for part, src in enumerate(values):
+                if layer is None:
+                    dst[part][:, idx] = src.to(dst.device, dst.dtype)
+                else:
+                    dst[part][idx] = src.to(dst.device, dst.dtype)
+            return
+        page, offset = idx // self.page_size, idx % self.page_size
+        for li in range(self.layers) if layer is None else (layer,):
+            for view, src in zip(self.layer_pages(li), values):
+                view[page, offset] = (src[li] if layer is None else src).to(view.device, view.dtype)
 
-    def read(self, indices) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of the slots, each (layers, n, heads, head_dim) on the CPU."""
+    def read(self, indices) -> tuple[torch.Tensor, ...]:
+        """K and V (MLA: the latent) of the slots, each (layers, n, heads, head_dim) on the CPU."""
         idx = self._index(indices).to(self.device)
-        return self.k[:, idx].cpu(), self.v[:, idx].cpu()
+        if self.kv is not None:
+            return tuple(self.kv[part][:, idx].cpu() for part in range(self.shape.parts))
+        page, offset = idx // self.page_size, idx % self.page_size
+        return tuple(
+            torch.stack([self.layer_pages(li)[part][page, offset] for li in range(self.layers)]).cpu()
+            for part in range(self.shape.parts)
+        )
+
+
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {tuple(value.shape)} {value.dtype} tensor on {value.device}"
+    return type(value).__name__
 
 
 def _as_uint8(data, nbytes: int) -> torch.Tensor:
@@ -430,16 +539,22 @@ class HostKVPool:
         if pin_memory is None:
             pin_memory = torch.cuda.is_available()
         self.pinned = bool(pin_memory)
-        L, H, D = shape.layers, shape.heads, shape.head_dim
+        P, L, H, D = shape.parts, shape.layers, shape.heads, shape.head_dim
         if layout == "layer_first":
-            dims = (2, L, size_tokens, H, D)
+            dims = (P, L, size_tokens, H, D)
         elif layout == "page_first":
-            dims = (2, size_tokens, L, H, D)
+            dims = (P, size_tokens, L, H, D)
         else:
-            dims = (2, size_tokens // page_size, L, page_size, H, D)
+            dims = (P, size_tokens // page_size, L, page_size, H, D)
         self.kv = torch.zeros(dims, dtype=shape.dtype, pin_memory=self.pinned)
         self.k = self.kv[0]
-        self.v = self.kv[1]
+        self.v = self.kv[1] if P == 2 else None
+
+    @classmethod
+    def matching(cls, device_pool: DeviceKVPool, size_tokens: int, layout: str = "layer_first",
+                 pin_memory: bool | None = None) -> HostKVPool:
+        """A host pool for ``device_pool``'s KV (shape, dtype, page size), owned or adopted."""
+        return cls(device_pool.shape, size_tokens, device_pool.page_size, layout, pin_memory)
 
     @property
     def layers(self) -> int:
@@ -470,18 +585,35 @@ class HostKVPool:
             return half[idx].transpose(0, 1)
         return half[idx // self.page_size, :, idx % self.page_size].transpose(0, 1)
 
-    def read(self, indices) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of the slots, each (layers, n, heads, head_dim), as new tensors."""
-        idx = self._index(indices)
-        return self._gather(self.k, idx).contiguous(), self._gather(self.v, idx).contiguous()
+    @property
+    def _parts(self) -> tuple[torch.Tensor, ...]:
+        """K and V, or the MLA latent (derived from ``k``/``v`` each time, so a copy of the pool stays whole)."""
+        return (self.k,) if self.v is None else (self.k, self.v)
 
-    def write(self, indices, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write (layers, n, heads, head_dim) K and V into host slots (tests, tools)."""
+    def layer_pages(self, layer: int) -> tuple[torch.Tensor, ...]:
+        """Per part, the (pages, page_size, heads, head_dim) view of one layer (strided but for layer_first)."""
+        pages, ps = self.total_pages, self.page_size
+        if self.layout == "layer_first":
+            return tuple(part[layer].unflatten(0, (pages, ps)) for part in self._parts)
+        if self.layout == "page_first":
+            return tuple(part[:, layer].unflatten(0, (pages, ps)) for part in self._parts)
+        return tuple(part[:, layer] for part in self._parts)
+
+    def read(self, indices) -> tuple[torch.Tensor, ...]:
+        """K and V (MLA: the latent) of the slots, each (layers, n, heads, head_dim), as new tensors."""
+        idx = self._index(indices)
+        return tuple(self._gather(part, idx).contiguous() for part in self._parts)
+
+    def write(self, indices, k: torch.Tensor, v: torch.Tensor | None = None) -> None:
+        """Write (layers, n, heads, head_dim) K and V (MLA: the latent as ``k``) into host slots (tests, tools)."""
         idx = self._index(indices)
         want = (self.shape.layers, idx.numel(), self.shape.heads, self.shape.head_dim)
-        if tuple(k.shape) != want or tuple(v.shape) != want:
-            raise BadIndices(f"k/v must have shape {want}, got {tuple(k.shape)} and {tuple(v.shape)}")
-        for half, src in ((self.k, k), (self.v, v)):
+        values = (k,) if self.shape.mla else (k, v)
+        if (v is not None) == self.shape.mla:
+            raise BadIndices("an MLA pool takes one latent tensor" if self.shape.mla else "k and v are both needed")
+        if any(tuple(t.shape) != want for t in values):
+            raise BadIndices(f"k/v must have shape {want}, got {[tuple(t.shape) for t in values]}")
+        for half, src in zip(self._parts, values):
             src = src.to("cpu", self.shape.dtype)
             if self.layout == "layer_first":
                 half[:, idx] = src
@@ -503,18 +635,18 @@ class HostKVPool:
     def page_views(self, page_id: int) -> list[torch.Tensor]:
         """The contiguous uint8 views that make up one page, in page byte order.
 
-        page_first and page_first_direct: two views (K, V). layer_first:
-        ``2 * layers`` views (K of each layer, then V of each layer). Writing
-        into them writes the pool (zero-copy ``readinto``).
+        page_first and page_first_direct: one view per part (K, V; MLA: the
+        latent). layer_first: ``parts * layers`` views (K of each layer, then V
+        of each layer). Writing into them writes the pool (zero-copy ``readinto``).
         """
         p = self._check_page(page_id)
         ps = self.page_size
         if self.layout == "layer_first":
-            parts = [half[layer, p * ps:(p + 1) * ps] for half in (self.k, self.v) for layer in range(self.layers)]
+            parts = [half[layer, p * ps:(p + 1) * ps] for half in self._parts for layer in range(self.layers)]
         elif self.layout == "page_first":
-            parts = [half[p * ps:(p + 1) * ps] for half in (self.k, self.v)]
+            parts = [half[p * ps:(p + 1) * ps] for half in self._parts]
         else:
-            parts = [half[p] for half in (self.k, self.v)]
+            parts = [half[p] for half in self._parts]
         return [t.reshape(-1).view(torch.uint8) for t in parts]
 
     def read_page(self, page_id: int) -> torch.Tensor:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import importlib.resources
 import re
 from collections import deque
 from pathlib import Path
@@ -23,7 +24,10 @@ from hicache_fsm.errors import SpecError
 from hicache_fsm.jobs import JOB_KIND_NAMES
 from hicache_fsm.registry import MachineRegistry, registry_for
 
-SPEC_DIR = Path(__file__).resolve().parent.parent / "specs"
+# The library's own specs ship inside the package (``hicache_fsm/specs/*.yaml``; the
+# repository's top-level ``specs/`` links there). Wheels install as plain files, so the
+# resource is a real directory.
+SPEC_DIR = Path(importlib.resources.files("hicache_fsm") / "specs").resolve()
 
 NAME_RE = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
 # Trigger names become attributes of models in ``transitions``; these would clash.

@@ -5,6 +5,9 @@ Every page of the device pool is backed up to a shuffled set of host pages
 ``TorchExecutor``. The baseline is one ``dst.copy_(src)`` of the same number
 of bytes between the same two buffers, timed interleaved in the same run.
 ``ratio`` is the worse of the two directions' executor/baseline ratios.
+``--engine`` makes the device pool adopt per-layer buffers laid out as an
+engine's (``hicache_fsm.engine_kv``) instead of allocating its one buffer;
+the baseline then copies from a flat device buffer of the same size.
 """
 
 from __future__ import annotations
@@ -15,15 +18,19 @@ import torch
 
 from hicache_fsm.bench.common import interleaved_medians, machine_description, report
 from hicache_fsm.commands.args import UsageError, positive_int
+from hicache_fsm.engine_kv import adopt_sglang_mha, adopt_vllm
 from hicache_fsm.executors import TorchExecutor
 from hicache_fsm.jobs import JobBatch, JobKind
-from hicache_fsm.pools import LAYOUTS, DeviceKVPool, HostKVPool, KVShape
+from hicache_fsm.pools import LAYOUTS, DeviceKVPool, HostKVPool, KVShape, default_device
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+ENGINES = ("own", "sglang_mha", "vllm")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layout", choices=LAYOUTS, default="page_first")
+    parser.add_argument("--engine", choices=ENGINES, default="own",
+                        help="device memory: the pool's own buffer, or adopted SGLang MHA / vLLM per-layer buffers")
     parser.add_argument("--page-size", type=positive_int, default=64)
     parser.add_argument("--tokens", type=positive_int, default=8192, help="tokens moved (and size of each pool)")
     parser.add_argument("--layers", type=positive_int, default=8)
@@ -39,21 +46,37 @@ def _shuffled_indices(pages: int, page_size: int, gen: torch.Generator) -> torch
     return (perm[:, None] * page_size + torch.arange(page_size)).reshape(-1)
 
 
+def _device_pool(engine: str, shape: KVShape, tokens: int, ps: int) -> DeviceKVPool:
+    if engine == "own":
+        return DeviceKVPool(shape, tokens, ps)
+    device = default_device()
+    dims = (shape.heads, shape.head_dim)
+    if engine == "sglang_mha":
+        k, v = ([torch.empty((tokens, *dims), dtype=shape.dtype, device=device) for _ in range(shape.layers)]
+                for _ in range(2))
+        return adopt_sglang_mha(k, v, ps)
+    caches = [torch.empty((2, tokens // ps, ps, *dims), dtype=shape.dtype, device=device) for _ in range(shape.layers)]
+    return adopt_vllm(caches)
+
+
 def run(args: argparse.Namespace) -> dict:
     ps = args.page_size
     tokens = args.tokens - args.tokens % ps
     if tokens <= 0:
         raise UsageError(f"--tokens must be at least one page ({ps})")
     shape = KVShape(args.layers, args.heads, args.head_dim, DTYPES[args.dtype])
-    device = DeviceKVPool(shape, tokens, ps)
+    device = _device_pool(args.engine, shape, tokens, ps)
     host = HostKVPool(shape, tokens, ps, args.layout)
-    device.kv.normal_()
+    for buffer in device.buffers:
+        buffer.normal_()
     gen = torch.Generator().manual_seed(args.seed)
     pages = tokens // ps
     d2h = JobBatch(JobKind.D2H, (), _shuffled_indices(pages, ps, gen), _shuffled_indices(pages, ps, gen))
     h2d = JobBatch(JobKind.H2D, (), _shuffled_indices(pages, ps, gen), _shuffled_indices(pages, ps, gen))
     executor = TorchExecutor(device, host)
-    flat_dev, flat_host = device.kv.view(-1), host.kv.view(-1)
+    flat_host = host.kv.view(-1)
+    flat_dev = device.kv.view(-1) if device.kv is not None else torch.randn(flat_host.shape, dtype=shape.dtype,
+                                                                             device=device.device)
     cuda = device.device.type == "cuda"
 
     def sync() -> None:
@@ -87,6 +110,7 @@ def run(args: argparse.Namespace) -> dict:
     result = {
         "benchmark": "copy",
         "layout": args.layout,
+        "engine": args.engine,
         "page_size": ps,
         "tokens": tokens,
         "bytes": nbytes,
@@ -105,6 +129,7 @@ def run(args: argparse.Namespace) -> dict:
     }
     rows = [
         ("layout / page size", f"{args.layout} / {ps}"),
+        ("device memory", args.engine),
         ("bytes moved per direction", f"{nbytes / 1e6:.1f} MB ({tokens} tokens, {pages} pages, shuffled)"),
         ("device", f"{device.device} (host pinned: {host.pinned})"),
         ("executor d2h / h2d", f"{gbps['d2h']:.2f} / {gbps['h2d']:.2f} GB/s"),

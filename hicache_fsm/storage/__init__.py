@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from hicache_fsm.errors import StorageURLError
+from hicache_fsm.errors import MissingExtra, StorageURLError
 from hicache_fsm.storage.base import HostPoolLike, StorageBackend
 from hicache_fsm.storage.keys import KeyNamespace, page_hash, page_keys
 
@@ -63,7 +63,11 @@ def open_backend(url: str, **options: Any) -> StorageBackend:
 
         return MooncakeBackend(url, **options)
     if scheme in ("redis", "rediss", "unix"):
-        from hicache_fsm.storage.redis import RedisBackend
-
+        try:
+            from hicache_fsm.storage.redis import RedisBackend
+        except ModuleNotFoundError as exc:
+            if exc.name != "redis":
+                raise
+            raise MissingExtra("the redis:// storage backend", "redis", "redis") from None
         return RedisBackend(url, **options)
     raise StorageURLError(f"unknown storage scheme {parts.scheme!r} in {url!r}; known: {', '.join(SCHEMES)}")

@@ -13,6 +13,15 @@
 See ``docs/fuzzing.md`` for a worked example on a cache written from scratch.
 """
 
+from hicache_fsm.errors import MissingExtra
+
+try:
+    import hypothesis  # noqa: F401  (strategies and the protocol state machine are built on it)
+except ModuleNotFoundError as exc:
+    if exc.name != "hypothesis":
+        raise
+    raise MissingExtra("hicache_fsm.testing", "hypothesis", "testing") from None
+
 from hicache_fsm.testing.adapter import (
     CacheAdapter,
     HiCacheAdapter,
