@@ -57,6 +57,8 @@ from hicache_fsm.machine import CompiledMachine, compile_machine
 from hicache_fsm.radix import RadixTree, TreeNode
 from hicache_fsm.registry import registry_for
 from hicache_fsm.spec import load_builtin
+from hicache_fsm.acks import AckAgreement
+from hicache_fsm.tp import RankGroup, StepAgreement
 
 log = logging.getLogger("hicache_fsm.cache")
 
@@ -241,6 +243,7 @@ class HiCache:
         draft_device_pool=None,
         draft_host_pool=None,
         dispatcher: CompiledMachine | None = None,
+        group=None,
     ) -> None:
         if device_pool.page_size != host_pool.page_size:
             raise HiCacheError("device and host pools must use the same page size")
@@ -277,6 +280,12 @@ class HiCache:
         self._observers: list[Callable[[dict], None]] = []
         self.counters: Counter[str] = Counter()
         self.closed = False
+        # --- tensor parallelism (hicache_fsm.tp): ranks agree on what each observes alone
+        self.group = RankGroup.of(group)
+        self.agreement = StepAgreement(self.group)
+        self.acks = None if self.group.solo else AckAgreement(self)
+        if self.acks is not None:
+            self.agreement.register(self.acks)
 
     # ================================================================== allocators and slots
 
@@ -709,7 +718,7 @@ class HiCache:
         while freed < num_tokens and self.executor_can_block() and self._pending_kind(JobKind.D2H):
             self.flush()
             self.executor.synchronize()
-            self._apply(self.executor.poll())
+            self._apply(self._agreed(list(self.executor.poll())))
             more, started = self._evict_pass(num_tokens - freed, tried)
             freed += more
             if not more and not started:
@@ -864,7 +873,7 @@ class HiCache:
         if total < cfg.load_back_threshold or (cfg.load_back_max_tokens is not None and total > cfg.load_back_max_tokens):
             self.counters["load_back_skipped"] += 1
             return None
-        if self.device_allocator.available_tokens < total:
+        if not self._all_ranks_have_room(total):
             # the anchor (and so its ancestors) must stay on the device, and the
             # chain's host copies must survive host eviction done by backups
             anchor_locked = not anchor.is_root
@@ -881,7 +890,7 @@ class HiCache:
                 if anchor_locked:
                     for n in self.tree.path_to_root(anchor):
                         n.lock_ref -= 1
-            if self.device_allocator.available_tokens < total:
+            if not self._all_ranks_have_room(total):
                 self.counters["load_back_device_full"] += 1
                 return None
             if not all(self.tree.owns(n) for n in chain) or self._evicted_chain(node) != (chain, anchor):
@@ -904,6 +913,10 @@ class HiCache:
         self._emit_load(chain, handle)
         self.counters["loaded_back_tokens"] += total
         return LoadBack(device_indices, tuple(chain), handle)
+
+    def _all_ranks_have_room(self, tokens: int) -> bool:
+        """Free device memory for ``tokens`` on every rank (one collective with a rank group)."""
+        return self.group.all_true(self.device_allocator.available_tokens >= tokens)
 
     def _emit_load(self, nodes: list[TreeNode], handle: LoadHandle) -> TransferJob:
         if self.cp is not None:  # CP: only this rank's pages move (an empty job if it owns none)
@@ -956,6 +969,10 @@ class HiCache:
             self._notify({"event": "job", "job": job.id, "kind": job.kind.value, "nodes": list(job.node_ids),
                           "tokens": job.num_tokens})
 
+    def is_pending(self, job_id: int) -> bool:
+        """Whether ``job_id`` was emitted and not yet acknowledged."""
+        return job_id in self._pending
+
     def pending_job_ids(self) -> list[int]:
         """Ids of jobs emitted and not yet acknowledged (queued or running), oldest first."""
         return list(self._pending)
@@ -1002,8 +1019,17 @@ class HiCache:
         done = list(self.executor.poll())
         if self.storage is not None:
             done += self.storage.poll()
+        done = self._agreed(done)
         self._apply(done)
         return done
+
+    def _agreed(self, done: list[Completion]) -> list[Completion]:
+        """With a rank group: hold ``done`` and run a step's agreement; the completions every rank has."""
+        if self.acks is None:
+            return done
+        direct = self.acks.hold(done)
+        self.agreement.step()
+        return direct + self.acks.take()
 
     def _write_behind(self) -> None:
         idle = self.config.write_behind_idle_steps
@@ -1029,6 +1055,9 @@ class HiCache:
         """
         self._check_open()
         self._check_completion(completion)
+        if self.acks is not None:  # applied at a poll, once every rank has it
+            self._apply(self.acks.hold([completion]))
+            return
         self._apply([completion])
 
     def _check_completion(self, c: object) -> None:
@@ -1221,6 +1250,8 @@ class HiCache:
         self._job_nodes.clear()
         self._load_handles.clear()
         self._job_handle.clear()
+        if self.acks is not None:
+            self.acks.reset()
         self._engine_pages.clear()
         self.device_allocator.reset()
         self.host_allocator.reset()

@@ -101,3 +101,18 @@ class StorageURLError(StorageError, ConfigError):
 
 class DiagramError(HiCacheError):
     """A diagram could not be rendered (Graphviz missing, failed or timed out)."""
+
+
+class GroupError(HiCacheError):
+    """A tensor-parallel group collective failed: a rank died, timed out, or the ranks disagree.
+
+    The group cannot be trusted afterwards: every later agreement raises again.
+    """
+
+
+class RankTimeout(GroupError):
+    """A rank did not join a group collective within the timeout (hung, slow, or dead)."""
+
+
+class RanksDiverged(GroupError):
+    """The ranks reached an agreement point with different state (a bug, or ranks fed different requests)."""
