@@ -1089,6 +1089,8 @@ class HiCache:
             for node in nodes:
                 node.pending_jobs.discard(c.job_id)
             handle = self._job_handle.pop(c.job_id, None)
+            if job.kind is JobKind.H2S and self.storage is not None:
+                self.storage.backup_finished(job, c.ok, c.error)
             if job.kind is JobKind.S2H:
                 continue
             if job.layer is not None and self.cp is not None:  # a CP per-layer copy: the runtime acks once
