@@ -27,3 +27,12 @@ def test_a_dead_rank_gives_the_others_a_typed_error_within_the_timeout():
         kind, elapsed = o.unwrap()
         assert kind == "RankTimeout"
         assert elapsed < 3.0 + 2.0
+
+
+@pytest.mark.parametrize("world,url,mla", [(2, "memory://", False), (2, "file", True), (4, "memory://", False)])
+def test_ranks_agree_on_storage_hits_progress_and_backups(world, url, mla, tmp_path):
+    if url == "file":
+        url = f"file://{tmp_path}"
+    values = _values(run_ranks(tp_scenarios.storage_property, world, url, mla, 2 if world == 2 else 1,
+                               timeout_s=600))
+    assert all(v == values[0] for v in values[1:]), "ranks returned different view digests"

@@ -15,7 +15,7 @@ import time
 import zlib
 
 import torch
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 from hicache_fsm.cache import HiCache
@@ -27,7 +27,7 @@ from hicache_fsm.tp import RankGroup, rank_view, view_digest
 
 PAGE = 4
 SHAPE = KVShape(layers=2, heads=1, head_dim=2)  # one rank's shard of the heads
-QUIET = settings(max_examples=3, derandomize=True, database=None, deadline=None, phases=[Phase.generate],
+QUIET = settings(max_examples=3, derandomize=True, database=None, deadline=None, phases=[Phase.explicit, Phase.generate],
                  suppress_health_check=list(HealthCheck))
 
 
@@ -165,6 +165,7 @@ def acks_property(rank: int, world: int, pg, policy: str, examples: int) -> list
     @given(seed=st.integers(0, 10_000), shares=st.lists(st.sampled_from([0.0, 0.3, 0.6, 1.0]), min_size=world,
                                                          max_size=world),
            fail=st.sampled_from([0.0, 0.2, 0.5]), fail_rank=st.integers(0, world - 1))
+    @example(seed=1, shares=[1.0] + [0.3] * (world - 1), fail=0.3, fail_rank=world - 1)  # late, out of order, failing
     def prop(seed, shares, fail, fail_rank):
         digests, checked = run_acks(rank, group, policy, seed, 14, shares[rank], fail, fail_rank)
         seen.extend(digests)
@@ -195,3 +196,118 @@ def rank_dies(rank: int, world: int, pg, victim: int, timeout_s: float) -> tuple
                 return type(exc).__name__, elapsed
             return "poll worked after a group failure", elapsed
     return "no error", 0.0
+
+
+# ====================================================================== storage
+
+
+def attach(cache: HiCache, rank: int, world: int, url: str, mla: bool):
+    """A manual storage tier (the test runs each storage step) behind a fault plan of this rank."""
+    from hicache_fsm.storage import open_backend
+    from hicache_fsm.storage.faults import FaultyBackend
+    from hicache_fsm.storage.keys import KeyNamespace
+    from hicache_fsm.testing.storage import FaultPlan, ManualStorageTier
+
+    plan = FaultPlan()
+    ns = KeyNamespace("tp-test", rank, world, mla)
+    backend = FaultyBackend(open_backend(url, namespace=ns), plan)
+    tier = ManualStorageTier.attach_to(cache, backend, prefetch_threshold=PAGE, stop_policy="wait_complete",
+                                       retry_interval=0.01, batch_pages=2, namespace=ns)
+    return tier, plan
+
+
+def run_storage_steps(tier, rng: random.Random, share: float) -> None:
+    """This rank's storage threads: a random share of the queued work, in a random order."""
+    steps = [s.id for s in tier.steps()]
+    rng.shuffle(steps)
+    for step_id in steps:
+        if rng.random() < share:
+            tier.run(step_id)
+
+
+def settle(cache: HiCache, ex: ManualExecutor, tier, group: RankGroup, what: str) -> None:
+    """Run everything until no job is pending and no storage work is queued (failed backups retried)."""
+    for _ in range(200):
+        ex.complete_all()
+        for step in tier.steps():
+            tier.run(step.id)
+        cache.poll()
+        agree_view(cache, group, what)
+        busy = bool(cache.pending_job_ids()) or bool(tier.steps()) or any(
+            n.state in ("device_host", "host") for n in cache.tree.nodes())
+        if not group.min([0 if busy else 1])[0] == 0:
+            return
+        time.sleep(0.01)  # the agreed clock must pass the retry interval
+    raise AssertionError(f"{what}: storage did not settle: {cache.pending_job_ids()} {tier.steps()}")
+
+
+def run_storage(rank: int, world: int, group: RankGroup, url: str, mla: bool, seed: int, share: float,
+                set_fail_rank: int, miss_rank: int, short_rank: int) -> tuple[list[int], int]:
+    """Store requests to L3, drop the cache, prefetch them back; ranks differ in pace, misses and failures."""
+    from hicache_fsm.testing.adapter import StorageFault
+
+    cache, ex = make_cache(group, "write_through", device_pages=16, host_pages=24)
+    tier, plan = attach(cache, rank, world, url, mla)
+    kv_rank = 0 if mla else rank  # MLA: one latent shared by every rank
+    rng = random.Random(f"{seed}:{rank}")
+    reqs = prompts(seed, 8)
+    digests = []
+    if rank == set_fail_rank:
+        plan.arm(StorageFault("short", "set", after=1, count=2))  # two backups refused on this rank only
+    for i, tokens in enumerate(reqs):
+        serve(cache, tokens, kv_rank)
+        finish_copies(ex, rng, share, 0.0)
+        run_storage_steps(tier, rng, share)
+        cache.poll()
+        cache.check_invariants()
+        digests.append(agree_view(cache, group, f"store {i}"))
+    settle(cache, ex, tier, group, "stores")
+    stored = cache.stats()["storage"]["backup_tokens_stored"]
+    cache.reset()
+    digests.append(agree_view(cache, group, "reset"))
+    if rank == miss_rank:
+        plan.arm(StorageFault("short", "exists", after=0, count=1))  # this rank's first hit query misses a page
+    if rank == short_rank:
+        plan.arm(StorageFault("short", "get", after=1, count=1))  # one transfer batch comes back short
+    checked = 0
+    for i, tokens in enumerate(reqs[:4]):
+        m = cache.match_prefix(tokens)
+        rid = f"r{i}"
+        if cache.prefetch(rid, tokens, m):
+            for _ in range(300):
+                run_storage_steps(tier, rng, share if rank else 1.0)  # rank 0 fast, the others at their pace
+                cache.poll()
+                cache.check_invariants()
+                ready = cache.prefetch_ready(rid)
+                digests.append(agree_view(cache, group, f"prefetch {i}"))
+                if ready:
+                    break
+                time.sleep(0.001)
+            else:
+                raise AssertionError(f"rank {rank}: prefetch {rid} never ended")
+        checked += check_kv(cache, ex, [tokens], kv_rank)
+        cache.check_invariants()
+        digests.append(agree_view(cache, group, f"read {i}"))
+    settle(cache, ex, tier, group, "end")
+    digests.append(stored)
+    return digests, checked
+
+
+def storage_property(rank: int, world: int, pg, url: str, mla: bool, examples: int) -> list[int]:
+    group = RankGroup(pg, timeout_s=20.0)
+    seen: list[int] = []
+
+    @settings(QUIET, max_examples=examples)
+    @given(seed=st.integers(0, 10_000), share=st.sampled_from([0.3, 0.7, 1.0]),
+           set_fail_rank=st.integers(-1, world - 1), miss_rank=st.integers(-1, world - 1),
+           short_rank=st.integers(-1, world - 1))
+    @example(seed=1, share=0.7, set_fail_rank=world - 1, miss_rank=world - 1, short_rank=0)  # every difference
+    def prop(seed, share, set_fail_rank, miss_rank, short_rank):
+        run_url = url if not url.startswith("file://") else f"{url}/{seed}-{set_fail_rank}-{miss_rank}-{short_rank}"
+        digests, checked = run_storage(rank, world, group, run_url, mla, seed, share, set_fail_rank, miss_rank,
+                                       short_rank)
+        seen.extend(digests)
+        seen.append(checked)
+
+    prop()
+    return seen
