@@ -91,21 +91,49 @@ class RankGroup:
         """Element-wise MIN of ``values`` over the group; every rank must pass a vector of the same length."""
         if self.size == 1:
             return list(values)
-        if self.failed is not None:
-            raise GroupError(f"the rank group failed earlier ({self.failed}); the caches cannot agree any more")
+        self._check_alive()
         import torch.distributed as dist
 
         t = torch.tensor(list(values), dtype=torch.int64)
         self.collectives += 1
         try:
             work = dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group, async_op=True)
+        except RuntimeError as exc:  # a peer already closed its connection
+            self.failed = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            raise RankTimeout(f"rank {self.rank} of {self.size}: a peer left ({self.failed})") from exc
+        self._wait(work)
+        return t.tolist()
+
+    def _wait(self, work) -> None:
+        try:
             work.wait(self._timeout)
         except RuntimeError as exc:  # gloo: timeout, or a peer closed its connection (died)
             self.failed = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
             raise RankTimeout(
                 f"rank {self.rank} of {self.size}: a group collective did not complete within {self.timeout_s:g}s "
                 f"or a peer left ({self.failed})") from exc
-        return t.tolist()
+
+    def _check_alive(self) -> None:
+        if self.failed is not None:
+            raise GroupError(f"the rank group failed earlier ({self.failed}); the caches cannot agree any more")
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``tensor`` (same shape everywhere), by rank; an engine's helper, not the cache's."""
+        if self.size == 1:
+            return [tensor]
+        self._check_alive()
+        import torch.distributed as dist
+
+        tensor = tensor.contiguous()
+        out = [torch.empty_like(tensor) for _ in range(self.size)]
+        self.collectives += 1
+        try:
+            work = dist.all_gather(out, tensor, group=self.group, async_op=True)
+        except RuntimeError as exc:
+            self.failed = str(exc).splitlines()[0][:200]
+            raise RankTimeout(f"rank {self.rank}: all_gather failed ({self.failed})") from exc
+        self._wait(work)
+        return out
 
     def all_true(self, flag: bool) -> bool:
         """True only if ``flag`` is true on every rank."""
