@@ -336,6 +336,7 @@ class TierResult:
     prefetch_timeouts: int = 0
     prefetch_wait_s: float = 0.0
     controller_s: float = 0.0
+    agreement_s: float = 0.0  # of controller_s: agreeing with the other ranks (waiting for them included)
     transfer_s: float = 0.0
     model_s: float = 0.0
     wall_s: float = 0.0
@@ -384,6 +385,7 @@ class TierResult:
             "prefetch_timeouts": self.prefetch_timeouts,
             "prefetch_wait_ms": round(self.prefetch_wait_s * 1e3, 2),
             "controller_us_per_request": round(self.controller_us_per_request, 1),
+            "agreement_us_per_request": round(self.agreement_s / self.requests * 1e6, 1) if self.requests else 0.0,
             "controller_us_per_request_by_call": {
                 k: round(v / self.requests * 1e6, 1) for k, v in sorted(self.controller_by_call.items())
             } if self.requests else {},
@@ -462,7 +464,7 @@ class Simulation:
 
 
 _PER_RANK = ("hit_rate", "kv_checked_pages", "kv_mismatches", "output_mismatches", "ranks_disagree",
-             "controller_us_per_request", "transfer_ms", "bytes", "wall_s")
+             "controller_us_per_request", "agreement_us_per_request", "transfer_ms", "bytes", "wall_s")
 
 
 # ====================================================================== tensor parallelism
@@ -530,6 +532,7 @@ class _Engine:
             self.cache.attach_storage(tier.storage_url, **options)  # setup, not per-request controller time
             self.storage = True
         self._next_request = 0
+        self._untimed_agreement_s = 0.0  # agreeing inside waits that are not controller time
 
     # ------------------------------------------------------------------ one request
 
@@ -612,6 +615,7 @@ class _Engine:
         # polls of this loop count as prefetch wait, not as controller time of this request.
         clock = self.clock
         start, c0, e0, b0 = time.perf_counter(), clock.controller, clock.executor, dict(clock.by_call)
+        a0 = self.cache.agreement.seconds
         while not call(self.cache.prefetch_ready, rid):
             if self._agreed(time.perf_counter() > start + PREFETCH_TIMEOUT_S):
                 self.result.prefetch_timeouts += 1
@@ -620,6 +624,7 @@ class _Engine:
             time.sleep(0.0005)
             call(self.cache.poll)
         clock.controller, clock.executor, clock.by_call = c0, e0, b0
+        self._untimed_agreement_s += self.cache.agreement.seconds - a0
         self.result.prefetch_wait_s += time.perf_counter() - start
         return call(self.cache.match_prefix, prompt)
 
@@ -682,6 +687,7 @@ class _Engine:
 
     def finish(self) -> TierResult:
         cache, res = self.cache, self.result
+        a0 = cache.agreement.seconds
         if self.storage:
             deadline = time.perf_counter() + 10.0
             while cache.pending_job_ids() and self._agreed(time.perf_counter() < deadline):  # backups land (untimed)
@@ -698,6 +704,7 @@ class _Engine:
         res.kv_checked_pages = self.oracle.checked_pages if self.oracle else 0
         res.controller_s = max(0.0, self.clock.controller - self.clock.executor)
         res.transfer_s = self.clock.executor
+        res.agreement_s = a0 - self._untimed_agreement_s
         res.controller_by_call = dict(self.clock.by_call)
         cache.check_invariants()
         cache.close()

@@ -36,6 +36,7 @@ A group of one rank (or none) costs nothing: values pass through unreduced.
 from __future__ import annotations
 
 import datetime
+import time
 import zlib
 from typing import Any, Protocol, Sequence
 
@@ -64,6 +65,7 @@ class RankGroup:
         self._timeout = datetime.timedelta(seconds=self.timeout_s)
         self.failed: str | None = None
         self.collectives = 0
+        self.collective_s = 0.0  # time spent inside collectives (waiting for the other ranks included)
         if group is None:
             self.group, self.size, self.rank = None, 1, 0
             return
@@ -96,12 +98,16 @@ class RankGroup:
 
         t = torch.tensor(list(values), dtype=torch.int64)
         self.collectives += 1
+        start = time.perf_counter()
         try:
             work = dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group, async_op=True)
         except RuntimeError as exc:  # a peer already closed its connection
             self.failed = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
             raise RankTimeout(f"rank {self.rank} of {self.size}: a peer left ({self.failed})") from exc
-        self._wait(work)
+        try:
+            self._wait(work)
+        finally:
+            self.collective_s += time.perf_counter() - start
         return t.tolist()
 
     def _wait(self, work) -> None:
@@ -185,6 +191,7 @@ class StepAgreement:
         self.sections: list[Section] = []
         self._windows: list[int] = []
         self.steps = 0
+        self.seconds = 0.0  # time in ``step`` (its collective included)
 
     @property
     def solo(self) -> bool:
@@ -199,6 +206,13 @@ class StepAgreement:
         """Reduce every section's observations and apply the agreed values (a collective on every rank)."""
         if self.solo:  # one rank: sections act on their observations directly
             return
+        start = time.perf_counter()
+        try:
+            self._step()
+        finally:
+            self.seconds += time.perf_counter() - start
+
+    def _step(self) -> None:
         self.steps += 1
         vec: list[int] = [self.steps, -self.steps]
         bodies: list[list[int]] = []

@@ -145,8 +145,8 @@ def summary(sim: Simulation) -> str:
         out.append(f"tensor parallelism: {sim.tp} ranks, trees compared after every request: "
                    f"{'identical' if sim.ranks_agree else 'DIFFERENT'}")
         for r, tiers in enumerate(sim.rank_tiers):
-            cells = ", ".join(f"{t.name} {100 * t.hit_rate:.1f}% / {t.controller_us_per_request:.0f} us"
-                              for t in tiers)
+            cells = ", ".join(f"{t.name} {100 * t.hit_rate:.1f}% / {t.controller_us_per_request:.0f} us "
+                              f"({t.agreement_s / max(1, t.requests) * 1e6:.0f} agreeing)" for t in tiers)
             out.append(f"  rank {r}: hit rate / controller us per request: {cells}")
     if sim.storage_skipped:
         out.append(f"storage configuration skipped: {sim.storage_skipped}")
