@@ -38,7 +38,7 @@ class AckAgreement:
 
     def hold(self, completions: Iterable[Completion]) -> list[Completion]:
         """Keep completions of pending jobs for agreement; return the others (cancelled, unknown) to apply now."""
-        is_pending = self.cache.is_pending
+        is_pending = self.cache.outbox.is_pending
         direct = []
         for c in completions:
             if isinstance(c, Completion) and is_pending(c.job_id) and c.job_id not in self.arrived:

@@ -24,7 +24,8 @@ class TreeNode:
     whole path to the root on the device); ``host_ref`` pins this node's host
     copy only (prefetch anchors). ``pending_jobs`` holds ids of in-flight jobs
     that cover this node, so a node split mid-transfer can enrol its new half
-    in the same jobs.
+    in the same jobs. ``resident_children`` is maintained by the cache
+    (``hicache_fsm.eviction``) so that eviction never scans children.
     """
 
     __slots__ = (
@@ -48,6 +49,7 @@ class TreeNode:
         "cp_meta",
         "last_poll",
         "page_memo",
+        "resident_children",
     )
 
     def __init__(self, node_id: int, key: tuple[int, ...], namespace: Hashable, parent: "TreeNode | None",
@@ -77,6 +79,7 @@ class TreeNode:
         self.cp_meta: object | None = None
         self.last_poll = 0  # the cache's poll count at the last access (write_behind coldness)
         self.page_memo: tuple | None = None  # (device_indices tensor, its page ids): valid while that tensor is current
+        self.resident_children = 0  # children on (or coming to) the device; kept by the cache's eviction part
 
     @property
     def key(self) -> tuple[int, ...]:

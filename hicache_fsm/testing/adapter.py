@@ -475,9 +475,7 @@ def _fork_manual_executor(ex, memo: dict):
 
 _ATOMIC = (int, float, str, bool, type(None), bytes)
 # HiCache attributes that never change after construction (shared by forks)
-_SHARED_ATTRS = ("config", "residency", "_residency_registry", "_offsets", "_observers")
-# HiCache attributes that only memoise (None = recompute)
-_DROPPED_ATTRS = ("_memo",)
+_SHARED_ATTRS = ("config", "residency", "residency_registry", "_offsets")
 
 
 def fork_cache(cache, memo: dict | None = None, share_kv: bool = False):
@@ -486,12 +484,16 @@ def fork_cache(cache, memo: dict | None = None, share_kv: bool = False):
     The heavy parts are copied structurally: KV buffers (views re-made on the
     copy), allocators, the tree and the executor's pending jobs. What never
     changes is shared: config, compiled machine, frozen jobs and batches, and
-    the slot-index tensors nodes hold (never written in place). Every other
-    attribute is deep-copied with the same memo, so references to nodes,
-    pools, the executor or the cache itself land on the copies, and a field
-    added to ``HiCache`` later is still copied.
+    the slot-index tensors nodes hold (never written in place). The
+    controller's parts fork themselves (``driver.fork``, ``outbox.fork``;
+    eviction's candidate sets are rebuilt from the copied tree), and every
+    other attribute is deep-copied with the same memo, so references to
+    nodes, pools, the executor or the cache itself land on the copies, and a
+    field added to ``HiCache`` later is still copied.
     """
+    from hicache_fsm.eviction import Eviction
     from hicache_fsm.executors import ManualExecutor
+    from hicache_fsm.load_back import LoadBacks
 
     memo = {} if memo is None else memo
     if not isinstance(cache.executor, ManualExecutor):
@@ -501,8 +503,7 @@ def fork_cache(cache, memo: dict | None = None, share_kv: bool = False):
     storage = getattr(cache, "storage", None)
     if storage is not None and not isinstance(storage, ManualStorageTier):
         raise NotSupported("fork of a cache whose storage tier runs threads (use ManualStorageTier)")
-    if getattr(cache, "cp", None) is not None or (storage is None and (cache._extra_host_owners
-                                                                        or cache._extra_invariants)):
+    if getattr(cache, "cp", None) is not None or (storage is None and cache.registered_runtimes):
         raise NotSupported("fork of a cache with CP or other registered runtimes is not implemented yet")
     new = object.__new__(type(cache))
     memo[id(cache)] = new
@@ -512,36 +513,31 @@ def fork_cache(cache, memo: dict | None = None, share_kv: bool = False):
         if name in cache.__dict__:
             memo[id(cache.__dict__[name])] = cache.__dict__[name]
     ex = cache.executor
-    for job in itertools.chain(cache._pending.values(), cache._outbox, ex.pending_jobs()):
+    outbox = cache.outbox
+    for job in itertools.chain(outbox.pending_jobs(), outbox.queued_jobs(), ex.pending_jobs()):
         memo[id(job)] = job
     for batch in ex.submitted:
         memo[id(batch)] = batch
     for name in ("device_pool", "host_pool", "draft_device_pool", "draft_host_pool"):
-        d[name] = _fork_pool(cache.__dict__[name], memo, share_kv)
+        d[name] = _fork_pool(getattr(cache, name), memo, share_kv)
     d["executor"] = _fork_manual_executor(ex, memo)
     d["tree"] = _fork_tree(cache.tree, memo)
-    d["_outbox"] = list(cache._outbox)
-    d["_pending"] = dict(cache._pending)
-    d["_job_nodes"] = {j: [memo[id(n)] for n in nodes] for j, nodes in cache._job_nodes.items()}
-    for name in ("_load_handles", "_job_handle"):
-        value = cache.__dict__.get(name)
-        if isinstance(value, list):
-            d[name] = [_fork_handle(h, memo, new) for h in value]
-        elif isinstance(value, dict):
-            d[name] = {k: _fork_handle(h, memo, new) for k, h in value.items()}
-    led = cache.job_ledger
-    if attrs.has(type(led)):
-        d["job_ledger"] = type(led)(**{f.name: type(v)(v) for f in attrs.fields(type(led))
-                                        for v in [getattr(led, f.name)]})
-    d["_engine_pages"] = set(cache._engine_pages)
+    d["driver"] = cache.driver.fork(new)
+    d["outbox"] = outbox.fork(new, memo, lambda h: _fork_handle(h, memo, new))
+    d["loads"] = LoadBacks(new)
+    d["eviction"] = Eviction(new)
+    d["engine_pages"] = set(cache.engine_pages)
     d["counters"] = Counter(cache.counters)
-    if storage is not None:  # the tier registered its slot owners and invariants: re-bind them to the copy
-        tier = d["storage"] = fork_tier(storage, memo, new)
-        d["_extra_host_owners"] = [tier.runtime.host_owners]
-        d["_extra_invariants"] = [tier.violations]
+    if storage is not None:
+        d["storage"] = fork_tier(storage, memo, new)
     for name, value in cache.__dict__.items():
         if name not in d:
-            d[name] = None if name in _DROPPED_ATTRS else _copy_value(value, memo)
+            d[name] = _copy_value(value, memo)
+    new.eviction.rebuild()
+    if storage is not None:  # the tier registered its slot owners and invariants: re-bind them to the copy
+        new.unregister_runtimes()
+        new.register_host_owner(new.storage.runtime.host_owners)
+        new.register_invariants(new.storage.violations)
     return new
 
 
@@ -551,16 +547,11 @@ def _fork_handle(handle, memo: dict, cache):
 
     if id(handle) in memo:
         return memo[id(handle)]
-    new = object.__new__(type(handle))
-    memo[id(handle)] = new
-    d = new.__dict__
-    d.update(handle.__dict__)
-    d["_cache"] = cache
-    wait = d.get("_wait")
+    wait = handle.bound_wait
     if isinstance(wait, ManualWait):
-        d["_wait"] = ManualWait(cache.executor, wait.job_ids, wait.layers, wait.load)
-    if "_deps" in d:
-        d["_deps"] = tuple(_fork_handle(h, memo, cache) for h in d["_deps"])
+        wait = ManualWait(cache.executor, wait.job_ids, wait.layers, wait.load)
+    deps = tuple(_fork_handle(h, memo, cache) for h in handle.deps)
+    new = memo[id(handle)] = handle.replica(cache, deps, wait)
     return new
 
 
@@ -1137,7 +1128,7 @@ class HiCacheAdapter(CacheAdapter):
         up to renaming (two caches that differ only by a permutation of token ids share a key)."""
         cache = self.cache
         tree = cache.tree
-        sort_key = getattr(cache, "_sort_key", None) or (lambda n: (n.last_access, n.id))
+        sort_key = cache.eviction.sort_key
         nodes = [n for n in tree.nodes() if n.parent is not None]
         prefix: dict[int, tuple] = {tree.root.id: ()}
         stack = [tree.root]
@@ -1151,7 +1142,7 @@ class HiCacheAdapter(CacheAdapter):
         pre = {n.id: prefix.get(n.id, orphan + (n.id,)) for n in nodes}
         pending = cache.pending_jobs()
         kinds = {j.id: j.kind.value for j in pending}
-        outbox = {j.id for j in cache._outbox}
+        outbox = {j.id for j in cache.outbox.queued_jobs()}
         # hit counts matter to a policy that reads them: the selective threshold, LFU order
         if cache.config.write_policy == "write_through_selective":
             cap = max(1, cache.config.write_through_threshold)
@@ -1169,7 +1160,7 @@ class HiCacheAdapter(CacheAdapter):
         locks = [pre.get(n.id, orphan + (n.id,)) for n in self._locks.values()]
         pins = [(pre.get(n.id, orphan + (n.id,)), start) for n, _, start in self._pins.values()]
         # concrete facts the structure above does not imply, so a leak or a stray job makes a new state
-        extra = (len(cache._engine_pages), self.device_pool.allocator.free_pages, self.host_pool.allocator.free_pages,
+        extra = (len(cache.engine_pages), self.device_pool.allocator.free_pages, self.host_pool.allocator.free_pages,
                  len(self.executor.pending_job_ids()), len(pending))
         alphabet = sorted({t for n in nodes for t in n.key})
         renamings: list[dict | None] = [None]
@@ -1278,7 +1269,7 @@ def hicache_structure_violations(cache) -> list[str]:
             node = tree.get(nid)
             if node is None:
                 problems.append(f"in_flight_has_job: pending job {j.id} ({j.kind.value}) covers node {nid}, which left the tree")
-        for n in cache._job_nodes.get(j.id, ()):
+        for n in cache.outbox.nodes_of(j.id):
             if j.id not in n.pending_jobs:
                 problems.append(f"in_flight_has_job: job {j.id} covers node {n.id}, which does not know it")
     for n in tree.nodes():
