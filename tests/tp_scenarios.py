@@ -201,7 +201,7 @@ def rank_dies(rank: int, world: int, pg, victim: int, timeout_s: float) -> tuple
 # ====================================================================== storage
 
 
-def attach(cache: HiCache, rank: int, world: int, url: str, mla: bool):
+def attach(cache: HiCache, rank: int, world: int, url: str, mla: bool, stop_policy: str = "wait_complete"):
     """A manual storage tier (the test runs each storage step) behind a fault plan of this rank."""
     from hicache_fsm.storage import open_backend
     from hicache_fsm.storage.faults import FaultyBackend
@@ -211,8 +211,9 @@ def attach(cache: HiCache, rank: int, world: int, url: str, mla: bool):
     plan = FaultPlan()
     ns = KeyNamespace("tp-test", rank, world, mla)
     backend = FaultyBackend(open_backend(url, namespace=ns), plan)
-    tier = ManualStorageTier.attach_to(cache, backend, prefetch_threshold=PAGE, stop_policy="wait_complete",
-                                       retry_interval=0.01, batch_pages=2, namespace=ns)
+    tier = ManualStorageTier.attach_to(cache, backend, prefetch_threshold=PAGE, stop_policy=stop_policy,
+                                       timeout_base=0.02, timeout_per_1k_tokens=0.0, retry_interval=0.01,
+                                       batch_pages=2, namespace=ns)
     return tier, plan
 
 
@@ -242,12 +243,13 @@ def settle(cache: HiCache, ex: ManualExecutor, tier, group: RankGroup, what: str
 
 
 def run_storage(rank: int, world: int, group: RankGroup, url: str, mla: bool, seed: int, share: float,
-                set_fail_rank: int, miss_rank: int, short_rank: int) -> tuple[list[int], int]:
+                set_fail_rank: int, miss_rank: int, short_rank: int,
+                stop_policy: str = "wait_complete") -> tuple[list[int], int]:
     """Store requests to L3, drop the cache, prefetch them back; ranks differ in pace, misses and failures."""
     from hicache_fsm.testing.adapter import StorageFault
 
     cache, ex = make_cache(group, "write_through", device_pages=16, host_pages=24)
-    tier, plan = attach(cache, rank, world, url, mla)
+    tier, plan = attach(cache, rank, world, url, mla, stop_policy)
     kv_rank = 0 if mla else rank  # MLA: one latent shared by every rank
     rng = random.Random(f"{seed}:{rank}")
     reqs = prompts(seed, 8)
@@ -293,7 +295,8 @@ def run_storage(rank: int, world: int, group: RankGroup, url: str, mla: bool, se
     return digests, checked
 
 
-def storage_property(rank: int, world: int, pg, url: str, mla: bool, examples: int) -> list[int]:
+def storage_property(rank: int, world: int, pg, url: str, mla: bool, examples: int,
+                     stop_policy: str = "wait_complete") -> list[int]:
     group = RankGroup(pg, timeout_s=20.0)
     seen: list[int] = []
 
@@ -305,9 +308,30 @@ def storage_property(rank: int, world: int, pg, url: str, mla: bool, examples: i
     def prop(seed, share, set_fail_rank, miss_rank, short_rank):
         run_url = url if not url.startswith("file://") else f"{url}/{seed}-{set_fail_rank}-{miss_rank}-{short_rank}"
         digests, checked = run_storage(rank, world, group, run_url, mla, seed, share, set_fail_rank, miss_rank,
-                                       short_rank)
+                                       short_rank, stop_policy)
         seen.extend(digests)
         seen.append(checked)
 
     prop()
     return seen
+
+
+def fed_differently(rank: int, world: int, pg) -> str:
+    """Rank 1 serves one request more than the others: the next poll raises RanksDiverged, nobody hangs."""
+    from hicache_fsm.errors import RanksDiverged
+
+    group = RankGroup(pg, timeout_s=10.0)
+    cache, ex = make_cache(group)
+    reqs = prompts(3, 4)
+    for tokens in reqs[:3]:
+        serve(cache, tokens, rank)
+        cache.poll()
+        ex.complete_all()
+        cache.poll()
+    if rank == 1:
+        serve(cache, reqs[3], rank)  # its backup job is one pending job the others do not have
+    try:
+        cache.poll()
+    except RanksDiverged as exc:
+        return type(exc).__name__
+    return "no error"
