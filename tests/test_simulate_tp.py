@@ -18,7 +18,7 @@ def options(tmp_path, tp: int, heads: int, name: str) -> Options:
                    device="cpu", model_heads=heads, tp=tp)
 
 
-@pytest.mark.parametrize("tp,heads", [(2, 2), (4, 4)])
+@pytest.mark.parametrize("tp,heads", [(2, 2), pytest.param(4, 4, marks=pytest.mark.slow)])
 def test_tp_run_equals_the_one_rank_run(tmp_path, tp, heads):
     one = run_simulation(options(tmp_path, 1, heads, "one"))
     many = run_simulation(options(tmp_path, tp, heads, "many"))

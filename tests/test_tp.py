@@ -12,7 +12,8 @@ def _values(outcomes):
     return [o.unwrap() for o in outcomes]
 
 
-@pytest.mark.parametrize("world,policy", [(2, "write_through"), (2, "write_back"), (4, "write_through")])
+@pytest.mark.parametrize("world,policy", [
+    (2, "write_through"), (2, "write_back"), pytest.param(4, "write_through", marks=pytest.mark.slow)])
 def test_ranks_agree_on_acks_whatever_order_each_rank_sees(world, policy):
     examples = 3 if world == 2 else 2
     values = _values(run_ranks(tp_scenarios.acks_property, world, policy, examples, timeout_s=600))
@@ -33,7 +34,7 @@ def test_a_dead_rank_gives_the_others_a_typed_error_within_the_timeout():
     (2, "memory://", False, "wait_complete"),
     (2, "memory://", False, "timeout"),  # termination on the agreed clock, what landed on every rank inserted
     (2, "file", True, "wait_complete"),  # MLA: rank 0 writes the shared copy, every rank reads it
-    (4, "memory://", False, "wait_complete"),
+    pytest.param(4, "memory://", False, "wait_complete", marks=pytest.mark.slow),
 ])
 def test_ranks_agree_on_storage_hits_progress_and_backups(world, url, mla, policy, tmp_path):
     if url == "file":
