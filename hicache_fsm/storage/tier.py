@@ -171,6 +171,8 @@ class StorageTier:
             self.runtime.configure(tier_options)
             self._skip_writes = tier_options.skip_writes
             self.healthy, self.last_error = True, ""
+            if self.agreement is not None:
+                self.agreement.local_health = (True, "")
             self._start_workers()
             self.link.backend.batch_exists([_PROBE_KEY])  # the backend answers, end to end
             voted = True
