@@ -22,7 +22,7 @@ and compares: the invariant that keeps the maintained sets honest.
 from __future__ import annotations
 
 import heapq
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Callable
 
 from hicache_fsm.bindings.residency import EVICTED, LOADING, ON_DEVICE
 from hicache_fsm.errors import GuardRejected, LockError
@@ -104,9 +104,9 @@ class CandidateSet:
 
     def pop(self) -> TreeNode | None:
         """The member with the smallest key, or None when there is none."""
-        heap, members, key = self._heap, self._members, self.key
-        while heap:
-            k, _, node = heapq.heappop(heap)
+        members, key = self._members, self.key
+        while self._heap:  # re-read: a push below may rebuild the heap
+            k, _, node = heapq.heappop(self._heap)
             if members.get(node.id) is not node:
                 continue  # left the set since it was pushed
             current = key(node)
@@ -148,9 +148,10 @@ class Eviction:
     Interface: ``evict``, ``evict_host``, ``evict_node``, ``try_backup``,
     ``write_behind``; ``sort_key``; ``add_locks`` / ``add_pins`` (the only
     way refs change); hooks the driver calls when a node changes:
-    ``state_changed``, ``child_added``, ``split``, ``removed``, ``refresh``; ``rebuild`` (after reset or a
-    fork); ``is_device_candidate`` / ``is_host_candidate`` (the from-scratch
-    definitions) and ``violations`` (maintained sets == recomputation).
+    ``state_changed``, ``child_added``, ``split``, ``removed``, ``refresh``;
+    ``rebuild`` (after reset or a fork); ``is_device_candidate`` /
+    ``is_host_candidate`` (the from-scratch definitions) and ``violations``
+    (maintained sets == recomputation).
     """
 
     def __init__(self, cache: "HiCache") -> None:
@@ -255,10 +256,6 @@ class Eviction:
                                 f"(missing {sorted(want - have)[:8]}, extra {sorted(have - want)[:8]})")
             problems += cset.order_violations(name)
         return problems
-
-    def device_order(self) -> Iterator[TreeNode]:
-        """Device candidates in eviction order (reads only; tests and tracing)."""
-        return iter(sorted(self.device.nodes(), key=self.sort_key))
 
     # ------------------------------------------------------------------ backups
 

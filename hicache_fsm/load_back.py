@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from hicache_fsm.bindings.residency import LOADING
 from hicache_fsm.errors import GuardRejected
 from hicache_fsm.eviction import RESIDENT, REVIVABLE
 from hicache_fsm.jobs import JobKind, TransferJob
-from hicache_fsm.bindings.residency import LOADING
 from hicache_fsm.radix import TreeNode
 from hicache_fsm.results import LoadBack, LoadHandle
 

@@ -103,3 +103,30 @@ def test_candidate_sets_stay_small_in_stale_entries():
     assert len(cache.eviction.device) == 1
     assert cache.eviction.device.heap_size <= 2 * len(cache.eviction.device) + 64
     assert cache.evict(PAGE) >= PAGE
+
+
+def test_a_heap_rebuilt_while_popping_keeps_the_order():
+    """Keys that grew are pushed again during ``pop``; when that push rebuilds the heap (stale entries
+    outnumber members), the pop must go on in the rebuilt heap."""
+    from hicache_fsm.eviction import CandidateSet
+    from hicache_fsm.radix import RadixTree
+
+    tree = RadixTree(1)
+    nodes = [tree.add_child(tree.root, (i,), None) for i in range(200)]
+    for i, n in enumerate(nodes):
+        n.last_access = 10 * i
+    cs = CandidateSet(POLICY_KEYS["lru"])
+    for n in nodes:
+        cs.add(n)
+    left = nodes[:50]
+    for n in nodes[50:]:  # left the set: their entries stay in the heap, stale
+        cs.discard(n)
+    # used again: the first pop re-pushes node 0 (that push rebuilds the heap), then node 1, which is now
+    # the oldest; a pop that went on in the heap it started with would hand out node 0 first
+    left[0].last_access, left[1].last_access = 15, 12
+    order = []
+    while (n := cs.pop()) is not None:
+        order.append(n.id)
+        cs.discard(n)
+    assert order == [n.id for n in sorted(left, key=POLICY_KEYS["lru"])]
+    assert cs.heap_size == 0

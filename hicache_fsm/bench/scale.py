@@ -3,7 +3,11 @@
 For each size N (default 1k, 10k, 100k and 1M cached nodes, page 64), a
 fresh cache is filled with N one-page prefixes, every one backed up to the
 host (write_through), plus a few 4,096-token requests sharing a system
-prompt. Then, each as the median over repeated chunks of calls:
+prompt. The eviction policy is ``priority`` with the prefixes at priority 1,
+so they stay eviction candidates (the heaps hold N entries) while the
+victims of the request cycle are requests at every size (under LRU a small
+tree would run out of old prefixes and change what a cycle evicts). Then,
+each as the median over repeated chunks of calls:
 
 - ``match_us``: ``match_prefix`` of a cached 4,096-token request (full hit);
   ``match_partial_us``: its 1,024-token system prompt cached, the rest new;
@@ -11,8 +15,9 @@ prompt. Then, each as the median over repeated chunks of calls:
 - ``insert_us``: ``insert`` of a new request under a cached prompt (with the
   backup job it emits);
 - ``lock_us``: ``lock`` + ``unlock`` of a cached request's leaf;
-- ``evict_us``: ``evict`` of 64 pages from a full device (the victims are
-  loaded back, untimed, before the next call, so the tree keeps its size);
+- ``evict_us``: ``evict`` of 64 pages from a full device, measured right
+  after the fill (64 one-page victims, loaded back untimed before the next
+  call, so the tree keeps its size);
 - ``cycle_us``: the full request cycle under device pressure with host
   backup: ``match_prefix``, ``load_back`` of a host hit, ``lock``,
   ``alloc_device`` (which evicts), ``insert`` (with its backup, which may
@@ -179,7 +184,6 @@ def measure(nodes: int, chunks: int, calls: int, headroom_pages: int, seed: int,
     evict_us = _chunks(evict, chunks, max(1, calls // 8), pc)
     cache.free_device(held)
     cache.remove_observer(observe)
-
 
     requests = [tok.request() for _ in range(warm)]
     for r in requests:

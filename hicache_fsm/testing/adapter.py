@@ -366,14 +366,9 @@ def _residency_spec():
 
 
 def _fork_allocator(alloc, memo: dict):
-    if id(alloc) in memo:
-        return memo[id(alloc)]
-    new = object.__new__(type(alloc))
-    new.__dict__.update(alloc.__dict__)
-    new._allocated = alloc._allocated.copy()
-    new._released = list(alloc._released)
-    memo[id(alloc)] = new
-    return new
+    if id(alloc) not in memo:
+        memo[id(alloc)] = alloc.fork()
+    return memo[id(alloc)]
 
 
 def _remake_views(pool, base, kv) -> None:
@@ -429,46 +424,24 @@ def _node_copier(cls: type) -> Callable:
     return fn
 
 
+def _copy_tree_node(node):
+    m = _node_copier(type(node))(node)
+    m.pending_jobs = set(node.pending_jobs)
+    if node.cp_meta is not None:
+        m.cp_meta = copy.deepcopy(node.cp_meta)
+    return m
+
+
 def _fork_tree(tree, memo: dict):
-    new = object.__new__(type(tree))
-    new.__dict__.update(tree.__dict__)
-    nxt = next(tree._ids)
-    tree._ids = itertools.count(nxt)
-    new._ids = itertools.count(nxt)
-    nodes = {}
-    pairs = []
-    for nid, node in tree._nodes.items():
-        m = _node_copier(type(node))(node)
-        m.pending_jobs = set(node.pending_jobs)
-        if node.cp_meta is not None:
-            m.cp_meta = copy.deepcopy(node.cp_meta)
-        memo[id(node)] = m
-        nodes[nid] = m
-        pairs.append((node, m))
-    for node, m in pairs:
-        if node.parent is not None:
-            m.parent = memo[id(node.parent)]
-        m.children = {k: memo[id(c)] for k, c in node.children.items()}
-    new._nodes = nodes
-    new.root = memo[id(tree.root)]
-    memo[id(tree)] = new
-    return new
+    return tree.fork(_copy_tree_node, memo)
 
 
 def _fork_manual_executor(ex, memo: dict):
     """Copy a ``ManualExecutor``: its pending copies are re-pointed at the copied pools."""
-    new = object.__new__(type(ex))
-    new.__dict__.update(ex.__dict__)
     ps = object.__new__(type(ex.pools))
     ps.__dict__.update({k: _fork_pool(v, memo) for k, v in ex.pools.__dict__.items()})
-    new.pools = ps
-    new._pending = {
-        jid: (job, [attrs.evolve(c, device_pool=memo[id(c.device_pool)], host_pool=memo[id(c.host_pool)])
-                    for c in copies])
-        for jid, (job, copies) in ex._pending.items()
-    }
-    new._queue = list(ex._queue)
-    new.submitted = list(ex.submitted)
+    new = ex.fork(ps, lambda c: attrs.evolve(c, device_pool=memo[id(c.device_pool)],
+                                             host_pool=memo[id(c.host_pool)]))
     memo[id(ex)] = new
     return new
 
@@ -975,7 +948,7 @@ class HiCacheAdapter(CacheAdapter):
         parts = [(n, n.num_tokens) for n in path]
         if partial:
             parent = path[-1] if path else tree.root
-            child = parent.children.get(tree._child_key(None, tokens, matched))
+            child = parent.children.get(tree.child_key(None, tokens, matched))
             if child is not None:
                 parts.append((child, partial))
         out: list[tuple[int, ...]] = []
@@ -1090,7 +1063,7 @@ class HiCacheAdapter(CacheAdapter):
         new._requests = dict(self._requests)
         if self.cache.storage is not None:
             new.backend = new.cache.storage.link.backend
-            new.faults = new.backend._chooser
+            new.faults = new.backend.chooser
         return new
 
     def applicable(self, op: str, args: tuple) -> bool:
@@ -1103,7 +1076,7 @@ class HiCacheAdapter(CacheAdapter):
             path, matched, partial = tree.walk(tokens)
             if partial:
                 parent = path[-1] if path else tree.root
-                path = path + [parent.children[tree._child_key(None, tokens, matched)]]
+                path = path + [parent.children[tree.child_key(None, tokens, matched)]]
             if not path:
                 return False  # nothing matches: only the clock moves
             if op == "lock":  # without a device part, lock is just a match
