@@ -243,8 +243,8 @@ def settle(cache: HiCache, ex: ManualExecutor, tier, group: RankGroup, what: str
 
 
 def run_storage(rank: int, world: int, group: RankGroup, url: str, mla: bool, seed: int, share: float,
-                set_fail_rank: int, miss_rank: int, short_rank: int,
-                stop_policy: str = "wait_complete") -> tuple[list[int], int]:
+                set_fail_rank: int, miss_rank: int, short_rank: int, stop_policy: str = "wait_complete",
+                set_fault: str = "short") -> tuple[list[int], int]:
     """Store requests to L3, drop the cache, prefetch them back; ranks differ in pace, misses and failures."""
     from hicache_fsm.testing.adapter import StorageFault
 
@@ -255,7 +255,8 @@ def run_storage(rank: int, world: int, group: RankGroup, url: str, mla: bool, se
     reqs = prompts(seed, 8)
     digests = []
     if rank == set_fail_rank:
-        plan.arm(StorageFault("short", "set", after=1, count=2))  # two backups refused on this rank only
+        # two backups refused ("short") or storage down ("raise": this rank sees it unhealthy) on this rank only
+        plan.arm(StorageFault(set_fault, "set", after=1, count=2))
     for i, tokens in enumerate(reqs):
         serve(cache, tokens, kv_rank)
         finish_copies(ex, rng, share, 0.0)
@@ -303,12 +304,12 @@ def storage_property(rank: int, world: int, pg, url: str, mla: bool, examples: i
     @settings(QUIET, max_examples=examples)
     @given(seed=st.integers(0, 10_000), share=st.sampled_from([0.3, 0.7, 1.0]),
            set_fail_rank=st.integers(-1, world - 1), miss_rank=st.integers(-1, world - 1),
-           short_rank=st.integers(-1, world - 1))
-    @example(seed=1, share=0.7, set_fail_rank=world - 1, miss_rank=world - 1, short_rank=0)  # every difference
-    def prop(seed, share, set_fail_rank, miss_rank, short_rank):
+           short_rank=st.integers(-1, world - 1), set_fault=st.sampled_from(["short", "raise"]))
+    @example(seed=1, share=0.7, set_fail_rank=world - 1, miss_rank=world - 1, short_rank=0, set_fault="raise")
+    def prop(seed, share, set_fail_rank, miss_rank, short_rank, set_fault):
         run_url = url if not url.startswith("file://") else f"{url}/{seed}-{set_fail_rank}-{miss_rank}-{short_rank}"
         digests, checked = run_storage(rank, world, group, run_url, mla, seed, share, set_fail_rank, miss_rank,
-                                       short_rank, stop_policy)
+                                       short_rank, stop_policy, set_fault)
         seen.extend(digests)
         seen.append(checked)
 
