@@ -41,6 +41,7 @@ from typing import Callable, Hashable, Iterable, Sequence
 import attrs
 import torch
 
+from hicache_fsm.acks import AckAgreement
 from hicache_fsm.bindings.residency import LOADING, ON_HOST
 from hicache_fsm.config import CacheConfig
 from hicache_fsm.errors import BadIndices, GuardRejected, HiCacheError, LockError
@@ -62,9 +63,8 @@ from hicache_fsm.results import (
     as_tokens,
 )
 from hicache_fsm.spec import load_builtin
-from hicache_fsm.acks import AckAgreement
-from hicache_fsm.tp import RankGroup, StepAgreement
 from hicache_fsm.storage.tier import attach_storage
+from hicache_fsm.tp import RankGroup, StepAgreement
 
 log = logging.getLogger("hicache_fsm.cache")
 
@@ -92,6 +92,11 @@ class HiCache:
     ``TorchExecutor`` over the pools by default). ``dispatcher`` replaces the
     compiled residency machine: anything with ``fire / select / can_fire /
     spec / add_listener`` (used to benchmark against ``transitions``).
+    ``group`` is the engine's tensor-parallel group (a ``tp.RankGroup`` or a
+    ``torch.distributed`` ProcessGroup; None: one rank): with more than one
+    rank, what a rank observes alone (acks, storage answers) is agreed on with
+    MIN before it acts, so every rank's tree stays identical
+    (docs/tensor-parallel.md).
 
     The work is done by four parts, each a public attribute with a small
     interface (see docs/architecture.md): ``driver`` (``ResidencyDriver``:
