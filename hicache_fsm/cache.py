@@ -41,6 +41,7 @@ from typing import Callable, Hashable, Iterable, Sequence
 import attrs
 import torch
 
+from hicache_fsm.acks import AckAgreement
 from hicache_fsm.bindings.residency import LOADING, ON_HOST
 from hicache_fsm.config import CacheConfig
 from hicache_fsm.errors import BadIndices, GuardRejected, HiCacheError, LockError
@@ -57,6 +58,7 @@ from hicache_fsm.spec import load_builtin
 from hicache_fsm.storage.ownership import check_completion_owner
 from hicache_fsm.storage.tier import attach_storage
 from hicache_fsm.tokens import as_token_ids
+from hicache_fsm.tp import RankGroup, StepAgreement
 
 log = logging.getLogger("hicache_fsm.cache")
 
@@ -84,6 +86,11 @@ class HiCache:
     ``TorchExecutor`` over the pools by default). ``dispatcher`` replaces the
     compiled residency machine: anything with ``fire / select / can_fire /
     spec / add_listener`` (used to benchmark against ``transitions``).
+    ``group`` is the engine's tensor-parallel group (a ``tp.RankGroup`` or a
+    ``torch.distributed`` ProcessGroup; None: one rank): with more than one
+    rank, what a rank observes alone (acks, storage answers) is agreed on with
+    MIN before it acts, so every rank's tree stays identical
+    (docs/tensor-parallel.md).
 
     The work is done by four parts, each a public attribute with a small
     interface (see docs/architecture.md): ``driver`` (``ResidencyDriver``:
@@ -102,6 +109,7 @@ class HiCache:
         draft_device_pool=None,
         draft_host_pool=None,
         dispatcher: CompiledMachine | None = None,
+        group=None,
     ) -> None:
         if device_pool.page_size != host_pool.page_size:
             raise HiCacheError("device and host pools must use the same page size")
@@ -127,6 +135,12 @@ class HiCache:
         self.eviction = Eviction(self)
         self.loads = LoadBacks(self)
         self.outbox = Outbox(self)
+        # tensor parallelism (hicache_fsm.tp): what one rank observes alone is agreed on before it acts
+        self.group = RankGroup.of(group)
+        self.agreement = StepAgreement(self.group)
+        self.acks = None if self.group.solo else AckAgreement(self)
+        if self.acks is not None:
+            self.agreement.register(self.acks)
         self.engine_pages: set[int] = set()  # device pages handed out by alloc_device, not yet inserted or freed
         self._offsets = torch.arange(self.page_size, dtype=torch.int64)
         self._extra_host_owners: list[Callable[[], Iterable[tuple[str, torch.Tensor]]]] = []
@@ -574,8 +588,7 @@ class HiCache:
         done = list(self.executor.poll())
         if self.storage is not None:
             done += self.storage.poll()
-        outbox.apply(done)
-        return done
+        return outbox.apply_agreed(done)
 
     def complete(self, completion: Completion, *, owner: object = None) -> None:
         """Apply one completion reported by an engine-side executor.
@@ -588,6 +601,9 @@ class HiCache:
         self.check_open()
         self.outbox.check(completion)
         check_completion_owner(self.outbox.pending_job(completion.job_id), owner, self.storage)
+        if self.acks is not None:  # a rank group: applied at a poll, once every rank has it
+            self.outbox.apply(self.acks.hold([completion]))
+            return
         self.outbox.apply([completion])
 
     # ================================================================== observation
@@ -712,6 +728,8 @@ class HiCache:
         if self.storage is not None:
             self.storage.reset()
         self.outbox.cancel_all()
+        if self.acks is not None:
+            self.acks.reset()
         self.engine_pages.clear()
         self.device_allocator.reset()
         self.host_allocator.reset()

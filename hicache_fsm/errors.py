@@ -140,3 +140,18 @@ class MissingExtra(HiCacheError, ModuleNotFoundError):
 
     def __init__(self, feature: str, module: str, extra: str) -> None:
         super().__init__(f"{feature} needs {module}: pip install 'hicache_fsm[{extra}]'", name=module)
+
+
+class GroupError(HiCacheError):
+    """A tensor-parallel group collective failed: a rank died, timed out, or the ranks disagree.
+
+    The group cannot be trusted afterwards: every later agreement raises again.
+    """
+
+
+class RankTimeout(GroupError):
+    """A rank did not join a group collective within the timeout (hung, slow, or dead)."""
+
+
+class RanksDiverged(GroupError):
+    """The ranks reached an agreement point with different state (a bug, or ranks fed different requests)."""

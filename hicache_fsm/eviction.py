@@ -303,7 +303,7 @@ class Eviction:
         while freed < num_tokens and cache.executor_can_block() and outbox.has_pending(JobKind.D2H):
             outbox.flush()
             cache.executor.synchronize()
-            outbox.apply(cache.executor.poll())
+            outbox.apply_agreed(list(cache.executor.poll()))
             more, started = self.device_pass(num_tokens - freed, tried)
             freed += more
             if not more and not started:

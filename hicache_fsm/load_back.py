@@ -61,6 +61,10 @@ class LoadBacks:
                     deps.append(h)
         return deps
 
+    def room_everywhere(self, tokens: int) -> bool:
+        """Free device memory for ``tokens`` on every rank (one collective with a rank group)."""
+        return self.cache.group.all_true(self.cache.device_allocator.available_tokens >= tokens)
+
     def load_back(self, node: TreeNode) -> LoadBack | None:
         """See ``HiCache.load_back``."""
         cache = self.cache
@@ -74,7 +78,7 @@ class LoadBacks:
             cache.counters["load_back_skipped"] += 1
             return None
         device = cache.device_allocator
-        if device.available_tokens < total:
+        if not self.room_everywhere(total):
             # the anchor (and so its ancestors) must stay on the device, and the
             # chain's host copies must survive host eviction done by backups
             anchor_path = [] if anchor.is_root else list(tree.path_to_root(anchor))
@@ -86,7 +90,7 @@ class LoadBacks:
             finally:
                 eviction.add_pins(chain, -1)
                 eviction.add_locks(anchor_path, -1)
-            if device.available_tokens < total:
+            if not self.room_everywhere(total):
                 cache.counters["load_back_device_full"] += 1
                 return None
             if not all(tree.owns(n) for n in chain) or self.evicted_chain(node) != (chain, anchor):

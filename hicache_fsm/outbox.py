@@ -218,6 +218,8 @@ class Outbox:
             for node in nodes:
                 node.pending_jobs.discard(c.job_id)
             handle = self._job_handle.pop(c.job_id, None)
+            if job.kind is JobKind.H2S and cache.storage is not None:
+                cache.storage.backup_finished(job, c.ok, c.error)
             if job.kind is JobKind.S2H:
                 continue
             if job.layer is not None and cache.cp is not None:  # a CP per-layer copy: the runtime acks once
@@ -244,6 +246,23 @@ class Outbox:
                 driver.notify({"event": "completion", "job": c.job_id, "ok": c.ok})
         if errors:
             raise UnknownJob("; ".join(errors))
+
+    def apply_agreed(self, done: list[Completion]) -> list[Completion]:
+        """``apply`` the completions every rank has; returns them (see ``hicache_fsm.acks``).
+
+        One rank: ``done`` itself. With a rank group, ``done`` is held and the
+        step's agreement (one collective) decides which held completions apply now.
+        """
+        cache = self.cache
+        acks = cache.acks
+        if acks is None:
+            self.apply(done)
+            return done
+        direct = acks.hold(done)
+        cache.agreement.step()
+        agreed = direct + acks.take()
+        self.apply(agreed)
+        return agreed
 
     def forget(self, job_id: int) -> None:
         """Drop a pending job without ending it in the ledger (tests that break the ledger on purpose)."""

@@ -61,6 +61,7 @@ from hicache_fsm.errors import ConfigError
 from hicache_fsm.executors import TorchExecutor
 from hicache_fsm.model import KVModel, TinyModel
 from hicache_fsm.pools import LAYOUTS, DeviceKVPool, HostKVPool, KVShape, PoolConfig, build_pools, default_device
+from hicache_fsm.tp import RankGroup, rank_view, view_digest
 
 ARRIVALS = ("round-robin", "random")
 MODELS = ("tiny", "llama")
@@ -350,12 +351,14 @@ class TierResult:
     kv_mismatches: int = 0
     output_tokens: int = 0
     output_mismatches: int = 0
+    ranks_disagree: int = 0  # requests after which the ranks' trees differed (tensor parallelism)
     alloc_failures: int = 0
     load_back_skipped: int = 0
     prefetches: int = 0
     prefetch_timeouts: int = 0
     prefetch_wait_s: float = 0.0
     controller_s: float = 0.0
+    agreement_s: float = 0.0  # of controller_s: agreeing with the other ranks (waiting for them included)
     transfer_s: float = 0.0
     model_s: float = 0.0
     wall_s: float = 0.0
@@ -397,12 +400,14 @@ class TierResult:
             "kv_mismatches": self.kv_mismatches,
             "output_tokens": self.output_tokens,
             "output_mismatches": self.output_mismatches,
+            "ranks_disagree": self.ranks_disagree,
             "alloc_failures": self.alloc_failures,
             "load_back_skipped": self.load_back_skipped,
             "prefetches": self.prefetches,
             "prefetch_timeouts": self.prefetch_timeouts,
             "prefetch_wait_ms": round(self.prefetch_wait_s * 1e3, 2),
             "controller_us_per_request": round(self.controller_us_per_request, 1),
+            "agreement_us_per_request": round(self.agreement_s / self.requests * 1e6, 1) if self.requests else 0.0,
             "controller_us_per_request_by_call": {
                 k: round(v / self.requests * 1e6, 1) for k, v in sorted(self.controller_by_call.items())
             } if self.requests else {},
@@ -427,6 +432,8 @@ class Simulation:
     reference: Reference | None = attrs.field(default=None, repr=False)
     model: str = "tiny"  # which of MODELS served the requests
     model_name: str = ""  # its geometry, dtype and seed (KVModel.name)
+    tp: int = 1
+    rank_tiers: list[list[TierResult]] = attrs.Factory(list)  # with tp > 1: every rank's results, by rank
 
     def tier(self, name: str) -> TierResult | None:
         return next((t for t in self.tiers if t.name == name), None)
@@ -436,13 +443,20 @@ class Simulation:
         """The fullest real hierarchy of the run (with storage when it ran)."""
         return self.tier(FULL) or self.tier(DEVICE_HOST) or self.tiers[0]
 
+    def _all_tiers(self) -> list[TierResult]:
+        return [t for tiers in self.rank_tiers for t in tiers] if self.rank_tiers else self.tiers
+
     @property
     def kv_mismatches(self) -> int:
-        return sum(t.kv_mismatches for t in self.tiers)
+        return sum(t.kv_mismatches for t in self._all_tiers())
 
     @property
     def output_mismatches(self) -> int:
-        return sum(t.output_mismatches for t in self.tiers)
+        return sum(t.output_mismatches for t in self._all_tiers())
+
+    @property
+    def ranks_agree(self) -> bool:
+        return all(t.ranks_disagree == 0 for t in self._all_tiers())
 
     def as_dict(self) -> dict:
         full = self.hierarchy
@@ -465,7 +479,48 @@ class Simulation:
             "storage_skipped": self.storage_skipped,
             "reference_s": round(self.reference_s, 3),
             "wall_s": round(self.wall_s, 3),
+            "tp": self.tp,
+            "ranks_agree": self.ranks_agree,
+            "ranks": [
+                {"rank": r, "configs": {t.name: {k: v for k, v in t.as_dict().items() if k in _PER_RANK}
+                                        for t in tiers}}
+                for r, tiers in enumerate(self.rank_tiers)
+            ],
         }
+
+
+_PER_RANK = ("hit_rate", "kv_checked_pages", "kv_mismatches", "output_mismatches", "ranks_disagree",
+             "controller_us_per_request", "agreement_us_per_request", "transfer_ms", "bytes", "wall_s")
+
+
+# ====================================================================== tensor parallelism
+
+
+class Shard:
+    """This process's part of a tensor-parallel run: its rank, its heads and the group.
+
+    The cache of each rank holds only its heads' KV. The engine gathers the
+    served KV of every rank (an all-gather along the heads) and runs the whole
+    model on it, so every rank computes the answers of the one-rank run, bit
+    for bit; only the KV is sharded.
+    """
+
+    def __init__(self, group: RankGroup, heads: int) -> None:
+        if heads % group.size:
+            raise ConfigError(f"{heads} heads cannot be split over {group.size} ranks")
+        self.group = group
+        self.rank, self.world = group.rank, group.size
+        per = heads // group.size
+        self.heads = slice(self.rank * per, (self.rank + 1) * per)
+        self.local_heads = per
+
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        """(layers, n, local heads, dim) of every rank -> (layers, n, all heads, dim)."""
+        return torch.cat(self.group.all_gather(t), dim=2)
+
+    def agree_view(self, cache: HiCache) -> bool:
+        """Whether every rank's tree equals this one's (one collective)."""
+        return self.group.same(view_digest(rank_view(cache)))
 
 
 # ====================================================================== the engine loop
@@ -475,13 +530,17 @@ class _Engine:
     """Serves requests one at a time through a HiCache, the way an engine's step loop would."""
 
     def __init__(self, tier: Tier, workload: Workload, model: KVModel | None, page_size: int, layout: str,
-                 device: str, storage_options: dict | None = None, observe: Observer | None = None) -> None:
+                 device: str, storage_options: dict | None = None, observe: Observer | None = None,
+                 shard: Shard | None = None) -> None:
         self.tier = tier
         self.workload = workload
         self.model = model
         self.ps = page_size
         self.clock = _Clock()
+        self.shard = shard
         shape = model.kv_shape if model is not None else KVShape(1, 1, 2)
+        if shard is not None:
+            shape = KVShape(shape.layers, shard.local_heads, shape.head_dim, shape.dtype)
         if tier.has_host:
             pools = build_pools(PoolConfig(shape, tier.device_tokens, page_size, layout,
                                            host_tokens=tier.host_tokens, device=device))
@@ -491,19 +550,23 @@ class _Engine:
             host_pool = HostKVPool(shape, tier.host_tokens, page_size, layout)
         self.pool = device_pool
         executor = TimedExecutor(TorchExecutor(device_pool, host_pool), self.clock)
-        self.cache = HiCache(device_pool, host_pool, tier.cache_config(), executor)
+        self.cache = HiCache(device_pool, host_pool, tier.cache_config(), executor,
+                             group=shard.group if shard is not None else None)
         self.oracle = KVOracle(page_size) if model is not None else None
         self.result = TierResult(tier.name, tier.device_tokens, tier.host_tokens, tier.storage_url)
         self.storage = False
         if tier.storage_url is not None:
             model_name = model.name if model is not None else f"tokens-only-s{workload.seed}"
             options = dict(STORAGE_OPTIONS, model=model_name, prefetch_threshold=page_size)
+            if shard is not None:
+                options.update(tp_rank=shard.rank, tp_size=shard.world)
             options.update(storage_options or {})
             self.cache.attach_storage(tier.storage_url, **options)  # setup, not per-request controller time
             self.storage = True
         if observe is not None:
             observe(tier.name, self.cache)
         self._next_request = 0
+        self._untimed_agreement_s = 0.0  # agreeing inside waits that are not controller time
 
     # ------------------------------------------------------------------ one request
 
@@ -549,9 +612,10 @@ class _Engine:
                 k, v = self._compute(prompt, answer, past_k, past_v)
                 res.model_s += time.perf_counter() - start
                 if n_served:
-                    bad = self.oracle.check(prompt, past_k, past_v)
+                    bad = self.oracle.check(prompt, *self._mine(past_k, past_v))
                     res.kv_mismatches += bad
                 if new is not None:
+                    k, v = self._mine(k, v)
                     self.pool.write(new, None, k[:, n_served:aligned], v[:, n_served:aligned])
                     self.oracle.record(prompt + tuple(answer), n_served, aligned, k, v)
             if new is not None:
@@ -560,6 +624,19 @@ class _Engine:
         finally:
             call(cache.unlock, node)
         call(cache.poll)
+        if self.shard is not None and not self.shard.agree_view(cache):
+            res.ranks_disagree += 1
+
+    def _mine(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's heads of full-model KV (all of it without tensor parallelism)."""
+        if self.shard is None:
+            return k, v
+        h = self.shard.heads
+        return k[:, :, h].contiguous(), v[:, :, h].contiguous()
+
+    def _agreed(self, flag: bool) -> bool:
+        """``flag`` on every rank (the engine's own decisions, such as giving up on a prefetch)."""
+        return flag if self.shard is None else self.shard.group.all_true(flag)
 
     def _prefetch(self, prompt: tuple, m):
         call = self.clock.call
@@ -572,14 +649,16 @@ class _Engine:
         # polls of this loop count as prefetch wait, not as controller time of this request.
         clock = self.clock
         start, c0, e0, b0 = time.perf_counter(), clock.controller, clock.executor, dict(clock.by_call)
+        a0 = self.cache.agreement.seconds
         while not call(self.cache.prefetch_ready, rid):
-            if time.perf_counter() > start + PREFETCH_TIMEOUT_S:
+            if self._agreed(time.perf_counter() > start + PREFETCH_TIMEOUT_S):
                 self.result.prefetch_timeouts += 1
                 call(self.cache.abort_prefetch, rid)
                 break
             time.sleep(0.0005)
             call(self.cache.poll)
         clock.controller, clock.executor, clock.by_call = c0, e0, b0
+        self._untimed_agreement_s += self.cache.agreement.seconds - a0
         self.result.prefetch_wait_s += time.perf_counter() - start
         return call(self.cache.match_prefix, prompt)
 
@@ -593,6 +672,12 @@ class _Engine:
                 if lb is not None:
                     self.clock.call(lb.wait, layer)
             return None, None
+        if self.shard is not None:  # this rank's heads, then every rank's: the whole model's past
+            k, v = self._read_layers(m, lb, served)
+            return self.shard.gather(k), self.shard.gather(v)
+        return self._read_layers(m, lb, served)
+
+    def _read_layers(self, m, lb, served: torch.Tensor):
         idx = served.to(self.pool.device)
         ks, vs = [], []
         for layer in range(self.pool.layers):
@@ -636,9 +721,10 @@ class _Engine:
 
     def finish(self) -> TierResult:
         cache, res = self.cache, self.result
+        a0 = cache.agreement.seconds
         if self.storage:
             deadline = time.perf_counter() + 10.0
-            while cache.pending_job_ids() and time.perf_counter() < deadline:  # let backups land (untimed)
+            while cache.pending_job_ids() and self._agreed(time.perf_counter() < deadline):  # backups land (untimed)
                 cache.poll()
                 time.sleep(0.001)
         counters = cache.stats()
@@ -652,6 +738,7 @@ class _Engine:
         res.kv_checked_pages = self.oracle.checked_pages if self.oracle else 0
         res.controller_s = max(0.0, self.clock.controller - self.clock.executor)
         res.transfer_s = self.clock.executor
+        res.agreement_s = a0 - self._untimed_agreement_s
         res.controller_by_call = dict(self.clock.by_call)
         cache.check_invariants()
         cache.close()
@@ -660,10 +747,14 @@ class _Engine:
 
 def run_tier(tier: Tier, workload: Workload, reference: Reference, model: KVModel | None, page_size: int,
              layout: str = "page_first", device: str | None = None, storage_options: dict | None = None,
-             on_request: Callable[[], None] = lambda: None, observe: Observer | None = None) -> TierResult:
-    """Serve the reference's requests through one configuration (``model=None``: tokens only, no KV)."""
+             on_request: Callable[[], None] = lambda: None, observe: Observer | None = None,
+             shard: Shard | None = None) -> TierResult:
+    """Serve the reference's requests through one configuration (``model=None``: tokens only, no KV).
+
+    With ``shard`` this process is one rank of a tensor-parallel group (see ``Shard``).
+    """
     start = time.perf_counter()
-    engine = _Engine(tier, workload, model, page_size, layout, device or "cpu", storage_options, observe)
+    engine = _Engine(tier, workload, model, page_size, layout, device or "cpu", storage_options, observe, shard)
     try:
         for key in workload.schedule():
             engine.serve(reference.prompts[key], reference.outputs[key])
@@ -696,11 +787,18 @@ class Options:
     model_heads: int = 2  # KV heads per layer (tiny: also its query heads)
     model_head_dim: int = 16
     model_query_heads: int = 4  # llama only: query heads, sharing the model_heads KV heads (grouped-query)
+    tp: int = 1  # rank processes, each caching its shard of the heads
 
     def __attrs_post_init__(self) -> None:
         if self.model not in MODELS:
             raise ConfigError(f"model must be one of {', '.join(MODELS)}, got {self.model!r}")
         ps = _positive_int("page_size", self.page_size)
+        _positive_int("model_heads", self.model_heads)
+        if _positive_int("tp", self.tp) > 1 and self.model != "tiny":
+            raise ConfigError(f"--tp {self.tp} runs the tiny model only; --model {self.model} is not sharded across ranks")
+        if self.tp > 1 and self.model_heads % self.tp:
+            raise ConfigError(f"--tp {self.tp} needs a head count it divides; the model has {self.model_heads} "
+                              f"heads (raise --model-heads)")
         for name in ("device_tokens", "host_tokens"):
             value = _positive_int(name, getattr(self, name))
             if value % ps:
@@ -796,7 +894,8 @@ def run_simulation(options: Options = Options(), progress: Progress | None = Non
     """Run the cache-free reference and every configuration on the same requests.
 
     ``observe(tier_name, cache)`` is called with each configuration's cache before
-    its first request (to record a trace or count transitions).
+    its first request (to record a trace or count transitions). With ``options.tp`` > 1
+    every configuration runs on that many rank processes (see ``simulate_tp``).
     """
     start = time.perf_counter()
     w = options.workload
@@ -821,17 +920,27 @@ def run_simulation(options: Options = Options(), progress: Progress | None = Non
     try:
         progress.set_label("cache-free reference")
         reference = reference_run(model, w, progress.step)
-        results = []
-        for tier in tiers:
-            progress.set_label(tier.name)
-            results.append(run_tier(tier, w, reference, model, options.page_size, options.layout, device,
-                                    storage_options, progress.step, observe))
+        rank_tiers: list[list[TierResult]] = []
+        if options.tp > 1:
+            from hicache_fsm.simulate_tp import run_ranks_tiers
+
+            progress.set_label(f"{options.tp} ranks")
+            rank_tiers = run_ranks_tiers(options, tiers, reference, device, storage_options)
+            progress.step(w.requests * len(tiers))
+            results = rank_tiers[0]
+        else:
+            results = []
+            for tier in tiers:
+                progress.set_label(tier.name)
+                results.append(run_tier(tier, w, reference, model, options.page_size, options.layout, device,
+                                        storage_options, progress.step, observe))
     finally:
         progress.close()
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
     return Simulation(w, options.page_size, options.layout, device, results, reference.seconds,
-                      time.perf_counter() - start, storage_skipped, reference, options.model, model.name)
+                      time.perf_counter() - start, storage_skipped, reference, options.model, model.name,
+                      options.tp, rank_tiers)
 
 
 # ====================================================================== capacity sweep (for --plot)
@@ -907,7 +1016,7 @@ def hit_rate_sweep(options: Options, reference: Reference, storage_url: str | No
 
 __all__ = [
     "ARRIVALS", "DEVICE", "DEVICE_HOST", "FULL", "INFINITE", "KVOracle", "MODELS", "Options", "Progress", "Reference",
-    "Simulation", "Tier", "TierResult", "TimedExecutor", "Workload", "build_model", "capacity_grid", "device_only",
+    "Shard", "Simulation", "Tier", "TierResult", "TimedExecutor", "Workload", "build_model", "capacity_grid", "device_only",
     "hit_rate_sweep", "reference_run", "sweep_hit_rate", "run_simulation", "run_tier", "storage_available",
     "token_stream",
 ]

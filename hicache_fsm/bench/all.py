@@ -39,10 +39,22 @@ STEPS: list[tuple[str, str, list[str]]] = [
 QUICK: dict[str, list[str]] = {
     "dispatch": ["--objects", "2000", "--repeats", "3"],
     "copy": ["--tokens", "1024", "--layers", "2", "--repeats", "3"],
-    "controller": ["--requests", "50", "--repeats", "1"],
+    "controller": ["--requests", "50", "--repeats", "1", "--tp", "1,2", "--tp-requests", "50"],
     "storage": ["--pages", "4", "--repeats", "2", "--layers", "2"],
     "scale": ["--quick"],
 }
+
+
+def _tp_lines(tp: dict) -> list[str]:
+    """Tensor-parallel rows: the loop on N rank processes (gloo on CPU), see docs/tensor-parallel.md."""
+    out = []
+    for world, f in sorted(tp.items(), key=lambda kv: int(kv[0])):
+        out.append(f"- tp {world} ({world} rank processes, gloo on CPU): {_fmt(f.get('us_per_request'), 1)} us/request "
+                   f"({_fmt(f.get('ratio_to_tp1'))}x tp 1), of which {_fmt(f.get('collective_us'), 1)} us in "
+                   f"{_fmt(f.get('collectives_per_request'), 0)} MIN all-reduces (a bare one: "
+                   f"{_fmt(f.get('raw_all_reduce_us'), 1)} us) and {_fmt(f.get('agreement_us'), 1)} us of agreement "
+                   "bookkeeping")
+    return out
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -200,6 +212,7 @@ def render(results: dict, commands: dict[str, str], machine: dict, started: str,
         "",
         f"- {_fmt(c.get('us_per_request'), 1)} us/request against {_fmt(c.get('transitions_us_per_request'), 1)} "
         f"us/request: {_fmt(c.get('speedup'))}x",
+        *_tp_lines(c.get("tp") or {}),
         f"- reproduce: `{commands['controller']}`",
         "",
         "## Storage (file backend)",

@@ -32,6 +32,16 @@ requests served between two scrapes (``--scrape-every``):
 ``metrics_overhead_pct`` = scrape time / (requests per scrape x us/request).
 ``metrics_breakeven_requests`` is how many requests a scrape interval must hold
 for that to stay under 1%.
+
+Tensor parallelism (``--tp 1,2,4``): the same loop (compiled table) on N rank
+processes joined by a gloo group over 127.0.0.1, each with its own cache
+(``HiCache(group=...)``) serving the same requests; ``--tp-requests`` timed
+requests per rank, best chunk kept per rank, the slowest rank reported (ranks
+run in lockstep). Every ``poll`` runs one MIN all-reduce, so a request pays two;
+the figures split each request's time into the collective itself (waiting for
+the other ranks included), the agreement's own bookkeeping, and the rest of the
+controller. ``tp`` in the result maps N to those figures; tp 1 runs in a rank
+process too (no collectives), so the ratios compare like with like.
 """
 
 from __future__ import annotations
@@ -46,11 +56,12 @@ import torch
 
 from hicache_fsm.bench.common import machine_description, report
 from hicache_fsm.cache import HiCache
-from hicache_fsm.commands.args import non_negative_int, positive_int
+from hicache_fsm.commands.args import UsageError, non_negative_int, positive_int
 from hicache_fsm.config import CacheConfig
 from hicache_fsm.jobs import Completion, JobBatch, completed_all
 from hicache_fsm.pools import DeviceKVPool, HostKVPool, KVShape
 from hicache_fsm.spec import load_builtin
+from hicache_fsm.tp import RankGroup
 from hicache_fsm.transitions_dispatch import TransitionsDispatcher
 
 REQUEST_TOKENS = 4096
@@ -59,6 +70,7 @@ PREFIX_TOKENS = 1024
 SYSTEM_PROMPTS = 8
 VOCAB = 32000
 CHUNK = 100  # requests per timed chunk; chunks of the two variants alternate
+RAW_ALL_REDUCES = 200  # bare all-reduces timed per rank, the transport's floor
 _VOCAB_INTS = list(range(VOCAB))  # token ids as a tokenizer's vocabulary table hands them out
 
 
@@ -112,11 +124,12 @@ def make_requests(n: int, seed: int = 0, prompts: list[tuple[int, ...]] | None =
     ]
 
 
-def make_cache(capacity_tokens: int, dispatcher=None) -> HiCache:
+def make_cache(capacity_tokens: int, dispatcher=None, group=None) -> HiCache:
     shape = KVShape(layers=1, heads=1, head_dim=1)
     device = DeviceKVPool(shape, capacity_tokens, PAGE_SIZE, "cpu")
     host = HostKVPool(shape, capacity_tokens, PAGE_SIZE, pin_memory=False)
-    return HiCache(device, host, CacheConfig(write_policy="write_through"), AckExecutor(), dispatcher=dispatcher)
+    return HiCache(device, host, CacheConfig(write_policy="write_through"), AckExecutor(), dispatcher=dispatcher,
+                   group=group)
 
 
 def fill(cache: HiCache, nodes: int) -> None:
@@ -181,6 +194,62 @@ def scrape_cost_us(cache: HiCache, repeats: int = 5) -> float | None:
     return best * 1e6
 
 
+def _tp_rank(rank: int, world: int, pg, n: int, tree_nodes: int, seed: int) -> dict:
+    """One rank of the tensor-parallel figures: best chunk, and where a request's time goes."""
+    torch.set_num_threads(1)
+    group = RankGroup(pg if world > 1 else None, timeout_s=120.0)
+    capacity = tree_nodes * PAGE_SIZE + (n + SYSTEM_PROMPTS) * REQUEST_TOKENS
+    cache = make_cache(capacity, group=group)
+    fill(cache, tree_nodes)
+    requests = make_requests(n, seed, system_prompts(seed))
+    chunk = min(CHUNK, n)
+    best = None
+    for start in range(0, n - chunk + 1, chunk):
+        c0, a0, k0 = group.collective_s, cache.agreement.seconds, group.collectives
+        spent = serve(cache, requests[start:start + chunk])
+        row = (spent / chunk * 1e6, (group.collective_s - c0) / chunk * 1e6,
+               (cache.agreement.seconds - a0 - (group.collective_s - c0)) / chunk * 1e6,
+               (group.collectives - k0) / chunk)
+        if best is None or row[0] < best[0]:
+            best = row
+    us, coll, book, per = best
+    raw = 0.0
+    if world > 1:  # the transport alone: the same all-reduce with nothing else to do, same processes
+        vec = [0] * 64
+        start, spent = group.collectives, time.perf_counter()
+        for _ in range(RAW_ALL_REDUCES):
+            group.min(vec)
+        raw = (time.perf_counter() - spent) / (group.collectives - start) * 1e6
+    return {"us_per_request": us, "collective_us": coll, "agreement_us": book, "collectives_per_request": per,
+            "raw_all_reduce_us": raw}
+
+
+def tp_figures(worlds: list[int], n: int, tree_nodes: int, seed: int) -> dict[int, dict]:
+    """Per world size: the slowest rank's best-chunk figures (see the module docstring)."""
+    from hicache_fsm.testing.ranks import run_ranks
+
+    out = {}
+    for world in worlds:
+        ranks = [o.unwrap() for o in run_ranks(_tp_rank, world, n, tree_nodes, seed, timeout_s=1800)]
+        worst = max(ranks, key=lambda r: r["us_per_request"])
+        out[world] = {k: round(v, 2) for k, v in worst.items()}
+    base = out.get(1, {}).get("us_per_request")
+    for figures in out.values():
+        if base:
+            figures["ratio_to_tp1"] = round(figures["us_per_request"] / base, 2)
+    return out
+
+
+def _worlds(text: str) -> list[int]:
+    try:
+        worlds = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"--tp wants comma-separated rank counts, got {text!r}") from None
+    if any(w < 1 for w in worlds):
+        raise UsageError(f"--tp wants rank counts >= 1, got {text!r}")
+    return worlds
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=positive_int, default=1000, help="timed requests per repeat (default 1000)")
     parser.add_argument("--repeats", type=positive_int, default=3,
@@ -188,8 +257,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tree-nodes", type=non_negative_int, default=None,
                         help="nodes in the tree before timing (default 10 x --requests)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--scrape-every", type=int, default=1000,
+    parser.add_argument("--scrape-every", type=positive_int, default=1000,
                         help="requests between two Prometheus scrapes, for the metrics overhead (default 1000)")
+    parser.add_argument("--tp", default="1,2,4",
+                        help="also time the loop on this many rank processes each, comma-separated "
+                             "(gloo on CPU; empty: skip; default 1,2,4)")
+    parser.add_argument("--tp-requests", type=positive_int, default=300,
+                        help="timed requests per rank for the --tp figures (default 300)")
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -251,5 +325,15 @@ def run(args: argparse.Namespace) -> dict:
         rows.append(("metrics scrape", f"{scrape_us:.0f} us at {len(ours.tree)} nodes = "
                      f"{result['metrics_overhead_pct']:.2f}% of the controller's time over {result['metrics_scrape_every']} "
                      f"requests (1% at {result['metrics_breakeven_requests']})"))
+    worlds = _worlds(getattr(args, "tp", "") or "")
+    if worlds:
+        tp_n = max(1, getattr(args, "tp_requests", 300))
+        tp = tp_figures(worlds, tp_n, min(tree_nodes, 10 * tp_n), args.seed)
+        result["tp"] = {str(w): f for w, f in tp.items()}
+        for w, f in tp.items():
+            rows.append((f"tp {w} ({w} processes)",
+                         f"{f['us_per_request']:.1f} us/request ({f.get('ratio_to_tp1', 1.0):.2f}x tp 1): "
+                         f"{f['collective_us']:.1f} in {f['collectives_per_request']:.0f} MIN all-reduce(s) "
+                         f"(a bare one: {f['raw_all_reduce_us']:.1f}), {f['agreement_us']:.1f} agreement bookkeeping"))
     report("controller overhead: match + insert + backup + acks", rows, result, getattr(args, "json", False))
     return result

@@ -74,6 +74,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
                    help=f"host pool layout (default {_DEFAULTS.layout})")
     c.add_argument("--device", default=None,
                    help="torch device of the model and device pool (default: cuda if present)")
+    c.add_argument("--tp", type=positive_int, default=1,
+                   help="tensor-parallel ranks: run every configuration on this many processes (gloo over "
+                        "127.0.0.1), each caching its shard of the KV heads; the ranks must agree (default 1)")
+    c.add_argument("--model-heads", type=positive_int, default=_DEFAULTS.model_heads,
+                   help=f"attention heads of the tiny model; --tp must divide it (default {_DEFAULTS.model_heads})")
     simulate_trace.configure(parser)
     o = parser.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print only one JSON object on stdout (hit_rate, hit_rate_bound, ...); the table goes to stderr")
@@ -198,6 +203,13 @@ def summary(sim: Simulation) -> str:
     out.append(f"KV served: {sum(t.kv_checked_pages for t in sim.tiers)} pages checked, "
                f"{sim.kv_mismatches} mismatches; answers differing from the cache-free run: "
                f"{sim.output_mismatches} tokens -> {'OK' if ok else 'MISMATCH'}")
+    if sim.tp > 1:
+        out.append(f"tensor parallelism: {sim.tp} ranks, trees compared after every request: "
+                   f"{'identical' if sim.ranks_agree else 'DIFFERENT'}")
+        for r, tiers in enumerate(sim.rank_tiers):
+            cells = ", ".join(f"{t.name} {100 * t.hit_rate:.1f}% / {t.controller_us_per_request:.0f} us "
+                              f"({t.agreement_s / max(1, t.requests) * 1e6:.0f} agreeing)" for t in tiers)
+            out.append(f"  rank {r}: hit rate / controller us per request: {cells}")
     if sim.storage_skipped:
         out.append(f"storage configuration skipped: {sim.storage_skipped}")
     out.append(f"wall time {sim.wall_s:.1f} s (cache-free reference {sim.reference_s:.1f} s)")
@@ -262,7 +274,8 @@ def run(args: argparse.Namespace) -> int:
         workload = Workload(args.clients, args.rounds, args.request_length, args.output_length,
                             args.system_prompt_length, args.arrival, args.seed)
         options = Options(workload, device_tokens, host_tokens, args.storage_url, not args.no_storage,
-                          args.page_size, args.layout, args.device, model=args.model)
+                          args.page_size, args.layout, args.device, model=args.model,
+                          model_heads=args.model_heads, tp=args.tp)
     except HiCacheError as exc:  # an impossible configuration is a usage error
         raise UsageError(str(exc)) from None
     from hicache_fsm.simulate import run_simulation
@@ -289,5 +302,5 @@ def run(args: argparse.Namespace) -> int:
         if recording is not None:
             report["recorded"] = recording.as_dict()
         print(json.dumps(report, sort_keys=True))
-    return 0 if sim.kv_mismatches == 0 and sim.output_mismatches == 0 else 1
+    return 0 if sim.kv_mismatches == 0 and sim.output_mismatches == 0 and sim.ranks_agree else 1
 

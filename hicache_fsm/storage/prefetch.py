@@ -58,7 +58,7 @@ class PrefetchOp:
 
     def __init__(self, request_id: Hashable, tokens: tuple, keys: tuple[str, ...], anchor: TreeNode,
                  anchor_pin: str | None, namespace: Hashable, host_indices: torch.Tensor, page_size: int,
-                 gen: int) -> None:
+                 gen: int, start_time: float, agreed: bool = False) -> None:
         self.state = "admitted"
         self.request_id = request_id
         self.tokens = tokens  # the tokens to fetch (after the in-memory hit), whole pages
@@ -81,7 +81,8 @@ class PrefetchOp:
         self.inserted_tokens = 0
         self.job: TransferJob | None = None
         self.io_active = False
-        self.start_time = time.monotonic()
+        self.start_time = start_time  # on the runtime's clock
+        self.agreed = agreed  # a rank group sets completed_tokens to what every rank landed
         self.error = ""
         self._lock = threading.Lock()
         self._terminated = False
@@ -106,7 +107,8 @@ class PrefetchOp:
         """Freeze the op: no later page counts; ``completed_tokens`` is what landed."""
         with self._lock:
             self._terminated = True
-            self.completed_tokens = self.landed_tokens
+            if not self.agreed:
+                self.completed_tokens = self.landed_tokens
 
     def held_tokens(self) -> int:
         return int(self.host_indices.numel()) + sum(int(t.numel()) for t in self.deferred)
@@ -136,6 +138,7 @@ class PrefetchRuntime:
         self.occupied_tokens = 0
         self.counters: Counter[str] = Counter()
         self._violations: list[str] = []
+        self.clock: Callable[[], float] = time.monotonic  # the tier's agreed clock with a rank group
 
     # ------------------------------------------------------------------ configuration
 
@@ -182,7 +185,7 @@ class PrefetchRuntime:
         if op.state in ENDED:
             return True
         if policy == "timeout":
-            return time.monotonic() - op.start_time > self.timeout_for(op)
+            return self.clock() - op.start_time > self.timeout_for(op)
         return False
 
     def trim_to_hits(self, op: PrefetchOp) -> None:
@@ -300,12 +303,13 @@ class PrefetchRuntime:
 
     # ------------------------------------------------------------------ invariants
 
-    def _ops(self) -> list[PrefetchOp]:
+    def ops(self) -> list[PrefetchOp]:
+        """Running prefetches in admission order, then released ones whose transfer still runs."""
         return list(self.active.values()) + list(self.draining.values())
 
     def slot_release_violations(self) -> list[str]:
         problems = list(self._violations)
-        for op in self._ops():
+        for op in self.ops():
             both = set(op.freed_pages) & op.inserted_pages
             if both:
                 problems.append(f"prefetch {op.request_id!r}: pages {sorted(both)[:8]} both inserted and freed")
@@ -344,7 +348,7 @@ class PrefetchRuntime:
         return problems
 
     def capacity_violations(self) -> list[str]:
-        held = sum(op.held_tokens() for op in self._ops())
+        held = sum(op.held_tokens() for op in self.ops())
         problems = []
         if held != self.occupied_tokens:
             problems.append(f"prefetches hold {held} host tokens but the counter says {self.occupied_tokens}")
@@ -360,7 +364,7 @@ class PrefetchRuntime:
         return out
 
     def host_owners(self):
-        for op in self._ops():
+        for op in self.ops():
             if op.host_indices.numel():
                 yield f"prefetch {op.request_id!r}", op.host_indices
             for i, t in enumerate(op.deferred):

@@ -63,6 +63,7 @@ from hicache_fsm.jobs import Completion, JobKind, TransferJob
 from hicache_fsm.machine import compile_machine
 from hicache_fsm.spec import load_builtin
 from hicache_fsm.storage import open_backend
+from hicache_fsm.storage.agreement import TierAgreement
 from hicache_fsm.storage.base import STAT_FIELDS, StorageBackend
 from hicache_fsm.storage.keys import page_keys
 from hicache_fsm.storage.link import StorageLink
@@ -92,6 +93,8 @@ COUNTERS = (
     "prefetch_partial", "prefetch_empty", "prefetch_aborted", "prefetch_hit_tokens", "prefetch_fetched_tokens",
     "prefetch_inserted_tokens", "prefetch_duplicate_tokens", "prefetch_released_tokens", "prefetch_trimmed_tokens",
 )
+_HANDLERS = {"query_start": "query_started", "query_done": "query_answered", "query_failed": "query_failed",
+             "batch": "batch_landed"}  # thread event -> the method that acts on it
 
 
 def namespace_seed(namespace: Hashable) -> str | None:
@@ -134,11 +137,16 @@ class StorageTier:
         self._link_down = ""  # storage threads' view: why the backend is down ("" = up); under _cv
         self._last_probe = 0.0
         self._sweep_due = False
-        self._last_sweep = 0.0
+        self._last_sweep = float("-inf")
         self._retry_after: dict[int, tuple[float, int]] = {}  # node id -> (not before, failures so far)
         self.counters: Counter[str] = Counter()
         self._thread_counts: Counter[str] = Counter()  # written by storage threads under _cv
         self.closed = False
+        self.agreement: TierAgreement | None = None
+        if not cache.group.solo:  # tensor parallelism: ranks act on what every rank observed
+            self.agreement = TierAgreement(self)
+            cache.agreement.register(self.agreement)
+            self.runtime.clock = self.agreement.now
         cache.register_host_owner(self.runtime.host_owners)
         cache.register_invariants(self.violations)
 
@@ -168,6 +176,7 @@ class StorageTier:
         if self.link.state == "detaching":
             raise StorageLinkError("the previous detach has not finished (storage threads alive); call detach again")
         old_options = self.options
+        voted = False
         try:
             self.link_machine.fire(self.link, "attach", self.cache)
         except GuardRejected:
@@ -187,9 +196,16 @@ class StorageTier:
             self._skip_writes = tier_options.skip_writes
             self.healthy, self.last_error = True, ""
             self._link_down = ""
+            if self.agreement is not None:
+                self.agreement.local_health = (True, "")
             self._start_workers()
             self.link.backend.batch_exists([_PROBE_KEY])  # the backend answers, end to end
+            voted = True
+            if not self.cache.group.all_true(True):  # a rank group attaches everywhere or nowhere
+                raise StorageLinkError("attaching storage failed on another rank")
         except BaseException as exc:  # anything, even KeyboardInterrupt: undo the attach first
+            if not voted and isinstance(exc, Exception):
+                self.cache.group.all_true(False)
             self.link_machine.fire(self.link, "attach_failed", self.cache)
             self.options = old_options
             self.runtime.configure(old_options)
@@ -365,6 +381,7 @@ class StorageTier:
     def _drain(self) -> None:
         events = self._events
         rt = self.runtime
+        agreement = self.agreement
         while events:
             ev = events.popleft()
             if ev[0] != self._gen:
@@ -372,30 +389,36 @@ class StorageTier:
             kind = ev[1]
             if kind == "done":
                 _, _, job, ok, error, op = ev
-                self._completions.append(Completion(job.id, ok, error))
-                if job.kind is JobKind.H2S:
-                    if ok:
-                        self.counters["backups_stored"] += 1
-                        self.counters["backup_tokens_stored"] += job.num_tokens
-                        for node_id in job.node_ids:
-                            self._retry_after.pop(node_id, None)
+                self._completions.append(Completion(job.id, ok, error))  # the cache applies it (agreed)
+                if op is not None and job.kind is JobKind.S2H:
+                    if agreement is None:
+                        rt.transfer_finished(op)
                     else:
-                        self.counters["backup_failures"] += 1
-                        self._sweep_due = True
-                        self._back_off(job.node_ids)
-                        log.warning("storage backup of %d tokens (job %d) failed: %s", job.num_tokens, job.id, error)
-                elif op is not None:
-                    rt.transfer_finished(op)
+                        agreement.transfer_ended(op)
+            elif kind != "health" and rt.active.get(ev[2].request_id) is not ev[2]:
+                continue  # ended (aborted, stopped) meanwhile
+            elif agreement is not None:  # a rank group: act only on what every rank saw
+                agreement.observe(ev)
             elif kind == "health":
                 _, _, healthy, error = ev
-                self._set_health(healthy, error)
+                self.set_health(healthy, error)
             else:
-                op = ev[2]
-                if rt.active.get(op.request_id) is not op:
-                    continue  # ended (aborted, stopped) meanwhile
-                getattr(self, "_on_" + kind)(op, *ev[3:])
+                getattr(self, _HANDLERS[kind])(ev[2], *ev[3:])
 
-    def _set_health(self, healthy: bool, error: str) -> None:
+    def backup_finished(self, job: TransferJob, ok: bool, error: str) -> None:
+        """The cache applied an H2S job's (agreed) completion: count it; a failure backs the nodes off."""
+        if ok:
+            self.counters["backups_stored"] += 1
+            self.counters["backup_tokens_stored"] += job.num_tokens
+            for node_id in job.node_ids:
+                self._retry_after.pop(node_id, None)
+        else:
+            self.counters["backup_failures"] += 1
+            self._sweep_due = True
+            self._back_off(job.node_ids)
+            log.warning("storage backup of %d tokens (job %d) failed: %s", job.num_tokens, job.id, error)
+
+    def set_health(self, healthy: bool, error: str) -> None:
         if healthy == self.healthy:
             return
         self.healthy = healthy
@@ -409,11 +432,11 @@ class StorageTier:
             self.counters["storage_outages"] += 1
             log.warning("storage is unavailable (%s); backups paused, prefetches refused", error)
 
-    def _on_query_start(self, op: PrefetchOp) -> None:
+    def query_started(self, op: PrefetchOp) -> None:
         if op.state == "admitted":
             self.runtime.fire(op, "start_query")
 
-    def _on_query_done(self, op: PrefetchOp, keys: tuple[str, ...]) -> None:
+    def query_answered(self, op: PrefetchOp, keys: tuple[str, ...]) -> None:
         if op.state != "querying":
             return
         op.hit_keys = keys
@@ -426,7 +449,7 @@ class StorageTier:
                      self.runtime.threshold_tokens)
             self.runtime.release(op)
 
-    def _on_query_failed(self, op: PrefetchOp, error: str) -> None:
+    def query_failed(self, op: PrefetchOp, error: str) -> None:
         if op.state != "querying":
             return
         op.error = error
@@ -435,7 +458,7 @@ class StorageTier:
         self.runtime.fire(op, "query_failed")
         self.runtime.release(op)
 
-    def _on_batch(self, op: PrefetchOp, tokens: int, short: bool, error: str) -> None:
+    def batch_landed(self, op: PrefetchOp, tokens: int, short: bool, error: str) -> None:
         if op.state != "transferring":
             return
         op.completed_tokens += tokens
@@ -453,16 +476,20 @@ class StorageTier:
 
     def _back_off(self, node_ids: tuple[int, ...]) -> None:
         """A node whose backup keeps failing while storage is up waits longer each time (at most 60 s)."""
-        now = time.monotonic()
+        now = self.now()
         for node_id in node_ids:
             failures = self._retry_after.get(node_id, (0.0, 0))[1] + 1
             delay = min(self.options.retry_interval * 2 ** min(failures - 1, 16), 60.0)
             self._retry_after[node_id] = (now + delay, failures)
 
+    def now(self) -> float:
+        """Seconds for prefetch timeouts and backup retries (agreed across ranks with a rank group)."""
+        return time.monotonic() if self.agreement is None else self.agreement.now()
+
     def _maybe_sweep(self) -> None:
         if not self._sweep_due or not self.accepting_backups():
             return
-        now = time.monotonic()
+        now = self.now()
         if now - self._last_sweep < self.options.retry_interval:
             return
         self._last_sweep = now
@@ -556,7 +583,8 @@ class StorageTier:
             elif pin == "lock":
                 cache.unlock(anchor)
             return self._reject("host_full")
-        op = PrefetchOp(request_id, want, keys, anchor, pin, namespace, slots, ps, self._gen)
+        op = PrefetchOp(request_id, want, keys, anchor, pin, namespace, slots, ps, self._gen, self.now(),
+                        agreed=self.agreement is not None)
         rt.active[request_id] = op
         rt.occupied_tokens += need
         self.counters["prefetch_admitted"] += 1
@@ -901,12 +929,14 @@ class StorageTier:
             self._transfer_q.clear()
             self._backup_q.clear()
             self._cv.notify_all()
-        for op in self.runtime._ops():
+        for op in self.runtime.ops():
             op.mark_terminated()
         self._wait_idle(self.options.join_timeout)
         self._events.clear()
         self._completions.clear()
         self.runtime.clear()
+        if self.agreement is not None:
+            self.agreement.reset()
         self._sweep_due = False
         self._retry_after.clear()
 

@@ -1,0 +1,113 @@
+"""Run a function on N real rank processes joined by a gloo group over 127.0.0.1.
+
+``run_ranks(fn, world, *args)`` spawns ``world`` processes (torch
+multiprocessing, ``spawn``), joins them in a gloo process group on a random
+free port of 127.0.0.1, calls ``fn(rank, world, group, *args)`` in each and
+returns one ``RankOutcome`` per rank: its return value, the error it raised
+(type name, message, traceback text) or its exit code if it died without
+answering. ``fn`` and its arguments must be picklable (a module-level
+function). Start the group once and run many steps inside ``fn``: a process
+start costs seconds (it imports torch).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue as queue_mod
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+import attrs
+
+__all__ = ["RankOutcome", "free_port", "run_ranks"]
+
+
+@attrs.frozen
+class RankOutcome:
+    """How one rank ended: ``ok`` with ``value``, or ``error`` (type name + message), or ``died``."""
+
+    rank: int
+    status: str  # "ok" | "error" | "died"
+    value: Any = None
+    error_type: str = ""
+    error: str = ""
+    traceback: str = ""
+    exitcode: int | None = None
+
+    def unwrap(self) -> Any:
+        """The value, or an AssertionError carrying the rank's traceback."""
+        if self.status != "ok":
+            raise AssertionError(f"rank {self.rank} {self.status}: {self.error_type}: {self.error}\n{self.traceback}")
+        return self.value
+
+
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, group_timeout_s: float, fn: Callable, args: tuple, out) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=group_timeout_s))
+        value = fn(rank, world, dist.group.WORLD, *args)
+        out.put((rank, "ok", value, "", "", ""))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        out.put((rank, "error", None, type(exc).__name__, str(exc)[:2000], traceback.format_exc()[-6000:]))
+    finally:
+        out.close()
+        out.join_thread()
+        os._exit(0)  # skip process-group teardown, which can wait on a dead peer
+
+
+def run_ranks(fn: Callable, world: int, *args: Any, timeout_s: float = 300.0,
+              group_timeout_s: float = 30.0) -> list[RankOutcome]:
+    """Run ``fn(rank, world, group, *args)`` on ``world`` processes; one outcome per rank, by rank."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world, port, group_timeout_s, fn, args, out), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    answers: dict[int, tuple] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(answers) < world and time.monotonic() < deadline:
+            try:
+                item = out.get(timeout=0.2)
+            except queue_mod.Empty:
+                if all(not p.is_alive() for p in procs):
+                    try:  # a last answer may still be in the pipe
+                        item = out.get(timeout=0.5)
+                    except queue_mod.Empty:
+                        break
+                else:
+                    continue
+            answers[item[0]] = item
+    finally:
+        for p in procs:
+            p.join(timeout=max(0.1, min(5.0, deadline - time.monotonic())))
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    outcomes = []
+    for r, p in enumerate(procs):
+        if r in answers:
+            _, status, value, etype, msg, tb = answers[r]
+            outcomes.append(RankOutcome(r, status, value, etype, msg, tb, p.exitcode))
+        else:
+            outcomes.append(RankOutcome(r, "died", exitcode=p.exitcode))
+    return outcomes

@@ -1,0 +1,276 @@
+"""Tensor-parallel agreement: ranks of one model keep identical caches.
+
+Theory of operation. An engine serving one model over a tensor-parallel group
+runs one ``HiCache`` per rank, each over its shard of the KV heads. The ranks
+feed their caches the same requests in the same order, and every cache
+decision that depends only on those calls (match, insert, eviction,
+allocation) is deterministic, so the trees stay identical. What a rank
+*observes alone* is different: its copies finish at other times, its storage
+may miss or fail a page another rank's has, its prefetch thread is slower.
+Such observations never act directly. They are reduced with MIN over the
+group first, and every rank acts on the agreed value:
+
+* acks: a completion is applied once every rank has it (ok only if every
+  rank's copy was ok), in the emission order of the jobs;
+* storage: prefetch hit counts, pages landed, transfer ends, storage health
+  and the clock that times prefetches and backup retries (see
+  ``hicache_fsm.storage.agreement``);
+* load-back admission when device memory is short.
+
+``StepAgreement`` does this with one ``all_reduce(MIN)`` per ``poll``: every
+*section* (the acks, the storage tier) contributes a header and a window of
+items of fixed width. The window sizes of the next step are agreed in this
+step (a rank that needs more room says so; the group takes the largest), so
+every rank always sends a vector of the same length. The headers carry each
+value ``x`` also as ``-x``: MIN of both tells whether all ranks sent the same
+``x`` (``min(x) == -min(-x)``); if not, the ranks diverged and
+``RanksDiverged`` is raised instead of acting on garbage.
+
+Failure. Each collective waits at most ``timeout_s``; a rank that died or
+hangs makes the others raise ``RankTimeout`` (a ``GroupError``) within it,
+never hang. A failed group stays failed: later agreements raise at once.
+
+A group of one rank (or none) costs nothing: values pass through unreduced.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+import zlib
+from typing import Any, Protocol, Sequence
+
+import numpy as np
+import torch
+
+from hicache_fsm.errors import ConfigError, GroupError, RanksDiverged, RankTimeout
+
+DEFAULT_TIMEOUT_S = 30.0
+MIN_WINDOW = 16  # items per section a step always has room for
+
+
+class RankGroup:
+    """A ``torch.distributed`` process group the caches of one model agree over.
+
+    ``group`` is the engine's tensor-parallel group (None: a single rank).
+    Agreements are CPU collectives: a group whose backend is not gloo (NCCL on
+    GPU) gets a gloo group over the same ranks beside it, as the reference
+    does (creating it is a collective call of every process of the default
+    group). ``timeout_s`` bounds every collective.
+    """
+
+    def __init__(self, group: Any = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+            raise ConfigError(f"timeout_s must be a number > 0, got {timeout_s!r}")
+        self.timeout_s = float(timeout_s)
+        self._timeout = datetime.timedelta(seconds=self.timeout_s)
+        self.failed: str | None = None
+        self.collectives = 0
+        self.collective_s = 0.0  # time spent inside collectives (waiting for the other ranks included)
+        if group is None:
+            self.group, self.size, self.rank = None, 1, 0
+            return
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            raise ConfigError("a process group needs torch.distributed initialised (init_process_group)")
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        if self.size > 1 and dist.get_backend(group) != "gloo":
+            ranks = dist.get_process_group_ranks(group)
+            group = dist.new_group(ranks=ranks, backend="gloo", timeout=self._timeout)
+        self.group = group
+
+    @classmethod
+    def of(cls, group: Any) -> "RankGroup":
+        """``group`` itself if it is a RankGroup, else a RankGroup over it (None: one rank)."""
+        return group if isinstance(group, RankGroup) else cls(group)
+
+    @property
+    def solo(self) -> bool:
+        return self.size == 1
+
+    def min(self, values: Sequence[int]) -> list[int]:
+        """Element-wise MIN of ``values`` over the group; every rank must pass a vector of the same length."""
+        if self.size == 1:
+            return list(values)
+        self._check_alive()
+        import torch.distributed as dist
+
+        t = torch.from_numpy(np.array(values, dtype=np.int64))  # twice as fast as torch.tensor(list)
+        self.collectives += 1
+        start = time.perf_counter()
+        try:
+            work = dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group, async_op=True)
+        except RuntimeError as exc:  # a peer already closed its connection
+            self.failed = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            raise RankTimeout(f"rank {self.rank} of {self.size}: a peer left ({self.failed})") from exc
+        try:
+            self._wait(work)
+        finally:
+            self.collective_s += time.perf_counter() - start
+        return t.numpy().tolist()
+
+    def _wait(self, work) -> None:
+        try:
+            work.wait(self._timeout)
+        except RuntimeError as exc:  # gloo: timeout, or a peer closed its connection (died)
+            self.failed = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            raise RankTimeout(
+                f"rank {self.rank} of {self.size}: a group collective did not complete within {self.timeout_s:g}s "
+                f"or a peer left ({self.failed})") from exc
+
+    def _check_alive(self) -> None:
+        if self.failed is not None:
+            raise GroupError(f"the rank group failed earlier ({self.failed}); the caches cannot agree any more")
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``tensor`` (same shape everywhere), by rank; an engine's helper, not the cache's."""
+        if self.size == 1:
+            return [tensor]
+        self._check_alive()
+        import torch.distributed as dist
+
+        tensor = tensor.contiguous()
+        out = [torch.empty_like(tensor) for _ in range(self.size)]
+        self.collectives += 1
+        try:
+            work = dist.all_gather(out, tensor, group=self.group, async_op=True)
+        except RuntimeError as exc:
+            self.failed = str(exc).splitlines()[0][:200]
+            raise RankTimeout(f"rank {self.rank}: all_gather failed ({self.failed})") from exc
+        self._wait(work)
+        return out
+
+    def all_true(self, flag: bool) -> bool:
+        """True only if ``flag`` is true on every rank."""
+        return bool(self.min([1 if flag else 0])[0])
+
+    def same(self, value: int) -> bool:
+        """Whether every rank passed the same int (one collective)."""
+        lo, neg_hi = self.min([value, -value])
+        return lo == -neg_hi
+
+
+class Section(Protocol):
+    """One part of the cache that contributes observations to a step's agreement.
+
+    ``width`` ints per item. ``collect()`` returns the section's items in an
+    order every rank shares (emission order, admission order) and a digest of
+    what the items refer to (equal on every rank unless they diverged).
+    ``apply(items)`` receives the element-wise MIN of the first items, as many
+    as fitted in this step's window, and acts on them.
+    """
+
+    name: str
+    width: int
+
+    def collect(self) -> tuple[list[Sequence[int]], int]: ...
+
+    def apply(self, items: list[list[int]]) -> None: ...
+
+
+def _window(n: int) -> int:
+    size = MIN_WINDOW
+    while size < n:
+        size *= 2
+    return size
+
+
+def digest(parts: Sequence[object]) -> int:
+    """A stable 31-bit digest of plain values (same on every process, unlike ``hash`` of a str)."""
+    return zlib.crc32(repr(tuple(parts)).encode()) & 0x7FFFFFFF
+
+
+class StepAgreement:
+    """One MIN all-reduce per step over every registered section (see the module docstring)."""
+
+    HEADER = 5  # count, -count, digest, -digest, -wanted window
+
+    def __init__(self, group: RankGroup) -> None:
+        self.group = group
+        self.sections: list[Section] = []
+        self._windows: list[int] = []
+        self.steps = 0
+        self.seconds = 0.0  # time in ``step`` (its collective included)
+
+    @property
+    def solo(self) -> bool:
+        return self.group.solo
+
+    def register(self, section: Section) -> None:
+        """Add a section; every rank must register the same sections in the same order."""
+        self.sections.append(section)
+        self._windows.append(MIN_WINDOW)
+
+    def step(self) -> None:
+        """Reduce every section's observations and apply the agreed values (a collective on every rank)."""
+        if self.solo:  # one rank: sections act on their observations directly
+            return
+        start = time.perf_counter()
+        try:
+            self._step()
+        finally:
+            self.seconds += time.perf_counter() - start
+
+    def _step(self) -> None:
+        self.steps += 1
+        vec: list[int] = [self.steps, -self.steps]
+        bodies: list[list[int]] = []
+        for section, window in zip(self.sections, self._windows):
+            items, dig = section.collect()
+            n = len(items)
+            vec += (n, -n, dig, -dig, -n)
+            width = section.width
+            body = [v for item in items[:window] for v in item]
+            if len(body) != min(n, window) * width:
+                raise ConfigError(f"section {section.name}: items must have {width} ints each")
+            body += [0] * (window * width - len(body))
+            bodies.append(body)
+        for body in bodies:
+            vec += body
+        out = self.group.min(vec)
+        if out[0] != -out[1]:
+            raise RanksDiverged(f"ranks are at different agreement steps (rank {self.group.rank} at {self.steps})")
+        pos = 2 + self.HEADER * len(self.sections)
+        applies = []
+        for i, (section, window) in enumerate(zip(self.sections, self._windows)):
+            h = 2 + self.HEADER * i
+            n_lo, n_neg_hi, d_lo, d_neg_hi, neg_wanted = out[h:h + self.HEADER]
+            if n_lo != -n_neg_hi or d_lo != -d_neg_hi:
+                raise RanksDiverged(
+                    f"section {section.name}: ranks hold different items (counts {n_lo}..{-n_neg_hi}); "
+                    "were they fed the same requests?")
+            size = window * section.width
+            body = out[pos:pos + size]
+            pos += size
+            n = min(n_lo, window)
+            applies.append((section, [body[j * section.width:(j + 1) * section.width] for j in range(n)]))
+            self._windows[i] = _window(-neg_wanted)
+        for section, items in applies:
+            section.apply(items)
+
+
+
+
+def rank_view(cache: Any) -> tuple:
+    """What must be equal on every rank after every step: the tree and what is in flight, not slot ids.
+
+    Per node: its namespace, whole prefix, residency state, lock and host pin
+    counts; then the kinds and sizes of pending jobs and the pools' occupancy.
+    """
+    tree = cache.tree
+    nodes = sorted(
+        (repr(n.namespace), tree.prefix_tokens(n), n.state, n.lock_ref, n.host_ref)
+        for n in tree.nodes() if not n.is_root
+    )
+    jobs = tuple((j.kind.value, j.num_tokens) for j in cache.pending_jobs())
+    return (tuple(nodes), jobs, cache.device_allocator.free_pages, cache.host_allocator.free_pages)
+
+
+def view_digest(view: tuple) -> int:
+    """``rank_view`` as one int, to compare across ranks with ``RankGroup.same``."""
+    return zlib.crc32(repr(view).encode()) & 0x7FFFFFFF
+
+
+__all__ = ["DEFAULT_TIMEOUT_S", "RankGroup", "Section", "StepAgreement", "digest", "rank_view", "view_digest"]
