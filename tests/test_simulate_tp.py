@@ -40,7 +40,7 @@ def test_tp_run_equals_the_one_rank_run(tmp_path, tp, heads):
 
 def test_cli_tp_json(capsys, tmp_path):
     rc = main(["simulate", "--clients", "2", "--rounds", "2", "--request-length", "16", "--output-length", "4",
-               "--system-prompt-length", "16", "--page-size", "8", "--device-tokens", "64", "--host-tokens", "64",
+               "--system-prompt-length", "16", "--page-size", "8", "--device-tokens", "64", "--host-tokens", "128",
                "--storage-url", f"file://{tmp_path}/l3", "--device", "cpu", "--no-progress", "--json", "--tp", "2"])
     captured = capsys.readouterr()
     assert rc == 0
