@@ -217,6 +217,14 @@ class Tier:
     def cache_config(self) -> CacheConfig:
         return CacheConfig(write_policy=self.write_policy, write_through_threshold=self.write_through_threshold)
 
+    def pools(self, shape: KVShape, page_size: int, layout: str, device: str) -> tuple[DeviceKVPool, HostKVPool]:
+        """This configuration's device and host pools (without a host tier, a host pool nothing writes)."""
+        if self.has_host:
+            pools = build_pools(PoolConfig(shape, self.device_tokens, page_size, layout,
+                                           host_tokens=self.host_tokens, device=device))
+            return pools.device, pools.host
+        return DeviceKVPool(shape, self.device_tokens, page_size, device), HostKVPool(shape, self.host_tokens, page_size, layout)
+
 
 def device_only(name: str, device_tokens: int, page_size: int) -> Tier:
     """No host tier: a one-page host pool that nothing is ever written to."""
@@ -541,13 +549,7 @@ class _Engine:
         shape = model.kv_shape if model is not None else KVShape(1, 1, 2)
         if shard is not None:
             shape = KVShape(shape.layers, shard.local_heads, shape.head_dim, shape.dtype)
-        if tier.has_host:
-            pools = build_pools(PoolConfig(shape, tier.device_tokens, page_size, layout,
-                                           host_tokens=tier.host_tokens, device=device))
-            device_pool, host_pool = pools.device, pools.host
-        else:  # HiCache wants a host pool; this one is never written
-            device_pool = DeviceKVPool(shape, tier.device_tokens, page_size, device)
-            host_pool = HostKVPool(shape, tier.host_tokens, page_size, layout)
+        device_pool, host_pool = tier.pools(shape, page_size, layout, device)
         self.pool = device_pool
         executor = TimedExecutor(TorchExecutor(device_pool, host_pool), self.clock)
         self.cache = HiCache(device_pool, host_pool, tier.cache_config(), executor,

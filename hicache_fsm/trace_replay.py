@@ -34,7 +34,7 @@ import torch
 from hicache_fsm.cache import HiCache
 from hicache_fsm.errors import ConfigError
 from hicache_fsm.executors import TorchExecutor
-from hicache_fsm.pools import LAYOUTS, KVShape, PoolConfig, build_pools, default_device
+from hicache_fsm.pools import LAYOUTS, KVShape, default_device
 from hicache_fsm.simulate import (
     DEVICE,
     DEVICE_HOST,
@@ -79,6 +79,9 @@ class TraceOptions:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < ps or value % ps:
                 raise ConfigError(f"{name} must be a positive multiple of page size {ps}, got {value!r}")
+        if self.host_tokens <= self.device_tokens:
+            raise ConfigError(f"host_tokens {self.host_tokens} must be larger than device_tokens {self.device_tokens}: "
+                              f"the host keeps a copy of everything on the device")
         if self.layout not in LAYOUTS:
             raise ConfigError(f"layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
 
@@ -124,11 +127,10 @@ class TraceReplayer:
                  storage_namespace: str = "trace-replay") -> None:
         self.tier = tier
         self.clock = _CallClock()
-        pools = build_pools(PoolConfig(METADATA_SHAPE, tier.device_tokens, page_size, layout,
-                                       host_tokens=tier.host_tokens, device=device))
-        self.layers = pools.device.layers
-        executor = TimedExecutor(TorchExecutor(pools.device, pools.host), self.clock)
-        self.cache = HiCache(pools.device, pools.host, tier.cache_config(), executor)
+        device_pool, host_pool = tier.pools(METADATA_SHAPE, page_size, layout, device)
+        self.layers = device_pool.layers
+        executor = TimedExecutor(TorchExecutor(device_pool, host_pool), self.clock)
+        self.cache = HiCache(device_pool, host_pool, tier.cache_config(), executor)
         self.result = TierResult(tier.name, tier.device_tokens, tier.host_tokens, tier.storage_url)
         self.storage = tier.storage_url is not None
         if self.storage:

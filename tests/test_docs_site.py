@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from hicache_fsm.diagrams import IN_FLIGHT_FILL, JOB_COLOURS
-from hicache_fsm.spec import SPEC_DIR, load_all
+from hicache_fsm.spec import load_all
 
-ROOT = SPEC_DIR.parent
+ROOT = Path(__file__).resolve().parents[1]
 SPECS = load_all()
 SVG_NS = "{http://www.w3.org/2000/svg}"
 CHROMIUM = next((p for p in (shutil.which("chromium"), shutil.which("chromium-browser")) if p), None)

@@ -135,9 +135,9 @@ def test_bad_input(llama):
 @needs_transformers
 def test_the_kv_check_catches_corruption_with_llama():
     w = Workload(clients=2, rounds=2, request_length=16, output_length=4, system_prompt_length=16)
-    model = build_model(Options(w, 256, 256, page_size=8, device="cpu", model="llama"), "cpu")
+    model = build_model(Options(w, 256, 512, page_size=8, device="cpu", model="llama"), "cpu")
     ref = reference_run(model, w)
-    engine = _Engine(Tier("t", 256, 256), w, model, 8, "page_first", "cpu")
+    engine = _Engine(Tier("t", 256, 512), w, model, 8, "page_first", "cpu")
     try:
         schedule = w.schedule()
         for key in schedule[:2]:
