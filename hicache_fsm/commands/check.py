@@ -40,6 +40,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-violations", type=int, default=5, help="distinct violations to collect (default 5)")
     parser.add_argument("--adapter", metavar="MODULE:CALLABLE",
                         help="explore your own cache: a callable taking the Bounds and returning a CacheAdapter")
+    parser.add_argument("--variant", metavar="JSON", type=_variant,
+                        help="keyword arguments for a block-store --adapter factory, as a JSON object")
+    g.add_argument("--max-jobs", type=int, default=2, help="block stores: jobs in flight at once (default 2)")
+    g.add_argument("--max-entries", type=int, default=None, help="block stores: keys held in a state to expand")
     parser.add_argument("--coverage", action="store_true", help="print which spec states/transitions were reached")
     parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
     parser.add_argument("--json", action="store_true", help="print only one JSON object on stdout (the report goes to stderr)")
@@ -54,6 +58,44 @@ def _how_far(result, args) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.adapter:
+        from hicache_fsm.commands._adapters import load_factory, make_block_store
+
+        factory = load_factory(args.adapter)
+        if make_block_store(factory, args.variant or {}) is not None:
+            return _check_block_store(args, factory)
+    elif args.variant:
+        raise SystemExit("--variant needs --adapter")
+    return _check_prefix_cache(args)
+
+
+def _variant(text: str) -> dict:
+    from hicache_fsm.commands.fuzz import _variant as parse
+
+    return parse(text)
+
+
+def _check_block_store(args: argparse.Namespace, factory) -> int:
+    """The block-store profile's explorer: prompts of up to ``--max-len`` blocks (default 3) over the alphabet."""
+    from hicache_fsm.testing.blockstore import StoreBounds, explore_store
+
+    variant = args.variant or {}
+    bounds = StoreBounds(alphabet=args.alphabet, max_len=args.max_len or 3, max_jobs=args.max_jobs,
+                         max_entries=args.max_entries, max_states=args.max_states, max_seconds=args.max_seconds)
+    result = explore_store(lambda: factory(**variant), bounds, stop_on_first=args.stop_on_first,
+                           max_violations=args.max_violations, progress=None if args.quiet else sys.stderr)
+    out = sys.stderr if args.json else sys.stdout
+    how = "complete" if result.complete else ("stopped at a violation" if result.violations else "INCOMPLETE")
+    print(f"{result.adapter}: {result.states} states, {result.transitions} transitions, max depth {result.max_depth}, "
+          f"{how}, {len(result.violations)} violations, {result.seconds:.1f}s", file=out)
+    for i in range(len(result.violations)):
+        print(result.format_violation(i), file=out)
+    if args.json:
+        print(json.dumps(result.to_json(), sort_keys=True))
+    return 1 if result.violations else 0
+
+
+def _check_prefix_cache(args: argparse.Namespace) -> int:
     from hicache_fsm.testing.explorer import Bounds, Explorer, hicache_factory
     from hicache_fsm.testing.paths import CoverageTracker
 
