@@ -1,5 +1,12 @@
 """Exhaustively explore the composed cache protocol within small bounds and check every invariant.
 
+With no bounds given, the whole protocol (``testing.protocol.default_families``):
+each write policy, storage attached with each prefetch stop policy (partial
+per-key results, attach / detach as actions), CP layer writes with draft
+layers on 1 and 2 ranks, each family within its time budget; coverage is
+merged over the families (``--json``: ``"coverage": {machine: {"states":
+[hit, total], "transitions": [hit, total]}}``).
+
 Breadth-first over every reachable state of a cache with at most ``--nodes``
 radix nodes on ``--device-pages`` / ``--host-pages`` pages: every engine step
 (insert, match, lock, load back, back up, pin, evict) and every completion or
@@ -16,6 +23,9 @@ import json
 import sys
 
 from hicache_fsm.config import EVICTION_POLICIES, WRITE_POLICIES
+
+
+DEFAULTS: dict = {}
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -47,6 +57,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--coverage", action="store_true", help="print which spec states/transitions were reached")
     parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
     parser.add_argument("--json", action="store_true", help="print only one JSON object on stdout (the report goes to stderr)")
+    DEFAULTS.update({f: parser.get_default(f) for f in BOUND_FLAGS})
 
 
 def _how_far(result, args) -> str:
@@ -95,7 +106,67 @@ def _check_block_store(args: argparse.Namespace, factory) -> int:
     return 1 if result.violations else 0
 
 
+BOUND_FLAGS = ("nodes", "device_pages", "host_pages", "layers", "page_size", "alphabet", "max_len", "locks", "pins",
+               "write_policy", "eviction_policy", "track_hits", "no_redeliver", "max_states", "max_seconds")
+
+
+def _defaults_only(args: argparse.Namespace, parser_defaults: dict) -> bool:
+    return all(getattr(args, f) == parser_defaults[f] for f in BOUND_FLAGS)
+
+
+def _check_portfolio(args: argparse.Namespace) -> int:
+    """No bounds given: every family of ``testing.protocol.default_families`` (the whole protocol)."""
+    from hicache_fsm.testing.explorer import Explorer
+    from hicache_fsm.testing.paths import CoverageTracker
+    from hicache_fsm.testing.protocol import default_families
+
+    total = CoverageTracker()
+    runs = []
+    out = sys.stderr if args.json else sys.stdout
+    for name, bounds, factory in default_families():
+        cov = CoverageTracker()
+        explorer = Explorer(factory, bounds, stop_on_first=args.stop_on_first, max_violations=args.max_violations,
+                            progress=None, coverage=cov)
+        result = explorer.run()
+        total.merge(cov)
+        runs.append((name, result))
+        how = "complete" if result.complete else ("stopped at a violation" if result.violations
+                                                  else f"time budget {bounds.max_seconds:g}s spent")
+        print(f"{name}: {result.adapter}: {result.states} states, {result.transitions} transitions, max depth "
+              f"{result.max_depth}, {how}, {len(result.violations)} violations, {result.seconds:.1f}s",
+              file=out, flush=True)
+        for v in result.violations:
+            print(v.format(), file=out)
+        if result.violations and args.stop_on_first:
+            break
+    report = total.report()
+    if args.coverage or not args.json:
+        print(total.format(), file=out)
+    status = 1 if any(r.violations for _, r in runs) else 0
+    if args.json:
+        summary = {
+            "states": sum(r.states for _, r in runs),
+            "transitions": sum(r.transitions for _, r in runs),
+            "violations": sum(len(r.violations) for _, r in runs),
+            "seconds": round(sum(r.seconds for _, r in runs), 3),
+            "complete": all(r.complete for _, r in runs),
+            "coverage": coverage_summary(report),
+            "coverage_detail": report,
+            "runs": [dict(r.to_json(), family=name) for name, r in runs],
+        }
+        print(json.dumps(summary, sort_keys=True))
+    return status
+
+
+def coverage_summary(report: dict) -> dict:
+    """``{machine: {"states": [hit, total], "transitions": [hit, total]}}`` from a ``CoverageTracker`` report."""
+    return {m: {"states": [r["states"], r["states_total"]], "transitions": [r["transitions"], r["transitions_total"]]}
+            for m, r in report.items()}
+
+
 def _check_prefix_cache(args: argparse.Namespace) -> int:
+    if not args.adapter and _defaults_only(args, DEFAULTS):
+        return _check_portfolio(args)
     from hicache_fsm.testing.explorer import Bounds, Explorer, hicache_factory
     from hicache_fsm.testing.paths import CoverageTracker
 
@@ -133,6 +204,8 @@ def _check_prefix_cache(args: argparse.Namespace) -> int:
     if args.json:
         if len(runs) == 1:
             summary = runs[0].to_json()
+            summary["coverage_detail"] = summary["coverage"]
+            summary["coverage"] = coverage_summary(summary["coverage"])
         else:
             summary = {
                 "states": sum(r.states for r in runs),

@@ -224,6 +224,7 @@ class Explorer:
                 out.append(Step("prefetch", (p,)))
             if sup("store_remote"):
                 out.append(Step("store_remote", (p,)))
+            out += adapter.prompt_steps(p)
         if sup("unlock"):
             out += [Step("unlock", (i,)) for i in range(len(adapter.held_locks()))]
         if sup("unpin_host"):
@@ -249,6 +250,14 @@ class Explorer:
                 out.append(Step("complete_storage", (i,)))
             if sup("fail_storage"):
                 out.append(Step("fail_storage", (i,)))
+        for i in range(len(adapter.storage_steps())):
+            if sup("partial_storage"):
+                out.append(Step("partial_storage", (i,)))
+        if sup("detach_storage"):
+            out.append(Step("detach_storage"))
+        if sup("attach_storage"):
+            out += [Step("attach_storage"), Step("attach_storage", (True,))]
+        out += adapter.extra_steps()
         if b.redeliver and sup("redeliver") and adapter.finished_jobs():
             out.append(Step("redeliver", (len(adapter.finished_jobs()) - 1,)))
         return out
