@@ -30,9 +30,9 @@ from hicache_fsm.testing.adapter import (
     JobInfo,
     MatchInfo,
     Rejected,
-    _prefix_fingerprints,
     decode_kv_lists,
     encode_kv,
+    fingerprints,
 )
 from hicache_fsm.testing.checks import Step
 
@@ -75,7 +75,7 @@ class CPAdapter(CacheAdapter):
     def clone(self) -> CPAdapter:
         memo: dict = {}
         for r in self.ranks:  # compiled machines, specs and config never change: share them
-            for shared in (r.cache.residency, r.writes.machine, r.writes._registry, r.cache.config, r.layout):
+            for shared in (r.cache.residency, r.writes.machine, r.cache.config, r.layout):
                 memo[id(shared)] = shared
         return copy.deepcopy(self, memo)
 
@@ -276,7 +276,7 @@ class CPAdapter(CacheAdapter):
                 if n.parent is None or n.state not in ON_HOST or n.cp_meta is None:
                     continue
                 owned = n.cp_meta.owned_mask(i).tolist()
-                want = [fp for fp, mine in zip(_prefix_fingerprints(r.cache.tree.prefix_tokens(n))[-n.num_tokens:],
+                want = [fp for fp, mine in zip(fingerprints(r.cache.tree.prefix_tokens(n))[-n.num_tokens:],
                                                owned) if mine]
                 copies = [("target", r.pools.host, n.host_indices)]
                 if self.draft_layers:

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from hicache_fsm.testing.adapter import HiCacheAdapter, Rejected, StorageFault, _prefix_fingerprints
+from hicache_fsm.testing.adapter import HiCacheAdapter, Rejected, StorageFault, fingerprints
 
 __all__ = ["ProtocolAdapter"]
 
@@ -138,7 +138,7 @@ class ProtocolAdapter(HiCacheAdapter):
                 continue
             if not self._still_holds(prefix, idx):
                 continue  # evicted or failed since: nothing the engine may read any more
-            want = _prefix_fingerprints(prefix)[-n:]
+            want = fingerprints(prefix)[-n:]
             got = [dev_fp[i] for i in idx]
             if got != want:
                 problems.append(f"load_back_readback: the slots load_back returned for {list(prefix)} read {got}, "
@@ -177,6 +177,8 @@ class ProtocolAdapter(HiCacheAdapter):
         tier = self.cache.storage
         if tier.link.state != "detached":
             raise Rejected(f"storage link is {tier.link.state}")
+        if any(n.state.endswith(("_stored", "_storing")) for n in self.cache.tree.nodes()):
+            raise Rejected("nodes still claim pages of the previous storage (a fresh store cannot hold them)")
         self.backend = FaultyBackend(open_backend("memory://"), self.faults)
         if fail:
             self.faults.fail_next()
@@ -251,6 +253,19 @@ def cp_factory(world_size: int):
                          write_policy=bounds.write_policy)
 
     return make
+
+
+def families_for(variant: dict) -> list[tuple[str, Any, Any]]:
+    """The default families a cache configuration (a mutant's ``variant``) lives in."""
+    fams = default_families()
+    if variant.get("cp"):
+        return [f for f in fams if f[0].startswith("cp/")]
+    if variant.get("storage"):
+        return [f for f in fams if f[0].startswith("storage/")]
+    policy = variant.get("write_policy")
+    if policy:
+        return [f for f in fams if f[1].write_policy == policy and not f[0].startswith("cp/")]
+    return [f for f in fams if not f[0].startswith("cp/")]
 
 
 def default_families() -> list[tuple[str, Any, Any]]:
