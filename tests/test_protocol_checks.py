@@ -85,6 +85,9 @@ def test_detach_is_refused_with_transfers_in_flight_and_attach_can_fail():
     a.complete_storage(a.storage_steps()[0].id)
     a.detach_storage()
     assert a.cache.storage.link.state == "detached" and not a.storage_steps()
+    with pytest.raises(Rejected):  # a fresh store cannot hold what the stored node claims
+        a.attach_storage()
+    a.evict(2), a.evict_host(2)
     with pytest.raises(Rejected):
         a.attach_storage(fail=True)
     assert a.cache.storage.link.state == "detached"
