@@ -25,7 +25,7 @@ def test_families_cover_every_policy_stop_policy_and_cp_world():
     assert {"write_through", "write_back", "write_through_selective", "write_behind"} <= policies
     assert {b.stop_policy for _, b, _ in fams if b.storage} == {"best_effort", "wait_complete", "timeout"}
     assert {n for n, _, _ in fams if n.startswith("cp/")} == {"cp/1_ranks", "cp/2_ranks"}
-    assert all(b.max_seconds for _, b, _ in fams)
+    assert all(b.max_seconds and b.max_states for _, b, _ in fams)
     assert sum(b.max_seconds for _, b, _ in fams) <= 110
     assert families_for({"cp": True}) and all(n.startswith("cp/") for n, _, _ in families_for({"cp": True}))
 

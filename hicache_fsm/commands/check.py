@@ -3,7 +3,7 @@
 With no bounds given, the whole protocol (``testing.protocol.default_families``):
 each write policy, storage attached with each prefetch stop policy (partial
 per-key results, attach / detach as actions), CP layer writes with draft
-layers on 1 and 2 ranks, each family within its time budget; coverage is
+layers on 1 and 2 ranks, each family up to its state budget (under a time cap); coverage is
 merged over the families (``--json``: ``"coverage": {machine: {"states":
 [hit, total], "transitions": [hit, total]}}``).
 
@@ -130,8 +130,14 @@ def _check_portfolio(args: argparse.Namespace) -> int:
         result = explorer.run()
         total.merge(cov)
         runs.append((name, result))
-        how = "complete" if result.complete else ("stopped at a violation" if result.violations
-                                                  else f"time budget {bounds.max_seconds:g}s spent")
+        if result.complete:
+            how = "complete"
+        elif result.violations:
+            how = "stopped at a violation"
+        elif bounds.max_states is not None and result.states >= bounds.max_states:
+            how = f"state budget {bounds.max_states} spent"
+        else:
+            how = f"time cap {bounds.max_seconds:g}s reached"
         print(f"{name}: {result.adapter}: {result.states} states, {result.transitions} transitions, max depth "
               f"{result.max_depth}, {how}, {len(result.violations)} violations, {result.seconds:.1f}s",
               file=out, flush=True)

@@ -177,8 +177,9 @@ class ProtocolAdapter(HiCacheAdapter):
         tier = self.cache.storage
         if tier.link.state != "detached":
             raise Rejected(f"storage link is {tier.link.state}")
-        if any(n.state.endswith(("_stored", "_storing")) for n in self.cache.tree.nodes()):
-            raise Rejected("nodes still claim pages of the previous storage (a fresh store cannot hold them)")
+        if self.prefetching() or any(n.state.endswith(("_stored", "_storing")) for n in self.cache.tree.nodes()):
+            raise Rejected("nodes or prefetches still claim pages of the previous storage (a fresh store "
+                           "cannot hold them)")
         self.backend = FaultyBackend(open_backend("memory://"), self.faults)
         if fail:
             self.faults.fail_next()
@@ -206,10 +207,10 @@ class ProtocolAdapter(HiCacheAdapter):
             steps = self.storage_steps()
             return 0 <= args[0] < len(steps) and steps[args[0]].kind == "s2h"
         if op == "attach_storage":
-            return self.cache.storage.link.state == "detached" and not any(
+            return self.cache.storage.link.state == "detached" and not self.prefetching() and not any(
                 n.state.endswith(("_stored", "_storing")) for n in self.cache.tree.nodes())
-        if op == "detach_storage":
-            return self.cache.storage.link.state == "attached"
+        if op == "detach_storage":  # detached: a no-op detach (the spec's self-loop)
+            return self.cache.storage.link.state in ("attached", "detached")
         return super().applicable(op, args)
 
     def state_key(self) -> Hashable:
@@ -271,21 +272,24 @@ def families_for(variant: dict) -> list[tuple[str, Any, Any]]:
 def default_families() -> list[tuple[str, Any, Any]]:
     """What ``hicache-fsm check`` explores with no flags: (name, ``Bounds``, factory) per family.
 
-    Each family is small enough to finish or to cover its machines within its
-    time budget (``Bounds.max_seconds``); together they reach every state of
-    ``residency``, ``prefetch``, ``storage_link`` and ``layer_write``.
+    Each family is explored breadth first up to a state budget
+    (``Bounds.max_states``: the same states on every machine, so the coverage
+    and the counterexamples are reproducible) under a time cap
+    (``Bounds.max_seconds``: about 100 s in all on two loaded cores); together
+    they reach every state of ``residency``, ``prefetch``, ``storage_link`` and
+    ``layer_write``.
     """
     from hicache_fsm.testing.explorer import Bounds
 
-    memory = [(f"memory/{w}", Bounds(nodes=2, device_pages=2, host_pages=2, write_policy=w, max_seconds=8),
-               protocol_factory)
+    memory = [(f"memory/{w}", Bounds(nodes=2, device_pages=2, host_pages=2, write_policy=w, max_states=800,
+                                     max_seconds=8), protocol_factory)
               for w in ("write_through", "write_back", "write_through_selective", "write_behind")]
     storage = [(f"storage/{p}", Bounds(nodes=2, device_pages=2, host_pages=2, alphabet=1, max_len=2, max_locks=0,
                                         max_pins=0, redeliver=False, storage=True, stop_policy=p,
-                                        write_policy=w, max_seconds=12), protocol_factory)
+                                        write_policy=w, max_states=1200, max_seconds=12), protocol_factory)
                for p, w in (("best_effort", "write_through"), ("wait_complete", "write_back"),
                             ("timeout", "write_through"))]
     cp = [(f"cp/{n}_ranks", Bounds(nodes=2, device_pages=2, host_pages=h, alphabet=1, max_len=2, redeliver=False,
-                                   write_policy="write_back", max_seconds=14), cp_factory(n))
-          for n, h in ((1, 1), (2, 2))]
+                                   write_policy="write_back", max_states=s, max_seconds=14), cp_factory(n))
+          for n, h, s in ((1, 1, 250), (2, 2, 350))]
     return memory + storage + cp
