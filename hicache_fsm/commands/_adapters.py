@@ -56,4 +56,9 @@ def make_block_store(factory: Callable[..., Any], variant: dict) -> Any:
         made = factory(**variant)
     except TypeError:
         return None
-    return made if isinstance(made, BlockStoreAdapter) else None
+    if isinstance(made, BlockStoreAdapter):
+        return made
+    close = getattr(made, "close", None)
+    if callable(close):
+        close()
+    return None

@@ -39,7 +39,6 @@ class ProtocolAdapter(HiCacheAdapter):
         super().__init__(**kw)
         self._step_problems: list[str] = []
         self._loads: list[tuple[torch.Tensor, tuple[int, ...], int]] = []  # (slots, prefix tokens, chain tokens)
-        self._detached = False
 
     def supports(self, op: str) -> bool:
         if op in ("attach_storage", "detach_storage", "partial_storage") and self.backend is None:
