@@ -115,3 +115,4 @@ def test_cli_check_and_fuzz_take_the_adapter_and_a_variant(offload, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["fuzz", "--adapter", ref, "--variant", "[1]"])
     assert exc.value.code == 2
+    assert main(["fuzz", "--variant", "{}"]) == 2 and main(["check", "--variant", "{}"]) == 2

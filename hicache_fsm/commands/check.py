@@ -73,10 +73,11 @@ def run(args: argparse.Namespace) -> int:
         from hicache_fsm.commands._adapters import load_factory, make_block_store
 
         factory = load_factory(args.adapter)
-        if make_block_store(factory, args.variant or {}) is not None:
+        if make_block_store(factory, args.variant or {}) is not None:  # else a prefix cache: Bounds as below
             return _check_block_store(args, factory)
-    elif args.variant:
-        raise SystemExit("--variant needs --adapter")
+    elif args.variant is not None:
+        print("hicache-fsm check: error: --variant needs --adapter", file=sys.stderr)
+        return 2
     return _check_prefix_cache(args)
 
 

@@ -52,7 +52,8 @@ def run(args: argparse.Namespace) -> int:
     cov = CoverageTracker()
     variants = args.variant or [{}]
     if args.variant and not args.adapter:
-        raise SystemExit("--variant needs --adapter")
+        print("hicache-fsm fuzz: error: --variant needs --adapter", file=sys.stderr)
+        return 2
     if args.adapter:
         from hicache_fsm.commands._adapters import import_lines, load_factory, make_block_store
 
