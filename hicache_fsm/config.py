@@ -44,6 +44,11 @@ class CacheConfig:
     - ``eviction_policy``: order of device/host eviction among evictable leaves.
     - ``load_back_threshold``: a load-back of fewer tokens is skipped (recompute is cheaper).
     - ``load_back_max_tokens``: a load-back of more tokens is skipped (memory quota); None = no cap.
+    - ``eviction_headroom_tokens``: when ``alloc_device`` / ``load_back`` must evict, free this many
+      tokens beyond the shortfall (a low watermark, so the next requests find room without evicting).
+      0 (the default, chosen by ``hicache-fsm bench scale --headroom-pages``: with eviction in
+      O(k log N) a pass per allocation costs no more than one batched pass, and evicting early
+      only drops KV that might still be hit) evicts exactly the shortfall.
     """
 
     write_policy: str = attrs.field(default="write_through", validator=_one_of(WRITE_POLICIES))
@@ -53,3 +58,4 @@ class CacheConfig:
     load_back_max_tokens: int | None = attrs.field(default=None, validator=_non_negative)
     write_behind_idle_steps: int = attrs.field(default=2, validator=_non_negative)
     write_behind_batch_tokens: int = attrs.field(default=1 << 20, validator=_non_negative)
+    eviction_headroom_tokens: int = attrs.field(default=0, validator=_non_negative)

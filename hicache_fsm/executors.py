@@ -19,7 +19,7 @@ Storage kinds (H2S, S2H) are not run here: submitting one raises ConfigError.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import attrs
 import torch
@@ -346,12 +346,12 @@ class ManualWait:
         self.load = load
 
     def done(self) -> bool:
-        return not any(j in self._executor._pending for j in self.job_ids)
+        return not any(self._executor.is_pending(j) for j in self.job_ids)
 
     def wait(self, layer: int) -> None:
         _check_layer(layer, self.layers)
         if not self.done():
-            left = [j for j in self.job_ids if j in self._executor._pending]
+            left = [j for j in self.job_ids if self._executor.is_pending(j)]
             raise LoadNotFinished(f"layer {layer} waited on before jobs {left} were completed or failed")
 
 
@@ -388,6 +388,19 @@ class ManualExecutor:
     def pending_job_ids(self) -> list[int]:
         """Ids of jobs neither completed nor failed, in submit order."""
         return list(self._pending)
+
+    def is_pending(self, job_id: int) -> bool:
+        return job_id in self._pending
+
+    def fork(self, pools: "_PoolSet", repoint: Callable[["_Copy"], "_Copy"]) -> "ManualExecutor":
+        """An independent copy over ``pools`` (forked pools); ``repoint`` re-makes each planned copy for them."""
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        new.pools = pools
+        new._pending = {jid: (job, [repoint(c) for c in copies]) for jid, (job, copies) in self._pending.items()}
+        new._queue = list(self._queue)
+        new.submitted = list(self.submitted)
+        return new
 
     def pending_jobs(self) -> list[TransferJob]:
         return [job for job, _ in self._pending.values()]

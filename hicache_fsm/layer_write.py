@@ -226,8 +226,8 @@ class LayerWriteRuntime:
         slots it needed; nothing is held, the node stays device-only).
         """
         cache = self.cache
-        cache._check_open()
-        node = cache._require_node(node)
+        cache.check_open()
+        node = cache.driver.require_node(node)
         if node.id in self._records or node.cp_meta is not None:
             raise LayerWriteError(f"node {node.id} already has a CP host reservation; a second one is not allowed")
         if node.state != "device":
@@ -252,7 +252,7 @@ class LayerWriteRuntime:
             node.cp_meta = CPNodeMeta(write.page_owners, write.draft_host_indices, self.page_size)
         self._records[node.id] = write
         try:
-            cache._fire(node, "backup", cache, emit=False)
+            cache.driver.fire(node, "backup", emit=False)
         except BaseException:
             del self._records[node.id]
             cache.host_allocator.free(write.host_indices)
@@ -276,7 +276,7 @@ class LayerWriteRuntime:
 
     def submit_layer(self, write: LayerWrite, layer: int, source: str = "target") -> bool:
         """Submit one layer of one write; True if a copy was emitted (False: already in, or nothing to do)."""
-        self.cache._check_open()
+        self.cache.check_open()
         self._check_layer(layer, source)
         if not isinstance(write, LayerWrite):
             raise LayerWriteError(f"expected a LayerWrite, got {type(write).__name__}")
@@ -301,7 +301,7 @@ class LayerWriteRuntime:
         Submits that layer of every pending write; with ``flush`` the copies
         start now, overlapping the next layers. Returns copies emitted.
         """
-        self.cache._check_open()
+        self.cache.check_open()
         self._check_layer(layer, source)
         emitted = 0
         for write in self.pending_writes():
@@ -325,7 +325,7 @@ class LayerWriteRuntime:
         )
         self._job_records[job.id] = write
         write.inflight.add(job.id)
-        self.cache._emit(job)
+        self.cache.outbox.emit(job)
         return True
 
     # ================================================================== completions
@@ -359,14 +359,14 @@ class LayerWriteRuntime:
         write.acks += 1
         self._forget(write)
         for n in write.nodes:
-            self.cache._fire(n, "write_done", self.cache)
+            self.cache.driver.fire(n, "write_done")
         self.cache.counters["cp_write_acks"] += 1
 
     def _abort(self, write: LayerWrite) -> None:
         self.machine.fire(write, "copies_failed", LayerEvent(self))
         self._forget(write)
         for n in write.nodes:
-            self.cache._fire(n, "write_failed", self.cache)
+            self.cache.driver.fire(n, "write_failed")
         self.cache.counters["cp_write_failed"] += 1
 
     # ================================================================== cache hooks
@@ -482,11 +482,11 @@ class LayerWriteRuntime:
         attached; this is the direct form (no eviction, no thresholds). None
         (nothing changed) when device pages cannot replay the owner pattern.
         """
-        from hicache_fsm.cache import LoadBack, LoadHandle
+        from hicache_fsm.results import LoadBack, LoadHandle
 
         cache = self.cache
-        cache._check_open()
-        nodes = [cache._require_node(n) for n in nodes]
+        cache.check_open()
+        nodes = [cache.driver.require_node(n) for n in nodes]
         if not nodes:
             return None
         device = self.prepare_load(nodes)
@@ -497,11 +497,11 @@ class LayerWriteRuntime:
         for n in nodes:
             for a in cache.tree.path_to_root(n.parent) if n.parent.parent is not None else ():
                 if a.id not in ids and a.state in LOADING:
-                    deps += [h for h in cache._handles_of(a) if h not in deps]
+                    deps += [h for h in cache.outbox.handles_of(a) if h not in deps]
         for n in nodes:
-            cache._fire(n, "load", cache, emit=False)
+            cache.driver.fire(n, "load", emit=False)
         handle = LoadHandle(cache, deps)
-        cache._emit_load(nodes, handle)
+        cache.loads.start(nodes, handle)
         cache.counters["cp_loaded_tokens"] += int(device.numel())
         return LoadBack(device, tuple(nodes), handle)
 

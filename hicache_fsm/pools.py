@@ -193,6 +193,14 @@ class PageAllocator:
     def available_tokens(self) -> int:
         return self._num_free * self.page_size
 
+    def fork(self) -> "PageAllocator":
+        """An independent copy in the same state (the explorer forks caches): same free order, own arrays."""
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        new._allocated = self._allocated.copy()
+        new._released = list(self._released)
+        return new
+
     def is_allocated(self, page: int) -> bool:
         if not 0 <= int(page) < self._total_pages:
             raise BadIndices(f"page {page} is out of range [0, {self._total_pages})")

@@ -10,7 +10,7 @@ so that two namespaces never match each other's prefixes.
 from __future__ import annotations
 
 import itertools
-from typing import Hashable, Iterator
+from typing import Callable, Hashable, Iterator
 
 import torch
 
@@ -24,7 +24,8 @@ class TreeNode:
     whole path to the root on the device); ``host_ref`` pins this node's host
     copy only (prefetch anchors). ``pending_jobs`` holds ids of in-flight jobs
     that cover this node, so a node split mid-transfer can enrol its new half
-    in the same jobs.
+    in the same jobs. ``resident_children`` is maintained by the cache
+    (``hicache_fsm.eviction``) so that eviction never scans children.
     """
 
     __slots__ = (
@@ -48,6 +49,7 @@ class TreeNode:
         "cp_meta",
         "last_poll",
         "page_memo",
+        "resident_children",
     )
 
     def __init__(self, node_id: int, key: tuple[int, ...], namespace: Hashable, parent: "TreeNode | None",
@@ -77,6 +79,7 @@ class TreeNode:
         self.cp_meta: object | None = None
         self.last_poll = 0  # the cache's poll count at the last access (write_behind coldness)
         self.page_memo: tuple | None = None  # (device_indices tensor, its page ids): valid while that tensor is current
+        self.resident_children = 0  # children on (or coming to) the device; kept by the cache's eviction part
 
     @property
     def key(self) -> tuple[int, ...]:
@@ -131,7 +134,8 @@ class RadixTree:
     def __len__(self) -> int:
         return len(self._nodes) - 1
 
-    def _child_key(self, namespace: Hashable, tokens: tuple[int, ...], start: int) -> tuple:
+    def child_key(self, namespace: Hashable, tokens: tuple[int, ...], start: int) -> tuple:
+        """The key of the child holding ``tokens[start:]`` in its parent's ``children`` (namespace, first page)."""
         return (namespace, tokens[start : start + self.page_size])
 
     def aligned(self, tokens: tuple[int, ...]) -> tuple[int, ...]:
@@ -202,10 +206,10 @@ class RadixTree:
         if node.storage_keys is not None:
             pages = at // self.page_size
             upper.storage_keys, node.storage_keys = node.storage_keys[:pages], node.storage_keys[pages:]
-        parent.children[self._child_key(node.namespace, node.key, 0)] = upper
+        parent.children[self.child_key(node.namespace, node.key, 0)] = upper
         node.key = node.key[at:]
         node.parent = upper
-        upper.children[self._child_key(node.namespace, node.key, 0)] = node
+        upper.children[self.child_key(node.namespace, node.key, 0)] = node
         self._nodes[upper.id] = upper
         self.version += 1
         return upper
@@ -221,7 +225,7 @@ class RadixTree:
             raise ValueError("a node holds a positive whole number of pages")
         child = TreeNode(next(self._ids), tokens, namespace, parent, start)
         # one hash of the first page, not two (a lookup, then a store)
-        if parent.children.setdefault(self._child_key(namespace, tokens, start), child) is not child:
+        if parent.children.setdefault(self.child_key(namespace, tokens, start), child) is not child:
             raise ValueError("a child with that first page already exists")
         self._nodes[child.id] = child
         self.version += 1
@@ -230,9 +234,37 @@ class RadixTree:
     def remove_leaf(self, node: TreeNode) -> None:
         if node.children:
             raise ValueError(f"node {node.id} has children; only leaves leave the tree")
-        del node.parent.children[self._child_key(node.namespace, node.key, 0)]
+        del node.parent.children[self.child_key(node.namespace, node.key, 0)]
         del self._nodes[node.id]
         self.version += 1
+
+    def fork(self, copy_node: Callable[[TreeNode], TreeNode], memo: dict) -> "RadixTree":
+        """An independent copy: ``copy_node`` copies one node's fields, links are re-made here.
+
+        ``memo`` maps ``id(old node)`` to its copy (for callers that re-point
+        their own references). Both trees go on numbering new nodes from the
+        same id, so ids stay comparable between a tree and its fork.
+        """
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        nxt = next(self._ids)
+        self._ids = itertools.count(nxt)
+        new._ids = itertools.count(nxt)
+        nodes: dict[int, TreeNode] = {}
+        pairs = []
+        for nid, node in self._nodes.items():
+            m = copy_node(node)
+            memo[id(node)] = m
+            nodes[nid] = m
+            pairs.append((node, m))
+        for node, m in pairs:
+            if node.parent is not None:
+                m.parent = memo[id(node.parent)]
+            m.children = {k: memo[id(c)] for k, c in node.children.items()}
+        new._nodes = nodes
+        new.root = memo[id(self.root)]
+        memo[id(self)] = new
+        return new
 
     def path_to_root(self, node: TreeNode) -> Iterator[TreeNode]:
         """``node`` and its ancestors, bottom-up, the root excluded."""

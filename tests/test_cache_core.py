@@ -672,5 +672,11 @@ def test_controller_bench_reports_both_figures():
     parser = argparse.ArgumentParser()
     controller.configure(parser)
     result = controller.run(parser.parse_args(["--requests", "20", "--repeats", "1", "--tree-nodes", "30"]))
-    assert result["us_per_request"] > 0 and result["transitions_us_per_request"] > 0
-    assert result["speedup"] == pytest.approx(result["transitions_us_per_request"] / result["us_per_request"], rel=0.01)
+    # behaviour, not timing: the fields are there, positive, and consistent with each other up to
+    # the rounding of each figure to two decimals (whatever the machine's load)
+    assert {"us_per_request", "transitions_us_per_request", "speedup", "requests", "tree_nodes"} <= result.keys()
+    assert result["requests"] == 20 and result["tree_nodes"] == 30
+    us, tus, speedup = result["us_per_request"], result["transitions_us_per_request"], result["speedup"]
+    assert us > 0 and tus > 0 and speedup > 0
+    half = 0.005  # each figure is rounded to 0.01
+    assert (tus - half) / (us + half) - half <= speedup <= (tus + half) / max(us - half, 1e-9) + half

@@ -242,6 +242,13 @@ class CacheMachine(RuleBasedStateMachine):
             self.cache.check_invariants()
 
     @invariant()
+    def eviction_candidates_equal_a_recomputation(self):
+        """The maintained candidate sets (and device-child counts) equal a from-scratch recomputation,
+        and every candidate's heap entry sits at or below its current key (so pops come in policy order)."""
+        if hasattr(self, "cache"):
+            assert self.cache.eviction.violations() == []
+
+    @invariant()
     def lock_counts_match_held_locks(self):
         if not hasattr(self, "cache"):
             return

@@ -419,7 +419,7 @@ def test_typed_errors_leave_the_cache_unchanged():
     r.cache.evict(100)
     assert node.state == "host"
     rejected(LayerWriteError, r.writes.load_cp, [node, node])
-    upper = r.cache._split(node, 4)
+    upper = r.cache.driver.split(node, 4)
     rejected(LayerWriteError, r.writes.load_cp, [node])  # its parent would stay on the host
     meta, upper.cp_meta = upper.cp_meta, None
     rejected(LayerWriteError, r.writes.load_cp, [upper, node], check=False)  # no CP metadata

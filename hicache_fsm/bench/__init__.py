@@ -10,5 +10,6 @@ BENCHMARKS = {
     "copy": "hicache_fsm.bench.copy",
     "controller": "hicache_fsm.bench.controller",
     "storage": "hicache_fsm.bench.storage",
+    "scale": "hicache_fsm.bench.scale",
     "all": "hicache_fsm.bench.all",
 }

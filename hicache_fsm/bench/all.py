@@ -1,7 +1,8 @@
 """Every benchmark in one run, written up as docs/performance.md.
 
 Runs ``dispatch``, ``copy`` (page_first and layer_first hosts, page 64),
-``controller`` and ``storage`` (a file backend in a temporary directory) one
+``controller``, ``storage`` (a file backend in a temporary directory) and
+``scale`` (per-operation cost from 1k to 1M cached nodes) one
 after the other, each in its own interpreter and against the baseline it
 measures in the same run, and
 writes a Markdown page with the figures, the ratios, the machine and the
@@ -32,6 +33,7 @@ STEPS: list[tuple[str, str, list[str]]] = [
     ("copy_layer_first", "copy", ["--layout", "layer_first", "--page-size", "64"]),
     ("controller", "controller", []),
     ("storage_file", "storage", []),
+    ("scale", "scale", []),
 ]
 
 QUICK: dict[str, list[str]] = {
@@ -39,6 +41,7 @@ QUICK: dict[str, list[str]] = {
     "copy": ["--tokens", "1024", "--layers", "2", "--repeats", "3"],
     "controller": ["--requests", "50", "--repeats", "1"],
     "storage": ["--pages", "4", "--repeats", "2", "--layers", "2"],
+    "scale": ["--quick"],
 }
 
 
@@ -72,6 +75,21 @@ def _fmt(x: object, digits: int = 2) -> str:
     return f"{x:.{digits}f}" if isinstance(x, (int, float)) else "n/a"
 
 
+def _first(result: dict, key: str) -> object:
+    values = result.get(key) or [None]
+    return values[0]
+
+
+def _last(result: dict, key: str) -> object:
+    values = result.get(key) or [None]
+    return values[-1]
+
+
+def _nodes(result: dict, i: int) -> str:
+    nodes = result.get("nodes") or []
+    return f"{nodes[i]:,}" if nodes else "n/a"
+
+
 def _machine() -> dict:
     info = dict(machine_description())
     info["platform"] = platform.platform()
@@ -91,6 +109,8 @@ def render(results: dict, commands: dict[str, str], machine: dict, started: str,
     cl = results.get("copy_layer_first", {})
     c = results.get("controller", {})
     s = results.get("storage_file", {})
+    sc = results.get("scale", {})
+    growth = sc.get("growth", {})
     lines = [
         "# Performance",
         "",
@@ -126,6 +146,10 @@ def render(results: dict, commands: dict[str, str], machine: dict, started: str,
         f"| storage, file backend | set {_fmt(s.get('set_gbps'))} GB/s, get {_fmt(s.get('get_gbps'))} GB/s "
         f"| raw files: {_fmt(s.get('raw_set_gbps'))} / {_fmt(s.get('raw_get_gbps'))} GB/s "
         f"| {_fmt(s.get('set_ratio'))} / {_fmt(s.get('get_ratio'))} |",
+        f"| scale: evict 64 pages / request cycle at {_nodes(sc, -1)} nodes | {_fmt(_last(sc, 'evict_us'), 1)} us / "
+        f"{_fmt(_last(sc, 'cycle_us'), 1)} us | at {_nodes(sc, 0)} nodes: {_fmt(_first(sc, 'evict_us'), 1)} us / "
+        f"{_fmt(_first(sc, 'cycle_us'), 1)} us | grows {_fmt(growth.get('evict_us'))}x / "
+        f"{_fmt(growth.get('cycle_us'))}x |",
         "",
         "## Machine",
         "",
@@ -189,6 +213,29 @@ def render(results: dict, commands: dict[str, str], machine: dict, started: str,
         f"- set {_fmt(s.get('set_gbps'), 3)} GB/s (raw {_fmt(s.get('raw_set_gbps'), 3)}), get "
         f"{_fmt(s.get('get_gbps'), 3)} GB/s (raw {_fmt(s.get('raw_get_gbps'), 3)})",
         f"- reproduce: `{commands['storage_file']}`",
+        "",
+        "## Scale",
+        "",
+        "Per-operation controller cost against the size of the tree (page 64, 4,096-token",
+        "requests sharing a 1,024-token prompt, metadata-sized KV, an executor that acknowledges",
+        "without copying): the tree is filled with N one-page prefixes, all backed up to the host,",
+        "and each figure is the median of repeated chunks of calls, in microseconds. `evict` frees",
+        "64 pages from a full device; `cycle` is a whole request under device pressure with host",
+        "backup (match, load back a host hit, lock, allocate with eviction, insert with its backup,",
+        "unlock, poll). Eviction candidates are kept up to date as nodes change, so taking k",
+        "victims costs O(k log N): the targets are evict and cycle within 2x, match, insert and",
+        "lock within 1.5x from the smallest to the largest tree.",
+        "",
+        "| nodes | match | match, partial | match, miss | insert | lock + unlock | evict 64 pages | cycle | peak RSS MB |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        *[f"| {r.get('nodes')} | {_fmt(r.get('match_us'), 1)} | {_fmt(r.get('match_partial_us'), 1)} "
+          f"| {_fmt(r.get('match_miss_us'), 1)} | {_fmt(r.get('insert_us'), 1)} | {_fmt(r.get('lock_us'), 1)} "
+          f"| {_fmt(r.get('evict_us'), 1)} | {_fmt(r.get('cycle_us'), 1)} | {_fmt(r.get('peak_rss_mb'), 0)} |"
+          for r in sc.get("per_size", [])],
+        "",
+        "- growth from the smallest to the largest tree: "
+        + ", ".join(f"{k.removesuffix('_us')} {_fmt(v)}x" for k, v in growth.items()),
+        f"- reproduce: `{commands['scale']}`",
         "",
         "## Whole system",
         "",

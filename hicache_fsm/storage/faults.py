@@ -98,6 +98,11 @@ class FaultyBackend(StorageBackend):
         self._raised = 0
         self.fired: list[tuple[str, int, str]] = []
 
+    @property
+    def chooser(self):
+        """The schedule callable (a ``FaultPlan`` in the explorer), or None for a rule list."""
+        return self._chooser
+
     def add(self, fault: Fault) -> None:
         """Append a rule to a list schedule."""
         if self._rules is None:

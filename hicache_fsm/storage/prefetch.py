@@ -209,7 +209,7 @@ class PrefetchRuntime:
             return
         prefix = tree.prefix_tokens(anchor)
         full = prefix + op.tokens[:done]
-        path, matched = cache._walk_splitting(full, op.namespace)
+        path, matched = cache.driver.walk_splitting(full, op.namespace)
         start = len(prefix)
         if matched < start:  # defensive: the anchor is on every path of its own prefix
             log.error("prefetch %r: prefix walk stopped above the anchor; dropping fetched pages", op.request_id)
@@ -221,13 +221,12 @@ class PrefetchRuntime:
             self.counters["prefetch_duplicate_tokens"] += dup
         if matched < len(full):
             parent = path[-1] if path else tree.root
-            node = tree.add_child(parent, full, op.namespace, matched)
+            node = cache.driver.add_child(parent, full, op.namespace, matched)
             node.host_indices = slots[dup:]
             first_page = dup // self.page_size
             node.storage_keys = tuple(op.hit_keys[first_page: done // self.page_size])
-            node.last_access = cache._tick()
-            node.last_poll = cache._polls
-            cache._fire(node, "insert_prefetched", cache)
+            cache.driver.touch(node)
+            cache.driver.fire(node, "insert_prefetched")
             op.inserted_pages.update(_pages(node.host_indices, self.page_size))
             self.occupied_tokens -= node.num_tokens
             op.inserted_tokens += node.num_tokens

@@ -284,7 +284,7 @@ class StorageTier:
 
     def _submit_transfer(self, op: PrefetchOp, job: TransferJob) -> None:
         self._pending_transfer[job.id] = op
-        self.cache._emit(job)
+        self.cache.outbox.emit(job)
 
     # ================================================================== poll
 
@@ -418,9 +418,9 @@ class StorageTier:
             if self._retry_after.get(node.id, (0.0, 0))[0] > now:
                 more = True
                 continue
-            if not cache.residency.can_fire(node, "store", cache):
+            if not cache.driver.can_fire(node, "store"):
                 continue
-            cache._fire(node, "store", cache)
+            cache.driver.fire(node, "store")
             budget -= node.num_tokens
             started += 1
         self._sweep_due = more
@@ -432,11 +432,11 @@ class StorageTier:
 
     def prefetch(self, request_id: Hashable, tokens: Any, match: Any, namespace: Hashable = None) -> bool:
         """Admit a prefetch of the tokens after ``match``'s in-memory hit; False when not admitted."""
-        from hicache_fsm.cache import MatchResult, _as_tokens
+        from hicache_fsm.results import MatchResult, as_tokens
 
         self._check_open()
         self._drain()
-        tokens = _as_tokens(tokens)
+        tokens = as_tokens(tokens)
         if not isinstance(match, MatchResult):
             raise BadIndices(f"prefetch wants the MatchResult of match_prefix, got {type(match).__name__}")
         try:

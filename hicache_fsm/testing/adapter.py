@@ -374,14 +374,9 @@ def _residency_spec():
 
 
 def _fork_allocator(alloc, memo: dict):
-    if id(alloc) in memo:
-        return memo[id(alloc)]
-    new = object.__new__(type(alloc))
-    new.__dict__.update(alloc.__dict__)
-    new._allocated = alloc._allocated.copy()
-    new._released = list(alloc._released)
-    memo[id(alloc)] = new
-    return new
+    if id(alloc) not in memo:
+        memo[id(alloc)] = alloc.fork()
+    return memo[id(alloc)]
 
 
 def _remake_views(pool, base, kv) -> None:
@@ -442,55 +437,31 @@ def _node_copier(cls: type) -> Callable:
     return fn
 
 
+def _copy_tree_node(node):
+    m = _node_copier(type(node))(node)
+    m.pending_jobs = set(node.pending_jobs)
+    if node.cp_meta is not None:
+        m.cp_meta = copy.deepcopy(node.cp_meta)
+    return m
+
+
 def _fork_tree(tree, memo: dict):
-    new = object.__new__(type(tree))
-    new.__dict__.update(tree.__dict__)
-    nxt = next(tree._ids)
-    tree._ids = itertools.count(nxt)
-    new._ids = itertools.count(nxt)
-    nodes = {}
-    pairs = []
-    for nid, node in tree._nodes.items():
-        m = _node_copier(type(node))(node)
-        m.pending_jobs = set(node.pending_jobs)
-        if node.cp_meta is not None:
-            m.cp_meta = copy.deepcopy(node.cp_meta)
-        memo[id(node)] = m
-        nodes[nid] = m
-        pairs.append((node, m))
-    for node, m in pairs:
-        if node.parent is not None:
-            m.parent = memo[id(node.parent)]
-        m.children = {k: memo[id(c)] for k, c in node.children.items()}
-    new._nodes = nodes
-    new.root = memo[id(tree.root)]
-    memo[id(tree)] = new
-    return new
+    return tree.fork(_copy_tree_node, memo)
 
 
 def _fork_manual_executor(ex, memo: dict):
     """Copy a ``ManualExecutor``: its pending copies are re-pointed at the copied pools."""
-    new = object.__new__(type(ex))
-    new.__dict__.update(ex.__dict__)
     ps = object.__new__(type(ex.pools))
     ps.__dict__.update({k: _fork_pool(v, memo) for k, v in ex.pools.__dict__.items()})
-    new.pools = ps
-    new._pending = {
-        jid: (job, [attrs.evolve(c, device_pool=memo[id(c.device_pool)], host_pool=memo[id(c.host_pool)])
-                    for c in copies])
-        for jid, (job, copies) in ex._pending.items()
-    }
-    new._queue = list(ex._queue)
-    new.submitted = list(ex.submitted)
+    new = ex.fork(ps, lambda c: attrs.evolve(c, device_pool=memo[id(c.device_pool)],
+                                             host_pool=memo[id(c.host_pool)]))
     memo[id(ex)] = new
     return new
 
 
 _ATOMIC = (int, float, str, bool, type(None), bytes)
 # HiCache attributes that never change after construction (shared by forks)
-_SHARED_ATTRS = ("config", "residency", "_residency_registry", "_offsets", "_observers")
-# HiCache attributes that only memoise (None = recompute)
-_DROPPED_ATTRS = ("_memo",)
+_SHARED_ATTRS = ("config", "residency", "residency_registry", "_offsets")
 
 
 def fork_cache(cache, memo: dict | None = None, share_kv: bool = False):
@@ -499,12 +470,16 @@ def fork_cache(cache, memo: dict | None = None, share_kv: bool = False):
     The heavy parts are copied structurally: KV buffers (views re-made on the
     copy), allocators, the tree and the executor's pending jobs. What never
     changes is shared: config, compiled machine, frozen jobs and batches, and
-    the slot-index tensors nodes hold (never written in place). Every other
-    attribute is deep-copied with the same memo, so references to nodes,
-    pools, the executor or the cache itself land on the copies, and a field
-    added to ``HiCache`` later is still copied.
+    the slot-index tensors nodes hold (never written in place). The
+    controller's parts fork themselves (``driver.fork``, ``outbox.fork``;
+    eviction's candidate sets are rebuilt from the copied tree), and every
+    other attribute is deep-copied with the same memo, so references to
+    nodes, pools, the executor or the cache itself land on the copies, and a
+    field added to ``HiCache`` later is still copied.
     """
+    from hicache_fsm.eviction import Eviction
     from hicache_fsm.executors import ManualExecutor
+    from hicache_fsm.load_back import LoadBacks
 
     memo = {} if memo is None else memo
     if not isinstance(cache.executor, ManualExecutor):
@@ -514,8 +489,7 @@ def fork_cache(cache, memo: dict | None = None, share_kv: bool = False):
     storage = getattr(cache, "storage", None)
     if storage is not None and not isinstance(storage, ManualStorageTier):
         raise NotSupported("fork of a cache whose storage tier runs threads (use ManualStorageTier)")
-    if getattr(cache, "cp", None) is not None or (storage is None and (cache._extra_host_owners
-                                                                        or cache._extra_invariants)):
+    if getattr(cache, "cp", None) is not None or (storage is None and cache.registered_runtimes):
         raise NotSupported("fork of a cache with CP or other registered runtimes is not implemented yet")
     new = object.__new__(type(cache))
     memo[id(cache)] = new
@@ -525,36 +499,31 @@ def fork_cache(cache, memo: dict | None = None, share_kv: bool = False):
         if name in cache.__dict__:
             memo[id(cache.__dict__[name])] = cache.__dict__[name]
     ex = cache.executor
-    for job in itertools.chain(cache._pending.values(), cache._outbox, ex.pending_jobs()):
+    outbox = cache.outbox
+    for job in itertools.chain(outbox.pending_jobs(), outbox.queued_jobs(), ex.pending_jobs()):
         memo[id(job)] = job
     for batch in ex.submitted:
         memo[id(batch)] = batch
     for name in ("device_pool", "host_pool", "draft_device_pool", "draft_host_pool"):
-        d[name] = _fork_pool(cache.__dict__[name], memo, share_kv)
+        d[name] = _fork_pool(getattr(cache, name), memo, share_kv)
     d["executor"] = _fork_manual_executor(ex, memo)
     d["tree"] = _fork_tree(cache.tree, memo)
-    d["_outbox"] = list(cache._outbox)
-    d["_pending"] = dict(cache._pending)
-    d["_job_nodes"] = {j: [memo[id(n)] for n in nodes] for j, nodes in cache._job_nodes.items()}
-    for name in ("_load_handles", "_job_handle"):
-        value = cache.__dict__.get(name)
-        if isinstance(value, list):
-            d[name] = [_fork_handle(h, memo, new) for h in value]
-        elif isinstance(value, dict):
-            d[name] = {k: _fork_handle(h, memo, new) for k, h in value.items()}
-    led = cache.job_ledger
-    if attrs.has(type(led)):
-        d["job_ledger"] = type(led)(**{f.name: type(v)(v) for f in attrs.fields(type(led))
-                                        for v in [getattr(led, f.name)]})
-    d["_engine_pages"] = set(cache._engine_pages)
+    d["driver"] = cache.driver.fork(new)
+    d["outbox"] = outbox.fork(new, memo, lambda h: _fork_handle(h, memo, new))
+    d["loads"] = LoadBacks(new)
+    d["eviction"] = Eviction(new)
+    d["engine_pages"] = set(cache.engine_pages)
     d["counters"] = Counter(cache.counters)
-    if storage is not None:  # the tier registered its slot owners and invariants: re-bind them to the copy
-        tier = d["storage"] = fork_tier(storage, memo, new)
-        d["_extra_host_owners"] = [tier.runtime.host_owners]
-        d["_extra_invariants"] = [tier.violations]
+    if storage is not None:
+        d["storage"] = fork_tier(storage, memo, new)
     for name, value in cache.__dict__.items():
         if name not in d:
-            d[name] = None if name in _DROPPED_ATTRS else _copy_value(value, memo)
+            d[name] = _copy_value(value, memo)
+    new.eviction.rebuild()
+    if storage is not None:  # the tier registered its slot owners and invariants: re-bind them to the copy
+        new.unregister_runtimes()
+        new.register_host_owner(new.storage.runtime.host_owners)
+        new.register_invariants(new.storage.violations)
     return new
 
 
@@ -564,16 +533,11 @@ def _fork_handle(handle, memo: dict, cache):
 
     if id(handle) in memo:
         return memo[id(handle)]
-    new = object.__new__(type(handle))
-    memo[id(handle)] = new
-    d = new.__dict__
-    d.update(handle.__dict__)
-    d["_cache"] = cache
-    wait = d.get("_wait")
+    wait = handle.bound_wait
     if isinstance(wait, ManualWait):
-        d["_wait"] = ManualWait(cache.executor, wait.job_ids, wait.layers, wait.load)
-    if "_deps" in d:
-        d["_deps"] = tuple(_fork_handle(h, memo, cache) for h in d["_deps"])
+        wait = ManualWait(cache.executor, wait.job_ids, wait.layers, wait.load)
+    deps = tuple(_fork_handle(h, memo, cache) for h in handle.deps)
+    new = memo[id(handle)] = handle.replica(cache, deps, wait)
     return new
 
 
@@ -997,7 +961,7 @@ class HiCacheAdapter(CacheAdapter):
         parts = [(n, n.num_tokens) for n in path]
         if partial:
             parent = path[-1] if path else tree.root
-            child = parent.children.get(tree._child_key(None, tokens, matched))
+            child = parent.children.get(tree.child_key(None, tokens, matched))
             if child is not None:
                 parts.append((child, partial))
         out: list[tuple[int, ...]] = []
@@ -1112,7 +1076,7 @@ class HiCacheAdapter(CacheAdapter):
         new._requests = dict(self._requests)
         if self.cache.storage is not None:
             new.backend = new.cache.storage.link.backend
-            new.faults = new.backend._chooser
+            new.faults = new.backend.chooser
         return new
 
     def applicable(self, op: str, args: tuple) -> bool:
@@ -1125,7 +1089,7 @@ class HiCacheAdapter(CacheAdapter):
             path, matched, partial = tree.walk(tokens)
             if partial:
                 parent = path[-1] if path else tree.root
-                path = path + [parent.children[tree._child_key(None, tokens, matched)]]
+                path = path + [parent.children[tree.child_key(None, tokens, matched)]]
             if not path:
                 return False  # nothing matches: only the clock moves
             if op == "lock":  # without a device part, lock is just a match
@@ -1150,7 +1114,7 @@ class HiCacheAdapter(CacheAdapter):
         up to renaming (two caches that differ only by a permutation of token ids share a key)."""
         cache = self.cache
         tree = cache.tree
-        sort_key = getattr(cache, "_sort_key", None) or (lambda n: (n.last_access, n.id))
+        sort_key = cache.eviction.sort_key
         nodes = [n for n in tree.nodes() if n.parent is not None]
         prefix: dict[int, tuple] = {tree.root.id: ()}
         stack = [tree.root]
@@ -1164,7 +1128,7 @@ class HiCacheAdapter(CacheAdapter):
         pre = {n.id: prefix.get(n.id, orphan + (n.id,)) for n in nodes}
         pending = cache.pending_jobs()
         kinds = {j.id: j.kind.value for j in pending}
-        outbox = {j.id for j in cache._outbox}
+        outbox = {j.id for j in cache.outbox.queued_jobs()}
         # hit counts matter to a policy that reads them: the selective threshold, LFU order
         if cache.config.write_policy == "write_through_selective":
             cap = max(1, cache.config.write_through_threshold)
@@ -1182,7 +1146,7 @@ class HiCacheAdapter(CacheAdapter):
         locks = [pre.get(n.id, orphan + (n.id,)) for n in self._locks.values()]
         pins = [(pre.get(n.id, orphan + (n.id,)), start) for n, _, start in self._pins.values()]
         # concrete facts the structure above does not imply, so a leak or a stray job makes a new state
-        extra = (len(cache._engine_pages), self.device_pool.allocator.free_pages, self.host_pool.allocator.free_pages,
+        extra = (len(cache.engine_pages), self.device_pool.allocator.free_pages, self.host_pool.allocator.free_pages,
                  len(self.executor.pending_job_ids()), len(pending))
         alphabet = sorted({t for n in nodes for t in n.key})
         renamings: list[dict | None] = [None]
@@ -1291,7 +1255,7 @@ def hicache_structure_violations(cache) -> list[str]:
             node = tree.get(nid)
             if node is None:
                 problems.append(f"in_flight_has_job: pending job {j.id} ({j.kind.value}) covers node {nid}, which left the tree")
-        for n in cache._job_nodes.get(j.id, ()):
+        for n in cache.outbox.nodes_of(j.id):
             if j.id not in n.pending_jobs:
                 problems.append(f"in_flight_has_job: job {j.id} covers node {n.id}, which does not know it")
     for n in tree.nodes():

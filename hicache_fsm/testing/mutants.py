@@ -84,6 +84,24 @@ def _cache():
     return cache
 
 
+def _driver():
+    from hicache_fsm.residency_driver import ResidencyDriver
+
+    return ResidencyDriver
+
+
+def _eviction():
+    from hicache_fsm.eviction import Eviction
+
+    return Eviction
+
+
+def _outbox():
+    from hicache_fsm.outbox import Outbox
+
+    return Outbox
+
+
 def _residency():
     from hicache_fsm.registry import registry_for
 
@@ -108,17 +126,17 @@ def mutant(name: str) -> Iterator[Mutant]:
 @_mutant("double_free_host", "double free of host slots released on two paths")
 def _double_free_host(p: Patcher) -> None:
     """A failed backup's host slots are freed by the transition and again by the completion path."""
-    HiCache = _cache().HiCache
-    orig = HiCache._fire
+    Driver = _driver()
+    orig = Driver.fire
 
-    def _fire(self, node, trigger, ctx, *a, **kw):
+    def fire(self, node, trigger, *a, **kw):
         held = node.host_indices
-        t = orig(self, node, trigger, ctx, *a, **kw)
+        t = orig(self, node, trigger, *a, **kw)
         if trigger == "write_failed" and held is not None:
-            self.host_allocator.free(held)
+            self.cache.host_allocator.free(held)
         return t
 
-    p.setattr(HiCache, "_fire", _fire)
+    p.setattr(Driver, "fire", fire)
 
 
 @_mutant("leak_host_on_failed_backup", "leaked host slots (bookkeeping dropped before the slots were released)")
@@ -155,71 +173,73 @@ def _leak_device(p: Patcher) -> None:
 @_mutant("evict_host_while_loading", "host copy of a loading chain evicted before the load ack")
 def _evict_loading(p: Patcher) -> None:
     """Host eviction also reclaims the host copy of loading leaves (they look host-resident)."""
-    HiCache = _cache().HiCache
-    orig = HiCache.evict_host
+    Eviction = _eviction()
+    orig = Eviction.evict_host
 
     def evict_host(self, num_tokens):
         freed = orig(self, num_tokens)
-        for n in list(self.tree.nodes()):
+        for n in list(self.cache.tree.nodes()):
             if freed >= num_tokens:
                 break
             if n.state in ("loading", "loading_stored") and not n.children and n.host_ref == 0:
-                self.host_allocator.free(n.host_indices)  # the node still believes it holds them
+                self.cache.host_allocator.free(n.host_indices)  # the node still believes it holds them
                 freed += n.num_tokens
         return freed
 
-    p.setattr(HiCache, "evict_host", evict_host)
+    p.setattr(Eviction, "evict_host", evict_host)
 
 
 @_mutant("load_from_freed_host", "load-back of a node whose host copy was already freed")
 def _stale_host_node(p: Patcher) -> None:
     """Host eviction frees the slots but leaves the node in the tree, so matches and loads find it."""
-    HiCache = _cache().HiCache
-    orig = HiCache.evict_host
+    Eviction = _eviction()
+    orig = Eviction.evict_host
 
     def evict_host(self, num_tokens):
-        self.__dict__["_remove"] = lambda node: None  # lazy deletion that never happens
+        driver = self.cache.driver
+        driver.__dict__["remove"] = lambda node: None  # lazy deletion that never happens
         try:
             return orig(self, num_tokens)
         finally:
-            self.__dict__.pop("_remove", None)
+            driver.__dict__.pop("remove", None)
 
-    p.setattr(HiCache, "evict_host", evict_host)
+    p.setattr(Eviction, "evict_host", evict_host)
 
 
 @_mutant("orphan_subtree_on_host_evict", "host eviction orphaning subtrees of inner nodes")
 def _orphan(p: Patcher) -> None:
     """Host eviction also takes host-only *inner* nodes and unlinks them, stranding their children."""
-    HiCache = _cache().HiCache
-    orig = HiCache.evict_host
+    Eviction = _eviction()
+    orig = Eviction.evict_host
 
     def evict_host(self, num_tokens):
         freed = orig(self, num_tokens)
-        for n in list(self.tree.nodes()):
+        cache = self.cache
+        for n in list(cache.tree.nodes()):
             if freed >= num_tokens:
                 break
             if n.is_root or not n.children or n.state not in ("host", "host_stored") or n.host_ref:
                 continue
-            self._fire(n, "evict_host", self)
-            del n.parent.children[(n.namespace, n.key[: self.page_size])]
-            del self.tree._nodes[n.id]
+            cache.driver.fire(n, "evict_host")
+            del n.parent.children[(n.namespace, n.key[: cache.page_size])]
+            del cache.tree._nodes[n.id]  # the bug: unlinked without RadixTree.remove_leaf's check
             freed += n.num_tokens
         return freed
 
-    p.setattr(HiCache, "evict_host", evict_host)
+    p.setattr(Eviction, "evict_host", evict_host)
 
 
 @_mutant("write_back_failed_as_backed_up", "write_back treating a failed backup as backed up", write_policy="write_back")
 def _failed_as_backed_up(p: Patcher) -> None:
-    HiCache = _cache().HiCache
-    orig = HiCache._fire
+    Driver = _driver()
+    orig = Driver.fire
 
-    def _fire(self, node, trigger, ctx, *a, **kw):
-        if trigger == "write_failed" and self.config.write_policy == "write_back":
+    def fire(self, node, trigger, *a, **kw):
+        if trigger == "write_failed" and self.cache.config.write_policy == "write_back":
             trigger = "write_done"
-        return orig(self, node, trigger, ctx, *a, **kw)
+        return orig(self, node, trigger, *a, **kw)
 
-    p.setattr(HiCache, "_fire", _fire)
+    p.setattr(Driver, "fire", fire)
 
 
 # =========================================================================== acknowledgements
@@ -228,33 +248,33 @@ def _failed_as_backed_up(p: Patcher) -> None:
 @_mutant("ack_before_copy", "ack handled before the copy finished (layer read before its load event)")
 def _ack_early(p: Patcher) -> None:
     """Loads are acknowledged as soon as they are submitted, before the executor copied anything."""
-    cache_mod = _cache()
-    HiCache = cache_mod.HiCache
-    orig = HiCache.flush
+    Outbox = _outbox()
+    orig = Outbox.flush
 
     def flush(self):
         from hicache_fsm.jobs import Completion, JobKind
 
-        before = set(self.executor.pending_job_ids()) if hasattr(self.executor, "pending_job_ids") else set()
+        executor = self.cache.executor
+        before = set(executor.pending_job_ids()) if hasattr(executor, "pending_job_ids") else set()
         orig(self)
-        for job in list(self._pending.values()):
+        for job in self.pending_jobs():
             if job.kind is JobKind.H2D and job.id not in before:
-                self._apply([Completion(job.id, True)])
+                self.apply([Completion(job.id, True)])
 
-    p.setattr(HiCache, "flush", flush)
+    p.setattr(Outbox, "flush", flush)
 
 
 @_mutant("double_ack", "ack handled twice (a re-delivered completion is accepted)")
 def _double_ack(p: Patcher) -> None:
-    HiCache = _cache().HiCache
-    orig = HiCache._check_completion
+    Outbox = _outbox()
+    orig = Outbox.check
 
-    def _check_completion(self, c):
-        if self.job_ledger.recent.get(c.job_id) in ("acked", "failed"):
+    def check(self, c):
+        if self.ledger.recent.get(c.job_id) in ("acked", "failed"):
             return
         return orig(self, c)
 
-    p.setattr(HiCache, "_check_completion", _check_completion)
+    p.setattr(Outbox, "check", check)
 
 
 # =========================================================================== locks, splits, eviction
@@ -273,7 +293,7 @@ def _lock_underflow(p: Patcher) -> None:
         return upper
 
     def unlock(self, node):
-        node = self._require_node(node)
+        node = self.driver.require_node(node)
         for n in self.tree.path_to_root(node):
             n.lock_ref -= 1
 
@@ -297,56 +317,56 @@ def _hits_lost(p: Patcher) -> None:
 
 @_mutant("split_drops_job", "a node split mid-transfer leaves its new half out of the job")
 def _split_drops_job(p: Patcher) -> None:
-    HiCache = _cache().HiCache
-    orig = HiCache._split
+    Outbox = _outbox()
 
-    def _split(self, node, at):
-        upper = orig(self, node, at)
-        for j in upper.pending_jobs:
-            nodes = self._job_nodes.get(j)
-            if nodes is not None and upper in nodes:
-                nodes.remove(upper)
+    def enrol_split(self, upper):
         upper.pending_jobs = set()
-        return upper
 
-    p.setattr(HiCache, "_split", _split)
+    p.setattr(Outbox, "enrol_split", enrol_split)
 
 
 @_mutant("evict_locked_node", "evicting a locked node")
 def _evict_locked(p: Patcher) -> None:
-    cache_mod = _cache()
-    HiCache = cache_mod.HiCache
+    Eviction = _eviction()
+    orig = Eviction.refresh
 
-    def _device_leaf(self, node):
-        if node.state not in cache_mod.DEVICE_EVICTABLE:
-            return False
-        return not any(c.state in cache_mod.RESIDENT for c in node.children.values())
+    def refresh(self, node):
+        orig(self, node)
+        if node.parent is not None and node.state in DEVICE_EVICTABLE and node.resident_children == 0:
+            self.device.add(node)  # locks ignored
 
-    p.setattr(HiCache, "_device_leaf", _device_leaf)
+    from hicache_fsm.eviction import DEVICE_EVICTABLE
+
+    p.setattr(Eviction, "refresh", refresh)
     p.setitem(_residency().guards, "unlocked", lambda node, cache: True)
 
 
 @_mutant("evict_inner_device_node", "device not prefix-closed after evicting an inner node")
 def _evict_inner(p: Patcher) -> None:
-    cache_mod = _cache()
-    HiCache = cache_mod.HiCache
+    Eviction = _eviction()
+    orig = Eviction.refresh
 
-    def _device_leaf(self, node):
-        return node.state in cache_mod.DEVICE_EVICTABLE and node.lock_ref == 0 and node.state != "device"
+    def refresh(self, node):
+        orig(self, node)
+        if node.parent is not None and node.state in DEVICE_EVICTABLE and node.lock_ref == 0 \
+                and node.state != "device":
+            self.device.add(node)  # children on the device ignored
 
-    p.setattr(HiCache, "_device_leaf", _device_leaf)
+    from hicache_fsm.eviction import DEVICE_EVICTABLE
+
+    p.setattr(Eviction, "refresh", refresh)
 
 
 @_mutant("eviction_counter_stuck", "eviction counter that never advanced")
 def _counter_stuck(p: Patcher) -> None:
-    HiCache = _cache().HiCache
-    orig = HiCache._evict_pass
+    Eviction = _eviction()
+    orig = Eviction.device_pass
 
-    def _evict_pass(self, num_tokens, *a, **kw):
+    def device_pass(self, num_tokens, *a, **kw):
         _, started = orig(self, 1 << 40, *a, **kw)  # the loop never sees its goal reached...
         return 0, started  # ...and reports nothing freed
 
-    p.setattr(HiCache, "_evict_pass", _evict_pass)
+    p.setattr(Eviction, "device_pass", device_pass)
 
 
 # =========================================================================== storage tier (L3) and prefetch
@@ -400,15 +420,15 @@ def _abort_leaks(p: Patcher) -> None:
 @_mutant("failed_store_as_stored", "failed L3 backup (H2S) treated as stored", storage=True)
 def _failed_store(p: Patcher) -> None:
     """A failed or refused H2S job moves the node to ``*_stored`` as if storage held its pages."""
-    HiCache = _cache().HiCache
-    orig = HiCache._fire
+    Driver = _driver()
+    orig = Driver.fire
 
-    def _fire(self, node, trigger, ctx, *a, **kw):
+    def fire(self, node, trigger, *a, **kw):
         if trigger == "store_failed":
             trigger = "store_done"
-        return orig(self, node, trigger, ctx, *a, **kw)
+        return orig(self, node, trigger, *a, **kw)
 
-    p.setattr(HiCache, "_fire", _fire)
+    p.setattr(Driver, "fire", fire)
 
 
 @_mutant("short_prefetch_inserted_in_full", "fetched pages inserted after a short batch (pages that never arrived)",

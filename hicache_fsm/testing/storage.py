@@ -248,8 +248,8 @@ def fork_backend(backend: Any, memo: dict) -> Any:
         new._fire_counts = dict(backend._fire_counts)
         new.fired = list(backend.fired)
         new._rules = None if backend._rules is None else list(backend._rules)
-        if isinstance(backend._chooser, FaultPlan):
-            new._chooser = _fork_plan(backend._chooser, memo)
+        if isinstance(backend.chooser, FaultPlan):
+            new._chooser = _fork_plan(backend.chooser, memo)
         return new
     if isinstance(backend, MemoryBackend) and not backend.store_name:
         store = _Store()
@@ -331,7 +331,7 @@ def tier_state_key(tier: ManualStorageTier, prefix_of: Any, requests: Sequence[A
     """What the tier's future depends on, for the explorer's visited set (``prefix_of(node)`` names nodes)."""
     inner = getattr(tier.link.backend, "inner", tier.link.backend)
     stored = tuple(sorted(inner._mem.data)) if inner is not None else ()
-    plan = getattr(tier.link.backend, "_chooser", None)
+    plan = getattr(tier.link.backend, "chooser", None)
     faults = (tuple((f, skip, left) for f, skip, left in plan.armed), tuple(sorted(plan.corrupted))) \
         if isinstance(plan, FaultPlan) else ()
 

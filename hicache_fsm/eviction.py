@@ -1,0 +1,398 @@
+"""Eviction: the candidate sets of both tiers, kept current, and the passes that take victims.
+
+Theory of operation. A node is a *device candidate* when it is unlocked,
+device-evictable (on the device and not in flight) and no child is on (or
+coming to) the device; a *host candidate* when it is host-only and settled,
+its host copy unpinned, and it has no children. These are the only nodes an
+eviction pass may take, in the configured policy order (LRU, LFU, priority).
+
+The sets are maintained, not recomputed: the residency driver reports every
+state change, split, new child and removal, and lock / pin changes that cross
+zero are reported by the facade, so a pass takes ``k`` victims in
+O(k log N). Each node counts its children on the device
+(``TreeNode.resident_children``) so a state change costs O(1), never a scan
+of a wide parent's children. Each tier is a ``CandidateSet``: membership by
+node id plus a binary heap with lazy deletion. Policy keys only grow (clock,
+hit counts and priorities never go back), so a popped entry whose key is
+stale is pushed again with the current key and the first current entry
+popped is the true minimum. ``violations`` recomputes both sets from scratch
+and compares: the invariant that keeps the maintained sets honest.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import TYPE_CHECKING, Callable
+
+from hicache_fsm.bindings.residency import EVICTED, LOADING, ON_DEVICE
+from hicache_fsm.errors import GuardRejected, LockError
+from hicache_fsm.jobs import JobKind
+from hicache_fsm.radix import TreeNode
+
+if TYPE_CHECKING:
+    from hicache_fsm.cache import HiCache
+
+DEVICE_EVICTABLE = frozenset({"device", "device_host", "device_host_storing", "device_host_stored"})
+HOST_EVICTABLE = frozenset({"host", "host_stored"})
+RESIDENT = ON_DEVICE | LOADING  # device slots valid now or once the load's layer event fires
+REVIVABLE = EVICTED - LOADING
+
+
+def lru_key(node: TreeNode) -> tuple:
+    return (node.last_access, node.id)
+
+
+def lfu_key(node: TreeNode) -> tuple:
+    return (node.hit_count, node.last_access, node.id)
+
+
+def priority_key(node: TreeNode) -> tuple:
+    return (node.priority, node.last_access, node.id)
+
+
+POLICY_KEYS: dict[str, Callable[[TreeNode], tuple]] = {"lru": lru_key, "lfu": lfu_key, "priority": priority_key}
+
+
+class CandidateSet:
+    """Nodes one tier may evict now, popped in key order in O(log N) each.
+
+    ``add`` / ``discard`` keep membership; ``pop`` returns the member with the
+    smallest current key (it stays a member: the caller evicts it, or hands
+    it back with ``restore`` when it skips it). Stale heap entries (left
+    members, outdated keys) are skipped or re-pushed when popped, and the heap
+    is rebuilt when they outnumber the members.
+    """
+
+    __slots__ = ("key", "_members", "_heap", "_seq")
+
+    def __init__(self, key: Callable[[TreeNode], tuple]) -> None:
+        self.key = key
+        self._members: dict[int, TreeNode] = {}
+        self._heap: list[tuple] = []
+        self._seq = 0
+
+    def __len__(self) -> int:
+        return len(self._members)
+
+    def __contains__(self, node: TreeNode) -> bool:
+        return self._members.get(node.id) is node
+
+    @property
+    def heap_size(self) -> int:
+        """Heap entries, stale ones included (bounded by ``2 * len(self) + 64``)."""
+        return len(self._heap)
+
+    def ids(self) -> set[int]:
+        return set(self._members)
+
+    def nodes(self) -> list[TreeNode]:
+        return list(self._members.values())
+
+    def add(self, node: TreeNode) -> None:
+        if self._members.get(node.id) is not node:
+            self._members[node.id] = node
+            self._push(node)
+
+    def discard(self, node: TreeNode) -> None:
+        if self._members.get(node.id) is node:
+            del self._members[node.id]
+
+    def restore(self, node: TreeNode) -> None:
+        """Give back a popped node that was not evicted (it keeps its place in the order)."""
+        if self._members.get(node.id) is node:
+            self._push(node)
+
+    def pop(self) -> TreeNode | None:
+        """The member with the smallest key, or None when there is none."""
+        members, key = self._members, self.key
+        while self._heap:  # re-read: a push below may rebuild the heap
+            k, _, node = heapq.heappop(self._heap)
+            if members.get(node.id) is not node:
+                continue  # left the set since it was pushed
+            current = key(node)
+            if current != k:  # its key grew: put it back where it belongs now
+                self._push(node)
+                continue
+            return node
+        return None
+
+    def clear(self) -> None:
+        self._members.clear()
+        self._heap.clear()
+
+    def _push(self, node: TreeNode) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (self.key(node), self._seq, node))
+        if len(self._heap) > 2 * len(self._members) + 64:
+            self._compact()
+
+    def _compact(self) -> None:
+        key = self.key
+        self._heap = [(key(n), i, n) for i, n in enumerate(self._members.values())]
+        self._seq = len(self._heap)
+        heapq.heapify(self._heap)
+
+    def order_violations(self, name: str) -> list[str]:
+        """Members without a heap entry at or below their current key (the lazy heap's invariant)."""
+        best: dict[int, tuple] = {}
+        for k, _, node in self._heap:
+            if self._members.get(node.id) is node and (node.id not in best or k < best[node.id]):
+                best[node.id] = k
+        return [f"{name} candidate {nid} has no heap entry at or below its key"
+                for nid, node in self._members.items() if nid not in best or best[nid] > self.key(node)]
+
+
+class Eviction:
+    """Candidate sets of both tiers, eviction passes and backups.
+
+    Interface: ``evict``, ``evict_host``, ``evict_node``, ``try_backup``,
+    ``write_behind``; ``sort_key``; ``add_locks`` / ``add_pins`` (the only
+    way refs change); hooks the driver calls when a node changes:
+    ``state_changed``, ``child_added``, ``split``, ``removed``, ``refresh``;
+    ``rebuild`` (after reset or a fork); ``is_device_candidate`` /
+    ``is_host_candidate`` (the from-scratch definitions) and ``violations``
+    (maintained sets == recomputation).
+    """
+
+    def __init__(self, cache: "HiCache") -> None:
+        self.cache = cache
+        self.sort_key = POLICY_KEYS[cache.config.eviction_policy]
+        self.device = CandidateSet(self.sort_key)
+        self.host = CandidateSet(self.sort_key)
+
+    # ------------------------------------------------------------------ the definitions (from scratch)
+
+    @staticmethod
+    def is_device_candidate(node: TreeNode) -> bool:
+        """Unlocked, device-evictable, and no child on (or coming to) the device."""
+        if node.parent is None or node.state not in DEVICE_EVICTABLE or node.lock_ref != 0:
+            return False
+        return not any(c.state in RESIDENT for c in node.children.values())
+
+    @staticmethod
+    def is_host_candidate(node: TreeNode) -> bool:
+        """Host-only and settled, host copy unpinned, and a leaf (a host-only inner node would orphan its subtree)."""
+        return node.parent is not None and node.state in HOST_EVICTABLE and node.host_ref == 0 and not node.children
+
+    # ------------------------------------------------------------------ maintenance hooks
+
+    def refresh(self, node: TreeNode) -> None:
+        """Re-decide ``node``'s membership in both sets from its fields (O(1))."""
+        if node.parent is None:
+            return
+        if node.state in DEVICE_EVICTABLE and node.lock_ref == 0 and node.resident_children == 0:
+            self.device.add(node)
+        else:
+            self.device.discard(node)
+        if node.state in HOST_EVICTABLE and node.host_ref == 0 and not node.children:
+            self.host.add(node)
+        else:
+            self.host.discard(node)
+
+    def state_changed(self, node: TreeNode, old: str) -> None:
+        """The driver moved ``node`` out of state ``old``: its parent may gain or lose a device child."""
+        now = node.state in RESIDENT
+        if (old in RESIDENT) != now:
+            parent = node.parent
+            if parent is not None:
+                parent.resident_children += 1 if now else -1
+                self.refresh(parent)
+        self.refresh(node)
+
+    def add_locks(self, nodes, delta: int) -> None:
+        """Add ``delta`` to the lock refs of ``nodes`` (a chain); membership changes where a ref crosses zero."""
+        for n in nodes:
+            n.lock_ref += delta
+            if n.lock_ref == 0 or n.lock_ref == delta:  # was or is now zero
+                self.refresh(n)
+
+    def add_pins(self, nodes, delta: int) -> None:
+        """Add ``delta`` to the host pins of ``nodes``; membership changes where a pin crosses zero."""
+        for n in nodes:
+            n.host_ref += delta
+            if n.host_ref == 0 or n.host_ref == delta:  # was or is now zero
+                self.refresh(n)
+
+    def child_added(self, node: TreeNode) -> None:
+        node.resident_children = 0
+        self.refresh(node.parent)
+
+    def split(self, node: TreeNode, upper: TreeNode) -> None:
+        """``upper`` took ``node``'s place under its parent, same state: only ``upper`` is new."""
+        upper.resident_children = 1 if node.state in RESIDENT else 0
+        self.refresh(upper)
+
+    def removed(self, node: TreeNode, parent: TreeNode) -> None:
+        self.device.discard(node)
+        self.host.discard(node)
+        if node.state in RESIDENT:
+            parent.resident_children -= 1
+        self.refresh(parent)
+
+    def rebuild(self) -> None:
+        """Recompute both sets and the device-child counts from the tree (reset, forks)."""
+        self.device.clear()
+        self.host.clear()
+        nodes = list(self.cache.tree.nodes())
+        for n in nodes:
+            n.resident_children = sum(1 for c in n.children.values() if c.state in RESIDENT)
+        for n in nodes:
+            self.refresh(n)
+
+    def violations(self) -> list[str]:
+        """The maintained sets and counts against a recomputation from scratch (an invariant)."""
+        problems = []
+        nodes = list(self.cache.tree.nodes())
+        for n in nodes:
+            count = sum(1 for c in n.children.values() if c.state in RESIDENT)
+            if n.resident_children != count:
+                problems.append(f"node {n.id} counts {n.resident_children} children on the device, has {count}")
+        for name, cset, pred in (("device", self.device, self.is_device_candidate),
+                                 ("host", self.host, self.is_host_candidate)):
+            want = {n.id for n in nodes if pred(n)}
+            have = cset.ids()
+            if want != have:
+                problems.append(f"{name} eviction candidates {sorted(have)[:8]} != recomputed {sorted(want)[:8]} "
+                                f"(missing {sorted(want - have)[:8]}, extra {sorted(have - want)[:8]})")
+            problems += cset.order_violations(name)
+        return problems
+
+    # ------------------------------------------------------------------ backups
+
+    def try_backup(self, node: TreeNode) -> bool:
+        """Back a device-only node up to host, evicting host KV for room; False if the host stays full."""
+        cache = self.cache
+        if cache.cp is not None:  # CP: owned pages only, copied layer by layer (hicache_fsm.layer_write)
+            return cache.cp.backup(node)
+        host = cache.host_allocator
+        if host.available_tokens < node.num_tokens:
+            self.evict_host(node.num_tokens - host.available_tokens)
+        try:
+            cache.driver.fire(node, "backup")
+        except GuardRejected:  # host still full after host eviction
+            cache.counters["backup_host_full"] += 1
+            return False
+        return True
+
+    def write_behind(self) -> None:
+        """``write_behind``: back up device-only nodes that went cold, coldest first, within the batch budget."""
+        cache = self.cache
+        idle = cache.config.write_behind_idle_steps
+        budget = cache.config.write_behind_batch_tokens
+        polls = cache.driver.polls
+        cold = sorted(
+            (n for n in cache.tree.nodes() if n.state == "device" and polls - n.last_poll >= idle),
+            key=lambda n: (n.last_access, n.id),
+        )
+        for node in cold:
+            if node.num_tokens > budget:
+                break
+            if not self.try_backup(node):
+                break  # host full even after host eviction: try again next poll
+            budget -= node.num_tokens
+            cache.counters["write_behind_tokens"] += node.num_tokens
+
+    # ------------------------------------------------------------------ device eviction
+
+    def evict(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` device tokens if possible (see ``HiCache.evict``); returns tokens freed."""
+        cache = self.cache
+        tried: set[int] = set()
+        freed, _ = self.device_pass(num_tokens, tried)
+        outbox = cache.outbox
+        while freed < num_tokens and cache.executor_can_block() and outbox.has_pending(JobKind.D2H):
+            outbox.flush()
+            cache.executor.synchronize()
+            outbox.apply(cache.executor.poll())
+            more, started = self.device_pass(num_tokens - freed, tried)
+            freed += more
+            if not more and not started:
+                break
+        return freed
+
+    def device_pass(self, num_tokens: int, tried: set[int]) -> tuple[int, int]:
+        """Take device candidates in policy order until ``num_tokens`` are freed; (freed, backups started).
+
+        A device-only candidate under write_back / write_behind (or with
+        host-only children) is backed up instead, once per ``tried``; it is
+        evicted by a later pass once the copy lands.
+        """
+        cache = self.cache
+        driver = cache.driver
+        counters = cache.counters
+        candidates = self.device
+        freed = started = 0
+        keep_unbacked = cache.config.write_policy in ("write_back", "write_behind")
+        skipped: list[TreeNode] = []
+        try:
+            while freed < num_tokens:
+                node = candidates.pop()
+                if node is None:
+                    break
+                if node.state == "device":
+                    if keep_unbacked or node.children:
+                        skipped.append(node)
+                        if node.id in tried:
+                            continue
+                        tried.add(node.id)
+                        if self.try_backup(node):
+                            started += 1
+                            continue
+                        if node.children:
+                            continue  # dropping it would orphan its host-only children
+                        skipped.pop()
+                        counters["dropped_unbacked_tokens"] += node.num_tokens
+                    freed += node.num_tokens
+                    driver.fire(node, "drop")
+                    driver.remove(node)
+                else:
+                    freed += node.num_tokens
+                    driver.fire(node, "evict_device")
+                counters["evicted_device_tokens"] += node.num_tokens
+        finally:
+            for node in skipped:
+                candidates.restore(node)
+        return freed, started
+
+    def evict_node(self, node: TreeNode) -> int:
+        """Take one live node's KV off the device now (see ``HiCache.evict_node``); returns tokens freed."""
+        cache = self.cache
+        driver = cache.driver
+        if node.lock_ref:
+            raise LockError(f"node {node.id} is locked ({node.lock_ref} lock(s)); unlock it before evicting")
+        if node.state not in DEVICE_EVICTABLE:
+            raise GuardRejected("residency", node.state, "evict_device", f"node {node.id} is not evictable now")
+        resident = [c.id for c in node.children.values() if c.state in RESIDENT]
+        if resident:
+            raise GuardRejected("residency", node.state, "evict_device", f"node {node.id} has children {resident} on the device")
+        if node.state == "device":
+            if node.children:
+                raise GuardRejected("residency", node.state, "drop", f"node {node.id} has host-only children; back it up first")
+            policy = cache.config.write_policy
+            if policy in ("write_back", "write_behind"):
+                raise GuardRejected("residency", node.state, "drop",
+                                    f"node {node.id} is not backed up under {policy}; back it up first")
+            driver.fire(node, "drop")
+            driver.remove(node)
+        else:
+            driver.fire(node, "evict_device")
+        cache.counters["evicted_device_tokens"] += node.num_tokens
+        return node.num_tokens
+
+    # ------------------------------------------------------------------ host eviction
+
+    def evict_host(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` host tokens of host candidates, in policy order; returns tokens freed."""
+        cache = self.cache
+        driver = cache.driver
+        candidates = self.host
+        freed = 0
+        while freed < num_tokens:
+            node = candidates.pop()
+            if node is None:
+                break
+            freed += node.num_tokens
+            driver.fire(node, "evict_host")
+            driver.remove(node)
+        cache.counters["evicted_host_tokens"] += freed
+        return freed

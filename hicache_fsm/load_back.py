@@ -1,0 +1,148 @@
+"""Load-back: bring an evicted chain from host memory back to the device, all or nothing.
+
+``LoadBacks.load_back`` finds the host-only chain above a node, makes device
+room (evicting with the chain's anchor locked and its host copies pinned),
+fires ``load`` on every node of the chain and emits one H2D job for all of
+them, whose wait is the returned ``LoadHandle``. ``load_failed`` handles a
+failed H2D job: nodes go back to host-only when safe, else the load is retried
+into the same slots.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from hicache_fsm.bindings.residency import LOADING
+from hicache_fsm.errors import GuardRejected
+from hicache_fsm.eviction import RESIDENT, REVIVABLE
+from hicache_fsm.jobs import JobKind, TransferJob
+from hicache_fsm.radix import TreeNode
+from hicache_fsm.results import LoadBack, LoadHandle
+
+if TYPE_CHECKING:
+    from hicache_fsm.cache import HiCache
+
+
+class LoadBacks:
+    """Host-to-device loads of evicted chains.
+
+    Interface: ``load_back`` (after the facade validated the node),
+    ``evicted_chain``, ``loading_deps``, ``start`` (emit one H2D job for
+    nodes already fired into ``loading``), ``load_failed`` (completion path).
+    """
+
+    def __init__(self, cache: "HiCache") -> None:
+        self.cache = cache
+
+    def evicted_chain(self, node: TreeNode) -> tuple[list[TreeNode], TreeNode]:
+        """The host-only chain ending at ``node`` (top-down) and the resident ancestor above it."""
+        chain: list[TreeNode] = []
+        tree = self.cache.tree
+        anchor = tree.root
+        for n in tree.path_to_root(node):
+            if n.state in RESIDENT:
+                anchor = n
+                break
+            if n.state not in REVIVABLE:
+                raise GuardRejected("residency", n.state, "load", f"node {n.id} has no host copy to load")
+            chain.append(n)
+        chain.reverse()
+        return chain, anchor
+
+    def loading_deps(self, nodes) -> list[LoadHandle]:
+        """Handles of in-flight loads covering any of ``nodes`` (their layers must land first)."""
+        deps: list[LoadHandle] = []
+        outbox = self.cache.outbox
+        for n in nodes:
+            for h in outbox.handles_of(n):
+                if h not in deps:
+                    deps.append(h)
+        return deps
+
+    def load_back(self, node: TreeNode) -> LoadBack | None:
+        """See ``HiCache.load_back``."""
+        cache = self.cache
+        tree = cache.tree
+        chain, anchor = self.evicted_chain(node)
+        if not chain:
+            return None
+        total = sum(n.num_tokens for n in chain)
+        cfg = cache.config
+        if total < cfg.load_back_threshold or (cfg.load_back_max_tokens is not None and total > cfg.load_back_max_tokens):
+            cache.counters["load_back_skipped"] += 1
+            return None
+        device = cache.device_allocator
+        if device.available_tokens < total:
+            # the anchor (and so its ancestors) must stay on the device, and the
+            # chain's host copies must survive host eviction done by backups
+            anchor_path = [] if anchor.is_root else list(tree.path_to_root(anchor))
+            eviction = cache.eviction
+            eviction.add_locks(anchor_path, 1)
+            eviction.add_pins(chain, 1)
+            try:
+                eviction.evict(total - device.available_tokens + cfg.eviction_headroom_tokens)
+            finally:
+                eviction.add_pins(chain, -1)
+                eviction.add_locks(anchor_path, -1)
+            if device.available_tokens < total:
+                cache.counters["load_back_device_full"] += 1
+                return None
+            if not all(tree.owns(n) for n in chain) or self.evicted_chain(node) != (chain, anchor):
+                cache.counters["load_back_raced"] += 1  # completions applied while waiting changed the chain
+                return None
+        loading_above = []
+        for n in tree.path_to_root(anchor) if not anchor.is_root else ():
+            if n.state not in LOADING:
+                break
+            loading_above.append(n)
+        deps = self.loading_deps(loading_above)
+        if cache.cp is not None and cache.cp.prepare_load(chain) is None:  # CP: replay the saved owner pattern
+            cache.counters["load_back_device_full"] += 1
+            return None
+        driver = cache.driver
+        for n in chain:
+            driver.fire(n, "load", emit=False)
+        handle = LoadHandle(cache, deps)
+        device_indices = torch.cat([n.device_indices for n in chain]) if len(chain) > 1 else chain[0].device_indices
+        self.start(chain, handle)
+        cache.counters["loaded_back_tokens"] += total
+        return LoadBack(device_indices, tuple(chain), handle)
+
+    def start(self, nodes: list[TreeNode], handle: LoadHandle) -> TransferJob:
+        """Emit one H2D job for ``nodes`` (already ``loading``, top-down); ``handle`` binds to its batch."""
+        cache = self.cache
+        if cache.cp is not None:  # CP: only this rank's pages move (an empty job if it owns none)
+            job = cache.cp.load_job(nodes)
+        else:
+            host = torch.cat([n.host_indices for n in nodes]) if len(nodes) > 1 else nodes[0].host_indices
+            device = torch.cat([n.device_indices for n in nodes]) if len(nodes) > 1 else nodes[0].device_indices
+            job = TransferJob(
+                JobKind.H2D, tuple(n.id for n in nodes), host, device,
+                draft_host_indices=host if cache.draft_host_pool is not None else None,
+            )
+        cache.outbox.emit_load(job, handle)
+        return job
+
+    def load_failed(self, nodes: list[TreeNode], handle: LoadHandle | None) -> None:
+        """Nodes whose load failed go back to host-only when safe, else the load is retried in place.
+
+        Safe = unlocked and no child on (or coming to) the device. Deepest
+        first, so a chain's lower part can leave while a locked upper part
+        (or one with other resident children) is retried.
+        """
+        cache = self.cache
+        depth = {n.id: sum(1 for _ in cache.tree.path_to_root(n)) for n in nodes}
+        retry: list[TreeNode] = []
+        for node in sorted(nodes, key=lambda n: -depth[n.id]):
+            if node.lock_ref == 0 and not any(c.state in RESIDENT for c in node.children.values()):
+                cache.driver.fire(node, "load_failed")
+            else:
+                retry.append(node)
+        if retry:
+            retry.reverse()  # top-down
+            cache.counters["load_retries"] += 1
+            self.start(retry, handle if handle is not None else LoadHandle(cache))
+            if handle is not None:
+                handle.unbind()

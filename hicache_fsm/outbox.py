@@ -1,0 +1,269 @@
+"""Jobs between emission and acknowledgement: the outbox, the pending table and the ledger.
+
+A transition names job kinds; the residency driver builds the jobs and hands
+them to ``Outbox.emit``. Executor jobs (D2H, H2D) wait in the queue until
+``flush`` merges them into one batch per kind; storage jobs (H2S, S2H) go
+straight to the storage tier. Every emitted job stays pending until its
+completion is applied by ``apply``, which fires ``*_done`` / ``*_failed`` on
+the nodes it covers. ``JobLedger`` counts how every job ended.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Iterable
+
+import attrs
+
+from hicache_fsm.errors import UnknownJob
+from hicache_fsm.jobs import Completion, JobBatch, JobKind, TransferJob, merge_jobs
+from hicache_fsm.radix import TreeNode
+from hicache_fsm.results import LoadHandle
+
+if TYPE_CHECKING:  # the facade composes the parts; parts only read its public attributes
+    from hicache_fsm.cache import HiCache
+
+log = logging.getLogger("hicache_fsm.cache")
+
+STORAGE_KINDS = frozenset({JobKind.H2S, JobKind.S2H})  # run by the storage tier, not the executor
+_DONE_TRIGGER = {JobKind.D2H: "write_done", JobKind.H2D: "load_done", JobKind.H2S: "store_done"}
+_FAIL_TRIGGER = {JobKind.D2H: "write_failed", JobKind.H2D: "load_failed", JobKind.H2S: "store_failed"}
+_JOBS_KEY = {k: f"jobs_{k.value}" for k in JobKind}
+_BYTES_KEY = {k: f"bytes_{k.value}" for k in JobKind}
+_FAILED_KEY = {k: f"failed_{k.value}" for k in JobKind}
+
+
+@attrs.define
+class JobLedger:
+    """How every emitted job ended, in memory that stays bounded on a long-running server.
+
+    The counts cover the cache's whole life, so "every emitted job is pending
+    or ended exactly once" is an equation. Ids are remembered for the last
+    ``window`` ended jobs only: enough to tell a re-delivered ack (an error) or
+    a late ack of a job ``reset`` cancelled (ignored) from an unknown job.
+    """
+
+    window: int = 65536
+    emitted: int = 0
+    acked: int = 0
+    failed: int = 0
+    cancelled: int = 0
+    recent: dict[int, str] = attrs.Factory(dict)  # job id -> "acked" | "failed" | "cancelled", oldest first
+
+    def ended(self, job_id: int, how: str) -> None:
+        """Record that ``job_id`` ended ``how``: "acked", "failed" or "cancelled"."""
+        setattr(self, how, getattr(self, how) + 1)
+        recent = self.recent
+        recent[job_id] = how
+        if len(recent) > self.window:
+            del recent[next(iter(recent))]
+
+    def copy(self) -> "JobLedger":
+        return JobLedger(self.window, self.emitted, self.acked, self.failed, self.cancelled, dict(self.recent))
+
+
+def batches(jobs: list[TransferJob]) -> list[JobBatch]:
+    """``merge_jobs``, without concatenating the indices of a group that has one job."""
+    if len(jobs) == 1:
+        j = jobs[0]
+        return [JobBatch(j.kind, (j,), j.host_indices, j.device_indices, j.layer, j.draft_host_indices)]
+    return merge_jobs(jobs)
+
+
+class Outbox:
+    """Pending jobs of one cache, from ``emit`` to the completion that ends them.
+
+    Interface: ``emit`` / ``emit_load`` (register and queue), ``flush`` (start
+    queued jobs), ``check`` / ``apply`` (completions), ``enrol_split`` (a node
+    split mid-transfer), ``cancel_all`` (reset); read-only views
+    ``pending_ids``, ``pending_jobs``, ``queued_jobs``, ``nodes_of``,
+    ``handles_of``, ``has_pending``, ``is_pending``.
+    """
+
+    def __init__(self, cache: "HiCache") -> None:
+        self.cache = cache
+        self._queued: list[TransferJob] = []
+        self._pending: dict[int, TransferJob] = {}
+        self._job_nodes: dict[int, list[TreeNode]] = {}
+        self._load_handles: list[LoadHandle] = []  # handles whose load is still queued
+        self._job_handle: dict[int, LoadHandle] = {}  # pending h2d job -> the handle waiting on it
+        self.ledger = JobLedger()
+
+    # ------------------------------------------------------------------ read-only views
+
+    def pending_ids(self) -> list[int]:
+        """Ids of jobs emitted and not yet acknowledged (queued or running), oldest first."""
+        return list(self._pending)
+
+    def pending_jobs(self) -> list[TransferJob]:
+        return list(self._pending.values())
+
+    def queued_jobs(self) -> list[TransferJob]:
+        """Jobs emitted but not yet handed to the executor (``flush`` starts them)."""
+        return list(self._queued)
+
+    def is_pending(self, job_id: int) -> bool:
+        return job_id in self._pending
+
+    def has_pending(self, kind: JobKind) -> bool:
+        return any(j.kind is kind for j in self._pending.values())
+
+    def count(self, kinds: frozenset[JobKind] | None = None) -> int:
+        if kinds is None:
+            return len(self._pending)
+        return sum(1 for j in self._pending.values() if j.kind in kinds)
+
+    def nodes_of(self, job_id: int) -> tuple[TreeNode, ...]:
+        """The nodes a pending job covers (halves of a split node included)."""
+        return tuple(self._job_nodes.get(job_id, ()))
+
+    def handles_of(self, node: TreeNode) -> list[LoadHandle]:
+        """Load handles of the pending loads covering ``node``."""
+        return [self._job_handle[j] for j in node.pending_jobs if j in self._job_handle]
+
+    # ------------------------------------------------------------------ emission
+
+    def emit(self, job: TransferJob, nodes: list[TreeNode] | None = None) -> None:
+        """Register ``job`` as pending on its nodes (``nodes``: those of ``job.node_ids``, when at hand) and queue it."""
+        cache = self.cache
+        if nodes is None:
+            nodes = [cache.tree.get(n) for n in job.node_ids]
+        for n in nodes:
+            n.pending_jobs.add(job.id)
+        self._job_nodes[job.id] = nodes
+        self._pending[job.id] = job
+        self.ledger.emitted += 1
+        if job.kind in STORAGE_KINDS:
+            cache.storage.submit(job)
+        else:
+            self._queued.append(job)
+        cache.counters[_JOBS_KEY[job.kind]] += 1
+        driver = cache.driver
+        if driver.observed:
+            driver.notify({"event": "job", "job": job.id, "kind": job.kind.value, "nodes": list(job.node_ids),
+                           "tokens": job.num_tokens})
+
+    def emit_load(self, job: TransferJob, handle: LoadHandle) -> None:
+        """``emit`` an H2D job whose executor wait ``handle`` binds to when it is started."""
+        self.emit(job)
+        self._job_handle[job.id] = handle
+        self._load_handles.append(handle)
+
+    def enrol_split(self, upper: TreeNode) -> None:
+        """A node split mid-transfer: its new upper half is covered by the same jobs."""
+        for job_id in upper.pending_jobs:
+            nodes = self._job_nodes.get(job_id)
+            if nodes is not None:
+                nodes.append(upper)
+
+    def flush(self) -> None:
+        """Merge queued jobs into one batch per kind and start them; a refused batch stays queued."""
+        if not self._queued:
+            return
+        jobs, self._queued = self._queued, []
+        handles, self._load_handles = self._load_handles, []
+        groups = batches(jobs)
+        executor = self.cache.executor
+        for i, batch in enumerate(groups):
+            try:
+                wait = executor.submit(batch)
+            except BaseException:
+                self._queued = [j for b in groups[i:] for j in b.jobs] + self._queued
+                if any(b.kind is JobKind.H2D for b in groups[i:]):
+                    self._load_handles = handles + self._load_handles
+                raise
+            if batch.kind is JobKind.H2D:
+                for h in handles:
+                    h.bind(wait)
+
+    # ------------------------------------------------------------------ completions
+
+    def check(self, c: object) -> None:
+        """Raise ``UnknownJob`` unless ``c`` is a completion of a pending (or reset-cancelled) job."""
+        if not isinstance(c, Completion):
+            raise UnknownJob(f"expected a Completion, got {type(c).__name__}")
+        if c.job_id in self._pending:
+            return
+        how = self.ledger.recent.get(c.job_id)
+        if how == "cancelled":
+            return
+        if how is not None:
+            raise UnknownJob(f"job {c.job_id} was already acknowledged ({how})")
+        raise UnknownJob(f"job {c.job_id!r} is not a job of this cache")
+
+    def apply(self, completions: Iterable[Completion]) -> None:
+        """Apply each completion: fire ``*_done`` / ``*_failed`` on its nodes; unknown ones raise at the end."""
+        cache = self.cache
+        driver = cache.driver
+        counters = cache.counters
+        errors: list[str] = []
+        for c in completions:
+            try:
+                self.check(c)
+            except UnknownJob as exc:
+                errors.append(str(exc))
+                continue
+            job = self._pending.pop(c.job_id, None)
+            if job is None:  # cancelled by reset
+                counters["late_cancelled_completions"] += 1
+                continue
+            self.ledger.ended(c.job_id, "acked" if c.ok else "failed")
+            nodes = self._job_nodes.pop(c.job_id)
+            for node in nodes:
+                node.pending_jobs.discard(c.job_id)
+            handle = self._job_handle.pop(c.job_id, None)
+            if job.kind is JobKind.S2H:
+                continue
+            if job.layer is not None and cache.cp is not None:  # a CP per-layer copy: the runtime acks once
+                cache.cp.layer_job_finished(job, c.ok)
+                continue
+            if c.ok:
+                trigger = _DONE_TRIGGER[job.kind]
+                for node in nodes:
+                    driver.fire(node, trigger)
+                counters[_BYTES_KEY[job.kind]] += job.num_tokens * cache.token_bytes
+                if cache.storage is not None and job.kind is JobKind.D2H and cache.storage_attached:
+                    for node in nodes:
+                        if driver.can_fire(node, "store"):
+                            driver.fire(node, "store")
+            else:
+                counters[_FAILED_KEY[job.kind]] += 1
+                log.warning("job %d (%s) failed: %s", c.job_id, job.kind.value, c.error)
+                if job.kind is JobKind.H2D:
+                    cache.loads.load_failed(nodes, handle)
+                else:
+                    for node in nodes:
+                        driver.fire(node, _FAIL_TRIGGER[job.kind])
+            if driver.observed:
+                driver.notify({"event": "completion", "job": c.job_id, "ok": c.ok})
+        if errors:
+            raise UnknownJob("; ".join(errors))
+
+    def forget(self, job_id: int) -> None:
+        """Drop a pending job without ending it in the ledger (tests that break the ledger on purpose)."""
+        del self._pending[job_id]
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def cancel_all(self) -> None:
+        """``reset``: every pending job ends cancelled; queued loads' handles report ``LoadCancelled``."""
+        for job_id in self._pending:
+            self.ledger.ended(job_id, "cancelled")
+        for h in self._load_handles:
+            h.cancelled = True
+        self._queued.clear()
+        self._pending.clear()
+        self._job_nodes.clear()
+        self._load_handles.clear()
+        self._job_handle.clear()
+
+    def fork(self, cache: "HiCache", memo: dict, fork_handle) -> "Outbox":
+        """A copy for ``cache`` (a fork): nodes and handles through ``memo`` / ``fork_handle``, jobs shared."""
+        new = Outbox(cache)
+        new._queued = list(self._queued)
+        new._pending = dict(self._pending)
+        new._job_nodes = {j: [memo[id(n)] for n in nodes] for j, nodes in self._job_nodes.items()}
+        new._load_handles = [fork_handle(h) for h in self._load_handles]
+        new._job_handle = {k: fork_handle(h) for k, h in self._job_handle.items()}
+        new.ledger = self.ledger.copy()
+        return new

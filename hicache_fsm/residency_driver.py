@@ -1,0 +1,183 @@
+"""The residency driver: the one place that moves nodes through the residency machine.
+
+Every residency transition goes through ``ResidencyDriver.fire``: it fires the
+trigger on the compiled machine, builds the jobs the transition emits and
+hands them to the outbox, tells eviction that a node's state changed (so the
+candidate sets stay current), and reports the transition to observers. The
+driver also owns what changes the tree's shape (``add_child``, ``split``,
+``remove``), the cache's logical clock (``tick``, ``touch``) and the walk
+memo that lets ``insert`` reuse ``match_prefix``'s walk.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Hashable
+
+from hicache_fsm.errors import BadIndices, UnknownNode
+from hicache_fsm.jobs import JobKind, TransferJob
+from hicache_fsm.radix import TreeNode
+
+if TYPE_CHECKING:
+    from hicache_fsm.cache import HiCache
+    from hicache_fsm.machine import CompiledMachine, CompiledTransition
+
+
+class ResidencyDriver:
+    """Fires residency triggers and keeps the tree's shape, the clock and observers.
+
+    Interface: ``fire``, ``can_fire``, ``build_job``; ``add_child``,
+    ``split``, ``remove``, ``walk``, ``walk_splitting``, ``require_node``;
+    ``tick``, ``touch``, ``count_poll``, ``clock``, ``polls``;
+    ``add_observer``, ``remove_observer``, ``notify``, ``observed``.
+    """
+
+    def __init__(self, cache: "HiCache", machine: "CompiledMachine") -> None:
+        self.cache = cache
+        self.machine = machine
+        self.clock = 0
+        self.polls = 0
+        self._memo: tuple | None = None  # the last tree walk (see walk)
+        self._observers: list[Callable[[dict], None]] = []
+
+    # ------------------------------------------------------------------ clock
+
+    def tick(self) -> int:
+        """Advance the logical clock (recency of matches and inserts); returns the new time."""
+        self.clock += 1
+        return self.clock
+
+    def touch(self, node: TreeNode, now: int | None = None) -> None:
+        """Mark ``node`` used now: its recency and its poll count (write_behind coldness)."""
+        node.last_access = self.tick() if now is None else now
+        node.last_poll = self.polls
+
+    def count_poll(self) -> int:
+        self.polls += 1
+        return self.polls
+
+    # ------------------------------------------------------------------ observers
+
+    @property
+    def observed(self) -> bool:
+        return bool(self._observers)
+
+    def add_observer(self, fn: Callable[[dict], None]) -> None:
+        self._observers.append(fn)
+
+    def remove_observer(self, fn: Callable[[dict], None]) -> None:
+        self._observers.remove(fn)
+
+    def notify(self, event: dict) -> None:
+        for fn in self._observers:
+            fn(event)
+
+    # ------------------------------------------------------------------ transitions
+
+    def fire(self, node: TreeNode, trigger: str, ctx: object = None, emit: bool = True) -> "CompiledTransition":
+        """Fire ``trigger`` on ``node`` (guards and effects see ``ctx``, the cache by default).
+
+        Emits the transition's jobs unless ``emit`` is False (a caller that
+        builds one job for several nodes, such as a load-back). Raises
+        ``InvalidTransition`` / ``GuardRejected`` with nothing changed.
+        """
+        cache = self.cache
+        old = node.state
+        transition = self.machine.fire(node, trigger, cache if ctx is None else ctx)
+        if node.state != old:
+            cache.eviction.state_changed(node, old)
+        if emit:
+            for kind in transition.emits:
+                cache.outbox.emit(self.build_job(kind, node), [node])
+        if self._observers:
+            self.notify({"event": "transition", "machine": "residency", "node": node.id, "trigger": trigger,
+                         "source": transition.source, "dest": transition.dest})
+        return transition
+
+    def can_fire(self, node: TreeNode, trigger: str) -> bool:
+        return self.machine.can_fire(node, trigger, self.cache)
+
+    def build_job(self, kind: JobKind, node: TreeNode) -> TransferJob:
+        """The job a transition of ``node`` emits: its slots, or its storage keys for H2S."""
+        cache = self.cache
+        if kind is JobKind.H2S:
+            return TransferJob(kind, (node.id,), node.host_indices, keys=cache.storage.keys_for(node))
+        draft = node.host_indices if cache.draft_host_pool is not None else None
+        return TransferJob(kind, (node.id,), node.host_indices, node.device_indices, draft_host_indices=draft)
+
+    # ------------------------------------------------------------------ tree shape
+
+    def require_node(self, node: object) -> TreeNode:
+        """``node`` if it is a live non-root node of this cache, else ``UnknownNode``."""
+        if not isinstance(node, TreeNode) or node.is_root or not self.cache.tree.owns(node):
+            raise UnknownNode(f"{node!r} is not a live node of this cache (removed, split off, or from another cache)")
+        return node
+
+    def add_child(self, parent: TreeNode, tokens: tuple, namespace: Hashable, start: int) -> TreeNode:
+        """A new node (state ``absent``) for ``tokens[start:]`` under ``parent``; fire its first trigger next."""
+        node = self.cache.tree.add_child(parent, tokens, namespace, start)
+        self.cache.eviction.child_added(node)
+        return node
+
+    def split(self, node: TreeNode, at: int) -> TreeNode:
+        """Split ``node`` after ``at`` tokens (see ``RadixTree.split``); in-flight jobs cover both halves."""
+        cache = self.cache
+        upper = cache.tree.split(node, at)
+        if cache.cp is not None:  # CP host slots cover owned pages only: split them by ownership
+            cache.cp.on_split(node, upper, at)
+        cache.outbox.enrol_split(upper)
+        cache.eviction.split(node, upper)
+        if self._observers:
+            self.notify({"event": "split", "node": node.id, "upper": upper.id, "at": at})
+        return upper
+
+    def remove(self, node: TreeNode) -> None:
+        """Take a leaf that left every tier (after ``drop`` / ``evict_host``) out of the tree."""
+        parent = node.parent
+        self.cache.tree.remove_leaf(node)
+        self.cache.eviction.removed(node, parent)
+        if self._observers:
+            self.notify({"event": "removed", "node": node.id})
+
+    def walk(self, tokens: tuple, namespace: Hashable) -> tuple[list[TreeNode], int, int]:
+        """``tree.walk``, remembered for the same token tuple while the tree keeps its shape.
+
+        An engine calls ``match_prefix(tokens)`` and then ``insert(tokens, ...)``
+        with the same prefix; comparing thousands of token ids twice is the
+        largest cost of a request, so the second walk reuses the first when
+        nothing was split, added or removed in between (tuples are immutable).
+        """
+        memo = self._memo
+        tree = self.cache.tree
+        if memo is not None and memo[0] is tokens and memo[2] is tree and memo[3] == tree.version and (
+            memo[1] is namespace or memo[1] == namespace
+        ):
+            return memo[4]
+        try:
+            result = tree.walk(tokens, namespace)
+        except TypeError as exc:  # an unhashable namespace or token
+            raise BadIndices(f"namespace and token ids must be hashable: {exc}") from None
+        self._memo = (tokens, namespace, tree, tree.version, result)
+        return result
+
+    def walk_splitting(self, tokens: tuple, namespace: Hashable) -> tuple[list[TreeNode], int]:
+        """``walk``, splitting a node that matches only in part so the match ends on a node boundary."""
+        path, matched, partial = self.walk(tokens, namespace)
+        if partial:
+            tree = self.cache.tree
+            path = list(path)
+            parent = path[-1] if path else tree.root
+            child = parent.children[(namespace, tokens[matched : matched + tree.page_size])]
+            path.append(self.split(child, partial))
+            matched += partial
+            self._memo = (tokens, namespace, tree, tree.version, (path, matched, 0))
+        return path, matched
+
+    def forget_walk(self) -> None:
+        self._memo = None
+
+    def fork(self, cache: "HiCache") -> "ResidencyDriver":
+        """A copy driving ``cache`` (a fork): same machine and observers, same clock, no walk memo."""
+        new = ResidencyDriver(cache, self.machine)
+        new.clock, new.polls = self.clock, self.polls
+        new._observers = self._observers
+        return new
