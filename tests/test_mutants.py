@@ -57,13 +57,17 @@ def test_there_are_mutants_of_every_class():
 
 def _patchable():
     from hicache_fsm.cache import HiCache
+    from hicache_fsm.eviction import Eviction
     from hicache_fsm.layer_write import LayerWriteRuntime
+    from hicache_fsm.load_back import LoadBacks
+    from hicache_fsm.outbox import Outbox
     from hicache_fsm.radix import RadixTree
     from hicache_fsm.registry import registry_for
     from hicache_fsm.storage.prefetch import PrefetchOp, PrefetchRuntime
     from hicache_fsm.storage.tier import StorageTier
 
-    classes = (HiCache, RadixTree, StorageTier, PrefetchRuntime, PrefetchOp, LayerWriteRuntime)
+    classes = (HiCache, RadixTree, StorageTier, PrefetchRuntime, PrefetchOp, LayerWriteRuntime, Eviction, LoadBacks,
+               Outbox)
     return ([dict(vars(c)) for c in classes]
             + [dict(getattr(registry_for(m), kind)) for m in ("residency", "prefetch", "storage_link")
                for kind in ("effects", "guards")])

@@ -392,11 +392,6 @@ def _remake_views(pool, base, kv) -> None:
     d["kv"] = kv
 
 
-def fork_allocator(alloc):
-    """An independent copy of a page allocator in the same state (scratch buffers shared)."""
-    return _fork_allocator(alloc, {})
-
-
 def _fork_pool(pool, memo: dict, share_kv: bool = False):
     """Copy a KV pool (buffer cloned, views re-made), or share its buffer until ``own_kv``."""
     if pool is None:

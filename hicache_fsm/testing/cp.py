@@ -73,8 +73,6 @@ class CPAdapter(CacheAdapter):
         return [m for r in self.ranks for m in (r.cache.residency, r.writes.machine)]
 
     def clone(self) -> CPAdapter:
-        from hicache_fsm.testing.adapter import fork_allocator
-
         memo: dict = {}
         for r in self.ranks:  # compiled machines, specs and config never change: share them
             for shared in (r.cache.residency, r.writes.machine, r.cache.config, r.layout):
@@ -82,7 +80,7 @@ class CPAdapter(CacheAdapter):
             # allocators keep numpy views of scratch buffers that a deep copy would pull apart
             for pool in (r.pools.device, r.pools.host, r.pools.draft_host):
                 if pool is not None and id(pool.allocator) not in memo:
-                    memo[id(pool.allocator)] = fork_allocator(pool.allocator)
+                    memo[id(pool.allocator)] = pool.allocator.fork()
         return copy.deepcopy(self, memo)
 
     # ------------------------------------------------------------------ engine steps, on every rank

@@ -477,7 +477,7 @@ def _selective_early(p: Patcher) -> None:
     def _selective_backups(self, path):
         threshold = self.config.write_through_threshold
         for node in [n for n in path if n.state == "device" and n.hit_count >= threshold - 1]:
-            self._try_backup(node)
+            self.eviction.try_backup(node)
 
     p.setattr(HiCache, "_selective_backups", _selective_backups)
 
@@ -485,30 +485,32 @@ def _selective_early(p: Patcher) -> None:
 @_mutant("write_back_drops_only_copy", "write_back evicting the only copy without trying a backup",
          write_policy="write_back")
 def _drops_only_copy(p: Patcher) -> None:
-    HiCache = _cache().HiCache
-    orig = HiCache._evict_pass
+    Eviction = _eviction()
+    orig = Eviction.device_pass
 
-    def _evict_pass(self, num_tokens, tried, *a, **kw):
-        policy = self.config.write_policy
-        object.__setattr__(self.config, "write_policy", "write_through")  # eviction forgets the policy
+    def device_pass(self, num_tokens, tried):
+        config = self.cache.config
+        policy = config.write_policy
+        object.__setattr__(config, "write_policy", "write_through")  # eviction forgets the policy
         try:
-            return orig(self, num_tokens, tried, *a, **kw)
+            return orig(self, num_tokens, tried)
         finally:
-            object.__setattr__(self.config, "write_policy", policy)
+            object.__setattr__(config, "write_policy", policy)
 
-    p.setattr(HiCache, "_evict_pass", _evict_pass)
+    p.setattr(Eviction, "device_pass", device_pass)
 
 
 @_mutant("partial_load_back", "partial load-back (only the top of an evicted chain comes back)")
 def _partial_load_back(p: Patcher) -> None:
-    HiCache = _cache().HiCache
-    orig = HiCache._evicted_chain
+    from hicache_fsm.load_back import LoadBacks
 
-    def _evicted_chain(self, node):
+    orig = LoadBacks.evicted_chain
+
+    def evicted_chain(self, node):
         chain, anchor = orig(self, node)
         return chain[:1], anchor
 
-    p.setattr(HiCache, "_evicted_chain", _evicted_chain)
+    p.setattr(LoadBacks, "evicted_chain", evicted_chain)
 
 
 @_mutant("load_back_indices_out_of_order", "load-back handing the engine the chain's slots out of order")
@@ -530,23 +532,24 @@ def _indices_order(p: Patcher) -> None:
 @_mutant("lock_leak_on_failed_load", "lock leaked on an error path (a failed load keeps the chain locked)")
 def _lock_leak(p: Patcher) -> None:
     from hicache_fsm.jobs import JobKind
+    from hicache_fsm.outbox import Outbox
 
-    HiCache = _cache().HiCache
-    orig = HiCache._apply
+    orig = Outbox.apply
 
-    def _apply(self, completions, *a, **kw):
+    def apply(self, completions):
         completions = list(completions)
         failed = [self._pending.get(c.job_id) for c in completions if not c.ok]
-        out = orig(self, completions, *a, **kw)
+        out = orig(self, completions)
+        tree = self.cache.tree
         for job in failed:
             if job is None or job.kind is not JobKind.H2D or not job.node_ids:
                 continue
-            node = self.tree.get(job.node_ids[0])
-            for n in ([] if node is None else self.tree.path_to_root(node)):
+            node = tree.get(job.node_ids[0])
+            for n in ([] if node is None else tree.path_to_root(node)):
                 n.lock_ref += 1  # the lock taken for the load is not released on the failure path
         return out
 
-    p.setattr(HiCache, "_apply", _apply)
+    p.setattr(Outbox, "apply", apply)
 
 
 def _layer_write():
