@@ -281,14 +281,16 @@ def default_families() -> list[tuple[str, Any, Any]]:
     from hicache_fsm.testing.explorer import Bounds
 
     memory = [(f"memory/{w}", Bounds(nodes=2, device_pages=2, host_pages=2, write_policy=w, max_states=800,
-                                     max_seconds=8), protocol_factory)
+                                     max_seconds=7), protocol_factory)
               for w in ("write_through", "write_back", "write_through_selective", "write_behind")]
-    storage = [(f"storage/{p}", Bounds(nodes=2, device_pages=2, host_pages=2, alphabet=1, max_len=2, max_locks=0,
+    # best_effort with two-page prompts (a cached prefix anchors a prefetch); the other stop policies with
+    # one-page prompts on a one-page device, where every storage state is a few steps deep
+    storage = [(f"storage/{p}", Bounds(nodes=2, device_pages=d, host_pages=2, alphabet=1, max_len=d, max_locks=0,
                                         max_pins=0, redeliver=False, storage=True, stop_policy=p,
-                                        write_policy=w, max_states=1200, max_seconds=12), protocol_factory)
-               for p, w in (("best_effort", "write_through"), ("wait_complete", "write_back"),
-                            ("timeout", "write_through"))]
+                                        write_policy=w, max_states=700, max_seconds=16), protocol_factory)
+               for p, w, d in (("best_effort", "write_through", 2), ("wait_complete", "write_back", 1),
+                               ("timeout", "write_through", 1))]
     cp = [(f"cp/{n}_ranks", Bounds(nodes=2, device_pages=2, host_pages=h, alphabet=1, max_len=2, redeliver=False,
-                                   write_policy="write_back", max_states=s, max_seconds=14), cp_factory(n))
+                                   write_policy="write_back", max_states=s, max_seconds=12), cp_factory(n))
           for n, h, s in ((1, 1, 250), (2, 2, 350))]
     return memory + storage + cp
