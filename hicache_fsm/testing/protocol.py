@@ -274,7 +274,7 @@ def default_families() -> list[tuple[str, Any, Any]]:
     Each family is explored breadth first up to a state budget
     (``Bounds.max_states``: the same states on every machine, so the coverage
     and the counterexamples are reproducible) under a time cap
-    (``Bounds.max_seconds``: about 100 s in all on two loaded cores); together
+    (``Bounds.max_seconds``: 100 s in all, about 60 s spent on two busy cores); together
     they reach every state of ``residency``, ``prefetch``, ``storage_link`` and
     ``layer_write``.
     """
