@@ -138,9 +138,6 @@ class BlockStoreAdapter:
     def take_evicted(self) -> list[Key]:
         return self.__dict__.pop("_evicted", [])
 
-    def supports(self, op: str) -> bool:
-        return getattr(type(self), op) is not getattr(BlockStoreAdapter, op)
-
 
 # =========================================================================== the reference model
 
