@@ -54,3 +54,20 @@ def import_lines(ref: str, name: str) -> str:
             f"{name} = _module.{attr}"
         )
     return f"from {where} import {attr} as {name}"
+
+
+def make_block_store(factory: Callable[..., Any], variant: dict) -> Any:
+    """``factory(**variant)`` when that makes a ``BlockStoreAdapter`` (the block-store profile), else None
+    (a prefix-cache factory: ``check`` calls those with the ``Bounds``)."""
+    from hicache_fsm.testing.blockstore import BlockStoreAdapter
+
+    try:
+        made = factory(**variant)
+    except TypeError:
+        return None
+    if isinstance(made, BlockStoreAdapter):
+        return made
+    close = getattr(made, "close", None)
+    if callable(close):
+        close()
+    return None

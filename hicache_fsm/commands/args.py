@@ -8,6 +8,7 @@ what a type cannot see (an adapter that does not import, a missing input file).
 from __future__ import annotations
 
 import argparse
+import json
 from typing import NoReturn
 
 
@@ -57,3 +58,13 @@ def adapter_ref(text: str) -> str:
         raise argparse.ArgumentTypeError(f"wants MODULE:CALLABLE or FILE.py:CALLABLE, got {text!r}")
     return text
 
+
+def json_kwargs(text: str) -> dict:
+    """``--variant JSON``: a JSON object of keyword arguments for an adapter factory."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("a JSON object of keyword arguments, e.g. '{\"bug\": \"capacity\"}'")
+    return value

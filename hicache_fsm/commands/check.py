@@ -1,5 +1,12 @@
 """Exhaustively explore the composed cache protocol within small bounds and check every invariant.
 
+With no bounds given, the whole protocol (``testing.protocol.default_families``):
+each write policy, storage attached with each prefetch stop policy (partial
+per-key results, attach / detach as actions), CP layer writes with draft
+layers on 1 and 2 ranks, each family up to its state budget (under a time cap); coverage is
+merged over the families (``--json``: ``"coverage": {machine: {"states":
+[hit, total], "transitions": [hit, total]}}``).
+
 Breadth-first over every reachable state of a cache with at most ``--nodes``
 radix nodes on ``--device-pages`` / ``--host-pages`` pages: every engine step
 (insert, match, lock, load back, back up, pin, evict) and every completion or
@@ -15,8 +22,11 @@ import argparse
 import json
 import sys
 
-from hicache_fsm.commands.args import UsageError, adapter_ref, non_negative_int, positive_float, positive_int
+from hicache_fsm.commands.args import UsageError, adapter_ref, json_kwargs, non_negative_int, positive_float, positive_int
 from hicache_fsm.config import EVICTION_POLICIES, WRITE_POLICIES
+
+
+DEFAULTS: dict = {}
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -41,12 +51,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-violations", type=positive_int, default=5, help="distinct violations to collect (default 5)")
     parser.add_argument("--adapter", metavar="MODULE:CALLABLE", type=adapter_ref,
                         help="explore your own cache: a callable taking the Bounds and returning a CacheAdapter")
+    parser.add_argument("--variant", metavar="JSON", type=json_kwargs,
+                        help="keyword arguments for a block-store --adapter factory, as a JSON object")
+    g.add_argument("--max-jobs", type=int, default=2, help="block stores: jobs in flight at once (default 2)")
+    g.add_argument("--max-entries", type=int, default=None, help="block stores: keys held in a state to expand")
     parser.add_argument("--coverage", action="store_true", help="print which spec states/transitions were reached")
     parser.add_argument("--record", metavar="FILE",
                         help="write every transition fired while exploring to FILE (JSONL; "
                              "`hicache-fsm diagram NAME --counts FILE` draws it)")
     parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
     parser.add_argument("--json", action="store_true", help="print only one JSON object on stdout (the report goes to stderr)")
+    DEFAULTS.update({f: parser.get_default(f) for f in BOUND_FLAGS})
 
 
 def _how_far(result, args) -> str:
@@ -78,6 +93,105 @@ def _check_bounds_are_small(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.adapter:
+        from hicache_fsm.commands._adapters import load_factory, make_block_store
+
+        factory = load_factory(args.adapter)
+        if make_block_store(factory, args.variant or {}) is not None:  # else a prefix cache: Bounds as below
+            return _check_block_store(args, factory)
+    elif args.variant is not None:
+        raise UsageError("--variant needs --adapter")
+    return _check_prefix_cache(args)
+
+
+
+def _check_block_store(args: argparse.Namespace, factory) -> int:
+    """The block-store profile's explorer: prompts of up to ``--max-len`` blocks (default 3) over the alphabet."""
+    from hicache_fsm.testing.blockstore import StoreBounds, explore_store
+
+    variant = args.variant or {}
+    bounds = StoreBounds(alphabet=args.alphabet, max_len=args.max_len or 3, max_jobs=args.max_jobs,
+                         max_entries=args.max_entries, max_states=args.max_states, max_seconds=args.max_seconds)
+    result = explore_store(lambda: factory(**variant), bounds, stop_on_first=args.stop_on_first,
+                           max_violations=args.max_violations, progress=None if args.quiet else sys.stderr)
+    out = sys.stderr if args.json else sys.stdout
+    how = "complete" if result.complete else ("stopped at a violation" if result.violations else "INCOMPLETE")
+    print(f"{result.adapter}: {result.states} states, {result.transitions} transitions, max depth {result.max_depth}, "
+          f"{how}, {len(result.violations)} violations, {result.seconds:.1f}s", file=out)
+    for i in range(len(result.violations)):
+        print(result.format_violation(i), file=out)
+    if args.json:
+        print(json.dumps(result.to_json(), sort_keys=True))
+    return 1 if result.violations else 0
+
+
+BOUND_FLAGS = ("nodes", "device_pages", "host_pages", "layers", "page_size", "alphabet", "max_len", "locks", "pins",
+               "write_policy", "eviction_policy", "track_hits", "no_redeliver", "max_states", "max_seconds")
+
+
+def _defaults_only(args: argparse.Namespace, parser_defaults: dict) -> bool:
+    return all(getattr(args, f) == parser_defaults[f] for f in BOUND_FLAGS)
+
+
+def _check_portfolio(args: argparse.Namespace) -> int:
+    """No bounds given: every family of ``testing.protocol.default_families`` (the whole protocol)."""
+    from hicache_fsm.testing.explorer import Explorer
+    from hicache_fsm.testing.paths import CoverageTracker
+    from hicache_fsm.testing.protocol import default_families
+
+    total = CoverageTracker()
+    runs = []
+    out = sys.stderr if args.json else sys.stdout
+    for name, bounds, factory in default_families():
+        cov = CoverageTracker()
+        explorer = Explorer(factory, bounds, stop_on_first=args.stop_on_first, max_violations=args.max_violations,
+                            progress=None, coverage=cov)
+        result = explorer.run()
+        total.merge(cov)
+        runs.append((name, result))
+        if result.complete:
+            how = "complete"
+        elif result.violations:
+            how = "stopped at a violation"
+        elif bounds.max_states is not None and result.states >= bounds.max_states:
+            how = f"state budget {bounds.max_states} spent"
+        else:
+            how = f"time cap {bounds.max_seconds:g}s reached"
+        print(f"{name}: {result.adapter}: {result.states} states, {result.transitions} transitions, max depth "
+              f"{result.max_depth}, {how}, {len(result.violations)} violations, {result.seconds:.1f}s",
+              file=out, flush=True)
+        for v in result.violations:
+            print(v.format(), file=out)
+        if result.violations and args.stop_on_first:
+            break
+    report = total.report()
+    if args.coverage or not args.json:
+        print(total.format(), file=out)
+    status = 1 if any(r.violations for _, r in runs) else 0
+    if args.json:
+        summary = {
+            "states": sum(r.states for _, r in runs),
+            "transitions": sum(r.transitions for _, r in runs),
+            "violations": sum(len(r.violations) for _, r in runs),
+            "seconds": round(sum(r.seconds for _, r in runs), 3),
+            "complete": all(r.complete for _, r in runs),
+            "coverage": coverage_summary(report),
+            "coverage_detail": report,
+            "runs": [dict(r.to_json(), family=name) for name, r in runs],
+        }
+        print(json.dumps(summary, sort_keys=True))
+    return status
+
+
+def coverage_summary(report: dict) -> dict:
+    """``{machine: {"states": [hit, total], "transitions": [hit, total]}}`` from a ``CoverageTracker`` report."""
+    return {m: {"states": [r["states"], r["states_total"]], "transitions": [r["transitions"], r["transitions_total"]]}
+            for m, r in report.items()}
+
+
+def _check_prefix_cache(args: argparse.Namespace) -> int:
+    if not args.adapter and _defaults_only(args, DEFAULTS):
+        return _check_portfolio(args)
     from hicache_fsm.testing.explorer import Bounds, Explorer, hicache_factory
     from hicache_fsm.testing.paths import CoverageTracker
     from hicache_fsm.testing.transition_log import RecordingCoverage, recording_writer
@@ -123,6 +237,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         if len(runs) == 1:
             summary = runs[0].to_json()
+            summary["coverage_detail"] = summary["coverage"]
+            summary["coverage"] = coverage_summary(summary["coverage"])
         else:
             summary = {
                 "states": sum(r.states for r in runs),

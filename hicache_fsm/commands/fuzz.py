@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-from hicache_fsm.commands.args import adapter_ref, positive_int
+from hicache_fsm.commands.args import UsageError, adapter_ref, json_kwargs, positive_int
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -24,6 +24,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-shrink", action="store_true", help="report the first failure as found")
     parser.add_argument("--adapter", metavar="MODULE:CALLABLE", type=adapter_ref,
                         help="fuzz your own cache: a callable returning a CacheAdapter")
+    parser.add_argument("--variant", metavar="JSON", action="append", type=json_kwargs,
+                        help="keyword arguments for the --adapter factory, as a JSON object (repeat to draw among several)")
     parser.add_argument("--test-out", metavar="FILE", help="write the regression test for a failure here")
     parser.add_argument("--coverage", action="store_true", help="print which spec states/transitions were reached")
     parser.add_argument("--record", metavar="FILE",
@@ -31,6 +33,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "`hicache-fsm diagram NAME --counts FILE` draws it)")
     parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
     parser.add_argument("--json", action="store_true", help="print only one JSON object on stdout (the report goes to stderr)")
+
 
 
 def run(args: argparse.Namespace) -> int:
@@ -45,14 +48,20 @@ def run(args: argparse.Namespace) -> int:
 
     writer = recording_writer(args.record)
     cov = CoverageTracker() if writer is None else RecordingCoverage(writer, recorded_by="fuzz", objects=True)
+    variants = args.variant or [{}]
+    if args.variant and not args.adapter:
+        raise UsageError("--variant needs --adapter")
     if args.adapter:
-        from hicache_fsm.commands._adapters import import_lines, load_factory
+        from hicache_fsm.commands._adapters import import_lines, load_factory, make_block_store
 
         factory = load_factory(args.adapter)
-        machine = CacheProtocolMachine.bind(factory, name="AdapterMachine", coverage=cov)
+        if make_block_store(factory, variants[0]) is not None:
+            return _fuzz_block_store(args, factory, variants)
+        machine = CacheProtocolMachine.bind(factory, name="AdapterMachine", coverage=cov, variants=variants)
         machine_import = (f"from hicache_fsm.testing import CacheProtocolMachine\n"
                           f"{import_lines(args.adapter, '_factory')}\n"
-                          f"AdapterMachine = CacheProtocolMachine.bind(_factory, name='AdapterMachine')")
+                          f"AdapterMachine = CacheProtocolMachine.bind(_factory, name='AdapterMachine', "
+                          f"variants={variants!r})")
     else:
         machine = hicache_machine(coverage=cov)
         machine_import = None
@@ -79,6 +88,33 @@ def run(args: argparse.Namespace) -> int:
             print(f"(written to {args.test_out})", file=out)
     if args.coverage:
         print(cov.format(), file=out)
+    if args.json:
+        print(json.dumps(result.to_json(), sort_keys=True))
+    return 0 if result.ok else 1
+
+
+def _fuzz_block_store(args: argparse.Namespace, factory, variants: list[dict]) -> int:
+    """The block-store profile's machine (``testing.blockstore``) instead of the prefix-cache one."""
+    from hicache_fsm.commands._adapters import import_lines
+    from hicache_fsm.testing.blockstore import run_store_fuzz
+
+    machine_import = (f"from hicache_fsm.testing.blockstore import store_machine\n"
+                      f"{import_lines(args.adapter, '_factory')}\n"
+                      f"BlockStoreMachine = store_machine(_factory, variants={variants!r})")
+    result = run_store_fuzz(factory, variants=variants, examples=args.examples, steps=args.steps, seed=args.seed,
+                            progress=None if args.quiet else sys.stderr, shrink=not args.no_shrink,
+                            machine_import=machine_import)
+    out = sys.stderr if args.json else sys.stdout
+    if result.ok:
+        print(f"fuzz: {result.examples} runs of up to {args.steps} steps, seed {args.seed}: no failure "
+              f"({result.seconds:.1f}s)", file=out)
+    else:
+        print(f"fuzz: FAILED after {result.examples} runs (seed {args.seed}, {result.seconds:.1f}s): "
+              f"{result.failure.splitlines()[0] if result.failure else ''}", file=out)
+        print("\n".join(["", "failing steps:", *(f"  {line}" for line in result.steps), "", "regression test:", "",
+                         result.test_code]), file=out)
+        if args.test_out:
+            Path(args.test_out).write_text(result.test_code, encoding="utf-8")
     if args.json:
         print(json.dumps(result.to_json(), sort_keys=True))
     return 0 if result.ok else 1

@@ -8,6 +8,11 @@
 - ``paths``:      shortest spec paths to every state / transition, and ``CoverageTracker``;
 - ``trace``:      JSONL recording of a cache's events and ``replay`` against the specs;
 - ``storage``:    ``ManualStorageTier`` (the storage tier run step by step, no threads) and ``FaultPlan``;
+- ``protocol``:   ``ProtocolAdapter`` (policy obligations, load-back indices, attach / detach, partial
+                  storage results) and the families ``hicache-fsm check`` explores by default;
+- ``cp``:         ``CPAdapter``: CP layer writes with draft layers on simulated ranks;
+- ``blockstore``: the outsider profile for asynchronous block stores (``BlockStoreAdapter``, its
+                  reference model, explorer and machine);
 - ``mutants``:    planted controller bugs (tests only) that the tools must catch.
 
 See ``docs/fuzzing.md`` for a worked example on a cache written from scratch.
@@ -35,6 +40,14 @@ from hicache_fsm.testing.adapter import (
     encode_kv,
     kv_fingerprint,
 )
+from hicache_fsm.testing.blockstore import (
+    BlockStoreAdapter,
+    StoreBounds,
+    StoreJob,
+    explore_store,
+    run_store_fuzz,
+    store_machine,
+)
 from hicache_fsm.testing.checks import Outcome, Step, catalogue, perform, replay_steps
 from hicache_fsm.testing.explorer import (
     Bounds,
@@ -50,6 +63,8 @@ from hicache_fsm.testing.paths import (
     shortest_paths,
     spec_paths,
 )
+from hicache_fsm.testing.cp import CPAdapter
+from hicache_fsm.testing.protocol import ProtocolAdapter, default_families
 from hicache_fsm.testing.stateful import (
     HICACHE_VARIANTS,
     CacheProtocolMachine,
@@ -82,7 +97,9 @@ from hicache_fsm.testing.trace import (
 
 __all__ = [
     "HICACHE_VARIANTS",
+    "BlockStoreAdapter",
     "Bounds",
+    "CPAdapter",
     "CacheAdapter",
     "CacheProtocolMachine",
     "CoverageTracker",
@@ -99,11 +116,14 @@ __all__ = [
     "NotSupported",
     "Occupancy",
     "Outcome",
+    "ProtocolAdapter",
     "Rejected",
     "ReplayResult",
     "Request",
     "SpecPath",
     "Step",
+    "StoreBounds",
+    "StoreJob",
     "StorageFault",
     "StorageStep",
     "TraceRecorder",
@@ -111,8 +131,10 @@ __all__ = [
     "Workload",
     "catalogue",
     "decode_kv_lists",
+    "default_families",
     "encode_kv",
     "explore",
+    "explore_store",
     "fault_schedules",
     "hicache_machine",
     "kv_fingerprint",
@@ -129,7 +151,9 @@ __all__ = [
     "replay_steps",
     "run_fuzz",
     "run_path",
+    "run_store_fuzz",
     "shortest_paths",
     "spec_paths",
+    "store_machine",
     "token_sequences",
 ]

@@ -339,6 +339,14 @@ class CacheAdapter:
         """Compiled state machines to listen to (coverage)."""
         return []
 
+    def prompt_steps(self, prompt: tuple[int, ...]) -> list:
+        """The explorer's extra steps on ``prompt`` for operations of this cache only (``checks.Step``)."""
+        return []
+
+    def extra_steps(self) -> list:
+        """The explorer's extra steps that take no prompt (``checks.Step``), tried in every state."""
+        return []
+
     def applicable(self, op: str, args: tuple) -> bool:
         """False only when running ``op(*args)`` now surely changes nothing, or has exactly the
         effect of another step the explorer also tries (it skips the clone). Default: True."""

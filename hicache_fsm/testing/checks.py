@@ -51,9 +51,10 @@ INDEXED_OPS = {
     "abort": "prefetching",
     "complete_storage": "storage_steps",
     "fail_storage": "storage_steps",
+    "partial_storage": "storage_steps",
 }
 MUST_SUCCEED = frozenset({"unlock", "unpin_host", "complete_job", "fail_job", "prefetch_ready", "abort",
-                          "complete_storage", "fail_storage"})
+                          "complete_storage", "fail_storage", "partial_storage"})
 MUST_REJECT = frozenset({"redeliver"})
 SNAPSHOT_OPS = frozenset({"unlock", "unpin_host", "redeliver"})
 

@@ -12,9 +12,12 @@ finished job's acknowledgement). With ``Bounds(storage=True)`` the cache also
 has an L3 tier run step by step (``testing.storage.ManualStorageTier``): every
 prompt may be prefetched or stored by another instance, every running prefetch
 polled or aborted, every queued storage step (hit query, transfer, backup,
-probe) completed or failed; the tier and its ``memory://`` pages are forked
+probe) completed, failed or (``partial_storage``, when the adapter has it)
+answered one page short, and storage detached or attached again; the tier and its ``memory://`` pages are forked
 with the cache, and the state key then carries the stored keys, the prefetches
 and the storage queues (token renaming is off: keys hash token ids).
+An adapter adds steps of its own through ``prompt_steps(prompt)`` and
+``extra_steps()`` (the CP adapter's ``reserve`` and ``layer_end``).
 Breadth-first, so the first trace found to a violation is a shortest one.
 
 Why the real cache and not an abstract model. The explorer drives the real
@@ -224,6 +227,7 @@ class Explorer:
                 out.append(Step("prefetch", (p,)))
             if sup("store_remote"):
                 out.append(Step("store_remote", (p,)))
+            out += adapter.prompt_steps(p)
         if sup("unlock"):
             out += [Step("unlock", (i,)) for i in range(len(adapter.held_locks()))]
         if sup("unpin_host"):
@@ -249,6 +253,14 @@ class Explorer:
                 out.append(Step("complete_storage", (i,)))
             if sup("fail_storage"):
                 out.append(Step("fail_storage", (i,)))
+        for i in range(len(adapter.storage_steps())):
+            if sup("partial_storage"):
+                out.append(Step("partial_storage", (i,)))
+        if sup("detach_storage"):
+            out.append(Step("detach_storage"))
+        if sup("attach_storage"):
+            out += [Step("attach_storage"), Step("attach_storage", (True,))]
+        out += adapter.extra_steps()
         if b.redeliver and sup("redeliver") and adapter.finished_jobs():
             out.append(Step("redeliver", (len(adapter.finished_jobs()) - 1,)))
         return out

@@ -462,3 +462,135 @@ def _anchor_twice(p: Patcher) -> None:
         return orig(self, request_id)
 
     p.setattr(StorageTier, "abort_prefetch", abort_prefetch)
+
+
+# =========================================================================== policies, load-back, CP, storage link
+# Caught by the protocol checks (``testing.protocol.ProtocolAdapter``, ``testing.cp.CPAdapter``) that
+# ``hicache-fsm check`` runs by default. ``cp=True`` mutants live in the CP families only.
+
+
+@_mutant("selective_threshold_off_by_one", "off-by-one policy threshold (selective backup one hit early)",
+         write_policy="write_through_selective")
+def _selective_early(p: Patcher) -> None:
+    HiCache = _cache().HiCache
+
+    def _selective_backups(self, path):
+        threshold = self.config.write_through_threshold
+        for node in [n for n in path if n.state == "device" and n.hit_count >= threshold - 1]:
+            self.eviction.try_backup(node)
+
+    p.setattr(HiCache, "_selective_backups", _selective_backups)
+
+
+@_mutant("write_back_drops_only_copy", "write_back evicting the only copy without trying a backup",
+         write_policy="write_back")
+def _drops_only_copy(p: Patcher) -> None:
+    Eviction = _eviction()
+    orig = Eviction.device_pass
+
+    def device_pass(self, num_tokens, tried):
+        config = self.cache.config
+        policy = config.write_policy
+        object.__setattr__(config, "write_policy", "write_through")  # eviction forgets the policy
+        try:
+            return orig(self, num_tokens, tried)
+        finally:
+            object.__setattr__(config, "write_policy", policy)
+
+    p.setattr(Eviction, "device_pass", device_pass)
+
+
+@_mutant("partial_load_back", "partial load-back (only the top of an evicted chain comes back)")
+def _partial_load_back(p: Patcher) -> None:
+    from hicache_fsm.load_back import LoadBacks
+
+    orig = LoadBacks.evicted_chain
+
+    def evicted_chain(self, node):
+        chain, anchor = orig(self, node)
+        return chain[:1], anchor
+
+    p.setattr(LoadBacks, "evicted_chain", evicted_chain)
+
+
+@_mutant("load_back_indices_out_of_order", "load-back handing the engine the chain's slots out of order")
+def _indices_order(p: Patcher) -> None:
+    import torch
+
+    HiCache = _cache().HiCache
+    orig = HiCache.load_back
+
+    def load_back(self, node):
+        lb = orig(self, node)
+        if lb is None or len(lb.nodes) < 2:
+            return lb
+        return attrs.evolve(lb, device_indices=torch.cat([n.device_indices for n in reversed(lb.nodes)]))
+
+    p.setattr(HiCache, "load_back", load_back)
+
+
+@_mutant("lock_leak_on_failed_load", "lock leaked on an error path (a failed load keeps the chain locked)")
+def _lock_leak(p: Patcher) -> None:
+    from hicache_fsm.jobs import JobKind
+    from hicache_fsm.outbox import Outbox
+
+    orig = Outbox.apply
+
+    def apply(self, completions):
+        completions = list(completions)
+        failed = [self._pending.get(c.job_id) for c in completions if not c.ok]
+        out = orig(self, completions)
+        tree = self.cache.tree
+        for job in failed:
+            if job is None or job.kind is not JobKind.H2D or not job.node_ids:
+                continue
+            node = tree.get(job.node_ids[0])
+            for n in ([] if node is None else tree.path_to_root(node)):
+                n.lock_ref += 1  # the lock taken for the load is not released on the failure path
+        return out
+
+    p.setattr(Outbox, "apply", apply)
+
+
+def _layer_write():
+    from hicache_fsm import layer_write
+
+    return layer_write
+
+
+@_mutant("cp_ack_before_last_layer", "CP write acked before its last layer copy landed", cp=True)
+def _cp_ack_early(p: Patcher) -> None:
+    Runtime = _layer_write().LayerWriteRuntime
+    orig = Runtime.layer_job_finished
+
+    def layer_job_finished(self, job, ok):
+        orig(self, job, ok)
+        for w in self.pending_writes():
+            if w.state == "all_submitted" and len(w.inflight) == 1 and not w.copy_failed:
+                self._final_ack(w)
+
+    p.setattr(Runtime, "layer_job_finished", layer_job_finished)
+
+
+@_mutant("cp_draft_layers_not_written", "CP draft layers marked submitted but never copied", cp=True)
+def _cp_no_draft(p: Patcher) -> None:
+    lw = _layer_write()
+    Runtime = lw.LayerWriteRuntime
+    orig = Runtime._submit
+
+    def _submit(self, write, layer, source):
+        if source == "draft":
+            self.machine.fire(write, "submit_layer", lw.LayerEvent(self, source, layer))
+            if write.state == "all_submitted" and not write.inflight:
+                self._final_ack(write)
+            return False
+        return orig(self, write, layer, source)
+
+    p.setattr(Runtime, "_submit", _submit)
+
+
+@_mutant("detach_with_transfers_in_flight", "storage detached with transfers in flight", storage=True)
+def _detach_in_flight(p: Patcher) -> None:
+    from hicache_fsm.registry import registry_for
+
+    p.setitem(registry_for("storage_link").guards, "nothing_in_flight", lambda link, cache: True)

@@ -368,6 +368,23 @@ class CacheProtocolMachine(RuleBasedStateMachine):
         op = "fail_storage" if fail and self.adapter.supports("fail_storage") else "complete_storage"
         self._do(op, pick % len(self.adapter.storage_steps()))
 
+    @precondition(lambda self: self.adapter is not None and self.adapter.supports("partial_storage")
+                  and bool(self.adapter.storage_steps()))
+    @rule(pick=st.integers(0, 15))
+    def partial_storage(self, pick: int) -> None:
+        """Run one queued storage step whose backend answers one page short (a per-key partial result)."""
+        self._do("partial_storage", pick % len(self.adapter.storage_steps()))
+
+    @precondition(_supports("detach_storage"))
+    @rule(attach_first=st.booleans(), fail=st.sampled_from([False, False, True]))
+    def storage_link(self, attach_first: bool, fail: bool) -> None:
+        """The operator detaches the storage tier (refused with transfers in flight) or attaches it again
+        (``fail``: the attach fails and rolls back)."""
+        if attach_first:
+            self._do("attach_storage", fail)
+        else:
+            self._do("detach_storage")
+
     @precondition(lambda self: self.adapter is not None and self.adapter.supports("complete_storage")
                   and bool(self.adapter.storage_steps()))
     @rule(order=st.permutations(range(8)), rounds=st.integers(1, 3), fail_at=st.none() | st.integers(0, 7))
@@ -410,19 +427,20 @@ _MEMORY_VARIANTS: tuple[dict, ...] = tuple(
     for w in ("write_through", "write_back", "write_through_selective", "write_behind")
     for e, d, h in (("lru", 3, 3), ("lfu", 4, 2), ("lru", 2, 4), ("priority", 5, 5))
 )
-# the same shapes with an L3 tier (memory:// behind a FaultyBackend, run step by step); LRU shapes end
-# prefetches whenever the scheduler asks (best_effort), the others only once the transfer ended
+# the same shapes with an L3 tier (memory:// behind a FaultyBackend, run step by step), one prefetch stop
+# policy per eviction policy: LRU ends prefetches whenever the scheduler asks (best_effort), LFU once the
+# transfer ended (wait_complete), priority once it ended or timed out (timeout)
 HICACHE_VARIANTS: tuple[dict, ...] = _MEMORY_VARIANTS + tuple(
     dict(v, storage=True, host_pages=v["host_pages"] + 3,
-         stop_policy="best_effort" if v["eviction_policy"] == "lru" else "wait_complete")
+         stop_policy={"lru": "best_effort", "lfu": "wait_complete"}.get(v["eviction_policy"], "timeout"))
     for v in _MEMORY_VARIANTS
 )
 
 
 def _hicache(**kw: Any) -> CacheAdapter:
-    from hicache_fsm.testing.adapter import HiCacheAdapter
+    from hicache_fsm.testing.protocol import ProtocolAdapter
 
-    return HiCacheAdapter(**kw)
+    return ProtocolAdapter(**kw)
 
 
 def hicache_machine(variants: Sequence[dict] = HICACHE_VARIANTS, coverage: CoverageTracker | None = None,

@@ -87,6 +87,8 @@ class ManualStorageTier(StorageTier):
     def steps(self) -> list[StorageStep]:
         """Queued storage work, queries first, then transfers, backups, and a probe while unhealthy."""
         out = []
+        if self.link.backend is None:  # detached: no thread would run queued work
+            return out
         for kind, q in self._queues():
             for item in q:
                 if kind == "query":

@@ -1,0 +1,296 @@
+"""The whole HiCache protocol as the tools drive it: policy obligations, load-back indices, attach / detach.
+
+``ProtocolAdapter`` is ``HiCacheAdapter`` plus what the residency spec's own
+invariants cannot see, checked after every step:
+
+- **policy obligations**: under ``write_through_selective`` a match backs up
+  exactly the device-only nodes whose hit count reached the threshold (not one
+  hit early, not one late) unless the host is full; under ``write_back`` /
+  ``write_behind`` eviction never drops the only copy of a node unless its
+  backup was refused for lack of host room;
+- **load-back indices**: the device slots ``load_back`` hands the engine are
+  the chain's slots, in chain order, cover the whole host hit of the match,
+  and once the load is acknowledged they read back, bit for bit, the KV that
+  was written for those tokens;
+- **attach / detach** of the storage tier as engine actions (a detach with
+  transfers in flight must be refused), and storage steps whose batch comes
+  back **partial** (one page missing: a per-key result).
+
+The ``prefetch`` and ``storage_link`` spec invariants (pages inserted only as
+they arrived, ``no_transfer_while_detached``) come from the cache itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import torch
+
+from hicache_fsm.testing.adapter import HiCacheAdapter, Rejected, StorageFault, fingerprints
+
+__all__ = ["ProtocolAdapter"]
+
+
+class ProtocolAdapter(HiCacheAdapter):
+    """``HiCacheAdapter`` with policy, load-back and storage-link checks and actions (see module docstring)."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self._step_problems: list[str] = []
+        self._loads: list[tuple[torch.Tensor, tuple[int, ...], int]] = []  # (slots, prefix tokens, chain tokens)
+
+    def supports(self, op: str) -> bool:
+        if op in ("attach_storage", "detach_storage", "partial_storage") and self.backend is None:
+            return False
+        if op in ("store_remote", "stored_prefix") and self.backend is not None \
+                and self.cache.storage.link.state != "attached":
+            return False  # no other instance writes through a closed backend
+        return super().supports(op)
+
+    def clone(self) -> ProtocolAdapter:
+        link = self.cache.storage.link if self.cache.storage is not None else None
+        if link is not None and link.backend is None:  # detached: fork with the last backend, then drop it
+            link.backend = self.backend
+            try:
+                new = super().clone()
+            finally:
+                link.backend = None
+            new.cache.storage.link.backend = None
+        else:
+            new = super().clone()
+        new._step_problems = []
+        new._loads = list(self._loads)
+        return new
+
+    # ------------------------------------------------------------------ policy obligations
+
+    def match(self, tokens: Sequence[int]):
+        if self.config.write_policy != "write_through_selective":
+            return super().match(tokens)
+        before = {n.id: n.state for n in self.cache.tree.nodes()}
+        room = self.host_pool.allocator.available_tokens
+        result = super().match(tokens)
+        threshold = self.config.write_through_threshold
+        path, _, _ = self.cache.tree.walk(self._aligned(tokens))
+        for n in path:
+            started = before.get(n.id) == "device" and n.state != "device"
+            if started and n.hit_count < threshold:
+                self._step_problems.append(f"policy_selective: node {n.id} backed up at {n.hit_count} hits, "
+                                           f"the threshold is {threshold}")
+            if n.state == "device" and n.hit_count >= threshold and room >= n.num_tokens:
+                self._step_problems.append(f"policy_selective: node {n.id} reached {n.hit_count} hits "
+                                           f"(threshold {threshold}) with host room but was not backed up")
+        return result
+
+    def evict(self, num_tokens: int) -> int:
+        if self.config.write_policy not in ("write_back", "write_behind"):
+            return super().evict(num_tokens)
+        device_only = {n.id for n in self.cache.tree.nodes() if n.state == "device"}
+        refused = self.cache.counters["backup_host_full"]
+        freed = super().evict(num_tokens)
+        dropped = [i for i in device_only if self.cache.tree.get(i) is None]
+        if len(dropped) > self.cache.counters["backup_host_full"] - refused:
+            self._step_problems.append(f"policy_keeps_only_copy: {self.config.write_policy} dropped device-only "
+                                       f"node(s) {sorted(dropped)} without a refused backup")
+        return freed
+
+    # ------------------------------------------------------------------ load-back indices
+
+    def load_back(self, tokens: Sequence[int]) -> int:
+        tokens = self._aligned(tokens)
+        m = self.cache.match_prefix(tokens)
+        if m.host_hit_length == 0:
+            self.cache.flush()
+            return 0
+        lb = self.cache.load_back(m.last_host_node)
+        self.cache.flush()
+        if lb is None:
+            return 0
+        chain = list(lb.nodes)
+        want = torch.cat([n.device_indices for n in chain]) if chain else torch.empty(0, dtype=torch.int64)
+        got = lb.device_indices
+        if not torch.equal(got, want):
+            self._step_problems.append(f"load_back_indices: handed the engine slots {got.tolist()}, the chain's "
+                                       f"slots in order are {want.tolist()}")
+        if int(got.numel()) != m.host_hit_length:
+            self._step_problems.append(f"load_back_indices: loaded {int(got.numel())} tokens of a host hit of "
+                                       f"{m.host_hit_length}")
+        for a, b in zip(chain, chain[1:]):
+            if b.parent is not a:
+                self._step_problems.append(f"load_back_indices: chain node {b.id} does not follow {a.id}")
+        prefix = self.cache.tree.prefix_tokens(chain[-1]) if chain else ()
+        self._loads.append((got, tuple(prefix), int(got.numel())))
+        return int(got.numel())
+
+    def _load_violations(self) -> list[str]:
+        """Acknowledged loads read back, through the slots the engine was handed, what was written."""
+        from hicache_fsm.bindings.residency import LOADING
+
+        loading = {i for n in self.cache.tree.nodes() if n.state in LOADING for i in n.device_indices.tolist()}
+        problems, keep = [], []
+        dev_fp = self._pool_lists()[0]
+        for slots, prefix, n in self._loads:
+            idx = slots.tolist()
+            if any(i in loading for i in idx):
+                keep.append((slots, prefix, n))
+                continue
+            if not self._still_holds(prefix, idx):
+                continue  # evicted or failed since: nothing the engine may read any more
+            want = fingerprints(prefix)[-n:]
+            got = [dev_fp[i] for i in idx]
+            if got != want:
+                problems.append(f"load_back_readback: the slots load_back returned for {list(prefix)} read {got}, "
+                                f"{want} was written")
+        self._loads = keep
+        return problems
+
+    def _still_holds(self, prefix: tuple[int, ...], idx: list[int]) -> bool:
+        from hicache_fsm.bindings.residency import ON_DEVICE
+
+        path, matched, partial = self.cache.tree.walk(prefix)
+        if partial or matched != len(prefix):
+            return False
+        held = [i for n in path if n.state in ON_DEVICE for i in n.device_indices.tolist()]
+        return len(held) >= len(idx) and held[-len(idx):] == idx
+
+    # ------------------------------------------------------------------ storage link and partial results
+
+    def detach_storage(self) -> None:
+        """The operator detaches storage (refused while storage transfers are in flight)."""
+        from hicache_fsm.errors import StorageLinkError
+
+        try:
+            self.cache.storage.detach()
+        except StorageLinkError as exc:
+            raise Rejected(str(exc)) from None
+        self.cache.poll()
+
+    def attach_storage(self, fail: bool = False) -> None:
+        """The operator attaches a storage (a fresh ``memory://``; ``fail``: its first call fails and the
+        attach rolls back). The explorer tries it only while no node claims pages in storage."""
+        from hicache_fsm.errors import StorageLinkError
+        from hicache_fsm.storage import open_backend
+        from hicache_fsm.storage.faults import FaultyBackend
+
+        tier = self.cache.storage
+        if tier.link.state != "detached":
+            raise Rejected(f"storage link is {tier.link.state}")
+        if self.prefetching() or any(n.state.endswith(("_stored", "_storing")) for n in self.cache.tree.nodes()):
+            raise Rejected("nodes or prefetches still claim pages of the previous storage (a fresh store "
+                           "cannot hold them)")
+        self.backend = FaultyBackend(open_backend("memory://"), self.faults)
+        if fail:
+            self.faults.fail_next()
+        try:
+            tier.attach(self.backend, **_attach_options(tier))
+        except StorageLinkError as exc:
+            if not fail:
+                raise
+            raise Rejected(str(exc)) from None
+        finally:
+            self.faults.clear_next()
+        self.cache.poll()
+
+    def partial_storage(self, step_id: str) -> None:
+        """Run one queued storage step whose backend returns one page short (a per-key partial result)."""
+        armed = list(self.faults.armed)
+        self.faults.arm(StorageFault("short", call="get"))
+        try:
+            self._run_storage(step_id, False)
+        finally:  # a step that read nothing leaves no fault behind
+            self.faults.armed = [e for e in self.faults.armed if any(e is a for a in armed)]
+
+    def applicable(self, op: str, args: tuple) -> bool:
+        if op == "partial_storage":  # only a transfer reads pages
+            steps = self.storage_steps()
+            return 0 <= args[0] < len(steps) and steps[args[0]].kind == "s2h"
+        if op == "attach_storage":
+            return self.cache.storage.link.state == "detached" and not self.prefetching() and not any(
+                n.state.endswith(("_stored", "_storing")) for n in self.cache.tree.nodes())
+        if op == "detach_storage":  # detached: a no-op detach (the spec's self-loop)
+            return self.cache.storage.link.state in ("attached", "detached")
+        return super().applicable(op, args)
+
+    def state_key(self) -> Hashable:
+        key = super().state_key()
+        tier = self.cache.storage
+        return key if tier is None else (key, tier.link.state)
+
+    # ------------------------------------------------------------------ invariants
+
+    def kv_violations(self) -> list[str]:
+        """KV read-back (also run after steps that land on a known state), plus this step's obligations."""
+        problems, self._step_problems = self._step_problems, []
+        return problems + super().kv_violations() + self._load_violations()
+
+
+def _attach_options(tier) -> dict:
+    o = tier.options
+    return {"prefetch_threshold": o.prefetch_threshold, "stop_policy": o.stop_policy,
+            "prefetch_capacity_tokens": o.prefetch_capacity_tokens, "batch_pages": o.batch_pages,
+            "retry_interval": o.retry_interval}
+
+
+# =========================================================================== the default portfolio of `check`
+
+
+def protocol_factory(bounds) -> ProtocolAdapter:
+    """``explorer.hicache_factory`` with the protocol checks and the storage-link actions."""
+    adapter = ProtocolAdapter(device_pages=bounds.device_pages, host_pages=bounds.host_pages,
+                              page_size=bounds.page_size, layers=bounds.layers, write_policy=bounds.write_policy,
+                              eviction_policy=bounds.eviction_policy, storage=bounds.storage,
+                              stop_policy=bounds.stop_policy)
+    adapter.track_hits = bounds.track_hits
+    return adapter
+
+
+def cp_factory(world_size: int):
+    def make(bounds) -> Any:
+        from hicache_fsm.testing.cp import CPAdapter
+
+        return CPAdapter(world_size=world_size, device_pages=bounds.device_pages, host_pages=bounds.host_pages,
+                         write_policy=bounds.write_policy)
+
+    return make
+
+
+def families_for(variant: dict) -> list[tuple[str, Any, Any]]:
+    """The default families a cache configuration (a mutant's ``variant``) lives in."""
+    fams = default_families()
+    if variant.get("cp"):
+        return [f for f in fams if f[0].startswith("cp/")]
+    if variant.get("storage"):
+        return [f for f in fams if f[0].startswith("storage/")]
+    policy = variant.get("write_policy")
+    if policy:
+        return [f for f in fams if f[1].write_policy == policy and not f[0].startswith("cp/")]
+    return [f for f in fams if not f[0].startswith("cp/")]
+
+
+def default_families() -> list[tuple[str, Any, Any]]:
+    """What ``hicache-fsm check`` explores with no flags: (name, ``Bounds``, factory) per family.
+
+    Each family is explored breadth first up to a state budget
+    (``Bounds.max_states``: the same states on every machine, so the coverage
+    and the counterexamples are reproducible) under a time cap
+    (``Bounds.max_seconds``: 100 s in all, about 60 s spent on two busy cores); together
+    they reach every state of ``residency``, ``prefetch``, ``storage_link`` and
+    ``layer_write``.
+    """
+    from hicache_fsm.testing.explorer import Bounds
+
+    memory = [(f"memory/{w}", Bounds(nodes=2, device_pages=2, host_pages=2, write_policy=w, max_states=800,
+                                     max_seconds=7), protocol_factory)
+              for w in ("write_through", "write_back", "write_through_selective", "write_behind")]
+    # best_effort with two-page prompts (a cached prefix anchors a prefetch); the other stop policies with
+    # one-page prompts on a one-page device, where every storage state is a few steps deep
+    storage = [(f"storage/{p}", Bounds(nodes=2, device_pages=d, host_pages=2, alphabet=1, max_len=d, max_locks=0,
+                                        max_pins=0, redeliver=False, storage=True, stop_policy=p,
+                                        write_policy=w, max_states=700, max_seconds=16), protocol_factory)
+               for p, w, d in (("best_effort", "write_through", 2), ("wait_complete", "write_back", 1),
+                               ("timeout", "write_through", 1))]
+    cp = [(f"cp/{n}_ranks", Bounds(nodes=2, device_pages=2, host_pages=h, alphabet=1, max_len=2, redeliver=False,
+                                   write_policy="write_back", max_states=s, max_seconds=12), cp_factory(n))
+          for n, h, s in ((1, 1, 250), (2, 2, 350))]
+    return memory + storage + cp

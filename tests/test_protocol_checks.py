@@ -1,0 +1,125 @@
+"""The whole-protocol checks: ProtocolAdapter's obligations, CPAdapter, and `check` with no flags.
+
+The default `check` takes about 100 s, so its test runs the same families with
+one-second budgets (the figures are measured by running the command itself).
+"""
+
+from __future__ import annotations
+
+import json
+
+import attrs
+import pytest
+
+from hicache_fsm.testing import Bounds, explore
+from hicache_fsm.testing.cp import CPAdapter
+from hicache_fsm.testing.explorer import quiet_cache_logs
+from hicache_fsm.testing.mutants import mutant
+from hicache_fsm.testing.paths import CoverageTracker
+from hicache_fsm.testing.protocol import ProtocolAdapter, default_families, families_for
+
+
+def test_families_cover_every_policy_stop_policy_and_cp_world():
+    fams = default_families()
+    policies = {b.write_policy for _, b, _ in fams if not b.storage}
+    assert {"write_through", "write_back", "write_through_selective", "write_behind"} <= policies
+    assert {b.stop_policy for _, b, _ in fams if b.storage} == {"best_effort", "wait_complete", "timeout"}
+    assert {n for n, _, _ in fams if n.startswith("cp/")} == {"cp/1_ranks", "cp/2_ranks"}
+    assert all(b.max_seconds and b.max_states for _, b, _ in fams)
+    assert sum(b.max_seconds for _, b, _ in fams) <= 110
+    assert families_for({"cp": True}) and all(n.startswith("cp/") for n, _, _ in families_for({"cp": True}))
+
+
+def test_check_without_flags_runs_every_family_and_reports_coverage_per_machine(monkeypatch, capsys):
+    from hicache_fsm.cli import main
+    from hicache_fsm.testing import protocol
+
+    quick = [(n, attrs.evolve(b, max_seconds=1.0), f) for n, b, f in default_families()]
+    monkeypatch.setattr(protocol, "default_families", lambda: quick)
+    assert main(["check", "--json", "--quiet"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [r["family"] for r in out["runs"]] == [n for n, _, _ in quick]
+    cov = out["coverage"]
+    assert set(cov) == {"residency", "prefetch", "storage_link", "layer_write"}
+    for machine in cov.values():
+        hit, total = machine["states"]
+        assert 0 < hit <= total and len(machine["transitions"]) == 2
+    assert cov["residency"]["states"][1] == 13
+
+
+def test_selective_policy_obligation_and_load_back_indices_hold_for_the_real_cache():
+    with quiet_cache_logs():
+        for policy in ("write_through_selective", "write_back"):
+            from hicache_fsm.testing.protocol import protocol_factory
+
+            r = explore(Bounds(nodes=2, device_pages=2, host_pages=2, write_policy=policy, max_seconds=3),
+                        protocol_factory)
+            assert not r.violations, r.violations[0].format()
+
+
+def test_partial_storage_step_gives_a_per_key_partial_prefetch():
+    a = ProtocolAdapter(device_pages=3, host_pages=5, storage=True)
+    a.insert((1, 2, 3))
+    for job in a.pending_jobs():
+        a.complete_job(job.id)
+    a.complete_storage(a.storage_steps()[0].id)
+    a.evict(3), a.evict_host(3)
+    request = a.prefetch((1, 2, 3))
+    a.complete_storage(a.storage_steps()[0].id)  # the hit query
+    a.partial_storage(a.storage_steps()[0].id)  # the first batch comes back one page short
+    assert a.prefetch_ready(request)
+    assert 0 < len(a.read_kv((1, 2, 3))) < 3
+    assert not a.faults.armed and not a.invariant_violations() and not a.kv_violations()
+
+
+def test_detach_is_refused_with_transfers_in_flight_and_attach_can_fail():
+    from hicache_fsm.testing.adapter import Rejected
+
+    a = ProtocolAdapter(device_pages=3, host_pages=5, storage=True)
+    a.insert((1, 2))
+    for job in a.pending_jobs():
+        a.complete_job(job.id)
+    assert a.storage_steps()  # the backup is queued
+    with pytest.raises(Rejected):
+        a.detach_storage()
+    a.complete_storage(a.storage_steps()[0].id)
+    a.detach_storage()
+    assert a.cache.storage.link.state == "detached" and not a.storage_steps()
+    with pytest.raises(Rejected):  # a fresh store cannot hold what the stored node claims
+        a.attach_storage()
+    a.evict(2), a.evict_host(2)
+    with pytest.raises(Rejected):
+        a.attach_storage(fail=True)
+    assert a.cache.storage.link.state == "detached"
+    a.attach_storage()
+    assert a.cache.storage.link.state == "attached" and not a.invariant_violations()
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_cp_writes_with_draft_layers_hold_and_reach_the_layer_write_states(world_size):
+    cov = CoverageTracker()
+    with quiet_cache_logs():
+        r = explore(Bounds(nodes=2, device_pages=2, host_pages=2, alphabet=1, max_len=2, redeliver=False,
+                           write_policy="write_back", max_seconds=4), lambda b: CPAdapter(world_size=world_size),
+                    coverage=cov)
+    assert not r.violations, r.violations[0].format()
+    states = set(cov.report()["layer_write"]["missing_states"])
+    assert {"submitting", "all_submitted", "acked"}.isdisjoint(states)
+    if world_size == 2:
+        assert "zero_owned" not in states
+
+
+def test_cp_draft_layers_not_written_is_caught_by_host_read_back():
+    a = None
+    with quiet_cache_logs(), mutant("cp_draft_layers_not_written"):
+        a = CPAdapter(world_size=1)
+        a.insert((1, 1))
+        assert a.reserve((1, 1))
+        for source, layers in (("target", 2), ("draft", 1)):
+            for layer in range(layers):
+                a.layer_end(layer, source)
+        for job in a.pending_jobs():
+            a.complete_job(job.id)
+        problems = a.kv_violations()
+    assert any("cp_ack_after_every_layer" in p for p in problems)
+    assert any("draft host copy" in p for p in problems)
