@@ -72,7 +72,7 @@ def test_partial_storage_step_gives_a_per_key_partial_prefetch():
     assert not a.faults.armed and not a.invariant_violations() and not a.kv_violations()
 
 
-def test_detach_is_refused_with_transfers_in_flight_and_attach_can_fail():
+def test_detach_ends_transfers_in_flight_first_and_attach_can_fail():
     from hicache_fsm.testing.adapter import Rejected
 
     a = ProtocolAdapter(device_pages=3, host_pages=5, storage=True)
@@ -80,9 +80,15 @@ def test_detach_is_refused_with_transfers_in_flight_and_attach_can_fail():
     for job in a.pending_jobs():
         a.complete_job(job.id)
     assert a.storage_steps()  # the backup is queued
-    with pytest.raises(Rejected):
-        a.detach_storage()
-    a.complete_storage(a.storage_steps()[0].id)
+    a.detach_storage()  # the queued backup fails: the node keeps its host copy, nothing is in flight
+    assert a.cache.storage.link.state == "detached" and not a.storage_steps()
+    assert not a.invariant_violations()
+    a.attach_storage()
+    a.insert((1, 2))
+    for job in a.pending_jobs():
+        a.complete_job(job.id)
+    for step in a.storage_steps():
+        a.complete_storage(step.id)
     a.detach_storage()
     assert a.cache.storage.link.state == "detached" and not a.storage_steps()
     with pytest.raises(Rejected):  # a fresh store cannot hold what the stored node claims

@@ -238,14 +238,17 @@ class StorageTier:
     def detach(self) -> None:
         """Stop the threads and close the backend; no-op when detached.
 
-        Refused (StorageLinkError, nothing changed) while storage transfers are
-        in flight. If a thread does not exit within ``join_timeout`` the link
-        stays ``detaching`` and StorageLinkError is raised: call again.
-        Storage jobs that already finished are applied first (as ``poll`` would).
+        Storage jobs that already finished are applied first (as ``poll`` would),
+        then ``wind_down`` ends the rest: prefetches are aborted, queued backups
+        fail (their nodes keep their host copies and are backed up again after a
+        later attach), and a transfer already running gets ``join_timeout``.
+        Only if one still runs then is the detach refused (StorageLinkError,
+        nothing else changed). If a thread does not exit within ``join_timeout``
+        the link stays ``detaching`` and StorageLinkError is raised: call again.
         """
         self._apply_finished()
         if self.link.state == "attached":
-            self._wind_down("storage is detaching")
+            self.wind_down("storage is detaching")
         if self.link.state in ("detached", "attached"):
             try:
                 self.link_machine.fire(self.link, "detach", self.cache)
@@ -270,7 +273,7 @@ class StorageTier:
         self.counters["detaches"] += 1
         log.info("storage detached")
 
-    def _wind_down(self, reason: str) -> None:
+    def wind_down(self, reason: str) -> None:
         """End every storage transfer within ``join_timeout``: abort prefetches, fail queued jobs, await the rest."""
         for rid in list(self.runtime.active):
             self.abort_prefetch(rid)

@@ -45,7 +45,7 @@ class CPAdapter(CacheAdapter):
 
     name = "hicache_cp"
 
-    def __init__(self, *, world_size: int = 2, device_pages: int = 2, host_pages: int = 2, layers: int = 2,
+    def __init__(self, *, world_size: int = 2, device_pages: int = 2, host_pages: int = 3, layers: int = 2,
                  draft_layers: int = 1, write_policy: str = "write_back", **config: Any) -> None:
         from hicache_fsm.config import CacheConfig
         from hicache_fsm.executors import ManualExecutor

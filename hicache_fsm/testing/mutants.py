@@ -592,5 +592,8 @@ def _cp_no_draft(p: Patcher) -> None:
 @_mutant("detach_with_transfers_in_flight", "storage detached with transfers in flight", storage=True)
 def _detach_in_flight(p: Patcher) -> None:
     from hicache_fsm.registry import registry_for
+    from hicache_fsm.storage.tier import StorageTier
 
+    # detach neither ends the transfers first nor waits for them
+    p.setattr(StorageTier, "wind_down", lambda self, reason: None)
     p.setitem(registry_for("storage_link").guards, "nothing_in_flight", lambda link, cache: True)

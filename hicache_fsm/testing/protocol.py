@@ -292,5 +292,5 @@ def default_families() -> list[tuple[str, Any, Any]]:
                                ("timeout", "write_through", 1))]
     cp = [(f"cp/{n}_ranks", Bounds(nodes=2, device_pages=2, host_pages=h, alphabet=1, max_len=2, redeliver=False,
                                    write_policy="write_back", max_states=s, max_seconds=12), cp_factory(n))
-          for n, h, s in ((1, 1, 250), (2, 2, 350))]
+          for n, h, s in ((1, 3, 250), (2, 3, 350))]  # a rank's host pool outgrows its device share
     return memory + storage + cp
