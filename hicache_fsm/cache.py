@@ -653,7 +653,8 @@ class HiCache:
         """Every broken invariant of the residency spec and of registered runtimes, as text.
 
         With ``check_candidates`` set, also the maintained eviction candidate
-        sets against a recomputation (O(N): for tests, off on the hot path).
+        sets and per-state node counts against a recomputation (O(N): for
+        tests, off on the hot path).
         """
         problems = []
         for name in self.residency.spec.invariants:
@@ -662,6 +663,11 @@ class HiCache:
             problems += check()
         if self.check_candidates:
             problems += [f"eviction_candidates: {p}" for p in self.eviction.violations()]
+            counted = Counter(node.state for node in self.tree.nodes() if not node.is_root)
+            problems += [f"state_counts: {state} holds {n} nodes, the count says {self.driver.state_counts[state]}"
+                         for state, n in sorted(counted.items()) if self.driver.state_counts[state] != n]
+            problems += [f"state_counts: {state} holds no node, the count says {n}"
+                         for state, n in sorted(self.driver.state_counts.items()) if n and state not in counted]
         return problems
 
     def check_invariants(self) -> None:
@@ -735,6 +741,7 @@ class HiCache:
         self.host_allocator.reset()
         self.tree = RadixTree(self.page_size)
         self.driver.forget_walk()
+        self.driver.recount()
         self.eviction.rebuild()
         if self.cp is not None:
             self.cp.reset()

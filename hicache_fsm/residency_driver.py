@@ -3,7 +3,9 @@
 Every residency transition goes through ``ResidencyDriver.fire``: it fires the
 trigger on the compiled machine, builds the jobs the transition emits and
 hands them to the outbox, tells eviction that a node's state changed (so the
-candidate sets stay current), and reports the transition to observers. The
+candidate sets stay current), keeps the number of nodes in each state
+(``state_counts``, what metrics export without walking the tree), and reports
+the transition to observers. The
 driver also owns what changes the tree's shape (``add_child``, ``split``,
 ``remove``), the cache's logical clock (``tick``, ``touch``) and the walk
 memo that lets ``insert`` reuse ``match_prefix``'s walk.
@@ -28,7 +30,8 @@ class ResidencyDriver:
     Interface: ``fire``, ``can_fire``, ``build_job``; ``add_child``,
     ``split``, ``remove``, ``walk``, ``walk_splitting``, ``require_node``;
     ``tick``, ``touch``, ``count_poll``, ``clock``, ``polls``;
-    ``add_observer``, ``remove_observer``, ``notify``, ``observed``.
+    ``add_observer``, ``remove_observer``, ``notify``, ``observed``;
+    ``state_counts`` (tree nodes per residency state, kept as they change).
     """
 
     def __init__(self, cache: "HiCache", machine: "CompiledMachine") -> None:
@@ -38,6 +41,17 @@ class ResidencyDriver:
         self.polls = 0
         self._memo: tuple | None = None  # the last tree walk (see walk)
         self._observers: list[Callable[[dict], None]] = []
+        # every state present from the start: a reader on another thread (a metrics
+        # scrape) copies this dict while the engine updates it, and its size never changes
+        self.state_counts: dict[str, int] = dict.fromkeys(machine.spec.state_names, 0)
+
+    def recount(self) -> None:
+        """Count the tree's nodes per state from scratch (after ``reset`` replaced the tree)."""
+        counts = dict.fromkeys(self.state_counts, 0)
+        for node in self.cache.tree.nodes():
+            if not node.is_root:
+                counts[node.state] += 1
+        self.state_counts.update(counts)
 
     # ------------------------------------------------------------------ clock
 
@@ -84,6 +98,9 @@ class ResidencyDriver:
         old = node.state
         transition = self.machine.fire(node, trigger, cache if ctx is None else ctx)
         if node.state != old:
+            counts = self.state_counts
+            counts[old] -= 1
+            counts[node.state] += 1
             cache.eviction.state_changed(node, old)
         if emit:
             for kind in transition.emits:
@@ -115,6 +132,7 @@ class ResidencyDriver:
     def add_child(self, parent: TreeNode, tokens: tuple, namespace: Hashable, start: int) -> TreeNode:
         """A new node (state ``absent``) for ``tokens[start:]`` under ``parent``; fire its first trigger next."""
         node = self.cache.tree.add_child(parent, tokens, namespace, start)
+        self.state_counts[node.state] += 1
         self.cache.eviction.child_added(node)
         return node
 
@@ -122,6 +140,7 @@ class ResidencyDriver:
         """Split ``node`` after ``at`` tokens (see ``RadixTree.split``); in-flight jobs cover both halves."""
         cache = self.cache
         upper = cache.tree.split(node, at)
+        self.state_counts[upper.state] += 1
         if cache.cp is not None:  # CP host slots cover owned pages only: split them by ownership
             cache.cp.on_split(node, upper, at)
         cache.outbox.enrol_split(upper)
@@ -134,6 +153,7 @@ class ResidencyDriver:
         """Take a leaf that left every tier (after ``drop`` / ``evict_host``) out of the tree."""
         parent = node.parent
         self.cache.tree.remove_leaf(node)
+        self.state_counts[node.state] -= 1
         self.cache.eviction.removed(node, parent)
         if self._observers:
             self.notify({"event": "removed", "node": node.id})
@@ -179,5 +199,6 @@ class ResidencyDriver:
         """A copy driving ``cache`` (a fork): same machine and observers, same clock, no walk memo."""
         new = ResidencyDriver(cache, self.machine)
         new.clock, new.polls = self.clock, self.polls
+        new.state_counts = dict(self.state_counts)
         new._observers = self._observers
         return new

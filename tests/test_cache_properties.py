@@ -8,6 +8,8 @@ host, can be checked byte for byte.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
@@ -247,6 +249,13 @@ class CacheMachine(RuleBasedStateMachine):
         and every candidate's heap entry sits at or below its current key (so pops come in policy order)."""
         if hasattr(self, "cache"):
             assert self.cache.eviction.violations() == []
+
+    @invariant()
+    def state_counts_equal_a_recomputation(self):
+        """The driver's per-state node counts (what metrics export) equal a count of the tree."""
+        if hasattr(self, "cache"):
+            counted = Counter(node.state for node in self.cache.tree.nodes() if not node.is_root)
+            assert {s: n for s, n in self.cache.driver.state_counts.items() if n} == dict(counted)
 
     @invariant()
     def lock_counts_match_held_locks(self):
