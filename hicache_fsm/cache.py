@@ -128,6 +128,7 @@ class HiCache:
         self.loads = LoadBacks(self)
         self.outbox = Outbox(self)
         self.engine_pages: set[int] = set()  # device pages handed out by alloc_device, not yet inserted or freed
+        self._checked_tokens: tuple = ()  # the last token tuple found good (see _token_ids)
         self._offsets = torch.arange(self.page_size, dtype=torch.int64)
         self._extra_host_owners: list[Callable[[], Iterable[tuple[str, torch.Tensor]]]] = []
         self._extra_invariants: list[Callable[[], list[str]]] = []
@@ -239,6 +240,18 @@ class HiCache:
 
     # ================================================================== match and insert
 
+    def _token_ids(self, tokens: object) -> tuple:
+        """``tokens`` as a checked tuple of ids (``BadTokenIds`` names the first bad one).
+
+        The last tuple checked is remembered (by identity: tuples are
+        immutable), so ``insert`` after ``match_prefix`` with the same tuple
+        checks nothing again.
+        """
+        if tokens is self._checked_tokens:
+            return tokens
+        ids = self._checked_tokens = as_token_ids(tokens)
+        return ids
+
     def match_prefix(self, tokens: Sequence[int], namespace: Hashable = None) -> MatchResult:
         """Longest cached prefix of ``tokens`` (whole pages), counted as a hit.
 
@@ -248,7 +261,7 @@ class HiCache:
         reaches the threshold are backed up here.
         """
         self.check_open()
-        tokens = as_token_ids(tokens)
+        tokens = self._token_ids(tokens)
         driver = self.driver
         path, _ = driver.walk_splitting(tokens, namespace)  # a bad namespace fails before any split
         now = driver.tick()
@@ -326,7 +339,7 @@ class HiCache:
         (clone a view of a reused buffer such as a request-to-token table).
         """
         self.check_open()
-        tokens = as_token_ids(tokens)
+        tokens = self._token_ids(tokens)
         ps = self.page_size
         if len(tokens) % ps:
             raise BadIndices(f"insert wants whole pages of {ps} tokens; got {len(tokens)} tokens")
