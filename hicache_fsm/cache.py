@@ -35,6 +35,8 @@ the same slots, so the indices a reader already holds stay valid.
 from __future__ import annotations
 
 import logging
+import threading
+import weakref
 from collections import Counter
 from typing import Callable, Hashable, Iterable, Sequence
 
@@ -43,7 +45,16 @@ import torch
 
 from hicache_fsm.bindings.residency import LOADING, ON_HOST
 from hicache_fsm.config import CacheConfig
-from hicache_fsm.errors import BadIndices, GuardRejected, HiCacheError, LockError
+from hicache_fsm.errors import (
+    BadIndices,
+    CompletionFailure,
+    CompletionsFailed,
+    GuardRejected,
+    HiCacheError,
+    LockError,
+    UnknownJob,
+    WrongThread,
+)
 from hicache_fsm.eviction import DEVICE_EVICTABLE, HOST_EVICTABLE, RESIDENT, REVIVABLE, Eviction
 from hicache_fsm.jobs import Completion, Executor, TransferJob
 from hicache_fsm.load_back import LoadBacks
@@ -66,6 +77,7 @@ __all__ = [
 ]
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
+_ADOPT = threading.Lock()  # taken only when a thread that does not own a cache calls it
 
 
 class InvariantViolation(HiCacheError):
@@ -134,6 +146,8 @@ class HiCache:
         self._extra_invariants: list[Callable[[], list[str]]] = []
         self.check_candidates = False  # also recompute the eviction candidate sets in invariant_violations
         self.closed = False
+        self._owner: int | None = None  # ident of the thread that drives the cache (None: the next caller adopts it)
+        self._owner_thread: weakref.ref | None = None
 
     @property
     def residency(self) -> CompiledMachine:
@@ -568,14 +582,19 @@ class HiCache:
         ``poll`` calls it; call it directly to start copies earlier in a step.
         If the executor refuses a batch, the unstarted jobs stay queued.
         """
+        self.check_open()
         self.outbox.flush()
 
     def poll(self) -> list[Completion]:
-        """Start queued jobs and apply every completion that is ready.
+        """Start queued jobs and apply every completion that is ready; returns the completions applied.
 
         Called once per engine step. Also runs ``write_behind`` backups of nodes
-        that went cold. Completions of jobs ``reset`` dropped are ignored; an
-        unknown completion raises ``UnknownJob`` after the valid ones were applied.
+        that went cold. Completions of jobs ``reset`` dropped are ignored. A
+        completion that cannot be applied (an unknown job, or one whose
+        transitions raised) never stops the others: every other completion is
+        applied first, then ``CompletionsFailed`` lists the failures (its
+        ``applied`` holds what this call would have returned). No node is left
+        in flight without a job (``in_flight_has_job``).
         """
         self.check_open()
         self.driver.count_poll()
@@ -584,9 +603,16 @@ class HiCache:
         outbox = self.outbox
         outbox.flush()
         done = list(self.executor.poll())
+        failures = outbox.take_deferred()
         if self.storage is not None:
-            done += self.storage.poll()
-        outbox.apply(done)
+            try:
+                done += self.storage.poll()
+            except Exception as exc:  # the executor's completions are applied all the same
+                failures.append(CompletionFailure(None, exc))
+        failures += outbox.apply(done)
+        if failures:
+            unknown = {id(f.completion) for f in failures if isinstance(f.error, UnknownJob)}
+            raise CompletionsFailed(failures, [c for c in done if id(c) not in unknown])
         return done
 
     def complete(self, completion: Completion, *, owner: object = None) -> None:
@@ -596,11 +622,14 @@ class HiCache:
         including a second ack of the same job, and its subclass ``JobOwnerError``
         for a job the caller does not run: h2s / s2h jobs are completed by the
         storage tier alone (``owner=cache.storage``), every other job by the engine.
+        ``CompletionsFailed`` if the job ended but a transition it causes raised.
         """
         self.check_open()
         self.outbox.check(completion)
         check_completion_owner(self.outbox.pending_job(completion.job_id), owner, self.storage)
-        self.outbox.apply([completion])
+        failures = self.outbox.apply([completion])
+        if failures:
+            raise CompletionsFailed(failures)
 
     # ================================================================== observation
 
@@ -737,6 +766,7 @@ class HiCache:
         """
         if self.closed:
             return
+        self.check_open()
         if self.executor_can_block():
             self.flush()
             self.executor.synchronize()
@@ -746,9 +776,42 @@ class HiCache:
         self.closed = True
 
     def check_open(self) -> None:
-        """``HiCacheError`` once the cache is closed (every entry point, the runtimes' included, calls it)."""
+        """Refuse a call unless the cache is open and the calling thread drives it.
+
+        Every entry point, the runtimes' included, calls this first, so a
+        refused call changes nothing: ``HiCacheError`` once closed,
+        ``WrongThread`` from a thread that does not own the cache. The owner
+        is the first thread that calls; it stays the owner until it ends or
+        calls ``release_thread``. One integer comparison on the hot path.
+        """
+        if self.closed or threading.get_ident() != self._owner:
+            self._check_slow()
+
+    def _check_slow(self) -> None:
         if self.closed:
             raise HiCacheError("this cache is closed")
+        with _ADOPT:
+            owner = self._owner_thread() if self._owner_thread is not None else None
+            if owner is None or not owner.is_alive():  # no owner, or it ended: this thread adopts the cache
+                self._owner_thread = weakref.ref(threading.current_thread())
+                self._owner = threading.get_ident()
+                return
+        raise WrongThread(
+            f"this cache belongs to thread {owner.name!r}; call it from that thread only, or have that thread "
+            f"call release_thread() first (called from {threading.current_thread().name!r}; nothing changed)"
+        )
+
+    def release_thread(self) -> None:
+        """Hand the cache over: the owning thread gives it up, and the next thread that calls it adopts it.
+
+        For an engine that moves the cache to another thread (start-up in one
+        thread, serving in another is fine without it: a thread that ended
+        owns nothing). Only the owner may release.
+        """
+        self.check_open()
+        with _ADOPT:
+            self._owner = None
+            self._owner_thread = None
 
     def __enter__(self) -> "HiCache":
         return self
@@ -766,6 +829,7 @@ class HiCache:
 
     def detach_storage(self) -> None:
         """Detach the backend; a no-op when detached; StorageLinkError while storage transfers are in flight."""
+        self.check_open()
         if self.storage is not None:
             self.storage.detach()
 

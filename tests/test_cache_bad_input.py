@@ -7,7 +7,7 @@ import torch
 
 from cache_helpers import drain, make_cache, pages, put
 from hicache_fsm.cache import InvariantViolation
-from hicache_fsm.errors import BadIndices, GuardRejected, HiCacheError, LockError, UnknownJob, UnknownNode
+from hicache_fsm.errors import BadIndices, CompletionsFailed, GuardRejected, HiCacheError, LockError, UnknownJob, UnknownNode
 from hicache_fsm.jobs import Completion
 
 
@@ -105,9 +105,11 @@ def test_poll_applies_valid_completions_before_reporting_an_unknown_one():
     cache.poll()
     ex.complete_all()
     ex._queue.append(Completion(10**9))  # an executor reporting a job it was never given
-    with pytest.raises(UnknownJob):
+    with pytest.raises(CompletionsFailed) as info:
         cache.poll()
-    assert node.state == "device_host"
+    (failure,) = info.value.failures
+    assert isinstance(failure.error, UnknownJob) and failure.completion == Completion(10**9)
+    assert [c.job_id for c in info.value.applied] != [] and node.state == "device_host"
     cache.check_invariants()
 
 
