@@ -49,6 +49,7 @@ from hicache_fsm.errors import (
     BadIndices,
     CompletionFailure,
     CompletionsFailed,
+    ConfigError,
     GuardRejected,
     HiCacheError,
     LockError,
@@ -115,8 +116,9 @@ class HiCache:
         draft_host_pool=None,
         dispatcher: CompiledMachine | None = None,
     ) -> None:
-        if device_pool.page_size != host_pool.page_size:
-            raise HiCacheError("device and host pools must use the same page size")
+        _check_pools(device_pool, host_pool, draft_device_pool, draft_host_pool)
+        if config is not None and not isinstance(config, CacheConfig):
+            raise ConfigError(f"config must be a CacheConfig, got {type(config).__name__}")
         self.config = config or CacheConfig()
         self.device_pool = device_pool
         self.host_pool = host_pool
@@ -855,6 +857,19 @@ class HiCache:
 
     def storage_link_violations(self) -> list[str]:
         return [] if self.storage is None else self.storage.link_violations()
+
+
+def _check_pools(device_pool, host_pool, draft_device_pool, draft_host_pool) -> None:
+    """Refuse pool combinations that cannot work (the reference raises on the same ones)."""
+    if device_pool.page_size != host_pool.page_size:
+        raise ConfigError(f"device and host pools must use the same page size "
+                          f"({device_pool.page_size} != {host_pool.page_size})")
+    if (draft_device_pool is None) != (draft_host_pool is None):
+        raise ConfigError("draft_device_pool and draft_host_pool must be given together (a draft model's KV "
+                          "is backed up like the target's)")
+    if draft_device_pool is not None:
+        if {draft_device_pool.page_size, draft_host_pool.page_size} != {device_pool.page_size}:
+            raise ConfigError("draft pools must use the target pools' page size (one tree indexes both)")
 
 
 def cache_from_pools(pools, config: CacheConfig | None = None, executor: Executor | None = None) -> HiCache:

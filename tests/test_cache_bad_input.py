@@ -260,3 +260,24 @@ def test_evict_counts_must_be_ints(fn):
 def test_errors_share_one_base_class():
     for err in (BadIndices, GuardRejected, LockError, UnknownJob, UnknownNode):
         assert issubclass(err, HiCacheError)
+
+
+# ------------------------------------------------------------------ configuration the reference refuses
+
+
+def test_pool_combinations_that_cannot_work_are_refused_with_the_reason():
+    from hicache_fsm.cache import HiCache
+    from hicache_fsm.errors import ConfigError
+    from hicache_fsm.pools import DeviceKVPool, HostKVPool, KVShape
+
+    shape = KVShape(layers=1, heads=1, head_dim=2)
+    dev, host = DeviceKVPool(shape, 32, 4, "cpu"), HostKVPool(shape, 64, 4, pin_memory=False)
+    with pytest.raises(ConfigError, match="same page size"):
+        HiCache(dev, HostKVPool(shape, 64, 8, pin_memory=False))
+    with pytest.raises(ConfigError, match="given together"):
+        HiCache(dev, host, draft_device_pool=DeviceKVPool(shape, 32, 4, "cpu"))
+    with pytest.raises(ConfigError, match="page size"):
+        HiCache(dev, host, draft_device_pool=DeviceKVPool(shape, 32, 8, "cpu"),
+                draft_host_pool=HostKVPool(shape, 64, 8, pin_memory=False))
+    with pytest.raises(ConfigError, match="CacheConfig"):
+        HiCache(dev, host, config={"write_policy": "write_back"})
