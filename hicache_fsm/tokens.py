@@ -18,8 +18,8 @@ touches every new id just the same.)
 The check stays in C. Packing a tuple into a little-endian ``struct`` of 4-byte
 unsigned ints refuses every non-integer and every id out of range at once and
 yields the bytes storage keys hash; only ids that pack as 0 or 1 (the values a
-bool can take, found by a byte search of the packed ids) have their type
-looked at. A 1-D integer array or tensor is
+bool can take, found by one vectorised minimum over the packed ids) have their
+type looked at. A 1-D integer array or tensor is
 checked by a vectorised range test. A bad sequence takes the element-by-element
 path that names the first bad position. A list of numpy or torch scalars (an
 iterated array: its first or last element is not an int) is converted element
@@ -44,7 +44,6 @@ TOKEN_ID_LIMIT = 1 << 32  # exclusive: storage keys pack ids as 4-byte unsigned 
 __all__ = ["TOKEN_ID_LIMIT", "as_token_ids", "token_id_bytes"]
 
 _LE_UINT32 = np.dtype("<u4")
-_ZERO, _ONE = struct.pack("<I", 0), struct.pack("<I", 1)
 
 
 def as_token_ids(tokens: Any) -> tuple[int, ...]:
@@ -117,12 +116,11 @@ def _packed(ids: tuple) -> bytes:
         packed = _packer(n).pack(*ids)  # in C: refuses floats, None, str, nested lists and ids out of range
     except Exception:  # struct.error, or whatever an element's __index__ raised
         return _packer(n).pack(*_converted(ids))  # raises for the first bad id
-    for word in (_ZERO, _ONE):  # a bool packs as 0 or 1: look at the type of those ids only
-        at = packed.find(word)
-        while at >= 0:
-            if at % 4 == 0:  # a whole id, not bytes straddling two ids
-                _check_one(at // 4, ids[at // 4])
-            at = packed.find(word, at + 1)
+    if n:
+        words = np.frombuffer(packed, dtype=_LE_UINT32)
+        if words.min() <= 1:  # a bool packs as 0 or 1: look at the type of those ids only
+            for i in np.flatnonzero(words <= 1).tolist():
+                _check_one(i, ids[i])
     return packed
 
 
