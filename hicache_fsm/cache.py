@@ -35,6 +35,8 @@ the same slots, so the indices a reader already holds stay valid.
 from __future__ import annotations
 
 import logging
+import threading
+import weakref
 from collections import Counter
 from typing import Callable, Hashable, Iterable, Sequence
 
@@ -44,7 +46,17 @@ import torch
 from hicache_fsm.acks import AckAgreement
 from hicache_fsm.bindings.residency import LOADING, ON_HOST
 from hicache_fsm.config import CacheConfig
-from hicache_fsm.errors import BadIndices, GuardRejected, HiCacheError, LockError
+from hicache_fsm.errors import (
+    BadIndices,
+    CompletionFailure,
+    CompletionsFailed,
+    ConfigError,
+    GuardRejected,
+    HiCacheError,
+    LockError,
+    UnknownJob,
+    WrongThread,
+)
 from hicache_fsm.eviction import DEVICE_EVICTABLE, HOST_EVICTABLE, RESIDENT, REVIVABLE, Eviction
 from hicache_fsm.jobs import Completion, Executor, TransferJob
 from hicache_fsm.load_back import LoadBacks
@@ -68,6 +80,7 @@ __all__ = [
 ]
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
+_ADOPT = threading.Lock()  # taken only when a thread that does not own a cache calls it
 
 
 class InvariantViolation(HiCacheError):
@@ -111,8 +124,9 @@ class HiCache:
         dispatcher: CompiledMachine | None = None,
         group=None,
     ) -> None:
-        if device_pool.page_size != host_pool.page_size:
-            raise HiCacheError("device and host pools must use the same page size")
+        _check_pools(device_pool, host_pool, draft_device_pool, draft_host_pool)
+        if config is not None and not isinstance(config, CacheConfig):
+            raise ConfigError(f"config must be a CacheConfig, got {type(config).__name__}")
         self.config = config or CacheConfig()
         self.device_pool = device_pool
         self.host_pool = host_pool
@@ -142,11 +156,14 @@ class HiCache:
         if self.acks is not None:
             self.agreement.register(self.acks)
         self.engine_pages: set[int] = set()  # device pages handed out by alloc_device, not yet inserted or freed
+        self._checked_tokens: tuple = ()  # the last token tuple found good (see _token_ids)
         self._offsets = torch.arange(self.page_size, dtype=torch.int64)
         self._extra_host_owners: list[Callable[[], Iterable[tuple[str, torch.Tensor]]]] = []
         self._extra_invariants: list[Callable[[], list[str]]] = []
         self.check_candidates = False  # also recompute the eviction candidate sets in invariant_violations
         self.closed = False
+        self._owner: int | None = None  # ident of the thread that drives the cache (None: the next caller adopts it)
+        self._owner_thread: weakref.ref | None = None
 
     @property
     def residency(self) -> CompiledMachine:
@@ -254,6 +271,18 @@ class HiCache:
 
     # ================================================================== match and insert
 
+    def _token_ids(self, tokens: object) -> tuple:
+        """``tokens`` as a checked tuple of ids (``BadTokenIds`` names the first bad one).
+
+        The last tuple checked is remembered (by identity: tuples are
+        immutable), so ``insert`` after ``match_prefix`` with the same tuple
+        checks nothing again.
+        """
+        if tokens is self._checked_tokens:
+            return tokens
+        ids = self._checked_tokens = as_token_ids(tokens)
+        return ids
+
     def match_prefix(self, tokens: Sequence[int], namespace: Hashable = None) -> MatchResult:
         """Longest cached prefix of ``tokens`` (whole pages), counted as a hit.
 
@@ -263,7 +292,7 @@ class HiCache:
         reaches the threshold are backed up here.
         """
         self.check_open()
-        tokens = as_token_ids(tokens)
+        tokens = self._token_ids(tokens)
         driver = self.driver
         path, _ = driver.walk_splitting(tokens, namespace)  # a bad namespace fails before any split
         now = driver.tick()
@@ -341,7 +370,7 @@ class HiCache:
         (clone a view of a reused buffer such as a request-to-token table).
         """
         self.check_open()
-        tokens = as_token_ids(tokens)
+        tokens = self._token_ids(tokens)
         ps = self.page_size
         if len(tokens) % ps:
             raise BadIndices(f"insert wants whole pages of {ps} tokens; got {len(tokens)} tokens")
@@ -570,14 +599,19 @@ class HiCache:
         ``poll`` calls it; call it directly to start copies earlier in a step.
         If the executor refuses a batch, the unstarted jobs stay queued.
         """
+        self.check_open()
         self.outbox.flush()
 
     def poll(self) -> list[Completion]:
-        """Start queued jobs and apply every completion that is ready.
+        """Start queued jobs and apply every completion that is ready; returns the completions applied.
 
         Called once per engine step. Also runs ``write_behind`` backups of nodes
-        that went cold. Completions of jobs ``reset`` dropped are ignored; an
-        unknown completion raises ``UnknownJob`` after the valid ones were applied.
+        that went cold. Completions of jobs ``reset`` dropped are ignored. A
+        completion that cannot be applied (an unknown job, or one whose
+        transitions raised) never stops the others: every other completion is
+        applied first, then ``CompletionsFailed`` lists the failures (its
+        ``applied`` holds what this call would have returned). No node is left
+        in flight without a job (``in_flight_has_job``).
         """
         self.check_open()
         self.driver.count_poll()
@@ -586,9 +620,18 @@ class HiCache:
         outbox = self.outbox
         outbox.flush()
         done = list(self.executor.poll())
+        failures = outbox.take_deferred()
         if self.storage is not None:
-            done += self.storage.poll()
-        return outbox.apply_agreed(done)
+            try:
+                done += self.storage.poll()
+            except Exception as exc:  # the executor's completions are applied all the same
+                failures.append(CompletionFailure(None, exc))
+        applied, more = outbox.apply_agreed(done)
+        failures += more
+        if failures:
+            unknown = {id(f.completion) for f in failures if isinstance(f.error, UnknownJob)}
+            raise CompletionsFailed(failures, [c for c in applied if id(c) not in unknown])
+        return applied
 
     def complete(self, completion: Completion, *, owner: object = None) -> None:
         """Apply one completion reported by an engine-side executor.
@@ -597,14 +640,15 @@ class HiCache:
         including a second ack of the same job, and its subclass ``JobOwnerError``
         for a job the caller does not run: h2s / s2h jobs are completed by the
         storage tier alone (``owner=cache.storage``), every other job by the engine.
+        ``CompletionsFailed`` if the job ended but a transition it causes raised.
         """
         self.check_open()
         self.outbox.check(completion)
         check_completion_owner(self.outbox.pending_job(completion.job_id), owner, self.storage)
-        if self.acks is not None:  # a rank group: applied at a poll, once every rank has it
-            self.outbox.apply(self.acks.hold([completion]))
-            return
-        self.outbox.apply([completion])
+        held = [completion] if self.acks is None else self.acks.hold([completion])  # a rank group: at a poll
+        failures = self.outbox.apply(held)
+        if failures:
+            raise CompletionsFailed(failures)
 
     # ================================================================== observation
 
@@ -754,6 +798,7 @@ class HiCache:
         """
         if self.closed:
             return
+        self.check_open()
         if self.executor_can_block():
             self.flush()
             self.executor.synchronize()
@@ -763,9 +808,42 @@ class HiCache:
         self.closed = True
 
     def check_open(self) -> None:
-        """``HiCacheError`` once the cache is closed (every entry point, the runtimes' included, calls it)."""
+        """Refuse a call unless the cache is open and the calling thread drives it.
+
+        Every entry point, the runtimes' included, calls this first, so a
+        refused call changes nothing: ``HiCacheError`` once closed,
+        ``WrongThread`` from a thread that does not own the cache. The owner
+        is the first thread that calls; it stays the owner until it ends or
+        calls ``release_thread``. One integer comparison on the hot path.
+        """
+        if self.closed or threading.get_ident() != self._owner:
+            self._check_slow()
+
+    def _check_slow(self) -> None:
         if self.closed:
             raise HiCacheError("this cache is closed")
+        with _ADOPT:
+            owner = self._owner_thread() if self._owner_thread is not None else None
+            if owner is None or not owner.is_alive():  # no owner, or it ended: this thread adopts the cache
+                self._owner_thread = weakref.ref(threading.current_thread())
+                self._owner = threading.get_ident()
+                return
+        raise WrongThread(
+            f"this cache belongs to thread {owner.name!r}; call it from that thread only, or have that thread "
+            f"call release_thread() first (called from {threading.current_thread().name!r}; nothing changed)"
+        )
+
+    def release_thread(self) -> None:
+        """Hand the cache over: the owning thread gives it up, and the next thread that calls it adopts it.
+
+        For an engine that moves the cache to another thread (start-up in one
+        thread, serving in another is fine without it: a thread that ended
+        owns nothing). Only the owner may release.
+        """
+        self.check_open()
+        with _ADOPT:
+            self._owner = None
+            self._owner_thread = None
 
     def __enter__(self) -> "HiCache":
         return self
@@ -783,6 +861,7 @@ class HiCache:
 
     def detach_storage(self) -> None:
         """Detach the backend; a no-op when detached; StorageLinkError while storage transfers are in flight."""
+        self.check_open()
         if self.storage is not None:
             self.storage.detach()
 
@@ -808,6 +887,19 @@ class HiCache:
 
     def storage_link_violations(self) -> list[str]:
         return [] if self.storage is None else self.storage.link_violations()
+
+
+def _check_pools(device_pool, host_pool, draft_device_pool, draft_host_pool) -> None:
+    """Refuse pool combinations that cannot work (the reference raises on the same ones)."""
+    if device_pool.page_size != host_pool.page_size:
+        raise ConfigError(f"device and host pools must use the same page size "
+                          f"({device_pool.page_size} != {host_pool.page_size})")
+    if (draft_device_pool is None) != (draft_host_pool is None):
+        raise ConfigError("draft_device_pool and draft_host_pool must be given together (a draft model's KV "
+                          "is backed up like the target's)")
+    if draft_device_pool is not None:
+        if {draft_device_pool.page_size, draft_host_pool.page_size} != {device_pool.page_size}:
+            raise ConfigError("draft pools must use the target pools' page size (one tree indexes both)")
 
 
 def cache_from_pools(pools, config: CacheConfig | None = None, executor: Executor | None = None) -> HiCache:

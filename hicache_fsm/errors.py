@@ -7,6 +7,8 @@ wrong and where. Raising one of these never leaves a structure half-changed.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 
 class HiCacheError(Exception):
     """Base class of every error hicache_fsm raises on purpose."""
@@ -61,6 +63,36 @@ class UnknownJob(HiCacheError):
 
 class JobOwnerError(UnknownJob):
     """A completion came from someone other than the job's owner (the storage tier runs h2s / s2h jobs)."""
+
+
+class CompletionFailure(NamedTuple):
+    """One completion that could not be applied, and why (an ``UnknownJob``, or what applying it raised)."""
+
+    completion: object
+    error: Exception
+
+
+class CompletionsFailed(HiCacheError):
+    """``poll`` / ``complete`` applied every completion it could; ``failures`` could not be applied.
+
+    Raised only after every other completion of the batch was applied, so one
+    bad completion never loses the others. ``applied`` are the completions
+    that ended their jobs (what ``poll`` would have returned), those whose
+    follow-up transitions raised included: their job is over either way.
+    """
+
+    def __init__(self, failures: list[CompletionFailure], applied: list | None = None) -> None:
+        self.failures = list(failures)
+        self.applied = list(applied or ())
+        lines = [f"{type(f.error).__name__}: {f.error}" for f in self.failures]
+        super().__init__(f"{len(lines)} completion(s) could not be applied: " + "; ".join(lines))
+
+
+class WrongThread(HiCacheError):
+    """A cache was called from a thread other than the one that drives it (nothing changed).
+
+    A cache belongs to one thread at a time; see ``HiCache.release_thread``.
+    """
 
 
 class LockError(HiCacheError):

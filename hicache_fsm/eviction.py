@@ -303,7 +303,7 @@ class Eviction:
         while freed < num_tokens and cache.executor_can_block() and outbox.has_pending(JobKind.D2H):
             outbox.flush()
             cache.executor.synchronize()
-            outbox.apply_agreed(list(cache.executor.poll()))
+            outbox.defer(outbox.apply_agreed(list(cache.executor.poll()))[1])  # failures: reported by the next poll
             more, started = self.device_pass(num_tokens - freed, tried)
             freed += more
             if not more and not started:

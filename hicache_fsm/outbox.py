@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Iterable
 
 import attrs
 
-from hicache_fsm.errors import UnknownJob
+from hicache_fsm.errors import CompletionFailure, UnknownJob
 from hicache_fsm.jobs import Completion, JobBatch, JobKind, TransferJob, merge_jobs
 from hicache_fsm.radix import TreeNode
 from hicache_fsm.results import LoadHandle
@@ -88,6 +88,7 @@ class Outbox:
         self._load_handles: list[LoadHandle] = []  # handles whose load is still queued
         self._job_handle: dict[int, LoadHandle] = {}  # pending h2d job -> the handle waiting on it
         self.ledger = JobLedger()
+        self._deferred: list[CompletionFailure] = []  # failures of completions applied outside poll
 
     # ------------------------------------------------------------------ read-only views
 
@@ -144,8 +145,11 @@ class Outbox:
         cache.counters[_JOBS_KEY[job.kind]] += 1
         driver = cache.driver
         if driver.observed:
-            driver.notify({"event": "job", "job": job.id, "kind": job.kind.value, "nodes": list(job.node_ids),
-                           "tokens": job.num_tokens})
+            event = {"event": "job", "job": job.id, "kind": job.kind.value, "nodes": list(job.node_ids),
+                     "tokens": job.num_tokens}
+            if job.layer is not None:
+                event["layer"] = job.layer
+            driver.notify(event)
 
     def emit_load(self, job: TransferJob, handle: LoadHandle) -> None:
         """``emit`` an H2D job whose executor wait ``handle`` binds to when it is started."""
@@ -197,58 +201,88 @@ class Outbox:
             raise UnknownJob(f"job {c.job_id} was already acknowledged ({how})")
         raise UnknownJob(f"job {c.job_id!r} is not a job of this cache")
 
-    def apply(self, completions: Iterable[Completion]) -> None:
-        """Apply each completion: fire ``*_done`` / ``*_failed`` on its nodes; unknown ones raise at the end."""
+    def apply(self, completions: Iterable[Completion]) -> list[CompletionFailure]:
+        """Apply each completion: fire ``*_done`` / ``*_failed`` on its nodes; returns those that could not be.
+
+        One completion that cannot be applied never stops the others: an
+        unknown job changes nothing, and a completion whose transitions raise
+        still ends its job (it left the executor) while the error is returned.
+        Observers hear of every job that ended here, storage and CP layer jobs
+        included.
+        """
         cache = self.cache
         driver = cache.driver
-        counters = cache.counters
-        errors: list[str] = []
+        failures: list[CompletionFailure] = []
         for c in completions:
             try:
                 self.check(c)
             except UnknownJob as exc:
-                errors.append(str(exc))
+                failures.append(CompletionFailure(c, exc))
                 continue
             job = self._pending.pop(c.job_id, None)
             if job is None:  # cancelled by reset
-                counters["late_cancelled_completions"] += 1
+                cache.counters["late_cancelled_completions"] += 1
                 continue
             self.ledger.ended(c.job_id, "acked" if c.ok else "failed")
             nodes = self._job_nodes.pop(c.job_id)
             for node in nodes:
                 node.pending_jobs.discard(c.job_id)
             handle = self._job_handle.pop(c.job_id, None)
-            if job.kind is JobKind.H2S and cache.storage is not None:
-                cache.storage.backup_finished(job, c.ok, c.error)
-            if job.kind is JobKind.S2H:
-                continue
-            if job.layer is not None and cache.cp is not None:  # a CP per-layer copy: the runtime acks once
-                cache.cp.layer_job_finished(job, c.ok)
-                continue
-            if c.ok:
-                trigger = _DONE_TRIGGER[job.kind]
-                for node in nodes:
-                    driver.fire(node, trigger)
-                counters[_BYTES_KEY[job.kind]] += job.num_tokens * cache.token_bytes
-                if cache.storage is not None and job.kind is JobKind.D2H and cache.storage_attached:
-                    for node in nodes:
-                        if driver.can_fire(node, "store"):
-                            driver.fire(node, "store")
-            else:
-                counters[_FAILED_KEY[job.kind]] += 1
-                log.warning("job %d (%s) failed: %s", c.job_id, job.kind.value, c.error)
-                if job.kind is JobKind.H2D:
-                    cache.loads.load_failed(nodes, handle)
-                else:
-                    for node in nodes:
-                        driver.fire(node, _FAIL_TRIGGER[job.kind])
+            try:
+                self._finish(job, c, nodes, handle)
+            except Exception as exc:
+                log.error("completion of job %d (%s) could not be applied: %s", c.job_id, job.kind.value, exc)
+                failures.append(CompletionFailure(c, exc))
             if driver.observed:
                 driver.notify({"event": "completion", "job": c.job_id, "ok": c.ok})
-        if errors:
-            raise UnknownJob("; ".join(errors))
+        return failures
 
-    def apply_agreed(self, done: list[Completion]) -> list[Completion]:
-        """``apply`` the completions every rank has; returns them (see ``hicache_fsm.acks``).
+    def defer(self, failures: list[CompletionFailure]) -> None:
+        """Keep ``apply``'s failures for the next ``poll`` to report (completions applied inside another call)."""
+        self._deferred.extend(failures)
+
+    def take_deferred(self) -> list[CompletionFailure]:
+        failures, self._deferred = self._deferred, []
+        return failures
+
+    def _finish(self, job: TransferJob, c: Completion, nodes: list[TreeNode], handle: LoadHandle | None) -> None:
+        """The transitions a completion of ``job`` causes; every node is tried, the first error raised after."""
+        cache = self.cache
+        driver = cache.driver
+        if job.kind is JobKind.H2S and cache.storage is not None:
+            cache.storage.backup_finished(job, c.ok, c.error)
+        if job.kind is JobKind.S2H:  # the prefetch runtime already took the pages
+            return
+        if job.layer is not None and cache.cp is not None:  # a CP per-layer copy: the runtime acks once
+            cache.cp.layer_job_finished(job, c.ok)
+            return
+        errors: list[Exception] = []
+
+        def each(trigger: str, only_if_able: bool = False) -> None:
+            for node in nodes:
+                try:
+                    if not only_if_able or driver.can_fire(node, trigger):
+                        driver.fire(node, trigger)
+                except Exception as exc:
+                    errors.append(exc)
+
+        if c.ok:
+            each(_DONE_TRIGGER[job.kind])
+            cache.counters[_BYTES_KEY[job.kind]] += job.num_tokens * cache.token_bytes
+            if job.kind is JobKind.D2H and cache.storage is not None and cache.storage_attached:
+                each("store", only_if_able=True)
+        else:
+            cache.counters[_FAILED_KEY[job.kind]] += 1
+            log.warning("job %d (%s) failed: %s", c.job_id, job.kind.value, c.error)
+            if job.kind is JobKind.H2D:
+                cache.loads.load_failed(nodes, handle)
+            else:
+                each(_FAIL_TRIGGER[job.kind])
+        if errors:
+            raise errors[0]
+
+    def apply_agreed(self, done: list[Completion]) -> tuple[list[Completion], list[CompletionFailure]]:
+        """``apply`` the completions every rank has; returns them and ``apply``'s failures (see ``hicache_fsm.acks``).
 
         One rank: ``done`` itself. With a rank group, ``done`` is held and the
         step's agreement (one collective) decides which held completions apply now.
@@ -256,13 +290,11 @@ class Outbox:
         cache = self.cache
         acks = cache.acks
         if acks is None:
-            self.apply(done)
-            return done
+            return done, self.apply(done)
         direct = acks.hold(done)
         cache.agreement.step()
         agreed = direct + acks.take()
-        self.apply(agreed)
-        return agreed
+        return agreed, self.apply(agreed)
 
     def forget(self, job_id: int) -> None:
         """Drop a pending job without ending it in the ledger (tests that break the ledger on purpose)."""
@@ -291,4 +323,5 @@ class Outbox:
         new._load_handles = [fork_handle(h) for h in self._load_handles]
         new._job_handle = {k: fork_handle(h) for k, h in self._job_handle.items()}
         new.ledger = self.ledger.copy()
+        new._deferred = list(self._deferred)
         return new

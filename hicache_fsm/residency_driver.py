@@ -92,23 +92,38 @@ class ResidencyDriver:
 
         Emits the transition's jobs unless ``emit`` is False (a caller that
         builds one job for several nodes, such as a load-back). Raises
-        ``InvalidTransition`` / ``GuardRejected`` with nothing changed.
+        ``InvalidTransition`` / ``GuardRejected`` with nothing changed. A job
+        that cannot be built (an H2S job's storage keys) puts the node back
+        in its old state and raises: a node never waits for a job that does
+        not exist. Only effect-free transitions can fail so (the jobs of the
+        others read the slots their effects just set).
         """
         cache = self.cache
         old = node.state
         transition = self.machine.fire(node, trigger, cache if ctx is None else ctx)
         if node.state != old:
-            counts = self.state_counts
-            counts[old] -= 1
-            counts[node.state] += 1
-            cache.eviction.state_changed(node, old)
-        if emit:
-            for kind in transition.emits:
-                cache.outbox.emit(self.build_job(kind, node), [node])
+            self._moved(node, old)
+        if emit and transition.emits:
+            try:
+                jobs = [self.build_job(kind, node) for kind in transition.emits]
+            except Exception:
+                if getattr(transition, "effects", None) == ():  # None: a dispatcher that keeps its own state
+                    node.state = old
+                    self._moved(node, transition.dest)
+                raise
+            for job in jobs:
+                cache.outbox.emit(job, [node])
         if self._observers:
             self.notify({"event": "transition", "machine": "residency", "node": node.id, "trigger": trigger,
                          "source": transition.source, "dest": transition.dest})
         return transition
+
+    def _moved(self, node: TreeNode, old: str) -> None:
+        """``node`` left state ``old``: the per-state counts and eviction's candidate sets follow."""
+        counts = self.state_counts
+        counts[old] -= 1
+        counts[node.state] += 1
+        self.cache.eviction.state_changed(node, old)
 
     def can_fire(self, node: TreeNode, trigger: str) -> bool:
         return self.machine.can_fire(node, trigger, self.cache)

@@ -7,7 +7,7 @@ import torch
 
 from cache_helpers import drain, make_cache, pages, put
 from hicache_fsm.cache import InvariantViolation
-from hicache_fsm.errors import BadIndices, GuardRejected, HiCacheError, LockError, UnknownJob, UnknownNode
+from hicache_fsm.errors import BadIndices, CompletionsFailed, GuardRejected, HiCacheError, LockError, UnknownJob, UnknownNode
 from hicache_fsm.jobs import Completion
 
 
@@ -105,9 +105,11 @@ def test_poll_applies_valid_completions_before_reporting_an_unknown_one():
     cache.poll()
     ex.complete_all()
     ex._queue.append(Completion(10**9))  # an executor reporting a job it was never given
-    with pytest.raises(UnknownJob):
+    with pytest.raises(CompletionsFailed) as info:
         cache.poll()
-    assert node.state == "device_host"
+    (failure,) = info.value.failures
+    assert isinstance(failure.error, UnknownJob) and failure.completion == Completion(10**9)
+    assert [c.job_id for c in info.value.applied] != [] and node.state == "device_host"
     cache.check_invariants()
 
 
@@ -258,3 +260,24 @@ def test_evict_counts_must_be_ints(fn):
 def test_errors_share_one_base_class():
     for err in (BadIndices, GuardRejected, LockError, UnknownJob, UnknownNode):
         assert issubclass(err, HiCacheError)
+
+
+# ------------------------------------------------------------------ configuration the reference refuses
+
+
+def test_pool_combinations_that_cannot_work_are_refused_with_the_reason():
+    from hicache_fsm.cache import HiCache
+    from hicache_fsm.errors import ConfigError
+    from hicache_fsm.pools import DeviceKVPool, HostKVPool, KVShape
+
+    shape = KVShape(layers=1, heads=1, head_dim=2)
+    dev, host = DeviceKVPool(shape, 32, 4, "cpu"), HostKVPool(shape, 64, 4, pin_memory=False)
+    with pytest.raises(ConfigError, match="same page size"):
+        HiCache(dev, HostKVPool(shape, 64, 8, pin_memory=False))
+    with pytest.raises(ConfigError, match="given together"):
+        HiCache(dev, host, draft_device_pool=DeviceKVPool(shape, 32, 4, "cpu"))
+    with pytest.raises(ConfigError, match="page size"):
+        HiCache(dev, host, draft_device_pool=DeviceKVPool(shape, 32, 8, "cpu"),
+                draft_host_pool=HostKVPool(shape, 64, 8, pin_memory=False))
+    with pytest.raises(ConfigError, match="CacheConfig"):
+        HiCache(dev, host, config={"write_policy": "write_back"})

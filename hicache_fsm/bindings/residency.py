@@ -7,6 +7,7 @@ job the transition emits, which the cache builds and an executor runs.
 
 from __future__ import annotations
 
+from hicache_fsm.jobs import JobKind
 from hicache_fsm.registry import machine_registry
 
 residency = machine_registry("residency")
@@ -188,3 +189,59 @@ def jobs_acked_once(cache) -> list[str]:
         problems.append(f"ended jobs still pending: {sorted(both)[:8]}")
     return problems
 
+
+_DONE_KIND = {"write_done": JobKind.D2H, "load_done": JobKind.H2D, "store_done": JobKind.H2S}
+
+
+def _waits_for(spec) -> dict[str, set[JobKind]]:
+    """State -> the job kinds a node in it waits for: those whose ``*_done`` trigger leaves the state."""
+    waits: dict[str, set[JobKind]] = {}
+    for t in spec.transitions:
+        kind = _DONE_KIND.get(t.trigger)
+        if kind is not None:
+            for source in t.sources:
+                waits.setdefault(source, set()).add(kind)
+    return waits
+
+
+@residency.invariant
+def in_flight_has_job(cache) -> list[str]:
+    """A node waiting for a copy is covered by a pending job of that kind, and jobs and nodes agree.
+
+    Queued jobs are pending too. The one wait without a job is a CP per-layer
+    write: its node is ``writing_host`` from the reservation on and the runtime
+    emits a D2H job per layer as layers are computed (the CP runtime's own
+    invariants check its writes). Also: a node knows only pending jobs, is
+    covered only by jobs its state waits for (or S2H), and every pending job
+    covers live nodes that know it.
+    """
+    waits = _waits_for(cache.residency.spec)
+    outbox = cache.outbox
+    problems = []
+    for node in cache.tree.nodes():
+        if node.is_root:
+            continue
+        jobs = [outbox.pending_job(j) for j in node.pending_jobs]
+        stale = sorted(j for j, job in zip(node.pending_jobs, jobs) if job is None)
+        if stale:
+            problems.append(f"node {node.id} waits for jobs {stale} that are not pending")
+        have = {job.kind for job in jobs if job is not None}
+        needed = waits.get(node.state, set())
+        missing = needed - have
+        if JobKind.D2H in missing and cache.cp is not None and cache.cp.write_for(node) is not None:
+            missing.discard(JobKind.D2H)
+        if missing:
+            names = "/".join(sorted(k.value for k in missing))
+            problems.append(f"node {node.id} is {node.state} but no pending {names} job covers it")
+        extra = have - needed - {JobKind.S2H}
+        if extra:
+            names = "/".join(sorted(k.value for k in extra))
+            problems.append(f"node {node.id} in {node.state} is covered by pending {names} jobs it does not wait for")
+    for job in cache.pending_jobs():
+        for node_id in job.node_ids:
+            if cache.tree.get(node_id) is None:
+                problems.append(f"pending job {job.id} ({job.kind.value}) covers node {node_id}, which left the tree")
+        for node in outbox.nodes_of(job.id):
+            if job.id not in node.pending_jobs:
+                problems.append(f"job {job.id} covers node {node.id}, which does not know it")
+    return problems

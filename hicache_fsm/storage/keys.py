@@ -24,14 +24,12 @@ from __future__ import annotations
 
 import hashlib
 import re
-import sys
-from array import array
 from typing import Iterable, Sequence
 
 import attrs
 
 from hicache_fsm.errors import BadTokenIds, StorageKeyError
-from hicache_fsm.tokens import as_token_ids
+from hicache_fsm.tokens import token_id_bytes
 
 __all__ = [
     "HASH_HEX_LEN",
@@ -57,13 +55,9 @@ _HEX_RE = re.compile(r"^[0-9a-fA-F]{64}$")
 
 def _token_bytes(tokens: Sequence[int]) -> bytes:
     try:
-        ids = as_token_ids(tokens)  # the one definition of a valid token id
+        return token_id_bytes(tokens)  # the one definition of a valid token id, packed little-endian
     except BadTokenIds as exc:
         raise StorageKeyError(str(exc)) from None
-    packed = array("I", ids)
-    if sys.byteorder != "little":
-        packed.byteswap()
-    return packed.tobytes()
 
 
 def _prior_bytes(prior: str | None) -> bytes:

@@ -15,7 +15,9 @@ without the cache:
   and the spec has that (trigger, source -> dest);
 - every acknowledgement transition (``write_done``, ``load_failed``, ...) is
   justified by a pending job of the matching kind covering that object
-  (nodes split off while a job was in flight are enrolled in it);
+  (nodes split off while a job was in flight are enrolled in it); a CP
+  write's per-layer copies (jobs with a ``layer``) justify its one ack once
+  they have landed;
 - job ids are never reused; a completion names a pending job (a second
   completion of the same job is a divergence) and, when ``ok``, every live
   node of the job went through the matching ``*_done`` transition;
@@ -195,6 +197,7 @@ class _Job:
     kind: str
     nodes: set
     acked: set = attrs.Factory(set)  # nodes that went through an ack transition for this job
+    layer: bool = False  # a CP per-layer copy: its write is acked once, after every layer landed
 
 
 class _Replayer:
@@ -204,6 +207,7 @@ class _Replayer:
         self.removed: set[tuple[str, object]] = set()
         self.jobs: dict[int, _Job] = {}
         self.finished: dict[int, bool] = {}
+        self.landed: dict[int, _Job] = {}  # completed CP layer jobs whose write was not acked yet
         self.result = ReplayResult()
 
     def spec(self, machine: str) -> Spec:
@@ -254,9 +258,16 @@ class _Replayer:
         kind = ACK_KIND.get(trigger) if machine == "residency" else None
         if kind is not None:
             covering = [j for j, job in self.jobs.items() if job.kind == kind and obj in job.nodes and obj not in job.acked]
-            if not covering:
-                raise _Diverged(f"{trigger!r} on node {obj} without a pending {kind} job covering it")
-            self.jobs[covering[0]].acked.add(obj)
+            if covering:
+                self.jobs[covering[0]].acked.add(obj)
+            else:  # a CP write is acked once for all its landed layer copies
+                layers = [j for j, job in self.landed.items() if job.kind == kind and obj in job.nodes]
+                if not layers:
+                    raise _Diverged(f"{trigger!r} on node {obj} without a pending {kind} job covering it")
+                for j in layers:
+                    self.landed[j].acked.add(obj)
+                    if self.landed[j].nodes <= self.landed[j].acked | self.gone():
+                        del self.landed[j]
         self.state[key] = dest
         self.result.transitions += 1
 
@@ -267,7 +278,7 @@ class _Replayer:
         nodes = set(ev.get("nodes", ()))
         for n in nodes:
             self.node_state(n)
-        self.jobs[job_id] = _Job(ev.get("kind"), nodes)
+        self.jobs[job_id] = _Job(ev.get("kind"), nodes, layer=ev.get("layer") is not None)
         self.result.jobs += 1
 
     def on_completion(self, ev: dict) -> None:
@@ -278,7 +289,9 @@ class _Replayer:
         if job is None:
             raise _Diverged(f"completion of job {job_id}, which was never emitted")
         self.finished[job_id] = bool(ev.get("ok"))
-        if ev.get("ok") and job.kind in DONE_TRIGGERS:
+        if job.layer:  # the CP write's ack comes once every layer landed
+            self.landed[job_id] = job
+        elif ev.get("ok") and job.kind in DONE_TRIGGERS:
             live = {n for n in job.nodes if ("residency", n) not in self.removed and ("residency", n) in self.state}
             missing = sorted(live - job.acked)
             if missing:
@@ -293,11 +306,14 @@ class _Replayer:
             raise _Diverged(f"split created node {upper}, an id already used")
         self.state[("residency", upper)] = state
         self.result.objects += 1
-        for job in self.jobs.values():
+        for job in [*self.jobs.values(), *self.landed.values()]:
             if node in job.nodes:
                 job.nodes.add(upper)
                 if node in job.acked:
                     job.acked.add(upper)
+
+    def gone(self) -> set:
+        return {o for (m, o) in self.removed if m == "residency"}
 
     def on_removed(self, ev: dict) -> None:
         node = ev.get("node")
