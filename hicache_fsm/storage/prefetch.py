@@ -108,6 +108,18 @@ class PrefetchOp:
             self._terminated = True
             self.completed_tokens = self.landed_tokens
 
+    def fork(self, anchor: TreeNode) -> "PrefetchOp":
+        """An independent copy hanging under ``anchor`` (the anchor's copy in a forked tree)."""
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        new.anchor = anchor
+        new.deferred = list(self.deferred)
+        new.reserved_pages = set(self.reserved_pages)
+        new.inserted_pages = set(self.inserted_pages)
+        new.freed_pages = Counter(self.freed_pages)
+        new._lock = threading.Lock()
+        return new
+
     def held_tokens(self) -> int:
         return int(self.host_indices.numel()) + sum(int(t.numel()) for t in self.deferred)
 
@@ -300,12 +312,18 @@ class PrefetchRuntime:
 
     # ------------------------------------------------------------------ invariants
 
-    def _ops(self) -> list[PrefetchOp]:
+    def ops(self) -> list[PrefetchOp]:
+        """Every op this runtime still tracks: running, then released with a transfer still running."""
         return list(self.active.values()) + list(self.draining.values())
+
+    @property
+    def violation_count(self) -> int:
+        """Protocol violations recorded as they happened (leaks, early unpins), for the explorer's state."""
+        return len(self._violations)
 
     def slot_release_violations(self) -> list[str]:
         problems = list(self._violations)
-        for op in self._ops():
+        for op in self.ops():
             both = set(op.freed_pages) & op.inserted_pages
             if both:
                 problems.append(f"prefetch {op.request_id!r}: pages {sorted(both)[:8]} both inserted and freed")
@@ -344,7 +362,7 @@ class PrefetchRuntime:
         return problems
 
     def capacity_violations(self) -> list[str]:
-        held = sum(op.held_tokens() for op in self._ops())
+        held = sum(op.held_tokens() for op in self.ops())
         problems = []
         if held != self.occupied_tokens:
             problems.append(f"prefetches hold {held} host tokens but the counter says {self.occupied_tokens}")
@@ -360,13 +378,26 @@ class PrefetchRuntime:
         return out
 
     def host_owners(self):
-        for op in self._ops():
+        for op in self.ops():
             if op.host_indices.numel():
                 yield f"prefetch {op.request_id!r}", op.host_indices
             for i, t in enumerate(op.deferred):
                 yield f"prefetch {op.request_id!r} release queue {i}", t
 
     # ------------------------------------------------------------------ lifecycle
+
+    def fork(self, cache: HiCache, submit_transfer: Callable[[PrefetchOp, TransferJob], None],
+             op_of: Callable[[PrefetchOp], PrefetchOp]) -> "PrefetchRuntime":
+        """A copy for the forked ``cache``; ``op_of`` maps an op to its copy (shared with the tier's queues)."""
+        new = PrefetchRuntime(cache, submit_transfer)
+        new.machine = self.machine
+        new.options = self.options
+        new.active = {k: op_of(op) for k, op in self.active.items()}
+        new.draining = {k: op_of(op) for k, op in self.draining.items()}
+        new.occupied_tokens = self.occupied_tokens
+        new.counters = Counter(self.counters)
+        new._violations = list(self._violations)
+        return new
 
     def clear(self) -> None:
         """Forget every op (the cache is resetting its pools and tree)."""
