@@ -34,7 +34,7 @@ import torch
 from hicache_fsm.cache import HiCache
 from hicache_fsm.errors import ConfigError
 from hicache_fsm.executors import TorchExecutor
-from hicache_fsm.pools import LAYOUTS, KVShape, PoolConfig, build_pools, default_device
+from hicache_fsm.pools import LAYOUTS, DeviceKVPool, HostKVPool, KVShape, PoolConfig, build_pools, default_device
 from hicache_fsm.simulate import (
     DEVICE,
     DEVICE_HOST,
@@ -124,11 +124,16 @@ class TraceReplayer:
                  storage_namespace: str = "trace-replay") -> None:
         self.tier = tier
         self.clock = _CallClock()
-        pools = build_pools(PoolConfig(METADATA_SHAPE, tier.device_tokens, page_size, layout,
-                                       host_tokens=tier.host_tokens, device=device))
-        self.layers = pools.device.layers
-        executor = TimedExecutor(TorchExecutor(pools.device, pools.host), self.clock)
-        self.cache = HiCache(pools.device, pools.host, tier.cache_config(), executor)
+        if tier.has_host:
+            pools = build_pools(PoolConfig(METADATA_SHAPE, tier.device_tokens, page_size, layout,
+                                           host_tokens=tier.host_tokens, device=device))
+            device_pool, host_pool = pools.device, pools.host
+        else:  # HiCache wants a host pool; this one (a page) is never written
+            device_pool = DeviceKVPool(METADATA_SHAPE, tier.device_tokens, page_size, device)
+            host_pool = HostKVPool(METADATA_SHAPE, tier.host_tokens, page_size, layout)
+        self.layers = device_pool.layers
+        executor = TimedExecutor(TorchExecutor(device_pool, host_pool), self.clock)
+        self.cache = HiCache(device_pool, host_pool, tier.cache_config(), executor)
         self.result = TierResult(tier.name, tier.device_tokens, tier.host_tokens, tier.storage_url)
         self.storage = tier.storage_url is not None
         if self.storage:

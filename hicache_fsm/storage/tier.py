@@ -192,7 +192,7 @@ class StorageTier:
             self._skip_writes = tier_options.skip_writes
             self.healthy, self.last_error = True, ""
             self._link_down = ""
-            self._start_workers()
+            self.start_workers()
             self.link.backend.batch_exists([_PROBE_KEY])  # the backend answers, end to end
         except BaseException as exc:  # anything, even KeyboardInterrupt: undo the attach first
             self.link_machine.fire(self.link, "attach_failed", self.cache)
@@ -209,14 +209,46 @@ class StorageTier:
         self.counters["attaches"] += 1
         log.info("storage attached: %s (namespace %s)", self._describe(url_or_backend), namespace.prefix)
 
-    def _start_workers(self) -> None:
+    def start_workers(self) -> None:
         """Start the query and I/O threads over the attached backend.
 
         The one seam for deterministic tests: a subclass may start nothing and run the
-        queued work items itself (``_run_query`` / ``_run_transfer`` / ``_run_backup``,
-        one at a time, in any order; see ``hicache_fsm.testing.storage.ManualStorageTier``).
+        queued work itself (``queued_work``, ``run_queued``, ``probe_now``: one item at a
+        time, in any order; see ``hicache_fsm.testing.storage.ManualStorageTier``).
         """
         self.link.start_threads({"query": self._query_loop, "io": self._io_loop})
+
+    def run_queued(self, kind: str, index: int) -> None:
+        """Run the ``index``-th item of ``queued_work()[kind]`` now, on this thread, as a storage thread would.
+
+        ``kind`` is ``query``, ``s2h`` or ``h2s``; ``KeyError`` (nothing changed)
+        for an unknown kind, a missing item or no backend. The outcome reaches
+        the cache at its next ``poll``, as a thread's does.
+        """
+        runners = {"query": (self._query_q, self._run_query), "s2h": (self._transfer_q, self._run_transfer),
+                   "h2s": (self._backup_q, self._run_backup)}
+        if kind not in runners:
+            raise KeyError(kind)
+        queue, runner = runners[kind]
+        backend = self.link.backend
+        with self._cv:
+            if backend is None or not 0 <= index < len(queue):
+                raise KeyError(f"{kind}[{index}]")
+            item = queue[index]
+            del queue[index]
+            self._busy += 1
+        try:
+            runner(self.link.stop_event, backend, *item)
+        finally:
+            self._done()
+
+    def probe_now(self) -> None:
+        """Probe the backend's health now, on this thread (not rate-limited); ``KeyError`` without a backend."""
+        backend = self.link.backend
+        if backend is None:
+            raise KeyError("probe: no backend attached")
+        self._last_probe = float("-inf")
+        self._probe(backend)
 
     @staticmethod
     def _describe(url_or_backend: object) -> str:

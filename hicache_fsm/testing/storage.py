@@ -1,7 +1,7 @@
 """A deterministic storage tier for protocol testing: no threads, the test runs each storage step.
 
 ``ManualStorageTier`` is a ``StorageTier`` that starts no threads at attach
-(the ``_start_workers`` seam). The work the query and I/O threads would pick
+(the ``start_workers`` seam). The work the query and I/O threads would pick
 up stays queued: prefetch hit queries, S2H transfers (one prefetch's pages,
 batch by batch) and H2S backups, plus a health probe while storage is
 unhealthy. The test lists them (``steps()``) and runs one of its choice
@@ -69,64 +69,46 @@ class ManualStorageTier(StorageTier):
         cache.storage.attach(url_or_backend, **options)
         return cache.storage
 
-    def _start_workers(self) -> None:
+    def start_workers(self) -> None:
         self.link.stop_event = threading.Event()  # what the threads would get: a fresh one per attach
 
     # ------------------------------------------------------------------ the queue, as steps
 
     @staticmethod
-    def _step_id(kind: str, item: tuple) -> str:
+    def _step_id(kind: str, work: Any) -> str:
         if kind == "query":
-            return f"query:{item[1].request_id!r}"
-        return f"{kind}:{item[1].id}"
-
-    def _queues(self) -> list[tuple[str, Any]]:
-        return [("query", self._query_q), ("s2h", self._transfer_q), ("h2s", self._backup_q)]
+            return f"query:{work.request_id!r}"
+        return f"{kind}:{(work[0] if kind == 's2h' else work).id}"
 
     def steps(self) -> list[StorageStep]:
         """Queued storage work, queries first, then transfers, backups, and a probe while unhealthy."""
         out = []
-        for kind, q in self._queues():
-            for item in q:
+        for kind, items in self.queued_work().items():
+            for work in items:
                 if kind == "query":
-                    detail: tuple = (item[1].request_id,)
+                    detail: tuple = (work.request_id,)
                 elif kind == "s2h":
-                    detail = (item[2].request_id, item[1].num_tokens)
+                    detail = (work[1].request_id, work[0].num_tokens)
                 else:
-                    detail = tuple(item[1].node_ids)
-                out.append(StorageStep(self._step_id(kind, item), kind, detail))
+                    detail = tuple(work.node_ids)
+                out.append(StorageStep(self._step_id(kind, work), kind, detail))
         if self.link.state == "attached" and not self.healthy:
             out.append(StorageStep("probe", "probe"))
         return out
 
     def run(self, step_id: str) -> None:
         """Run one queued step now, on this thread (as the query or I/O thread would); KeyError if unknown."""
-        backend = self.link.backend
         if step_id == "probe":
-            if backend is None or self.healthy:
+            if self.link.backend is None or self.healthy:
                 raise KeyError(step_id)
-            self._last_probe = float("-inf")  # a probe the test asked for is never rate-limited
-            self._probe(backend)
+            self.probe_now()  # a probe the test asked for is never rate-limited
             return
         kind = step_id.split(":", 1)[0]
-        runner = {"query": self._run_query, "s2h": self._run_transfer, "h2s": self._run_backup}.get(kind)
-        if runner is None:
-            raise KeyError(step_id)
-        with self._cv:
-            queue = dict(self._queues())[kind]
-            for i, item in enumerate(queue):
-                if self._step_id(kind, item) == step_id:
-                    del queue[i]
-                    break
-            else:
-                raise KeyError(step_id)
-            self._busy += 1
-        try:
-            if backend is None:  # cannot happen while the link guards hold: nothing is queued when detached
-                raise KeyError(f"{step_id}: no backend attached")
-            runner(self.link.stop_event, backend, *item)
-        finally:
-            self._done()
+        for index, work in enumerate(self.queued_work().get(kind, ())):
+            if self._step_id(kind, work) == step_id:
+                self.run_queued(kind, index)
+                return
+        raise KeyError(step_id)
 
 
 # =========================================================================== fault schedules
