@@ -33,14 +33,17 @@ TOKEN_ID_LIMIT = 1 << 32  # exclusive: storage keys pack ids as 4-byte unsigned 
 
 __all__ = ["TOKEN_ID_LIMIT", "as_token_ids"]
 
-_last_good: tuple[int, ...] = ()  # the last tuple found good (a stale entry only costs a re-check)
+# the last few tuples found good: an engine (or a replay of several configurations) passes the
+# same request tuple to match_prefix, prefetch and insert, often through several caches
+_recent_good: list[tuple[int, ...]] = []
+_RECENT = 4
 
 
 def as_token_ids(tokens: Any) -> tuple[int, ...]:
     """``tokens`` as a tuple of integers, or a ``BadTokenIds`` naming the first bad one."""
-    global _last_good
-    if tokens is _last_good:
-        return tokens
+    for good in _recent_good:
+        if tokens is good:
+            return tokens
     if hasattr(tokens, "tolist") and hasattr(tokens, "dtype"):  # torch tensors, numpy arrays
         ndim = tokens.dim() if callable(getattr(tokens, "dim", None)) else getattr(tokens, "ndim", None)
         if ndim != 1:
@@ -58,7 +61,8 @@ def as_token_ids(tokens: Any) -> tuple[int, ...]:
         return _checked(ids)
     if _may_hold_bools(packed) and not set(map(type, ids)) <= {int}:
         return _checked(ids)
-    _last_good = ids
+    _recent_good.insert(0, ids)
+    del _recent_good[_RECENT:]
     return ids
 
 
