@@ -17,6 +17,13 @@ hit counts and priorities never go back), so a popped entry whose key is
 stale is pushed again with the current key and the first current entry
 popped is the true minimum. ``violations`` recomputes both sets from scratch
 and compares: the invariant that keeps the maintained sets honest.
+
+Under ``write_behind`` a third set, ``unbacked``, holds the device-only nodes
+(state ``device``) ordered by last access, kept by the same hooks: each poll
+backs up the coldest of them without a scan. A node's last access and its
+last poll are stamped together from two counters that only grow, so in
+last-access order the cold nodes (idle for ``write_behind_idle_steps`` polls)
+come first, and the first node that is not cold ends the pass.
 """
 
 from __future__ import annotations
@@ -150,8 +157,8 @@ class Eviction:
     way refs change); hooks the driver calls when a node changes:
     ``state_changed``, ``child_added``, ``split``, ``removed``, ``refresh``;
     ``rebuild`` (after reset or a fork); ``is_device_candidate`` /
-    ``is_host_candidate`` (the from-scratch definitions) and ``violations``
-    (maintained sets == recomputation).
+    ``is_host_candidate`` / ``is_unbacked`` (the from-scratch definitions)
+    and ``violations`` (maintained sets == recomputation).
     """
 
     def __init__(self, cache: "HiCache") -> None:
@@ -159,6 +166,8 @@ class Eviction:
         self.sort_key = POLICY_KEYS[cache.config.eviction_policy]
         self.device = CandidateSet(self.sort_key)
         self.host = CandidateSet(self.sort_key)
+        # device-only nodes by last access, kept only where write_behind reads them
+        self.unbacked = CandidateSet(lru_key) if cache.config.write_policy == "write_behind" else None
 
     # ------------------------------------------------------------------ the definitions (from scratch)
 
@@ -174,6 +183,11 @@ class Eviction:
         """Host-only and settled, host copy unpinned, and a leaf (a host-only inner node would orphan its subtree)."""
         return node.parent is not None and node.state in HOST_EVICTABLE and node.host_ref == 0 and not node.children
 
+    @staticmethod
+    def is_unbacked(node: TreeNode) -> bool:
+        """Device-only: no host copy yet, none being made (write_behind backs these up once cold)."""
+        return node.parent is not None and node.state == "device"
+
     # ------------------------------------------------------------------ maintenance hooks
 
     def refresh(self, node: TreeNode) -> None:
@@ -188,6 +202,12 @@ class Eviction:
             self.host.add(node)
         else:
             self.host.discard(node)
+        unbacked = self.unbacked
+        if unbacked is not None:
+            if node.state == "device":
+                unbacked.add(node)
+            else:
+                unbacked.discard(node)
 
     def state_changed(self, node: TreeNode, old: str) -> None:
         """The driver moved ``node`` out of state ``old``: its parent may gain or lose a device child."""
@@ -225,6 +245,8 @@ class Eviction:
     def removed(self, node: TreeNode, parent: TreeNode) -> None:
         self.device.discard(node)
         self.host.discard(node)
+        if self.unbacked is not None:
+            self.unbacked.discard(node)
         if node.state in RESIDENT:
             parent.resident_children -= 1
         self.refresh(parent)
@@ -233,6 +255,8 @@ class Eviction:
         """Recompute both sets and the device-child counts from the tree (reset, forks)."""
         self.device.clear()
         self.host.clear()
+        if self.unbacked is not None:
+            self.unbacked.clear()
         nodes = list(self.cache.tree.nodes())
         for n in nodes:
             n.resident_children = sum(1 for c in n.children.values() if c.state in RESIDENT)
@@ -247,12 +271,14 @@ class Eviction:
             count = sum(1 for c in n.children.values() if c.state in RESIDENT)
             if n.resident_children != count:
                 problems.append(f"node {n.id} counts {n.resident_children} children on the device, has {count}")
-        for name, cset, pred in (("device", self.device, self.is_device_candidate),
-                                 ("host", self.host, self.is_host_candidate)):
+        sets = [("device", self.device, self.is_device_candidate), ("host", self.host, self.is_host_candidate)]
+        if self.unbacked is not None:
+            sets.append(("unbacked", self.unbacked, self.is_unbacked))
+        for name, cset, pred in sets:
             want = {n.id for n in nodes if pred(n)}
             have = cset.ids()
             if want != have:
-                problems.append(f"{name} eviction candidates {sorted(have)[:8]} != recomputed {sorted(want)[:8]} "
+                problems.append(f"{name} nodes {sorted(have)[:8]} != recomputed {sorted(want)[:8]} "
                                 f"(missing {sorted(want - have)[:8]}, extra {sorted(have - want)[:8]})")
             problems += cset.order_violations(name)
         return problems
@@ -275,22 +301,29 @@ class Eviction:
         return True
 
     def write_behind(self) -> None:
-        """``write_behind``: back up device-only nodes that went cold, coldest first, within the batch budget."""
+        """``write_behind``: back up device-only nodes that went cold, coldest first, within the batch budget.
+
+        Pops ``unbacked`` in last-access order (O(log N) a node): the first
+        node still warm, over the remaining budget, or whose backup cannot
+        start (host full even after host eviction) ends the pass.
+        """
         cache = self.cache
+        unbacked = self.unbacked
+        if unbacked is None:
+            return
         idle = cache.config.write_behind_idle_steps
         budget = cache.config.write_behind_batch_tokens
         polls = cache.driver.polls
-        cold = sorted(
-            (n for n in cache.tree.nodes() if n.state == "device" and polls - n.last_poll >= idle),
-            key=lambda n: (n.last_access, n.id),
-        )
-        for node in cold:
-            if node.num_tokens > budget:
-                break
-            if not self.try_backup(node):
-                break  # host full even after host eviction: try again next poll
+        counters = cache.counters
+        while True:
+            node = unbacked.pop()
+            if node is None:
+                return
+            if polls - node.last_poll < idle or node.num_tokens > budget or not self.try_backup(node):
+                unbacked.restore(node)  # warm, too big, or the host stays full: next poll
+                return
             budget -= node.num_tokens
-            cache.counters["write_behind_tokens"] += node.num_tokens
+            counters["write_behind_tokens"] += node.num_tokens
 
     # ------------------------------------------------------------------ device eviction
 

@@ -11,6 +11,7 @@ the nodes it covers. ``JobLedger`` counts how every job ended.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from typing import TYPE_CHECKING, Iterable
 
 import attrs
@@ -84,6 +85,7 @@ class Outbox:
         self.cache = cache
         self._queued: list[TransferJob] = []
         self._pending: dict[int, TransferJob] = {}
+        self._kind_count: Counter[JobKind] = Counter()  # pending jobs per kind: has_pending / count in O(1)
         self._job_nodes: dict[int, list[TreeNode]] = {}
         self._load_handles: list[LoadHandle] = []  # handles whose load is still queued
         self._job_handle: dict[int, LoadHandle] = {}  # pending h2d job -> the handle waiting on it
@@ -111,12 +113,12 @@ class Outbox:
         return self._pending.get(job_id)
 
     def has_pending(self, kind: JobKind) -> bool:
-        return any(j.kind is kind for j in self._pending.values())
+        return self._kind_count[kind] > 0
 
     def count(self, kinds: frozenset[JobKind] | None = None) -> int:
         if kinds is None:
             return len(self._pending)
-        return sum(1 for j in self._pending.values() if j.kind in kinds)
+        return sum(self._kind_count[k] for k in kinds)
 
     def nodes_of(self, job_id: int) -> tuple[TreeNode, ...]:
         """The nodes a pending job covers (halves of a split node included)."""
@@ -137,6 +139,7 @@ class Outbox:
             n.pending_jobs.add(job.id)
         self._job_nodes[job.id] = nodes
         self._pending[job.id] = job
+        self._kind_count[job.kind] += 1
         self.ledger.emitted += 1
         if job.kind in STORAGE_KINDS:
             cache.storage.submit(job)
@@ -223,6 +226,7 @@ class Outbox:
             if job is None:  # cancelled by reset
                 cache.counters["late_cancelled_completions"] += 1
                 continue
+            self._kind_count[job.kind] -= 1
             self.ledger.ended(c.job_id, "acked" if c.ok else "failed")
             nodes = self._job_nodes.pop(c.job_id)
             for node in nodes:
@@ -298,7 +302,7 @@ class Outbox:
 
     def forget(self, job_id: int) -> None:
         """Drop a pending job without ending it in the ledger (tests that break the ledger on purpose)."""
-        del self._pending[job_id]
+        self._kind_count[self._pending.pop(job_id).kind] -= 1
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -310,6 +314,7 @@ class Outbox:
             h.cancelled = True
         self._queued.clear()
         self._pending.clear()
+        self._kind_count.clear()
         self._job_nodes.clear()
         self._load_handles.clear()
         self._job_handle.clear()
@@ -319,6 +324,7 @@ class Outbox:
         new = Outbox(cache)
         new._queued = list(self._queued)
         new._pending = dict(self._pending)
+        new._kind_count = Counter(self._kind_count)
         new._job_nodes = {j: [memo[id(n)] for n in nodes] for j, nodes in self._job_nodes.items()}
         new._load_handles = [fork_handle(h) for h in self._load_handles]
         new._job_handle = {k: fork_handle(h) for k, h in self._job_handle.items()}

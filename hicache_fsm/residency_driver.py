@@ -9,11 +9,17 @@ the transition to observers. The
 driver also owns what changes the tree's shape (``add_child``, ``split``,
 ``remove``), the cache's logical clock (``tick``, ``touch``) and the walk
 memo that lets ``insert`` reuse ``match_prefix``'s walk.
+
+Listeners. Eviction keeps its candidate sets current from the driver's
+reports; a runtime that keeps its own set of nodes by state (the storage
+tier's backups awaiting a retry) registers a ``ResidencyListener`` with
+``add_listener`` and hears the same three reports: a state change, a split
+(the new upper half starts in its lower half's state) and a removal.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Hashable
+from typing import TYPE_CHECKING, Callable, Hashable, Protocol
 
 from hicache_fsm.errors import BadIndices, UnknownNode
 from hicache_fsm.jobs import JobKind, TransferJob
@@ -24,6 +30,16 @@ if TYPE_CHECKING:
     from hicache_fsm.machine import CompiledMachine, CompiledTransition
 
 
+class ResidencyListener(Protocol):
+    """What a runtime keeping its own per-state set of nodes hears from the driver (O(1) each)."""
+
+    def state_changed(self, node: TreeNode, old: str) -> None: ...
+
+    def split(self, node: TreeNode, upper: TreeNode) -> None: ...
+
+    def removed(self, node: TreeNode, parent: TreeNode) -> None: ...
+
+
 class ResidencyDriver:
     """Fires residency triggers and keeps the tree's shape, the clock and observers.
 
@@ -31,7 +47,8 @@ class ResidencyDriver:
     ``split``, ``remove``, ``walk``, ``walk_splitting``, ``require_node``;
     ``tick``, ``touch``, ``count_poll``, ``clock``, ``polls``;
     ``add_observer``, ``remove_observer``, ``notify``, ``observed``;
-    ``state_counts`` (tree nodes per residency state, kept as they change).
+    ``state_counts`` (tree nodes per residency state, kept as they change);
+    ``add_listener``, ``remove_listener`` (``ResidencyListener``).
     """
 
     def __init__(self, cache: "HiCache", machine: "CompiledMachine") -> None:
@@ -41,6 +58,7 @@ class ResidencyDriver:
         self.polls = 0
         self._memo: tuple | None = None  # the last tree walk (see walk)
         self._observers: list[Callable[[dict], None]] = []
+        self._listeners: list[ResidencyListener] = []
         # every state present from the start: a reader on another thread (a metrics
         # scrape) copies this dict while the engine updates it, and its size never changes
         self.state_counts: dict[str, int] = dict.fromkeys(machine.spec.state_names, 0)
@@ -85,6 +103,16 @@ class ResidencyDriver:
         for fn in self._observers:
             fn(event)
 
+    # ------------------------------------------------------------------ listeners
+
+    def add_listener(self, listener: ResidencyListener) -> None:
+        """Report every state change, split and removal to ``listener`` (after eviction's own bookkeeping)."""
+        self._listeners.append(listener)
+
+    def remove_listener(self, listener: ResidencyListener) -> None:
+        """Stop reporting to ``listener``; ``ValueError`` if it was not added."""
+        self._listeners.remove(listener)
+
     # ------------------------------------------------------------------ transitions
 
     def fire(self, node: TreeNode, trigger: str, ctx: object = None, emit: bool = True) -> "CompiledTransition":
@@ -124,6 +152,8 @@ class ResidencyDriver:
         counts[old] -= 1
         counts[node.state] += 1
         self.cache.eviction.state_changed(node, old)
+        for listener in self._listeners:
+            listener.state_changed(node, old)
 
     def can_fire(self, node: TreeNode, trigger: str) -> bool:
         return self.machine.can_fire(node, trigger, self.cache)
@@ -160,6 +190,8 @@ class ResidencyDriver:
             cache.cp.on_split(node, upper, at)
         cache.outbox.enrol_split(upper)
         cache.eviction.split(node, upper)
+        for listener in self._listeners:
+            listener.split(node, upper)
         if self._observers:
             self.notify({"event": "split", "node": node.id, "upper": upper.id, "at": at})
         return upper
@@ -170,6 +202,8 @@ class ResidencyDriver:
         self.cache.tree.remove_leaf(node)
         self.state_counts[node.state] -= 1
         self.cache.eviction.removed(node, parent)
+        for listener in self._listeners:
+            listener.removed(node, parent)
         if self._observers:
             self.notify({"event": "removed", "node": node.id})
 
@@ -211,7 +245,11 @@ class ResidencyDriver:
         self._memo = None
 
     def fork(self, cache: "HiCache") -> "ResidencyDriver":
-        """A copy driving ``cache`` (a fork): same machine and observers, same clock, no walk memo."""
+        """A copy driving ``cache`` (a fork): same machine and observers, same clock, no walk memo.
+
+        Listeners are not copied: each belongs to a runtime of the original
+        cache; a forked runtime registers its own copy.
+        """
         new = ResidencyDriver(cache, self.machine)
         new.clock, new.polls = self.clock, self.polls
         new.state_counts = dict(self.state_counts)

@@ -334,6 +334,12 @@ class StorageStats:
         with self._lock:
             return dict(self._counts)
 
+    def fork(self) -> "StorageStats":
+        """An independent copy of the counters (the explorer forks whole caches)."""
+        new = StorageStats()
+        new._counts = self.snapshot()
+        return new
+
 
 class LRUIndex:
     """Recency order and sizes of stored pages, for a ``max_bytes`` cap.
@@ -373,6 +379,13 @@ class LRUIndex:
     def clear(self) -> None:
         self._order.clear()
         self.total = 0
+
+    def fork(self) -> "LRUIndex":
+        """An independent copy: same cap, same items in the same recency order."""
+        new = LRUIndex(self.max_bytes)
+        new._order = OrderedDict(self._order)
+        new.total = self.total
+        return new
 
     def fits(self, nbytes: int) -> bool:
         return self.max_bytes is None or nbytes <= self.max_bytes
@@ -552,6 +565,15 @@ class StorageBackend(ABC):
 
     def set(self, key: str, value: Any) -> bool:
         return self.batch_set([key], [value])[0]
+
+    def fork(self, memo: dict) -> "StorageBackend":
+        """An independent copy, stored pages included (the explorer forks caches with their storage).
+
+        ``memo`` maps ``id(original)`` to its copy, so a backend shared by two
+        holders is copied once. Only backends whose whole state lives in this
+        process can be forked; the others raise ``NotImplementedError``.
+        """
+        raise NotImplementedError(f"cannot fork a {type(self).__name__} (only private memory:// backends)")
 
     def __enter__(self) -> "StorageBackend":
         return self

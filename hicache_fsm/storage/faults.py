@@ -111,6 +111,32 @@ class FaultyBackend(StorageBackend):
         with self._lock:
             self._rules.append(fault)
 
+    def fork(self, memo: dict) -> "FaultyBackend":
+        """A copy over a fork of ``inner``: same schedule position, RNG state and fired log.
+
+        A callable schedule with its own ``fork(memo)`` (the explorer's
+        ``FaultPlan``) is forked too; any other callable is shared.
+        """
+        if id(self) in memo:
+            return memo[id(self)]
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        memo[id(self)] = new
+        new._stats = self._stats.fork()
+        new.inner = self.inner.fork(memo)
+        new._lock = threading.Lock()
+        with self._lock:
+            new._rng = random.Random()
+            new._rng.setstate(self._rng.getstate())
+            new._call_index = dict(self._call_index)
+            new._fire_counts = dict(self._fire_counts)
+            new.fired = list(self.fired)
+            new._rules = None if self._rules is None else list(self._rules)
+        fork_chooser = getattr(self._chooser, "fork", None)
+        if fork_chooser is not None:
+            new._chooser = fork_chooser(memo)
+        return new
+
     def calls(self, method: str) -> int:
         """How many times ``method`` has been called so far."""
         return self._call_index[method]

@@ -33,6 +33,18 @@ class StorageLink:
         self._wake = wake
         self.last_backend_stats: dict = {}
 
+    def fork(self, wake: Callable[[], None], memo: dict) -> "StorageLink":
+        """A copy for a forked tier (no threads: only a link whose threads never started can be forked)."""
+        if self.threads:
+            raise NotImplementedError("cannot fork a storage link whose threads run")
+        new = StorageLink(wake, self.join_timeout)
+        new.state = self.state
+        new.backend = None if self.backend is None else self.backend.fork(memo)
+        if self.stop_event.is_set():
+            new.stop_event.set()
+        new.last_backend_stats = dict(self.last_backend_stats)
+        return new
+
     # ------------------------------------------------------------------ used by attach
 
     def start_threads(self, targets: dict[str, Callable[[threading.Event, object], None]]) -> None:

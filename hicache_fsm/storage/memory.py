@@ -64,6 +64,28 @@ class MemoryBackend(StorageBackend):
                 if skey.startswith(prefix):
                     self._lru.add(skey, len(blob))
 
+    def fork(self, memo: dict) -> "MemoryBackend":
+        """A copy with its own store (a private ``memory://`` backend only: a shared store is not ours to copy)."""
+        if id(self) in memo:
+            return memo[id(self)]
+        if self.store_name:
+            raise NotImplementedError(f"cannot fork memory://{self.store_name}: its store is shared")
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        new._stats = self._stats.fork()
+        with self._mem.lock:
+            store = _Store()
+            store.data = dict(self._mem.data)
+            new._lru = self._lru.fork()
+        new._mem = store
+        memo[id(self)] = new
+        return new
+
+    def stored_keys(self) -> list[str]:
+        """Storage keys of every page this backend holds, sorted (tests and the explorer's state)."""
+        with self._mem.lock:
+            return sorted(self._mem.data)
+
     @staticmethod
     def drop_shared(name: str) -> None:
         """Forget a named shared store (test teardown)."""

@@ -110,6 +110,18 @@ class PrefetchOp:
             if not self.agreed:
                 self.completed_tokens = self.landed_tokens
 
+    def fork(self, anchor: TreeNode) -> "PrefetchOp":
+        """An independent copy hanging under ``anchor`` (the anchor's copy in a forked tree)."""
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        new.anchor = anchor
+        new.deferred = list(self.deferred)
+        new.reserved_pages = set(self.reserved_pages)
+        new.inserted_pages = set(self.inserted_pages)
+        new.freed_pages = Counter(self.freed_pages)
+        new._lock = threading.Lock()
+        return new
+
     def held_tokens(self) -> int:
         return int(self.host_indices.numel()) + sum(int(t.numel()) for t in self.deferred)
 
@@ -307,6 +319,11 @@ class PrefetchRuntime:
         """Running prefetches in admission order, then released ones whose transfer still runs."""
         return list(self.active.values()) + list(self.draining.values())
 
+    @property
+    def violation_count(self) -> int:
+        """Protocol violations recorded as they happened (leaks, early unpins), for the explorer's state."""
+        return len(self._violations)
+
     def slot_release_violations(self) -> list[str]:
         problems = list(self._violations)
         for op in self.ops():
@@ -371,6 +388,19 @@ class PrefetchRuntime:
                 yield f"prefetch {op.request_id!r} release queue {i}", t
 
     # ------------------------------------------------------------------ lifecycle
+
+    def fork(self, cache: HiCache, submit_transfer: Callable[[PrefetchOp, TransferJob], None],
+             op_of: Callable[[PrefetchOp], PrefetchOp]) -> "PrefetchRuntime":
+        """A copy for the forked ``cache``; ``op_of`` maps an op to its copy (shared with the tier's queues)."""
+        new = PrefetchRuntime(cache, submit_transfer)
+        new.machine = self.machine
+        new.options = self.options
+        new.active = {k: op_of(op) for k, op in self.active.items()}
+        new.draining = {k: op_of(op) for k, op in self.draining.items()}
+        new.occupied_tokens = self.occupied_tokens
+        new.counters = Counter(self.counters)
+        new._violations = list(self._violations)
+        return new
 
     def clear(self) -> None:
         """Forget every op (the cache is resetting its pools and tree)."""

@@ -23,8 +23,9 @@ admitted, jobs already queued fail at once without touching the backend (no
 per-job timeout), and the I/O thread probes the backend every
 ``probe_interval`` seconds. Once it answers, ``poll`` re-fires ``store`` for
 nodes whose host copy is not in storage yet (failed or skipped backups),
-rate-limited. Failed prefetch batches end the prefetch with the pages that
-arrived.
+rate-limited; those nodes are kept in a set the residency driver's reports
+maintain (:mod:`hicache_fsm.storage.retry`), so a retry never scans the tree.
+Failed prefetch batches end the prefetch with the pages that arrived.
 
 Ownership. Only this tier completes the h2s / s2h jobs it runs
 (``cache.complete(c, owner=tier)``); an engine acking one gets
@@ -61,6 +62,7 @@ from hicache_fsm.errors import (
 )
 from hicache_fsm.jobs import Completion, JobKind, TransferJob
 from hicache_fsm.machine import compile_machine
+from hicache_fsm.outbox import STORAGE_KINDS
 from hicache_fsm.spec import load_builtin
 from hicache_fsm.storage import open_backend
 from hicache_fsm.storage.agreement import TierAgreement
@@ -69,6 +71,7 @@ from hicache_fsm.storage.keys import page_keys
 from hicache_fsm.storage.link import StorageLink
 from hicache_fsm.storage.options import TierOptions
 from hicache_fsm.storage.prefetch import PrefetchError, PrefetchOp, PrefetchRuntime
+from hicache_fsm.storage.retry import UNSTORED, BackupRetries
 from hicache_fsm.tokens import as_token_ids
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -78,8 +81,6 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger("hicache_fsm.storage.tier")
 
 STORING = frozenset({"device_host_storing", "host_storing", "loading_storing"})
-# nodes with a host copy that is not (yet) in storage: a retried backup starts from these
-UNSTORED = frozenset({"device_host", "host", "loading"})
 _PROBE_KEY = "0" * 64
 REJECT_REASONS = ("detached", "unhealthy", "below_threshold", "capacity", "host_full")
 # every counter stats() reports, present (as 0) before it first counts; documented in docs/storage.md
@@ -138,7 +139,7 @@ class StorageTier:
         self._last_probe = 0.0
         self._sweep_due = False
         self._last_sweep = float("-inf")
-        self._retry_after: dict[int, tuple[float, int]] = {}  # node id -> (not before, failures so far)
+        self.retries = BackupRetries()  # unstored nodes, kept current by the driver's reports
         self.counters: Counter[str] = Counter()
         self._thread_counts: Counter[str] = Counter()  # written by storage threads under _cv
         self.closed = False
@@ -149,6 +150,10 @@ class StorageTier:
             self.runtime.clock = self.agreement.now
         cache.register_host_owner(self.runtime.host_owners)
         cache.register_invariants(self.violations)
+        cache.driver.add_listener(self.retries)
+        for node in cache.tree.nodes():  # host copies made before the tier existed
+            if node.parent is not None and node.state in UNSTORED:
+                self.retries.ready[node.id] = node
 
     # ================================================================== link: attach / detach
 
@@ -198,7 +203,7 @@ class StorageTier:
             self._link_down = ""
             if self.agreement is not None:
                 self.agreement.local_health = (True, "")
-            self._start_workers()
+            self.start_workers()
             self.link.backend.batch_exists([_PROBE_KEY])  # the backend answers, end to end
             voted = True
             if not self.cache.group.all_true(True):  # a rank group attaches everywhere or nowhere
@@ -220,14 +225,46 @@ class StorageTier:
         self.counters["attaches"] += 1
         log.info("storage attached: %s (namespace %s)", self._describe(url_or_backend), namespace.prefix)
 
-    def _start_workers(self) -> None:
+    def start_workers(self) -> None:
         """Start the query and I/O threads over the attached backend.
 
         The one seam for deterministic tests: a subclass may start nothing and run the
-        queued work items itself (``_run_query`` / ``_run_transfer`` / ``_run_backup``,
-        one at a time, in any order; see ``hicache_fsm.testing.storage.ManualStorageTier``).
+        queued work itself (``queued_work``, ``run_queued``, ``probe_now``: one item at a
+        time, in any order; see ``hicache_fsm.testing.storage.ManualStorageTier``).
         """
         self.link.start_threads({"query": self._query_loop, "io": self._io_loop})
+
+    def run_queued(self, kind: str, index: int) -> None:
+        """Run the ``index``-th item of ``queued_work()[kind]`` now, on this thread, as a storage thread would.
+
+        ``kind`` is ``query``, ``s2h`` or ``h2s``; ``KeyError`` (nothing changed)
+        for an unknown kind, a missing item or no backend. The outcome reaches
+        the cache at its next ``poll``, as a thread's does.
+        """
+        runners = {"query": (self._query_q, self._run_query), "s2h": (self._transfer_q, self._run_transfer),
+                   "h2s": (self._backup_q, self._run_backup)}
+        if kind not in runners:
+            raise KeyError(kind)
+        queue, runner = runners[kind]
+        backend = self.link.backend
+        with self._cv:
+            if backend is None or not 0 <= index < len(queue):
+                raise KeyError(f"{kind}[{index}]")
+            item = queue[index]
+            del queue[index]
+            self._busy += 1
+        try:
+            runner(self.link.stop_event, backend, *item)
+        finally:
+            self._done()
+
+    def probe_now(self) -> None:
+        """Probe the backend's health now, on this thread (not rate-limited); ``KeyError`` without a backend."""
+        backend = self.link.backend
+        if backend is None:
+            raise KeyError("probe: no backend attached")
+        self._last_probe = float("-inf")
+        self._probe(backend)
 
     @staticmethod
     def _describe(url_or_backend: object) -> str:
@@ -304,7 +341,7 @@ class StorageTier:
         deadline = time.monotonic() + timeout
         while True:
             self._apply_finished()
-            if not any(j.kind is JobKind.H2S for j in self.cache.pending_jobs()):
+            if not self.cache.outbox.has_pending(JobKind.H2S):
                 return True
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -413,12 +450,11 @@ class StorageTier:
         if ok:
             self.counters["backups_stored"] += 1
             self.counters["backup_tokens_stored"] += job.num_tokens
-            for node_id in job.node_ids:
-                self._retry_after.pop(node_id, None)
+            self.retries.stored(job.node_ids)
         else:
             self.counters["backup_failures"] += 1
             self._sweep_due = True
-            self._back_off(job.node_ids)
+            self.retries.back_off(job.node_ids, self.options.retry_interval, self.now())
             log.warning("storage backup of %d tokens (job %d) failed: %s", job.num_tokens, job.id, error)
 
     def set_health(self, healthy: bool, error: str) -> None:
@@ -428,7 +464,7 @@ class StorageTier:
         if healthy:
             self.counters["storage_recoveries"] += 1
             self._sweep_due = True
-            self._retry_after.clear()  # storage is back: retry everything at once
+            self.retries.forgive()  # storage is back: retry everything at once
             log.warning("storage answers again; pending backups will be retried")
         else:
             self.last_error = error
@@ -477,50 +513,29 @@ class StorageTier:
 
     # ------------------------------------------------------------------ retry of backups
 
-    def _back_off(self, node_ids: tuple[int, ...]) -> None:
-        """A node whose backup keeps failing while storage is up waits longer each time (at most 60 s)."""
-        now = self.now()
-        for node_id in node_ids:
-            failures = self._retry_after.get(node_id, (0.0, 0))[1] + 1
-            delay = min(self.options.retry_interval * 2 ** min(failures - 1, 16), 60.0)
-            self._retry_after[node_id] = (now + delay, failures)
-
     def now(self) -> float:
         """Seconds for prefetch timeouts and backup retries (agreed across ranks with a rank group)."""
         return time.monotonic() if self.agreement is None else self.agreement.now()
 
     def _maybe_sweep(self) -> None:
+        """Start backups of unstored nodes, ``retry_batch_tokens`` every ``retry_interval`` seconds at most."""
         if not self._sweep_due or not self.accepting_backups():
             return
         now = self.now()
         if now - self._last_sweep < self.options.retry_interval:
             return
         self._last_sweep = now
-        cache = self.cache
-        if self._retry_after:  # forget nodes that left the tree
-            self._retry_after = {k: v for k, v in self._retry_after.items() if cache.tree.get(k) is not None}
-        budget = self.options.retry_batch_tokens
-        started = 0
-        more = False
-        candidates = []
-        for n in cache.tree.nodes():
-            if n.state in UNSTORED:
-                candidates.append(n)
-            elif n.state in STORING:
-                more = True  # its backup may still fail: look again later
-        for node in sorted(candidates, key=lambda n: n.id):
-            if node.num_tokens > budget:
-                more = True
-                break
-            if self._retry_after.get(node.id, (0.0, 0))[0] > now:
-                more = True
-                continue
-            if not cache.driver.can_fire(node, "store"):
-                continue
-            cache.driver.fire(node, "store")
-            budget -= node.num_tokens
-            started += 1
-        self._sweep_due = more
+        driver = self.cache.driver
+
+        def start(node: TreeNode) -> bool:
+            if not driver.can_fire(node, "store"):
+                return False
+            driver.fire(node, "store")
+            return True
+
+        started, more = self.retries.sweep(start, self.options.retry_batch_tokens, now)
+        # a backup still running may fail: look again later
+        self._sweep_due = more or self.cache.outbox.has_pending(JobKind.H2S)
         if started:
             self.counters["backup_retries"] += started
             log.info("retrying storage backup of %d nodes", started)
@@ -851,7 +866,7 @@ class StorageTier:
 
     def transfers_in_flight(self) -> int:
         """Storage jobs not yet acknowledged plus prefetches a storage thread may still pick up."""
-        pending = sum(1 for j in self.cache.pending_jobs() if j.kind in (JobKind.H2S, JobKind.S2H))
+        pending = self.cache.outbox.count(STORAGE_KINDS)
         waiting = sum(1 for op in self.runtime.active.values() if op.state in ("admitted", "querying"))
         return pending + waiting
 
@@ -909,6 +924,8 @@ class StorageTier:
         out = []
         for name in self.link_machine.spec.invariants:
             out += [f"{name}: {p}" for p in reg.invariants[name](self.cache)]
+        if self.cache.check_candidates:  # O(N), like the eviction sets' check: for tests
+            out += [f"backup_retries: {p}" for p in self.retries.violations(self.cache.tree)]
         return out + self.runtime.violations()
 
     # ================================================================== lifecycle
@@ -941,7 +958,7 @@ class StorageTier:
         if self.agreement is not None:
             self.agreement.reset()
         self._sweep_due = False
-        self._retry_after.clear()
+        self.retries.clear()
 
     def close(self, drain: float = 0.0) -> None:
         """Engine shutdown: let queued backups finish for up to ``drain`` seconds, then abort
@@ -968,6 +985,63 @@ class StorageTier:
             self.link.close_backend()
         finally:
             self.closed = True
+
+    # ================================================================== forks and observation (the explorer)
+
+    def fork(self, cache: HiCache, memo: dict) -> "StorageTier":
+        """A copy of this tier for ``cache``, a fork of ours whose nodes are in ``memo`` (``id(node)`` -> copy).
+
+        Only a tier whose threads never started (``ManualStorageTier``) over a
+        backend that can be forked (private ``memory://``, maybe behind a
+        ``FaultyBackend``) can be copied. The copy listens to the fork's driver
+        and registers nothing else: the caller re-binds host owners and invariants.
+        """
+        if self.link.threads:
+            raise NotImplementedError("cannot fork a storage tier whose threads run")
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        memo[id(self)] = new
+        new.cache = cache
+        new._cv = threading.Condition()
+        new.link = self.link.fork(new._wake, memo)
+
+        def op_of(op: PrefetchOp) -> PrefetchOp:
+            if id(op) not in memo:
+                memo[id(op)] = op.fork(memo.get(id(op.anchor), op.anchor))
+            return memo[id(op)]
+
+        def item(x: tuple) -> tuple:
+            return tuple(op_of(v) if isinstance(v, PrefetchOp) else v for v in x)
+
+        new.runtime = self.runtime.fork(cache, new._submit_transfer, op_of)
+        new._query_q = deque(item(x) for x in self._query_q)
+        new._transfer_q = deque(item(x) for x in self._transfer_q)
+        new._backup_q = deque(self._backup_q)
+        new._events = deque(item(x) for x in self._events)
+        new._completions = list(self._completions)
+        new._pending_transfer = {k: op_of(op) for k, op in self._pending_transfer.items()}
+        new.retries = self.retries.fork(lambda n: memo[id(n)])
+        new.counters = Counter(self.counters)
+        with self._cv:
+            new._thread_counts = Counter(self._thread_counts)
+        cache.driver.add_listener(new.retries)
+        return new
+
+    @property
+    def sweep_due(self) -> bool:
+        """Whether the next ``poll`` (once ``retry_interval`` passed) looks for backups to retry."""
+        return self._sweep_due
+
+    def queued_work(self) -> dict[str, tuple]:
+        """Work waiting for a storage thread, oldest first: ``query`` ops, ``s2h`` (job, op), ``h2s`` jobs."""
+        with self._cv:
+            return {"query": tuple(op for _, op in self._query_q),
+                    "s2h": tuple((job, op) for _, job, op in self._transfer_q),
+                    "h2s": tuple(job for _, job in self._backup_q)}
+
+    def unapplied(self) -> tuple[int, int]:
+        """(thread events not drained yet, completions not handed to the cache yet)."""
+        return len(self._events), len(self._completions)
 
     def _check_open(self) -> None:
         if self.closed:
