@@ -534,6 +534,32 @@ class Shard:
 # ====================================================================== the engine loop
 
 
+def fetch_prefix(call: Callable, cache: HiCache, tokens: tuple, cacheable: int,
+                 prefetch: Callable | None, res: TierResult) -> tuple:
+    """An engine step's first half: match, prefetch what storage may add, load back what the host holds.
+
+    ``call`` wraps each cache call (timing); ``prefetch(tokens, match)`` returns
+    the match after a prefetch and is used when the memory tiers hold fewer than
+    ``cacheable`` tokens. Counts the served tokens by the tier that held them
+    and returns ``(match, load_back or None, served device indices)``.
+    """
+    m = call(cache.match_prefix, tokens)
+    first_device, first_host = m.device_hit_length, m.host_hit_length
+    if prefetch is not None and first_device + first_host < cacheable:
+        m = prefetch(tokens, m)
+    lb = call(cache.load_back, m.last_host_node) if m.host_hit_length else None
+    if m.host_hit_length and lb is None:
+        res.load_back_skipped += 1
+    served = m.device_indices if lb is None else torch.cat([m.device_indices, lb.device_indices])
+    n_served = int(served.numel())
+    device_part = min(first_device, n_served)
+    host_part = min(first_host, n_served - device_part)
+    res.device_hit_tokens += device_part
+    res.host_hit_tokens += host_part
+    res.storage_hit_tokens += n_served - device_part - host_part
+    return m, lb, served
+
+
 class _Engine:
     """Serves requests one at a time through a HiCache, the way an engine's step loop would."""
 
@@ -580,23 +606,11 @@ class _Engine:
         prompt = tuple(prompt)
         aligned_prompt = len(prompt) // ps * ps
 
-        m = call(cache.match_prefix, prompt)
-        first_device, first_host = m.device_hit_length, m.host_hit_length
-        if self.storage and first_device + first_host < aligned_prompt:
-            m = self._prefetch(prompt, m)
-        lb = call(cache.load_back, m.last_host_node) if m.host_hit_length else None
-        if m.host_hit_length and lb is None:
-            res.load_back_skipped += 1
+        m, lb, served = fetch_prefix(call, cache, prompt, aligned_prompt, self._prefetch if self.storage else None, res)
         node = lb.last_node if lb is not None else m.last_device_node
         call(cache.lock, node)
         try:
-            served = m.device_indices if lb is None else torch.cat([m.device_indices, lb.device_indices])
             n_served = int(served.numel())
-            device_part = min(first_device, n_served)
-            host_part = min(first_host, n_served - device_part)
-            res.device_hit_tokens += device_part
-            res.host_hit_tokens += host_part
-            res.storage_hit_tokens += n_served - device_part - host_part
 
             out_len = len(answer)
             kv_len = len(prompt) + out_len - 1  # the last answer token is never run through the model
@@ -1018,7 +1032,7 @@ def hit_rate_sweep(options: Options, reference: Reference, storage_url: str | No
 
 __all__ = [
     "ARRIVALS", "DEVICE", "DEVICE_HOST", "FULL", "INFINITE", "KVOracle", "MODELS", "Options", "Progress", "Reference",
-    "Shard", "Simulation", "Tier", "TierResult", "TimedExecutor", "Workload", "build_model", "capacity_grid", "device_only",
+    "Shard", "Simulation", "Tier", "TierResult", "TimedExecutor", "Workload", "build_model", "capacity_grid", "device_only", "fetch_prefix",
     "hit_rate_sweep", "reference_run", "sweep_hit_rate", "run_simulation", "run_tier", "storage_available",
     "token_stream",
 ]

@@ -46,6 +46,7 @@ from hicache_fsm.simulate import (
     TierResult,
     TimedExecutor,
     device_only,
+    fetch_prefix,
     storage_available,
 )
 from hicache_fsm.trace import BlockTokens, PrefixBound, Trace, prefix_bound
@@ -149,23 +150,11 @@ class TraceReplayer:
         cache, res = self.cache, self.result
         res.requests += 1
         res.prompt_tokens += input_length
-        m = call(cache.match_prefix, tokens)
-        first_device, first_host = m.device_hit_length, m.host_hit_length
-        if self.storage and first_device + first_host < len(tokens):
-            m = self._prefetch(tokens, m)
-        lb = call(cache.load_back, m.last_host_node) if m.host_hit_length else None
-        if m.host_hit_length and lb is None:
-            res.load_back_skipped += 1
+        m, lb, served = fetch_prefix(call, cache, tokens, len(tokens), self._prefetch if self.storage else None, res)
         node = lb.last_node if lb is not None else m.last_device_node
         call(cache.lock, node)
         try:
-            served = m.device_indices if lb is None else torch.cat([m.device_indices, lb.device_indices])
             n_served = int(served.numel())
-            device_part = min(first_device, n_served)
-            host_part = min(first_host, n_served - device_part)
-            res.device_hit_tokens += device_part
-            res.host_hit_tokens += host_part
-            res.storage_hit_tokens += n_served - device_part - host_part
             res.computed_tokens += input_length - n_served
             if n_served:
                 for layer in range(self.layers):  # a forward pass waits for each layer's loads
