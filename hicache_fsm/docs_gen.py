@@ -108,7 +108,7 @@ def render_machine_page(spec: Spec) -> str:
 
 
 def _source(spec: Spec) -> str:
-    return f"specs/{Path(spec.path).name}" if spec.path else f"specs/{spec.name}.yaml"
+    return f"hicache_fsm/specs/{Path(spec.path).name}" if spec.path else f"hicache_fsm/specs/{spec.name}.yaml"
 
 
 def dot_digest(spec: Spec) -> str:
