@@ -50,7 +50,7 @@ import shutil
 import sys
 import tempfile
 import time
-from typing import Callable, Sequence, TextIO
+from typing import Callable, Hashable, Sequence, TextIO
 
 import attrs
 import torch
@@ -69,6 +69,7 @@ NEVER = 1 << 62  # a write_through_selective threshold no node reaches: nothing 
 # A sequential engine waits for its prefetch; any full page is worth fetching (recompute is the alternative).
 STORAGE_OPTIONS = {"stop_policy": "wait_complete"}
 PREFETCH_TIMEOUT_S = 10.0  # a prefetch still running then is aborted (counted in prefetch_timeouts)
+PREFETCH_POLL_S = 0.0005  # seconds between polls while a prefetch runs
 
 Observer = Callable[[str, HiCache], None]
 
@@ -534,6 +535,32 @@ class Shard:
 # ====================================================================== the engine loop
 
 
+def prefetch_and_wait(clock, cache: HiCache, res: TierResult, rid: Hashable, tokens: tuple, m,
+                      agreed: Callable[[bool], bool] = bool, poll_s: float = PREFETCH_POLL_S):
+    """Prefetch what storage adds to ``m``, wait for it, and return the new match.
+
+    The wait is not controller time of this request (a real scheduler serves
+    other requests meanwhile): ``clock``'s totals are restored after it and the
+    wait is counted in ``res.prefetch_wait_s``. ``agreed`` turns "give up now"
+    into the whole rank group's decision.
+    """
+    call = clock.call
+    if not call(cache.prefetch, rid, tokens, m):
+        return m
+    res.prefetches += 1
+    start, c0, e0, b0 = time.perf_counter(), clock.controller, clock.executor, dict(clock.by_call)
+    while not call(cache.prefetch_ready, rid):
+        if agreed(time.perf_counter() > start + PREFETCH_TIMEOUT_S):
+            res.prefetch_timeouts += 1
+            call(cache.abort_prefetch, rid)
+            break
+        time.sleep(poll_s)
+        call(cache.poll)
+    clock.controller, clock.executor, clock.by_call = c0, e0, b0
+    res.prefetch_wait_s += time.perf_counter() - start
+    return call(cache.match_prefix, tokens)
+
+
 def fetch_prefix(call: Callable, cache: HiCache, tokens: tuple, cacheable: int,
                  prefetch: Callable | None, res: TierResult) -> tuple:
     """An engine step's first half: match, prefetch what storage may add, load back what the host holds.
@@ -655,28 +682,12 @@ class _Engine:
         return flag if self.shard is None else self.shard.group.all_true(flag)
 
     def _prefetch(self, prompt: tuple, m):
-        call = self.clock.call
         rid = f"req-{self._next_request}"
         self._next_request += 1
-        if not call(self.cache.prefetch, rid, prompt, m):
-            return m
-        self.result.prefetches += 1
-        # Waiting for storage I/O: a real scheduler serves other requests meanwhile, so the
-        # polls of this loop count as prefetch wait, not as controller time of this request.
-        clock = self.clock
-        start, c0, e0, b0 = time.perf_counter(), clock.controller, clock.executor, dict(clock.by_call)
         a0 = self.cache.agreement.seconds
-        while not call(self.cache.prefetch_ready, rid):
-            if self._agreed(time.perf_counter() > start + PREFETCH_TIMEOUT_S):
-                self.result.prefetch_timeouts += 1
-                call(self.cache.abort_prefetch, rid)
-                break
-            time.sleep(0.0005)
-            call(self.cache.poll)
-        clock.controller, clock.executor, clock.by_call = c0, e0, b0
+        m = prefetch_and_wait(self.clock, self.cache, self.result, rid, prompt, m, self._agreed)
         self._untimed_agreement_s += self.cache.agreement.seconds - a0
-        self.result.prefetch_wait_s += time.perf_counter() - start
-        return call(self.cache.match_prefix, prompt)
+        return m
 
     def _read_past(self, m, lb, served: torch.Tensor):
         """Per layer: wait for that layer's loads, then read it (as a forward pass would)."""
@@ -1032,7 +1043,7 @@ def hit_rate_sweep(options: Options, reference: Reference, storage_url: str | No
 
 __all__ = [
     "ARRIVALS", "DEVICE", "DEVICE_HOST", "FULL", "INFINITE", "KVOracle", "MODELS", "Options", "Progress", "Reference",
-    "Shard", "Simulation", "Tier", "TierResult", "TimedExecutor", "Workload", "build_model", "capacity_grid", "device_only", "fetch_prefix",
+    "Shard", "Simulation", "Tier", "TierResult", "TimedExecutor", "Workload", "build_model", "capacity_grid", "device_only", "fetch_prefix", "prefetch_and_wait",
     "hit_rate_sweep", "reference_run", "sweep_hit_rate", "run_simulation", "run_tier", "storage_available",
     "token_stream",
 ]

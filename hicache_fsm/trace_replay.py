@@ -47,6 +47,7 @@ from hicache_fsm.simulate import (
     TimedExecutor,
     device_only,
     fetch_prefix,
+    prefetch_and_wait,
     storage_available,
 )
 from hicache_fsm.trace import BlockTokens, PrefixBound, Trace, prefix_bound
@@ -189,26 +190,9 @@ class TraceReplayer:
         self.storage_settle_s += time.perf_counter() - start
 
     def _prefetch(self, tokens: tuple, m):
-        call = self.clock.call
         rid = self._requests
         self._requests += 1
-        if not call(self.cache.prefetch, rid, tokens, m):
-            return m
-        self.result.prefetches += 1
-        # Waiting for storage I/O: an engine serves other requests meanwhile, so these polls
-        # count as prefetch wait, not as controller time of this request.
-        clock = self.clock
-        start, c0, e0, b0 = time.perf_counter(), clock.controller, clock.executor, dict(clock.by_call)
-        while not self.cache.prefetch_ready(rid):
-            if time.perf_counter() > start + PREFETCH_TIMEOUT_S:
-                self.result.prefetch_timeouts += 1
-                self.cache.abort_prefetch(rid)
-                break
-            time.sleep(PREFETCH_POLL_S)
-            self.cache.poll()
-        clock.controller, clock.executor, clock.by_call = c0, e0, b0
-        self.result.prefetch_wait_s += time.perf_counter() - start
-        return call(self.cache.match_prefix, tokens)
+        return prefetch_and_wait(self.clock, self.cache, self.result, rid, tokens, m, poll_s=PREFETCH_POLL_S)
 
     def finish(self) -> TierResult:
         """Let storage backups land (untimed), collect counters, check invariants, close."""
