@@ -72,25 +72,27 @@ def run(args: argparse.Namespace) -> int:
     if writer is not None:
         writer.close()
     out = sys.stderr if args.json else sys.stdout
-    if result.ok:
-        print(f"fuzz: {result.examples} runs of up to {args.steps} steps, seed {args.seed}: no failure "
-              f"({result.seconds:.1f}s)", file=out)
-    else:
-        print(f"fuzz: FAILED after {result.examples} runs (seed {args.seed}, {result.seconds:.1f}s): "
-              f"{result.failure.splitlines()[0] if result.failure else ''}", file=out)
-        print("\nfailing steps:", file=out)
-        for line in result.steps:
-            print(f"  {line}", file=out)
-        print("\nregression test:\n", file=out)
-        print(result.test_code, file=out)
-        if args.test_out:
-            Path(args.test_out).write_text(result.test_code, encoding="utf-8")
-            print(f"(written to {args.test_out})", file=out)
+    _report(result, args, out)
     if args.coverage:
         print(cov.format(), file=out)
     if args.json:
         print(json.dumps(result.to_json(), sort_keys=True))
     return 0 if result.ok else 1
+
+
+def _report(result, args: argparse.Namespace, out) -> None:
+    """The run's outcome; on a failure, its steps and a regression test (also to ``--test-out``)."""
+    if result.ok:
+        print(f"fuzz: {result.examples} runs of up to {args.steps} steps, seed {args.seed}: no failure "
+              f"({result.seconds:.1f}s)", file=out)
+        return
+    print(f"fuzz: FAILED after {result.examples} runs (seed {args.seed}, {result.seconds:.1f}s): "
+          f"{result.failure.splitlines()[0] if result.failure else ''}", file=out)
+    print("\n".join(["", "failing steps:", *(f"  {line}" for line in result.steps), "", "regression test:", "",
+                     result.test_code]), file=out)
+    if args.test_out:
+        Path(args.test_out).write_text(result.test_code, encoding="utf-8")
+        print(f"(written to {args.test_out})", file=out)
 
 
 def _fuzz_block_store(args: argparse.Namespace, factory, variants: list[dict]) -> int:
@@ -104,17 +106,7 @@ def _fuzz_block_store(args: argparse.Namespace, factory, variants: list[dict]) -
     result = run_store_fuzz(factory, variants=variants, examples=args.examples, steps=args.steps, seed=args.seed,
                             progress=None if args.quiet else sys.stderr, shrink=not args.no_shrink,
                             machine_import=machine_import)
-    out = sys.stderr if args.json else sys.stdout
-    if result.ok:
-        print(f"fuzz: {result.examples} runs of up to {args.steps} steps, seed {args.seed}: no failure "
-              f"({result.seconds:.1f}s)", file=out)
-    else:
-        print(f"fuzz: FAILED after {result.examples} runs (seed {args.seed}, {result.seconds:.1f}s): "
-              f"{result.failure.splitlines()[0] if result.failure else ''}", file=out)
-        print("\n".join(["", "failing steps:", *(f"  {line}" for line in result.steps), "", "regression test:", "",
-                         result.test_code]), file=out)
-        if args.test_out:
-            Path(args.test_out).write_text(result.test_code, encoding="utf-8")
+    _report(result, args, sys.stderr if args.json else sys.stdout)
     if args.json:
         print(json.dumps(result.to_json(), sort_keys=True))
     return 0 if result.ok else 1

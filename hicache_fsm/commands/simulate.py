@@ -11,6 +11,7 @@ import torch
 
 from hicache_fsm.commands.args import UsageError, positive_int
 from hicache_fsm.commands import simulate_trace
+from hicache_fsm.commands.table import columns
 from hicache_fsm.errors import HiCacheError
 from hicache_fsm.pools import LAYOUTS
 from hicache_fsm.simulate import (
@@ -173,14 +174,7 @@ def format_table(sim: Simulation) -> str:
         ("KV mismatches", [str(t.kv_mismatches) for t in tiers]),
         ("answer tokens != cache-free", [str(t.output_mismatches) for t in tiers]),
     ]
-    head = ["", *[t.name for t in tiers]]
-    width0 = max(len(r[0]) for r in rows)
-    widths = [max(len(head[i + 1]), *(len(r[1][i]) for r in rows)) for i in range(len(tiers))]
-    lines = ["  ".join([head[0].ljust(width0), *(h.rjust(wd) for h, wd in zip(head[1:], widths))])]
-    lines.append("  ".join(["-" * width0, *("-" * wd for wd in widths)]))
-    for label, cells in rows:
-        lines.append("  ".join([label.ljust(width0), *(c.rjust(wd) for c, wd in zip(cells, widths))]))
-    return "\n".join(lines)
+    return columns([t.name for t in tiers], rows)
 
 
 def summary(sim: Simulation) -> str:

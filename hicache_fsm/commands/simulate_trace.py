@@ -8,6 +8,7 @@ import sys
 
 import attrs
 
+from hicache_fsm.commands.table import columns
 from hicache_fsm.errors import ConfigError, HiCacheError, TraceError
 from hicache_fsm.simulate import INFINITE, TierResult, Workload
 from hicache_fsm.trace import DEFAULT_BLOCK_SIZE, load_trace, prefix_bound
@@ -96,14 +97,7 @@ def format_table(sim: TraceSimulation) -> str:
         ("requests not cached (no room)", [str(t.alloc_failures) for t in tiers]),
         ("wall time", [f"{t.wall_s:.1f} s" for t in tiers]),
     ]
-    head = ["", *[t.name for t in tiers]]
-    width0 = max(len(r[0]) for r in rows)
-    widths = [max(len(head[i + 1]), *(len(r[1][i]) for r in rows)) for i in range(len(tiers))]
-    lines = ["  ".join([head[0].ljust(width0), *(h.rjust(wd) for h, wd in zip(head[1:], widths))])]
-    lines.append("  ".join(["-" * width0, *("-" * wd for wd in widths)]))
-    for label, cells in rows:
-        lines.append("  ".join([label.ljust(width0), *(c.rjust(wd) for c, wd in zip(cells, widths))]))
-    return "\n".join(lines)
+    return columns([t.name for t in tiers], rows)
 
 
 def bound_matches(sim: TraceSimulation) -> bool:
