@@ -28,7 +28,7 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from hicache_fsm.errors import BadIndices, ConfigError
-from hicache_fsm.model import check_past, check_tokens, intra_op_threads
+from hicache_fsm.model import check_past, check_tokens, generation_past, intra_op_threads
 from hicache_fsm.pools import KVShape
 
 
@@ -160,18 +160,11 @@ class LlamaModel:
         to get its logits.
         """
         tokens = check_tokens(tokens, self.vocab)
-        if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 0:
-            raise BadIndices(f"max_new must be a non-negative int, got {max_new!r}")
-        if not tokens:
-            raise BadIndices("generate needs at least one prompt token")
-        past_k, past_v = past_kv if past_kv is not None else (None, None)
-        n_past = check_past(self.kv_shape, past_k, past_v)
-        if n_past > len(tokens):
-            raise BadIndices(f"past_kv covers {n_past} tokens but the prompt has {len(tokens)}")
-        n_past = min(n_past, len(tokens) - 1)
+        past_k, past_v = generation_past(self.kv_shape, tokens, max_new, past_kv)
+        n_past = past_k.shape[1] if past_k is not None else 0
         out: list[int] = []
         with intra_op_threads(self.threads), torch.inference_mode():
-            cache = self._past(past_k[:, :n_past] if n_past else None, past_v[:, :n_past] if n_past else None)
+            cache = self._past(past_k, past_v)
             new = tokens[n_past:]
             for _ in range(max_new):
                 logits = self._forward(new, cache, n_past)

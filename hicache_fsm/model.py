@@ -54,6 +54,27 @@ def check_tokens(tokens, vocab: int) -> list[int]:
     return ids
 
 
+def generation_past(shape: KVShape, tokens: list, max_new: object,
+                    past_kv: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Check ``generate``'s arguments; the part of ``past_kv`` to reuse (None, None: none).
+
+    The past may cover every prompt token; the last one is then dropped from it,
+    so that recomputing that token gives the logits of the first new one.
+    """
+    if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 0:
+        raise BadIndices(f"max_new must be a non-negative int, got {max_new!r}")
+    if not tokens:
+        raise BadIndices("generate needs at least one prompt token")
+    past_k, past_v = past_kv if past_kv is not None else (None, None)
+    n_past = check_past(shape, past_k, past_v)
+    if n_past > len(tokens):
+        raise BadIndices(f"past_kv covers {n_past} tokens but the prompt has {len(tokens)}")
+    n_past = min(n_past, len(tokens) - 1)
+    if n_past == 0:
+        return None, None
+    return past_k[:, :n_past], past_v[:, :n_past]
+
+
 def check_past(shape: KVShape, past_k: torch.Tensor | None, past_v: torch.Tensor | None) -> int:
     """Tokens covered by a past (k, v) of ``shape`` (0 without one); a malformed past raises BadIndices."""
     if past_k is None and past_v is None:
@@ -216,21 +237,9 @@ class TinyModel:
         token, the last one is recomputed to get its logits.
         """
         tokens = list(tokens)
-        if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 0:
-            raise BadIndices(f"max_new must be a non-negative int, got {max_new!r}")
-        if not tokens:
-            raise BadIndices("generate needs at least one prompt token")
-        past_k, past_v = past_kv if past_kv is not None else (None, None)
-        n_past = check_past(self.kv_shape, past_k, past_v)
-        if n_past > len(tokens):
-            raise BadIndices(f"past_kv covers {n_past} tokens but the prompt has {len(tokens)}")
-        if n_past == len(tokens):
-            n_past -= 1
-            past_k, past_v = past_k[:, :n_past], past_v[:, :n_past]
-        if n_past == 0:
-            past_k = past_v = None
+        past_k, past_v = generation_past(self.kv_shape, tokens, max_new, past_kv)
         out: list[int] = []
-        new = tokens[n_past:]
+        new = tokens[past_k.shape[1] if past_k is not None else 0:]
         with intra_op_threads(self.threads), torch.inference_mode():
             for _ in range(max_new):
                 logits, k, v = self._prefill(new, past_k, past_v)
