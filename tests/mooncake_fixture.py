@@ -15,12 +15,12 @@ import shutil
 import socket
 import subprocess
 import sysconfig
-import time
 from pathlib import Path
 
 import pytest
 
 from hicache_fsm.storage.mooncake import mooncake_available
+from service_util import wait_until_ready
 
 __all__ = ["MooncakeMaster", "free_port", "mooncake_master", "mooncake_master_binary", "start_master"]
 
@@ -86,13 +86,8 @@ class MooncakeMaster:
                 stderr=subprocess.STDOUT,
                 cwd=self.workdir,
             )
-        deadline = time.monotonic() + _START_TIMEOUT
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                break
-            if _listening(self.port):
-                return
-            time.sleep(0.05)
+        if wait_until_ready(self.proc, lambda: _listening(self.port), _START_TIMEOUT, 0.05):
+            return
         self.stop()
         tail = (self.workdir / "master.log").read_text(errors="replace")[-2000:]
         raise RuntimeError(f"mooncake_master did not listen on port {self.port}:\n{tail}")

@@ -18,10 +18,10 @@ import shutil
 import signal
 import socket
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
+from service_util import wait_until_ready
 
 __all__ = ["RedisServer", "redis_server", "redis_server_binary"]
 
@@ -87,13 +87,8 @@ class RedisServer:
             )
         finally:
             log.close()
-        deadline = time.monotonic() + _START_TIMEOUT
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                break
-            if _ping(self.port):
-                return
-            time.sleep(0.02)
+        if wait_until_ready(self.proc, lambda: _ping(self.port), _START_TIMEOUT, 0.02):
+            return
         self.stop()
         tail = (self.workdir / "redis.log").read_text(errors="replace")[-2000:]
         raise RuntimeError(f"redis-server did not answer PING on port {self.port}:\n{tail}")
