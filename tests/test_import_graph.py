@@ -21,8 +21,7 @@ FACADE = "hicache_fsm.cache"
 MAX_LINES = 800
 # who may import the facade: the engine-facing tools built on top of it
 FACADE_USERS = ("hicache_fsm.commands", "hicache_fsm.bench", "hicache_fsm.testing", "hicache_fsm.simulate",
-                "hicache_fsm.trace_replay", "hicache_fsm.metrics", "hicache_fsm.integrations",
-                "hicache_fsm.cli", "hicache_fsm.__main__")
+                "hicache_fsm.trace_replay", "hicache_fsm.metrics", "hicache_fsm.integrations")
 
 
 def module_name(path: Path) -> str:
@@ -162,3 +161,55 @@ def test_parts_are_built_without_the_facade(name):
     """A part's module neither imports the facade nor names it in a type."""
     text = source_files()[name].read_text()
     assert FACADE not in text and "HiCache\"" not in text and ": HiCache" not in text
+
+
+# each part's module -> the protocol (hicache_fsm.interfaces) it is handed the cache as
+PART_HOSTS = {
+    "hicache_fsm.residency_driver": "DriverHost",
+    "hicache_fsm.eviction": "EvictionHost",
+    "hicache_fsm.load_back": "LoadHost",
+    "hicache_fsm.outbox": "OutboxHost",
+    "hicache_fsm.storage.tier": "TierHost",
+    "hicache_fsm.storage.admission": "TierHost",
+    "hicache_fsm.storage.prefetch": "TierHost",
+    "hicache_fsm.layer_write": "LayerWriteHost",
+}
+
+
+def protocol_members(name: str) -> set[str]:
+    """Attributes and methods a protocol of ``interfaces.py`` declares."""
+    tree = ast.parse(source_files()["hicache_fsm.interfaces"].read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name)
+    return {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign)} | {
+        n.name for n in cls.body if isinstance(n, ast.FunctionDef)}
+
+
+def cache_uses(module: str) -> set[str]:
+    """Attributes a module reads or calls on ``cache`` / ``self.cache``."""
+    used = set()
+    for node in ast.walk(ast.parse(source_files()[module].read_text())):
+        if isinstance(node, ast.Attribute):
+            v = node.value
+            if (isinstance(v, ast.Name) and v.id == "cache") or (
+                    isinstance(v, ast.Attribute) and v.attr == "cache" and isinstance(v.value, ast.Name)
+                    and v.value.id == "self"):
+                used.add(node.attr)
+    return used
+
+
+@pytest.mark.parametrize("module", sorted(PART_HOSTS))
+def test_a_part_touches_only_what_its_protocol_names(module):
+    """A reader of a part learns everything it may use of the cache from its protocol in interfaces.py."""
+    extra = cache_uses(module) - protocol_members(PART_HOSTS[module])
+    assert not extra, f"{module} uses {sorted(extra)} of the cache, not in {PART_HOSTS[module]}"
+
+
+@pytest.mark.parametrize("protocol", sorted(set(PART_HOSTS.values())))
+def test_the_facade_is_every_host_its_parts_need(protocol):
+    from hicache_fsm.cache import HiCache
+    from hicache_fsm.pools import DeviceKVPool, HostKVPool, KVShape
+
+    shape = KVShape(layers=1, heads=1, head_dim=2)
+    cache = HiCache(DeviceKVPool(shape, 8, page_size=2, device="cpu"), HostKVPool(shape, 8, page_size=2))
+    missing = sorted(m for m in protocol_members(protocol) if not hasattr(cache, m))
+    assert not missing, f"HiCache lacks {missing} of {protocol}"
