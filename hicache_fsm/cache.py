@@ -58,7 +58,8 @@ from hicache_fsm.errors import (
     UnknownJob,
 )
 from hicache_fsm.inspection import (
-    HostOwners, RuntimeChecks, engine_slot_owner, maintained_set_problems, node_slot_owners, snapshot, stats,
+    HostOwners, InvariantViolation, RuntimeChecks, engine_slot_owner, maintained_set_problems, node_slot_owners,
+    snapshot, stats,
 )
 from hicache_fsm.eviction import DEVICE_EVICTABLE, HOST_EVICTABLE, RESIDENT, REVIVABLE, Eviction
 from hicache_fsm.jobs import Completion, Executor, TransferJob
@@ -86,14 +87,6 @@ __all__ = [
 ]
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
-
-
-class InvariantViolation(HiCacheError):
-    """``check_invariants`` found the cache in a state the specs forbid."""
-
-    def __init__(self, problems: list[str]) -> None:
-        self.problems = problems
-        super().__init__("invariant violations:\n  " + "\n  ".join(problems))
 
 
 class HiCache(StorageCalls):

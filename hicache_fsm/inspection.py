@@ -18,10 +18,19 @@ from typing import Any, Callable, Iterable
 import attrs
 import torch
 
+from hicache_fsm.errors import HiCacheError
 from hicache_fsm.radix import RadixTree
 
 HostOwners = Callable[[], Iterable[tuple[str, torch.Tensor]]]
 Check = Callable[[], list[str]]
+
+
+class InvariantViolation(HiCacheError):
+    """``check_invariants`` found the cache in a state the specs forbid."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = problems
+        super().__init__("invariant violations:\n  " + "\n  ".join(problems))
 
 
 class RuntimeChecks:
@@ -127,4 +136,5 @@ def stats(*, tree: RadixTree, page_size: int, device_allocator: Any, host_alloca
     return out
 
 
-__all__ = ["RuntimeChecks", "engine_slot_owner", "maintained_set_problems", "node_slot_owners", "snapshot", "stats"]
+__all__ = ["InvariantViolation", "RuntimeChecks", "engine_slot_owner", "maintained_set_problems", "node_slot_owners",
+           "snapshot", "stats"]
