@@ -13,32 +13,33 @@ same transitions in the same order. See ``hicache_fsm.tp``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import Iterable, Sequence
 
+from hicache_fsm.interfaces import Jobs
 from hicache_fsm.jobs import Completion, TransferJob
 from hicache_fsm.tp import digest
-
-if TYPE_CHECKING:  # pragma: no cover
-    from hicache_fsm.cache import HiCache
 
 NOT_DONE, FAILED, OK = 0, 1, 2
 
 
 class AckAgreement:
-    """The ``acks`` section of a ``StepAgreement``: holds local completions until the group agrees."""
+    """The ``acks`` section of a ``StepAgreement``: holds local completions until the group agrees.
+
+    Built with the cache's outbox (``interfaces.Jobs``): which jobs are pending, in emission order.
+    """
 
     name = "acks"
     width = 1
 
-    def __init__(self, cache: HiCache) -> None:
-        self.cache = cache
+    def __init__(self, outbox: Jobs) -> None:
+        self.outbox = outbox
         self.arrived: dict[int, Completion] = {}  # pending job id -> this rank's completion
         self._window: list[TransferJob] = []
         self._agreed: list[Completion] = []
 
     def hold(self, completions: Iterable[Completion]) -> list[Completion]:
         """Keep completions of pending jobs for agreement; return the others (cancelled, unknown) to apply now."""
-        is_pending = self.cache.outbox.is_pending
+        is_pending = self.outbox.is_pending
         direct = []
         for c in completions:
             if isinstance(c, Completion) and is_pending(c.job_id) and c.job_id not in self.arrived:
@@ -48,7 +49,7 @@ class AckAgreement:
         return direct
 
     def collect(self) -> tuple[list[Sequence[int]], int]:
-        jobs = self.cache.pending_jobs()
+        jobs = self.outbox.pending_jobs()
         self._window = jobs
         arrived = self.arrived
         items = []

@@ -36,9 +36,8 @@ from __future__ import annotations
 
 import logging
 import threading
-import weakref
 from collections import Counter
-from typing import Callable, Hashable, Iterable, Sequence
+from typing import Callable, Hashable, Sequence
 
 import attrs
 import torch
@@ -46,6 +45,8 @@ import torch
 from hicache_fsm.acks import AckAgreement
 from hicache_fsm.bindings.residency import LOADING, ON_HOST
 from hicache_fsm.config import CacheConfig
+from hicache_fsm.confinement import ThreadOwner
+from hicache_fsm.cp import CPLayout, build_cp_pools
 from hicache_fsm.errors import (
     BadIndices,
     CompletionFailure,
@@ -55,20 +56,25 @@ from hicache_fsm.errors import (
     HiCacheError,
     LockError,
     UnknownJob,
-    WrongThread,
+)
+from hicache_fsm.inspection import (
+    HostOwners, InvariantViolation, RuntimeChecks, engine_slot_owner, maintained_set_problems, node_slot_owners,
+    snapshot, stats,
 )
 from hicache_fsm.eviction import DEVICE_EVICTABLE, HOST_EVICTABLE, RESIDENT, REVIVABLE, Eviction
 from hicache_fsm.jobs import Completion, Executor, TransferJob
+from hicache_fsm.layer_write import LayerWriteRuntime
 from hicache_fsm.load_back import LoadBacks
 from hicache_fsm.machine import CompiledMachine, compile_machine
-from hicache_fsm.outbox import STORAGE_KINDS, JobLedger, Outbox
+from hicache_fsm.outbox import JobLedger, Outbox
 from hicache_fsm.radix import RadixTree, TreeNode
 from hicache_fsm.registry import registry_for
 from hicache_fsm.residency_driver import ResidencyDriver
 from hicache_fsm.results import DeviceGrant, InsertResult, LoadBack, LoadCancelled, LoadHandle, MatchResult
+from hicache_fsm.slots import check_engine_pages, check_index_tensor, check_pools, node_page_ids, page_ids
 from hicache_fsm.spec import load_builtin
 from hicache_fsm.storage.ownership import check_completion_owner
-from hicache_fsm.storage.tier import attach_storage
+from hicache_fsm.storage.calls import StorageCalls
 from hicache_fsm.tokens import as_token_ids
 from hicache_fsm.tp import RankGroup, StepAgreement
 
@@ -77,21 +83,13 @@ log = logging.getLogger("hicache_fsm.cache")
 __all__ = [
     "DEVICE_EVICTABLE", "HOST_EVICTABLE", "RESIDENT", "REVIVABLE", "DeviceGrant", "HiCache", "InsertResult",
     "InvariantViolation", "JobLedger", "LoadBack", "LoadCancelled", "LoadHandle", "MatchResult", "cache_from_pools",
+    "CPRank", "build_cp_rank", "build_cp_world",
 ]
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
-_ADOPT = threading.Lock()  # taken only when a thread that does not own a cache calls it
 
 
-class InvariantViolation(HiCacheError):
-    """``check_invariants`` found the cache in a state the specs forbid."""
-
-    def __init__(self, problems: list[str]) -> None:
-        self.problems = problems
-        super().__init__("invariant violations:\n  " + "\n  ".join(problems))
-
-
-class HiCache:
+class HiCache(StorageCalls):
     """A device + host (+ storage) KV cache over a radix tree: the facade an engine embeds.
 
     ``device_pool`` / ``host_pool`` are ``pools.DeviceKVPool`` / ``pools.HostKVPool``
@@ -124,7 +122,7 @@ class HiCache:
         dispatcher: CompiledMachine | None = None,
         group=None,
     ) -> None:
-        _check_pools(device_pool, host_pool, draft_device_pool, draft_host_pool)
+        check_pools(device_pool, host_pool, draft_device_pool, draft_host_pool)
         if config is not None and not isinstance(config, CacheConfig):
             raise ConfigError(f"config must be a CacheConfig, got {type(config).__name__}")
         self.config = config or CacheConfig()
@@ -152,18 +150,15 @@ class HiCache:
         # tensor parallelism (hicache_fsm.tp): what one rank observes alone is agreed on before it acts
         self.group = RankGroup.of(group)
         self.agreement = StepAgreement(self.group)
-        self.acks = None if self.group.solo else AckAgreement(self)
+        self.acks = None if self.group.solo else AckAgreement(self.outbox)
         if self.acks is not None:
             self.agreement.register(self.acks)
         self.engine_pages: set[int] = set()  # device pages handed out by alloc_device, not yet inserted or freed
         self._checked_tokens: tuple = ()  # the last token tuple found good (see _token_ids)
-        self._offsets = torch.arange(self.page_size, dtype=torch.int64)
-        self._extra_host_owners: list[Callable[[], Iterable[tuple[str, torch.Tensor]]]] = []
-        self._extra_invariants: list[Callable[[], list[str]]] = []
+        self.runtime_checks = RuntimeChecks()  # host slots and invariants of attached runtimes
         self.check_candidates = False  # also recompute the eviction candidate sets in invariant_violations
         self.closed = False
-        self._owner: int | None = None  # ident of the thread that drives the cache (None: the next caller adopts it)
-        self._owner_thread: weakref.ref | None = None
+        self.thread_owner = ThreadOwner()  # the thread that drives the cache (none yet: the next caller adopts it)
 
     @property
     def residency(self) -> CompiledMachine:
@@ -222,52 +217,16 @@ class HiCache:
         self.engine_pages.difference_update(pages)
 
     def _page_ids(self, indices: torch.Tensor) -> list[int]:
-        return (indices.numpy()[:: self.page_size] // self.page_size).tolist()
+        return page_ids(indices, self.page_size)
 
     def _check_tensor(self, indices: object, length: int | None) -> list[int]:
-        """Type, dtype, device, length and page alignment of an engine index tensor; returns its page ids."""
-        if not isinstance(indices, torch.Tensor):
-            raise BadIndices(f"device indices must be a torch.Tensor, got {type(indices).__name__}")
-        if indices.dtype != torch.int64 or indices.dim() != 1:
-            raise BadIndices(
-                f"device indices must be a 1-D int64 tensor, got {indices.dtype} with shape {tuple(indices.shape)}"
-            )
-        if not indices.is_cpu:
-            raise BadIndices(f"slot indices are kept on the CPU; got a tensor on {indices.device}")
-        n = indices.numel()
-        if length is not None and n != length:
-            raise BadIndices(f"expected {length} device indices (one per token), got {n}")
-        ps = self.page_size
-        if n % ps:
-            raise BadIndices(f"{n} indices is not a whole number of pages of {ps} tokens")
-        if not n:
-            return []
-        a = indices.numpy()
-        pages = self.device_allocator.whole_pages(a)
-        if pages is not None:
-            return pages.tolist()
-        raise BadIndices(f"device indices {self.device_allocator.not_whole_pages_reason(a)}")
+        return check_index_tensor(indices, length, self.page_size, self.device_allocator)
 
     def _node_pages(self, node: TreeNode) -> list[int]:
-        """Page ids of a node's device slots, remembered for as long as the node keeps the same tensor."""
-        memo = node.page_memo
-        indices = node.device_indices
-        if memo is not None and memo[0] is indices:
-            return memo[1]
-        pages = self._page_ids(indices)
-        node.page_memo = (indices, pages)
-        return pages
+        return node_page_ids(node, self.page_size)
 
-    def _check_engine_pages(self, page_ids: list[int]) -> None:
-        if len(self.engine_pages.intersection(page_ids)) == len(page_ids):  # all handed out, none twice
-            return
-        if len(set(page_ids)) != len(page_ids):
-            raise BadIndices("device indices name the same page twice")
-        foreign = [p for p in page_ids if p not in self.engine_pages]
-        if foreign:
-            raise BadIndices(
-                f"device pages {foreign[:8]} were not handed out by alloc_device (or were already inserted or freed)"
-            )
+    def _check_engine_pages(self, pages: list[int]) -> None:
+        check_engine_pages(self.engine_pages, pages)
 
     # ================================================================== match and insert
 
@@ -662,36 +621,28 @@ class HiCache:
 
     def device_slot_owners(self) -> list[tuple[str, torch.Tensor]]:
         """(owner, slot indices) for every device slot held by a node or the engine (invariant checks)."""
-        owners = [(f"node {n.id}", n.device_indices) for n in self.tree.nodes() if n.device_indices is not None]
-        if self.engine_pages:
-            pages = torch.tensor(sorted(self.engine_pages), dtype=torch.int64)
-            owners.append(("engine", (pages[:, None] * self.page_size + self._offsets).flatten()))
-        return owners
+        return node_slot_owners(self.tree, "device") + engine_slot_owner(self.engine_pages, self.page_size)
 
     def host_slot_owners(self) -> list[tuple[str, torch.Tensor]]:
         """(owner, slot indices) for every host slot held by a node or a registered runtime (invariant checks)."""
-        owners = [(f"node {n.id}", n.host_indices) for n in self.tree.nodes() if n.host_indices is not None]
-        for source in self._extra_host_owners:
-            owners.extend(source())
-        return owners
+        return node_slot_owners(self.tree, "host") + self.runtime_checks.host_owners()
 
-    def register_host_owner(self, source: Callable[[], Iterable[tuple[str, torch.Tensor]]]) -> None:
+    def register_host_owner(self, source: HostOwners) -> None:
         """Let a runtime (prefetch, CP writes) declare host slots it holds, for invariant checks."""
-        self._extra_host_owners.append(source)
+        self.runtime_checks.register_host_owner(source)
 
     def register_invariants(self, check: Callable[[], list[str]]) -> None:
         """Add a runtime's own invariant check (returns problems) to ``check_invariants``."""
-        self._extra_invariants.append(check)
+        self.runtime_checks.register_invariants(check)
 
     def unregister_runtimes(self) -> None:
         """Forget every registered host owner and invariant (a fork re-registers its own runtimes' copies)."""
-        self._extra_host_owners = []
-        self._extra_invariants = []
+        self.runtime_checks.clear()
 
     @property
     def registered_runtimes(self) -> int:
         """How many runtimes registered host owners or invariants (a fork refuses what it cannot copy)."""
-        return len(self._extra_host_owners) + len(self._extra_invariants)
+        return len(self.runtime_checks)
 
     def invariant_violations(self) -> list[str]:
         """Every broken invariant of the residency spec and of registered runtimes, as text.
@@ -703,15 +654,9 @@ class HiCache:
         problems = []
         for name in self.residency.spec.invariants:
             problems += [f"{name}: {p}" for p in self.residency_registry.invariants[name](self)]
-        for check in self._extra_invariants:
-            problems += check()
+        problems += self.runtime_checks.problems()
         if self.check_candidates:
-            problems += [f"eviction_candidates: {p}" for p in self.eviction.violations()]
-            counted = Counter(node.state for node in self.tree.nodes() if not node.is_root)
-            problems += [f"state_counts: {state} holds {n} nodes, the count says {self.driver.state_counts[state]}"
-                         for state, n in sorted(counted.items()) if self.driver.state_counts[state] != n]
-            problems += [f"state_counts: {state} holds no node, the count says {n}"
-                         for state, n in sorted(self.driver.state_counts.items()) if n and state not in counted]
+            problems += maintained_set_problems(self.tree, self.eviction, self.driver.state_counts)
         return problems
 
     def check_invariants(self) -> None:
@@ -722,43 +667,15 @@ class HiCache:
 
     def snapshot(self) -> dict:
         """A plain, comparable picture of the whole cache (tests compare before/after a rejected call)."""
-        def idx(t):
-            return None if t is None else t.tolist()
-        return {
-            "nodes": sorted(
-                (n.id, n.parent.id if n.parent else None, n.key, repr(n.namespace), n.state, idx(n.device_indices),
-                 idx(n.host_indices), n.lock_ref, n.host_ref, n.hit_count, n.last_access, n.last_poll, n.priority,
-                 tuple(sorted(n.pending_jobs)))
-                for n in self.tree.nodes()
-            ),
-            "device_free": self.device_allocator.free_pages,
-            "host_free": self.host_allocator.free_pages,
-            "device_owned": sorted(self.device_allocator.owned_pages()),
-            "host_owned": sorted(self.host_allocator.owned_pages()),
-            "engine_pages": sorted(self.engine_pages),
-            "pending": sorted(self.outbox.pending_ids()),
-            "outbox": [j.id for j in self.outbox.queued_jobs()],
-            "ledger": attrs.asdict(self.job_ledger),
-            "counters": dict(self.counters),
-            "clock": (self.driver.clock, self.driver.polls),
-            "candidates": (sorted(self.eviction.device.ids()), sorted(self.eviction.host.ids())),
-            "cp": self.cp.snapshot() if self.cp is not None else None,
-        }
+        return snapshot(tree=self.tree, device_allocator=self.device_allocator, host_allocator=self.host_allocator,
+                        engine_pages=self.engine_pages, outbox=self.outbox, ledger=self.job_ledger,
+                        counters=self.counters, driver=self.driver, eviction=self.eviction, cp=self.cp)
 
     def stats(self) -> dict:
         """Counters (hits per tier, bytes per direction, evictions, failures) and occupancy."""
-        out = dict(self.counters)
-        out.update(
-            nodes=len(self.tree),
-            device_used_tokens=self.device_allocator.used_pages * self.page_size,
-            device_free_tokens=self.device_allocator.available_tokens,
-            host_used_tokens=self.host_allocator.used_pages * self.page_size,
-            host_free_tokens=self.host_allocator.available_tokens,
-            pending_jobs=self.outbox.count(),
-        )
-        if self.storage is not None:
-            out["storage"] = self.storage.stats()
-        return out
+        return stats(tree=self.tree, page_size=self.page_size, device_allocator=self.device_allocator,
+                     host_allocator=self.host_allocator, outbox=self.outbox, counters=self.counters,
+                     storage=self.storage)
 
     # ================================================================== lifecycle
 
@@ -816,22 +733,10 @@ class HiCache:
         is the first thread that calls; it stays the owner until it ends or
         calls ``release_thread``. One integer comparison on the hot path.
         """
-        if self.closed or threading.get_ident() != self._owner:
-            self._check_slow()
-
-    def _check_slow(self) -> None:
-        if self.closed:
-            raise HiCacheError("this cache is closed")
-        with _ADOPT:
-            owner = self._owner_thread() if self._owner_thread is not None else None
-            if owner is None or not owner.is_alive():  # no owner, or it ended: this thread adopts the cache
-                self._owner_thread = weakref.ref(threading.current_thread())
-                self._owner = threading.get_ident()
-                return
-        raise WrongThread(
-            f"this cache belongs to thread {owner.name!r}; call it from that thread only, or have that thread "
-            f"call release_thread() first (called from {threading.current_thread().name!r}; nothing changed)"
-        )
+        if self.closed or threading.get_ident() != self.thread_owner.ident:
+            if self.closed:
+                raise HiCacheError("this cache is closed")
+            self.thread_owner.adopt()
 
     def release_thread(self) -> None:
         """Hand the cache over: the owning thread gives it up, and the next thread that calls it adopts it.
@@ -841,9 +746,7 @@ class HiCache:
         owns nothing). Only the owner may release.
         """
         self.check_open()
-        with _ADOPT:
-            self._owner = None
-            self._owner_thread = None
+        self.thread_owner.release()
 
     def __enter__(self) -> "HiCache":
         return self
@@ -851,57 +754,36 @@ class HiCache:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # ================================================================== storage tier (L3): engine-facing API
-    # Thin delegations to ``self.storage`` (hicache_fsm.storage.tier.StorageTier); see docs/storage.md.
-
-    def attach_storage(self, url_or_backend, **options) -> None:
-        """Attach an L3 backend at run time (URL or open backend); rolls back fully and raises StorageLinkError on failure."""
-        self.check_open()
-        attach_storage(self, url_or_backend, **options)
-
-    def detach_storage(self) -> None:
-        """Detach the backend; a no-op when detached; StorageLinkError while storage transfers are in flight."""
-        self.check_open()
-        if self.storage is not None:
-            self.storage.detach()
-
-    def prefetch(self, request_id: Hashable, tokens: Sequence[int], match: MatchResult, namespace: Hashable = None) -> bool:
-        """Start fetching the tokens after ``match``'s in-memory hit from storage into host memory; False if not admitted."""
-        self.check_open()
-        return self.storage is not None and self.storage.prefetch(request_id, tokens, match, namespace)
-
-    def prefetch_ready(self, request_id: Hashable) -> bool:
-        """Per-step check: True once the request may proceed (fetched pages inserted, the rest released)."""
-        self.check_open()
-        return self.storage is None or self.storage.prefetch_ready(request_id)
-
-    def abort_prefetch(self, request_id: Hashable) -> bool:
-        """End an aborted request's prefetch and release everything it holds; False if it had none."""
-        self.check_open()
-        return self.storage is not None and self.storage.abort_prefetch(request_id)
-
-    def storage_transfers_in_flight(self) -> int:
-        if self.storage is None:
-            return self.outbox.count(STORAGE_KINDS)
-        return self.storage.transfers_in_flight()
-
-    def storage_link_violations(self) -> list[str]:
-        return [] if self.storage is None else self.storage.link_violations()
-
-
-def _check_pools(device_pool, host_pool, draft_device_pool, draft_host_pool) -> None:
-    """Refuse pool combinations that cannot work (the reference raises on the same ones)."""
-    if device_pool.page_size != host_pool.page_size:
-        raise ConfigError(f"device and host pools must use the same page size "
-                          f"({device_pool.page_size} != {host_pool.page_size})")
-    if (draft_device_pool is None) != (draft_host_pool is None):
-        raise ConfigError("draft_device_pool and draft_host_pool must be given together (a draft model's KV "
-                          "is backed up like the target's)")
-    if draft_device_pool is not None:
-        if {draft_device_pool.page_size, draft_host_pool.page_size} != {device_pool.page_size}:
-            raise ConfigError("draft pools must use the target pools' page size (one tree indexes both)")
-
 
 def cache_from_pools(pools, config: CacheConfig | None = None, executor: Executor | None = None) -> HiCache:
     """A ``HiCache`` over ``pools.build_pools(...)``'s result (draft pools included)."""
     return HiCache(pools.device, pools.host, config, executor, pools.draft_device, pools.draft_host)
+
+
+@attrs.frozen
+class CPRank:
+    """One simulated CP rank: its layout, pools, cache and layer-write runtime."""
+
+    layout: CPLayout
+    pools: object
+    cache: object
+    writes: LayerWriteRuntime
+
+
+def build_cp_rank(pool_config, world_size: int, rank: int, block_pages: int = 1, cache_config=None,
+                  executor_factory: Callable | None = None) -> CPRank:
+    """Build one rank: ``pool_config.device_tokens`` is the logical device size.
+
+    ``executor_factory(pools)`` makes the executor (a ``TorchExecutor`` over the pools by default).
+    """
+    pools = build_cp_pools(pool_config, world_size, rank, block_pages)
+    executor = executor_factory(pools) if executor_factory is not None else None
+    cache = HiCache(pools.device, pools.host, cache_config, executor, pools.draft_device, pools.draft_host,
+                    dispatcher=compile_machine(load_builtin("residency")))
+    return CPRank(pools.device.layout, pools, cache, LayerWriteRuntime(cache))
+
+
+def build_cp_world(pool_config, world_size: int, block_pages: int = 1, cache_config=None,
+                   executor_factory: Callable | None = None) -> list[CPRank]:
+    return [build_cp_rank(pool_config, world_size, r, block_pages, cache_config, executor_factory)
+            for r in range(world_size)]

@@ -37,7 +37,7 @@ from hicache_fsm.jobs import JobKind
 from hicache_fsm.radix import TreeNode
 
 if TYPE_CHECKING:
-    from hicache_fsm.cache import HiCache
+    from hicache_fsm.interfaces import EvictionHost
 
 DEVICE_EVICTABLE = frozenset({"device", "device_host", "device_host_storing", "device_host_stored"})
 HOST_EVICTABLE = frozenset({"host", "host_stored"})
@@ -161,7 +161,7 @@ class Eviction:
     and ``violations`` (maintained sets == recomputation).
     """
 
-    def __init__(self, cache: "HiCache") -> None:
+    def __init__(self, cache: "EvictionHost") -> None:
         self.cache = cache
         self.sort_key = POLICY_KEYS[cache.config.eviction_policy]
         self.device = CandidateSet(self.sort_key)

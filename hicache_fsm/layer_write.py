@@ -31,21 +31,22 @@ job on a rank that owns none, so completions line up across ranks).
 ``HiCache.load_back`` goes through it when a runtime is attached.
 
 Attach with ``LayerWriteRuntime(cache)``; the cache's device allocator must be
-a ``CPPageAllocator`` (``build_cp_rank`` builds a whole rank).
+a ``CPPageAllocator`` (the facade's ``build_cp_rank`` builds a whole rank).
 """
 
 from __future__ import annotations
 
 import collections
 import itertools
-from typing import Callable, Iterable
+from typing import Iterable
 
 import attrs
 import torch
 
 from hicache_fsm.bindings.residency import EVICTED, LOADING, ON_DEVICE, ON_HOST
-from hicache_fsm.cp import CPLayout, CPPageAllocator, build_cp_pools
+from hicache_fsm.cp import CPLayout, CPPageAllocator
 from hicache_fsm.errors import AllocationError, ConfigError, GuardRejected, HiCacheError, LayerWriteError
+from hicache_fsm.interfaces import LayerWriteHost
 from hicache_fsm.jobs import JobKind, TransferJob
 from hicache_fsm.machine import compile_machine
 from hicache_fsm.radix import TreeNode
@@ -133,7 +134,7 @@ class LayerWrite:
 class LayerWriteRuntime:
     """Runs ``layer_write`` records and CP loads for one rank's ``HiCache``."""
 
-    def __init__(self, cache, history: int = 4096) -> None:
+    def __init__(self, cache: LayerWriteHost, history: int = 4096) -> None:
         allocator = cache.device_allocator
         if not isinstance(allocator, CPPageAllocator):
             raise ConfigError("a CP layer-write runtime needs a cache whose device allocator is a CPPageAllocator")
@@ -605,36 +606,4 @@ class LayerWriteRuntime:
         return problems
 
 
-@attrs.frozen
-class CPRank:
-    """One simulated CP rank: its layout, pools, cache and layer-write runtime."""
-
-    layout: CPLayout
-    pools: object
-    cache: object
-    writes: LayerWriteRuntime
-
-
-def build_cp_rank(pool_config, world_size: int, rank: int, block_pages: int = 1, cache_config=None,
-                  executor_factory: Callable | None = None) -> CPRank:
-    """Build one rank: ``pool_config.device_tokens`` is the logical device size.
-
-    ``executor_factory(pools)`` makes the executor (a ``TorchExecutor`` over the pools by default).
-    """
-    from hicache_fsm.cache import HiCache
-
-    pools = build_cp_pools(pool_config, world_size, rank, block_pages)
-    executor = executor_factory(pools) if executor_factory is not None else None
-    cache = HiCache(pools.device, pools.host, cache_config, executor, pools.draft_device, pools.draft_host,
-                    dispatcher=compile_machine(load_builtin("residency")))
-    return CPRank(pools.device.layout, pools, cache, LayerWriteRuntime(cache))
-
-
-def build_cp_world(pool_config, world_size: int, block_pages: int = 1, cache_config=None,
-                   executor_factory: Callable | None = None) -> list[CPRank]:
-    return [build_cp_rank(pool_config, world_size, r, block_pages, cache_config, executor_factory)
-            for r in range(world_size)]
-
-
-__all__ = ["CPNodeMeta", "LayerEvent", "LayerWrite", "LayerWriteRuntime", "CPRank", "build_cp_rank",
-           "build_cp_world"]
+__all__ = ["CPNodeMeta", "LayerEvent", "LayerWrite", "LayerWriteRuntime"]

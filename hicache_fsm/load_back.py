@@ -22,7 +22,7 @@ from hicache_fsm.radix import TreeNode
 from hicache_fsm.results import LoadBack, LoadHandle
 
 if TYPE_CHECKING:
-    from hicache_fsm.cache import HiCache
+    from hicache_fsm.interfaces import LoadHost
 
 
 class LoadBacks:
@@ -33,7 +33,7 @@ class LoadBacks:
     nodes already fired into ``loading``), ``load_failed`` (completion path).
     """
 
-    def __init__(self, cache: "HiCache") -> None:
+    def __init__(self, cache: "LoadHost") -> None:
         self.cache = cache
 
     def evicted_chain(self, node: TreeNode) -> tuple[list[TreeNode], TreeNode]:

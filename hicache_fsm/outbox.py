@@ -22,7 +22,7 @@ from hicache_fsm.radix import TreeNode
 from hicache_fsm.results import LoadHandle
 
 if TYPE_CHECKING:  # the facade composes the parts; parts only read its public attributes
-    from hicache_fsm.cache import HiCache
+    from hicache_fsm.interfaces import OutboxHost
 
 log = logging.getLogger("hicache_fsm.cache")
 
@@ -81,7 +81,7 @@ class Outbox:
     ``handles_of``, ``has_pending``, ``is_pending``.
     """
 
-    def __init__(self, cache: "HiCache") -> None:
+    def __init__(self, cache: "OutboxHost") -> None:
         self.cache = cache
         self._queued: list[TransferJob] = []
         self._pending: dict[int, TransferJob] = {}
@@ -319,7 +319,7 @@ class Outbox:
         self._load_handles.clear()
         self._job_handle.clear()
 
-    def fork(self, cache: "HiCache", memo: dict, fork_handle) -> "Outbox":
+    def fork(self, cache: "OutboxHost", memo: dict, fork_handle) -> "Outbox":
         """A copy for ``cache`` (a fork): nodes and handles through ``memo`` / ``fork_handle``, jobs shared."""
         new = Outbox(cache)
         new._queued = list(self._queued)

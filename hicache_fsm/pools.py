@@ -1,4 +1,4 @@
-"""KV memory pools: page allocators, the device (L1) pool and the host (L2) pool.
+"""KV memory pools: the device (L1) pool and the host (L2) pool (page allocators: ``hicache_fsm.allocator``).
 
 Token slots are handed out in whole pages. A slot index names one token of the
 pool; a page ``p`` owns slots ``p * page_size .. (p + 1) * page_size - 1``.
@@ -34,10 +34,10 @@ from __future__ import annotations
 import os
 import warnings
 import attrs
-import numpy as np
 import torch
 
-from hicache_fsm.errors import AllocationError, BadIndices, ConfigError
+from hicache_fsm.allocator import PageAllocator, as_index_tensor, pages_of
+from hicache_fsm.errors import BadIndices, ConfigError
 
 LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 
@@ -85,262 +85,6 @@ class KVShape:
     def token_bytes(self) -> int:
         """Bytes of K plus V (MLA: the latent) for one token over all layers."""
         return self.parts * self.layers * self.heads * self.head_dim * self.elem_bytes
-
-
-def _as_index_tensor(indices, what: str = "indices") -> torch.Tensor:
-    if not isinstance(indices, torch.Tensor):
-        try:
-            indices = torch.as_tensor(list(indices), dtype=torch.int64)
-        except (TypeError, ValueError) as exc:
-            raise BadIndices(f"{what}: cannot be read as int64 indices: {exc}") from None
-    if indices.dtype != torch.int64:
-        if indices.dtype.is_floating_point or indices.dtype.is_complex or indices.dtype == torch.bool:
-            raise BadIndices(f"{what}: expected an integer tensor, got {indices.dtype}")
-        indices = indices.to(torch.int64)
-    if indices.dim() != 1:
-        raise BadIndices(f"{what}: expected a 1-D tensor, got shape {tuple(indices.shape)}")
-    if indices.device.type != "cpu":
-        indices = indices.cpu()
-    return indices
-
-
-def pages_of(indices, page_size: int, limit_tokens: int | None = None, what: str = "indices") -> torch.Tensor:
-    """Page ids of page-aligned token indices (raises BadIndices otherwise).
-
-    Checks that the length is a page multiple and that each group of
-    ``page_size`` indices is one whole page in order; with ``limit_tokens``,
-    also that every index is in ``[0, limit_tokens)``.
-    """
-    idx = _as_index_tensor(indices, what)
-    n = idx.numel()
-    if n % page_size:
-        raise BadIndices(f"{what}: length {n} is not a multiple of page_size {page_size}")
-    if n == 0:
-        return idx.new_empty(0)
-    rows = idx.view(-1, page_size)
-    first = rows[:, 0]
-    if bool((first % page_size != 0).any()) or bool((first < 0).any()):
-        raise BadIndices(f"{what}: a page does not start on a page boundary")
-    if page_size > 1 and not torch.equal(rows, first[:, None] + torch.arange(page_size)):
-        raise BadIndices(f"{what}: a page's token indices are not one whole page in order")
-    if limit_tokens is not None and int(first.max()) + page_size > limit_tokens:
-        raise BadIndices(f"{what}: index {int(first.max()) + page_size - 1} is out of range (pool has {limit_tokens} slots)")
-    return first // page_size
-
-
-class _CheckScratch:
-    """Reused buffers of ``PageAllocator.whole_pages``, viewed for the last page count.
-
-    Requests of one size repeat, so the views are made once per size change,
-    and the buffers only grow.
-    """
-
-    __slots__ = ("pages", "expected", "expected_flat", "matches", "_rows", "_bools")
-
-    def __init__(self, page_size: int) -> None:
-        self._rows = np.empty((0, page_size), dtype=np.int64)
-        self._bools = np.empty(0, dtype=bool)
-        self.view(0)
-
-    def view(self, pages: int) -> None:
-        if pages > self._rows.shape[0]:
-            self._rows = np.empty((pages, self._rows.shape[1]), dtype=np.int64)
-            self._bools = np.empty(self._rows.size, dtype=bool)
-        self.pages = pages
-        self.expected = self._rows[:pages]
-        self.expected_flat = self.expected.reshape(-1)
-        self.matches = self._bools[: self.expected.size]
-
-
-class PageAllocator:
-    """Page-granular allocator of token-slot indices.
-
-    Free pages are an array (initially sorted) plus a list of released
-    batches. Allocation takes from the front of the free array; only when it
-    runs short are the released pages sorted and appended after what is left.
-    So fresh pools hand out low page ids in order, while after churn a request
-    can get e.g. the tail of one sorted segment then low ids of the next: not
-    always contiguous, as in a real serving engine. A bool array tracks
-    ownership for validation. The bookkeeping is numpy (a few microseconds
-    per call, against tens for the same torch ops on tiny tensors); callers
-    get torch tensors sharing that memory.
-
-    With ``views=True`` an allocation that is one run of consecutive pages
-    is returned as a view of the allocator's slot-id table instead of a
-    copy: no table read, no fresh tensor. The caller must then never write
-    to the returned tensor. The host pool uses it, since host indices stay
-    inside the cache; engine-facing device slots are always copies.
-    """
-
-    def __init__(self, size_tokens: int, page_size: int, *, views: bool = False) -> None:
-        for name, value in (("size_tokens", size_tokens), ("page_size", page_size)):
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"{name} must be a positive int, got {value!r}")
-        if size_tokens % page_size:
-            raise ConfigError(f"size_tokens {size_tokens} is not a multiple of page_size {page_size}")
-        self.size_tokens = size_tokens
-        self.page_size = page_size
-        self._total_pages = size_tokens // page_size
-        self.views = views
-        # Slot ids of every page, a row each (8 bytes a token): gathering rows
-        # builds and checks index tensors ~3x faster than broadcasting arithmetic.
-        # The numpy table and the torch one (sliced by ``views``) share memory;
-        # numpy allocates it, asking for huge pages (a gather here misses the TLB less).
-        table = np.arange(size_tokens, dtype=np.int64)
-        self._slot_ids = torch.from_numpy(table)
-        table.flags.writeable = False
-        self._page_slots = table.reshape(-1, page_size)
-        self._scratch = _CheckScratch(page_size)  # whole_pages buffers
-        self.reset()
-
-    def reset(self) -> None:
-        """Free every page."""
-        self._allocated = np.zeros(self._total_pages, dtype=bool)
-        self._free = np.arange(self._total_pages, dtype=np.int64)
-        self._free_ascending = True  # kept by every claim: the rest of an ascending array is ascending
-        self._released: list[np.ndarray] = []
-        self._num_free = self._total_pages
-
-    @property
-    def total_pages(self) -> int:
-        return self._total_pages
-
-    @property
-    def free_pages(self) -> int:
-        return self._num_free
-
-    @property
-    def used_pages(self) -> int:
-        return self._total_pages - self._num_free
-
-    @property
-    def available_tokens(self) -> int:
-        return self._num_free * self.page_size
-
-    def fork(self) -> "PageAllocator":
-        """An independent copy in the same state (the explorer forks caches): same free order, own arrays."""
-        new = object.__new__(type(self))
-        new.__dict__.update(self.__dict__)
-        new._allocated = self._allocated.copy()
-        new._released = list(self._released)
-        return new
-
-    def is_allocated(self, page: int) -> bool:
-        if not 0 <= int(page) < self._total_pages:
-            raise BadIndices(f"page {page} is out of range [0, {self._total_pages})")
-        return bool(self._allocated[int(page)])
-
-    def owned_pages(self) -> set[int]:
-        """Ids of the allocated pages (for invariant checks)."""
-        return set(np.flatnonzero(self._allocated).tolist())
-
-    def _free_array(self) -> np.ndarray:
-        """Every free page id, in allocation order (released pages merged in)."""
-        if self._released:
-            released = np.sort(np.concatenate(self._released))
-            left = self._free
-            self._free_ascending = self._free_ascending and (not left.size or left[-1] < released[0])
-            self._free = np.concatenate([left, released]) if left.size else released
-            self._released = []
-        return self._free
-
-    def _claim(self, pages: np.ndarray, remaining_free: np.ndarray, run: bool = False) -> torch.Tensor:
-        """Mark ``pages`` allocated, keep ``remaining_free`` as the free list; token indices of ``pages``.
-
-        ``remaining_free`` must keep the order it had in the free array.
-        ``run``: the caller knows ``pages`` are consecutive and ascending.
-        """
-        self._free = remaining_free
-        self._num_free -= pages.size
-        if run:  # a slice instead of a gather, and (``views``) a view instead of a copy
-            first = int(pages[0])
-            self._allocated[first : first + pages.size] = True
-            if self.views:
-                ps = self.page_size
-                return self._slot_ids[first * ps : (first + pages.size) * ps]
-        else:
-            self._allocated[pages] = True
-        return torch.from_numpy(self._page_slots.take(pages, axis=0).reshape(-1))
-
-    def whole_pages(self, slots: np.ndarray) -> np.ndarray | None:
-        """Page ids of int64 ``slots`` if they are whole pages of this allocator, else None.
-
-        Whole pages means: each group of ``page_size`` slots is one page's slots
-        in order, and every page is in range. This runs on every engine index
-        tensor, so it allocates nothing large: fresh temporaries of tens of KB
-        per call cost more in page faults than the comparison itself. Not
-        thread-safe (the cache calls it from the engine thread only).
-        """
-        ps = self.page_size
-        if slots.size % ps:
-            return None
-        pages = slots[::ps] // ps
-        n = pages.size
-        scratch = self._scratch
-        if scratch.pages != n:
-            scratch.view(n)
-        # "clip": an out-of-range id fetches an edge page's row, which cannot match
-        self._page_slots.take(pages, axis=0, out=scratch.expected, mode="clip")
-        np.equal(slots, scratch.expected_flat, out=scratch.matches)
-        return pages if np.count_nonzero(scratch.matches) == slots.size else None  # measured faster than ``all()``
-
-    def not_whole_pages_reason(self, slots: np.ndarray) -> str:
-        """Why page-multiple ``slots`` failed ``whole_pages`` (the slow path of an error message)."""
-        first = slots[:: self.page_size]
-        if int(first.min()) < 0 or int(first.max()) + self.page_size > self.size_tokens:
-            return f"are out of range: they must be whole pages within [0, {self.size_tokens})"
-        return "are not whole pages: each page aligned, in order and contiguous"
-
-    def alloc(self, num_tokens: int) -> torch.Tensor | None:
-        """Token indices (int64, CPU) of ``num_tokens / page_size`` free pages, or None if too few."""
-        if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 0:
-            raise BadIndices(f"num_tokens must be a non-negative int, got {num_tokens!r}")
-        if num_tokens % self.page_size:
-            raise BadIndices(f"num_tokens {num_tokens} is not a multiple of page_size {self.page_size}")
-        need = num_tokens // self.page_size
-        if need > self._num_free:
-            return None
-        free = self._free
-        short = need > free.size
-        if short:
-            free = self._free_array()  # the rest, then the sorted released pages
-        # from an ascending free array, ``need`` pages spanning ``need`` ids are one run
-        run = self._free_ascending and need > 0 and free[need - 1] - free[0] == need - 1
-        indices = self._claim(free[:need], free[need:], run)
-        if short:
-            self._free_ascending = True  # the claim took all the old rest: a tail of the sorted released pages is left
-        return indices
-
-    def _pages_to_free(self, indices) -> np.ndarray:
-        if isinstance(indices, torch.Tensor) and indices.dtype == torch.int64 and indices.dim() == 1 and indices.device.type == "cpu":
-            arr = indices.numpy()
-        else:
-            try:
-                arr = _as_index_tensor(indices, "free").numpy()
-            except BadIndices as exc:
-                raise AllocationError(str(exc)) from None
-        ps = self.page_size
-        if arr.size % ps:
-            raise AllocationError(f"free: length {arr.size} is not a multiple of page_size {ps}")
-        pages = self.whole_pages(arr)
-        if pages is None:
-            raise AllocationError(f"free: indices {self.not_whole_pages_reason(arr)}")
-        return pages
-
-    def free(self, indices) -> None:
-        """Return whole pages; validates everything first, so a bad call frees nothing."""
-        pages = self._pages_to_free(indices)
-        if pages.size == 0:
-            return
-        if pages.size > 1 and np.unique(pages).size != pages.size:
-            raise AllocationError("free: the same page appears twice in one call")
-        held = self._allocated[pages]
-        if not held.all():
-            bad = pages[~held][:8].tolist()
-            raise AllocationError(f"free: page(s) {bad} are not allocated (double free?)")
-        self._allocated[pages] = False
-        self._released.append(pages.copy())
-        self._num_free += pages.size
 
 
 def default_device() -> torch.device:
@@ -447,7 +191,7 @@ class DeviceKVPool:
         return tuple(part[layer].unflatten(0, (pages, self.page_size)) for part in self.kv)
 
     def _index(self, indices) -> torch.Tensor:
-        idx = _as_index_tensor(indices)
+        idx = as_index_tensor(indices)
         if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.size_tokens):
             raise BadIndices(f"indices out of range [0, {self.size_tokens})")
         return idx
@@ -573,7 +317,7 @@ class HostKVPool:
         return self.page_size * self.shape.token_bytes
 
     def _index(self, indices) -> torch.Tensor:
-        idx = _as_index_tensor(indices)
+        idx = as_index_tensor(indices)
         if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.size_tokens):
             raise BadIndices(f"indices out of range [0, {self.size_tokens})")
         return idx

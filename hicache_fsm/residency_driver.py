@@ -26,7 +26,7 @@ from hicache_fsm.jobs import JobKind, TransferJob
 from hicache_fsm.radix import TreeNode
 
 if TYPE_CHECKING:
-    from hicache_fsm.cache import HiCache
+    from hicache_fsm.interfaces import DriverHost
     from hicache_fsm.machine import CompiledMachine, CompiledTransition
 
 
@@ -51,7 +51,7 @@ class ResidencyDriver:
     ``add_listener``, ``remove_listener`` (``ResidencyListener``).
     """
 
-    def __init__(self, cache: "HiCache", machine: "CompiledMachine") -> None:
+    def __init__(self, cache: "DriverHost", machine: "CompiledMachine") -> None:
         self.cache = cache
         self.machine = machine
         self.clock = 0
@@ -244,7 +244,7 @@ class ResidencyDriver:
     def forget_walk(self) -> None:
         self._memo = None
 
-    def fork(self, cache: "HiCache") -> "ResidencyDriver":
+    def fork(self, cache: "DriverHost") -> "ResidencyDriver":
         """A copy driving ``cache`` (a fork): same machine and observers, same clock, no walk memo.
 
         Listeners are not copied: each belongs to a runtime of the original

@@ -22,17 +22,31 @@ agreement, so a page counts as stored only once every rank stored its shard.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Sequence
+from typing import Protocol, Sequence
 
 import attrs
 
+from hicache_fsm.storage.prefetch import PrefetchOp, PrefetchRuntime
 from hicache_fsm.tp import digest
 
-if TYPE_CHECKING:  # pragma: no cover
-    from hicache_fsm.storage.prefetch import PrefetchOp
-    from hicache_fsm.storage.tier import StorageTier
-
 ELSEWHERE = "on another rank"
+
+
+class AgreedTier(Protocol):
+    """What the agreement acts on once every rank agreed: the tier's health and its prefetch events."""
+
+    runtime: PrefetchRuntime
+    healthy: bool
+
+    def set_health(self, healthy: bool, error: str) -> None: ...
+
+    def query_started(self, op: PrefetchOp) -> None: ...
+
+    def query_answered(self, op: PrefetchOp, keys: tuple[str, ...]) -> None: ...
+
+    def query_failed(self, op: PrefetchOp, error: str) -> None: ...
+
+    def batch_landed(self, op: PrefetchOp, tokens: int, short: bool, error: str) -> None: ...
 
 
 @attrs.define
@@ -53,7 +67,7 @@ class TierAgreement:
     name = "storage"
     width = 5
 
-    def __init__(self, tier: StorageTier) -> None:
+    def __init__(self, tier: AgreedTier) -> None:
         self.tier = tier
         self.seen: dict[int, Seen] = {}  # id(op) -> observations
         self.local_health: tuple[bool, str] = (True, "")

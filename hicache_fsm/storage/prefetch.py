@@ -38,7 +38,7 @@ from hicache_fsm.spec import load_builtin
 from hicache_fsm.storage.options import TierOptions
 
 if TYPE_CHECKING:  # pragma: no cover
-    from hicache_fsm.cache import HiCache
+    from hicache_fsm.interfaces import TierHost
     from hicache_fsm.radix import TreeNode
 
 log = logging.getLogger("hicache_fsm.storage.tier")
@@ -139,7 +139,7 @@ def _pages(indices: torch.Tensor, page_size: int) -> list[int]:
 class PrefetchRuntime:
     """Owner of every running prefetch and context of the ``prefetch`` machine."""
 
-    def __init__(self, cache: HiCache, submit_transfer: Callable[[PrefetchOp, TransferJob], None]) -> None:
+    def __init__(self, cache: TierHost, submit_transfer: Callable[[PrefetchOp, TransferJob], None]) -> None:
         self.cache = cache
         self.page_size = cache.page_size
         self.machine = compile_machine(load_builtin("prefetch"))
@@ -389,7 +389,7 @@ class PrefetchRuntime:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def fork(self, cache: HiCache, submit_transfer: Callable[[PrefetchOp, TransferJob], None],
+    def fork(self, cache: TierHost, submit_transfer: Callable[[PrefetchOp, TransferJob], None],
              op_of: Callable[[PrefetchOp], PrefetchOp]) -> "PrefetchRuntime":
         """A copy for the forked ``cache``; ``op_of`` maps an op to its copy (shared with the tier's queues)."""
         new = PrefetchRuntime(cache, submit_transfer)

@@ -10,6 +10,12 @@ Theory of operation. ``StorageTier`` joins three things:
   then host-to-storage backups);
 * the ``prefetch`` machine's runtime (:mod:`hicache_fsm.storage.prefetch`).
 
+This module keeps the tier's bookkeeping on the scheduler's thread: the link,
+jobs from the cache, draining thread events, backups and their retries,
+accounting, lifecycle and forks. Two pieces live apart, inherited by
+``StorageTier``: what the threads run (:mod:`hicache_fsm.storage.threads`)
+and prefetch admission and lifecycle (:mod:`hicache_fsm.storage.admission`).
+
 Threads never change the tree, a pool allocator or a machine state. They read
 host pages the residency machine keeps pinned (``*_storing`` states) or write
 host pages a prefetch reserved, and post events to a queue. The scheduler's
@@ -47,41 +53,29 @@ from collections import Counter, deque
 from collections.abc import Hashable
 from typing import TYPE_CHECKING, Any
 
-import torch
-
-from hicache_fsm.bindings.residency import ON_HOST
-from hicache_fsm.errors import (
-    BadIndices,
-    GuardRejected,
-    HiCacheError,
-    InvalidTransition,
-    StorageError,
-    StorageFull,
-    StorageKeyError,
-    StorageLinkError,
-)
+from hicache_fsm.errors import GuardRejected, HiCacheError, InvalidTransition, StorageLinkError
 from hicache_fsm.jobs import Completion, JobKind, TransferJob
 from hicache_fsm.machine import compile_machine
 from hicache_fsm.outbox import STORAGE_KINDS
 from hicache_fsm.spec import load_builtin
 from hicache_fsm.storage import open_backend
+from hicache_fsm.storage.admission import PrefetchCalls
 from hicache_fsm.storage.agreement import TierAgreement
 from hicache_fsm.storage.base import STAT_FIELDS, StorageBackend
 from hicache_fsm.storage.keys import page_keys
 from hicache_fsm.storage.link import StorageLink
 from hicache_fsm.storage.options import TierOptions
-from hicache_fsm.storage.prefetch import PrefetchError, PrefetchOp, PrefetchRuntime
+from hicache_fsm.storage.prefetch import PrefetchOp, PrefetchRuntime
 from hicache_fsm.storage.retry import UNSTORED, BackupRetries
-from hicache_fsm.tokens import as_token_ids
+from hicache_fsm.storage.threads import PROBE_KEY, StorageThreads
 
 if TYPE_CHECKING:  # pragma: no cover
-    from hicache_fsm.cache import HiCache
+    from hicache_fsm.interfaces import TierHost
     from hicache_fsm.radix import TreeNode
 
 log = logging.getLogger("hicache_fsm.storage.tier")
 
 STORING = frozenset({"device_host_storing", "host_storing", "loading_storing"})
-_PROBE_KEY = "0" * 64
 REJECT_REASONS = ("detached", "unhealthy", "below_threshold", "capacity", "host_full")
 # every counter stats() reports, present (as 0) before it first counts; documented in docs/storage.md
 COUNTERS = (
@@ -105,20 +99,17 @@ def namespace_seed(namespace: Hashable) -> str | None:
     return hashlib.sha256(b"hicache-fsm-namespace\0" + repr(namespace).encode()).hexdigest()
 
 
-def _page_ids(indices: torch.Tensor, page_size: int) -> list[int]:
-    return (indices[::page_size] // page_size).tolist()
-
-
-class StorageTier:
+class StorageTier(PrefetchCalls, StorageThreads):
     """``cache.storage``: backend link, storage threads, backups and prefetches (see module docstring)."""
 
-    def __init__(self, cache: HiCache) -> None:
+    def __init__(self, cache: TierHost) -> None:
         if cache.cp is not None:
             raise StorageLinkError("a context-parallel cache cannot attach storage")
         if cache.draft_host_pool is not None:
             raise StorageLinkError("storage of draft-model KV is not supported; detach the draft pools first")
         self.cache = cache
         self.page_size = cache.page_size
+        self.host_pool = cache.host_pool
         self.options = TierOptions()
         self.link_machine = compile_machine(load_builtin("storage_link"))
         self._cv = threading.Condition()
@@ -204,7 +195,7 @@ class StorageTier:
             if self.agreement is not None:
                 self.agreement.local_health = (True, "")
             self.start_workers()
-            self.link.backend.batch_exists([_PROBE_KEY])  # the backend answers, end to end
+            self.link.backend.batch_exists([PROBE_KEY])  # the backend answers, end to end
             voted = True
             if not self.cache.group.all_true(True):  # a rank group attaches everywhere or nowhere
                 raise StorageLinkError("attaching storage failed on another rank")
@@ -224,47 +215,6 @@ class StorageTier:
         self._sweep_due = True  # host copies made before the attach get stored too
         self.counters["attaches"] += 1
         log.info("storage attached: %s (namespace %s)", self._describe(url_or_backend), namespace.prefix)
-
-    def start_workers(self) -> None:
-        """Start the query and I/O threads over the attached backend.
-
-        The one seam for deterministic tests: a subclass may start nothing and run the
-        queued work itself (``queued_work``, ``run_queued``, ``probe_now``: one item at a
-        time, in any order; see ``hicache_fsm.testing.storage.ManualStorageTier``).
-        """
-        self.link.start_threads({"query": self._query_loop, "io": self._io_loop})
-
-    def run_queued(self, kind: str, index: int) -> None:
-        """Run the ``index``-th item of ``queued_work()[kind]`` now, on this thread, as a storage thread would.
-
-        ``kind`` is ``query``, ``s2h`` or ``h2s``; ``KeyError`` (nothing changed)
-        for an unknown kind, a missing item or no backend. The outcome reaches
-        the cache at its next ``poll``, as a thread's does.
-        """
-        runners = {"query": (self._query_q, self._run_query), "s2h": (self._transfer_q, self._run_transfer),
-                   "h2s": (self._backup_q, self._run_backup)}
-        if kind not in runners:
-            raise KeyError(kind)
-        queue, runner = runners[kind]
-        backend = self.link.backend
-        with self._cv:
-            if backend is None or not 0 <= index < len(queue):
-                raise KeyError(f"{kind}[{index}]")
-            item = queue[index]
-            del queue[index]
-            self._busy += 1
-        try:
-            runner(self.link.stop_event, backend, *item)
-        finally:
-            self._done()
-
-    def probe_now(self) -> None:
-        """Probe the backend's health now, on this thread (not rate-limited); ``KeyError`` without a backend."""
-        backend = self.link.backend
-        if backend is None:
-            raise KeyError("probe: no backend attached")
-        self._last_probe = float("-inf")
-        self._probe(backend)
 
     @staticmethod
     def _describe(url_or_backend: object) -> str:
@@ -471,46 +421,6 @@ class StorageTier:
             self.counters["storage_outages"] += 1
             log.warning("storage is unavailable (%s); backups paused, prefetches refused", error)
 
-    def query_started(self, op: PrefetchOp) -> None:
-        if op.state == "admitted":
-            self.runtime.fire(op, "start_query")
-
-    def query_answered(self, op: PrefetchOp, keys: tuple[str, ...]) -> None:
-        if op.state != "querying":
-            return
-        op.hit_keys = keys
-        op.hit_tokens = len(keys) * self.page_size
-        self.counters["prefetch_hit_tokens"] += op.hit_tokens
-        t = self.runtime.fire(op, "query_done")
-        if t.dest == "revoked":
-            self.counters["prefetch_revoked"] += 1
-            log.info("prefetch %r revoked: %d hit tokens < threshold %d", op.request_id, op.hit_tokens,
-                     self.runtime.threshold_tokens)
-            self.runtime.release(op)
-
-    def query_failed(self, op: PrefetchOp, error: str) -> None:
-        if op.state != "querying":
-            return
-        op.error = error
-        self.counters["prefetch_query_failures"] += 1
-        log.warning("prefetch %r: storage hit query failed: %s", op.request_id, error)
-        self.runtime.fire(op, "query_failed")
-        self.runtime.release(op)
-
-    def batch_landed(self, op: PrefetchOp, tokens: int, short: bool, error: str) -> None:
-        if op.state != "transferring":
-            return
-        op.completed_tokens += tokens
-        self.counters["prefetch_fetched_tokens"] += tokens
-        if short:
-            op.error = error
-            self.counters["prefetch_short_batches"] += 1
-            log.warning("prefetch %r: batch came back short after %d of %d tokens: %s", op.request_id,
-                        op.completed_tokens, op.hit_tokens, error or "miss or corrupt page")
-            self.runtime.fire(op, "batch_short")
-        else:
-            self.runtime.fire(op, "batch_done")
-
     # ------------------------------------------------------------------ retry of backups
 
     def now(self) -> float:
@@ -539,328 +449,6 @@ class StorageTier:
         if started:
             self.counters["backup_retries"] += started
             log.info("retrying storage backup of %d nodes", started)
-
-    # ================================================================== prefetch (engine-facing)
-
-    def prefetch(self, request_id: Hashable, tokens: Any, match: Any, namespace: Hashable = None) -> bool:
-        """Admit a prefetch of the tokens after ``match``'s in-memory hit; False when not admitted."""
-        from hicache_fsm.results import MatchResult
-
-        self._check_open()
-        self._drain()
-        tokens = as_token_ids(tokens)
-        if not isinstance(match, MatchResult):
-            raise BadIndices(f"prefetch wants the MatchResult of match_prefix, got {type(match).__name__}")
-        try:
-            hash(request_id)
-        except TypeError:
-            raise BadIndices(f"request ids must be hashable, got {type(request_id).__name__}") from None
-        rt = self.runtime
-        if request_id in rt.active:
-            raise PrefetchError(f"request {request_id!r} already has a prefetch running")
-        cache = self.cache
-        anchor = match.last_host_node
-        if not (anchor is cache.tree.root or cache.tree.owns(anchor)):
-            raise BadIndices("the MatchResult is stale: its last node left the tree")
-        if not anchor.is_root:
-            if namespace is not None and namespace != anchor.namespace:
-                raise BadIndices(f"namespace {namespace!r} does not match the matched prefix's {anchor.namespace!r}")
-            namespace = anchor.namespace
-        start = match.device_hit_length + match.host_hit_length
-        prefix = cache.tree.prefix_tokens(anchor)
-        if len(prefix) != start or tuple(tokens[:start]) != prefix:
-            raise BadIndices("the MatchResult does not belong to these tokens (or is stale)")
-        ps = self.page_size
-        want = tokens[start: len(tokens) - len(tokens) % ps]
-        if self.link.state != "attached":
-            return self._reject("detached")
-        if not self.healthy:
-            return self._reject("unhealthy")
-        need = len(want)
-        if need == 0 or need < rt.threshold_tokens:
-            return self._reject("below_threshold")
-        if rt.occupied_tokens + need > rt.capacity_tokens:
-            return self._reject("capacity")
-        prior = self.prior_key(anchor, namespace)
-        keys = tuple(page_keys(want, ps, prior))  # also validates the token ids before anything changes
-        if anchor.is_root:
-            pin = None
-        elif anchor.state in ON_HOST:
-            pin = "host"
-            cache.pin_host(anchor)
-        else:
-            pin = "lock"
-            cache.lock(anchor)
-        slots = cache.host_allocator.alloc(need)
-        if slots is None:
-            cache.evict_host(need - cache.host_allocator.available_tokens)
-            slots = cache.host_allocator.alloc(need)
-        if slots is None:
-            if pin == "host":
-                cache.unpin_host(anchor)
-            elif pin == "lock":
-                cache.unlock(anchor)
-            return self._reject("host_full")
-        op = PrefetchOp(request_id, want, keys, anchor, pin, namespace, slots, ps, self._gen, self.now(),
-                        agreed=self.agreement is not None)
-        rt.active[request_id] = op
-        rt.occupied_tokens += need
-        self.counters["prefetch_admitted"] += 1
-        self.counters["prefetch_requested_tokens"] += need
-        with self._cv:
-            self._query_q.append((self._gen, op))
-            self._cv.notify_all()
-        return True
-
-    def _reject(self, reason: str) -> bool:
-        self.counters[f"prefetch_rejected_{reason}"] += 1
-        return False
-
-    def prefetch_ready(self, request_id: Hashable) -> bool:
-        """Scheduler's per-step check: True once the request may proceed (the prefetch ended and was released)."""
-        self._check_open()
-        self._drain()
-        rt = self.runtime
-        op = rt.active.get(request_id)
-        if op is None:
-            return True
-        if op.state in ("failed", "revoked", "aborted", "terminated"):
-            rt.release(op)
-            return True
-        if not rt.machine.can_fire(op, "stop", rt):
-            return False
-        rt.fire(op, "stop")
-        self._count_outcome(op)
-        rt.release(op)
-        return True
-
-    def _count_outcome(self, op: PrefetchOp) -> None:
-        if op.hit_tokens and op.completed_tokens >= op.hit_tokens:
-            self.counters["prefetch_completed"] += 1
-        elif op.completed_tokens:
-            self.counters["prefetch_partial"] += 1
-        else:
-            self.counters["prefetch_empty"] += 1
-
-    def abort_prefetch(self, request_id: Hashable) -> bool:
-        """The request was aborted: end its prefetch and release everything; False if it had none."""
-        self._check_open()
-        self._drain()
-        rt = self.runtime
-        op = rt.active.get(request_id)
-        if op is None:
-            return False
-        rt.fire(op, "abort")
-        self.counters["prefetch_aborted"] += 1
-        rt.release(op)
-        return True
-
-    # ================================================================== storage threads
-
-    def _wake(self) -> None:
-        with self._cv:
-            self._cv.notify_all()
-
-    def _take(self, stop: threading.Event, queues: tuple[deque, ...], timeout: float):
-        """Next item of the first non-empty queue (None on stop or timeout); counts as busy until _done."""
-        with self._cv:
-            deadline = time.monotonic() + timeout
-            while not stop.is_set():
-                for q in queues:
-                    if q:
-                        self._busy += 1
-                        return q.popleft()
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return None
-                self._cv.wait(remaining)
-            return None
-
-    def _done(self) -> None:
-        with self._cv:
-            self._busy -= 1
-            self._cv.notify_all()
-
-    def _post(self, *event: object) -> None:
-        self._events.append(event)
-
-    def _mark_link(self, gen: int, error: str) -> None:
-        """Storage threads' verdict on the link ("" = up); the scheduler hears it as a health event."""
-        with self._cv:
-            self._link_down = error
-        self._post(gen, "health", not error, error)
-
-    def _down(self) -> str:
-        """Why the link is down ("" when up); a queued job then fails at once instead of timing out."""
-        with self._cv:
-            if self._link_down:
-                self._thread_counts["jobs_failed_fast"] += 1
-            return self._link_down
-
-    def _failed(self, gen: int, exc: BaseException) -> str:
-        text = f"{type(exc).__name__}: {exc}"
-        if isinstance(exc, (StorageFull, StorageKeyError)):
-            # reachable, but refusing writes (full) or a bad request: failed backups back off per node
-            log.warning("storage I/O failed: %s", text)
-        elif isinstance(exc, StorageError):
-            self._mark_link(gen, text)
-        else:
-            log.error("storage thread: unexpected error", exc_info=exc)
-        with self._cv:
-            self._thread_counts["storage_errors"] += 1
-        return text
-
-    def _query_loop(self, stop: threading.Event, backend: StorageBackend) -> None:
-        while not stop.is_set():
-            item = self._take(stop, (self._query_q,), 0.5)
-            if item is None:
-                continue
-            try:
-                self._run_query(stop, backend, *item)
-            except BaseException as exc:
-                log.error("storage query thread: unexpected error", exc_info=exc)
-            finally:
-                self._done()
-
-    def _run_query(self, stop: threading.Event, backend: StorageBackend, gen: int, op: PrefetchOp) -> None:
-        if op.terminated or gen != self._gen:
-            return
-        self._post(gen, "query_start", op)
-        down = self._down()
-        if down:
-            self._post(gen, "query_failed", op, f"storage unavailable: {down}")
-            return
-        step = self.options.batch_pages
-        hits: list[str] = []
-        try:
-            for start in range(0, len(op.keys), step):
-                if stop.is_set() or op.terminated:
-                    self._post(gen, "query_failed", op, "cancelled")
-                    return
-                keys = list(op.keys[start: start + step])
-                n = backend.batch_exists(keys)
-                hits.extend(keys[:n])
-                if n < len(keys):
-                    break
-        except Exception as exc:  # noqa: BLE001 - reported as a failed query
-            self._post(gen, "query_failed", op, self._failed(gen, exc))
-            return
-        self._mark_link(gen, "")
-        self._post(gen, "query_done", op, tuple(hits))
-
-    def _io_loop(self, stop: threading.Event, backend: StorageBackend) -> None:
-        while not stop.is_set():
-            down = bool(self._link_down)  # then queued jobs fail at once; probe only once none is left
-            timeout = self.options.probe_interval if down else 0.5
-            item = self._take(stop, (self._transfer_q, self._backup_q), timeout)
-            if item is None:
-                if down and not stop.is_set():
-                    self._probe(backend)
-                continue
-            try:
-                if len(item) == 3:
-                    self._run_transfer(stop, backend, *item)
-                else:
-                    self._run_backup(stop, backend, *item)
-            except BaseException as exc:
-                log.error("storage I/O thread: unexpected error", exc_info=exc)
-            finally:
-                self._done()
-
-    def _probe(self, backend: StorageBackend) -> None:
-        now = time.monotonic()
-        if now - self._last_probe < self.options.probe_interval:
-            return
-        self._last_probe = now
-        gen = self._gen
-        with self._cv:
-            self._thread_counts["health_probes"] += 1
-        try:
-            backend.batch_exists([_PROBE_KEY])
-        except Exception as exc:  # noqa: BLE001 - still down
-            self._mark_link(gen, f"{type(exc).__name__}: {exc}")
-            return
-        self._mark_link(gen, "")
-
-    def _run_transfer(self, stop: threading.Event, backend: StorageBackend, gen: int, job: TransferJob,
-                      op: PrefetchOp) -> None:
-        ps = self.page_size
-        keys = job.keys
-        pages = _page_ids(job.host_indices, ps)
-        pool = self.cache.host_pool
-        step = self.options.batch_pages
-        ok, error = True, ""
-        down = self._down()
-        if down:  # fail fast: end the transfer as partial with nothing landed
-            self._post(gen, "batch", op, 0, True, f"storage unavailable: {down}")
-            self._post(gen, "done", job, False, f"storage unavailable: {down}", op)
-            return
-        for start in range(0, len(keys), step):
-            if stop.is_set() or op.terminated or gen != self._gen:
-                ok, error = False, "prefetch ended" if op.terminated else "storage threads stopping"
-                if not op.terminated:  # end the transfer as partial, so no stop policy waits forever
-                    self._post(gen, "batch", op, 0, True, error)
-                break
-            batch_keys = list(keys[start: start + step])
-            batch_pages = pages[start: start + step]
-            got, error = 0, ""
-            try:
-                if hasattr(backend, "batch_get_into"):
-                    results = backend.batch_get_into(batch_keys, pool, batch_pages)
-                else:  # a duck-typed backend without the zero-copy call
-                    results = []
-                    for data, page in zip(backend.batch_get(batch_keys), batch_pages):
-                        if data is None:
-                            results.append(False)
-                            break
-                        pool.write_page(page, data)
-                        results.append(True)
-                for r in results:
-                    if not r:
-                        break
-                    got += 1
-                if got == len(batch_keys):
-                    self._mark_link(gen, "")
-            except Exception as exc:  # noqa: BLE001 - the batch failed: keep what arrived before it
-                error = self._failed(gen, exc)
-            short = got < len(batch_keys)
-            if short and not error:
-                error = f"page {start + got} missing or corrupt"
-            accepted = op.add_landed(got * ps)
-            self._post(gen, "batch", op, got * ps, short, error)
-            if short or not accepted:
-                ok = False
-                break
-        self._post(gen, "done", job, ok, error, op)
-
-    def _run_backup(self, stop: threading.Event, backend: StorageBackend, gen: int, job: TransferJob) -> None:
-        if gen != self._gen:
-            return
-        ps = self.page_size
-        pages = _page_ids(job.host_indices, ps)
-        keys = job.keys
-        step = self.options.batch_pages
-        ok, error = True, ""
-        down = self._down()
-        if down:
-            self._post(gen, "done", job, False, f"storage unavailable: {down}", None)
-            return
-        for start in range(0, len(keys), step):
-            if stop.is_set():
-                ok, error = False, "storage is detaching"
-                break
-            try:
-                stored = backend.batch_set_from(list(keys[start: start + step]), self.cache.host_pool,
-                                                pages[start: start + step])
-            except Exception as exc:  # noqa: BLE001 - the backup failed; retried later
-                ok, error = False, self._failed(gen, exc)
-                break
-            if not all(stored):
-                ok, error = False, f"storage refused {stored.count(False)} of {len(stored)} pages"
-                break
-        else:
-            self._mark_link(gen, "")
-        self._post(gen, "done", job, ok, error, None)
 
     # ================================================================== accounting
 
@@ -930,17 +518,6 @@ class StorageTier:
 
     # ================================================================== lifecycle
 
-    def _wait_idle(self, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        with self._cv:
-            while self._busy:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    log.error("storage threads still busy after %.1fs", timeout)
-                    return False
-                self._cv.wait(remaining)
-        return True
-
     def reset(self) -> None:
         """The cache is dropping everything: cancel queued work, wait for running I/O, forget all prefetches."""
         with self._cv:
@@ -988,7 +565,7 @@ class StorageTier:
 
     # ================================================================== forks and observation (the explorer)
 
-    def fork(self, cache: HiCache, memo: dict) -> "StorageTier":
+    def fork(self, cache: TierHost, memo: dict) -> "StorageTier":
         """A copy of this tier for ``cache``, a fork of ours whose nodes are in ``memo`` (``id(node)`` -> copy).
 
         Only a tier whose threads never started (``ManualStorageTier``) over a
@@ -1002,6 +579,7 @@ class StorageTier:
         new.__dict__.update(self.__dict__)
         memo[id(self)] = new
         new.cache = cache
+        new.host_pool = cache.host_pool
         new._cv = threading.Condition()
         new.link = self.link.fork(new._wake, memo)
 
@@ -1032,13 +610,6 @@ class StorageTier:
         """Whether the next ``poll`` (once ``retry_interval`` passed) looks for backups to retry."""
         return self._sweep_due
 
-    def queued_work(self) -> dict[str, tuple]:
-        """Work waiting for a storage thread, oldest first: ``query`` ops, ``s2h`` (job, op), ``h2s`` jobs."""
-        with self._cv:
-            return {"query": tuple(op for _, op in self._query_q),
-                    "s2h": tuple((job, op) for _, job, op in self._transfer_q),
-                    "h2s": tuple(job for _, job in self._backup_q)}
-
     def unapplied(self) -> tuple[int, int]:
         """(thread events not drained yet, completions not handed to the cache yet)."""
         return len(self._events), len(self._completions)
@@ -1048,7 +619,7 @@ class StorageTier:
             raise HiCacheError("this storage tier is closed")
 
 
-def attach_storage(cache: HiCache, url_or_backend: str | StorageBackend, **options: Any) -> StorageTier:
+def attach_storage(cache: TierHost, url_or_backend: str | StorageBackend, **options: Any) -> StorageTier:
     """Create ``cache.storage`` on first use and attach ``url_or_backend`` (HiCache.attach_storage)."""
     if cache.storage is None:
         cache.storage = StorageTier(cache)

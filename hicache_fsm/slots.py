@@ -1,0 +1,86 @@
+"""Checks on the slot indices an engine hands the cache, and on the pools it is built over.
+
+An engine passes device slot indices to ``insert`` and ``free_device``; they
+must be a 1-D int64 CPU tensor of whole pages that ``alloc_device`` handed
+out and nobody handed back yet. Each check raises ``BadIndices`` (or
+``ConfigError`` for pools) naming the first thing wrong, before the cache
+changes anything.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hicache_fsm.errors import BadIndices, ConfigError
+from hicache_fsm.radix import TreeNode
+
+
+def page_ids(indices: torch.Tensor, page_size: int) -> list[int]:
+    """Page id of each page of a page-aligned index tensor."""
+    return (indices.numpy()[::page_size] // page_size).tolist()
+
+
+def node_page_ids(node: TreeNode, page_size: int) -> list[int]:
+    """Page ids of a node's device slots, remembered for as long as the node keeps the same tensor."""
+    memo = node.page_memo
+    indices = node.device_indices
+    if memo is not None and memo[0] is indices:
+        return memo[1]
+    pages = page_ids(indices, page_size)
+    node.page_memo = (indices, pages)
+    return pages
+
+
+def check_index_tensor(indices: object, length: int | None, page_size: int, allocator: Any) -> list[int]:
+    """Type, dtype, device, length and page alignment of an engine index tensor; returns its page ids."""
+    if not isinstance(indices, torch.Tensor):
+        raise BadIndices(f"device indices must be a torch.Tensor, got {type(indices).__name__}")
+    if indices.dtype != torch.int64 or indices.dim() != 1:
+        raise BadIndices(
+            f"device indices must be a 1-D int64 tensor, got {indices.dtype} with shape {tuple(indices.shape)}"
+        )
+    if not indices.is_cpu:
+        raise BadIndices(f"slot indices are kept on the CPU; got a tensor on {indices.device}")
+    n = indices.numel()
+    if length is not None and n != length:
+        raise BadIndices(f"expected {length} device indices (one per token), got {n}")
+    if n % page_size:
+        raise BadIndices(f"{n} indices is not a whole number of pages of {page_size} tokens")
+    if not n:
+        return []
+    a = indices.numpy()
+    pages = allocator.whole_pages(a)
+    if pages is not None:
+        return pages.tolist()
+    raise BadIndices(f"device indices {allocator.not_whole_pages_reason(a)}")
+
+
+def check_engine_pages(engine_pages: set[int], pages: list[int]) -> None:
+    """Every page was handed out by ``alloc_device`` (and not handed back), none named twice."""
+    if len(engine_pages.intersection(pages)) == len(pages):  # all handed out, none twice
+        return
+    if len(set(pages)) != len(pages):
+        raise BadIndices("device indices name the same page twice")
+    foreign = [p for p in pages if p not in engine_pages]
+    if foreign:
+        raise BadIndices(
+            f"device pages {foreign[:8]} were not handed out by alloc_device (or were already inserted or freed)"
+        )
+
+
+def check_pools(device_pool: Any, host_pool: Any, draft_device_pool: Any, draft_host_pool: Any) -> None:
+    """Refuse pool combinations that cannot work (the reference raises on the same ones)."""
+    if device_pool.page_size != host_pool.page_size:
+        raise ConfigError(f"device and host pools must use the same page size "
+                          f"({device_pool.page_size} != {host_pool.page_size})")
+    if (draft_device_pool is None) != (draft_host_pool is None):
+        raise ConfigError("draft_device_pool and draft_host_pool must be given together (a draft model's KV "
+                          "is backed up like the target's)")
+    if draft_device_pool is not None:
+        if {draft_device_pool.page_size, draft_host_pool.page_size} != {device_pool.page_size}:
+            raise ConfigError("draft pools must use the target pools' page size (one tree indexes both)")
+
+
+__all__ = ["check_engine_pages", "check_index_tensor", "check_pools", "node_page_ids", "page_ids"]

@@ -1,0 +1,322 @@
+"""What the storage tier's threads run: the work queues, the query and I/O loops, health probes.
+
+Seam. Everything here runs on a storage thread (or, for deterministic tests,
+on the caller's through ``run_queued`` / ``probe_now``) and touches only what
+a thread may: the queues and counters under the condition ``_cv``, the
+backend, host pages the residency machine keeps pinned or a prefetch
+reserved. It never changes the tree, an allocator or a machine state; it
+posts events (``_post``) that the scheduler's thread drains in
+``StorageTier.poll``. ``StorageTier`` (:mod:`hicache_fsm.storage.tier`) keeps
+the bookkeeping on the scheduler's side and inherits this class.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter, deque
+from typing import Any
+
+import torch
+
+from hicache_fsm.errors import StorageError, StorageFull, StorageKeyError
+from hicache_fsm.jobs import TransferJob
+from hicache_fsm.storage.base import StorageBackend
+from hicache_fsm.storage.link import StorageLink
+from hicache_fsm.storage.options import TierOptions
+from hicache_fsm.storage.prefetch import PrefetchOp
+
+log = logging.getLogger("hicache_fsm.storage.tier")
+
+PROBE_KEY = "0" * 64  # a key no page has: asking for it checks the backend answers, end to end
+
+
+def page_ids(indices: torch.Tensor, page_size: int) -> list[int]:
+    return (indices[::page_size] // page_size).tolist()
+
+
+class StorageThreads:
+    """The thread side of ``StorageTier``: queues of work for the query and I/O threads, and what they run."""
+
+    page_size: int
+    options: TierOptions
+    link: StorageLink
+    host_pool: Any  # the pool pages are read from (backups) and written into (prefetches)
+    _cv: threading.Condition
+    _query_q: deque[tuple[int, PrefetchOp]]
+    _transfer_q: deque[tuple[int, TransferJob, PrefetchOp]]
+    _backup_q: deque[tuple[int, TransferJob]]
+    _events: deque[tuple]
+    _busy: int
+    _gen: int
+    _link_down: str
+    _last_probe: float
+    _thread_counts: Counter[str]
+
+    def start_workers(self) -> None:
+        """Start the query and I/O threads over the attached backend.
+
+        The one seam for deterministic tests: a subclass may start nothing and run the
+        queued work itself (``queued_work``, ``run_queued``, ``probe_now``: one item at a
+        time, in any order; see ``hicache_fsm.testing.storage.ManualStorageTier``).
+        """
+        self.link.start_threads({"query": self._query_loop, "io": self._io_loop})
+
+    def run_queued(self, kind: str, index: int) -> None:
+        """Run the ``index``-th item of ``queued_work()[kind]`` now, on this thread, as a storage thread would.
+
+        ``kind`` is ``query``, ``s2h`` or ``h2s``; ``KeyError`` (nothing changed)
+        for an unknown kind, a missing item or no backend. The outcome reaches
+        the cache at its next ``poll``, as a thread's does.
+        """
+        runners = {"query": (self._query_q, self._run_query), "s2h": (self._transfer_q, self._run_transfer),
+                   "h2s": (self._backup_q, self._run_backup)}
+        if kind not in runners:
+            raise KeyError(kind)
+        queue, runner = runners[kind]
+        backend = self.link.backend
+        with self._cv:
+            if backend is None or not 0 <= index < len(queue):
+                raise KeyError(f"{kind}[{index}]")
+            item = queue[index]
+            del queue[index]
+            self._busy += 1
+        try:
+            runner(self.link.stop_event, backend, *item)
+        finally:
+            self._done()
+
+    def probe_now(self) -> None:
+        """Probe the backend's health now, on this thread (not rate-limited); ``KeyError`` without a backend."""
+        backend = self.link.backend
+        if backend is None:
+            raise KeyError("probe: no backend attached")
+        self._last_probe = float("-inf")
+        self._probe(backend)
+
+    def _wake(self) -> None:
+        with self._cv:
+            self._cv.notify_all()
+
+    def _take(self, stop: threading.Event, queues: tuple[deque, ...], timeout: float):
+        """Next item of the first non-empty queue (None on stop or timeout); counts as busy until _done."""
+        with self._cv:
+            deadline = time.monotonic() + timeout
+            while not stop.is_set():
+                for q in queues:
+                    if q:
+                        self._busy += 1
+                        return q.popleft()
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                self._cv.wait(remaining)
+            return None
+
+    def _done(self) -> None:
+        with self._cv:
+            self._busy -= 1
+            self._cv.notify_all()
+
+    def _post(self, *event: object) -> None:
+        self._events.append(event)
+
+    def _mark_link(self, gen: int, error: str) -> None:
+        """Storage threads' verdict on the link ("" = up); the scheduler hears it as a health event."""
+        with self._cv:
+            self._link_down = error
+        self._post(gen, "health", not error, error)
+
+    def _down(self) -> str:
+        """Why the link is down ("" when up); a queued job then fails at once instead of timing out."""
+        with self._cv:
+            if self._link_down:
+                self._thread_counts["jobs_failed_fast"] += 1
+            return self._link_down
+
+    def _failed(self, gen: int, exc: BaseException) -> str:
+        text = f"{type(exc).__name__}: {exc}"
+        if isinstance(exc, (StorageFull, StorageKeyError)):
+            # reachable, but refusing writes (full) or a bad request: failed backups back off per node
+            log.warning("storage I/O failed: %s", text)
+        elif isinstance(exc, StorageError):
+            self._mark_link(gen, text)
+        else:
+            log.error("storage thread: unexpected error", exc_info=exc)
+        with self._cv:
+            self._thread_counts["storage_errors"] += 1
+        return text
+
+    def _query_loop(self, stop: threading.Event, backend: StorageBackend) -> None:
+        while not stop.is_set():
+            item = self._take(stop, (self._query_q,), 0.5)
+            if item is None:
+                continue
+            try:
+                self._run_query(stop, backend, *item)
+            except BaseException as exc:
+                log.error("storage query thread: unexpected error", exc_info=exc)
+            finally:
+                self._done()
+
+    def _run_query(self, stop: threading.Event, backend: StorageBackend, gen: int, op: PrefetchOp) -> None:
+        if op.terminated or gen != self._gen:
+            return
+        self._post(gen, "query_start", op)
+        down = self._down()
+        if down:
+            self._post(gen, "query_failed", op, f"storage unavailable: {down}")
+            return
+        step = self.options.batch_pages
+        hits: list[str] = []
+        try:
+            for start in range(0, len(op.keys), step):
+                if stop.is_set() or op.terminated:
+                    self._post(gen, "query_failed", op, "cancelled")
+                    return
+                keys = list(op.keys[start: start + step])
+                n = backend.batch_exists(keys)
+                hits.extend(keys[:n])
+                if n < len(keys):
+                    break
+        except Exception as exc:  # noqa: BLE001 - reported as a failed query
+            self._post(gen, "query_failed", op, self._failed(gen, exc))
+            return
+        self._mark_link(gen, "")
+        self._post(gen, "query_done", op, tuple(hits))
+
+    def _io_loop(self, stop: threading.Event, backend: StorageBackend) -> None:
+        while not stop.is_set():
+            down = bool(self._link_down)  # then queued jobs fail at once; probe only once none is left
+            timeout = self.options.probe_interval if down else 0.5
+            item = self._take(stop, (self._transfer_q, self._backup_q), timeout)
+            if item is None:
+                if down and not stop.is_set():
+                    self._probe(backend)
+                continue
+            try:
+                if len(item) == 3:
+                    self._run_transfer(stop, backend, *item)
+                else:
+                    self._run_backup(stop, backend, *item)
+            except BaseException as exc:
+                log.error("storage I/O thread: unexpected error", exc_info=exc)
+            finally:
+                self._done()
+
+    def _probe(self, backend: StorageBackend) -> None:
+        now = time.monotonic()
+        if now - self._last_probe < self.options.probe_interval:
+            return
+        self._last_probe = now
+        gen = self._gen
+        with self._cv:
+            self._thread_counts["health_probes"] += 1
+        try:
+            backend.batch_exists([PROBE_KEY])
+        except Exception as exc:  # noqa: BLE001 - still down
+            self._mark_link(gen, f"{type(exc).__name__}: {exc}")
+            return
+        self._mark_link(gen, "")
+
+    def _run_transfer(self, stop: threading.Event, backend: StorageBackend, gen: int, job: TransferJob,
+                      op: PrefetchOp) -> None:
+        ps = self.page_size
+        keys = job.keys
+        pages = page_ids(job.host_indices, ps)
+        pool = self.host_pool
+        step = self.options.batch_pages
+        ok, error = True, ""
+        down = self._down()
+        if down:  # fail fast: end the transfer as partial with nothing landed
+            self._post(gen, "batch", op, 0, True, f"storage unavailable: {down}")
+            self._post(gen, "done", job, False, f"storage unavailable: {down}", op)
+            return
+        for start in range(0, len(keys), step):
+            if stop.is_set() or op.terminated or gen != self._gen:
+                ok, error = False, "prefetch ended" if op.terminated else "storage threads stopping"
+                if not op.terminated:  # end the transfer as partial, so no stop policy waits forever
+                    self._post(gen, "batch", op, 0, True, error)
+                break
+            batch_keys = list(keys[start: start + step])
+            batch_pages = pages[start: start + step]
+            got, error = 0, ""
+            try:
+                if hasattr(backend, "batch_get_into"):
+                    results = backend.batch_get_into(batch_keys, pool, batch_pages)
+                else:  # a duck-typed backend without the zero-copy call
+                    results = []
+                    for data, page in zip(backend.batch_get(batch_keys), batch_pages):
+                        if data is None:
+                            results.append(False)
+                            break
+                        pool.write_page(page, data)
+                        results.append(True)
+                for r in results:
+                    if not r:
+                        break
+                    got += 1
+                if got == len(batch_keys):
+                    self._mark_link(gen, "")
+            except Exception as exc:  # noqa: BLE001 - the batch failed: keep what arrived before it
+                error = self._failed(gen, exc)
+            short = got < len(batch_keys)
+            if short and not error:
+                error = f"page {start + got} missing or corrupt"
+            accepted = op.add_landed(got * ps)
+            self._post(gen, "batch", op, got * ps, short, error)
+            if short or not accepted:
+                ok = False
+                break
+        self._post(gen, "done", job, ok, error, op)
+
+    def _run_backup(self, stop: threading.Event, backend: StorageBackend, gen: int, job: TransferJob) -> None:
+        if gen != self._gen:
+            return
+        ps = self.page_size
+        pages = page_ids(job.host_indices, ps)
+        keys = job.keys
+        step = self.options.batch_pages
+        ok, error = True, ""
+        down = self._down()
+        if down:
+            self._post(gen, "done", job, False, f"storage unavailable: {down}", None)
+            return
+        for start in range(0, len(keys), step):
+            if stop.is_set():
+                ok, error = False, "storage is detaching"
+                break
+            try:
+                stored = backend.batch_set_from(list(keys[start: start + step]), self.host_pool,
+                                                pages[start: start + step])
+            except Exception as exc:  # noqa: BLE001 - the backup failed; retried later
+                ok, error = False, self._failed(gen, exc)
+                break
+            if not all(stored):
+                ok, error = False, f"storage refused {stored.count(False)} of {len(stored)} pages"
+                break
+        else:
+            self._mark_link(gen, "")
+        self._post(gen, "done", job, ok, error, None)
+
+    def _wait_idle(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while self._busy:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    log.error("storage threads still busy after %.1fs", timeout)
+                    return False
+                self._cv.wait(remaining)
+        return True
+
+    def queued_work(self) -> dict[str, tuple]:
+        """Work waiting for a storage thread, oldest first: ``query`` ops, ``s2h`` (job, op), ``h2s`` jobs."""
+        with self._cv:
+            return {"query": tuple(op for _, op in self._query_q),
+                    "s2h": tuple((job, op) for _, job, op in self._transfer_q),
+                    "h2s": tuple(job for _, job in self._backup_q)}
+
+
+__all__ = ["PROBE_KEY", "StorageThreads", "page_ids"]
