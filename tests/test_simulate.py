@@ -11,6 +11,7 @@ import torch
 from hicache_fsm.cli import main
 from hicache_fsm.errors import ConfigError
 from hicache_fsm.model import TinyModel
+from hicache_fsm.simulate_engine import ChatEngine
 from hicache_fsm.simulate import (
     DEVICE,
     DEVICE_HOST,
@@ -20,7 +21,6 @@ from hicache_fsm.simulate import (
     Options,
     Tier,
     Workload,
-    _Engine,
     reference_run,
     run_simulation,
     storage_available,
@@ -89,7 +89,7 @@ def test_the_kv_check_catches_corruption():
     w = Workload(clients=2, rounds=2, request_length=16, output_length=4, system_prompt_length=16)
     model = TinyModel(vocab=w.vocab)
     ref = reference_run(model, w)
-    engine = _Engine(Tier("t", 256, 512), w, model, 8, "page_first", "cpu")
+    engine = ChatEngine(Tier("t", 256, 512), w, model, 8, "page_first", "cpu")
     try:
         schedule = w.schedule()
         for key in schedule[:2]:
@@ -189,3 +189,18 @@ def test_sweep_leaves_out_capacities_whose_host_is_not_larger(tmp_path):
             assert [d for d, _ in points] == [d for d in devices if d < host]
     assert [h for h, _ in sweep["by_host"]["device 64"]] == [h for h in hosts if h > 64]
     assert sweep["skipped"] and all("must be larger" in s for s in sweep["skipped"])
+
+
+def test_simulate_modules_form_no_import_cycle():
+    """simulate imports its parts (and simulate_tp, lazily); no part imports simulate back, not even for types."""
+    import ast
+    import pathlib
+
+    import hicache_fsm
+
+    root = pathlib.Path(hicache_fsm.__file__).parent
+    for path in root.glob("simulate_*.py"):
+        imported = {n.module for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ImportFrom)}
+        assert "hicache_fsm.simulate" not in imported, path.name
+        assert len(path.read_text().splitlines()) < 800
+    assert len((root / "simulate.py").read_text().splitlines()) < 800
