@@ -14,7 +14,7 @@ import torch
 
 from hicache_fsm.cache import HiCache
 from hicache_fsm.config import CacheConfig
-from hicache_fsm.errors import ConfigError
+from hicache_fsm.errors import ConfigError, MissingExtra
 from hicache_fsm.model import KVModel, TinyModel
 from hicache_fsm.pools import LAYOUTS, DeviceKVPool, HostKVPool, KVShape, PoolConfig, build_pools
 from hicache_fsm.simulate_workload import Workload, check_positive_int
@@ -159,9 +159,8 @@ def build_model(options: Options, device: str) -> KVModel:
                          seed=w.seed, device=device)
     try:
         from hicache_fsm.llama_model import LlamaModel
-    except ImportError as exc:
-        raise ConfigError(f"model 'llama' needs transformers ({exc}); install the extra: "
-                          "pip install -e '.[llama]'") from None
+    except ImportError:
+        raise MissingExtra("--model llama", "transformers", "llama") from None
     return LlamaModel(options.model_layers, options.model_query_heads, options.model_heads, options.model_head_dim,
                       vocab=w.vocab, seed=w.seed, dtype=torch.float64, device=device)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from hicache_fsm.commands.validate import add_bindings_flag, problem_lines
 from hicache_fsm.diagrams import RENDERERS, render
-from hicache_fsm.errors import DiagramError, SpecError
+from hicache_fsm.errors import DiagramError, SpecError, TraceError
 from hicache_fsm.spec import Spec, load_all, load_builtin, load_spec
 
 EXTENSIONS = {"mermaid": "mmd", "dot": "dot", "svg": "svg"}
@@ -46,12 +46,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def _heat_maps(specs: list[Spec], trace: str, fmt: str, all_specs: bool) -> list[tuple[Spec, str]]:
+    from hicache_fsm.event_trace import read_events
     from hicache_fsm.heatmap import machines_in, render_heat, tally
-    from hicache_fsm.testing.trace import load_trace
 
-    events = load_trace(Path(trace)) if Path(trace).is_file() else None
-    if events is None:
-        raise DiagramError(f"no such trace file: {trace}")
+    events = read_events(trace)
     recorded = machines_in(events)
     if all_specs:
         specs = [s for s in specs if s.name in recorded]
@@ -77,6 +75,9 @@ def run(args: argparse.Namespace) -> int:
         for line in problem_lines(err):
             print(line, file=sys.stderr)
         return 1
+    except TraceError as err:  # --counts names a file that is not a trace: a usage error
+        print(f"hicache-fsm diagram: error: --counts {err}", file=sys.stderr)
+        return 2
     except (DiagramError, ValueError, OSError) as err:
         print(f"hicache-fsm diagram: {err}", file=sys.stderr)
         return 1

@@ -12,7 +12,7 @@ import torch
 from hicache_fsm.commands.args import UsageError, positive_int
 from hicache_fsm.commands import simulate_trace
 from hicache_fsm.commands.table import columns
-from hicache_fsm.errors import HiCacheError
+from hicache_fsm.errors import HiCacheError, MissingExtra
 from hicache_fsm.pools import LAYOUTS
 from hicache_fsm.simulate import (
     ARRIVALS,
@@ -283,10 +283,8 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         try:
             import matplotlib  # noqa: F401
-        except ImportError:
-            print("hicache-fsm simulate: --plot needs matplotlib; install the extra: pip install -e '.[plot]'",
-                  file=sys.stderr)
-            return 2
+        except ImportError:  # like --model llama without transformers: cli.main prints it, exit 1
+            raise MissingExtra("--plot", "matplotlib", "plot") from None
     torch.set_num_threads(args.threads)
     if args.trace is not None:
         return simulate_trace.run(args)
