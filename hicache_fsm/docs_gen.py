@@ -54,7 +54,8 @@ def render_machine_page(spec: Spec) -> str:
         out += [" ".join(spec.doc.split()), ""]
     out += [
         f"Spec: `{source}` (in the package; its text is [at the end of this page](#spec-source)). "
-        f"Initial state: `{spec.initial}`. {len(spec.states)} states, {len(spec.transitions)} transitions.",
+        f"Initial state: `{spec.initial}`. {len(spec.states)} states, {_transition_count(spec)} transitions "
+        f"(one per source state of the {len(spec.transitions)} entries below, as `list` and `check` count them).",
         "",
         f"![State diagram of {spec.name}]({spec.name}.svg)",
         "",
@@ -106,6 +107,10 @@ def render_machine_page(spec: Spec) -> str:
         out.append("None declared.")
     out += ["", "## Spec source", "", f"`{source}`:", "", "```yaml", _spec_text(spec).rstrip("\n"), "```"]
     return "\n".join(out) + "\n"
+
+
+def _transition_count(spec: Spec) -> int:
+    return len({(t.trigger, source, t.dest) for t in spec.transitions for source in t.sources})
 
 
 def _spec_text(spec: Spec) -> str:

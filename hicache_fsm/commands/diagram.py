@@ -10,22 +10,29 @@ it (see ``hicache_fsm.heatmap``).
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
 from pathlib import Path
 
+from hicache_fsm.commands.args import UsageError
 from hicache_fsm.commands.validate import add_bindings_flag, problem_lines
 from hicache_fsm.diagrams import RENDERERS, render
 from hicache_fsm.errors import DiagramError, SpecError, TraceError
-from hicache_fsm.spec import Spec, load_all, load_builtin, load_spec
+from hicache_fsm.spec import Spec, load_all, load_builtin, load_spec, spec_paths
 
 EXTENSIONS = {"mermaid": "mmd", "dot": "dot", "svg": "svg"}
 
 
 def resolve_spec(target: str, require_bindings: bool | None = None) -> Spec:
-    """A library machine name (``residency``) or a path to a spec file."""
+    """A library machine name (``residency``) or a path to a spec file; ``UsageError`` for neither."""
     p = Path(target)
     if p.suffix in (".yaml", ".yml") or p.is_file() or "/" in target or "\\" in target:
         return load_spec(p, require_bindings=require_bindings)
+    known = [path.stem for path in spec_paths()]
+    if target not in known:
+        close = difflib.get_close_matches(target, known, n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise UsageError(f"no machine named {target!r}; {hint}known: {', '.join(known)} (or give a spec file path)")
     return load_builtin(target)
 
 
