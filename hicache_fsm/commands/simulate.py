@@ -60,10 +60,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     c = parser.add_argument_group("cache")
     c.add_argument("--device-tokens", type=int, default=None,
                    help=f"device (L1) pool size in tokens (default {_DEFAULTS.device_tokens}; "
-                        f"with --trace {simulate_trace.DEFAULT_DEVICE_TOKENS})")
+                        f"with --trace {simulate_trace.DEFAULT_SIZES[0]})")
     c.add_argument("--host-tokens", type=int, default=None,
                    help=f"host (L2) pool size in tokens (default {_DEFAULTS.host_tokens}; "
-                        f"with --trace {simulate_trace.DEFAULT_HOST_TOKENS})")
+                        f"with --trace {simulate_trace.DEFAULT_SIZES[1]})")
     c.add_argument("--storage-url", default=None,
                    help="L3 storage URL (file:///DIR, redis://HOST:PORT/DB, memory://); "
                         "default: a file:// directory in a temporary directory, removed afterwards "
