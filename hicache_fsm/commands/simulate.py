@@ -164,6 +164,8 @@ def format_table(sim: Simulation) -> str:
     def pct(x: float) -> str:
         return f"{100 * x:.1f}%"
 
+    per_rank = f" (per rank, of {sim.tp})" if sim.tp > 1 else ""  # each rank moves only its heads' bytes
+
     rows: list[tuple[str, list[str]]] = [
         ("capacity device/host(/L3)", [cap(t) for t in tiers]),
         ("token hit rate", [pct(t.hit_rate) for t in tiers]),
@@ -176,10 +178,10 @@ def format_table(sim: Simulation) -> str:
         ("model prefill time", [f"{t.prefill_s:.2f} s" for t in tiers]),
         ("time to first token mean", [f"{t.ttft_ms():.1f} ms" for t in tiers]),
         ("time to first token p90", [f"{t.ttft_ms(0.9):.1f} ms" for t in tiers]),
-        ("bytes device->host", [_mb(t.bytes.get("d2h", 0)) for t in tiers]),
-        ("bytes host->device", [_mb(t.bytes.get("h2d", 0)) for t in tiers]),
-        ("bytes host->storage", [_mb(t.bytes["h2s"]) if "h2s" in t.bytes else "-" for t in tiers]),
-        ("bytes storage->host", [_mb(t.bytes["s2h"]) if "s2h" in t.bytes else "-" for t in tiers]),
+        (f"bytes device->host{per_rank}", [_mb(t.bytes.get("d2h", 0)) for t in tiers]),
+        (f"bytes host->device{per_rank}", [_mb(t.bytes.get("h2d", 0)) for t in tiers]),
+        (f"bytes host->storage{per_rank}", [_mb(t.bytes["h2s"]) if "h2s" in t.bytes else "-" for t in tiers]),
+        (f"bytes storage->host{per_rank}", [_mb(t.bytes["s2h"]) if "s2h" in t.bytes else "-" for t in tiers]),
         ("controller us/request", [f"{t.controller_us_per_request:.0f}" for t in tiers]),
         *[(f"  {label}", [f"{t.controller_split_us()[part]:.0f}" for t in tiers]) for part, label in _SPLIT],
         ("KV copies us/request", [f"{t.per_request_us(t.transfer_s):.0f}" for t in tiers]),
