@@ -73,15 +73,16 @@ class TierResult:
     def controller_split_us(self) -> dict[str, float]:
         """Controller time per request by part: what ``bench controller`` times, and the rest.
 
-        ``loop``: match_prefix + insert + poll, the calls ``bench controller`` times
-        (there with 4,096-token requests, page 64 and no copies); ``alloc``:
+        ``loop``: match_prefix + insert, and ``poll``: the calls ``bench controller``
+        times (there with 4,096-token requests, page 64, no copies, and a poll that
+        only applies acks; here poll also starts the backups to host and storage); ``alloc``:
         alloc_device (evicting to make room); ``locks``: lock + unlock; ``loads``:
         load_back + the per-layer waits; ``prefetch``: prefetch calls (their wait is
         not in it); ``token_checks``: of all these, checking token ids. KV copies
         (the executor) and the model are not controller time.
         """
         by = self.controller_by_call
-        parts = {"loop": ("match_prefix", "insert", "poll"), "alloc": ("alloc_device",),
+        parts = {"loop": ("match_prefix", "insert"), "poll": ("poll",), "alloc": ("alloc_device",),
                  "locks": ("lock", "unlock"), "loads": ("load_back", "wait"),
                  "prefetch": ("prefetch", "prefetch_ready", "abort_prefetch")}
         out = {name: self.per_request_us(sum(by.get(c, 0.0) for c in calls)) for name, calls in parts.items()}
