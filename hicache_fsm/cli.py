@@ -14,6 +14,7 @@ import importlib
 import sys
 from typing import Sequence
 
+from hicache_fsm import __version__
 from hicache_fsm.bench import BENCHMARKS
 from hicache_fsm.commands.args import Parser, UsageError
 from hicache_fsm.errors import HiCacheError
@@ -61,6 +62,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     docs checks use the full parser.
     """
     parser = Parser(prog="hicache-fsm", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=f"hicache-fsm {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (path, help_line) in COMMANDS.items():
         p = sub.add_parser(name, help=help_line)

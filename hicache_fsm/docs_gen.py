@@ -53,8 +53,9 @@ def render_machine_page(spec: Spec) -> str:
     if spec.doc:
         out += [" ".join(spec.doc.split()), ""]
     out += [
-        f"Spec: [`{source}`](../../{source}). Initial state: `{spec.initial}`. "
-        f"{len(spec.states)} states, {len(spec.transitions)} transitions.",
+        f"Spec: `{source}` (in the package; its text is [at the end of this page](#spec-source)). "
+        f"Initial state: `{spec.initial}`. {len(spec.states)} states, {_transition_count(spec)} transitions "
+        f"(one per source state of the {len(spec.transitions)} entries below, as `list` and `check` count them).",
         "",
         f"![State diagram of {spec.name}]({spec.name}.svg)",
         "",
@@ -104,7 +105,18 @@ def render_machine_page(spec: Spec) -> str:
         out += [f"- `{inv}`" for inv in spec.invariants]
     else:
         out.append("None declared.")
+    out += ["", "## Spec source", "", f"`{source}`:", "", "```yaml", _spec_text(spec).rstrip("\n"), "```"]
     return "\n".join(out) + "\n"
+
+
+def _transition_count(spec: Spec) -> int:
+    return len({(t.trigger, source, t.dest) for t in spec.transitions for source in t.sources})
+
+
+def _spec_text(spec: Spec) -> str:
+    """The spec file's text (the site cannot link to a file outside docs/, so the page carries it)."""
+    path = Path(spec.path) if spec.path else SPEC_DIR / f"{spec.name}.yaml"
+    return path.read_text(encoding="utf-8")
 
 
 def _source(spec: Spec) -> str:

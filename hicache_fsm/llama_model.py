@@ -28,7 +28,7 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from hicache_fsm.errors import BadIndices, ConfigError
-from hicache_fsm.model import check_past, check_tokens, generation_past, intra_op_threads
+from hicache_fsm.model import check_past, check_tokens, decoder_flops, generation_past, intra_op_threads
 from hicache_fsm.pools import KVShape
 
 
@@ -106,6 +106,14 @@ class LlamaModel:
     @property
     def kv_shape(self) -> KVShape:
         return KVShape(self.layers, self.kv_heads, self.head_dim, self.dtype)
+
+    def prefill_flops(self, n_new: int, n_past: int) -> int:
+        """Counted work of ``prefill``: q/k/v/o projections, gated MLP, attention, LM head (last token)."""
+        c = self.config
+        hidden, kv = c.hidden_size, self.kv_heads * self.head_dim
+        per_layer = hidden * hidden * 2 + hidden * kv * 2 + 3 * hidden * c.intermediate_size
+        return decoder_flops(n_new, n_past, self.layers * per_layer, self.layers * self.heads * self.head_dim,
+                             hidden * self.vocab)
 
     # ------------------------------------------------------------------ forward
 

@@ -45,6 +45,22 @@ class KVModel(Protocol):
     def generate(self, tokens, max_new: int, past_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> list[int]:
         """Greedy continuation of ``tokens``; ``past_kv`` covers a prefix of them."""
 
+    def prefill_flops(self, n_new: int, n_past: int) -> int:
+        """Floating-point operations of ``prefill`` of ``n_new`` tokens after ``n_past`` (counted, not timed)."""
+
+
+def decoder_flops(n_new: int, n_past: int, macs_per_token: int, attention_width: int, head_macs: int) -> int:
+    """FLOPs (2 per multiply-add) of a causal decoder pass over ``n_new`` tokens after ``n_past``.
+
+    ``macs_per_token``: the weight matrices every new token goes through (all
+    layers); ``attention_width``: query heads x head_dim x layers, the
+    multiply-adds of one query against one key (scores) plus one value (mix)
+    being twice that; ``head_macs``: the LM head, run for the last token only.
+    Each new token attends to the past and to the new tokens up to itself.
+    """
+    pairs = n_new * n_past + n_new * (n_new + 1) // 2
+    return 2 * (n_new * macs_per_token + 2 * pairs * attention_width + head_macs)
+
 
 def check_tokens(tokens, vocab: int) -> list[int]:
     """``tokens`` as a list of ints, each in [0, vocab)."""
@@ -161,6 +177,11 @@ class TinyModel:
     def kv_shape(self) -> KVShape:
         return KVShape(self.layers, self.heads, self.head_dim, self.dtype)
 
+    def prefill_flops(self, n_new: int, n_past: int) -> int:
+        """Counted work of ``prefill`` (qkv, output, 4x MLP per layer; attention; LM head)."""
+        d = self.d_model
+        return decoder_flops(n_new, n_past, self.layers * 12 * d * d, self.layers * d, d * self.vocab)
+
     def _rope(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         pos = torch.arange(start, start + n, dtype=torch.float64)
         angles = pos[:, None] * self._inv_freq[None, :]
@@ -250,4 +271,4 @@ class TinyModel:
         return out
 
 
-__all__ = ["KVModel", "TinyModel", "check_past", "check_tokens", "intra_op_threads"]
+__all__ = ["KVModel", "TinyModel", "check_past", "check_tokens", "decoder_flops", "generation_past", "intra_op_threads"]

@@ -11,7 +11,10 @@ ranks compare their trees (``rank_view``), and each rank reports its own figures
 from __future__ import annotations
 
 from hicache_fsm.errors import HiCacheError
-from hicache_fsm.simulate import Options, Reference, Shard, Tier, TierResult, run_tier
+from hicache_fsm.simulate_config import Options, Tier
+from hicache_fsm.simulate_engine import Shard, run_tier
+from hicache_fsm.simulate_results import TierResult
+from hicache_fsm.simulate_workload import Reference
 from hicache_fsm.testing.ranks import run_ranks
 from hicache_fsm.tp import RankGroup
 

@@ -269,6 +269,7 @@ class _Problems:
     def __init__(self, path: str) -> None:
         self.path = path
         self.items: list[tuple[int | None, str]] = []
+        self.dropped = False  # a state or transition is missing or names an unknown state: reachability would mislead
 
     def add(self, line: int | None, message: str) -> None:
         self.items.append((line, message))
@@ -290,6 +291,7 @@ def _type_name(t: type | tuple[type, ...]) -> str:
 
 
 def _check_keys(obj: _Lined, allowed: dict[str, Any], what: str, problems: _Problems) -> bool:
+    """Report unknown keys and wrongly typed values; False when a value has the wrong type (unusable)."""
     ok = True
     for key, value in obj.items():
         line = obj.key_lines.get(key, obj.line)
@@ -297,7 +299,6 @@ def _check_keys(obj: _Lined, allowed: dict[str, Any], what: str, problems: _Prob
             close = difflib.get_close_matches(key, list(allowed), n=1, cutoff=0.7)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             problems.add(line, f"unknown key {key!r} in {what}{hint}; allowed: {', '.join(sorted(allowed))}")
-            ok = False
         elif not isinstance(value, allowed[key]):
             problems.add(line, f"{what} key {key!r} must be {_type_name(allowed[key])}, got {_kind(value)}")
             ok = False
@@ -352,7 +353,7 @@ def parse_spec(text: str, path: str = "<string>", registry: MachineRegistry | No
     states = _parse_states(raw["states"], problems)
     transitions = _parse_transitions(raw["transitions"], problems)
     invariants = _str_list(raw.get("invariants", []), "invariants", raw.key_lines.get("invariants"), problems)
-    problems.raise_if_any()
+    # no raise here: the graph, bindings and job kinds of what did parse are checked too (one pass)
 
     spec = Spec(
         name=name,
@@ -385,8 +386,10 @@ def _parse_states(raw: _Lined, problems: _Problems) -> tuple[StateSpec, ...]:
             body.line, body.key_lines = line, {}
         if not isinstance(body, _Lined):
             problems.add(line, f"state {name!r} must be a mapping (doc, tags), got {_kind(body)}")
+            problems.dropped = True
             continue
         if not _check_keys(body, STATE_KEYS, f"state {name!r}", problems):
+            problems.dropped = True
             continue
         tags = _str_list(body.get("tags", []), "tags", body.key_lines.get("tags"), problems)
         for tag in tags:
@@ -401,12 +404,15 @@ def _parse_transitions(raw: _LinedList, problems: _Problems) -> tuple[Transition
     for item, line in zip(raw, raw.item_lines):
         if not isinstance(item, _Lined):
             problems.add(line, f"each transition must be a mapping, got {_kind(item)}")
+            problems.dropped = True
             continue
         if not _check_keys(item, TRANSITION_KEYS, "transition", problems):
+            problems.dropped = True
             continue
         missing = [k for k in REQUIRED_TRANSITION if k not in item]
         if missing:
             problems.add(item.line, f"transition is missing {', '.join(missing)}")
+            problems.dropped = True
             continue
         trigger = item["trigger"]
         tline = item.key_lines["trigger"]
@@ -444,25 +450,26 @@ def _check_graph(spec: Spec, initial_line: int | None, problems: _Problems) -> N
         for s in t.sources:
             if s not in names:
                 problems.add(t.line, f"transition {t.trigger!r} comes from unknown state {s!r}")
+                problems.dropped = True
         if len(set(t.sources)) != len(t.sources):
             problems.add(t.line, f"transition {t.trigger!r} lists a source state twice")
         if t.dest not in names:
             problems.add(t.line, f"transition {t.trigger!r} goes to unknown state {t.dest!r}")
+            problems.dropped = True
         if set(t.guards) & set(t.unless):
             problems.add(t.line, f"transition {t.trigger!r} both requires and forbids {sorted(set(t.guards) & set(t.unless))}")
         for s in t.sources:
             if s in terminal:
                 problems.add(t.line, f"transition {t.trigger!r} leaves terminal state {s!r}")
-    if problems.items:
-        return
     _check_ambiguity(spec, problems)
-    _check_reachability(spec, problems)
+    if not problems.dropped and spec.initial in names:  # a misspelt state would make others "unreachable"
+        _check_reachability(spec, problems)
 
 
 def _check_ambiguity(spec: Spec, problems: _Problems) -> None:
     seen: dict[tuple[str, str, frozenset[str], frozenset[str]], TransitionSpec] = {}
     for t in spec.transitions:
-        for s in t.sources:
+        for s in dict.fromkeys(t.sources):  # a source listed twice is reported once, by _check_graph
             key = (s, t.trigger, frozenset(t.guards), frozenset(t.unless))
             first = seen.get(key)
             if first is not None:
@@ -476,7 +483,7 @@ def _check_ambiguity(spec: Spec, problems: _Problems) -> None:
     # Guards that can hold at once also make a pair ambiguous unless one forbids what the other needs.
     by_key: dict[tuple[str, str], list[TransitionSpec]] = {}
     for t in spec.transitions:
-        for s in t.sources:
+        for s in dict.fromkeys(t.sources):
             by_key.setdefault((s, t.trigger), []).append(t)
     for (s, trig), group in by_key.items():
         if len(group) > MAX_TRANSITIONS_PER_KEY:

@@ -78,11 +78,11 @@ def test_validate_subprocess_exit_status_and_output():
 def test_list_shows_every_spec(capsys):
     assert main(["list"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0].split() == ["name", "states", "transitions", "file"]
+    assert out[0].split() == ["name", "states", "transitions", "spec", "entries", "file"]
     rows = {line.split()[0]: line.split() for line in out[1:]}
     assert set(rows) == set(BUILTIN)
-    for name, (_, states, trans, path) in rows.items():
-        assert int(states) > 0 and int(trans) > 0 and path.endswith(f"{name}.yaml")
+    for name, (_, states, trans, entries, path) in rows.items():
+        assert int(states) > 0 and int(trans) >= int(entries) > 0 and path.endswith(f"{name}.yaml")
 
 
 def test_list_json_and_bad_file(capsys):
@@ -120,8 +120,8 @@ def test_diagram_all(capsys, tmp_path):
 
 
 def test_diagram_errors(capsys):
-    assert main(["diagram", "no_such_machine"]) == 1
-    assert "no spec named 'no_such_machine'" in capsys.readouterr().err
+    assert main(["diagram", "no_such_machine"]) == 2  # a usage error: the name is not a machine
+    assert "no machine named 'no_such_machine'" in capsys.readouterr().err
     assert main(["diagram", str(BAD)]) == 1
     assert PROBLEM_LINE.match(capsys.readouterr().err.splitlines()[0])
     assert main(["diagram"]) == 2

@@ -25,7 +25,7 @@ def site(tmp_path_factory) -> Path:
     pytest.importorskip("mkdocs", reason="mkdocs is not installed (the docs extra)")
     out = tmp_path_factory.mktemp("site")
     proc = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "--config-file", str(ROOT / "mkdocs.yml"),
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file", str(ROOT / "mkdocs.yml"),
          "--site-dir", str(out)],
         capture_output=True, text=True, timeout=120, cwd=ROOT,
     )
@@ -88,3 +88,26 @@ def test_a_machine_page_draws_its_svg_in_headless_chromium(site, tmp_path):
     assert found["in_flight"] > 2000, f"no amber in-flight states on screen: {found}"
     for kind in ("d2h", "h2d", "h2s"):
         assert found[kind] > 10, f"no {kind} edges on screen: {found}"
+
+
+@pytest.mark.parametrize("broken", ["[gone](missing-page.md)", "[spec](../hicache_fsm/specs/residency.yaml)",
+                                    "[anchor](getting-started.md#no-such-section)"])
+def test_strict_build_fails_on_a_broken_link(tmp_path, broken):
+    """mkdocs.yml makes every unresolvable link (a page, a file outside docs/, an anchor) fail --strict.
+
+    Not with --quiet: it hides the warnings that --strict counts.
+    """
+    pytest.importorskip("mkdocs", reason="mkdocs is not installed (the docs extra)")
+    shutil.copytree(ROOT / "docs", tmp_path / "docs")
+    shutil.copy(ROOT / "mkdocs.yml", tmp_path / "mkdocs.yml")
+    index = tmp_path / "docs" / "index.md"
+    index.write_text(index.read_text(encoding="utf-8") + f"\nSee {broken}.\n", encoding="utf-8")
+    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir",
+                           str(tmp_path / "site")], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode != 0, "a broken link passed mkdocs build --strict"
+
+
+def test_machine_pages_carry_their_spec_text(site):
+    for spec in SPECS:
+        html = machine_page(site, spec.name).read_text(encoding="utf-8")
+        assert 'id="spec-source"' in html and f"name: {spec.name}" in html

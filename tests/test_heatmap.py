@@ -160,7 +160,7 @@ def test_counts_cli_errors(simulated, tmp_path, capsys):
     trace, _, _ = simulated
     assert main(["diagram", "prefetch", "--counts", str(trace)]) == 1
     assert "records no transitions of prefetch" in capsys.readouterr().err
-    assert main(["diagram", "residency", "--counts", str(tmp_path / "none.jsonl")]) == 1
+    assert main(["diagram", "residency", "--counts", str(tmp_path / "none.jsonl")]) == 2  # a bad argument
     assert "no such trace file" in capsys.readouterr().err
     assert main(["diagram", "--all", "--counts", str(trace), "--format", "dot"]) == 0
     assert capsys.readouterr().out.count("digraph") == 1

@@ -17,7 +17,8 @@ from hicache_fsm.cli import main
 from hicache_fsm.copy import backup_to_host, load_all_layers
 from hicache_fsm.errors import BadIndices, ConfigError
 from hicache_fsm.pools import DeviceKVPool, HostKVPool, KVShape
-from hicache_fsm.simulate import INFINITE, Options, Tier, Workload, _Engine, build_model, reference_run, run_simulation
+from hicache_fsm.simulate import INFINITE, Options, Tier, Workload, build_model, reference_run, run_simulation
+from hicache_fsm.simulate_engine import ChatEngine
 
 needs_transformers = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
                                         reason="needs the llama extra (transformers); .ci/run installs it")
@@ -137,7 +138,7 @@ def test_the_kv_check_catches_corruption_with_llama():
     w = Workload(clients=2, rounds=2, request_length=16, output_length=4, system_prompt_length=16)
     model = build_model(Options(w, 256, 512, page_size=8, device="cpu", model="llama"), "cpu")
     ref = reference_run(model, w)
-    engine = _Engine(Tier("t", 256, 512), w, model, 8, "page_first", "cpu")
+    engine = ChatEngine(Tier("t", 256, 512), w, model, 8, "page_first", "cpu")
     try:
         schedule = w.schedule()
         for key in schedule[:2]:

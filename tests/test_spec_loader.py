@@ -70,6 +70,7 @@ BAD_CASES: dict[str, tuple[int, str]] = {
     "recursive_alias": (13, "recursive YAML alias"),
     "alias_bomb": (2, "spec too large"),
     "many_problems": (25, "goes to unknown state 'dne'"),
+    "nine_mistakes": (8, "unknown tag 'sticky'"),
 }
 
 

@@ -17,7 +17,8 @@ baseline moves the same bytes on the same medium:
   the same registered host pages through the backend's client (the backend
   adds its header and checksum, and verifies every page it reads). Give the
   URL a ``segment_mb`` that holds both copies (2 x pages x page size, plus room:
-  the master evicts past 90% full).
+  the master evicts past 90% full); without one the benchmark sizes it
+  (``mooncake_segment_mb``), and one too small is refused before anything is written.
 
 Before every set round both sides delete what the previous round wrote
 (untimed), so neither side ever skips or overwrites. Reported: ``set_gbps``,
@@ -36,7 +37,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qs, unquote, urlencode, urlsplit, urlunsplit
 
 import torch
 
@@ -148,6 +149,31 @@ def _redis_baseline(url: str, n: int, src: _BenchPool):
     return clear, set_all, get_all, client
 
 
+SEGMENT_ROOM = 1.5  # the master evicts past 90% full; headers, checksums and allocator slack take the rest
+MIN_SEGMENT_MB = 64  # Mooncake's client fails to mount much smaller segments
+
+
+def mooncake_segment_mb(pages: int, page_nbytes: int) -> int:
+    """MiB of Mooncake segment the benchmark needs: both copies of every page, with room."""
+    return max(MIN_SEGMENT_MB, -(-int(2 * pages * page_nbytes * SEGMENT_ROOM) // (1 << 20)))
+
+
+def sized_mooncake_url(url: str, pages: int, page_nbytes: int) -> str:
+    """``url`` with a ``segment_mb`` large enough; ``UsageError`` when the one it gives is too small."""
+    need = mooncake_segment_mb(pages, page_nbytes)
+    parts = urlsplit(url)
+    query = parse_qs(parts.query)
+    given = query.get("segment_mb", [None])[-1]
+    if given is None:
+        query["segment_mb"] = [str(need)]
+        return urlunsplit(parts._replace(query=urlencode(query, doseq=True)))
+    if given.isdigit() and int(given) < need:
+        raise UsageError(f"segment_mb={given} cannot hold the {2 * pages} pages of {page_nbytes >> 20} MiB this "
+                         f"benchmark writes (ours and the raw baseline's); pass segment_mb={need} or more, "
+                         f"or fewer --pages")
+    return url
+
+
 def _mooncake_baseline(backend, n: int, src: _BenchPool, dst: _BenchPool):
     store = backend.raw_store
     backend.register_memory(src.data)
@@ -162,11 +188,14 @@ def _mooncake_baseline(backend, n: int, src: _BenchPool, dst: _BenchPool):
 
     def set_all() -> None:
         codes = store.batch_put_from(keys, src_ptrs, [size] * n)
-        assert all(c == 0 for c in codes), f"raw batch_put_from failed: {codes}"
+        if not all(c == 0 for c in codes):
+            raise StorageError(f"raw batch_put_from failed (codes {sorted(set(codes))}); a full segment "
+                               "returns -200: raise segment_mb in the URL or lower --pages")
 
     def get_all() -> None:
         codes = store.batch_get_into(keys, dst_ptrs, [size] * n)
-        assert all(c == size for c in codes), f"raw batch_get_into failed: {codes}"
+        if not all(c == size for c in codes):
+            raise StorageError(f"raw batch_get_into failed (codes {sorted(set(codes))})")
 
     return clear, set_all, get_all, None
 
@@ -183,6 +212,8 @@ def run(args: argparse.Namespace) -> dict:
     if scheme not in ("file", "redis", "rediss", "mooncake"):
         raise UsageError(f"only file://, redis:// and mooncake:// URLs are benchmarked, got {url!r}")
 
+    if scheme == "mooncake":
+        url = sized_mooncake_url(url, n, page_nbytes)
     options = {"file": {"io_threads": args.threads}, "mooncake": {}}.get(scheme, {"socket_timeout": 30.0})
     try:
         backend = open_backend(url, namespace=KeyNamespace("bench-storage"), **options)
@@ -212,11 +243,13 @@ def run(args: argparse.Namespace) -> dict:
 
     def our_set() -> None:
         ok = backend.batch_set_from(keys, src, ids)
-        assert all(ok), "backend refused a page"
+        if not all(ok):
+            raise StorageError(f"the backend refused {ok.count(False)} of {n} pages (storage full?)")
 
     def our_get() -> None:
         ok = backend.batch_get_into(keys, dst, ids)
-        assert all(ok), "backend missed a page"
+        if not all(ok):
+            raise StorageError(f"the backend missed {list(ok).count(False)} of {n} pages it had stored")
 
     try:
         times = _medians(

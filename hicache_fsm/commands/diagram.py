@@ -10,22 +10,29 @@ it (see ``hicache_fsm.heatmap``).
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
 from pathlib import Path
 
+from hicache_fsm.commands.args import UsageError
 from hicache_fsm.commands.validate import add_bindings_flag, problem_lines
 from hicache_fsm.diagrams import RENDERERS, render
-from hicache_fsm.errors import DiagramError, SpecError
-from hicache_fsm.spec import Spec, load_all, load_builtin, load_spec
+from hicache_fsm.errors import DiagramError, SpecError, TraceError
+from hicache_fsm.spec import Spec, load_all, load_builtin, load_spec, spec_paths
 
 EXTENSIONS = {"mermaid": "mmd", "dot": "dot", "svg": "svg"}
 
 
 def resolve_spec(target: str, require_bindings: bool | None = None) -> Spec:
-    """A library machine name (``residency``) or a path to a spec file."""
+    """A library machine name (``residency``) or a path to a spec file; ``UsageError`` for neither."""
     p = Path(target)
     if p.suffix in (".yaml", ".yml") or p.is_file() or "/" in target or "\\" in target:
         return load_spec(p, require_bindings=require_bindings)
+    known = [path.stem for path in spec_paths()]
+    if target not in known:
+        close = difflib.get_close_matches(target, known, n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise UsageError(f"no machine named {target!r}; {hint}known: {', '.join(known)} (or give a spec file path)")
     return load_builtin(target)
 
 
@@ -46,12 +53,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def _heat_maps(specs: list[Spec], trace: str, fmt: str, all_specs: bool) -> list[tuple[Spec, str]]:
+    from hicache_fsm.event_trace import read_events
     from hicache_fsm.heatmap import machines_in, render_heat, tally
-    from hicache_fsm.testing.trace import load_trace
 
-    events = load_trace(Path(trace)) if Path(trace).is_file() else None
-    if events is None:
-        raise DiagramError(f"no such trace file: {trace}")
+    events = read_events(trace)
     recorded = machines_in(events)
     if all_specs:
         specs = [s for s in specs if s.name in recorded]
@@ -77,6 +82,9 @@ def run(args: argparse.Namespace) -> int:
         for line in problem_lines(err):
             print(line, file=sys.stderr)
         return 1
+    except TraceError as err:  # --counts names a file that is not a trace: a usage error
+        print(f"hicache-fsm diagram: error: --counts {err}", file=sys.stderr)
+        return 2
     except (DiagramError, ValueError, OSError) as err:
         print(f"hicache-fsm diagram: {err}", file=sys.stderr)
         return 1

@@ -12,7 +12,7 @@ import torch
 from hicache_fsm.commands.args import UsageError, positive_int
 from hicache_fsm.commands import simulate_trace
 from hicache_fsm.commands.table import columns
-from hicache_fsm.errors import HiCacheError
+from hicache_fsm.errors import HiCacheError, MissingExtra
 from hicache_fsm.pools import LAYOUTS
 from hicache_fsm.simulate import (
     ARRIVALS,
@@ -60,10 +60,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     c = parser.add_argument_group("cache")
     c.add_argument("--device-tokens", type=int, default=None,
                    help=f"device (L1) pool size in tokens (default {_DEFAULTS.device_tokens}; "
-                        f"with --trace {simulate_trace.DEFAULT_DEVICE_TOKENS})")
+                        f"with --trace {simulate_trace.DEFAULT_SIZES[0]})")
     c.add_argument("--host-tokens", type=int, default=None,
                    help=f"host (L2) pool size in tokens (default {_DEFAULTS.host_tokens}; "
-                        f"with --trace {simulate_trace.DEFAULT_HOST_TOKENS})")
+                        f"with --trace {simulate_trace.DEFAULT_SIZES[1]})")
     c.add_argument("--storage-url", default=None,
                    help="L3 storage URL (file:///DIR, redis://HOST:PORT/DB, memory://); "
                         "default: a file:// directory in a temporary directory, removed afterwards "
@@ -141,6 +141,17 @@ def _mb(n: int) -> str:
     return f"{n / 1e6:.2f} MB"
 
 
+_SPLIT = (  # TierResult.controller_split_us's parts, as the table names them
+    ("loop", "match+insert"),
+    ("poll", "poll"),
+    ("alloc", "alloc_device (evicts)"),
+    ("locks", "lock+unlock"),
+    ("loads", "load_back+wait"),
+    ("prefetch", "prefetch calls"),
+    ("token_checks", "of all: token-id checks"),
+)
+
+
 def format_table(sim: Simulation) -> str:
     """One column per configuration, one row per figure."""
     tiers = sim.tiers
@@ -154,22 +165,30 @@ def format_table(sim: Simulation) -> str:
     def pct(x: float) -> str:
         return f"{100 * x:.1f}%"
 
+    per_rank = f" (per rank, of {sim.tp})" if sim.tp > 1 else ""  # each rank moves only its heads' bytes
+
     rows: list[tuple[str, list[str]]] = [
         ("capacity device/host(/L3)", [cap(t) for t in tiers]),
         ("token hit rate", [pct(t.hit_rate) for t in tiers]),
         ("  from device", [pct(t.rate(t.device_hit_tokens)) for t in tiers]),
         ("  from host", [pct(t.rate(t.host_hit_tokens)) for t in tiers]),
         ("  from storage", [pct(t.rate(t.storage_hit_tokens)) for t in tiers]),
-        ("prefill tokens saved", [str(t.hit_tokens) for t in tiers]),
+        ("prefill tokens reused", [str(t.reused_tokens) for t in tiers]),
         ("prefill tokens computed", [str(t.computed_tokens) for t in tiers]),
-        ("bytes device->host", [_mb(t.bytes.get("d2h", 0)) for t in tiers]),
-        ("bytes host->device", [_mb(t.bytes.get("h2d", 0)) for t in tiers]),
-        ("bytes host->storage", [_mb(t.bytes["h2s"]) if "h2s" in t.bytes else "-" for t in tiers]),
-        ("bytes storage->host", [_mb(t.bytes["s2h"]) if "s2h" in t.bytes else "-" for t in tiers]),
+        ("prefill work (counted)", [f"{t.prefill_flops / 1e9:.2f} GFLOP" for t in tiers]),
+        ("model prefill time", [f"{t.prefill_s:.2f} s" for t in tiers]),
+        ("time to first token mean", [f"{t.ttft_ms():.1f} ms" for t in tiers]),
+        ("time to first token p90", [f"{t.ttft_ms(0.9):.1f} ms" for t in tiers]),
+        (f"bytes device->host{per_rank}", [_mb(t.bytes.get("d2h", 0)) for t in tiers]),
+        (f"bytes host->device{per_rank}", [_mb(t.bytes.get("h2d", 0)) for t in tiers]),
+        (f"bytes host->storage{per_rank}", [_mb(t.bytes["h2s"]) if "h2s" in t.bytes else "-" for t in tiers]),
+        (f"bytes storage->host{per_rank}", [_mb(t.bytes["s2h"]) if "s2h" in t.bytes else "-" for t in tiers]),
         ("controller us/request", [f"{t.controller_us_per_request:.0f}" for t in tiers]),
+        *[(f"  {label}", [f"{t.controller_split_us()[part]:.0f}" for t in tiers]) for part, label in _SPLIT],
+        ("KV copies us/request", [f"{t.per_request_us(t.transfer_s):.0f}" for t in tiers]),
         ("transfer time (executor)", [f"{t.transfer_s * 1e3:.1f} ms" for t in tiers]),
         ("prefetch wait (storage I/O)", [f"{t.prefetch_wait_s * 1e3:.1f} ms" if t.storage_url else "-" for t in tiers]),
-        ("model time", [f"{t.model_s:.2f} s" for t in tiers]),
+        ("model time prefill+decode", [f"{t.prefill_s:.2f}+{t.decode_s:.2f} s" for t in tiers]),
         ("KV pages checked", [str(t.kv_checked_pages) for t in tiers]),
         ("KV mismatches", [str(t.kv_mismatches) for t in tiers]),
         ("answer tokens != cache-free", [str(t.output_mismatches) for t in tiers]),
@@ -193,6 +212,22 @@ def summary(sim: Simulation) -> str:
         if dev is not None:
             line += f"; device only {100 * dev.hit_rate:.1f}%"
         out.append(line)
+    saved = sim.prefill_saved()
+    if saved is not None and dev is not None:
+        out.append(f"prefill: {full.name} computed {full.computed_tokens} prompt tokens against {dev.computed_tokens} "
+                   f"on device only: {100 * saved['tokens']:.0f}% fewer tokens, {100 * saved['flops']:.0f}% less "
+                   f"counted work (attention to the reused past remains), {100 * saved['seconds']:.0f}% less prefill "
+                   f"time ({full.prefill_s:.2f} s vs {dev.prefill_s:.2f} s); time to first token "
+                   f"{full.ttft_ms():.1f} ms vs {dev.ttft_ms():.1f} ms mean")
+    split = full.controller_split_us()
+    out.append(
+        f"controller {full.controller_us_per_request:.0f} us/request ({full.name}): match+insert "
+        f"{split['loop']:.0f} and poll {split['poll']:.0f} (the loop `bench controller` times, there on "
+        f"4096-token requests, page 64, no copies, a poll that only applies acks; here poll starts the "
+        f"backups), alloc_device {split['alloc']:.0f}, locks {split['locks']:.0f}, loads {split['loads']:.0f}, "
+        f"prefetch {split['prefetch']:.0f}; token-id checks {split['token_checks']:.0f} of it. "
+        f"Not in it: KV copies {full.per_request_us(full.transfer_s):.0f} us, model "
+        f"{full.per_request_us(full.model_s) / 1e3:.1f} ms per request")
     ok = sim.kv_mismatches == 0 and sim.output_mismatches == 0
     out.append(f"KV served: {sum(t.kv_checked_pages for t in sim.tiers)} pages checked, "
                f"{sim.kv_mismatches} mismatches; answers differing from the cache-free run: "
@@ -252,10 +287,8 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         try:
             import matplotlib  # noqa: F401
-        except ImportError:
-            print("hicache-fsm simulate: --plot needs matplotlib; install the extra: pip install -e '.[plot]'",
-                  file=sys.stderr)
-            return 2
+        except ImportError:  # like --model llama without transformers: cli.main prints it, exit 1
+            raise MissingExtra("--plot", "matplotlib", "plot") from None
     torch.set_num_threads(args.threads)
     if args.trace is not None:
         return simulate_trace.run(args)

@@ -6,8 +6,6 @@ import argparse
 import json
 import sys
 
-import attrs
-
 from hicache_fsm.commands.table import columns
 from hicache_fsm.errors import ConfigError, HiCacheError, TraceError
 from hicache_fsm.simulate import INFINITE, TierResult, Workload
@@ -19,8 +17,25 @@ from hicache_fsm.trace_replay import (
     sweep_capacities,
 )
 
-DEFAULT_DEVICE_TOKENS = attrs.fields(TraceOptions).device_tokens.default
-DEFAULT_HOST_TOKENS = attrs.fields(TraceOptions).host_tokens.default
+# Default pool sizes follow the trace, so that every configuration shows what it adds: the device
+# holds 1/32 of what an infinite cache would (at least the longest input), the host four times that.
+DEVICE_SHARE = 32
+HOST_PER_DEVICE = 4
+DEFAULT_SIZES = (f"1/{DEVICE_SHARE} of the trace's distinct cacheable tokens, at least its longest input",
+                 f"{HOST_PER_DEVICE}x the device pool")
+
+
+def default_sizes(trace, page_size: int, device_tokens: int | None, host_tokens: int | None) -> tuple[int, int]:
+    """Device and host pool sizes: those given, else sized to the trace (``DEFAULT_SIZES``), in whole pages."""
+    def pages(x: int) -> int:
+        return max(page_size, -(-x // page_size) * page_size)
+
+    if device_tokens is None:
+        unique = prefix_bound(trace, page_size).unique_tokens
+        device_tokens = pages(max(unique // DEVICE_SHARE, trace.max_input_length))
+    if host_tokens is None:
+        host_tokens = HOST_PER_DEVICE * device_tokens
+    return device_tokens, host_tokens
 _WORKLOAD_OPTIONS = ("clients", "rounds", "request_length", "output_length", "system_prompt_length", "arrival", "seed")
 
 
@@ -169,8 +184,7 @@ def run(args: argparse.Namespace) -> int:
         trace = load_trace(args.trace, args.block_size)
         options = TraceOptions(
             trace,
-            DEFAULT_DEVICE_TOKENS if args.device_tokens is None else args.device_tokens,
-            DEFAULT_HOST_TOKENS if args.host_tokens is None else args.host_tokens,
+            *default_sizes(trace, args.page_size, args.device_tokens, args.host_tokens),
             args.storage_url, not args.no_storage, args.page_size, args.layout, args.device)
         sweep = _sweep(args.sweep, options, bool(args.plot))
     except (TraceError, ConfigError) as exc:
@@ -178,7 +192,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from hicache_fsm.trace_replay import run_trace
 
-    progress = ReplayProgress(stream=sys.stderr, enabled=not args.no_progress)
+    # progress only to a terminal: a log or a pipe gets the table, not a line every few seconds
+    progress = ReplayProgress(stream=sys.stderr, enabled=not args.no_progress and sys.stderr.isatty())
     try:
         sim = run_trace(options, progress, sweep)
     except HiCacheError as exc:

@@ -18,13 +18,20 @@ from hicache_fsm.spec import SPEC_DIR, load_spec, spec_paths
 
 
 def display_path(path: str | Path) -> str:
-    """``path`` relative to the working directory when it lies below it."""
+    """``path`` relative to the working directory when it lies below it; a file of the installed
+    package as ``hicache_fsm/...`` (wherever the package is); else as given."""
     p = Path(path)
     try:
         rel = os.path.relpath(p)
     except ValueError:  # another drive on Windows
         return str(p)
-    return rel if not rel.startswith("..") else str(p)
+    if not rel.startswith(".."):
+        return rel
+    package = SPEC_DIR.parent
+    try:
+        return Path(package.name, p.resolve().relative_to(package.resolve())).as_posix()
+    except ValueError:
+        return str(p)
 
 
 def expand_paths(args: Iterable[str]) -> list[Path]:
