@@ -37,6 +37,7 @@ import attrs
 import numpy as np
 import torch
 
+from hicache_fsm.adoption import check_adoption
 from hicache_fsm.errors import AllocationError, BadIndices, ConfigError
 
 LAYOUTS = ("layer_first", "page_first", "page_first_direct")
@@ -383,6 +384,7 @@ class DeviceKVPool:
         engine layout. Raises ConfigError unless every view has the same
         shape, dtype and device.
         """
+        check_adoption(layer_pages, mla=mla, buffers=buffers, allocator=allocator)
         parts = 1 if mla else 2
         if not layer_pages:
             raise ConfigError("adopt needs the views of at least one layer")
