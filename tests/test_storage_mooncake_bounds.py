@@ -11,8 +11,9 @@ import threading
 
 import pytest
 from mooncake_fixture import SMALL
+from storage_util import make_cache, storage_threads
 
-from hicache_fsm.errors import StorageError, StorageUnavailable, StorageURLError
+from hicache_fsm.errors import StorageError, StorageLinkError, StorageUnavailable, StorageURLError
 from hicache_fsm.input_limits import available_memory_bytes
 from hicache_fsm.storage import KeyNamespace, open_backend
 from hicache_fsm.storage.listeners import Listener, own_listeners, probe_rpc
@@ -82,6 +83,19 @@ def test_a_master_that_never_answers_fails_the_open_within_connect_timeout(silen
     err = outcome(lambda: open_backend(f"mooncake://127.0.0.1:{silent_master}?{SMALL}", namespace=NS,
                                        connect_timeout=0.5))
     assert isinstance(err, StorageUnavailable) and "no answer within 0.5 s (connect_timeout)" in str(err)
+
+
+def test_attaching_a_silent_master_rolls_back_typed(silent_master):
+    if mooncake_available():
+        pytest.skip(mooncake_available())
+    cache = make_cache()
+    try:
+        err = outcome(lambda: cache.attach_storage(f"mooncake://127.0.0.1:{silent_master}?{SMALL}",
+                                                   connect_timeout=0.5))
+        assert isinstance(err, StorageLinkError) and "no answer within 0.5 s" in str(err)
+        assert cache.storage.state == "detached" and not storage_threads()
+    finally:
+        cache.close()
 
 
 @pytest.mark.parametrize("query, message", [
