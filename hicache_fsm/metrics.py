@@ -183,7 +183,8 @@ class HiCacheCollector:
                     backend = getattr(getattr(self.cache, "storage", None), "backend", None)
                 storage = stats.get(S)
                 if isinstance(storage, dict) and isinstance(storage.get("backend_stats"), dict):
-                    stats[S] = {**storage, "backend_stats": self.backend_totals.totals(backend, storage["backend_stats"])}
+                    totals = self.backend_totals.totals(backend, storage["backend_stats"])
+                    stats[S] = {**storage, "backend_stats": totals}
                 return stats, states
             except RuntimeError:  # the engine changed a dict while this thread iterated it: read again
                 if attempt == READ_ATTEMPTS - 1:

@@ -10,6 +10,7 @@ allocators as they were and starts no thread.
 
 from __future__ import annotations
 
+import json
 import math
 import threading
 
@@ -176,7 +177,7 @@ FILE_TEXT = st.one_of(
 # Inputs left out until their owners' fixes land (issue 27 items 9 and 12): diagram --counts with a list or
 # dict where a name belongs still raises TypeError, so count files are drawn only from valid JSON objects of ints.
 COUNT_TEXT = st.dictionaries(st.sampled_from(["device", "host", "stored", "bogus"]), st.integers(-5, 10 ** 6),
-                             max_size=3).map(lambda d: __import__("json").dumps({"residency": d}))
+                             max_size=3).map(lambda d: json.dumps({"residency": d}))
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -19,7 +19,8 @@ from hicache_fsm.metrics import BackendTotals, HiCacheCollector  # noqa: E402
 
 
 def samples(collector: HiCacheCollector) -> dict[tuple[str, tuple], float]:
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value for family in collector.collect() for s in family.samples}
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in collector.collect() for s in family.samples}
 
 
 def backend_counters(scraped: dict) -> dict:
