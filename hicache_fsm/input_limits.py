@@ -92,6 +92,8 @@ def open_regular_text(path: str | os.PathLike, max_bytes: int | None = None) -> 
     check the opened file again (it may have been swapped in between).
     ``max_bytes``: refuse larger files. OSError as ``open`` raises it.
     """
+    if "\0" in os.fspath(path):  # os.stat would raise ValueError
+        raise InputRefused("a path cannot contain a NUL character")
     _refuse_special(os.stat(path).st_mode)
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     try:

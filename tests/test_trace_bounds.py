@@ -142,3 +142,14 @@ def test_any_line_parses_or_is_a_trace_error(text):
         parse_request(text, 4)
     except TraceError:
         pass
+
+
+@pytest.mark.parametrize("argv", [["list", "\0"], ["validate", "a\0b"], ["simulate", "--trace", "t\0.jsonl"]])
+def test_nul_characters_in_arguments_exit_2(argv, capsys):
+    assert cli.main(argv) == 2
+    assert capsys.readouterr().err.strip() == "hicache-fsm: error: arguments cannot contain NUL characters"
+
+
+def test_a_trace_path_with_a_nul_character_is_a_trace_error():
+    with pytest.raises(TraceError, match="cannot contain a NUL character"):
+        load_trace("trace\0.jsonl")
