@@ -36,7 +36,7 @@ def test_k_and_v_views_of_one_tensor_are_refused():
 
 def test_the_same_buffer_twice_is_refused():
     ks = mha_buffers()
-    with pytest.raises(ConfigError, match="layer 0 part 0 and layer 0 part 1 share memory"):
+    with pytest.raises(ConfigError, match=r"layer (\d) part 0 and layer \1 part 1 share memory"):
         adopt_sglang_mha(ks, ks, PAGE)
     with pytest.raises(ConfigError, match="overlap"):
         adopt_sglang_mha([ks[0], ks[0]], mha_buffers(), PAGE)  # two layers on one buffer
