@@ -88,6 +88,9 @@ def _command_in(argv: Sequence[str]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if any("\0" in str(arg) for arg in argv):  # a real command line cannot carry one; paths would raise ValueError
+        print("hicache-fsm: error: arguments cannot contain NUL characters", file=sys.stderr)
+        return 2
     args = build_parser(only=_command_in(argv)).parse_args(argv)
     name = "hicache-fsm " + args.command + (f" {args.benchmark}" if args.command == BENCH else "")
     try:

@@ -29,6 +29,7 @@ from typing import Sequence
 
 import torch
 
+from hicache_fsm.adoption import check_kv_tensor
 from hicache_fsm.errors import ConfigError
 from hicache_fsm.pools import DeviceKVPool, PageAllocator
 
@@ -37,16 +38,14 @@ def _tensors(buffers, what: str, ndim: int) -> list[torch.Tensor]:
     """The engine's per-layer tensors, checked alike: same shape, dtype and device, ``ndim`` dims."""
     if isinstance(buffers, torch.Tensor) or not isinstance(buffers, Sequence) or not buffers:
         raise ConfigError(f"{what}: expected a non-empty list with one tensor per layer")
-    first = buffers[0]
+    first = check_kv_tensor(buffers[0], f"{what}[0]")
     for layer, t in enumerate(buffers):
-        if not isinstance(t, torch.Tensor) or t.dim() != ndim:
-            raise ConfigError(f"{what}[{layer}]: expected a {ndim}-D tensor, got "
-                              f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+        check_kv_tensor(t, f"{what}[{layer}]")
+        if t.dim() != ndim:
+            raise ConfigError(f"{what}[{layer}]: expected a {ndim}-D tensor, got {tuple(t.shape)}")
         if t.shape != first.shape or t.dtype != first.dtype or t.device != first.device:
             raise ConfigError(f"{what}[{layer}]: {tuple(t.shape)} {t.dtype} on {t.device} differs from layer 0's "
                               f"{tuple(first.shape)} {first.dtype} on {first.device}")
-        if not t.dtype.is_floating_point:
-            raise ConfigError(f"{what}[{layer}]: KV must be a floating-point tensor, got {t.dtype}")
     return list(buffers)
 
 

@@ -36,6 +36,7 @@ import warnings
 import attrs
 import torch
 
+from hicache_fsm.adoption import check_adoption
 from hicache_fsm.allocator import PageAllocator, as_index_tensor, pages_of
 from hicache_fsm.errors import BadIndices, ConfigError
 
@@ -127,6 +128,7 @@ class DeviceKVPool:
         engine layout. Raises ConfigError unless every view has the same
         shape, dtype and device.
         """
+        check_adoption(layer_pages, mla=mla, buffers=buffers, allocator=allocator)
         parts = 1 if mla else 2
         if not layer_pages:
             raise ConfigError("adopt needs the views of at least one layer")

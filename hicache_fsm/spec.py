@@ -247,6 +247,10 @@ def _convert(node: yaml.Node, loader: yaml.SafeLoader, path: str, _walk: dict | 
     except yaml.YAMLError as exc:
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise SpecError(path, line, f"bad scalar: {problem}") from None
+    except (ValueError, OverflowError) as exc:  # an int past Python's digit limit, a date like 2001-02-30
+        kind = str(node.tag).rsplit(":", 1)[-1]
+        reason = str(exc).split(";")[0].splitlines()[0] if str(exc) else type(exc).__name__
+        raise SpecError(path, line, f"bad {kind} scalar: {reason}") from None
 
 
 def _kind(value: Any) -> str:

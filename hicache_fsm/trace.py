@@ -32,6 +32,7 @@ import attrs
 import numpy as np
 
 from hicache_fsm.errors import ConfigError, TraceError
+from hicache_fsm.input_limits import InputRefused, check_count, check_json_depth, memory_budget_bytes, open_regular_text
 
 DEFAULT_BLOCK_SIZE = 512
 MAX_HASH_ID = 1 << 63  # hash ids are non-negative and below this (64-bit hashes fit)
@@ -41,6 +42,11 @@ _TAIL_ROWS = 1024  # the rest of a block comes from row (hash id mod this) of a 
 _TAIL_SEED = 20250225
 BLOCK_CACHE = 8192  # derived blocks kept per BlockTokens
 FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
+# Bounds on untrusted traces, checked before the work they would size.
+MAX_BLOCK_SIZE = 4096  # the token table is 1024 rows of a block, and up to BLOCK_CACHE derived blocks are kept
+MAX_LINE_CHARS = 1 << 24  # one request's JSON; 4096-token blocks make that over 10**10 tokens of hash ids
+TOKEN_BYTES = 32  # what replaying one token may cost: token tuples, radix keys, metadata pools of each tier
+TRACE_TEXT_SHARE = 16  # a trace file may be 1/16 of the memory budget: parsed requests are larger than their text
 
 
 @attrs.frozen(slots=True)
@@ -93,7 +99,17 @@ def check_block_size(block_size: object) -> int:
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < ID_TOKENS:
         raise ConfigError(f"block size must be an int >= {ID_TOKENS} (a block's first {ID_TOKENS} tokens "
                           f"spell its hash id), got {block_size!r}")
+    if block_size > MAX_BLOCK_SIZE:
+        raise ConfigError(f"block size {block_size} is over the limit of {MAX_BLOCK_SIZE} tokens")
     return block_size
+
+
+def check_tokens(count: int, what: str) -> int:
+    """``count`` tokens to replay, or ConfigError when this machine could not hold them (the limit named)."""
+    try:
+        return check_count(count, TOKEN_BYTES, what)
+    except InputRefused as exc:
+        raise ConfigError(str(exc)) from None
 
 
 # ====================================================================== reading
@@ -109,8 +125,12 @@ def parse_request(text: str, block_size: int, where: str = "<trace>", line: int 
     def bad(message: str) -> TraceError:
         return TraceError(where, line, message)
 
+    if len(text) > MAX_LINE_CHARS and len(text.rstrip("\r\n")) > MAX_LINE_CHARS:
+        raise bad(f"line longer than {MAX_LINE_CHARS} characters")
     try:
-        obj = json.loads(text)
+        obj = json.loads(check_json_depth(text))
+    except InputRefused as exc:
+        raise bad(str(exc)) from None
     except ValueError as exc:
         raise bad(f"not valid JSON: {exc}") from None
     if not isinstance(obj, dict):
@@ -126,6 +146,10 @@ def parse_request(text: str, block_size: int, where: str = "<trace>", line: int 
         raise bad(f"input_length must be an int >= 1, got {n_in!r}")
     if not _is_int(n_out) or n_out < 0:
         raise bad(f"output_length must be an int >= 0, got {n_out!r}")
+    try:
+        check_tokens(n_in + n_out, "input_length + output_length")
+    except ConfigError as exc:
+        raise bad(str(exc)) from None
     ids = obj["hash_ids"]
     if not isinstance(ids, list):
         raise bad(f"hash_ids must be a list of ints, got {type(ids).__name__}")
@@ -142,7 +166,15 @@ def parse_request(text: str, block_size: int, where: str = "<trace>", line: int 
 def parse_lines(lines: Iterable[str], block_size: int = DEFAULT_BLOCK_SIZE, where: str = "<trace>") -> Trace:
     """Requests from JSON lines (blank lines skipped), sorted by timestamp; at least one required."""
     check_block_size(block_size)
-    requests = [parse_request(text, block_size, where, i) for i, text in enumerate(lines, 1) if text.strip()]
+    requests, tokens = [], 0
+    for i, text in enumerate(lines, 1):
+        if text.strip():
+            requests.append(parse_request(text, block_size, where, i))
+            tokens += requests[-1].input_length + requests[-1].output_length
+            try:
+                check_tokens(tokens, "the trace's tokens so far")
+            except ConfigError as exc:
+                raise TraceError(where, i, str(exc)) from None
     if not requests:
         raise TraceError(where, None, "no requests in the trace")
     requests.sort(key=lambda r: r.timestamp)  # stable: equal timestamps keep file order
@@ -150,12 +182,18 @@ def parse_lines(lines: Iterable[str], block_size: int = DEFAULT_BLOCK_SIZE, wher
 
 
 def load_trace(path: str | Path, block_size: int = DEFAULT_BLOCK_SIZE) -> Trace:
-    """Read a trace file; a ``TraceError`` (file:line) when it is missing or malformed."""
+    """Read a trace file; a ``TraceError`` (file:line) when it is missing, malformed or over a bound.
+
+    Only regular files are read (a FIFO is never opened), at most a share of
+    the memory budget, and no line past ``MAX_LINE_CHARS``.
+    """
     where = str(path)
     check_block_size(block_size)
     try:
-        with open(path, encoding="utf-8") as f:
-            return parse_lines(f, block_size, where)
+        with open_regular_text(path, memory_budget_bytes() // TRACE_TEXT_SHARE) as f:
+            return parse_lines(iter(lambda: f.readline(MAX_LINE_CHARS + 2), ""), block_size, where)
+    except InputRefused as exc:
+        raise TraceError(where, None, str(exc)) from None
     except FileNotFoundError:
         raise TraceError(where, None, "no such file") from None
     except IsADirectoryError:
@@ -275,6 +313,7 @@ def prefix_bound(trace: Trace, page_size: int) -> PrefixBound:
 
 
 __all__ = [
-    "DEFAULT_BLOCK_SIZE", "BlockTokens", "PrefixBound", "Trace", "TraceRequest", "VOCAB", "check_block_size",
+    "DEFAULT_BLOCK_SIZE", "MAX_BLOCK_SIZE", "MAX_LINE_CHARS", "TOKEN_BYTES", "BlockTokens", "PrefixBound", "Trace",
+    "TraceRequest", "VOCAB", "check_block_size", "check_tokens",
     "load_trace", "parse_lines", "parse_request", "prefix_bound",
 ]

@@ -1,7 +1,7 @@
 """A pytest fixture that runs a private ``mooncake_master`` on free loopback ports.
 
 ``mooncake_master`` (function scope) yields a :class:`MooncakeMaster` with
-``url`` (``mooncake://127.0.0.1:PORT?segment_mb=..&buffer_mb=..``), ``port``,
+``url`` (``mooncake://127.0.0.1:PORT?segment_mb=..&buffer_mb=..&listen=any``), ``port``,
 ``kill()`` (SIGKILL: every key is lost), ``restart()`` (same port) and
 ``alive``. Tests are skipped, with the reason, when ``mooncake.store`` does not
 import (the ``[mooncake]`` extra, or ``libibverbs1``, is missing) or no
@@ -25,7 +25,7 @@ from service_util import wait_until_ready
 __all__ = ["MooncakeMaster", "free_port", "mooncake_master", "mooncake_master_binary", "start_master"]
 
 _START_TIMEOUT = 15.0
-SMALL = "segment_mb=64&buffer_mb=16"  # test clients mount little memory
+SMALL = "segment_mb=64&buffer_mb=16&listen=any"  # test clients mount little memory; this mooncake listens on every interface
 
 
 def mooncake_master_binary() -> str | None:

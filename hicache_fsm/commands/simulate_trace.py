@@ -9,7 +9,7 @@ import sys
 from hicache_fsm.commands.table import columns
 from hicache_fsm.errors import ConfigError, HiCacheError, TraceError
 from hicache_fsm.simulate import INFINITE, TierResult, Workload
-from hicache_fsm.trace import DEFAULT_BLOCK_SIZE, load_trace, prefix_bound
+from hicache_fsm.trace import DEFAULT_BLOCK_SIZE, check_tokens, load_trace, prefix_bound
 from hicache_fsm.trace_replay import (
     ReplayProgress,
     TraceOptions,
@@ -36,6 +36,7 @@ def default_sizes(trace, page_size: int, device_tokens: int | None, host_tokens:
     if host_tokens is None:
         host_tokens = HOST_PER_DEVICE * device_tokens
     return device_tokens, host_tokens
+MAX_SWEEP_SIZES = 64  # each size is one more replay of the whole trace
 _WORKLOAD_OPTIONS = ("clients", "rounds", "request_length", "output_length", "system_prompt_length", "arrival", "seed")
 
 
@@ -55,10 +56,15 @@ def _sweep(text: str | None, options: TraceOptions, want_plot: bool) -> list[int
         return None
     if text is None or text == "auto":
         return sweep_capacities(options.trace, options.page_size, prefix_bound(options.trace, options.page_size))
+    parts = text.split(",")
+    if len(parts) > MAX_SWEEP_SIZES:
+        raise ConfigError(f"--sweep takes at most {MAX_SWEEP_SIZES} sizes, got {len(parts)}")
     try:
-        sizes = sorted({int(x) for x in text.split(",") if x.strip()})
+        sizes = sorted({int(x) for x in parts if x.strip()})
     except ValueError:
-        raise ConfigError(f"--sweep wants comma-separated token counts, got {text!r}") from None
+        raise ConfigError(f"--sweep wants comma-separated token counts, got {text[:80]!r}") from None
+    for size in sizes:
+        check_tokens(size, "--sweep size")
     ps = options.page_size
     bad = [s for s in sizes if s < ps or s % ps]
     if not sizes or bad:
@@ -181,6 +187,9 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     try:
+        for flag, tokens in (("--device-tokens", args.device_tokens), ("--host-tokens", args.host_tokens)):
+            if isinstance(tokens, int):
+                check_tokens(tokens, flag)
         trace = load_trace(args.trace, args.block_size)
         options = TraceOptions(
             trace,

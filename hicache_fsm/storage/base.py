@@ -549,6 +549,14 @@ class StorageBackend(ABC):
     def stats(self) -> dict[str, int]:
         return self._stats.snapshot()
 
+    def data_epoch(self) -> int:
+        """Goes up whenever the backend finds it may have lost pages it stored (a server restart lost its keys).
+
+        Whoever marked pages stored must then check them again (``batch_exists``)
+        and store the missing ones. 0 for backends that never lose what they stored.
+        """
+        return 0
+
     def close(self) -> None:
         """Release connections/handles; idempotent. Later calls raise StorageUnavailable."""
         if self._closed:

@@ -1,4 +1,4 @@
-"""Mooncake Store backend (``mooncake://HOST:PORT[?metadata=...&segment_mb=...&buffer_mb=...]``).
+"""Mooncake Store backend (``mooncake://HOST:PORT[?metadata=...&segment_mb=...&buffer_mb=...&listen=...]``).
 
 Needs the ``[mooncake]`` extra (``mooncake-transfer-engine-non-cuda``; on Debian
 also ``libibverbs1``, even for TCP). ``HOST:PORT`` is the ``mooncake_master``'s
@@ -29,9 +29,15 @@ into the distributed pool and keeps a ``buffer_mb`` MiB transfer buffer.
   ``format_mismatch`` / ``corrupt``). Writes that land on such a segment fail
   (``set_failures``) and are retried by the tier.
 * An unreachable master raises :class:`~hicache_fsm.errors.StorageUnavailable`;
-  at open this happens within ``connect_timeout`` seconds (a TCP probe of the
-  master, then ``setup`` with one retry). A master restart loses every key:
-  reads then miss and the tier backs pages up again.
+  at open this happens within ``connect_timeout`` seconds: the TCP connect and
+  a handshake probe (a master that accepts but never answers) share it, before
+  ``setup`` (one retry) runs. A master restart loses every key: reads then miss;
+  ``data_epoch()`` goes up so the tier checks and stores its pages again.
+* ``segment_mb + buffer_mb`` past the memory available is refused before the
+  library allocates. ``listen=local`` (default): the client may listen only on
+  ``local_host``; this Mooncake version's transfer engine listens on every
+  interface, so open fails (StorageError, nothing left open) unless the URL
+  says ``listen=any``.
 * ``clear()`` removes this namespace's keys (``remove_by_regex``, forced past
   leases); nothing else.
 
@@ -46,6 +52,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import math
 import os
 import re
 import socket
@@ -57,6 +64,7 @@ import numpy as np
 import torch
 
 from hicache_fsm.errors import StorageError, StorageUnavailable, StorageURLError
+from hicache_fsm.input_limits import available_memory_bytes
 from hicache_fsm.storage.base import (
     EXISTS,
     FAILED,
@@ -69,6 +77,7 @@ from hicache_fsm.storage.base import (
     verify_payload,
 )
 from hicache_fsm.storage.keys import KeyNamespace
+from hicache_fsm.storage.listeners import own_listeners, probe_rpc
 from hicache_fsm.storage.page_format import PageFormat
 
 __all__ = ["MooncakeBackend", "mooncake_available"]
@@ -81,8 +90,10 @@ OBJECT_ALREADY_EXISTS = -705
 # TRANSFER_FAIL (-800): the holder is gone, or the buffers do not fit the value: a miss
 _UNREACHABLE_BELOW = -900  # RPC_FAIL and below (metadata service, client state): the master is not answering
 
-_QUERY_KEYS = ("metadata", "segment_mb", "buffer_mb", "local_host", "checksum")
+_QUERY_KEYS = ("metadata", "segment_mb", "buffer_mb", "local_host", "checksum", "listen")
 _SCRATCH_BYTES = 1 << 20
+_MAX_MIB_DIGITS = 9  # 10**9 MiB is past any machine; longer numbers are refused before int()
+_EPOCH_KEY = "__hicache_fsm_epoch__"  # one small object per client: gone after a master restart lost every key
 
 
 def _quiet_library() -> None:
@@ -123,9 +134,24 @@ def _mib(query: dict[str, str], name: str, default: int) -> int:
     text = query.get(name)
     if text is None:
         return default << 20
-    if not text.isdigit() or int(text) < 1:
-        raise StorageURLError(f"{name} must be a positive number of MiB, got {text!r}")
+    if not re.fullmatch(f"[0-9]{{1,{_MAX_MIB_DIGITS}}}", text) or int(text) < 1:
+        raise StorageURLError(f"{name} must be a positive number of MiB, got {text[:40]!r}")
     return int(text) << 20
+
+
+def _check_memory(segment: int, buffer: int) -> None:
+    """Refuse, before the library allocates, a segment plus buffer this machine does not have."""
+    available = available_memory_bytes()
+    if segment + buffer > available:
+        raise StorageURLError(f"segment_mb + buffer_mb = {(segment + buffer) >> 20} MiB is more than the "
+                              f"{available >> 20} MiB of memory available")
+
+
+def _check_timeout(connect_timeout: object) -> float:
+    if isinstance(connect_timeout, bool) or not isinstance(connect_timeout, (int, float)) \
+            or not math.isfinite(connect_timeout) or connect_timeout <= 0:
+        raise StorageURLError(f"connect_timeout must be a positive number of seconds, got {connect_timeout!r}")
+    return float(connect_timeout)
 
 
 def _is_loopback(host: str) -> bool:
@@ -171,28 +197,50 @@ class MooncakeBackend(StorageBackend):
         metadata = query.get("metadata") or "P2PHANDSHAKE"
         segment = _mib(query, "segment_mb", 256)
         buffer = _mib(query, "buffer_mb", 64)
+        listen = query.get("listen", "local")
+        if listen not in ("local", "any"):
+            raise StorageURLError(f"listen must be 'local' or 'any', got {listen[:40]!r}")
+        timeout = _check_timeout(connect_timeout)
+        _check_memory(segment, buffer)
         missing = mooncake_available()
         if missing:
             raise StorageUnavailable(missing)
-        try:  # fail fast (and typed) when nothing listens: setup alone would retry for seconds
-            socket.create_connection((host, port), timeout=connect_timeout).close()
-        except OSError as exc:
-            raise StorageUnavailable(f"mooncake master {self.master} unreachable: {exc}") from None
+        why = probe_rpc(host, port, timeout)  # connect and a bounded handshake: setup alone could block ~30 s
+        if why is not None:
+            raise StorageUnavailable(f"mooncake master {self.master} unreachable: {why}")
         local = query.get("local_host") or _local_address(host, port)
         os.environ.setdefault("MC_TCP_BIND_ADDRESS", local)
         from mooncake.store import MooncakeDistributedStore
 
+        before = own_listeners()
         self._mc = MooncakeDistributedStore()
         code = self._mc.setup(local, metadata, segment, buffer, "tcp", "", self.master)
         if code != 0:
             self._mc.close()
             raise StorageUnavailable(f"mooncake setup with master {self.master} failed (code {code})")
+        if listen == "local":
+            self._refuse_foreign_listeners(before, local)
+        self.epoch = 0
+        self._epoch_marked = False
+        self._epoch_key = f"{self.namespace.prefix}{_EPOCH_KEY}{os.getpid()}_{id(self):x}"
         self._lock = threading.Lock()  # one call at a time: the scratch buffer is shared
         self._regions: list[tuple[int, int]] = []
         self._registered: list[Any] = []  # keeps registered tensors / storages alive
         self._scratch = torch.empty(_SCRATCH_BYTES, dtype=torch.uint8)
         self._register(self._scratch.data_ptr(), _SCRATCH_BYTES, self._scratch)
         self._scratch_view = memoryview(self._scratch.numpy())
+
+    def _refuse_foreign_listeners(self, before: set | None, local: str) -> None:
+        """StorageError (store closed) when setup opened a listener on an address other than ``local``."""
+        after = own_listeners()
+        if before is None or after is None:
+            return  # no /proc: nothing to compare (documented)
+        foreign = sorted(str(li) for li in after - before if li.address != local)
+        if foreign:
+            self._mc.close()
+            raise StorageError(
+                f"the mooncake client listens on {', '.join(foreign)}, not only on {local}: this mooncake "
+                "version binds its transfer listeners to every interface; add listen=any to the URL to accept that")
 
     # -- registration -------------------------------------------------------
 
@@ -243,6 +291,29 @@ class MooncakeBackend(StorageBackend):
     def _check(self, code: int, what: str) -> None:
         if code <= _UNREACHABLE_BELOW:
             raise StorageUnavailable(f"mooncake {what}: master {self.master} not answering (code {code})")
+
+    def data_epoch(self) -> int:
+        """Goes up each time the master is found to have lost what this client stored (a restart).
+
+        A small marker object is stored at the first check; when it is gone,
+        every key stored before may be gone too: whoever marked pages stored
+        must check them again (``batch_exists``) and store the missing ones.
+        """
+        with self._lock:
+            codes = self._mc.batch_is_exist([self._epoch_key])
+            if codes and codes[0] < 0:
+                self._check(codes[0], "is_exist")
+                raise StorageError(f"mooncake is_exist failed (code {codes[0]})")
+            if not codes or codes[0] == 0:
+                if self._epoch_marked:
+                    self.epoch += 1
+                    logger.warning("mooncake master %s lost this client's keys (restart?); epoch %d",
+                                   self.master, self.epoch)
+                code = self._mc.put(self._epoch_key, b"1")
+                self._epoch_marked = code in (0, OBJECT_ALREADY_EXISTS)
+                if code not in (0, OBJECT_ALREADY_EXISTS):
+                    self._check(code, "put")
+        return self.epoch
 
     def _exists(self, skeys: list[str]) -> int:
         n = 0
