@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
+from hicache_fsm.allocator import PageAllocator
 from hicache_fsm.errors import ConfigError
 
 MAX_RUNS = 1 << 24  # runs enumerated per group of views whose extents meet (8 bytes each: 128 MiB at most)
@@ -50,7 +51,6 @@ def _sequence(value: object, what: str) -> Sequence:
 
 def check_adoption(layer_pages: object, *, mla: object, buffers: object, allocator: object) -> None:
     """Everything ``DeviceKVPool.adopt`` is given, checked before anything is built (ConfigError)."""
-    from hicache_fsm.pools import PageAllocator  # pools calls this module; import at use to avoid a cycle
 
     if not isinstance(mla, bool):
         raise ConfigError(f"mla must be a bool, got {mla!r}")
