@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from cache_helpers import drain, make_cache, pages, put
 from hicache_fsm.config import CacheConfig
 from hicache_fsm.diagrams import edge_label
-from hicache_fsm.errors import ConfigError, SpecError
+from hicache_fsm.errors import ConfigError, SpecError, StorageKeyError
 from hicache_fsm.events.contents import MEMORY_TIERS, cache_contents
 from hicache_fsm.events.hashes import int64_hash, request_hashes
 from hicache_fsm.events.hook import TIER_TAGS, disable_kv_events, enable_kv_events, reset_with_events
@@ -108,7 +108,7 @@ def test_insert_backup_and_eviction_publish_per_tier():
     stored = [e for b in batches for e in b.events if isinstance(e, BlockStored)]
     assert [e.medium for e in stored] == ["GPU"]
     assert stored[0].block_hashes == request_hashes(pages(3), 4)
-    assert stored[0].token_ids == list(pages(3)) and stored[0].block_size == 4
+    assert list(stored[0].token_ids) == list(pages(3)) and stored[0].block_size == 4
     drain(cache, ex)
     put(cache, pages(3, start=1000))  # needs the device room: the first prefix is evicted to the host
     drain(cache, ex)
@@ -252,3 +252,15 @@ def test_removed_and_cleared_take_blocks_out_of_the_index():
     assert index.prefix_pages(0, [1, 2, 3]) == 2
     index.apply(0, KVEventBatch(0.0, [AllBlocksCleared()]))
     assert index.blocks(0, "device") == frozenset()
+
+
+def test_block_hashes_are_the_storage_tiers_page_keys():
+    from hicache_fsm.storage.keys import page_keys
+    from hicache_fsm.storage.tier import namespace_seed
+
+    tokens = tuple(range(40_000, 40_064))
+    for namespace in (None, "tenant-a", 7):
+        keys = page_keys(tokens, 16, namespace_seed(namespace))
+        assert request_hashes(tokens, 16, namespace) == [int64_hash(k) for k in keys]
+    with pytest.raises(StorageKeyError):  # page keys encode 4-byte ids, here as in storage
+        request_hashes((1 << 40,) * 16, 16)

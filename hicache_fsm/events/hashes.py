@@ -1,15 +1,23 @@
 """Page keys of tree nodes as int64 block hashes, memoised per node.
 
 A node's pages are keyed by the same chained SHA-256 the storage tier uses
-(:func:`hicache_fsm.storage.keys.page_keys`, seeded per namespace by
-:func:`hicache_fsm.storage.tier.namespace_seed`), so one prefix has one hash in
-every instance and in L3. Events carry each key's first 64 bits as a signed
-int64, SGLang's ``hash_str_to_int64``. A router computes the same hashes from
-a request's tokens with :func:`request_hashes`.
+(:func:`hicache_fsm.storage.keys.page_keys`: the previous page's 32-byte
+digest, then each token as 4 bytes little-endian; the first page seeded per
+namespace by :func:`hicache_fsm.storage.tier.namespace_seed`), so one prefix
+has one hash in every instance and in L3. Events carry each key's first 64
+bits as a signed int64, SGLang's ``hash_str_to_int64``. A router computes the
+same hashes from a request's tokens with :func:`request_hashes`.
+
+The digests are computed here with the tokens packed by ``array`` (the
+cache already checked them), which is what keeps events cheap next to the
+controller; a token that does not fit 32 bits falls back to ``page_keys``.
 """
 
 from __future__ import annotations
 
+import hashlib
+import sys
+from array import array
 from typing import Hashable, Sequence
 
 from hicache_fsm.radix import TreeNode
@@ -23,40 +31,68 @@ def int64_hash(hex_key: str) -> int:
     return value - (1 << 64) if value >= 1 << 63 else value
 
 
+def _seed(namespace: Hashable) -> bytes:
+    seed = namespace_seed(namespace)
+    return b"" if seed is None else bytes.fromhex(seed)
+
+
+def chained_digests(tokens: Sequence[int], page_size: int, prior: bytes) -> list[bytes]:
+    """SHA-256 digests of every full page of ``tokens`` chained onto ``prior`` (``page_keys`` as bytes)."""
+    try:
+        packed = array("I", tokens)
+    except (OverflowError, TypeError):
+        return [bytes.fromhex(k) for k in page_keys(tokens, page_size, prior.hex() or None)]
+    if sys.byteorder == "big":
+        packed.byteswap()
+    raw = packed.tobytes()
+    stride = 4 * page_size
+    sha = hashlib.sha256
+    out = []
+    for start in range(0, len(raw) - stride + 1, stride):
+        prior = sha(prior + raw[start : start + stride]).digest()
+        out.append(prior)
+    return out
+
+
+def _int64(digest: bytes) -> int:
+    return int.from_bytes(digest[:8], "big", signed=True)
+
+
 def request_hashes(tokens: Sequence[int], page_size: int, namespace: Hashable = None) -> list[int]:
     """The int64 block hashes of every full page of ``tokens`` from the start of a sequence."""
-    return [int64_hash(k) for k in page_keys(tokens, page_size, namespace_seed(namespace))]
+    return [_int64(d) for d in chained_digests(tokens, page_size, _seed(namespace))]
 
 
 class NodeKeys:
-    """Hex page keys per live node id; a split slices them, a removal forgets them."""
+    """Page digests and int64 hashes per live node id; a split slices them, a removal forgets them."""
 
     def __init__(self, page_size: int) -> None:
         self.page_size = page_size
-        self._keys: dict[int, tuple[str, ...]] = {}
+        self._keys: dict[int, tuple[list[bytes], list[int]]] = {}
 
-    def hex_keys(self, node: TreeNode) -> tuple[str, ...]:
-        keys = self._keys.get(node.id)
-        if keys is not None:
-            return keys
-        parent = node.parent
-        prior = namespace_seed(node.namespace) if parent is None or parent.is_root else self.hex_keys(parent)[-1]
-        keys = tuple(page_keys(node.key, self.page_size, prior))
-        self._keys[node.id] = keys
-        return keys
+    def _entry(self, node: TreeNode) -> tuple[list[bytes], list[int]]:
+        entry = self._keys.get(node.id)
+        if entry is None:
+            parent = node.parent
+            prior = _seed(node.namespace) if parent is None or parent.is_root else self._entry(parent)[0][-1]
+            digests = chained_digests(node.key, self.page_size, prior)
+            entry = self._keys[node.id] = (digests, [_int64(d) for d in digests])
+        return entry
 
     def int_keys(self, node: TreeNode) -> list[int]:
-        return [int64_hash(k) for k in self.hex_keys(node)]
+        return self._entry(node)[1]
 
     def parent_hash(self, node: TreeNode) -> int | None:
         parent = node.parent
-        return None if parent is None or parent.is_root else int64_hash(self.hex_keys(parent)[-1])
+        return None if parent is None or parent.is_root else self._entry(parent)[1][-1]
 
     def split(self, node: TreeNode, upper: TreeNode) -> None:
-        keys = self._keys.pop(node.id, None)
-        if keys is not None:
+        entry = self._keys.pop(node.id, None)
+        if entry is not None:
             pages = upper.num_tokens // self.page_size
-            self._keys[upper.id], self._keys[node.id] = keys[:pages], keys[pages:]
+            digests, ints = entry
+            self._keys[upper.id] = (digests[:pages], ints[:pages])
+            self._keys[node.id] = (digests[pages:], ints[pages:])
 
     def forget(self, node: TreeNode) -> None:
         self._keys.pop(node.id, None)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Callable, Hashable
 
-from hicache_fsm.errors import ConfigError
+from hicache_fsm.errors import ConfigError, StorageKeyError
 from hicache_fsm.events.hashes import NodeKeys
 from hicache_fsm.events.names import MEDIUMS, parse_event
 from hicache_fsm.events.schema import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
@@ -78,6 +78,7 @@ class KVEventHook:
         self._pending: list = []
         self.batches = 0
         self.events = 0
+        self.unhashable = 0  # events left out: the node's token ids do not fit a page key
 
     # ------------------------------------------------------------ ResidencyListener
 
@@ -97,9 +98,14 @@ class KVEventHook:
 
     def _queue(self, kind: str, tier: str, node: TreeNode) -> None:
         keys = self._keys
+        try:
+            keys.int_keys(node)
+        except StorageKeyError:  # token ids beyond 32 bits have no page key: no event, never a failed transition
+            self.unhashable += 1
+            return
         if kind == "stored":
             lora_id, lora_name = _lora(node.namespace)
-            event = BlockStored(keys.int_keys(node), keys.parent_hash(node), list(node.key), self.page_size,
+            event = BlockStored(keys.int_keys(node), keys.parent_hash(node), node.key, self.page_size,
                                 lora_id, MEDIUMS[tier], lora_name)
         else:
             event = BlockRemoved(keys.int_keys(node), MEDIUMS[tier])
