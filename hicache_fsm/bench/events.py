@@ -13,7 +13,7 @@ Three caches serve the same requests, their timed chunks alternating:
   hand-off to its queue; encoding and sending run on its thread).
 
 With events on, ``flush`` runs once per request (an engine step) inside the
-timed part. The best chunk of each variant is kept. Result keys:
+timed part. The variants' order flips every chunk; the best chunk of each is kept. Result keys:
 ``off_us_per_request``, ``inprocess_us_per_request``, ``zmq_us_per_request``
 and ``inprocess_overhead_pct`` / ``zmq_overhead_pct`` against ``off``.
 """
@@ -90,8 +90,9 @@ def run(args: argparse.Namespace) -> dict:
             requests = make_requests(n, args.seed + 7919 * r, prompts)
             for start in range(0, n - chunk + 1, chunk):
                 part = requests[start : start + chunk]
-                for name, cache in caches.items():
-                    best[name] = min(best[name], _serve(cache, hooks[name], part) / chunk * 1e6)
+                order = list(caches) if (start // chunk + r) % 2 == 0 else list(reversed(caches))
+                for name in order:  # alternate which variant goes first
+                    best[name] = min(best[name], _serve(caches[name], hooks[name], part) / chunk * 1e6)
                 kept.clear()
         events = hooks["inprocess"].events - snapshot_events
     finally:
