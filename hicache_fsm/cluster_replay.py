@@ -32,13 +32,13 @@ from hicache_fsm.events.contents import MEMORY_TIERS, cache_contents
 from hicache_fsm.events.hashes import request_hashes
 from hicache_fsm.events.hook import KVEventHook, enable_kv_events
 from hicache_fsm.pools import default_device
-from hicache_fsm.router import POLICIES, PrefixIndex, Router
-from hicache_fsm.router.policies import DEFAULT_LOAD_CAP
+from hicache_fsm.router.index import PrefixIndex
+from hicache_fsm.router.names import DEFAULT_LOAD_CAP, POLICIES
+from hicache_fsm.router.policies import Router
 from hicache_fsm.simulate import Tier, TierResult, storage_available
 from hicache_fsm.trace import BlockTokens, Trace
 from hicache_fsm.trace_replay import ReplayProgress, TraceReplayer
 
-DEFAULT_INSTANCES_SWEEP = (1, 2, 4, 8)
 DEFAULT_VERIFY_EVERY = 25
 
 

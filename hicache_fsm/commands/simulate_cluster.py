@@ -6,13 +6,17 @@ import argparse
 import json
 import sys
 
-from hicache_fsm.cluster_replay import DEFAULT_INSTANCES_SWEEP, ClusterOptions, ClusterResult, run_cluster, sweep_cluster
+from typing import TYPE_CHECKING
+
 from hicache_fsm.commands.table import columns
 from hicache_fsm.errors import ConfigError, HiCacheError, TraceError
-from hicache_fsm.router import POLICIES
-from hicache_fsm.router.policies import DEFAULT_LOAD_CAP
+from hicache_fsm.router.names import DEFAULT_LOAD_CAP, POLICIES
 from hicache_fsm.trace import load_trace
-from hicache_fsm.trace_replay import ReplayProgress
+
+if TYPE_CHECKING:  # the cluster replay needs the events extra: imported when --instances is given
+    from hicache_fsm.cluster_replay import ClusterResult
+
+DEFAULT_INSTANCES_SWEEP = (1, 2, 4, 8)
 
 PROG = "hicache-fsm simulate"
 
@@ -46,7 +50,7 @@ def _pct(x: float) -> str:
     return f"{100 * x:.1f}%"
 
 
-def format_result(res: ClusterResult) -> str:
+def format_result(res: "ClusterResult") -> str:
     """One column per instance and one for the cluster."""
     def row(label: str, per, total: str) -> tuple[str, list[str]]:
         return label, [per(r) for r in res.results] + [total]
@@ -79,7 +83,7 @@ def format_result(res: ClusterResult) -> str:
     return "\n".join(lines)
 
 
-def format_sweep(results: list[ClusterResult]) -> str:
+def format_sweep(results: list["ClusterResult"]) -> str:
     rows = []
     for r in results:
         d = r.as_dict()
@@ -90,7 +94,7 @@ def format_sweep(results: list[ClusterResult]) -> str:
     return columns(["hit", "device", "host", "storage", "req max/mean", "view exact", "index ok"], rows)
 
 
-def plot_sweep(results: list[ClusterResult], path: str) -> None:
+def plot_sweep(results: list["ClusterResult"], path: str) -> None:
     """Cluster hit rate (solid) and device hit rate (dashed) against the instance count, one colour per policy."""
     import matplotlib
 
@@ -130,6 +134,12 @@ def _counts(text: str | None) -> list[int]:
 
 def run(args: argparse.Namespace, device_tokens: int, host_tokens: int) -> int:
     """The ``--instances`` branch of ``simulate --trace``."""
+    try:
+        from hicache_fsm.cluster_replay import ClusterOptions, run_cluster, sweep_cluster
+        from hicache_fsm.trace_replay import ReplayProgress
+    except ModuleNotFoundError as exc:
+        print(f"{PROG}: --instances needs {exc.name}: pip install 'hicache_fsm[events]'", file=sys.stderr)
+        return 1
     try:
         trace = load_trace(args.trace, args.block_size)
         options = ClusterOptions(trace, args.instances, args.router, device_tokens, host_tokens, args.storage_url,

@@ -76,7 +76,8 @@ class NodeKeys:
             parent = node.parent
             prior = _seed(node.namespace) if parent is None or parent.is_root else self._entry(parent)[0][-1]
             digests = chained_digests(node.key, self.page_size, prior)
-            entry = self._keys[node.id] = (digests, [_int64(d) for d in digests])
+            from_bytes = int.from_bytes
+            entry = self._keys[node.id] = (digests, [from_bytes(d[:8], "big", signed=True) for d in digests])
         return entry
 
     def int_keys(self, node: TreeNode) -> list[int]:

@@ -20,7 +20,12 @@ import queue
 import threading
 from collections import deque
 
-import zmq
+try:
+    import zmq
+except ModuleNotFoundError as exc:  # an optional dependency: say which extra brings it
+    from hicache_fsm.errors import MissingExtra
+
+    raise MissingExtra("KV events", "pyzmq", "events") from exc
 
 from hicache_fsm.errors import ConfigError, HiCacheError
 from hicache_fsm.events.schema import KVEventBatch, encode

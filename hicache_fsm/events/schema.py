@@ -13,7 +13,12 @@ from __future__ import annotations
 
 from typing import Any, Union
 
-import msgspec
+try:
+    import msgspec
+except ModuleNotFoundError as exc:  # an optional dependency: say which extra brings it
+    from hicache_fsm.errors import MissingExtra
+
+    raise MissingExtra("KV events", "msgspec", "events") from exc
 
 
 class EventBatch(msgspec.Struct, omit_defaults=True, gc=False):  # type: ignore[call-arg]

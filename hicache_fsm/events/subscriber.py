@@ -12,7 +12,12 @@ from __future__ import annotations
 
 from typing import Callable
 
-import zmq
+try:
+    import zmq
+except ModuleNotFoundError as exc:  # an optional dependency: say which extra brings it
+    from hicache_fsm.errors import MissingExtra
+
+    raise MissingExtra("KV events", "pyzmq", "events") from exc
 
 from hicache_fsm.errors import HiCacheError
 from hicache_fsm.events.schema import KVEventBatch, decode

@@ -16,9 +16,7 @@ from typing import Sequence
 
 from hicache_fsm.errors import ConfigError
 from hicache_fsm.router.index import PrefixIndex
-
-POLICIES = ("round_robin", "prefix_aware", "prefix_aware_capped")
-DEFAULT_LOAD_CAP = 1.5
+from hicache_fsm.router.names import DEFAULT_LOAD_CAP, POLICIES
 WINDOW_PER_INSTANCE = 8  # recent placements remembered per instance for the load cap
 
 
