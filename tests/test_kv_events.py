@@ -264,3 +264,19 @@ def test_block_hashes_are_the_storage_tiers_page_keys():
         assert request_hashes(tokens, 16, namespace) == [int64_hash(k) for k in keys]
     with pytest.raises(StorageKeyError):  # page keys encode 4-byte ids, here as in storage
         request_hashes((1 << 40,) * 16, 16)
+
+
+def test_enabling_on_a_running_cache_starts_with_a_snapshot_of_it():
+    cache, ex = make_cache(device_pages=4, host_pages=16, config=CacheConfig(write_policy="write_through"))
+    put(cache, pages(2))
+    drain(cache, ex)
+    put(cache, pages(3, start=500))  # the first prefix goes to the host only
+    drain(cache, ex)
+    index = PrefixIndex()
+    hook = enable_kv_events(cache, lambda batch: index.apply("a", batch))
+    actual = cache_contents(cache)
+    assert actual["host"] and actual["device"] != actual["host"]
+    for tier in MEMORY_TIERS:
+        assert index.blocks("a", tier) == actual[tier]
+    disable_kv_events(cache, hook)
+    cache.close()

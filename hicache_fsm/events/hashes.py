@@ -44,12 +44,14 @@ def chained_digests(tokens: Sequence[int], page_size: int, prior: bytes) -> list
         return [bytes.fromhex(k) for k in page_keys(tokens, page_size, prior.hex() or None)]
     if sys.byteorder == "big":
         packed.byteswap()
-    raw = packed.tobytes()
+    raw = memoryview(packed).cast("B")  # pages are hashed in place, never copied
     stride = 4 * page_size
     sha = hashlib.sha256
     out = []
     for start in range(0, len(raw) - stride + 1, stride):
-        prior = sha(prior + raw[start : start + stride]).digest()
+        h = sha(prior)
+        h.update(raw[start : start + stride])
+        prior = h.digest()
         out.append(prior)
     return out
 
