@@ -40,6 +40,8 @@ def chained_digests(tokens: Sequence[int], page_size: int, prior: bytes) -> list
     """SHA-256 digests of every full page of ``tokens`` chained onto ``prior`` (``page_keys`` as bytes)."""
     try:
         packed = array("I", tokens)
+        if packed.itemsize != 4:  # a platform whose unsigned int is not 4 bytes
+            raise TypeError
     except (OverflowError, TypeError):
         return [bytes.fromhex(k) for k in page_keys(tokens, page_size, prior.hex() or None)]
     if sys.byteorder == "big":
