@@ -31,7 +31,7 @@ from hicache_fsm.errors import ConfigError, HiCacheError
 from hicache_fsm.events.schema import KVEventBatch, encode
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
-IDLE_WAIT_S = 0.005  # how long the sender thread sleeps on an empty queue before serving replays again
+IDLE_WAIT_S = 0.05  # how long the sender thread waits on an empty queue before serving replays again (as vLLM: 0.1)
 
 
 class PublisherClosed(HiCacheError):
