@@ -16,7 +16,6 @@ thread and closes the sockets and the context.
 
 from __future__ import annotations
 
-import queue
 import threading
 from collections import deque
 
@@ -31,7 +30,7 @@ from hicache_fsm.errors import ConfigError, HiCacheError
 from hicache_fsm.events.schema import KVEventBatch, encode
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
-IDLE_WAIT_S = 0.05  # how long the sender thread waits on an empty queue before serving replays again (as vLLM: 0.1)
+IDLE_WAIT_S = 0.01  # how long the sender thread sleeps between draining the queue and serving replays
 
 
 class PublisherClosed(HiCacheError):
@@ -68,7 +67,10 @@ class ZmqEventPublisher:
         except zmq.ZMQError as exc:
             self._close_sockets()
             raise ConfigError(f"cannot bind KV event sockets ({endpoint}, {replay_endpoint}): {exc}") from None
-        self._queue: queue.Queue[tuple[int, KVEventBatch]] = queue.Queue(maxsize=max_queue_size)
+        # A plain deque, not queue.Queue: appending wakes no thread (the sender drains it every
+        # IDLE_WAIT_S), so a publish costs the serving thread no GIL hand-off.
+        self._queue: deque[tuple[int, KVEventBatch]] = deque()
+        self.max_queue_size = max_queue_size
         self._buffer: deque[tuple[int, KVEventBatch]] = deque(maxlen=buffer_steps)
         self._buffer_lock = threading.Lock()
         self._next_seq = 0
@@ -97,9 +99,9 @@ class ZmqEventPublisher:
         self._next_seq = seq + 1
         with self._buffer_lock:
             self._buffer.append((seq, batch))
-        try:
-            self._queue.put_nowait((seq, batch))
-        except queue.Full:
+        if len(self._queue) < self.max_queue_size:
+            self._queue.append((seq, batch))
+        else:
             self.dropped += 1
         return seq
 
@@ -120,7 +122,7 @@ class ZmqEventPublisher:
 
     def stats(self) -> dict:
         return {"published": self._next_seq, "sent": self.sent, "dropped": self.dropped, "replays": self.replays,
-                "queued": self._queue.qsize()}
+                "queued": len(self._queue)}
 
     # ------------------------------------------------------------ sender thread
 
@@ -130,14 +132,13 @@ class ZmqEventPublisher:
             if replay is not None:
                 while replay.poll(0):
                     self._serve_replay(replay)
-            try:
-                seq, batch = q.get(timeout=IDLE_WAIT_S)
-            except queue.Empty:
-                if self._stop.is_set():
-                    return
-                continue
-            pub.send_multipart((self.topic, seq.to_bytes(8, "big"), encode(batch)))
-            self.sent += 1
+            while q:
+                seq, batch = q.popleft()
+                pub.send_multipart((self.topic, seq.to_bytes(8, "big"), encode(batch)))
+                self.sent += 1
+            if self._stop.is_set():  # close() refuses new batches first: the queue is drained for good
+                return
+            self._stop.wait(IDLE_WAIT_S)
 
     def _serve_replay(self, replay: zmq.Socket) -> None:
         frames = replay.recv_multipart()
