@@ -35,13 +35,15 @@ _MERMAID_KEYWORDS = frozenset(
 
 
 def edge_label(t: TransitionSpec) -> str:
-    """``trigger [g1, not g2] / d2h`` for one transition."""
+    """``trigger [g1, not g2] / d2h (+host)`` for one transition: guards, jobs, KV events."""
     label = t.trigger
     conditions = [*t.guards, *(f"not {u}" for u in t.unless)]
     if conditions:
         label += f" [{', '.join(conditions)}]"
     if t.emits:
         label += f" / {', '.join(t.emits)}"
+    if t.events:  # "+device" for stored:device, "-host" for removed:host (a colon would break Mermaid labels)
+        label += f" ({', '.join(('+' if e.startswith('stored') else '-') + e.partition(':')[2] for e in t.events)})"
     return label
 
 
@@ -174,6 +176,9 @@ def legend_rows(spec: Spec) -> list[tuple[str, str]]:
         rows.append(('<FONT COLOR="#8a6d00">dashed, amber</FONT>', "in-flight state: a copy is running"))
     if any(s.terminal for s in spec.states):
         rows.append(("double border", "terminal state"))
+    if any(t.events for t in spec.transitions):
+        rows.append(("<I>(+tier, -tier)</I>",
+                     "KV events: stored:tier (now readable there) / removed:tier (no longer readable)"))
     used = dict.fromkeys(j for t in spec.transitions for j in t.emits)
     for kind in used:
         colour = JOB_COLOURS.get(kind, "black")

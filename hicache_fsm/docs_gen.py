@@ -78,10 +78,12 @@ def render_machine_page(spec: Spec) -> str:
         "## Transitions",
         "",
         "Guards listed as `not g` are the transition's `unless` guards. Effects run in order, after every guard "
-        "passed and before the state changes; the jobs under Emits are returned with the transition for the caller to build.",
+        "passed and before the state changes; the jobs under Emits are returned with the transition for the caller to build. "
+        "Events are the KV events a router hears (see the cluster page): `stored:TIER` when the pages become readable "
+        "in a tier, `removed:TIER` when they stop being readable there.",
         "",
-        "| Trigger | From | To | Guards | Effects | Emits | Description |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| Trigger | From | To | Guards | Effects | Emits | Events | Description |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for t in spec.transitions:
         guards = [*t.guards, *(f"not {u}" for u in t.unless)]
@@ -95,6 +97,7 @@ def render_machine_page(spec: Spec) -> str:
                     _cell(_names(guards)),
                     _cell(_names(t.effects)),
                     _cell(_names(t.emits)),
+                    _cell(_names(t.events)),
                     _cell(t.doc),
                 ]
             )

@@ -21,6 +21,7 @@ import attrs
 import yaml
 
 from hicache_fsm.errors import SpecError
+from hicache_fsm.events.names import parse_event
 from hicache_fsm.jobs import JOB_KIND_NAMES
 from hicache_fsm.registry import MachineRegistry, registry_for
 
@@ -47,6 +48,7 @@ TRANSITION_KEYS = {
     "unless": list,
     "effects": list,
     "emits": list,
+    "events": list,
     "doc": str,
 }
 REQUIRED_TOP = ("name", "initial", "states", "transitions")
@@ -76,6 +78,7 @@ class TransitionSpec:
     emits: tuple[str, ...] = ()
     doc: str = ""
     line: int | None = None
+    events: tuple[str, ...] = ()  # KV events for routers, "stored:device" etc. (hicache_fsm.events.names)
 
 
 @attrs.frozen
@@ -374,6 +377,7 @@ def parse_spec(text: str, path: str = "<string>", registry: MachineRegistry | No
     if require_bindings or (require_bindings is None and registry is not None):
         _check_bindings(spec, registry, raw, problems)
     _check_job_kinds(spec, problems)
+    _check_events(spec, problems)
     problems.raise_if_any()
     return spec
 
@@ -425,7 +429,7 @@ def _parse_transitions(raw: _LinedList, problems: _Problems) -> tuple[Transition
             problems.add(tline, f"trigger name {trigger!r} is reserved (it would clash with machine attributes)")
         lists = {
             key: _str_list(item.get(key, []), key, item.key_lines.get(key, item.line), problems)
-            for key in ("source", "guards", "unless", "effects", "emits")
+            for key in ("source", "guards", "unless", "effects", "emits", "events")
         }
         out.append(
             TransitionSpec(
@@ -436,6 +440,7 @@ def _parse_transitions(raw: _LinedList, problems: _Problems) -> tuple[Transition
                 unless=lists["unless"],
                 effects=lists["effects"],
                 emits=lists["emits"],
+                events=lists["events"],
                 doc=str(item.get("doc", "")).strip(),
                 line=item.line,
             )
@@ -544,6 +549,18 @@ def _check_job_kinds(spec: Spec, problems: _Problems) -> None:
         for j in t.emits:
             if j not in JOB_KIND_NAMES:
                 problems.add(t.line, f"job kind {j!r} is unknown; known: {', '.join(sorted(JOB_KIND_NAMES))}")
+
+
+def _check_events(spec: Spec, problems: _Problems) -> None:
+    """Every ``events:`` entry is KIND:TIER with a known kind and tier, listed once."""
+    for t in spec.transitions:
+        for entry in t.events:
+            try:
+                parse_event(entry)
+            except ValueError as exc:
+                problems.add(t.line, f"transition {t.trigger!r}: {exc}")
+        if len(set(t.events)) != len(t.events):
+            problems.add(t.line, f"transition {t.trigger!r} lists an event twice")
 
 
 def load_spec(path: str | Path, registry: MachineRegistry | None = None, *,

@@ -11,5 +11,6 @@ BENCHMARKS = {
     "controller": "hicache_fsm.bench.controller",
     "storage": "hicache_fsm.bench.storage",
     "scale": "hicache_fsm.bench.scale",
+    "events": "hicache_fsm.bench.events",
     "all": "hicache_fsm.bench.all",
 }

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from hicache_fsm.commands import simulate_cluster
 from hicache_fsm.commands.table import columns
 from hicache_fsm.errors import ConfigError, HiCacheError, TraceError
 from hicache_fsm.simulate import INFINITE, TierResult, Workload
@@ -48,7 +49,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                    help=f"tokens per hash id of the trace (default {DEFAULT_BLOCK_SIZE})")
     t.add_argument("--sweep", nargs="?", const="auto", metavar="N,N,...",
                    help="also replay device-only caches of these sizes in tokens (bare: ten sizes from the longest "
-                        "input to everything the trace caches, log-spaced); the JSON gets a 'sweep' entry")
+                        "input to everything the trace caches, log-spaced); the JSON gets a 'sweep' entry; with "
+                        "--instances: instance counts (bare: 1,2,4,8), each with every router policy")
+    simulate_cluster.configure(parser)  # cluster replay: --instances, --router, ...
 
 
 def _sweep(text: str | None, options: TraceOptions, want_plot: bool) -> list[int] | None:
@@ -75,6 +78,8 @@ def _sweep(text: str | None, options: TraceOptions, want_plot: bool) -> list[int
 def trace_only_options(args: argparse.Namespace) -> list[str]:
     """Trace options given without ``--trace`` (they mean nothing to the chat workload)."""
     given = ["--sweep"] if args.sweep is not None else []
+    given += ["--instances"] if args.instances is not None else []  # cluster replay
+    given += simulate_cluster.cluster_only_options(args)
     return given + (["--block-size"] if args.block_size != DEFAULT_BLOCK_SIZE else [])
 
 
@@ -185,6 +190,13 @@ def run(args: argparse.Namespace) -> int:
     if unused:
         print(f"{prog}: {', '.join(unused)} describe the chat workload; a trace brings its own requests",
               file=sys.stderr)
+        return 2
+    # cluster replay (hicache_fsm.cluster_replay): its own report
+    if args.instances is not None:
+        return simulate_cluster.run(
+            args, lambda trace: default_sizes(trace, args.page_size, args.device_tokens, args.host_tokens))
+    if simulate_cluster.cluster_only_options(args):
+        print(f"{prog}: {', '.join(simulate_cluster.cluster_only_options(args))} need --instances", file=sys.stderr)
         return 2
     try:
         for flag, tokens in (("--device-tokens", args.device_tokens), ("--host-tokens", args.host_tokens)):

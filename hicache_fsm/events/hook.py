@@ -1,0 +1,173 @@
+"""Turn a cache's residency transitions into KV event batches (the spec's ``events:`` entries).
+
+:func:`enable_kv_events` registers a :class:`KVEventHook` as a listener of the
+cache's residency driver. Each state change looks up the transition it came
+from by (old state, new state) and queues that transition's declared events,
+with the node's page hashes, tokens and the tier's medium. Batches go to a
+sink (``ZmqEventPublisher.publish``, an in-process ``EventLog``, any
+callable) when ``flush`` is called (an engine calls it once per step) or when
+``max_batch_events`` are queued. Nothing here blocks: the sink decides what to
+do when its consumer is slow.
+
+The driver does not report ``HiCache.reset`` (it replaces the tree): call
+:func:`reset_with_events` instead, which publishes ``AllBlocksCleared``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Callable, Hashable
+
+from hicache_fsm.errors import ConfigError, StorageKeyError
+from hicache_fsm.events.hashes import NodeKeys
+from hicache_fsm.events.names import MEDIUMS, parse_event
+from hicache_fsm.events.schema import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from hicache_fsm.radix import TreeNode
+from hicache_fsm.spec import Spec
+
+if TYPE_CHECKING:
+    from hicache_fsm.cache import HiCache
+
+Sink = Callable[[KVEventBatch], None]
+# The state tag that makes a node's pages readable in each tier (a snapshot of a running cache).
+TIER_TAGS = {"device": "on_device", "host": "on_host", "storage": "stored"}
+
+
+def events_by_move(spec: Spec) -> dict[tuple[str, str], tuple[tuple[str, str], ...]]:
+    """(source, dest) -> the (kind, tier) events declared on that transition.
+
+    ``ConfigError`` when two transitions between the same states declare
+    different events: a listener sees only the states, so it could not tell
+    which to publish.
+    """
+    out: dict[tuple[str, str], tuple[tuple[str, str], ...]] = {}
+    for t in spec.transitions:
+        events = tuple(parse_event(e) for e in t.events)
+        for source in t.sources:
+            key = (source, t.dest)
+            if out.setdefault(key, events) != events:
+                raise ConfigError(f"{spec.name}: transitions {source} -> {t.dest} declare different events")
+    return out
+
+
+def readable_tiers(spec: Spec) -> dict[str, tuple[str, ...]]:
+    """State -> the tiers its pages are readable in, from the state tags."""
+    return {s.name: tuple(tier for tier, tag in TIER_TAGS.items() if tag in s.tags) for s in spec.states}
+
+
+def _lora(namespace: Hashable) -> tuple[int | None, str | None]:
+    if isinstance(namespace, int) and not isinstance(namespace, bool):
+        return namespace, None
+    return None, (namespace if isinstance(namespace, str) else None)
+
+
+class KVEventHook:
+    """A residency listener that queues KV events and hands them to ``sink`` in batches."""
+
+    def __init__(self, spec: Spec, page_size: int, sink: Sink, *, data_parallel_rank: int | None = None,
+                 max_batch_events: int = 256) -> None:
+        if max_batch_events < 1:
+            raise ConfigError(f"max_batch_events must be positive, got {max_batch_events!r}")
+        self.sink = sink
+        self.page_size = page_size
+        self.data_parallel_rank = data_parallel_rank
+        self.max_batch_events = max_batch_events
+        self._moves = events_by_move(spec)
+        self._readable = readable_tiers(spec)
+        self._keys = NodeKeys(page_size)
+        self._pending: list = []
+        self.batches = 0
+        self.events = 0
+        self.unhashable = 0  # events left out: the node's token ids do not fit a page key
+
+    # ------------------------------------------------------------ ResidencyListener
+
+    def state_changed(self, node: TreeNode, old: str) -> None:
+        events = self._moves.get((old, node.state))
+        if events:
+            for kind, tier in events:
+                self._queue(kind, tier, node)
+
+    def split(self, node: TreeNode, upper: TreeNode) -> None:
+        self._keys.split(node, upper)
+
+    def removed(self, node: TreeNode, parent: TreeNode) -> None:
+        self._keys.forget(node)
+
+    # ------------------------------------------------------------ batches
+
+    def _queue(self, kind: str, tier: str, node: TreeNode) -> None:
+        keys = self._keys
+        try:
+            keys.int_keys(node)
+        except StorageKeyError:  # token ids beyond 32 bits have no page key: no event, never a failed transition
+            self.unhashable += 1
+            return
+        if kind == "stored":
+            lora_id, lora_name = _lora(node.namespace)
+            event = BlockStored(keys.int_keys(node), keys.parent_hash(node), node.key, self.page_size,
+                                lora_id, MEDIUMS[tier], lora_name)
+        else:
+            event = BlockRemoved(keys.int_keys(node), MEDIUMS[tier])
+        self._pending.append(event)
+        if len(self._pending) >= self.max_batch_events:
+            self.flush()
+
+    def flush(self) -> None:
+        """Hand the queued events to the sink as one batch (nothing if none are queued)."""
+        if self._pending:
+            events, self._pending = self._pending, []
+            self.batches += 1
+            self.events += len(events)
+            self.sink(KVEventBatch(time.time(), events, self.data_parallel_rank))
+
+    def cleared(self) -> None:
+        """Everything is gone (the cache was reset): queue ``AllBlocksCleared`` and forget every key."""
+        self._keys.clear()
+        self._pending.append(AllBlocksCleared())
+
+    def snapshot(self, nodes: list[TreeNode]) -> None:
+        """``AllBlocksCleared``, then what ``nodes`` (top-down) hold now in each tier, then flush."""
+        self.cleared()
+        for node in nodes:
+            if not node.is_root:
+                for tier in self._readable.get(node.state, ()):
+                    self._queue("stored", tier, node)
+        self.flush()
+
+
+def _top_down(cache: "HiCache") -> list[TreeNode]:
+    out, stack = [], [cache.tree.root]
+    while stack:
+        node = stack.pop()
+        out.append(node)
+        stack.extend(node.children.values())
+    return out
+
+
+def enable_kv_events(cache: "HiCache", sink: Sink, *, data_parallel_rank: int | None = None,
+                     max_batch_events: int = 256) -> KVEventHook:
+    """Publish ``cache``'s KV events to ``sink``; starts with a snapshot of what it holds.
+
+    Returns the hook: call ``flush()`` once per engine step, and
+    :func:`disable_kv_events` to stop.
+    """
+    hook = KVEventHook(cache.driver.machine.spec, cache.page_size, sink, data_parallel_rank=data_parallel_rank,
+                       max_batch_events=max_batch_events)
+    hook.snapshot(_top_down(cache))
+    cache.driver.add_listener(hook)
+    return hook
+
+
+def disable_kv_events(cache: "HiCache", hook: KVEventHook) -> None:
+    """Flush what ``hook`` queued and stop listening."""
+    hook.flush()
+    cache.driver.remove_listener(hook)
+
+
+def reset_with_events(cache: "HiCache", hook: KVEventHook) -> None:
+    """``cache.reset()`` and publish ``AllBlocksCleared`` (the driver does not report a reset)."""
+    hook.flush()
+    cache.reset()
+    hook.cleared()
+    hook.flush()

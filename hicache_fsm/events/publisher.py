@@ -1,0 +1,160 @@
+"""Publish KV event batches on a ZMQ PUB socket, sequence-numbered, with a replay socket.
+
+The wire format is vLLM's and SGLang's ``ZmqEventPublisher``: each batch goes
+out as three frames ``(topic, seq as 8 bytes big-endian, msgpack payload)``;
+a ROUTER socket answers a replay request (the start sequence number as 8
+bytes, after an empty delimiter frame) with every buffered batch from that
+number on, as ``(seq, payload)`` frames, then ``(-1, b"")``.
+
+``publish`` never blocks the cache: it numbers the batch, keeps it in the
+replay buffer and offers it to a bounded queue; when the queue is full the
+batch is not sent live (``dropped`` counts it) and a subscriber sees the gap in
+the sequence numbers and fetches it by replay. One thread owns both sockets
+(ZMQ sockets are not thread-safe); ``close`` sends what is queued, joins the
+thread and closes the sockets and the context.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+
+try:
+    import zmq
+except ModuleNotFoundError as exc:  # an optional dependency: say which extra brings it
+    from hicache_fsm.errors import MissingExtra
+
+    raise MissingExtra("KV events", "pyzmq", "events") from exc
+
+from hicache_fsm.errors import ConfigError, HiCacheError
+from hicache_fsm.events.schema import KVEventBatch, encode
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+IDLE_WAIT_S = 0.01  # how long the sender thread sleeps between draining the queue and serving replays
+
+
+class PublisherClosed(HiCacheError):
+    """``publish`` after ``close``."""
+
+
+class ZmqEventPublisher:
+    """PUB socket + replay ROUTER socket, fed from a bounded queue by ``publish`` (see module docstring).
+
+    Endpoints ending in ``:*`` bind a free port; ``endpoint`` and
+    ``replay_endpoint`` then hold the address actually bound.
+    """
+
+    def __init__(self, endpoint: str = "tcp://127.0.0.1:*", replay_endpoint: str | None = "tcp://127.0.0.1:*", *,
+                 buffer_steps: int = 10_000, hwm: int = 100_000, max_queue_size: int = 100_000, topic: str = "",
+                 data_parallel_rank: int | None = None) -> None:
+        for name, value in (("buffer_steps", buffer_steps), ("hwm", hwm), ("max_queue_size", max_queue_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be a positive int, got {value!r}")
+        self.topic = topic.encode("utf-8")
+        self.data_parallel_rank = data_parallel_rank
+        self._ctx = zmq.Context()
+        self._pub = self._replay = None
+        try:
+            self._pub = self._ctx.socket(zmq.PUB)
+            self._pub.set_hwm(hwm)
+            self._pub.bind(endpoint)
+            self.endpoint = self._pub.getsockopt(zmq.LAST_ENDPOINT).decode()
+            self.replay_endpoint = None
+            if replay_endpoint is not None:
+                self._replay = self._ctx.socket(zmq.ROUTER)
+                self._replay.bind(replay_endpoint)
+                self.replay_endpoint = self._replay.getsockopt(zmq.LAST_ENDPOINT).decode()
+        except zmq.ZMQError as exc:
+            self._close_sockets()
+            raise ConfigError(f"cannot bind KV event sockets ({endpoint}, {replay_endpoint}): {exc}") from None
+        # A plain deque, not queue.Queue: appending wakes no thread (the sender drains it every
+        # IDLE_WAIT_S), so a publish costs the serving thread no GIL hand-off.
+        self._queue: deque[tuple[int, KVEventBatch]] = deque()
+        self.max_queue_size = max_queue_size
+        self._buffer: deque[tuple[int, KVEventBatch]] = deque(maxlen=buffer_steps)
+        self._buffer_lock = threading.Lock()
+        self._next_seq = 0
+        self._stop = threading.Event()
+        self._closed = False
+        self.dropped = 0  # batches not sent live (queue full); still in the replay buffer
+        self.sent = 0
+        self.replays = 0
+        self._thread = threading.Thread(target=self._run, name="kv-event-publisher", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ caller side
+
+    @property
+    def next_seq(self) -> int:
+        """The sequence number the next batch will get (= batches published so far)."""
+        return self._next_seq
+
+    def publish(self, batch: KVEventBatch) -> int:
+        """Number ``batch``, buffer it for replay and queue it for sending; returns its sequence number."""
+        if self._closed:
+            raise PublisherClosed("this KV event publisher is closed")
+        if batch.data_parallel_rank is None and self.data_parallel_rank is not None:
+            batch.data_parallel_rank = self.data_parallel_rank
+        seq = self._next_seq
+        self._next_seq = seq + 1
+        with self._buffer_lock:
+            self._buffer.append((seq, batch))
+        if len(self._queue) < self.max_queue_size:
+            self._queue.append((seq, batch))
+        else:
+            self.dropped += 1
+        return seq
+
+    def close(self) -> None:
+        """Send what is queued, stop the thread, close the sockets (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        self._thread.join()
+        self._close_sockets()
+
+    def __enter__(self) -> "ZmqEventPublisher":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def stats(self) -> dict:
+        return {"published": self._next_seq, "sent": self.sent, "dropped": self.dropped, "replays": self.replays,
+                "queued": len(self._queue)}
+
+    # ------------------------------------------------------------ sender thread
+
+    def _run(self) -> None:
+        pub, replay, q = self._pub, self._replay, self._queue
+        while True:
+            if replay is not None:
+                while replay.poll(0):
+                    self._serve_replay(replay)
+            while q:
+                seq, batch = q.popleft()
+                pub.send_multipart((self.topic, seq.to_bytes(8, "big"), encode(batch)))
+                self.sent += 1
+            if self._stop.is_set():  # close() refuses new batches first: the queue is drained for good
+                return
+            self._stop.wait(IDLE_WAIT_S)
+
+    def _serve_replay(self, replay: zmq.Socket) -> None:
+        frames = replay.recv_multipart()
+        if len(frames) != 3 or len(frames[2]) != 8:
+            return  # not a replay request: ignored, as vLLM does
+        client, _, start = frames
+        start_seq = int.from_bytes(start, "big")
+        self.replays += 1
+        with self._buffer_lock:
+            wanted = [(seq, batch) for seq, batch in self._buffer if seq >= start_seq]
+        for seq, batch in wanted:
+            replay.send_multipart((client, b"", seq.to_bytes(8, "big"), encode(batch)))
+        replay.send_multipart((client, b"", END_SEQ, b""))
+
+    def _close_sockets(self) -> None:
+        for sock in (self._pub, self._replay):
+            if sock is not None:
+                sock.close(linger=0)
+        self._ctx.term()

@@ -1,0 +1,92 @@
+"""The router's view of every instance: block hashes per instance and tier, from events only.
+
+Applying an instance's batches in sequence order keeps, for each tier
+(``device``, ``host``, ``storage``), the set of block hashes readable there:
+``BlockStored`` adds, ``BlockRemoved`` takes away, ``AllBlocksCleared``
+empties the instance. Block hashes chain (a hash names its whole prefix), so
+"how long a prefix does instance *i* hold" is how many of a request's hashes,
+from the first, are in its sets. Storage (L3) shared by the cluster is
+answered from the union of every instance's storage announcements.
+"""
+
+from __future__ import annotations
+
+from typing import Hashable, Iterable, Sequence
+
+from hicache_fsm.events.names import TIER_OF_MEDIUM, TIERS
+from hicache_fsm.events.schema import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+
+
+class PrefixIndex:
+    """Block hashes per (instance, tier), kept from KV event batches."""
+
+    def __init__(self) -> None:
+        self._blocks: dict[Hashable, dict[str, set[int]]] = {}
+        self._shared_storage: dict[int, int] = {}  # hash -> how many instances announced it in storage
+        self.unknown_media = 0  # events whose medium is not one of ours (ignored)
+
+    def _tiers(self, instance: Hashable) -> dict[str, set[int]]:
+        tiers = self._blocks.get(instance)
+        if tiers is None:
+            tiers = self._blocks[instance] = {tier: set() for tier in TIERS}
+        return tiers
+
+    @property
+    def instances(self) -> list[Hashable]:
+        return list(self._blocks)
+
+    def apply(self, instance: Hashable, batch: KVEventBatch) -> None:
+        """Fold one batch from ``instance`` into the view (batches must come in sequence order)."""
+        tiers = self._tiers(instance)
+        for event in batch.events:
+            if isinstance(event, AllBlocksCleared):
+                for hashes in tiers["storage"]:
+                    self._forget_storage(hashes)
+                for blocks in tiers.values():
+                    blocks.clear()
+                continue
+            tier = TIER_OF_MEDIUM.get(event.medium)
+            if tier is None:
+                self.unknown_media += 1
+                continue
+            blocks = tiers[tier]
+            if isinstance(event, BlockStored):
+                for h in event.block_hashes:
+                    if tier == "storage" and h not in blocks:
+                        self._shared_storage[h] = self._shared_storage.get(h, 0) + 1
+                    blocks.add(h)
+            elif isinstance(event, BlockRemoved):
+                for h in event.block_hashes:
+                    if tier == "storage" and h in blocks:
+                        self._forget_storage(h)
+                    blocks.discard(h)
+
+    def _forget_storage(self, h: int) -> None:
+        left = self._shared_storage.get(h, 0) - 1
+        if left > 0:
+            self._shared_storage[h] = left
+        else:
+            self._shared_storage.pop(h, None)
+
+    def blocks(self, instance: Hashable, tier: str) -> frozenset[int]:
+        """The hashes ``instance`` announced as readable in ``tier``."""
+        return frozenset(self._tiers(instance)[tier])
+
+    def prefix_pages(self, instance: Hashable, hashes: Sequence[int], tiers: Iterable[str] = ("device", "host"),
+                     shared_storage: bool = False) -> int:
+        """How many of ``hashes``, from the first, ``instance`` holds in any of ``tiers`` (or in shared L3)."""
+        sets = [self._tiers(instance)[t] for t in tiers]
+        if shared_storage:
+            sets.append(self._shared_storage)  # type: ignore[arg-type]  (membership only)
+        n = 0
+        for h in hashes:
+            if not any(h in s for s in sets):
+                break
+            n += 1
+        return n
+
+    def longest_prefixes(self, hashes: Sequence[int], instances: Iterable[Hashable],
+                         tiers: Iterable[str] = ("device", "host")) -> dict[Hashable, int]:
+        """Instance -> the pages of ``hashes`` it holds from the start (the router's question)."""
+        tiers = tuple(tiers)
+        return {i: self.prefix_pages(i, hashes, tiers) for i in instances}

@@ -1,0 +1,94 @@
+"""Cluster replay: N caches behind a router fed by KV events; the event-built index matches every cache."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from hicache_fsm.cluster_replay import ClusterOptions, run_cluster
+from hicache_fsm.errors import ConfigError
+from hicache_fsm.trace import load_trace
+
+pytest.importorskip("zmq")
+
+
+@pytest.fixture
+def trace_file(tmp_path):
+    """Three conversations of four turns, each turn extending its conversation's prefix."""
+    lines, ts = [], 0
+    for turn in range(4):
+        for conv in range(3):
+            ids = [100 * conv + i for i in range(turn + 2)]
+            lines.append(json.dumps({"timestamp": ts, "input_length": 64 * len(ids), "output_length": 8,
+                                     "hash_ids": ids}))
+            ts += 10
+    path = tmp_path / "trace.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _options(trace_file, **kw) -> ClusterOptions:
+    trace = load_trace(str(trace_file), 64)
+    base = dict(instances=3, device_tokens=1024, host_tokens=2048, page_size=16, device="cpu", verify_every=1)
+    base.update(kw)
+    return ClusterOptions(trace, **base)
+
+
+@pytest.mark.parametrize("storage", [False, True])
+def test_index_built_from_events_matches_every_instance_after_every_request(trace_file, storage):
+    result = run_cluster(_options(trace_file, policy="round_robin", storage=storage,
+                                  storage_url="memory://cluster-test" if storage else None))
+    assert result.index_checks == 12 * 3
+    assert result.index_agreements == result.index_checks
+    assert result.staleness.decisions == 12
+    assert [r.requests for r in result.results] == [4, 4, 4]
+
+
+def test_prefix_aware_keeps_a_conversation_on_one_instance_and_hits_more(trace_file):
+    # two instances for three conversations: round robin moves every conversation at each turn
+    rr = run_cluster(_options(trace_file, instances=2, policy="round_robin", storage=False))
+    pa = run_cluster(_options(trace_file, instances=2, policy="prefix_aware", storage=False))
+    assert pa.hit_rate > rr.hit_rate
+    assert pa.staleness.exact == pa.staleness.decisions  # a current view predicts every hit
+
+
+def test_a_lagging_view_shows_up_as_stale_predictions(trace_file):
+    lagging = run_cluster(_options(trace_file, policy="prefix_aware", storage=False, event_lag=3))
+    assert lagging.staleness.as_dict()["mean_batches_behind"] > 0
+    assert lagging.index_checks == 0  # the index is compared only when it is meant to be current
+
+
+@pytest.mark.parametrize("kw", [dict(instances=0), dict(policy="random"), dict(event_lag=-1),
+                                dict(storage_url="memory://")])
+def test_bad_cluster_options_are_config_errors(trace_file, kw):
+    with pytest.raises(ConfigError):
+        _options(trace_file, **kw)
+
+
+def _simulate(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hicache_fsm", "simulate", *args], capture_output=True, text=True)
+
+
+def test_cli_cluster_replay_json(trace_file):
+    proc = _simulate("--trace", str(trace_file), "--block-size", "64", "--instances", "2", "--router",
+                     "prefix_aware_capped", "--device-tokens", "1024", "--host-tokens", "2048", "--no-storage",
+                     "--device", "cpu", "--no-progress", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["instances"] == 2 and out["policy"] == "prefix_aware_capped"
+    assert out["index_agreements"] == out["index_checks"] > 0
+    assert "router view" in proc.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--router", "round_robin"], "--router need --instances"),
+    (["--instances", "0"], "instances must be a positive int"),
+    (["--instances", "2", "--sweep", "x"], "instance counts"),
+])
+def test_cli_cluster_usage_errors_are_one_line_and_exit_2(trace_file, args, message):
+    proc = _simulate("--trace", str(trace_file), "--block-size", "64", "--no-progress", *args)
+    assert proc.returncode == 2
+    assert message in proc.stderr and "Traceback" not in proc.stderr

@@ -1,0 +1,282 @@
+"""KV events: the spec's ``events:`` entries, the wire schema, and an index rebuilt from events alone."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cache_helpers import drain, make_cache, pages, put
+from hicache_fsm.config import CacheConfig
+from hicache_fsm.diagrams import edge_label
+from hicache_fsm.errors import ConfigError, SpecError, StorageKeyError
+from hicache_fsm.events.contents import MEMORY_TIERS, cache_contents
+from hicache_fsm.events.hashes import int64_hash, request_hashes
+from hicache_fsm.events.hook import TIER_TAGS, disable_kv_events, enable_kv_events, reset_with_events
+from hicache_fsm.events.names import parse_event
+from hicache_fsm.events.schema import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, decode, encode
+from hicache_fsm.router import PrefixIndex, Router
+from hicache_fsm.spec import load_builtin, parse_spec
+
+RESIDENCY = load_builtin("residency")
+
+
+# ------------------------------------------------------------------ spec
+
+
+def _spec_with_events(entry: str) -> str:
+    return f"""name: tiny
+initial: a
+states:
+  a: {{}}
+  b: {{tags: [terminal]}}
+transitions:
+  - trigger: go
+    source: a
+    dest: b
+    events: [{entry}]
+"""
+
+
+@pytest.mark.parametrize("entry, message", [
+    ("stored:gpu", "event medium 'gpu' is unknown"),
+    ("kept:device", "event kind 'kept' is unknown"),
+    ("stored", "must be KIND:TIER"),
+    ("stored:device, stored:device", "lists an event twice"),
+])
+def test_bad_events_entry_is_a_load_error_with_its_line(entry, message):
+    with pytest.raises(SpecError) as err:
+        parse_spec(_spec_with_events(entry), "tiny.yaml", require_bindings=False)
+    assert message in str(err.value)
+    assert err.value.line == 7
+
+
+def test_events_entry_loads_and_shows_on_the_edge():
+    spec = parse_spec(_spec_with_events("removed:host"), "tiny.yaml", require_bindings=False)
+    assert spec.transitions[0].events == ("removed:host",)
+    assert edge_label(spec.transitions[0]) == "go (-host)"
+
+
+def test_residency_events_are_the_tier_readability_changes_of_each_transition():
+    """Declared events = tiers readable after minus before (by state tags); L3 copies outlive a removed node."""
+    tags = {s.name: s.tags for s in RESIDENCY.states}
+
+    def readable(state):
+        return {tier for tier, tag in TIER_TAGS.items() if tag in tags[state]}
+
+    for t in RESIDENCY.transitions:
+        for source in t.sources:
+            before, after = readable(source), readable(t.dest)
+            expected = {f"stored:{x}" for x in after - before} | {f"removed:{x}" for x in before - after}
+            if RESIDENCY.state(t.dest).terminal:
+                expected.discard("removed:storage")
+            assert set(t.events) == expected, (t.trigger, source)
+            assert all(parse_event(e) for e in t.events)
+
+
+# ------------------------------------------------------------------ schema
+
+
+def test_schema_has_vllms_field_names_in_order():
+    assert BlockStored.__struct_fields__[:6] == (
+        "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium")
+    assert BlockRemoved.__struct_fields__ == ("block_hashes", "medium")
+    assert KVEventBatch.__struct_fields__ == ("ts", "events", "data_parallel_rank")
+    batch = KVEventBatch(1.5, [BlockStored([1, -2], None, [7] * 8, 4, None, "GPU"), BlockRemoved([3], "CPU_TIER1"),
+                               AllBlocksCleared()], 0)
+    assert decode(encode(batch)) == batch
+    raw = msgspec.msgpack.decode(encode(batch))
+    assert [e["type"] for e in raw["events"]] == ["BlockStored", "BlockRemoved", "AllBlocksCleared"]
+
+
+def test_block_hash_is_sglangs_int64_of_the_page_key():
+    assert int64_hash("ffffffffffffffff" + "0" * 48) == -1
+    assert int64_hash("7fffffffffffffff" + "0" * 48) == (1 << 63) - 1
+    assert int64_hash("0000000000000001" + "f" * 48) == 1
+
+
+# ------------------------------------------------------------------ the hook on a real cache
+
+
+def test_insert_backup_and_eviction_publish_per_tier():
+    cache, ex = make_cache(device_pages=4, host_pages=16, config=CacheConfig(write_policy="write_through"))
+    batches: list[KVEventBatch] = []
+    hook = enable_kv_events(cache, batches.append)
+    put(cache, pages(3))
+    hook.flush()
+    stored = [e for b in batches for e in b.events if isinstance(e, BlockStored)]
+    assert [e.medium for e in stored] == ["GPU"]
+    assert stored[0].block_hashes == request_hashes(pages(3), 4)
+    assert list(stored[0].token_ids) == list(pages(3)) and stored[0].block_size == 4
+    drain(cache, ex)
+    put(cache, pages(3, start=1000))  # needs the device room: the first prefix is evicted to the host
+    drain(cache, ex)
+    hook.flush()
+    kinds = [(type(e).__name__, e.medium) for b in batches for e in b.events if not isinstance(e, AllBlocksCleared)]
+    assert ("BlockStored", "CPU_TIER1") in kinds and ("BlockRemoved", "GPU") in kinds
+    disable_kv_events(cache, hook)
+    cache.close()
+
+
+# ------------------------------------------------------------------ index from events == caches
+
+
+class LossyChannel:
+    """One instance's batches: numbered, kept for replay, delivered live unless dropped (as the ZMQ publisher)."""
+
+    def __init__(self, drops) -> None:
+        self.buffer: list[KVEventBatch] = []
+        self.live: list[tuple[int, KVEventBatch]] = []
+        self.drops = drops  # an iterator of booleans: drop this batch on the live path?
+
+    def publish(self, batch: KVEventBatch) -> None:
+        seq = len(self.buffer)
+        self.buffer.append(batch)
+        if not next(self.drops, False):
+            self.live.append((seq, decode(encode(batch))))  # over the wire format
+
+
+class Follower:
+    """A subscriber: applies live batches in order, replays the gap when a sequence number jumps or at a check."""
+
+    def __init__(self, index: PrefixIndex, instance: int, channel: LossyChannel) -> None:
+        self.index, self.instance, self.channel = index, instance, channel
+        self.next_seq = 0
+        self.replayed = 0
+
+    def catch_up(self, until: int) -> None:
+        for seq in range(self.next_seq, until):
+            self.index.apply(self.instance, decode(encode(self.channel.buffer[seq])))
+            self.replayed += 1
+        self.next_seq = max(self.next_seq, until)
+
+    def receive(self) -> None:
+        for seq, batch in self.channel.live:
+            if seq > self.next_seq:
+                self.catch_up(seq)
+            if seq == self.next_seq:
+                self.index.apply(self.instance, batch)
+                self.next_seq += 1
+        self.channel.live.clear()
+
+
+PREFIXES = [pages(2, start=0), pages(1, start=100), pages(3, start=200)]
+OPS = st.one_of(
+    st.tuples(st.just("put"), st.integers(0, 1), st.integers(0, 2), st.integers(0, 3), st.integers(0, 5)),
+    st.tuples(st.just("load"), st.integers(0, 1), st.integers(0, 2)),
+    st.tuples(st.just("drain"), st.integers(0, 1)),
+    st.tuples(st.just("reset"), st.integers(0, 1)),
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(OPS, min_size=1, max_size=25), drops=st.lists(st.booleans(), max_size=60))
+def test_index_from_events_equals_every_cache_at_every_quiescent_point(ops, drops):
+    drop_iter = iter(drops)
+    index = PrefixIndex()
+    caches, hooks, followers = [], [], []
+    for i in range(2):
+        cache, ex = make_cache(device_pages=6, host_pages=10, config=CacheConfig(write_policy="write_through"))
+        channel = LossyChannel(drop_iter)
+        hooks.append(enable_kv_events(cache, channel.publish, max_batch_events=3))
+        caches.append((cache, ex))
+        followers.append(Follower(index, i, channel))
+    try:
+        for op in ops:
+            kind, i = op[0], op[1]
+            cache, ex = caches[i]
+            if kind == "put":
+                _, _, p, n, tag = op
+                put(cache, PREFIXES[p] + pages(n, start=1000 + 100 * tag))
+            elif kind == "load":
+                m = cache.match_prefix(PREFIXES[op[2]])
+                if m.host_hit_length:
+                    cache.load_back(m.last_host_node)
+            elif kind == "drain":
+                drain(cache, ex)
+            else:
+                drain(cache, ex)
+                reset_with_events(cache, hooks[i])
+            for j, (hook, follower) in enumerate(zip(hooks, followers)):  # a quiescent point: flush, deliver
+                hook.flush()
+                follower.receive()
+                follower.catch_up(len(follower.channel.buffer))  # the tail a drop hid: the check replays it
+                actual = cache_contents(caches[j][0])
+                for tier in MEMORY_TIERS:
+                    assert index.blocks(j, tier) == actual[tier], (op, j, tier)
+    finally:
+        for cache, _ in caches:
+            cache.close()
+
+
+# ------------------------------------------------------------------ router
+
+
+def _index_with(instance_blocks: dict[int, list[int]]) -> PrefixIndex:
+    index = PrefixIndex()
+    for i, hashes in instance_blocks.items():
+        index.apply(i, KVEventBatch(0.0, [BlockStored(hashes, None, [], 4, None, "GPU")]))
+    return index
+
+
+def test_prefix_aware_picks_the_longest_prefix_round_robin_cycles():
+    index = _index_with({0: [1], 1: [1, 2, 3], 2: []})
+    assert index.longest_prefixes([1, 2, 3, 4], range(3)) == {0: 1, 1: 3, 2: 0}
+    assert Router(3, "prefix_aware", index).place([1, 2, 3, 4]) == 1
+    rr = Router(3, "round_robin", index)
+    assert [rr.place([1]) for _ in range(4)] == [0, 1, 2, 0]
+
+
+def test_load_cap_spreads_requests_that_all_share_one_prefix():
+    index = _index_with({0: [1, 2], 1: [], 2: []})
+    capped = Router(3, "prefix_aware_capped", index, load_cap=1.5)
+    choices = [capped.place([1, 2]) for _ in range(30)]
+    assert max(choices.count(i) for i in range(3)) <= 1.5 * 30 / 3 + 2
+    uncapped = Router(3, "prefix_aware", index)
+    assert {uncapped.place([1, 2]) for _ in range(30)} == {0}
+
+
+def test_router_rejects_bad_settings():
+    with pytest.raises(ConfigError):
+        Router(0, "prefix_aware", PrefixIndex())
+    with pytest.raises(ConfigError):
+        Router(2, "random", PrefixIndex())
+    with pytest.raises(ConfigError):
+        Router(2, "prefix_aware_capped", PrefixIndex(), load_cap=0.5)
+
+
+def test_removed_and_cleared_take_blocks_out_of_the_index():
+    index = _index_with({0: [1, 2, 3]})
+    index.apply(0, KVEventBatch(0.0, [BlockRemoved([3], "GPU")]))
+    assert index.prefix_pages(0, [1, 2, 3]) == 2
+    index.apply(0, KVEventBatch(0.0, [AllBlocksCleared()]))
+    assert index.blocks(0, "device") == frozenset()
+
+
+def test_block_hashes_are_the_storage_tiers_page_keys():
+    from hicache_fsm.storage.keys import page_keys
+    from hicache_fsm.storage.tier import namespace_seed
+
+    tokens = tuple(range(40_000, 40_064))
+    for namespace in (None, "tenant-a", 7):
+        keys = page_keys(tokens, 16, namespace_seed(namespace))
+        assert request_hashes(tokens, 16, namespace) == [int64_hash(k) for k in keys]
+    with pytest.raises(StorageKeyError):  # page keys encode 4-byte ids, here as in storage
+        request_hashes((1 << 40,) * 16, 16)
+
+
+def test_enabling_on_a_running_cache_starts_with_a_snapshot_of_it():
+    cache, ex = make_cache(device_pages=4, host_pages=16, config=CacheConfig(write_policy="write_through"))
+    put(cache, pages(2))
+    drain(cache, ex)
+    put(cache, pages(3, start=500))  # the first prefix goes to the host only
+    drain(cache, ex)
+    index = PrefixIndex()
+    hook = enable_kv_events(cache, lambda batch: index.apply("a", batch))
+    actual = cache_contents(cache)
+    assert actual["host"] and actual["device"] != actual["host"]
+    for tier in MEMORY_TIERS:
+        assert index.blocks("a", tier) == actual[tier]
+    disable_kv_events(cache, hook)
+    cache.close()

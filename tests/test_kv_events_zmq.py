@@ -1,0 +1,159 @@
+"""KV events over real ZMQ sockets on 127.0.0.1: another process decodes them; drops are recovered by replay."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from cache_helpers import drain, make_cache, pages, put
+from hicache_fsm.config import CacheConfig
+from hicache_fsm.events.contents import MEMORY_TIERS, cache_contents
+from hicache_fsm.events.hook import enable_kv_events
+from hicache_fsm.events.publisher import PublisherClosed, ZmqEventPublisher
+from hicache_fsm.events.schema import BlockRemoved, BlockStored, KVEventBatch
+from hicache_fsm.events.subscriber import ZmqEventSubscriber
+from hicache_fsm.router import PrefixIndex
+
+pytest.importorskip("zmq")
+
+# A subscriber written against the vLLM/SGLang schema alone: it declares its own structs.
+SUBSCRIBER = textwrap.dedent("""
+    import json, sys
+    from typing import Optional, Union
+    import msgspec, zmq
+
+    class Ev(msgspec.Struct, tag=True, omit_defaults=True):
+        pass
+    class BlockStored(Ev):
+        block_hashes: list[int]
+        parent_block_hash: Optional[int]
+        token_ids: list[int]
+        block_size: int
+        lora_id: Optional[int]
+        medium: Optional[str]
+        lora_name: Optional[str] = None
+    class BlockRemoved(Ev):
+        block_hashes: list[int]
+        medium: Optional[str]
+    class AllBlocksCleared(Ev):
+        pass
+    class KVEventBatch(msgspec.Struct, omit_defaults=True):
+        ts: float
+        events: list[Union[BlockStored, BlockRemoved, AllBlocksCleared]]
+        data_parallel_rank: Optional[int] = None
+
+    endpoint, replay_endpoint, total = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    dec = msgspec.msgpack.Decoder(KVEventBatch)
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB); sub.setsockopt(zmq.SUBSCRIBE, b""); sub.connect(endpoint)
+    rep = ctx.socket(zmq.DEALER); rep.connect(replay_endpoint)
+    got = {}
+    def replay(start):
+        rep.send_multipart([b"", start.to_bytes(8, "big")])
+        while True:
+            _, seq, payload = rep.recv_multipart()
+            seq = int.from_bytes(seq, "big", signed=True)
+            if seq == -1:
+                return
+            got.setdefault(seq, dec.decode(payload))
+    def next_missing():
+        n = 0
+        while n in got:
+            n += 1
+        return n
+    replay(0)
+    print("ready", flush=True)
+    live = 0
+    while next_missing() < total:
+        if sub.poll(200):
+            _, seq, payload = sub.recv_multipart()
+            seq = int.from_bytes(seq, "big")
+            live += 1
+            if seq > next_missing():
+                replay(next_missing())
+            got.setdefault(seq, dec.decode(payload))
+        else:
+            replay(next_missing())
+    out = [[[type(e).__name__, getattr(e, "medium", None), getattr(e, "block_hashes", [])] for e in got[s].events]
+           for s in range(total)]
+    print(json.dumps({"batches": out, "live": live}), flush=True)
+    sub.close(0); rep.close(0); ctx.term()
+""")
+
+
+def _summary(batches: list[KVEventBatch]) -> list:
+    return [[[type(e).__name__, getattr(e, "medium", None), list(getattr(e, "block_hashes", []))] for e in b.events]
+            for b in batches]
+
+
+def test_a_subscriber_in_another_process_decodes_the_events():
+    cache, ex = make_cache(device_pages=4, host_pages=16, config=CacheConfig(write_policy="write_through"))
+    sent: list[KVEventBatch] = []
+    with ZmqEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*") as pub:
+        def publish(batch):
+            sent.append(batch)
+            pub.publish(batch)
+        hook = enable_kv_events(cache, publish)
+        put(cache, pages(3))
+        hook.flush()
+        drain(cache, ex)
+        put(cache, pages(3, start=500))  # evicts the first prefix from the device: removals
+        drain(cache, ex)
+        hook.flush()
+        total = len(sent) + 1
+        proc = subprocess.Popen([sys.executable, "-c", SUBSCRIBER, pub.endpoint, pub.replay_endpoint, str(total)],
+                                stdout=subprocess.PIPE, text=True)
+        try:
+            assert proc.stdout.readline().strip() == "ready"
+            put(cache, pages(2, start=900))  # published while the subscriber listens live
+            hook.flush()
+            assert len(sent) == total
+            out, _ = proc.communicate(timeout=120)  # a bound for a hung child only
+        finally:
+            proc.kill()
+        assert proc.returncode == 0
+    result = json.loads(out)
+    assert result["batches"] == _summary(sent)
+    media = {m for b in result["batches"] for _, m, _ in b}
+    assert {"GPU", "CPU_TIER1"} <= media
+    cache.close()
+
+
+def test_dropped_batches_are_seen_as_gaps_and_recovered_by_replay():
+    cache, ex = make_cache(device_pages=6, host_pages=10, config=CacheConfig(write_policy="write_through"))
+    index = PrefixIndex()
+    with ZmqEventPublisher(max_queue_size=1) as pub, ZmqEventSubscriber(pub.endpoint, pub.replay_endpoint) as sub:
+        hook = enable_kv_events(cache, pub.publish, max_batch_events=1)  # one event a batch: many batches
+        for start in range(0, 2000, 100):
+            put(cache, pages(2) + pages(1, start=1000 + start))
+            drain(cache, ex)
+        hook.flush()
+        assert pub.dropped > 0  # the queue holds one batch: most are not sent live
+        while sub.next_seq < pub.next_seq:
+            batches = sub.receive(timeout_ms=50) or sub.catch_up()
+            for _, batch in batches:
+                index.apply(0, batch)
+        assert sub.replayed > 0 and sub.lost == 0
+        actual = cache_contents(cache)
+        for tier in MEMORY_TIERS:
+            assert index.blocks(0, tier) == actual[tier]
+    cache.close()
+
+
+def test_publish_after_close_is_refused_and_close_is_idempotent():
+    pub = ZmqEventPublisher()
+    pub.close()
+    pub.close()
+    with pytest.raises(PublisherClosed):
+        pub.publish(KVEventBatch(0.0, [BlockRemoved([1], "GPU")]))
+
+
+def test_publisher_stamps_its_rank_and_numbers_batches():
+    with ZmqEventPublisher(data_parallel_rank=3) as pub:
+        batch = KVEventBatch(0.0, [BlockStored([1], None, [1, 2], 2, None, "GPU")])
+        assert pub.publish(batch) == 0 and pub.publish(batch) == 1
+        assert batch.data_parallel_rank == 3
