@@ -21,7 +21,8 @@ FACADE = "hicache_fsm.cache"
 MAX_LINES = 800
 # who may import the facade: the engine-facing tools built on top of it
 FACADE_USERS = ("hicache_fsm.commands", "hicache_fsm.bench", "hicache_fsm.testing", "hicache_fsm.simulate",
-                "hicache_fsm.trace_replay", "hicache_fsm.metrics", "hicache_fsm.integrations")
+                "hicache_fsm.trace_replay", "hicache_fsm.metrics", "hicache_fsm.integrations",
+                "hicache_fsm.events", "hicache_fsm.cluster_replay")
 
 
 def module_name(path: Path) -> str:
