@@ -69,7 +69,7 @@ from hicache_fsm.results import DeviceGrant, InsertResult, LoadBack, LoadCancell
 from hicache_fsm.spec import load_builtin
 from hicache_fsm.storage.ownership import check_completion_owner
 from hicache_fsm.storage.tier import attach_storage
-from hicache_fsm.tokens import as_token_ids
+from hicache_fsm.tokens import TokenIds, pack_token_ids
 from hicache_fsm.tp import RankGroup, StepAgreement
 
 log = logging.getLogger("hicache_fsm.cache")
@@ -271,16 +271,19 @@ class HiCache:
 
     # ================================================================== match and insert
 
-    def _token_ids(self, tokens: object) -> tuple:
-        """``tokens`` as a checked tuple of ids (``BadTokenIds`` names the first bad one).
+    def _token_ids(self, tokens: object) -> TokenIds:
+        """``tokens`` checked and packed once (``BadTokenIds`` names the first bad one).
 
-        The last tuple checked is remembered (by identity: tuples are
+        The last tuple packed is remembered (by identity: tuples are
         immutable), so ``insert`` after ``match_prefix`` with the same tuple
-        checks nothing again.
+        packs nothing again; a ``TokenIds`` is already packed.
         """
-        if tokens is self._checked_tokens:
-            return tokens
-        ids = self._checked_tokens = as_token_ids(tokens)
+        memo = self._checked_tokens  # () or (the tuple, its packing)
+        if memo and tokens is memo[0]:
+            return memo[1]
+        ids = pack_token_ids(tokens)
+        if type(tokens) is tuple:
+            self._checked_tokens = (tokens, ids)
         return ids
 
     def match_prefix(self, tokens: Sequence[int], namespace: Hashable = None) -> MatchResult:
@@ -387,7 +390,7 @@ class HiCache:
             else:
                 own.extend([None] * (node.num_tokens // ps))
         if partial:
-            child = (path[-1] if path else self.tree.root).children[(namespace, tokens[matched : matched + ps])]
+            child = (path[-1] if path else self.tree.root).children[self.tree.child_key(namespace, tokens, matched)]
             if child.state in RESIDENT:
                 own.extend(self._page_ids(child.device_indices[:partial]))
             else:
