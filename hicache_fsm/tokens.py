@@ -11,7 +11,7 @@ before it reaches the cache.
 The packed form, :class:`TokenIds`, is what the radix tree compares (one
 ``memcmp`` per node instead of one comparison per id), what its child dicts
 hash (a page's 4·page_size bytes) and what storage page hashes read (the
-byte layout of ``storage.keys``). Packing is the check: ``array('I', ids)``
+byte layout of ``storage.keys``). Packing is the check: ``struct.pack``
 converts every element in C and refuses non-integers and ids out of range at
 once, and whatever an element was (an int subclass, a 0-d tensor, an
 ``__index__`` object) the key holds the integer it equals, so it is found
@@ -24,8 +24,10 @@ sequence takes the element-by-element path that names the first bad position.
 from __future__ import annotations
 
 import operator
+import struct
 import sys
 from array import array
+from functools import lru_cache
 from typing import Any, Iterator
 
 import numpy as np
@@ -124,20 +126,25 @@ def _packed(tokens: Any) -> bytes:
             tokens = tuple(tokens)
         except Exception:  # not iterable, or its iterator failed: not a token sequence
             raise TokenIdTypeError(f"token ids must be a sequence of ints, got {type(tokens).__name__}") from None
+    n = len(tokens)
     try:
-        ids = array(_CODE, tokens)  # in C: refuses floats, None, str, nested lists and ids out of range
-    except Exception:  # OverflowError, TypeError, or whatever an element's __index__ raised
+        packed = _packer(n).pack(*tokens)  # in C: refuses floats, None, str, nested lists and ids out of range
+    except Exception:  # struct.error, TypeError, or whatever an element's __index__ raised
         for i, t in enumerate(tokens):
             _check_one(i, t)  # raises for the first bad id
         raise BadTokenIds("token ids could not be packed") from None  # pragma: no cover - _check_one raised
-    if _SWAP:
-        ids.byteswap()
-    if ids:
-        words = np.frombuffer(ids, dtype=_LE_UINT32)
+    if n:
+        words = np.frombuffer(packed, dtype=_LE_UINT32)
         if words.min() <= 1:  # a bool packs as 0 or 1: look at the type of those ids only
             for i in np.flatnonzero(words <= 1).tolist():
                 _check_one(i, tokens[i])
-    return ids.tobytes()
+    return packed
+
+
+@lru_cache(maxsize=256)
+def _packer(n: int) -> struct.Struct:
+    """Packs ``n`` ids as little-endian uint32 (struct.pack measured faster than ``array('I', ids)``)."""
+    return struct.Struct(f"<{n}I")
 
 
 def _integer_array(tokens: np.ndarray | torch.Tensor) -> np.ndarray | None:
