@@ -28,7 +28,7 @@ import struct
 import sys
 from array import array
 from functools import lru_cache
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -75,6 +75,11 @@ class TokenIds:
 
     def __hash__(self) -> int:
         return hash(self.raw)
+
+    @classmethod
+    def concat(cls, parts: "Iterable[TokenIds]") -> "TokenIds":
+        """Checked ids one after another (no id is looked at again: each part was checked when packed)."""
+        return cls(b"".join(p.raw for p in parts))
 
     def tolist(self) -> list[int]:
         return list(unpack_token_ids(self.raw))
