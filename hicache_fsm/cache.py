@@ -437,8 +437,7 @@ class HiCache:
             node = driver.add_child(parent, tokens, namespace, matched)
             node.last_access, node.priority, node.last_poll = now, priority, polls
             node.device_indices = device_indices[matched : len(tokens)]  # an explicit stop slices faster
-            new_pages = page_ids[matched // ps :]
-            node.page_memo = (node.device_indices, new_pages)
+            new_pages = page_ids[matched // ps :]  # not memoised on the node: most nodes are never re-inserted
             driver.fire(node, "insert")
             self.engine_pages.difference_update(new_pages)
         if self.config.write_policy == "write_through":

@@ -26,8 +26,15 @@ each as the median over repeated chunks of calls:
 
 The KV is metadata-sized (one int8 per token and layer) and ``AckExecutor``
 acknowledges jobs without copying: the figures are the controller's own
-cost. Each size runs in its own interpreter so ``peak_rss_mb`` is that
-size's peak. Ratios against the smallest size are printed: the targets are
+cost. Every operation is timed, chunk by chunk interleaved, on two same-run
+baselines doing the same work (``bench.baselines``: ``plain``, a dict of
+page tuples; ``sglang``, a minimal re-implementation of SGLang RadixCache's
+loop, which takes lists as SGLang's keys hold them), and reported as ratios
+``vs_plain`` / ``vs_sglang`` (ours / theirs), so a regression shows on any
+machine. ``bytes_per_node`` is the resident memory the fill took per node
+(RSS delta: torch's slot tensors live outside tracemalloc's view), the
+baselines' beside it. Each size runs in its own interpreter so
+``peak_rss_mb`` is that size's peak. Ratios against the smallest size are printed: the targets are
 ``evict_us`` and ``cycle_us`` within 2x and match / insert / lock within 1.5x
 from 1k to 1M nodes. ``--headroom-pages`` sets ``CacheConfig.eviction_headroom_tokens``
 (``alloc_device`` and ``load_back`` evict that many pages beyond the
@@ -294,7 +301,7 @@ def _filled(variant, nodes: int) -> int:
 
 
 def measure(nodes: int, chunks: int, calls: int, headroom_pages: int, seed: int, warmup_cycles: int = 64,
-            clock: str = "wall", baselines: tuple[str, ...] = BASELINES) -> dict:
+            clock: str = "cpu", baselines: tuple[str, ...] = BASELINES) -> dict:
     """Every figure at one tree size, ours and each baseline's, interleaved (see the module docstring)."""
     pc = _CLOCK[clock]
     warm = 16
