@@ -40,18 +40,32 @@ def test_baselines_match_the_longest_cached_page_prefix(inserted, probes):
         assert sgl.match_prefix(list(p))[0].numel() == want
 
 
-def test_eviction_frees_least_recently_used_unlocked_leaves():
+def _lock(cache, node, delta: int) -> None:
+    if isinstance(cache, PlainPrefixCache):
+        cache.lock(node, delta)
+    elif delta > 0:
+        cache.inc_lock_ref(node)
+    else:
+        cache.dec_lock_ref(node)
+
+
+def test_eviction_frees_unlocked_leaves_only():
     for cache in (PlainPrefixCache(PAGE), RadixLikeSGLang(PAGE)):
         old, new = [1, 1], [2, 2]
         cache.insert(old, torch.arange(2))
         cache.insert(new, torch.arange(2))
-        _, node = cache.match_prefix(new)  # new is now the most recent
-        assert cache.evict(2) == 2
-        assert cache.match_prefix(old)[0].numel() == 0 and cache.match_prefix(new)[0].numel() == 2
-        lock = (lambda n, d: cache.lock(n, d)) if isinstance(cache, PlainPrefixCache) else (
-            lambda n, d: cache.inc_lock_ref(n) if d > 0 else cache.dec_lock_ref(n))
         _, node = cache.match_prefix(new)
-        lock(node, 1)
-        assert cache.evict(2) == 0  # a locked leaf stays
-        lock(node, -1)
-        assert cache.evict(2) == 2
+        _lock(cache, node, 1)
+        assert cache.evict(4) == 2  # only the unlocked leaf can go
+        assert cache.match_prefix(old)[0].numel() == 0 and cache.match_prefix(new)[0].numel() == 2
+        _lock(cache, node, -1)
+        assert cache.evict(2) == 2 and cache.match_prefix(new)[0].numel() == 0
+
+
+def test_the_plain_baseline_evicts_the_least_recently_used_first():
+    cache = PlainPrefixCache(PAGE)
+    for t in ([1, 1], [2, 2], [3, 3]):
+        cache.insert(t, torch.arange(2))
+    cache.match_prefix([1, 1])  # its logical clock: [2, 2] is now the oldest
+    assert cache.evict(2) == 2
+    assert [cache.match_prefix(t)[0].numel() for t in ([1, 1], [2, 2], [3, 3])] == [2, 0, 2]
