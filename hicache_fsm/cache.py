@@ -75,7 +75,7 @@ from hicache_fsm.slots import check_engine_pages, check_index_tensor, check_pool
 from hicache_fsm.spec import load_builtin
 from hicache_fsm.storage.ownership import check_completion_owner
 from hicache_fsm.storage.calls import StorageCalls
-from hicache_fsm.tokens import as_token_ids
+from hicache_fsm.tokens import TokenIds, pack_token_ids
 from hicache_fsm.tp import RankGroup, StepAgreement
 
 log = logging.getLogger("hicache_fsm.cache")
@@ -230,16 +230,19 @@ class HiCache(StorageCalls):
 
     # ================================================================== match and insert
 
-    def _token_ids(self, tokens: object) -> tuple:
-        """``tokens`` as a checked tuple of ids (``BadTokenIds`` names the first bad one).
+    def _token_ids(self, tokens: object) -> TokenIds:
+        """``tokens`` checked and packed once (``BadTokenIds`` names the first bad one).
 
-        The last tuple checked is remembered (by identity: tuples are
+        The last tuple packed is remembered (by identity: tuples are
         immutable), so ``insert`` after ``match_prefix`` with the same tuple
-        checks nothing again.
+        packs nothing again; a ``TokenIds`` is already packed.
         """
-        if tokens is self._checked_tokens:
-            return tokens
-        ids = self._checked_tokens = as_token_ids(tokens)
+        memo = self._checked_tokens  # () or (the tuple, its packing)
+        if memo and tokens is memo[0]:
+            return memo[1]
+        ids = pack_token_ids(tokens)
+        if type(tokens) is tuple:
+            self._checked_tokens = (tokens, ids)
         return ids
 
     def match_prefix(self, tokens: Sequence[int], namespace: Hashable = None) -> MatchResult:
@@ -346,7 +349,7 @@ class HiCache(StorageCalls):
             else:
                 own.extend([None] * (node.num_tokens // ps))
         if partial:
-            child = (path[-1] if path else self.tree.root).children[(namespace, tokens[matched : matched + ps])]
+            child = (path[-1] if path else self.tree.root).children[self.tree.child_key(namespace, tokens, matched)]
             if child.state in RESIDENT:
                 own.extend(self._page_ids(child.device_indices[:partial]))
             else:
@@ -393,8 +396,7 @@ class HiCache(StorageCalls):
             node = driver.add_child(parent, tokens, namespace, matched)
             node.last_access, node.priority, node.last_poll = now, priority, polls
             node.device_indices = device_indices[matched : len(tokens)]  # an explicit stop slices faster
-            new_pages = page_ids[matched // ps :]
-            node.page_memo = (node.device_indices, new_pages)
+            new_pages = page_ids[matched // ps :]  # not memoised on the node: most nodes are never re-inserted
             driver.fire(node, "insert")
             self.engine_pages.difference_update(new_pages)
         if self.config.write_policy == "write_through":

@@ -1,6 +1,7 @@
 """A page-aligned radix tree of token prefixes.
 
-Each node owns a run of whole pages: its token ids (``key``), and, depending on
+Each node owns a run of whole pages: its token ids packed as ``tokens.TokenIds``
+packs them (``raw``; ``key`` decodes them), and, depending on
 its residency state, device and host slot indices for them. The tree only
 knows shape; where the KV lives is the residency machine's business, driven by
 ``HiCache``. Entries carry an optional namespace (LoRA id, cache salt, tenant)
@@ -14,27 +15,30 @@ from typing import Callable, Hashable, Iterator
 
 import torch
 
+from hicache_fsm.tokens import ID_BYTES, TokenIds, pack_token_ids, unpack_token_ids
+
 ROOT_STATE = "root"
 
 
 class TreeNode:
     """One run of pages in the tree.
 
-    ``lock_ref`` counts locks on this node or any descendant (a lock pins the
-    whole path to the root on the device); ``host_ref`` pins this node's host
-    copy only (prefetch anchors). ``pending_jobs`` holds ids of in-flight jobs
-    that cover this node, so a node split mid-transfer can enrol its new half
-    in the same jobs. ``resident_children`` is maintained by the cache
-    (``hicache_fsm.eviction``) so that eviction never scans children.
+    ``raw`` holds the node's token ids packed as ``tokens.TokenIds`` packs
+    them (4 bytes an id, whole pages); ``key`` decodes them for readers that
+    want ints. ``lock_ref`` counts locks on this node or any descendant (a
+    lock pins the whole path to the root on the device); ``host_ref`` pins
+    this node's host copy only (prefetch anchors). ``pending_jobs`` holds ids
+    of in-flight jobs that cover this node, so a node split mid-transfer can
+    enrol its new half in the same jobs. ``resident_children`` is maintained
+    by the cache (``hicache_fsm.eviction``) so that eviction never scans
+    children.
     """
 
     __slots__ = (
         "id",
         "parent",
         "children",
-        "_key",
-        "_key_source",
-        "_key_start",
+        "raw",
         "namespace",
         "state",
         "device_indices",
@@ -52,19 +56,11 @@ class TreeNode:
         "resident_children",
     )
 
-    def __init__(self, node_id: int, key: tuple[int, ...], namespace: Hashable, parent: "TreeNode | None",
-                 key_start: int = 0) -> None:
+    def __init__(self, node_id: int, raw: bytes, namespace: Hashable, parent: "TreeNode | None") -> None:
         self.id = node_id
         self.parent = parent
         self.children: dict[tuple, TreeNode] = {}
-        # The key is ``key[key_start:]``, sliced when first read: slicing a
-        # request's tokens costs more than the rest of an insert, and the
-        # unique tail of most requests is never walked again. Until then the
-        # node keeps the whole (immutable) request tuple alive.
-        if key_start:
-            self._key, self._key_source, self._key_start = None, key, key_start
-        else:
-            self._key, self._key_source, self._key_start = key, None, 0
+        self.raw = raw
         self.namespace = namespace
         self.state = ROOT_STATE if parent is None else "absent"
         self.device_indices: torch.Tensor | None = None
@@ -83,21 +79,21 @@ class TreeNode:
 
     @property
     def key(self) -> tuple[int, ...]:
-        """The node's token ids (a tuple of whole pages)."""
-        key = self._key
-        if key is None:
-            key = self._key = self._key_source[self._key_start :]
-            self._key_source = None
-        return key
+        """The node's token ids as ints (decoded from ``raw`` on every read: the tree itself never reads this)."""
+        return unpack_token_ids(self.raw)
 
     @key.setter
-    def key(self, value: tuple[int, ...]) -> None:
-        self._key, self._key_source, self._key_start = value, None, 0
+    def key(self, value) -> None:
+        self.raw = pack_token_ids(value).raw
+
+    @property
+    def token_ids(self) -> TokenIds:
+        """The node's token ids, packed (what storage page hashes read)."""
+        return TokenIds(self.raw)
 
     @property
     def num_tokens(self) -> int:
-        key = self._key
-        return len(key) if key is not None else len(self._key_source) - self._key_start
+        return len(self.raw) >> 2
 
     @property
     def is_root(self) -> bool:
@@ -108,14 +104,21 @@ class TreeNode:
 
 
 class RadixTree:
-    """Prefix match, insert and split over page-aligned token runs."""
+    """Prefix match, insert and split over page-aligned runs of packed token ids.
+
+    Methods take token ids as a ``TokenIds`` (what the cache passes: packed
+    once at its boundary) or as any sequence ``pack_token_ids`` accepts
+    (packed, and so checked, on the way in). A child is found in its parent's
+    ``children`` under ``child_key``: (namespace, packed first page).
+    """
 
     def __init__(self, page_size: int) -> None:
         if page_size <= 0:
             raise ValueError("page_size must be positive")
         self.page_size = page_size
+        self.page_bytes = page_size * ID_BYTES
         self._ids = itertools.count(1)
-        self.root = TreeNode(0, (), None, None)
+        self.root = TreeNode(0, b"", None, None)
         self._nodes: dict[int, TreeNode] = {0: self.root}
         self.version = 0  # bumped by every change of shape (split, add, remove)
 
@@ -134,45 +137,49 @@ class RadixTree:
     def __len__(self) -> int:
         return len(self._nodes) - 1
 
-    def child_key(self, namespace: Hashable, tokens: tuple[int, ...], start: int) -> tuple:
+    def child_key(self, namespace: Hashable, tokens, start: int) -> tuple:
         """The key of the child holding ``tokens[start:]`` in its parent's ``children`` (namespace, first page)."""
-        return (namespace, tokens[start : start + self.page_size])
+        raw = pack_token_ids(tokens).raw
+        return (namespace, raw[start * ID_BYTES : start * ID_BYTES + self.page_bytes])
 
-    def aligned(self, tokens: tuple[int, ...]) -> tuple[int, ...]:
-        return tokens[: len(tokens) - len(tokens) % self.page_size]
+    def aligned(self, tokens):
+        """``tokens`` cut to whole pages (same type as given)."""
+        n = len(tokens) - len(tokens) % self.page_size
+        if type(tokens) is TokenIds:
+            return TokenIds(tokens.raw[: n * ID_BYTES])
+        return tokens[:n]
 
-    def walk(self, tokens: tuple[int, ...], namespace: Hashable = None) -> tuple[list[TreeNode], int, int]:
+    def walk(self, tokens, namespace: Hashable = None) -> tuple[list[TreeNode], int, int]:
         """Follow ``tokens`` down the tree without changing it.
 
         Returns the fully matched nodes (top-down), the matched token count, and
         how many tokens of the next node also match (0 when none, else a page
         multiple shorter than that node: the caller splits it to use them).
+        A node is compared with one ``startswith`` on the packed bytes (no copy).
         """
-        tokens = self.aligned(tokens)
+        raw = tokens.raw if type(tokens) is TokenIds else pack_token_ids(tokens).raw
+        pb = self.page_bytes
+        n = len(raw) - len(raw) % pb
+        children = self.root.children
         path: list[TreeNode] = []
-        node, pos, ps = self.root, 0, self.page_size
-        n = len(tokens)
+        pos = 0
         while pos < n:
-            child = node.children.get((namespace, tokens[pos : pos + ps]))
+            child = children.get((namespace, raw[pos : pos + pb]))
             if child is None:
                 break
-            key = child.key
+            key = child.raw
             end = pos + len(key)
-            if end <= n and tokens[pos:end] == key:  # fast path: the whole node matches
+            if end <= n and raw.startswith(key, pos):  # fast path: the whole node matches
                 path.append(child)
-                node = child
+                children = child.children
                 pos = end
                 continue
-            shared = ps
-            limit = min(len(key), len(tokens) - pos)
-            while shared < limit and key[shared : shared + ps] == tokens[pos + shared : pos + shared + ps]:
-                shared += ps
-            if shared < len(key):
-                return path, pos, shared
-            path.append(child)
-            node = child
-            pos += shared
-        return path, pos, 0
+            shared = pb
+            limit = min(len(key), n - pos)
+            while shared < limit and raw.startswith(key[shared : shared + pb], pos + shared):
+                shared += pb
+            return path, pos // ID_BYTES, shared // ID_BYTES  # shared < len(key): the node matches in part
+        return path, pos // ID_BYTES, 0
 
     # ------------------------------------------------------------------ change
 
@@ -193,7 +200,8 @@ class RadixTree:
         if at <= 0 or at >= node.num_tokens or at % self.page_size:
             raise ValueError(f"cannot split node of {node.num_tokens} tokens at {at}")
         parent = node.parent
-        upper = TreeNode(next(self._ids), node.key[:at], node.namespace, parent)
+        cut = at * ID_BYTES
+        upper = TreeNode(next(self._ids), node.raw[:cut], node.namespace, parent)
         upper.state = node.state
         upper.lock_ref = node.lock_ref
         upper.hit_count, upper.last_access, upper.priority = node.hit_count, node.last_access, node.priority
@@ -206,26 +214,25 @@ class RadixTree:
         if node.storage_keys is not None:
             pages = at // self.page_size
             upper.storage_keys, node.storage_keys = node.storage_keys[:pages], node.storage_keys[pages:]
-        parent.children[self.child_key(node.namespace, node.key, 0)] = upper
-        node.key = node.key[at:]
+        pb = self.page_bytes
+        parent.children[(node.namespace, node.raw[:pb])] = upper
+        node.raw = node.raw[cut:]
         node.parent = upper
-        upper.children[self.child_key(node.namespace, node.key, 0)] = node
+        upper.children[(node.namespace, node.raw[:pb])] = node
         self._nodes[upper.id] = upper
         self.version += 1
         return upper
 
-    def add_child(self, parent: TreeNode, tokens: tuple[int, ...], namespace: Hashable, start: int = 0) -> TreeNode:
-        """Attach a new node (state ``absent``) holding ``tokens[start:]`` under ``parent``.
-
-        Pass the request's whole token tuple and where the new part starts,
-        rather than a slice: the node slices it only if it is ever read.
-        """
-        length = len(tokens) - start
+    def add_child(self, parent: TreeNode, tokens, namespace: Hashable, start: int = 0) -> TreeNode:
+        """Attach a new node (state ``absent``) holding ``tokens[start:]`` under ``parent``."""
+        raw = tokens.raw if type(tokens) is TokenIds else pack_token_ids(tokens).raw
+        length = len(raw) // ID_BYTES - start
         if start < 0 or length <= 0 or length % self.page_size:
             raise ValueError("a node holds a positive whole number of pages")
-        child = TreeNode(next(self._ids), tokens, namespace, parent, start)
+        key = raw[start * ID_BYTES :] if start else raw
+        child = TreeNode(next(self._ids), key, namespace, parent)
         # one hash of the first page, not two (a lookup, then a store)
-        if parent.children.setdefault(self.child_key(namespace, tokens, start), child) is not child:
+        if parent.children.setdefault((namespace, key[: self.page_bytes]), child) is not child:
             raise ValueError("a child with that first page already exists")
         self._nodes[child.id] = child
         self.version += 1
@@ -234,7 +241,7 @@ class RadixTree:
     def remove_leaf(self, node: TreeNode) -> None:
         if node.children:
             raise ValueError(f"node {node.id} has children; only leaves leave the tree")
-        del node.parent.children[self.child_key(node.namespace, node.key, 0)]
+        del node.parent.children[(node.namespace, node.raw[: self.page_bytes])]
         del self._nodes[node.id]
         self.version += 1
 
@@ -272,8 +279,12 @@ class RadixTree:
             yield node
             node = node.parent
 
-    def prefix_tokens(self, node: TreeNode) -> tuple[int, ...]:
-        """All tokens from the root down to and including ``node``."""
-        parts = [n.key for n in self.path_to_root(node)]
+    def prefix_ids(self, node: TreeNode) -> TokenIds:
+        """All token ids from the root down to and including ``node``, packed."""
+        parts = [n.raw for n in self.path_to_root(node)]
         parts.reverse()
-        return tuple(itertools.chain.from_iterable(parts))  # in C: a prefetch checks a 10k-token prefix
+        return TokenIds(b"".join(parts))
+
+    def prefix_tokens(self, node: TreeNode) -> tuple[int, ...]:
+        """All tokens from the root down to and including ``node``, as ints."""
+        return unpack_token_ids(self.prefix_ids(node).raw)

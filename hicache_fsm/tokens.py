@@ -1,77 +1,159 @@
-"""Token ids at the API boundary: what the cache accepts, checked before anything changes.
+"""Token ids at the API boundary: checked and packed once, in one compact form everything shares.
 
-A token id is an integer that storage keys can encode: they pack every id as a
-4-byte unsigned integer (see ``storage.keys``), so ids live in
-``0 <= id < 2**32``. Python ints, numpy and torch integer scalars and 1-D
-integer tensors/arrays are accepted; bools, floats, None and strings are not,
-even where Python would silently treat them as numbers. A padding id such as
--1 must be stripped by the engine before it reaches the cache.
+A token id is an integer that storage keys can encode: every id is packed as a
+4-byte little-endian unsigned integer, so ids live in ``0 <= id < 2**32``.
+Python ints (int subclasses and ``__index__`` objects: numpy and torch integer
+scalars, 0-d integer tensors) and 1-D integer tensors/arrays are accepted;
+bools, floats, None and strings are not, even where Python would silently
+treat them as numbers. A padding id such as -1 must be stripped by the engine
+before it reaches the cache.
 
-Checking costs one pass over every id of a request, and in a loop serving
-requests that pass is dominated by the first touch of each new int object (the
-cache itself never reads the ids of a new suffix), so it is done once per
-request: the cache remembers the last tuple it found good, and ``match_prefix``
-then ``insert`` with the same tuple check once. (Checking only the ids the tree
-did not match measured slower: skipping the matched part needs a slice, which
-touches every new id just the same.)
-
-The check stays in C. Packing a tuple into a little-endian ``struct`` of 4-byte
-unsigned ints refuses every non-integer and every id out of range at once and
-yields the bytes storage keys hash; only ids that pack as 0 or 1 (the values a
-bool can take, found by one vectorised minimum over the packed ids) have their
-type looked at. A 1-D integer array or tensor is
-checked by a vectorised range test. A bad sequence takes the element-by-element
-path that names the first bad position. A list of numpy or torch scalars (an
-iterated array: its first or last element is not an int) is converted element
-by element to the ints they equal, since a torch scalar hashes by identity and
-could never match a tree key.
+The packed form, :class:`TokenIds`, is what the radix tree compares (one
+``memcmp`` per node instead of one comparison per id), what its child dicts
+hash (a page's 4·page_size bytes) and what storage page hashes read (the
+byte layout of ``storage.keys``). Packing is the check: ``struct.pack``
+converts every element in C and refuses non-integers and ids out of range at
+once, and whatever an element was (an int subclass, a 0-d tensor, an
+``__index__`` object) the key holds the integer it equals, so it is found
+again. Only ids that pack as 0 or 1 (the values a bool can take, found by one
+vectorised minimum) have their type looked at. A 1-D integer array or tensor
+is range-checked and converted by numpy: no per-id Python work. A bad
+sequence takes the element-by-element path that names the first bad position.
 """
 
 from __future__ import annotations
 
 import operator
 import struct
+import sys
+from array import array
 from functools import lru_cache
-from typing import Any
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 import torch
 
 from hicache_fsm.errors import BadTokenIds, TokenIdTypeError
 
-TOKEN_ID_LIMIT = 1 << 32  # exclusive: storage keys pack ids as 4-byte unsigned ints
+TOKEN_ID_LIMIT = 1 << 32  # exclusive: ids are packed as 4-byte unsigned ints
+ID_BYTES = 4
 
-__all__ = ["TOKEN_ID_LIMIT", "as_token_ids", "token_id_bytes"]
+__all__ = ["ID_BYTES", "TOKEN_ID_LIMIT", "TokenIds", "as_token_ids", "pack_token_ids", "token_id_bytes",
+           "unpack_token_ids"]
 
 _LE_UINT32 = np.dtype("<u4")
+_CODE = next(c for c in "IL" if array(c).itemsize == ID_BYTES)  # 'I' on every platform CPython supports
+_SWAP = sys.byteorder != "little"
+
+
+class TokenIds:
+    """Checked token ids packed as little-endian uint32 bytes (``raw``); built by :func:`pack_token_ids`.
+
+    ``len`` counts ids; a slice (in ids) is the packed bytes of those ids,
+    which is what tree keys and page hashes are made of.
+    """
+
+    __slots__ = ("raw",)
+
+    def __init__(self, raw: bytes) -> None:
+        self.raw = raw  # trusted: only pack_token_ids and the tree build one
+
+    def __len__(self) -> int:
+        return len(self.raw) >> 2
+
+    def __getitem__(self, index: slice) -> bytes:
+        if not isinstance(index, slice) or index.step not in (None, 1):
+            raise TypeError("TokenIds slices by a plain slice of ids, giving their packed bytes")
+        start, stop, _ = index.indices(len(self.raw) >> 2)
+        return self.raw[start << 2 : stop << 2]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(unpack_token_ids(self.raw))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, TokenIds) and other.raw == self.raw
+
+    def __hash__(self) -> int:
+        return hash(self.raw)
+
+    @classmethod
+    def concat(cls, parts: "Iterable[TokenIds]") -> "TokenIds":
+        """Checked ids one after another (no id is looked at again: each part was checked when packed)."""
+        return cls(b"".join(p.raw for p in parts))
+
+    def tolist(self) -> list[int]:
+        return list(unpack_token_ids(self.raw))
+
+    def __repr__(self) -> str:
+        return f"TokenIds({len(self)} ids)"
+
+
+def pack_token_ids(tokens: Any) -> TokenIds:
+    """``tokens`` checked and packed (a ``TokenIds`` is returned as is), or a ``BadTokenIds`` naming the first bad one."""
+    if type(tokens) is TokenIds:
+        return tokens
+    return TokenIds(_packed(tokens))
 
 
 def as_token_ids(tokens: Any) -> tuple[int, ...]:
-    """``tokens`` as a tuple of integers, or a ``BadTokenIds`` naming the first bad one."""
-    return _checked(tokens)[0]
+    """``tokens`` as a checked tuple of Python ints."""
+    return unpack_token_ids(pack_token_ids(tokens).raw)
 
 
 def token_id_bytes(tokens: Any) -> bytes:
     """The ids of ``tokens`` packed as little-endian 4-byte unsigned ints (what storage keys hash); checked."""
-    return _checked(tokens)[1]
+    return pack_token_ids(tokens).raw
 
 
-def _checked(tokens: Any) -> tuple[tuple, bytes]:
-    """The checked ids of ``tokens`` and their packed bytes."""
+def unpack_token_ids(raw: bytes) -> tuple[int, ...]:
+    """The ids packed in ``raw`` (trusted bytes of a ``TokenIds`` or a tree key)."""
+    ids = array(_CODE)
+    ids.frombytes(raw)
+    if _SWAP:
+        ids.byteswap()
+    return tuple(ids)
+
+
+def _packed(tokens: Any) -> bytes:
+    """Check every id of ``tokens``; returns them packed, or raises naming the first bad position."""
     if isinstance(tokens, (np.ndarray, torch.Tensor)):
         arr = _integer_array(tokens)
         if arr is not None:
-            bad = (arr < 0) | (arr >= TOKEN_ID_LIMIT)
-            if bad.any():
-                first = int(bad.argmax())
+            if arr.size and (arr.min() < 0 or arr.max() >= TOKEN_ID_LIMIT):
+                first = int(((arr < 0) | (arr >= TOKEN_ID_LIMIT)).argmax())
                 _check_one(first, int(arr[first]))  # raises, naming it
-            return tuple(arr.tolist()), arr.astype(_LE_UINT32).tobytes()
-    ids = _token_tuple(tokens)
-    return ids, _packed(ids)
+            return arr.astype(_LE_UINT32).tobytes()
+        tokens = tokens.tolist()  # bools, floats: refused by the element check below
+    elif isinstance(tokens, (str, bytes, bytearray, memoryview)):
+        raise TokenIdTypeError(f"token ids must be a sequence of ints, got {type(tokens).__name__}")
+    elif type(tokens) is not list and type(tokens) is not tuple:
+        try:
+            tokens = tuple(tokens)
+        except Exception:  # not iterable, or its iterator failed: not a token sequence
+            raise TokenIdTypeError(f"token ids must be a sequence of ints, got {type(tokens).__name__}") from None
+    n = len(tokens)
+    try:
+        packed = _packer(n).pack(*tokens)  # in C: refuses floats, None, str, nested lists and ids out of range
+    except Exception:  # struct.error, TypeError, or whatever an element's __index__ raised
+        for i, t in enumerate(tokens):
+            _check_one(i, t)  # raises for the first bad id
+        raise BadTokenIds("token ids could not be packed") from None  # pragma: no cover - _check_one raised
+    if n:
+        words = np.frombuffer(packed, dtype=_LE_UINT32)
+        if words.min() <= 1:  # a bool packs as 0 or 1: look at the type of those ids only
+            for i in np.flatnonzero(words <= 1).tolist():
+                _check_one(i, tokens[i])
+    return packed
+
+
+@lru_cache(maxsize=256)
+def _packer(n: int) -> struct.Struct:
+    """Packs ``n`` ids as little-endian uint32 (struct.pack measured faster than ``array('I', ids)``)."""
+    return struct.Struct(f"<{n}I")
 
 
 def _integer_array(tokens: np.ndarray | torch.Tensor) -> np.ndarray | None:
-    """A 1-D integer array or tensor as a numpy array (checked by min and max); None for other dtypes."""
+    """A 1-D integer array or tensor as a numpy array; None for other dtypes."""
     if tokens.ndim != 1:
         raise BadTokenIds(f"token ids must be 1-D, got {tokens.dtype} with shape {tuple(tokens.shape)}")
     if isinstance(tokens, torch.Tensor):
@@ -84,56 +166,6 @@ def _integer_array(tokens: np.ndarray | torch.Tensor) -> np.ndarray | None:
     return tokens if tokens.dtype.kind in "iu" else None
 
 
-def _token_tuple(tokens: Any) -> tuple:
-    """``tokens`` as a tuple, its elements not yet checked; refuses what is not a 1-D sequence.
-
-    Arrays that are not integer arrays become tuples of Python scalars
-    (bools, floats: refused by the check); a sequence of integer scalars
-    becomes ints.
-    """
-    if type(tokens) is tuple:
-        ids = tokens
-    elif type(tokens) is list:
-        ids = tuple(tokens)
-    elif isinstance(tokens, (np.ndarray, torch.Tensor)):
-        return tuple(tokens.tolist())
-    elif isinstance(tokens, (str, bytes, bytearray)):
-        raise TokenIdTypeError(f"token ids must be a sequence of ints, got {type(tokens).__name__}")
-    else:
-        try:
-            ids = tuple(tokens)
-        except Exception:  # not iterable, or its iterator failed: not a token sequence
-            raise TokenIdTypeError(f"token ids must be a sequence of ints, got {type(tokens).__name__}") from None
-    if ids and (type(ids[0]) is not int or type(ids[-1]) is not int):
-        return _converted(ids)
-    return ids
-
-
-def _packed(ids: tuple) -> bytes:
-    """Check every id of ``ids``; returns them packed, or raises naming the first bad position."""
-    n = len(ids)
-    try:
-        packed = _packer(n).pack(*ids)  # in C: refuses floats, None, str, nested lists and ids out of range
-    except Exception:  # struct.error, or whatever an element's __index__ raised
-        return _packer(n).pack(*_converted(ids))  # raises for the first bad id
-    if n:
-        words = np.frombuffer(packed, dtype=_LE_UINT32)
-        if words.min() <= 1:  # a bool packs as 0 or 1: look at the type of those ids only
-            for i in np.flatnonzero(words <= 1).tolist():
-                _check_one(i, ids[i])
-    return packed
-
-
-@lru_cache(maxsize=64)
-def _packer(n: int) -> struct.Struct:
-    return struct.Struct(f"<{n}I")
-
-
-def _converted(ids: tuple) -> tuple[int, ...]:
-    """Element by element: raises for the first bad id; integer scalars become Python ints."""
-    return tuple(_check_one(i, t) for i, t in enumerate(ids))
-
-
 def _check_one(position: int, value: object) -> int:
     if type(value) is not int:
         dtype = str(getattr(value, "dtype", ""))
@@ -141,7 +173,7 @@ def _check_one(position: int, value: object) -> int:
             raise TokenIdTypeError(f"token id at position {position} is a bool ({value!r}), not an int",
                                    position, value)
         try:
-            value = operator.index(value)  # numpy / torch integer scalars
+            value = operator.index(value)  # int subclasses, numpy / torch integer scalars
         except Exception:
             raise TokenIdTypeError(f"token id at position {position} must be an int, got "
                                    f"{type(value).__name__}: {value!r}", position, value) from None

@@ -33,6 +33,7 @@ import numpy as np
 
 from hicache_fsm.errors import ConfigError, TraceError
 from hicache_fsm.input_limits import InputRefused, check_count, check_json_depth, memory_budget_bytes, open_regular_text
+from hicache_fsm.tokens import ID_BYTES, TokenIds, pack_token_ids
 
 DEFAULT_BLOCK_SIZE = 512
 MAX_HASH_ID = 1 << 63  # hash ids are non-negative and below this (64-bit hashes fit)
@@ -226,6 +227,7 @@ class BlockTokens:
         self._tails = [tuple(ints[t] for t in row) for row in table.tolist()]
         # Consecutive requests reuse most of their blocks: remember the recent ones (4 KiB each).
         self._cached: Callable[[int], tuple[int, ...]] = lru_cache(maxsize=BLOCK_CACHE)(self._derive)
+        self._packed: Callable[[int], TokenIds] = lru_cache(maxsize=BLOCK_CACHE)(self._pack)
 
     def block(self, hash_id: int) -> tuple[int, ...]:
         """The ``block_size`` tokens of ``hash_id``'s block."""
@@ -236,6 +238,18 @@ class BlockTokens:
         head = (ints[hash_id & mask], ints[(hash_id >> 16) & mask], ints[(hash_id >> 32) & mask],
                 ints[(hash_id >> 48) & mask])
         return head + self._tails[hash_id % _TAIL_ROWS]
+
+    def packed(self, hash_ids: Sequence[int], length: int) -> TokenIds:
+        """``tokens(hash_ids, length)`` packed as the cache keys them: each block packed once, then joined."""
+        full, rest = divmod(length, self.block_size)
+        block = self._packed
+        parts = [block(h) for h in hash_ids[:full]]
+        if rest:
+            parts.append(TokenIds(block(hash_ids[full]).raw[: rest * ID_BYTES]))
+        return TokenIds.concat(parts)
+
+    def _pack(self, hash_id: int) -> TokenIds:
+        return pack_token_ids(self._cached(hash_id))
 
     def tokens(self, hash_ids: Sequence[int], length: int) -> tuple[int, ...]:
         """The first ``length`` tokens of the blocks ``hash_ids`` (a partial last block is a prefix of its block)."""

@@ -7,11 +7,17 @@ engine's step loop would (see ``hicache_fsm.simulate``): ``match_prefix``;
 with storage, ``prefetch`` of the part beyond the in-memory hit, polled until
 ready, and a second match; ``load_back`` of the host part; ``lock``; the
 per-layer waits; ``alloc_device`` for the input tokens not served; ``insert``
-of the input cut to whole pages; ``unlock``; ``poll``; with storage, a wait
-for the request's storage writes to land (requests in a trace are seconds
-apart; back to back, the machine's load would decide the hit rate). Only input
-tokens are cached: the next turn's input carries the answer under its own hash
-ids. Storage waits are I/O time, not controller time.
+of the input cut to whole pages; ``unlock``; ``poll``. Only input tokens are
+cached: the next turn's input carries the answer under its own hash ids.
+
+Time is simulated: storage threads are not started, the replayer runs the
+storage tier's queued work itself where a thread would have finished it (a
+prefetch before its request proceeds; a request's backups before the next
+request, which in a trace comes seconds later), so nothing waits on wall time
+and the hit rates do not depend on the machine's load. Each request's time to
+first token on that clock follows :class:`CostModel` (prefill proportional to
+the tokens computed, load-back to the tokens moved host to device, storage
+fetch to the tokens read from storage).
 
 The same four configurations as ``simulate`` (device only, device + host,
 device + host + storage, infinite) replay in step, request by request, and
@@ -40,21 +46,19 @@ from hicache_fsm.simulate import (
     DEVICE_HOST,
     FULL,
     INFINITE,
-    PREFETCH_TIMEOUT_S,
     STORAGE_OPTIONS,
     Tier,
     TierResult,
     TimedExecutor,
     device_only,
     fetch_prefix,
-    prefetch_and_wait,
     storage_available,
 )
+from hicache_fsm.testing.storage import ManualStorageTier
 from hicache_fsm.trace import BlockTokens, PrefixBound, Trace, prefix_bound
 
 METADATA_SHAPE = KVShape(1, 1, 1, torch.float16)  # one element of K and one of V per token
 DEFAULT_STORAGE_URL = "memory://"
-PREFETCH_POLL_S = 0.0001
 
 
 # ====================================================================== options
@@ -119,15 +123,69 @@ class _CallClock:
             self.by_call[name] = self.by_call.get(name, 0.0) + spent - (self.executor - copies)
 
 
+# ====================================================================== the simulated clock
+
+
+@attrs.frozen
+class CostModel:
+    """What a request's time to first token is made of, on the simulated clock (seconds per token).
+
+    ``prefill_s``: computing one input token's KV (about 20k tokens/s, an 8B
+    model on one accelerator); ``load_s``: moving one token's KV host to
+    device; ``storage_s``: fetching one token's KV from storage into host
+    memory (a storage hit is then also loaded to the device). A device hit
+    costs nothing. Time to first token = the request's storage fetch, its
+    load-back and its prefill, one after the other (no queueing: the trace's
+    requests are served one at a time).
+    """
+
+    prefill_s: float = 50e-6
+    load_s: float = 2e-6
+    storage_s: float = 10e-6
+
+    def ttft(self, computed: int, host: int, storage: int) -> float:
+        return computed * self.prefill_s + (host + storage) * self.load_s + storage * self.storage_s
+
+    def describe(self) -> str:
+        return (f"prefill {self.prefill_s * 1e6:g} us/token computed, load-back {self.load_s * 1e6:g} us/token "
+                f"host->device, storage fetch {self.storage_s * 1e6:g} us/token")
+
+
+@attrs.define
+class Latency:
+    """One configuration's prefill work and simulated time to first token over the trace."""
+
+    computed_tokens: int = 0
+    reused_tokens: int = 0
+    ttft_s: list[float] = attrs.Factory(list)
+    clock_s: float = 0.0  # the simulated clock at the end: the sum of every request's time to first token
+
+    def as_dict(self) -> dict:
+        ttft = sorted(self.ttft_s)
+        p90 = ttft[min(len(ttft) - 1, int(0.9 * len(ttft)))] if ttft else 0.0
+        return {"prefill_tokens_computed": self.computed_tokens, "prefill_tokens_reused": self.reused_tokens,
+                "ttft_mean_s": round(sum(ttft) / len(ttft), 6) if ttft else 0.0, "ttft_p90_s": round(p90, 6),
+                "simulated_s": round(self.clock_s, 3)}
+
+
 # ====================================================================== one configuration
 
 
 class TraceReplayer:
-    """Serves trace requests one at a time through one configuration's HiCache (metadata mode)."""
+    """Serves trace requests one at a time through one configuration's HiCache (metadata mode).
+
+    Storage runs on the simulated clock: the tier starts no threads
+    (``ManualStorageTier``) and the replayer runs its queued work itself
+    (``run_queued``) where a thread would have finished it by then: a
+    prefetch's queries and transfers before the request proceeds, a request's
+    backups before the next request arrives. Nothing waits on wall time.
+    """
 
     def __init__(self, tier: Tier, page_size: int, layout: str = "page_first", device: str = "cpu",
-                 storage_namespace: str = "trace-replay") -> None:
+                 storage_namespace: str = "trace-replay", costs: CostModel = CostModel()) -> None:
         self.tier = tier
+        self.costs = costs
+        self.latency = Latency()
         self.clock = _CallClock()
         device_pool, host_pool = tier.pools(METADATA_SHAPE, page_size, layout, device)
         self.layers = device_pool.layers
@@ -138,19 +196,19 @@ class TraceReplayer:
         if self.storage:
             options = dict(STORAGE_OPTIONS, model=storage_namespace, prefetch_threshold=page_size)
             try:
-                self.cache.attach_storage(tier.storage_url, **options)  # setup, not per-request time
+                ManualStorageTier.attach_to(self.cache, tier.storage_url, **options)  # setup, not per-request time
             except BaseException:
                 self.close()
                 raise
         self._requests = 0
-        self.storage_settle_s = 0.0
 
-    def serve(self, tokens: tuple, input_length: int) -> None:
+    def serve(self, tokens, input_length: int) -> None:
         """One request whose cacheable input (whole pages) is ``tokens`` out of ``input_length`` tokens."""
         call = self.clock.call
         cache, res = self.cache, self.result
         res.requests += 1
         res.prompt_tokens += input_length
+        before = (res.host_hit_tokens, res.storage_hit_tokens, res.computed_tokens)
         m, lb, served = fetch_prefix(call, cache, tokens, len(tokens), self._prefetch if self.storage else None, res)
         node = lb.last_node if lb is not None else m.last_device_node
         call(cache.lock, node)
@@ -172,41 +230,62 @@ class TraceReplayer:
         finally:
             call(cache.unlock, node)
         call(cache.poll)
+        host, storage, computed = (res.host_hit_tokens - before[0], res.storage_hit_tokens - before[1],
+                                   res.computed_tokens - before[2])
+        lat = self.latency
+        lat.computed_tokens += computed
+        lat.reused_tokens += n_served
+        ttft = self.costs.ttft(computed, host, storage)
+        lat.ttft_s.append(ttft)
+        lat.clock_s += ttft
         if self.storage:
-            self._settle()
+            self._run_storage()  # this request's backups land before the next request arrives
 
-    def _settle(self) -> None:
-        """Let this request's storage writes land before the next request (untimed I/O wait).
-
-        A trace's requests are seconds apart and a page write takes far less;
-        replayed back to back, how far the storage threads lag would depend on
-        the machine's load, and so would the hit rate.
-        """
+    def _run_storage(self, rounds: int = 64) -> None:
+        """Run every piece of queued storage work on this thread and apply it, until none is left."""
         cache = self.cache
-        start = time.perf_counter()
-        while cache.storage_transfers_in_flight() and time.perf_counter() < start + PREFETCH_TIMEOUT_S:
-            time.sleep(PREFETCH_POLL_S)
+        tier = cache.storage
+        for _ in range(rounds):
+            work = tier.queued_work()
+            if not any(work.values()):
+                if not cache.storage_transfers_in_flight():
+                    return
+                cache.poll()  # completions a run left for the next poll
+                if not any(tier.queued_work().values()):
+                    return
+                continue
+            for kind in ("query", "s2h", "h2s"):
+                for _ in work[kind]:
+                    tier.run_queued(kind, 0)
             cache.poll()
-        self.storage_settle_s += time.perf_counter() - start
 
-    def _prefetch(self, tokens: tuple, m):
+    def _prefetch(self, tokens, m):
+        """Prefetch what storage adds to ``m``; its work runs now, untimed (the simulated clock counts it)."""
+        cache, res, clock = self.cache, self.result, self.clock
         rid = self._requests
         self._requests += 1
-        return prefetch_and_wait(self.clock, self.cache, self.result, rid, tokens, m, poll_s=PREFETCH_POLL_S)
+        if not clock.call(cache.prefetch, rid, tokens, m):
+            return m
+        res.prefetches += 1
+        c0, e0, b0 = clock.controller, clock.executor, dict(clock.by_call)
+        for _ in range(8):
+            self._run_storage()
+            if cache.prefetch_ready(rid):
+                break
+        else:
+            res.prefetch_timeouts += 1
+            cache.abort_prefetch(rid)
+        clock.controller, clock.executor, clock.by_call = c0, e0, b0
+        return clock.call(cache.match_prefix, tokens)
 
     def finish(self) -> TierResult:
-        """Let storage backups land (untimed), collect counters, check invariants, close."""
+        """Let storage backups land, collect counters, check invariants, close."""
         cache, res = self.cache, self.result
         try:
             if self.storage:
-                deadline = time.perf_counter() + 10.0
-                while cache.pending_job_ids() and time.perf_counter() < deadline:
-                    cache.poll()
-                    time.sleep(0.001)
+                self._run_storage()
             counters = cache.stats()
             res.counters = {k: v for k, v in counters.items() if isinstance(v, (int, float))}
-            if self.storage:
-                res.counters["storage_settle_s"] = round(self.storage_settle_s, 3)
             res.bytes = {kind: int(counters.get(f"bytes_{kind}", 0)) for kind in ("d2h", "h2d")}
             storage = counters.get("storage")
             if isinstance(storage, dict):
@@ -229,23 +308,30 @@ class TraceReplayer:
 def replay(tiers: Sequence[Tier], trace: Trace, tokens: BlockTokens, page_size: int, layout: str = "page_first",
            device: str = "cpu", storage_namespace: str = "trace-replay",
            on_request: Callable[[], None] = lambda: None) -> list[TierResult]:
-    """Serve every request of ``trace`` through each configuration, in step.
+    """Serve every request of ``trace`` through each configuration, in step (see ``replay_timed``)."""
+    return [r for r, _ in replay_timed(tiers, trace, tokens, page_size, layout, device, storage_namespace, on_request)]
 
-    Each request's tokens are derived once and served by every configuration
-    before the next request (a 12k-token input costs tens of microseconds to
-    build; the configurations share that). A configuration's ``wall_s`` counts
-    only its own setup, requests and wrap-up. ``on_request()`` follows each
-    request (served by all of them).
+
+def replay_timed(tiers: Sequence[Tier], trace: Trace, tokens: BlockTokens, page_size: int,
+                 layout: str = "page_first", device: str = "cpu", storage_namespace: str = "trace-replay",
+                 on_request: Callable[[], None] = lambda: None,
+                 costs: CostModel = CostModel()) -> list[tuple[TierResult, Latency]]:
+    """Serve every request of ``trace`` through each configuration, in step; each result with its latency.
+
+    Each request's tokens are derived and packed once (``BlockTokens.packed``)
+    and served by every configuration before the next request. A
+    configuration's ``wall_s`` counts only its own setup, requests and
+    wrap-up. ``on_request()`` follows each request (served by all of them).
     """
     replayers: list[TraceReplayer] = []
     spent: list[float] = []
     try:
         for tier in tiers:
             start = time.perf_counter()
-            replayers.append(TraceReplayer(tier, page_size, layout, device, storage_namespace))
+            replayers.append(TraceReplayer(tier, page_size, layout, device, storage_namespace, costs))
             spent.append(time.perf_counter() - start)
         for r in trace.requests:
-            cacheable = tokens.tokens(r.hash_ids, r.input_length - r.input_length % page_size)
+            cacheable = tokens.packed(r.hash_ids, r.input_length - r.input_length % page_size)
             for i, replayer in enumerate(replayers):
                 start = time.perf_counter()
                 replayer.serve(cacheable, r.input_length)
@@ -256,7 +342,7 @@ def replay(tiers: Sequence[Tier], trace: Trace, tokens: BlockTokens, page_size: 
             start = time.perf_counter()
             result = replayer.finish()
             result.wall_s = wall + time.perf_counter() - start
-            results.append(result)
+            results.append((result, replayer.latency))
         return results
     finally:
         for replayer in replayers:
@@ -327,6 +413,8 @@ class TraceSimulation:
     wall_s: float
     storage_skipped: str | None = None
     sweep: list[tuple[int, float]] | None = None
+    latency: dict[str, Latency] = attrs.Factory(dict)
+    costs: CostModel = CostModel()
 
     def tier(self, name: str) -> TierResult | None:
         return next((t for t in self.tiers if t.name == name), None)
@@ -335,6 +423,13 @@ class TraceSimulation:
     def hierarchy(self) -> TierResult:
         """The fullest real hierarchy of the run (with storage when it ran)."""
         return self.tier(FULL) or self.tier(DEVICE_HOST) or self.tiers[0]
+
+    def prefill_saved_vs_device(self) -> float | None:
+        """Share of the device-only configuration's prefill tokens the hierarchy did not compute."""
+        device, full = self.latency.get(DEVICE), self.latency.get(self.hierarchy.name)
+        if device is None or full is None or not device.computed_tokens:
+            return None
+        return round(1 - full.computed_tokens / device.computed_tokens, 4)
 
     def as_dict(self) -> dict:
         full = self.hierarchy
@@ -346,7 +441,10 @@ class TraceSimulation:
             "hierarchy": full.name,
             "requests": len(self.trace.requests),
             "controller_us_per_request": round(full.controller_us_per_request, 1),
-            "configs": {t.name: t.as_dict() for t in self.tiers},
+            "configs": {t.name: {**t.as_dict(), **self.latency[t.name].as_dict()} if t.name in self.latency
+                        else t.as_dict() for t in self.tiers},
+            "cost_model": attrs.asdict(self.costs),
+            "prefill_saved_vs_device": self.prefill_saved_vs_device(),
             "trace": self.trace.summary(),
             "unique_tokens": self.bound.unique_tokens,
             "page_size": self.page_size,
@@ -383,7 +481,7 @@ def run_trace(options: TraceOptions, progress: ReplayProgress | None = None,
     points = None
     try:
         progress.set_label(f"pass 1/{passes}: {len(tiers)} configurations")
-        results = replay(tiers, trace, tokens, ps, options.layout, device, namespace, progress.step)
+        replayed = replay_timed(tiers, trace, tokens, ps, options.layout, device, namespace, progress.step)
         if sweep:
             progress.set_label(f"pass 2/2: {len(sweep)} device sizes")
             swept = replay([device_only(f"sweep-{c}", c, ps) for c in sweep], trace, tokens, ps, options.layout,
@@ -391,8 +489,9 @@ def run_trace(options: TraceOptions, progress: ReplayProgress | None = None,
             points = [(c, r.hit_rate) for c, r in zip(sweep, swept)]
     finally:
         progress.close()
-    return TraceSimulation(trace, ps, options.layout, device, bound, results, time.perf_counter() - start,
-                           storage_skipped, points)
+    return TraceSimulation(trace, ps, options.layout, device, bound, [r for r, _ in replayed],
+                           time.perf_counter() - start, storage_skipped, points,
+                           {r.name: lat for r, lat in replayed})
 
 
 def sweep_capacities(trace: Trace, page_size: int, bound: PrefixBound, points: int = 10) -> list[int]:
@@ -409,6 +508,6 @@ def sweep_capacities(trace: Trace, page_size: int, bound: PrefixBound, points: i
 
 
 __all__ = [
-    "DEFAULT_STORAGE_URL", "METADATA_SHAPE", "ReplayProgress", "TraceOptions", "TraceReplayer", "TraceSimulation",
-    "replay", "run_trace", "sweep_capacities",
+    "DEFAULT_STORAGE_URL", "METADATA_SHAPE", "CostModel", "Latency", "ReplayProgress", "TraceOptions", "TraceReplayer", "TraceSimulation",
+    "replay", "replay_timed", "run_trace", "sweep_capacities",
 ]

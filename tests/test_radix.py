@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from cache_helpers import drain, make_cache, put
 from hicache_fsm.radix import RadixTree
+from hicache_fsm.tokens import pack_token_ids, token_id_bytes
 
 PAGE = 2
 
@@ -19,7 +20,7 @@ def tree_insert(tree: RadixTree, tokens: tuple[int, ...], namespace=None):
     path, matched, partial = tree.walk(tokens, namespace)
     parent = path[-1] if path else tree.root
     if partial:
-        child = parent.children[(namespace, tokens[matched : matched + tree.page_size])]
+        child = parent.children[tree.child_key(namespace, tokens, matched)]
         parent = tree.split(child, partial)
         matched += partial
     if matched < len(tokens):
@@ -39,7 +40,7 @@ def check_shape(tree: RadixTree) -> None:
         if node.is_root:
             continue
         assert node.key and len(node.key) % tree.page_size == 0
-        assert node.parent.children[(node.namespace, node.key[: tree.page_size])] is node
+        assert node.parent.children[tree.child_key(node.namespace, node.key, 0)] is node
         if not node.parent.is_root:
             assert node.parent.namespace == node.namespace
     for node in tree.nodes():
@@ -231,17 +232,19 @@ def test_split_keeps_lock_and_hit_counts_in_cache():
     cache.check_invariants()
 
 
-def test_a_lazily_sliced_key_reads_and_splits_like_a_sliced_one():
+def test_keys_are_packed_pages_and_split_like_the_ints_they_hold():
     tree = RadixTree(PAGE)
     tokens = tuple(range(100, 100 + 4 * PAGE))
     node = tree.add_child(tree.root, tokens, None, PAGE)
-    assert node.num_tokens == 3 * PAGE and node._key is None  # nothing sliced yet
+    assert node.num_tokens == 3 * PAGE and node.raw == token_id_bytes(tokens[PAGE:])
     assert tree.walk(tokens)[1] == 0  # the first page is not in the tree: only the tail is
     assert tree.walk(tokens[PAGE:]) == ([node], 3 * PAGE, 0)
+    assert tree.walk(pack_token_ids(tokens[PAGE:])) == ([node], 3 * PAGE, 0)
     assert node.key == tokens[PAGE:]
     lazy = tree.add_child(node, tuple(range(4 * PAGE)), None, 2 * PAGE)
     upper = tree.split(lazy, PAGE)
     assert (upper.key, lazy.key) == (tuple(range(2 * PAGE, 3 * PAGE)), tuple(range(3 * PAGE, 4 * PAGE)))
+    assert tree.prefix_ids(lazy).raw == token_id_bytes(tokens[PAGE:] + tuple(range(2 * PAGE, 4 * PAGE)))
     for bad_start in (-1, 4 * PAGE, 1):
         with pytest.raises(ValueError):
             tree.add_child(tree.root, tuple(range(500, 500 + 4 * PAGE)), None, bad_start)

@@ -14,7 +14,7 @@ from cache_helpers import drain, make_cache, pages, put
 from hicache_fsm.errors import BadIndices, BadTokenIds, HiCacheError, TokenIdTypeError, UnknownJob
 from hicache_fsm.jobs import Completion
 from hicache_fsm.storage.memory import MemoryBackend
-from hicache_fsm.tokens import TOKEN_ID_LIMIT, as_token_ids
+from hicache_fsm.tokens import TOKEN_ID_LIMIT, as_token_ids, pack_token_ids, token_id_bytes
 
 BAD = [
     (-1, BadTokenIds, "outside"),
@@ -150,3 +150,45 @@ def test_completion_with_a_list_job_id_is_an_unknown_job():
         with pytest.raises(UnknownJob, match="job ids are ints"):
             cache.complete(Completion(bad, True))
         assert cache.snapshot() == before
+
+
+# ------------------------------------------------------------------ one packed form
+
+
+class _Index:
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __index__(self) -> int:
+        return self.value
+
+
+class _IntSubclass(int):
+    pass
+
+
+@pytest.mark.parametrize("odd", [torch.tensor(7), np.int32(7), _Index(7), _IntSubclass(7)],
+                         ids=["0-d tensor", "numpy scalar", "__index__", "int subclass"])
+def test_an_integer_like_id_anywhere_in_a_list_keys_the_tree_like_the_int_it_equals(odd):
+    """Packing normalizes: a node inserted with an odd element is hit by plain ints (and the other way)."""
+    plain = [1, 2, 3, 7, 5, 6, 7, 8]
+    mixed = [1, 2, 3, odd, 5, 6, 7, 8]
+    assert pack_token_ids(mixed) == pack_token_ids(plain)
+    for first, second in ((mixed, plain), (plain, mixed)):
+        cache, ex = make_cache()
+        put(cache, first)
+        drain(cache, ex)
+        assert cache.match_prefix(second).device_hit_length == len(plain)
+        assert all(type(t) is int for n in cache.tree.nodes() for t in n.key)
+        cache.check_invariants()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 2**32 - 1), max_size=40))
+def test_lists_tuples_arrays_and_tensors_pack_to_the_same_bytes(values):
+    want = pack_token_ids(values)
+    assert pack_token_ids(tuple(values)) == want and as_token_ids(want) == tuple(values)
+    assert pack_token_ids(np.array(values, dtype=np.int64)) == want
+    assert pack_token_ids(torch.tensor(values, dtype=torch.int64)) == want
+    assert len(want) == len(values) and want.tolist() == values
+    assert token_id_bytes(want) == want.raw == b"".join(v.to_bytes(4, "little") for v in values)

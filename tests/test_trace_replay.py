@@ -230,3 +230,42 @@ def test_replay_with_the_device_pool_on_cuda(small_trace):
     rates = [t.hit_rate for t in sim.tiers]
     assert rates == sorted(rates)
     assert sim.tier(DEVICE_HOST).bytes["h2d"] > 0
+
+
+def test_time_to_first_token_follows_the_cost_model(shipped_sim):
+    """Prefill computed + reused covers every input token; TTFT is the cost model's sum, device only the slowest."""
+    costs = shipped_sim.costs
+    d = shipped_sim.as_dict()
+    for t in shipped_sim.tiers:
+        lat = shipped_sim.latency[t.name]
+        assert lat.computed_tokens == t.computed_tokens and lat.reused_tokens == t.hit_tokens
+        assert len(lat.ttft_s) == t.requests
+        want = costs.ttft(t.computed_tokens, t.host_hit_tokens, t.storage_hit_tokens)
+        assert lat.clock_s == pytest.approx(want)
+        c = d["configs"][t.name]
+        assert c["prefill_tokens_computed"] + c["prefill_tokens_reused"] == t.prompt_tokens
+        assert c["ttft_mean_s"] > 0 and c["ttft_p90_s"] == pytest.approx(sorted(lat.ttft_s)[int(0.9 * len(lat.ttft_s))], abs=1e-6)
+    device, full = shipped_sim.latency[DEVICE], shipped_sim.latency[shipped_sim.hierarchy.name]
+    assert full.clock_s < device.clock_s
+    assert d["prefill_saved_vs_device"] == round(1 - full.computed_tokens / device.computed_tokens, 4) > 0
+
+
+@needs_storage
+def test_storage_replays_on_the_simulated_clock_without_threads(small_trace):
+    """The tier starts no storage thread: the replayer runs queued work itself, and every backup lands."""
+    import threading
+
+    before = {t.ident for t in threading.enumerate()}
+    from hicache_fsm.trace_replay import TraceReplayer
+
+    trace = load_trace(small_trace, block_size=32)
+    tier = next(t for t in TraceOptions(trace, device_tokens=256, host_tokens=1024, page_size=16, device="cpu")
+                .tiers("memory://", prefix_bound(trace, 16)) if t.name == FULL)
+    replayer = TraceReplayer(tier, 16)
+    tokens = BlockTokens(32)
+    for r in trace.requests:
+        replayer.serve(tokens.packed(r.hash_ids, r.input_length - r.input_length % 16), r.input_length)
+        assert {t.ident for t in threading.enumerate()} == before  # nothing runs behind the replay
+        assert not replayer.cache.storage_transfers_in_flight()  # this request's backups landed already
+    result = replayer.finish()
+    assert result.storage_hit_tokens > 0 and result.prefetch_timeouts == 0

@@ -239,12 +239,16 @@ def render(results: dict, commands: dict[str, str], machine: dict, started: str,
         "victims costs O(k log N): the targets are evict and cycle within 2x, match, insert and",
         "lock within 1.5x from the smallest to the largest tree.",
         "",
-        "| nodes | match | match, partial | match, miss | insert | lock + unlock | evict 64 pages | cycle | peak RSS MB |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-        *[f"| {r.get('nodes')} | {_fmt(r.get('match_us'), 1)} | {_fmt(r.get('match_partial_us'), 1)} "
-          f"| {_fmt(r.get('match_miss_us'), 1)} | {_fmt(r.get('insert_us'), 1)} | {_fmt(r.get('lock_us'), 1)} "
-          f"| {_fmt(r.get('evict_us'), 1)} | {_fmt(r.get('cycle_us'), 1)} | {_fmt(r.get('peak_rss_mb'), 0)} |"
-          for r in sc.get("per_size", [])],
+        "| nodes | match | match, partial | match, miss | insert | lock + unlock | evict 64 pages | cycle "
+        "| bytes/node | peak RSS MB |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        *[row for r in sc.get("per_size", []) for row in _scale_rows(r)],
+        "",
+        "Each size's second and third rows are ours / the same-run baseline doing the same work",
+        "(`hicache_fsm.bench.baselines`: `plain`, a dict of page tuples; `sglang`, a minimal",
+        "re-implementation of SGLang RadixCache's match / insert / lock / evict loop, device only,",
+        "no token checks), timed interleaved chunk by chunk; bytes/node is the resident memory the",
+        "fill took per node.",
         "",
         "- growth from the smallest to the largest tree: "
         + ", ".join(f"{k.removesuffix('_us')} {_fmt(v)}x" for k, v in growth.items()),
@@ -258,6 +262,20 @@ def render(results: dict, commands: dict[str, str], machine: dict, started: str,
         "",
     ]
     return "\n".join(lines)
+
+
+def _scale_rows(r: dict) -> list[str]:
+    """One size of ``bench scale``: microseconds, then ours / each baseline."""
+    ops = ("match", "match_partial", "match_miss", "insert", "lock", "evict", "cycle")
+    rows = [f"| {r.get('nodes')} | " + " | ".join(_fmt(r.get(f"{op}_us"), 1) for op in ops)
+            + f" | {_fmt(r.get('bytes_per_node'), 0)} | {_fmt(r.get('peak_rss_mb'), 0)} |"]
+    for name in ("plain", "sglang"):
+        if f"vs_{name}_match" in r:
+            base = r.get(f"{name}_bytes_per_node")
+            mem = _fmt(r["bytes_per_node"] / base) + "x" if base else "-"
+            rows.append(f"| / {name} | " + " | ".join(_fmt(r.get(f"vs_{name}_{op}")) + "x" for op in ops)
+                        + f" | {mem} | |")
+    return rows
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -26,8 +26,15 @@ each as the median over repeated chunks of calls:
 
 The KV is metadata-sized (one int8 per token and layer) and ``AckExecutor``
 acknowledges jobs without copying: the figures are the controller's own
-cost. Each size runs in its own interpreter so ``peak_rss_mb`` is that
-size's peak. Ratios against the smallest size are printed: the targets are
+cost. Every operation is timed, chunk by chunk interleaved, on two same-run
+baselines doing the same work (``bench.baselines``: ``plain``, a dict of
+page tuples; ``sglang``, a minimal re-implementation of SGLang RadixCache's
+loop, which takes lists as SGLang's keys hold them), and reported as ratios
+``vs_plain`` / ``vs_sglang`` (ours / theirs), so a regression shows on any
+machine. ``bytes_per_node`` is the resident memory the fill took per node
+(RSS delta: torch's slot tensors live outside tracemalloc's view), the
+baselines' beside it. Each size runs in its own interpreter so
+``peak_rss_mb`` is that size's peak. Ratios against the smallest size are printed: the targets are
 ``evict_us`` and ``cycle_us`` within 2x and match / insert / lock within 1.5x
 from 1k to 1M nodes. ``--headroom-pages`` sets ``CacheConfig.eviction_headroom_tokens``
 (``alloc_device`` and ``load_back`` evict that many pages beyond the
@@ -48,6 +55,7 @@ import time
 
 import torch
 
+from hicache_fsm.bench.baselines import PlainPrefixCache, RadixLikeSGLang
 from hicache_fsm.bench.common import machine_description
 from hicache_fsm.bench.controller import AckExecutor
 from hicache_fsm.cache import HiCache
@@ -70,9 +78,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunks", type=int, default=None, help="timed chunks per operation (default 7; quick 3)")
     parser.add_argument("--headroom-pages", type=int, default=0,
                         help="CacheConfig.eviction_headroom_tokens in pages: evicted beyond the shortfall (default 0)")
-    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
-                        help="time with perf_counter (wall, default) or process CPU time (cpu: steadier on a "
-                             "machine shared with other work)")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="cpu",
+                        help="time with process CPU time (cpu, default: steadier on a machine shared with other "
+                             "work) or perf_counter (wall)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--in-process", action="store_true",
                         help="run every size in this interpreter (peak RSS then accumulates)")
@@ -125,133 +133,80 @@ def _put(cache: HiCache, tokens: tuple[int, ...]) -> None:
 
 
 _CLOCK = {"wall": time.perf_counter, "cpu": time.process_time}
+OPS = ("match_us", "match_partial_us", "match_miss_us", "insert_us", "lock_us", "evict_us", "cycle_us")
+BASELINES = ("plain", "sglang")
 
 
-def _chunks(fn, chunks: int, calls: int, pc=time.perf_counter) -> float:
-    """Median over ``chunks`` of the mean microseconds per call of ``fn(i, clock)`` (gc off while timing)."""
-    per_call = []
-    i = 0
+def _rss() -> int:
+    """Resident set size in bytes (Linux; 0 where /proc is missing)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * resource.getpagesize()
+    except OSError:
+        return 0
+
+
+def _interleaved(fns: dict, chunks: int, calls: dict, pc) -> dict[str, float]:
+    """Median over ``chunks`` of the mean microseconds per call of each ``fn(i, clock)``; the variants alternate
+    chunk by chunk so machine noise hits them alike (gc off while timing)."""
+    per_call: dict[str, list[float]] = {name: [] for name in fns}
+    counter = dict.fromkeys(fns, 0)
     for _ in range(chunks):
-        gc.collect()
-        gc.disable()
-        try:
-            spent = 0.0
-            for _ in range(calls):
-                spent += fn(i, pc)
-                i += 1
-        finally:
-            gc.enable()
-        per_call.append(spent / calls * 1e6)
-    return statistics.median(per_call)
+        for name, fn in fns.items():
+            gc.collect()
+            gc.disable()
+            try:
+                spent = 0.0
+                for _ in range(calls[name]):
+                    spent += fn(counter[name], pc)
+                    counter[name] += 1
+            finally:
+                gc.enable()
+            per_call[name].append(spent / calls[name] * 1e6)
+    return {name: statistics.median(v) for name, v in per_call.items()}
 
 
-def measure(nodes: int, chunks: int, calls: int, headroom_pages: int, seed: int, warmup_cycles: int = 64,
-            clock: str = "wall") -> dict:
-    """Every figure at one tree size (see the module docstring)."""
-    pc = _CLOCK[clock]
-    tok = _Tokens(seed)
-    warm = 16
-    # room for the warm requests and a few more: inserts and cycles soon evict (older requests first)
-    cache = _cache(nodes, device_requests=warm + 8, host_requests=3 * warm, headroom_pages=headroom_pages)
-    _fill(cache, nodes)
-    # ---- evict 64 pages from a full device; the victims come back (untimed) before the next call
-    free = cache.device_allocator.available_tokens
-    held = cache.alloc_device(free - free % PAGE)  # the engine holds every free page: the next come from eviction
-    victims: list = []
+class _Ours:
+    """``HiCache`` doing each operation of the benchmark."""
 
-    def observe(event: dict) -> None:
-        if event.get("trigger") == "evict_device":
-            victims.append(event["node"])
+    name = "ours"
 
-    cache.add_observer(observe)
+    def __init__(self, nodes: int, warm: int, headroom_pages: int) -> None:
+        # room for the warm requests and a few more: inserts and cycles soon evict (older requests first)
+        self.cache = _cache(nodes, device_requests=warm + 8, host_requests=3 * warm, headroom_pages=headroom_pages)
 
-    def evict(i, pc):
-        victims.clear()
-        t0 = pc()
-        freed = cache.evict(64 * PAGE)
-        spent = pc() - t0  # the observer is timed too: a few hundred ns per victim, at every size alike
-        if freed < 64 * PAGE:
-            raise RuntimeError(f"evict freed {freed} tokens, wanted {64 * PAGE}")
-        ids = list(victims)
-        for nid in ids:
-            node = cache.tree.get(nid)
-            if node is not None and cache.load_back(node) is None:
-                raise RuntimeError("the benchmark could not reload an evicted node")
-        cache.poll()
-        cache.poll()
-        return spent
+    def fill(self, nodes: int) -> None:
+        _fill(self.cache, nodes)
 
-    evict_us = _chunks(evict, chunks, max(1, calls // 8), pc)
-    cache.free_device(held)
-    cache.remove_observer(observe)
+    def put(self, tokens: tuple) -> None:
+        _put(self.cache, tokens)
 
-    requests = [tok.request() for _ in range(warm)]
-    for r in requests:
-        _put(cache, r)
+    def match(self, tokens: tuple) -> object:
+        return self.cache.match_prefix(tokens)
 
-    def match_full(i, pc):
-        t = requests[i % warm]
-        t0 = pc()
-        cache.match_prefix(t)
-        return pc() - t0
+    def leaf(self, tokens: tuple) -> object:
+        return self.cache.match_prefix(tokens).last_device_node
 
-    partial = [tok.prompt + tok.fresh(REQUEST - PROMPT) for _ in range(64)]
+    def engine_form(self, tokens: tuple) -> tuple:
+        return tokens  # the documented fast path: a tuple, packed once for match_prefix and insert
 
-    def match_partial(i, pc):
-        t = partial[i % 64]
-        t0 = pc()
-        cache.match_prefix(t)
-        return pc() - t0
+    def lock(self, node) -> None:
+        self.cache.lock(node)
+        self.cache.unlock(node)
 
-    misses = [tok.fresh(REQUEST) for _ in range(64)]
-
-    def match_miss(i, pc):
-        t = misses[i % 64]
-        t0 = pc()
-        cache.match_prefix(t)
-        return pc() - t0
-
-    leaves = [cache.match_prefix(r).last_device_node for r in requests]
-
-    def lock(i, pc):
-        node = leaves[i % warm]
-        t0 = pc()
-        cache.lock(node)
-        cache.unlock(node)
-        return pc() - t0
-
-    out = {"nodes": nodes, "evict_us": evict_us}
-    out["match_us"] = _chunks(match_full, chunks, calls, pc)
-    out["match_partial_us"] = _chunks(match_partial, chunks, calls, pc)
-    out["match_miss_us"] = _chunks(match_miss, chunks, calls, pc)
-    out["lock_us"] = _chunks(lock, chunks, calls, pc)
-
-    insert_calls = max(1, calls // 4)
-
-    def insert(i, pc):
-        t = tok.request()
-        m = cache.match_prefix(t)
+    def insert_timed(self, tokens: tuple, pc) -> float:
+        cache = self.cache
+        m = cache.match_prefix(tokens)
         idx = torch.cat([m.device_indices, cache.alloc_device(REQUEST - m.device_hit_length)])
         t0 = pc()
-        cache.insert(t, idx)
+        cache.insert(tokens, idx)
         spent = pc() - t0
         cache.poll()
         cache.poll()
         return spent
 
-    out["insert_us"] = _chunks(insert, chunks, insert_calls, pc)
-
-    # ---- the request cycle under device pressure with host backup
-    seen: list[tuple[int, ...]] = []
-    rng = random.Random(seed + 1)
-
-    def cycle(i, pc):
-        if seen and rng.random() < 1 / 3:
-            t = seen[rng.randrange(len(seen))]
-        else:
-            t = tok.request()
-            seen.append(t)
-        t0 = pc()
+    def cycle(self, t: tuple) -> None:
+        cache = self.cache
         m = cache.match_prefix(t)
         lb = cache.load_back(m.last_host_node) if m.host_hit_length else None
         node = lb.last_node if lb is not None else m.last_device_node
@@ -263,19 +218,222 @@ def measure(nodes: int, chunks: int, calls: int, headroom_pages: int, seed: int,
         cache.insert(t, torch.cat([prefix, idx]))
         cache.unlock(node)
         cache.poll()
-        return pc() - t0
 
-    for _ in range(warmup_cycles):  # reach the steady state: device full, host full
-        cycle(-1, pc)
-    out["cycle_us"] = _chunks(cycle, chunks, max(1, calls // 4), pc)
+
+class _Baseline:
+    """A baseline prefix cache (``bench.baselines``) behind the same operations, with a device budget in tokens."""
+
+    def __init__(self, name: str, nodes: int, warm: int) -> None:
+        self.name = name
+        self.cache = PlainPrefixCache(PAGE) if name == "plain" else RadixLikeSGLang(PAGE)
+        self.capacity = nodes * PAGE + (warm + 8) * REQUEST
+        self.used = 0
+        self._slots = torch.arange(self.capacity, dtype=torch.int64)
+
+    def fill(self, nodes: int) -> None:
+        tail = tuple(range(1, PAGE))
+        for i in range(nodes):
+            self.cache.insert((VOCAB + i,) + tail, self._slots[i * PAGE : (i + 1) * PAGE])
+        self.used = nodes * PAGE
+
+    def _alloc(self, n: int) -> torch.Tensor:
+        if self.used + n > self.capacity:
+            self.used -= self.cache.evict(self.used + n - self.capacity)
+        return self._slots[:n]  # slot values do not matter to a baseline: only the work does
+
+    def put(self, tokens: tuple) -> None:
+        self.cycle(tokens)
+
+    def match(self, tokens) -> object:
+        return self.cache.match_prefix(tokens)
+
+    def leaf(self, tokens: tuple) -> object:
+        return self.cache.match_prefix(tokens)[1]
+
+    def engine_form(self, tokens: tuple):
+        """What the engine would hand this cache (untimed): SGLang keys hold lists."""
+        return tokens if self.name == "plain" else list(tokens)
+
+    def lock(self, node) -> None:
+        self.lock_node(node, 1)
+        self.lock_node(node, -1)
+
+    def insert_timed(self, tokens: tuple, pc) -> float:
+        tokens = self.engine_form(tokens)
+        indices, _ = self.cache.match_prefix(tokens)
+        idx = torch.cat([indices, self._alloc(REQUEST - indices.numel())])
+        t0 = pc()
+        self.cache.insert(tokens, idx)
+        spent = pc() - t0
+        self.used += REQUEST - indices.numel()
+        return spent
+
+    def cycle(self, t: tuple) -> None:
+        indices, node = self.cache.match_prefix(t)
+        self.lock_node(node, 1)
+        idx = self._alloc(len(t) - indices.numel())
+        self.cache.insert(t, torch.cat([indices, idx]))
+        self.used += len(t) - indices.numel()
+        self.lock_node(node, -1)
+
+    def lock_node(self, node, delta: int) -> None:
+        if self.name == "plain":
+            self.cache.lock(node, delta)
+        elif delta > 0:
+            self.cache.inc_lock_ref(node)
+        else:
+            self.cache.dec_lock_ref(node)
+
+
+def _timed(pc, fn, arg) -> float:
+    t0 = pc()
+    fn(arg)
+    return pc() - t0
+
+
+def _filled(variant, nodes: int) -> int:
+    """Fill ``variant`` with ``nodes`` one-page prefixes; the resident memory that took, per node."""
+    gc.collect()
+    before = _rss()
+    variant.fill(nodes)
+    gc.collect()
+    return max(0, _rss() - before) // nodes
+
+
+def measure(nodes: int, chunks: int, calls: int, headroom_pages: int, seed: int, warmup_cycles: int = 64,
+            clock: str = "cpu", baselines: tuple[str, ...] = BASELINES) -> dict:
+    """Every figure at one tree size, ours and each baseline's, interleaved (see the module docstring)."""
+    pc = _CLOCK[clock]
+    warm = 16
+    ours = _Ours(nodes, warm, headroom_pages)
+    variants = [ours] + [_Baseline(name, nodes, warm) for name in baselines]
+    out: dict = {"nodes": nodes, "bytes_per_node": _filled(ours, nodes)}
+    for v in variants[1:]:
+        out[f"{v.name}_bytes_per_node"] = _filled(v, nodes)
+    out["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+    # baselines evict by scanning every leaf (as SGLang does): give them few calls at large sizes
+    scan_calls = max(1, min(calls // 8, 2_000_000 // (nodes * 8) or 1))
+    # ---- evict 64 pages from a full device; the victims come back (untimed) before the next call
+    cache = ours.cache
+    free = cache.device_allocator.available_tokens
+    held = cache.alloc_device(free - free % PAGE)  # the engine holds every free page: the next come from eviction
+    victims: list = []
+
+    def observe(event: dict) -> None:
+        if event.get("trigger") == "evict_device":
+            victims.append(event["node"])
+
+    cache.add_observer(observe)
+
+    def evict_ours(i, pc):
+        victims.clear()
+        t0 = pc()
+        freed = cache.evict(64 * PAGE)
+        spent = pc() - t0  # the observer is timed too: a few hundred ns per victim, at every size alike
+        if freed < 64 * PAGE:
+            raise RuntimeError(f"evict freed {freed} tokens, wanted {64 * PAGE}")
+        for nid in list(victims):
+            node = cache.tree.get(nid)
+            if node is not None and cache.load_back(node) is None:
+                raise RuntimeError("the benchmark could not reload an evicted node")
+        cache.poll()
+        cache.poll()
+        return spent
+
+    def evict_baseline(v):
+        tail = tuple(range(1, PAGE))
+        order = iter(range(1 << 62))
+
+        def evict(i, pc):
+            t0 = pc()
+            freed = v.cache.evict(64 * PAGE)
+            spent = pc() - t0
+            if freed < 64 * PAGE:
+                raise RuntimeError(f"{v.name} evict freed {freed} tokens, wanted {64 * PAGE}")
+            for _ in range(64):  # LRU took the 64 oldest prefixes: put them back (now the newest), untimed
+                t = (VOCAB + next(order) % nodes,) + tail
+                if not v.match(t)[0].numel():
+                    v.cache.insert(t, v._slots[:PAGE])
+            return spent
+        return evict
+
+    evict_fns = {"ours": evict_ours}
+    evict_fns.update({v.name: evict_baseline(v) for v in variants[1:]})
+    evict_calls = {"ours": max(1, calls // 8)} | {v.name: scan_calls for v in variants[1:]}
+    results = {"evict_us": _interleaved(evict_fns, chunks, evict_calls, pc)}
+    cache.free_device(held)
+    cache.remove_observer(observe)
+
+    tok = {v.name: _Tokens(seed) for v in variants}  # every variant sees the same token stream
+    requests = {v.name: [v.engine_form(tok[v.name].request()) for _ in range(warm)] for v in variants}
+    for v in variants:
+        for r in requests[v.name]:
+            v.put(r)
+    partial = {v.name: [v.engine_form(tok[v.name].prompt + tok[v.name].fresh(REQUEST - PROMPT)) for _ in range(64)]
+               for v in variants}
+    misses = {v.name: [v.engine_form(tok[v.name].fresh(REQUEST)) for _ in range(64)] for v in variants}
+    leaves = {v.name: [v.leaf(r) for r in requests[v.name]] for v in variants}
+    # an engine holding its ids in an integer tensor: packed by numpy, no per-id Python work
+    misses["ours_tensor"] = [torch.tensor(t, dtype=torch.int32) for t in misses["ours"]]
+
+    def timed_call(v, inputs, op):
+        def fn(i, pc):
+            t = inputs[v.name][i % len(inputs[v.name])]
+            t0 = pc()
+            op(v)(t)
+            return pc() - t0
+        return fn
+
+    every = {v.name: calls for v in variants}
+    results["match_us"] = _interleaved({v.name: timed_call(v, requests, lambda v: v.match) for v in variants},
+                                       chunks, every, pc)
+    results["match_partial_us"] = _interleaved(
+        {v.name: timed_call(v, partial, lambda v: v.match) for v in variants}, chunks, every, pc)
+    miss_fns = {v.name: timed_call(v, misses, lambda v: v.match) for v in variants}
+    miss_fns["ours_tensor"] = lambda i, pc: _timed(pc, ours.match, misses["ours_tensor"][i % 64])
+    results["match_miss_us"] = _interleaved(miss_fns, chunks, every | {"ours_tensor": calls}, pc)
+    tensor_miss = results["match_miss_us"].pop("ours_tensor")
+    out["match_miss_tensor_us"] = round(tensor_miss, 2)
+    for v in variants[1:]:
+        base = results["match_miss_us"][v.name]
+        out[f"vs_{v.name}_match_miss_tensor"] = round(tensor_miss / base, 3) if base else None
+    results["lock_us"] = _interleaved({v.name: timed_call(v, leaves, lambda v: v.lock) for v in variants},
+                                      chunks, every, pc)
+    results["insert_us"] = _interleaved(
+        {v.name: (lambda v: lambda i, pc: v.insert_timed(tok[v.name].request(), pc))(v) for v in variants},
+        chunks, {v.name: max(1, calls // 4) for v in variants}, pc)
+
+    # ---- the request cycle under device pressure (ours: with host backup and load-backs)
+    def cycle_fn(v):
+        seen: list[tuple[int, ...]] = []
+        rng = random.Random(seed + 1)
+
+        def cycle(i, pc):
+            if seen and rng.random() < 1 / 3:
+                t = seen[rng.randrange(len(seen))]
+            else:
+                t = tok[v.name].request()
+                seen.append(t)
+            return _timed(pc, v.cycle, v.engine_form(t))
+        return cycle
+
+    cycles = {v.name: cycle_fn(v) for v in variants}
+    for v in variants:  # reach the steady state: device full (ours: host full too)
+        for _ in range(warmup_cycles if v is ours else min(warmup_cycles, 4 * scan_calls)):
+            cycles[v.name](-1, pc)
+    results["cycle_us"] = _interleaved(cycles, chunks, {"ours": max(1, calls // 4)}
+                                       | {v.name: min(max(1, calls // 4), scan_calls) for v in variants[1:]}, pc)
     cache.poll()
+    for key, by_variant in results.items():
+        out[key] = round(by_variant["ours"], 2)
+        for v in variants[1:]:
+            base = by_variant[v.name]
+            out[f"{v.name}_{key}"] = round(base, 2)
+            out[f"vs_{v.name}_{key[:-3]}"] = round(by_variant["ours"] / base, 3) if base else None
     out["tree_nodes_after"] = len(cache.tree)
     out["evicted_device_tokens"] = cache.counters["evicted_device_tokens"]
     out["loaded_back_tokens"] = cache.counters["loaded_back_tokens"]
     out["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
-    for k in list(out):
-        if k.endswith("_us"):
-            out[k] = round(out[k], 2)
     return out
 
 
@@ -321,8 +479,11 @@ def run(args: argparse.Namespace) -> dict:
     finally:
         torch.set_num_threads(threads)
     result: dict = {"nodes": [r["nodes"] for r in per_size]}
-    for key in KEYS + ("peak_rss_mb", "match_partial_us", "match_miss_us"):
+    for key in OPS + ("peak_rss_mb", "bytes_per_node"):
         result[key] = [r[key] for r in per_size]
+    for name in BASELINES:
+        result[f"{name}_bytes_per_node"] = [r[f"{name}_bytes_per_node"] for r in per_size]
+        result[f"vs_{name}"] = {key[:-3]: [r[f"vs_{name}_{key[:-3]}"] for r in per_size] for key in OPS}
     base = per_size[0]
     result["growth"] = {k: round(per_size[-1][k] / base[k], 2) if base[k] else None for k in KEYS}
     result["headroom_pages"] = args.headroom_pages
@@ -331,14 +492,19 @@ def run(args: argparse.Namespace) -> dict:
     result["machine"] = machine_description()
     out = sys.stderr if getattr(args, "json", False) else sys.stdout
     print(f"controller cost per operation against tree size (page {PAGE}, {REQUEST}-token requests, "
-          f"median of {chunks} chunks)", file=out)
-    cols = ["nodes", "match_us", "match_partial_us", "match_miss_us", "insert_us", "lock_us", "evict_us", "cycle_us",
-            "peak_rss_mb"]
+          f"median of {chunks} interleaved chunks, {args.clock} clock)", file=out)
+    cols = ["nodes"] + list(OPS) + ["bytes_per_node", "peak_rss_mb"]
     print("  " + "  ".join(c.rjust(16) for c in cols), file=out)
     for r in per_size:
         print("  " + "  ".join(str(r[c]).rjust(16) for c in cols), file=out)
+        for name in BASELINES:
+            row = [f"/ {name}"] + [f"{r[f'vs_{name}_{c[:-3]}']}x" for c in OPS] + [
+                f"{r['bytes_per_node'] / r[f'{name}_bytes_per_node']:.2f}x" if r[f"{name}_bytes_per_node"] else "-", ""]
+            print("  " + "  ".join(c.rjust(16) for c in row), file=out)
     print(f"  growth {per_size[0]['nodes']} -> {per_size[-1]['nodes']} nodes: "
           + ", ".join(f"{k} {v}x" for k, v in result["growth"].items()), file=out)
+    print("  ratios: ours / same-run baseline doing the same work (plain: a dict of page tuples; sglang: a "
+          "re-implementation of SGLang RadixCache's loop, see hicache_fsm.bench.baselines)", file=out)
     if getattr(args, "json", False):
         print(json.dumps(result))
     return result

@@ -29,7 +29,7 @@ from typing import Iterable, Sequence
 import attrs
 
 from hicache_fsm.errors import BadTokenIds, StorageKeyError
-from hicache_fsm.tokens import token_id_bytes
+from hicache_fsm.tokens import ID_BYTES, TokenIds, token_id_bytes
 
 __all__ = [
     "HASH_HEX_LEN",
@@ -76,18 +76,24 @@ def page_hash(tokens: Sequence[int], prior: str | None = None) -> str:
     return hasher.hexdigest()
 
 
-def page_keys(tokens: Sequence[int], page_size: int, prior: str | None = None) -> list[str]:
-    """Chained page hashes of every full page of ``tokens``; a partial tail page gets none."""
+def page_keys(tokens: Sequence[int] | TokenIds, page_size: int, prior: str | None = None) -> list[str]:
+    """Chained page hashes of every full page of ``tokens``; a partial tail page gets none.
+
+    A ``TokenIds`` (what the cache and its tree hold) is hashed from its packed
+    bytes as they are: the same bytes the tree compares, nothing converted.
+    """
     if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
         raise StorageKeyError(f"page_size must be a positive int, got {page_size!r}")
-    raw = _token_bytes(tokens)
+    raw = memoryview(_token_bytes(tokens))
     chained = _prior_bytes(prior)
-    stride = 4 * page_size
+    stride = ID_BYTES * page_size
     keys: list[str] = []
+    sha256 = hashlib.sha256
     for start in range(0, len(raw) - stride + 1, stride):
-        digest = hashlib.sha256(chained + raw[start : start + stride]).digest()
-        keys.append(digest.hex())
-        chained = digest
+        hasher = sha256(chained)
+        hasher.update(raw[start : start + stride])  # a view: no copy of the page
+        chained = hasher.digest()
+        keys.append(chained.hex())
     return keys
 
 

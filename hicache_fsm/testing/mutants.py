@@ -221,7 +221,7 @@ def _orphan(p: Patcher) -> None:
             if n.is_root or not n.children or n.state not in ("host", "host_stored") or n.host_ref:
                 continue
             cache.driver.fire(n, "evict_host")
-            del n.parent.children[(n.namespace, n.key[: cache.page_size])]
+            del n.parent.children[cache.tree.child_key(n.namespace, n.token_ids, 0)]
             del cache.tree._nodes[n.id]  # the bug: unlinked without RadixTree.remove_leaf's check
             freed += n.num_tokens
         return freed
