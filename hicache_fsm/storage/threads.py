@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 from collections import Counter, deque
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -53,6 +53,7 @@ class StorageThreads:
     _link_down: str
     _last_probe: float
     _thread_counts: Counter[str]
+    _confine: Callable[[], None]  # the scheduler's calls here refuse a thread that does not drive the cache
 
     def start_workers(self) -> None:
         """Start the query and I/O threads over the attached backend.
@@ -70,6 +71,7 @@ class StorageThreads:
         for an unknown kind, a missing item or no backend. The outcome reaches
         the cache at its next ``poll``, as a thread's does.
         """
+        self._confine()
         runners = {"query": (self._query_q, self._run_query), "s2h": (self._transfer_q, self._run_transfer),
                    "h2s": (self._backup_q, self._run_backup)}
         if kind not in runners:
@@ -89,6 +91,7 @@ class StorageThreads:
 
     def probe_now(self) -> None:
         """Probe the backend's health now, on this thread (not rate-limited); ``KeyError`` without a backend."""
+        self._confine()
         backend = self.link.backend
         if backend is None:
             raise KeyError("probe: no backend attached")

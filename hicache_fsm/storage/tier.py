@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import re
 import threading
 import time
@@ -53,7 +54,7 @@ from collections import Counter, deque
 from collections.abc import Hashable
 from typing import TYPE_CHECKING, Any
 
-from hicache_fsm.errors import GuardRejected, HiCacheError, InvalidTransition, StorageLinkError
+from hicache_fsm.errors import ConfigError, GuardRejected, HiCacheError, InvalidTransition, StorageLinkError
 from hicache_fsm.jobs import Completion, JobKind, TransferJob
 from hicache_fsm.machine import compile_machine
 from hicache_fsm.outbox import STORAGE_KINDS
@@ -233,6 +234,7 @@ class StorageTier(PrefetchCalls, StorageThreads):
         nothing else changed). If a thread does not exit within ``join_timeout``
         the link stays ``detaching`` and StorageLinkError is raised: call again.
         """
+        self._confine()
         self._apply_finished()
         if self.link.state == "attached":
             self.wind_down("storage is detaching")
@@ -334,6 +336,7 @@ class StorageTier(PrefetchCalls, StorageThreads):
 
     def submit(self, job: TransferJob) -> None:
         """The cache emitted an H2S (or, through the prefetch runtime, an S2H) job."""
+        self._confine()
         if job.kind is JobKind.H2S:
             self.counters["backups_submitted"] += 1
             if self.link.state != "attached":
@@ -363,6 +366,7 @@ class StorageTier(PrefetchCalls, StorageThreads):
 
     def poll(self) -> list[Completion]:
         """Drain thread events, retry failed backups when due; completions for the cache."""
+        self._confine()
         self._drain()
         self._maybe_sweep()
         done, self._completions = self._completions, []
@@ -520,6 +524,7 @@ class StorageTier(PrefetchCalls, StorageThreads):
 
     def reset(self) -> None:
         """The cache is dropping everything: cancel queued work, wait for running I/O, forget all prefetches."""
+        self._confine()
         with self._cv:
             self._gen += 1
             self._query_q.clear()
@@ -539,9 +544,16 @@ class StorageTier(PrefetchCalls, StorageThreads):
 
     def close(self, drain: float = 0.0) -> None:
         """Engine shutdown: let queued backups finish for up to ``drain`` seconds, then abort
-        prefetches, fail what is still queued, stop the threads and close the backend."""
+        prefetches, fail what is still queued, stop the threads and close the backend.
+
+        A bad ``drain`` is refused (``ConfigError``) before anything changes. Once
+        past that, the threads are stopped and the backend closed whatever fails
+        on the way (the failure is logged), so a closed tier never leaks either.
+        """
+        drain = drain_seconds(drain)
         if self.closed:
             return
+        self._confine()
         rt = self.runtime
         try:
             if drain > 0 and self.link.state == "attached":
@@ -555,12 +567,13 @@ class StorageTier(PrefetchCalls, StorageThreads):
             self._apply_finished()
             if self.link.state in ("attached", "detaching"):
                 self.detach()
-        except HiCacheError as exc:
+        except Exception as exc:  # noqa: BLE001 - closing goes on: stop the threads, close the backend
             log.error("closing the storage tier: %s", exc)
-            self.link.signal_stop()
-            self.link.join()
-            self.link.close_backend()
         finally:
+            if self.link.backend is not None or self.link.threads_alive():
+                self.link.signal_stop()
+                self.link.join()
+                self.link.close_backend()
             self.closed = True
 
     # ================================================================== forks and observation (the explorer)
@@ -615,8 +628,23 @@ class StorageTier(PrefetchCalls, StorageThreads):
         return len(self._events), len(self._completions)
 
     def _check_open(self) -> None:
+        """Refuse a call on a closed tier, or from a thread that does not drive the cache (``WrongThread``)."""
         if self.closed:
             raise HiCacheError("this storage tier is closed")
+        self.cache.check_open()
+
+    def _confine(self) -> None:
+        """Refuse a call from a thread that does not drive the cache: the tier is confined with it."""
+        self.cache.check_open()
+
+
+def drain_seconds(drain: object) -> float:
+    """``close(drain=...)``'s seconds, checked before anything changes: a finite number >= 0, else ``ConfigError``."""
+    if isinstance(drain, bool) or not isinstance(drain, (int, float)):
+        raise ConfigError(f"close(drain=...) wants seconds as a number >= 0, got {type(drain).__name__}; nothing changed")
+    if not math.isfinite(drain) or drain < 0:
+        raise ConfigError(f"close(drain=...) wants a finite number of seconds >= 0, got {drain!r}; nothing changed")
+    return float(drain)
 
 
 def attach_storage(cache: TierHost, url_or_backend: str | StorageBackend, **options: Any) -> StorageTier:
@@ -627,4 +655,4 @@ def attach_storage(cache: TierHost, url_or_backend: str | StorageBackend, **opti
     return cache.storage
 
 
-__all__ = ["StorageTier", "attach_storage", "namespace_seed"]
+__all__ = ["StorageTier", "attach_storage", "drain_seconds", "namespace_seed"]

@@ -1,0 +1,116 @@
+"""The storage tier under hostile use: foreign threads, bad close arguments, lost keys, short prefetches."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from storage_util import make_cache, prompt, put, settle, storage_threads
+from test_storage_tier import FAST
+
+from hicache_fsm.errors import ConfigError, WrongThread
+from hicache_fsm.storage.memory import MemoryBackend
+
+
+def _in_thread(fn):
+    """Run ``fn`` in a new thread; its result or the exception it raised."""
+    out = {}
+
+    def run():
+        try:
+            out["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed back to the test
+            out["error"] = exc
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    return out
+
+
+# ====================================================================== thread confinement
+
+
+def test_every_mutating_storage_call_is_refused_from_another_thread_and_changes_nothing():
+    cache = make_cache()
+    cache.attach_storage(MemoryBackend(), **FAST)
+    tier = cache.storage
+    tokens = prompt(16, seed=1)
+    put(cache, tokens)  # a backup now queued / running on the storage threads
+    m = cache.match_prefix(prompt(32, seed=2))
+    counters = dict(tier.counters)
+    calls = {
+        "poll": tier.poll,
+        "reset": tier.reset,
+        "attach": lambda: tier.attach(MemoryBackend()),
+        "detach": tier.detach,
+        "prefetch": lambda: tier.prefetch("r", prompt(32, seed=2), m),
+        "prefetch_ready": lambda: tier.prefetch_ready("r"),
+        "abort_prefetch": lambda: tier.abort_prefetch("r"),
+        "drain": lambda: tier.drain(0.0),
+        "close": tier.close,
+        "run_queued": lambda: tier.run_queued("h2s", 0),
+        "probe_now": tier.probe_now,
+    }
+    for name, call in calls.items():
+        out = _in_thread(call)
+        assert isinstance(out.get("error"), WrongThread), (name, out)
+        assert tier.link.state == "attached" and not tier.closed, name
+    assert dict(tier.counters) == counters
+    settle(cache)  # the owner still gets every completion: the backup lands
+    assert tier.stats()["backups_stored"] == 1
+    cache.detach_storage()
+    cache.close()
+    assert not storage_threads()
+
+
+def test_storage_threads_keep_working_when_the_cache_moves_to_another_thread():
+    cache = make_cache()
+    cache.attach_storage(MemoryBackend(), **FAST)
+    cache.release_thread()
+
+    def serve():
+        put(cache, prompt(16, seed=3))
+        settle(cache)
+        st = cache.storage.stats()
+        cache.close()
+        return st
+
+    out = _in_thread(serve)
+    assert out["value"]["backups_stored"] == 1
+    assert not storage_threads()
+
+
+# ====================================================================== close(drain=...)
+
+
+@pytest.mark.parametrize("drain", ["5", None, [1], -1.0, float("nan"), float("inf"), True])
+def test_close_with_a_bad_drain_is_refused_before_anything_changes(drain):
+    cache = make_cache()
+    cache.attach_storage(MemoryBackend(), **FAST)
+    with pytest.raises(ConfigError):
+        cache.close(drain=drain)
+    with pytest.raises(ConfigError):
+        cache.storage.close(drain=drain)
+    assert not cache.closed and not cache.storage.closed
+    assert cache.storage.link.state == "attached" and len(storage_threads()) == 2
+    put(cache, prompt(16, seed=4))
+    settle(cache)  # still serving
+    cache.close()
+    assert cache.closed and cache.storage.closed and cache.storage.backend is None
+    assert not storage_threads()
+
+
+def test_close_stops_threads_and_closes_the_backend_even_when_a_step_fails(monkeypatch):
+    cache = make_cache()
+    backend = MemoryBackend()
+    cache.attach_storage(backend, **FAST)
+    tier = cache.storage
+
+    def broken(*a, **k):
+        raise TypeError("boom")
+
+    monkeypatch.setattr(tier, "_fail_queued", broken)
+    cache.close()
+    assert tier.closed and tier.backend is None and cache.closed
+    assert not storage_threads()
