@@ -114,3 +114,29 @@ def test_close_stops_threads_and_closes_the_backend_even_when_a_step_fails(monke
     cache.close()
     assert tier.closed and tier.backend is None and cache.closed
     assert not storage_threads()
+
+
+# ====================================================================== hits are pages inserted
+
+
+def test_a_prefetch_one_page_short_reports_the_pages_it_inserted_as_hits():
+    from storage_util import ready
+    from test_storage_tier import seed
+
+    from hicache_fsm.storage.faults import Fault, FaultyBackend
+
+    cache = make_cache()
+    backend = FaultyBackend(MemoryBackend(), [Fault("partial", method="batch_get_into", keep=7)])
+    cache.attach_storage(backend, **FAST, stop_policy="wait_complete")
+    t = prompt(32, seed=5)
+    seed(cache, t)
+    assert cache.prefetch("r", t, cache.match_prefix(t))
+    ready(cache, "r")
+    st = cache.stats()["storage"]
+    assert st["prefetch_found_tokens"] == 32  # the query found every page
+    assert st["prefetch_inserted_tokens"] == 28  # one page never arrived
+    assert st["prefetch_hit_tokens"] == 28  # hits are what the tree got, not what was asked for
+    m = cache.match_prefix(t)
+    assert m.host_hit_length == st["prefetch_hit_tokens"]
+    cache.check_invariants()
+    cache.close()

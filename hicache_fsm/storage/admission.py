@@ -54,7 +54,7 @@ class PrefetchCalls:
             return
         op.hit_keys = keys
         op.hit_tokens = len(keys) * self.page_size
-        self.counters["prefetch_hit_tokens"] += op.hit_tokens
+        self.counters["prefetch_found_tokens"] += op.hit_tokens  # found, not yet a hit: hits are pages inserted
         t = self.runtime.fire(op, "query_done")
         if t.dest == "revoked":
             self.counters["prefetch_revoked"] += 1

@@ -86,7 +86,8 @@ COUNTERS = (
     "health_probes",
     "prefetch_admitted", "prefetch_requested_tokens", *(f"prefetch_rejected_{r}" for r in REJECT_REASONS),
     "prefetch_revoked", "prefetch_query_failures", "prefetch_short_batches", "prefetch_completed",
-    "prefetch_partial", "prefetch_empty", "prefetch_aborted", "prefetch_hit_tokens", "prefetch_fetched_tokens",
+    "prefetch_partial", "prefetch_empty", "prefetch_aborted", "prefetch_found_tokens", "prefetch_hit_tokens",
+    "prefetch_fetched_tokens",
     "prefetch_inserted_tokens", "prefetch_duplicate_tokens", "prefetch_released_tokens", "prefetch_trimmed_tokens",
 )
 _HANDLERS = {"query_start": "query_started", "query_done": "query_answered", "query_failed": "query_failed",
