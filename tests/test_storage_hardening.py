@@ -140,3 +140,42 @@ def test_a_prefetch_one_page_short_reports_the_pages_it_inserted_as_hits():
     assert m.host_hit_length == st["prefetch_hit_tokens"]
     cache.check_invariants()
     cache.close()
+
+
+# ====================================================================== a reader of another page format
+
+
+@pytest.mark.parametrize("url", ["file", "memory"])
+def test_pages_stored_in_another_format_are_not_hits_and_not_readmitted_until_the_next_attach(tmp_path, caplog, url):
+    from storage_util import ready
+
+    opts = {**FAST, "stop_policy": "wait_complete"}
+    shared = f"file://{tmp_path}/shared" if url == "file" else f"memory://format-{tmp_path.name}"
+    t = prompt(128, seed=21)
+    writer = make_cache(layout="page_first")
+    reader = make_cache(layout="layer_first")
+    try:
+        writer.attach_storage(shared, **opts)
+        put(writer, t)
+        settle(writer)
+        assert writer.stats()["storage"]["backup_tokens_stored"] == 128
+        reader.attach_storage(shared, **opts)
+        assert reader.prefetch("r", t, reader.match_prefix(t))
+        ready(reader, "r")
+        st = reader.stats()["storage"]
+        assert st["prefetch_inserted_tokens"] == 0 and st["prefetch_hit_tokens"] == 0
+        assert st["backend_stats"]["format_mismatch"] >= 1
+        assert "stats()['storage']['backend_stats']['format_mismatch']" in caplog.text
+        for i in range(3):  # every retry is refused before it reserves or queries anything
+            assert not reader.prefetch(f"again{i}", t, reader.match_prefix(t))
+        st2 = reader.stats()["storage"]
+        assert st2["prefetch_rejected_format_mismatch"] == 3 and st2["prefetch_admitted"] == 1
+        assert st2["prefetch_found_tokens"] == st["prefetch_found_tokens"] and st2["prefetch_hit_tokens"] == 0
+        reader.detach_storage()
+        reader.attach_storage(shared, **opts)  # the stored format may have changed: asked again
+        assert reader.prefetch("later", t, reader.match_prefix(t))
+        ready(reader, "later")
+        reader.check_invariants()
+    finally:
+        writer.close()
+        reader.close()

@@ -54,7 +54,7 @@ from collections import Counter, deque
 from collections.abc import Hashable
 from typing import TYPE_CHECKING, Any
 
-from hicache_fsm.errors import ConfigError, GuardRejected, HiCacheError, InvalidTransition, StorageLinkError
+from hicache_fsm.errors import ConfigError, GroupError, GuardRejected, HiCacheError, InvalidTransition, StorageLinkError
 from hicache_fsm.jobs import Completion, JobKind, TransferJob
 from hicache_fsm.machine import compile_machine
 from hicache_fsm.outbox import STORAGE_KINDS
@@ -69,6 +69,7 @@ from hicache_fsm.storage.options import TierOptions
 from hicache_fsm.storage.prefetch import PrefetchOp, PrefetchRuntime
 from hicache_fsm.storage.retry import UNSTORED, BackupRetries
 from hicache_fsm.storage.threads import PROBE_KEY, StorageThreads
+from hicache_fsm.tp import PURPOSE_ATTACH
 
 if TYPE_CHECKING:  # pragma: no cover
     from hicache_fsm.interfaces import TierHost
@@ -77,7 +78,7 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger("hicache_fsm.storage.tier")
 
 STORING = frozenset({"device_host_storing", "host_storing", "loading_storing"})
-REJECT_REASONS = ("detached", "unhealthy", "below_threshold", "capacity", "host_full")
+REJECT_REASONS = ("detached", "unhealthy", "below_threshold", "capacity", "host_full", "format_mismatch")
 # every counter stats() reports, present (as 0) before it first counts; documented in docs/storage.md
 COUNTERS = (
     "attaches", "attach_failures", "detaches",
@@ -135,6 +136,7 @@ class StorageTier(PrefetchCalls, StorageThreads):
         self.retries = BackupRetries()  # unstored nodes, kept current by the driver's reports
         self.counters: Counter[str] = Counter()
         self._thread_counts: Counter[str] = Counter()  # written by storage threads under _cv
+        self._foreign_keys: dict[str, None] = {}  # keys stored in another page format, until the next attach
         self.closed = False
         self.agreement: TierAgreement | None = None
         if not cache.group.solo:  # tensor parallelism: ranks act on what every rank observed
@@ -194,6 +196,8 @@ class StorageTier(PrefetchCalls, StorageThreads):
             self._skip_writes = tier_options.skip_writes
             self.healthy, self.last_error = True, ""
             self._link_down = ""
+            with self._cv:  # another backend (or the same one, rewritten): formats are learnt again
+                self._foreign_keys.clear()
             if self.agreement is not None:
                 self.agreement.local_health = (True, "")
             self.start_workers()
@@ -616,6 +620,7 @@ class StorageTier(PrefetchCalls, StorageThreads):
         new.counters = Counter(self.counters)
         with self._cv:
             new._thread_counts = Counter(self._thread_counts)
+            new._foreign_keys = dict(self._foreign_keys)
         cache.driver.add_listener(new.retries)
         return new
 
@@ -649,7 +654,17 @@ def drain_seconds(drain: object) -> float:
 
 
 def attach_storage(cache: TierHost, url_or_backend: str | StorageBackend, **options: Any) -> StorageTier:
-    """Create ``cache.storage`` on first use and attach ``url_or_backend`` (HiCache.attach_storage)."""
+    """Create ``cache.storage`` on first use and attach ``url_or_backend`` (HiCache.attach_storage).
+
+    With a rank group, the ranks first agree that every one of them is attaching
+    (a collective of its own): a rank that attaches alone gets StorageLinkError
+    (and the others, in another collective, RanksDiverged) before anything changes.
+    """
+    if not cache.group.solo:
+        try:
+            cache.group.all_true(True, PURPOSE_ATTACH)
+        except GroupError as exc:
+            raise StorageLinkError(f"attaching storage needs every rank of the group to attach: {exc}") from exc
     if cache.storage is None:
         cache.storage = StorageTier(cache)
     cache.storage.attach(url_or_backend, **options)
