@@ -179,3 +179,49 @@ def test_pages_stored_in_another_format_are_not_hits_and_not_readmitted_until_th
     finally:
         writer.close()
         reader.close()
+
+
+# ====================================================================== pages a backend lost are stored again
+
+
+def _all_stored(cache, tokens) -> bool:
+    from storage_util import path_nodes
+
+    return all(n.state.endswith("stored") for n in path_nodes(cache, tokens)[0])
+
+
+@pytest.mark.parametrize("kind", ["memory", "file"])
+def test_nodes_whose_pages_the_backend_lost_are_stored_again(tmp_path, kind):
+    import shutil
+
+    from storage_util import evict_all, wait_until
+
+    from hicache_fsm.storage import open_backend
+
+    cache = make_cache()
+    url = f"memory://lost-{tmp_path.name}" if kind == "memory" else f"file://{tmp_path}/store"
+    cache.attach_storage(url, **FAST, stop_policy="wait_complete")
+    t = prompt(32, seed=7)
+    put(cache, t)
+    wait_until(cache, lambda: _all_stored(cache, t), what="first backup")
+    stored_before = cache.stats()["storage"]["backup_tokens_stored"]
+    if kind == "memory":  # the backend restarts empty (another handle on the same store flushes it)
+        other = open_backend(url)
+        other.clear()
+        other.close()
+    else:  # the directory is wiped (a restart on fresh disk)
+        shutil.rmtree(tmp_path / "store")
+    wait_until(cache, lambda: cache.stats()["storage"]["storage_lost_nodes"] >= 1, what="the loss noticed")
+    wait_until(cache, lambda: _all_stored(cache, t)
+               and cache.stats()["storage"]["backup_tokens_stored"] >= stored_before + 32, what="stored again")
+    st = cache.stats()["storage"]
+    assert st["data_epoch_changes"] == 1
+    evict_all(cache, t)  # only storage holds the pages now: a prefetch brings them back
+    assert len(cache.tree) == 0
+    assert cache.prefetch("r", t, cache.match_prefix(t))
+    from storage_util import ready
+
+    ready(cache, "r")
+    assert cache.stats()["storage"]["prefetch_inserted_tokens"] == 32
+    cache.check_invariants()
+    cache.close()

@@ -549,6 +549,15 @@ class StorageBackend(ABC):
     def stats(self) -> dict[str, int]:
         return self._stats.snapshot()
 
+    @property
+    def data_epoch(self) -> object:
+        """A value that changes when the backend lost pages wholesale (restart, flush); None: it cannot tell.
+
+        The storage tier compares it at each retry interval and, when it changed,
+        moves every stored node back to "not stored" so it is backed up again.
+        """
+        return None
+
     def close(self) -> None:
         """Release connections/handles; idempotent. Later calls raise StorageUnavailable."""
         if self._closed:

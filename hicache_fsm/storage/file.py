@@ -40,6 +40,7 @@ import logging
 import os
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence, TypeVar
 
@@ -151,6 +152,8 @@ class FileBackend(StorageBackend):
             label = os.path.join(self.ns_dir, "NAMESPACE")
             if not os.path.exists(label):
                 self._write_atomic(label, [self.namespace.prefix.encode() + b"\n"])
+            if not os.path.exists(self._epoch_path()):
+                self._new_epoch()
         except OSError as exc:
             raise _os_error(exc, f"cannot open storage directory {self.root}") from exc
         if not os.access(self.ns_dir, os.W_OK | os.X_OK):
@@ -277,6 +280,22 @@ class FileBackend(StorageBackend):
                 self._stats.add(evictions=len(victims))
         return outcomes
 
+    def _epoch_path(self) -> str:
+        return os.path.join(self.ns_dir, "EPOCH")
+
+    def _new_epoch(self) -> None:
+        self._write_atomic(self._epoch_path(), [uuid.uuid4().hex.encode()])
+
+    @property
+    def data_epoch(self) -> str:
+        """A token written when the store is created or cleared ("" once the directory was wiped): when it
+        changes, every stored page may be gone and the tier stores its nodes again."""
+        try:
+            with open(self._epoch_path(), "rb") as f:
+                return f.read(64).decode(errors="replace")
+        except OSError:
+            return ""
+
     def _clear(self) -> None:
         try:
             for shard in self._shards():
@@ -284,6 +303,7 @@ class FileBackend(StorageBackend):
                     for entry in it:
                         if entry.name.endswith(_SUFFIX) or entry.name.endswith(_TMP_SUFFIX):
                             self._unlink(entry.path)
+            self._new_epoch()
         except OSError as exc:
             raise _os_error(exc, f"clearing {self.ns_dir}") from exc
         with self._lock:

@@ -84,7 +84,7 @@ COUNTERS = (
     "attaches", "attach_failures", "detaches",
     "backups_submitted", "backups_stored", "backup_tokens_stored", "backup_failures", "backup_retries",
     "backups_skipped_mla", "jobs_failed_fast", "storage_outages", "storage_recoveries", "storage_errors",
-    "health_probes",
+    "health_probes", "data_epoch_changes", "storage_lost_nodes",
     "prefetch_admitted", "prefetch_requested_tokens", *(f"prefetch_rejected_{r}" for r in REJECT_REASONS),
     "prefetch_revoked", "prefetch_query_failures", "prefetch_short_batches", "prefetch_completed",
     "prefetch_partial", "prefetch_empty", "prefetch_aborted", "prefetch_found_tokens", "prefetch_hit_tokens",
@@ -218,6 +218,7 @@ class StorageTier(PrefetchCalls, StorageThreads):
                 raise StorageLinkError(f"attaching storage failed: {exc}") from exc
             raise
         self.link_machine.fire(self.link, "attach_ok", self.cache)
+        self._epoch, self._epoch_checked = self._data_epoch(), self.now()  # lost pages show as a change
         self._sweep_due = True  # host copies made before the attach get stored too
         self.counters["attaches"] += 1
         log.info("storage attached: %s (namespace %s)", self._describe(url_or_backend), namespace.prefix)
@@ -373,9 +374,55 @@ class StorageTier(PrefetchCalls, StorageThreads):
         """Drain thread events, retry failed backups when due; completions for the cache."""
         self._confine()
         self._drain()
+        self._check_epoch()
         self._maybe_sweep()
         done, self._completions = self._completions, []
         return done
+
+    def _data_epoch(self) -> object:
+        try:
+            return getattr(self.link.backend, "data_epoch", None)
+        except Exception as exc:  # noqa: BLE001 - an epoch that cannot be read tells nothing
+            log.debug("storage data epoch unavailable: %s", exc)
+            return None
+
+    def _check_epoch(self) -> None:
+        """Every ``retry_interval``: if the backend's data epoch changed, its pages were lost (see ``storage_lost``).
+
+        A rank group leaves this out: one rank's backend losing pages must not split the trees.
+        """
+        if self.agreement is not None or self.link.state != "attached" or not self.healthy:
+            return
+        now = self.now()
+        if now - self._epoch_checked < self.options.retry_interval:
+            return
+        self._epoch_checked = now
+        epoch = self._data_epoch()
+        if epoch is None or epoch == self._epoch:
+            return
+        self._epoch = epoch
+        self.counters["data_epoch_changes"] += 1
+        self.storage_lost(self.cache.tree.nodes())
+
+    def storage_lost(self, nodes) -> int:
+        """Storage lost these nodes' pages: each stored one goes back to "not stored" and is backed up again.
+
+        For a backend that reports lost data (``data_epoch``) or a check that found
+        a node's keys missing. Returns how many nodes moved back.
+        """
+        self._confine()
+        driver = self.cache.driver
+        moved = 0
+        for node in list(nodes):
+            if node.parent is not None and driver.can_fire(node, "storage_lost"):
+                driver.fire(node, "storage_lost")
+                moved += 1
+        if moved:
+            self.counters["storage_lost_nodes"] += moved
+            self._sweep_due = True
+            self._last_sweep = float("-inf")  # store them again at this poll
+            log.warning("storage lost the pages of %d stored nodes; they will be stored again", moved)
+        return moved
 
     def _drain(self) -> None:
         events = self._events
