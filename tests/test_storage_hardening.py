@@ -225,3 +225,28 @@ def test_nodes_whose_pages_the_backend_lost_are_stored_again(tmp_path, kind):
     assert cache.stats()["storage"]["prefetch_inserted_tokens"] == 32
     cache.check_invariants()
     cache.close()
+
+
+def test_a_deleted_page_file_is_found_missing_and_its_node_stored_again(tmp_path):
+    import os
+
+    from storage_util import wait_until
+
+    cache = make_cache()
+    cache.attach_storage(f"file://{tmp_path}/store", **FAST)
+    a, b = prompt(16, seed=8), prompt(16, seed=9)
+    for t in (a, b):
+        put(cache, t)
+    wait_until(cache, lambda: _all_stored(cache, a) and _all_stored(cache, b), what="backups")
+    assert cache.storage.verify_stored() == 0  # every page still there
+    key = cache.storage.keys_for(cache.tree.walk(a)[0][-1])[-1]
+    os.unlink(cache.storage.backend.path_for(key))
+    assert cache.storage.verify_stored() == 1  # only a's node lost a page
+    assert not _all_stored(cache, a) and _all_stored(cache, b)
+    wait_until(cache, lambda: _all_stored(cache, a), what="stored again")
+    assert cache.storage.backend.exists(key)
+    assert cache.storage.verify_stored() == 0
+    out = _in_thread(cache.storage.verify_stored)
+    assert isinstance(out.get("error"), WrongThread)
+    cache.check_invariants()
+    cache.close()

@@ -404,6 +404,29 @@ class StorageTier(PrefetchCalls, StorageThreads):
         self.counters["data_epoch_changes"] += 1
         self.storage_lost(self.cache.tree.nodes())
 
+    def verify_stored(self, nodes=None) -> int:
+        """Ask the backend whether stored nodes (default: every one) still have all their pages; a node
+        whose keys are found missing goes back to "not stored" and is backed up again. Returns how many.
+
+        A blocking backend call on this thread, for an engine's maintenance step; refused
+        (StorageLinkError) unless attached and healthy, and with a rank group.
+        """
+        self._check_open()
+        backend = self.link.backend
+        if self.link.state != "attached" or backend is None or not self.healthy:
+            raise StorageLinkError(f"cannot verify stored pages: the link is {self.link.state}"
+                                   + ("" if self.healthy else f", storage unhealthy ({self.last_error})"))
+        if self.agreement is not None:
+            raise StorageLinkError("verify_stored is not agreed across a rank group; it would split the trees")
+        stored = [n for n in (self.cache.tree.nodes() if nodes is None else nodes)
+                  if n.parent is not None and n.state.endswith("_stored")]
+        missing = []
+        for node in stored:
+            keys = list(self.keys_for(node))
+            if backend.batch_exists(keys) < len(keys):
+                missing.append(node)
+        return self.storage_lost(missing)
+
     def storage_lost(self, nodes) -> int:
         """Storage lost these nodes' pages: each stored one goes back to "not stored" and is backed up again.
 
