@@ -447,6 +447,9 @@ class StorageBackend(ABC):
     """
 
     scheme: str = ""
+    # a value that changes when the backend lost pages wholesale (restart, flush); None: it cannot tell.
+    # The storage tier compares it every retry interval; on a change every stored node is stored again.
+    data_epoch: object = None
 
     def __init__(self, namespace: KeyNamespace | None = None, *, checksum: str = "wsum64",
                  page_format: PageFormat | None = None) -> None:
@@ -549,14 +552,6 @@ class StorageBackend(ABC):
     def stats(self) -> dict[str, int]:
         return self._stats.snapshot()
 
-    @property
-    def data_epoch(self) -> object:
-        """A value that changes when the backend lost pages wholesale (restart, flush); None: it cannot tell.
-
-        The storage tier compares it at each retry interval and, when it changed,
-        moves every stored node back to "not stored" so it is backed up again.
-        """
-        return None
 
     def close(self) -> None:
         """Release connections/handles; idempotent. Later calls raise StorageUnavailable."""
