@@ -447,9 +447,6 @@ class StorageBackend(ABC):
     """
 
     scheme: str = ""
-    # a value that changes when the backend lost pages wholesale (restart, flush); None: it cannot tell.
-    # The storage tier compares it every retry interval; on a change every stored node is stored again.
-    data_epoch: object = None
 
     def __init__(self, namespace: KeyNamespace | None = None, *, checksum: str = "wsum64",
                  page_format: PageFormat | None = None) -> None:
@@ -551,6 +548,14 @@ class StorageBackend(ABC):
 
     def stats(self) -> dict[str, int]:
         return self._stats.snapshot()
+
+    def data_epoch(self) -> int:
+        """Goes up whenever the backend finds it may have lost pages it stored (a server restart lost its keys).
+
+        Whoever marked pages stored must then check them again (``batch_exists``)
+        and store the missing ones. 0 for backends that never lose what they stored.
+        """
+        return 0
 
 
     def close(self) -> None:

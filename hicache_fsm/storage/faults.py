@@ -241,9 +241,8 @@ class FaultyBackend(StorageBackend):
     def clear(self) -> None:
         self._run("clear", (), lambda ks: self.inner.clear(), None)
 
-    @property
-    def data_epoch(self) -> object:
-        return getattr(self.inner, "data_epoch", None)
+    def data_epoch(self) -> int:
+        return self.inner.data_epoch()
 
     def stats(self) -> dict[str, int]:
         stats = self.inner.stats()

@@ -283,18 +283,25 @@ class FileBackend(StorageBackend):
     def _epoch_path(self) -> str:
         return os.path.join(self.ns_dir, "EPOCH")
 
-    def _new_epoch(self) -> None:
-        self._write_atomic(self._epoch_path(), [uuid.uuid4().hex.encode()])
+    def _new_epoch(self) -> int:
+        epoch = uuid.uuid4().int >> 66  # a fresh 62-bit token: another store's or clear's is never the same
+        self._write_atomic(self._epoch_path(), [str(epoch).encode()])
+        return epoch
 
-    @property
-    def data_epoch(self) -> str:
-        """A token written when the store is created or cleared ("" once the directory was wiped): when it
-        changes, every stored page may be gone and the tier stores its nodes again."""
+    def data_epoch(self) -> int:
+        """A token written when the store is created or cleared; a wiped directory gets a new one here.
+
+        When it changes, every stored page may be gone and the tier stores its nodes again.
+        """
         try:
             with open(self._epoch_path(), "rb") as f:
-                return f.read(64).decode(errors="replace")
-        except OSError:
-            return ""
+                return int(f.read(32))
+        except (OSError, ValueError):  # wiped (or damaged): the pages under it cannot be trusted either
+            try:
+                os.makedirs(self.ns_dir, exist_ok=True)
+                return self._new_epoch()
+            except OSError as exc:
+                raise _os_error(exc, f"writing the data epoch in {self.ns_dir}") from exc
 
     def _clear(self) -> None:
         try:

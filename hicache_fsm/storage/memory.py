@@ -154,9 +154,8 @@ class MemoryBackend(StorageBackend):
             self._mem.epoch = next(_EPOCHS)
             self._lru.clear()
 
-    @property
     def data_epoch(self) -> int:
-        """Changes whenever stored pages were dropped wholesale (``clear``): the tier stores its nodes again."""
+        """Goes up whenever stored pages were dropped wholesale (``clear``): the tier stores its nodes again."""
         return self._mem.epoch
 
     def _close(self) -> None:

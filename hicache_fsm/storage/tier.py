@@ -51,7 +51,7 @@ import re
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from hicache_fsm.errors import ConfigError, GroupError, GuardRejected, HiCacheError, InvalidTransition, StorageLinkError
@@ -380,8 +380,9 @@ class StorageTier(PrefetchCalls, StorageThreads):
         return done
 
     def _data_epoch(self) -> object:
+        read = getattr(self.link.backend, "data_epoch", None)  # a duck-typed backend may not have one
         try:
-            return getattr(self.link.backend, "data_epoch", None)
+            return read() if callable(read) else None
         except Exception as exc:  # noqa: BLE001 - an epoch that cannot be read tells nothing
             log.debug("storage data epoch unavailable: %s", exc)
             return None
@@ -404,7 +405,7 @@ class StorageTier(PrefetchCalls, StorageThreads):
         self.counters["data_epoch_changes"] += 1
         self.storage_lost(self.cache.tree.nodes())
 
-    def verify_stored(self, nodes=None) -> int:
+    def verify_stored(self, nodes: Iterable[TreeNode] | None = None) -> int:
         """Ask the backend whether stored nodes (default: every one) still have all their pages; a node
         whose keys are found missing goes back to "not stored" and is backed up again. Returns how many.
 
@@ -427,7 +428,7 @@ class StorageTier(PrefetchCalls, StorageThreads):
                 missing.append(node)
         return self.storage_lost(missing)
 
-    def storage_lost(self, nodes) -> int:
+    def storage_lost(self, nodes: Iterable[TreeNode]) -> int:
         """Storage lost these nodes' pages: each stored one goes back to "not stored" and is backed up again.
 
         For a backend that reports lost data (``data_epoch``) or a check that found
