@@ -51,6 +51,8 @@ def test_every_mutating_storage_call_is_refused_from_another_thread_and_changes_
         "close": tier.close,
         "run_queued": lambda: tier.run_queued("h2s", 0),
         "probe_now": tier.probe_now,
+        "wind_down": lambda: tier.wind_down("intruder"),
+        "storage_lost": lambda: tier.storage_lost(list(cache.tree.nodes())),
     }
     for name, call in calls.items():
         out = _in_thread(call)

@@ -270,6 +270,7 @@ class StorageTier(PrefetchCalls, StorageThreads):
 
     def wind_down(self, reason: str) -> None:
         """End every storage transfer within ``join_timeout``: abort prefetches, fail queued jobs, await the rest."""
+        self._confine()
         for rid in list(self.runtime.active):
             self.abort_prefetch(rid)
         self._fail_queued(reason)
