@@ -5,6 +5,8 @@ from __future__ import annotations
 import threading
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from storage_util import make_cache, prompt, put, settle, storage_threads
 from test_storage_tier import FAST
 
@@ -252,3 +254,18 @@ def test_a_deleted_page_file_is_found_missing_and_its_node_stored_again(tmp_path
     assert isinstance(out.get("error"), WrongThread)
     cache.check_invariants()
     cache.close()
+
+
+@given(st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=4),
+                 st.lists(st.integers(), max_size=2), st.dictionaries(st.text(max_size=2), st.integers(), max_size=1)))
+def test_drain_is_accepted_exactly_when_it_is_a_finite_number_of_seconds_at_least_zero(value):
+    import math
+
+    from hicache_fsm.storage.tier import drain_seconds
+
+    ok = (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0)
+    if ok:
+        assert drain_seconds(value) == float(value)
+    else:
+        with pytest.raises(ConfigError):
+            drain_seconds(value)
