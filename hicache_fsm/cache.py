@@ -74,7 +74,7 @@ from hicache_fsm.results import DeviceGrant, InsertResult, LoadBack, LoadCancell
 from hicache_fsm.slots import check_engine_pages, check_index_tensor, check_pools, node_page_ids, page_ids
 from hicache_fsm.spec import load_builtin
 from hicache_fsm.storage.ownership import check_completion_owner
-from hicache_fsm.storage.calls import StorageCalls
+from hicache_fsm.storage.calls import StorageCalls, drain_seconds
 from hicache_fsm.tokens import TokenIds, pack_token_ids
 from hicache_fsm.tp import RankGroup, StepAgreement
 
@@ -713,18 +713,22 @@ class HiCache(StorageCalls):
     def close(self, drain: float = 0.0) -> None:
         """Finish in-flight copies, stop storage threads, release executor resources (engine shutdown).
 
-        ``drain``: seconds queued storage backups may take to finish first (0: they fail).
+        ``drain``: seconds queued storage backups may take to finish first (0: they fail); anything
+        but a finite number >= 0 is refused with ``ConfigError`` before anything changes.
         """
+        drain = drain_seconds(drain)
         if self.closed:
             return
         self.check_open()
         if self.executor_can_block():
             self.flush()
             self.executor.synchronize()
-        if self.storage is not None:
-            self.storage.close(drain=drain)
-        self.executor.close()
-        self.closed = True
+        try:
+            if self.storage is not None:
+                self.storage.close(drain=drain)
+        finally:  # the executor's resources go whatever the storage tier's close ran into
+            self.executor.close()
+            self.closed = True
 
     def check_open(self) -> None:
         """Refuse a call unless the cache is open and the calling thread drives it.

@@ -72,10 +72,10 @@ STORAGE_COUNTERS: tuple[tuple[str, str, str | None, dict[str | None, Path]], ...
      {o: (S, f"prefetch_{o}") for o in ("completed", "partial", "empty", "revoked", "aborted")}
      | {"query_failed": (S, "prefetch_query_failures")}),
     ("prefetches_admitted", "Prefetches admitted (host slots reserved).", None, {None: (S, "prefetch_admitted")}),
-    ("prefetch_tokens", "Prefetch tokens by stage: asked for, hit in storage, trimmed, fetched, inserted, "
-     "duplicates dropped, slots released.", "stage",
+    ("prefetch_tokens", "Prefetch tokens by stage: asked for, found in storage, trimmed, fetched, inserted, "
+     "hit (inserted: served to requests), duplicates dropped, slots released.", "stage",
      {st: (S, f"prefetch_{st}_tokens")
-      for st in ("requested", "hit", "trimmed", "fetched", "inserted", "duplicate", "released")}),
+      for st in ("requested", "found", "hit", "trimmed", "fetched", "inserted", "duplicate", "released")}),
     ("storage_backups", "Host-to-storage backups, by outcome.", "outcome",
      {"stored": (S, "backups_stored"), "failed": (S, "backup_failures"), "skipped_mla": (S, "backups_skipped_mla")}),
     ("storage_backups_submitted", "Host-to-storage backups submitted.", None, {None: (S, "backups_submitted")}),

@@ -17,7 +17,8 @@ group first, and every rank acts on the agreed value:
   ``hicache_fsm.storage.agreement``);
 * load-back admission when device memory is short.
 
-``StepAgreement`` does this with one ``all_reduce(MIN)`` per ``poll``: every
+``StepAgreement`` does this with one ``all_reduce(MIN)`` per ``poll`` (after
+the fixed-size header every collective starts with, see ``RankGroup.min``): every
 *section* (the acks, the storage tier) contributes a header and a window of
 items of fixed width. The window sizes of the next step are agreed in this
 step (a rank that needs more room says so; the group takes the largest), so
@@ -47,6 +48,8 @@ from hicache_fsm.errors import ConfigError, GroupError, RanksDiverged, RankTimeo
 
 DEFAULT_TIMEOUT_S = 30.0
 MIN_WINDOW = 16  # items per section a step always has room for
+PURPOSE_STEP = 1  # what a collective is for (``RankGroup.min``): a step's agreement
+PURPOSE_ATTACH = 2  # every rank is attaching storage now
 
 
 class RankGroup:
@@ -90,11 +93,28 @@ class RankGroup:
     def solo(self) -> bool:
         return self.size == 1
 
-    def min(self, values: Sequence[int]) -> list[int]:
-        """Element-wise MIN of ``values`` over the group; every rank must pass a vector of the same length."""
+    def min(self, values: Sequence[int], purpose: int = 0) -> list[int]:
+        """Element-wise MIN of ``values`` over the group.
+
+        The ranks first agree on a fixed-size header (``purpose``, length): gloo
+        aborts the process on a collective whose sizes differ between ranks, so
+        ranks that entered different collectives (one attaching storage while
+        another polls) get ``RanksDiverged`` on every rank instead, with nothing
+        exchanged and the group still usable.
+        """
         if self.size == 1:
             return list(values)
         self._check_alive()
+        n = len(values)
+        head = self._min([purpose, -purpose, n, -n])
+        if head[0] != -head[1] or head[2] != -head[3]:
+            raise RanksDiverged(
+                f"rank {self.rank} of {self.size}: ranks entered different collectives (here purpose {purpose}, "
+                f"{n} values; the group saw purposes {head[0]}..{-head[1]}, lengths {head[2]}..{-head[3]}); "
+                "nothing was exchanged")
+        return self._min(values)
+
+    def _min(self, values: Sequence[int]) -> list[int]:
         import torch.distributed as dist
 
         t = torch.from_numpy(np.array(values, dtype=np.int64))  # twice as fast as torch.tensor(list)
@@ -142,9 +162,9 @@ class RankGroup:
         self._wait(work)
         return out
 
-    def all_true(self, flag: bool) -> bool:
-        """True only if ``flag`` is true on every rank."""
-        return bool(self.min([1 if flag else 0])[0])
+    def all_true(self, flag: bool, purpose: int = 0) -> bool:
+        """True only if ``flag`` is true on every rank (``purpose``: see ``min``)."""
+        return bool(self.min([1 if flag else 0], purpose)[0])
 
     def same(self, value: int) -> bool:
         """Whether every rank passed the same int (one collective)."""
@@ -229,7 +249,11 @@ class StepAgreement:
             bodies.append(body)
         for body in bodies:
             vec += body
-        out = self.group.min(vec)
+        try:
+            out = self.group.min(vec, PURPOSE_STEP)
+        except RanksDiverged:  # another rank is in another collective: this step did not happen
+            self.steps -= 1
+            raise
         if out[0] != -out[1]:
             raise RanksDiverged(f"ranks are at different agreement steps (rank {self.group.rank} at {self.steps})")
         pos = 2 + self.HEADER * len(self.sections)
@@ -273,4 +297,4 @@ def view_digest(view: tuple) -> int:
     return zlib.crc32(repr(view).encode()) & 0x7FFFFFFF
 
 
-__all__ = ["DEFAULT_TIMEOUT_S", "RankGroup", "Section", "StepAgreement", "digest", "rank_view", "view_digest"]
+__all__ = ["DEFAULT_TIMEOUT_S", "PURPOSE_ATTACH", "PURPOSE_STEP", "RankGroup", "Section", "StepAgreement", "digest", "rank_view", "view_digest"]

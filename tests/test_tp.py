@@ -61,3 +61,16 @@ def test_one_rank_costs_nothing_and_bad_timeouts_are_refused():
             RankGroup(None, timeout_s=bad)
     cache, _ = tp_scenarios.make_cache(solo)
     assert cache.acks is None  # completions apply at once, as without a group
+
+
+def test_a_rank_that_attaches_storage_alone_gets_a_typed_error_and_the_group_goes_on():
+    outcomes = [o.unwrap() for o in run_ranks(tp_scenarios.attach_alone, 2, True, timeout_s=300)]
+    assert [o[0] for o in outcomes] == ["StorageLinkError", "RanksDiverged"]
+    assert outcomes[0][1] == outcomes[1][1]  # the next steps agree: the same tree on both ranks
+    assert [o[2] for o in outcomes] == [False, False]  # nothing attached, no tier on either rank
+
+
+def test_a_rank_that_attaches_storage_while_the_others_leave_gets_a_typed_error():
+    outcomes = run_ranks(tp_scenarios.attach_alone, 2, False, timeout_s=300)
+    assert [o.status for o in outcomes] == ["ok", "ok"]  # no process died
+    assert outcomes[0].unwrap()[0] == "StorageLinkError" and outcomes[1].unwrap()[0] == "left"

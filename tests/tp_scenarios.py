@@ -336,3 +336,34 @@ def fed_differently(rank: int, world: int, pg) -> str:
     except RanksDiverged as exc:
         return type(exc).__name__
     return "no error"
+
+
+def attach_alone(rank: int, world: int, pg, others_poll: bool) -> tuple[str, str, bool]:
+    """Rank 0 attaches storage while the others poll (or leave): typed errors, no process dies.
+
+    Returns (what rank 0's attach or another rank's poll raised, what the next agreed step
+    gave: the view digest agreed or the error, whether this rank has a storage tier).
+    """
+    from hicache_fsm.errors import HiCacheError
+
+    group = RankGroup(pg, timeout_s=10.0)
+    cache, ex = make_cache(group)
+    for tokens in prompts(5, 2):
+        serve(cache, tokens, rank)
+        drain(cache, ex)
+    agree_view(cache, group, "warm-up")
+    outcome = "no error"
+    try:
+        if rank == 0:
+            cache.attach_storage("memory://", prefetch_threshold=PAGE)
+        elif others_poll:
+            cache.poll()
+        else:
+            return "left", "", cache.storage is not None
+    except HiCacheError as exc:
+        outcome = type(exc).__name__
+    if not others_poll:
+        return outcome, "", cache.storage is not None
+    serve(cache, prompts(6, 1)[0], rank)  # the group goes on: same requests, same trees
+    drain(cache, ex)
+    return outcome, str(agree_view(cache, group, "after the lone attach")), cache.storage is not None

@@ -44,6 +44,7 @@ class PrefetchCalls:
     _drain: Callable[[], None]
     now: Callable[[], float]
     prior_key: Callable[..., str | None]
+    _readable: Callable[[list[str], int], int]
 
     def query_started(self, op: PrefetchOp) -> None:
         if op.state == "admitted":
@@ -54,7 +55,7 @@ class PrefetchCalls:
             return
         op.hit_keys = keys
         op.hit_tokens = len(keys) * self.page_size
-        self.counters["prefetch_hit_tokens"] += op.hit_tokens
+        self.counters["prefetch_found_tokens"] += op.hit_tokens  # found, not yet a hit: hits are pages inserted
         t = self.runtime.fire(op, "query_done")
         if t.dest == "revoked":
             self.counters["prefetch_revoked"] += 1
@@ -126,6 +127,8 @@ class PrefetchCalls:
             return self._reject("capacity")
         prior = self.prior_key(anchor, namespace)
         keys = tuple(page_keys(want, ps, prior))  # also validates the token ids before anything changes
+        if self._readable([keys[0]], 1) == 0:  # its first page was stored in a format this pool cannot read
+            return self._reject("format_mismatch")
         if anchor.is_root:
             pin = None
         elif anchor.state in ON_HOST:

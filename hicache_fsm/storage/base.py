@@ -633,7 +633,8 @@ class StorageBackend(ABC):
                 self._foreign_formats.add(reason.stored)
                 logger.warning(
                     "%s: stored page %s was %s; treating it and every page of that format as a miss "
-                    "(counted in stats()['format_mismatch'])", type(self).__name__, skey, reason)
+                    "(counted in the backend's stats()['format_mismatch'], a cache's "
+                    "stats()['storage']['backend_stats']['format_mismatch'])", type(self).__name__, skey, reason)
             return
         self._stats.add(corrupt=1)
         logger.warning("%s: stored page %s is corrupt (%s); treating it as a miss", type(self).__name__, skey, reason)

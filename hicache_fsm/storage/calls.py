@@ -11,7 +11,7 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 from hicache_fsm.outbox import STORAGE_KINDS
-from hicache_fsm.storage.tier import StorageTier, attach_storage
+from hicache_fsm.storage.tier import StorageTier, attach_storage, drain_seconds
 
 
 class StorageCalls:
@@ -56,4 +56,4 @@ class StorageCalls:
         return [] if self.storage is None else self.storage.link_violations()
 
 
-__all__ = ["StorageCalls"]
+__all__ = ["StorageCalls", "drain_seconds"]

@@ -241,6 +241,9 @@ class FaultyBackend(StorageBackend):
     def clear(self) -> None:
         self._run("clear", (), lambda ks: self.inner.clear(), None)
 
+    def data_epoch(self) -> int:
+        return self.inner.data_epoch()
+
     def stats(self) -> dict[str, int]:
         stats = self.inner.stats()
         with self._lock:

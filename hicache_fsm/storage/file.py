@@ -40,6 +40,7 @@ import logging
 import os
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence, TypeVar
 
@@ -151,6 +152,8 @@ class FileBackend(StorageBackend):
             label = os.path.join(self.ns_dir, "NAMESPACE")
             if not os.path.exists(label):
                 self._write_atomic(label, [self.namespace.prefix.encode() + b"\n"])
+            if not os.path.exists(self._epoch_path()):
+                self._new_epoch()
         except OSError as exc:
             raise _os_error(exc, f"cannot open storage directory {self.root}") from exc
         if not os.access(self.ns_dir, os.W_OK | os.X_OK):
@@ -277,6 +280,29 @@ class FileBackend(StorageBackend):
                 self._stats.add(evictions=len(victims))
         return outcomes
 
+    def _epoch_path(self) -> str:
+        return os.path.join(self.ns_dir, "EPOCH")
+
+    def _new_epoch(self) -> int:
+        epoch = uuid.uuid4().int >> 66  # a fresh 62-bit token: another store's or clear's is never the same
+        self._write_atomic(self._epoch_path(), [str(epoch).encode()])
+        return epoch
+
+    def data_epoch(self) -> int:
+        """A token written when the store is created or cleared; a wiped directory gets a new one here.
+
+        When it changes, every stored page may be gone and the tier stores its nodes again.
+        """
+        try:
+            with open(self._epoch_path(), "rb") as f:
+                return int(f.read(32))
+        except (OSError, ValueError):  # wiped (or damaged): the pages under it cannot be trusted either
+            try:
+                os.makedirs(self.ns_dir, exist_ok=True)
+                return self._new_epoch()
+            except OSError as exc:
+                raise _os_error(exc, f"writing the data epoch in {self.ns_dir}") from exc
+
     def _clear(self) -> None:
         try:
             for shard in self._shards():
@@ -284,6 +310,7 @@ class FileBackend(StorageBackend):
                     for entry in it:
                         if entry.name.endswith(_SUFFIX) or entry.name.endswith(_TMP_SUFFIX):
                             self._unlink(entry.path)
+            self._new_epoch()
         except OSError as exc:
             raise _os_error(exc, f"clearing {self.ns_dir}") from exc
         with self._lock:

@@ -9,6 +9,7 @@ failures wrap a backend in :class:`hicache_fsm.storage.faults.FaultyBackend`.
 
 from __future__ import annotations
 
+import itertools
 import threading
 
 from hicache_fsm.storage.base import (
@@ -26,10 +27,14 @@ from hicache_fsm.storage.page_format import PageFormat
 __all__ = ["MemoryBackend"]
 
 
+_EPOCHS = itertools.count(1)  # every store, and every clear of one, gets an epoch no other had
+
+
 class _Store:
     def __init__(self) -> None:
         self.lock = threading.RLock()
         self.data: dict[str, bytes] = {}
+        self.epoch = next(_EPOCHS)
 
 
 _SHARED: dict[str, _Store] = {}
@@ -146,7 +151,12 @@ class MemoryBackend(StorageBackend):
         with self._mem.lock:
             for skey in [k for k in self._mem.data if k.startswith(prefix)]:
                 del self._mem.data[skey]
+            self._mem.epoch = next(_EPOCHS)
             self._lru.clear()
+
+    def data_epoch(self) -> int:
+        """Goes up whenever stored pages were dropped wholesale (``clear``): the tier stores its nodes again."""
+        return self._mem.epoch
 
     def _close(self) -> None:
         if not self.store_name:

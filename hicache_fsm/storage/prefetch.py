@@ -246,6 +246,7 @@ class PrefetchRuntime:
             self.occupied_tokens -= node.num_tokens
             op.inserted_tokens += node.num_tokens
             self.counters["prefetch_inserted_tokens"] += node.num_tokens
+            self.counters["prefetch_hit_tokens"] += node.num_tokens  # a hit is a page the tree got, never one asked for
 
     def release_unused(self, op: PrefetchOp) -> None:
         rest, op.host_indices = op.host_indices, _EMPTY

@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 from collections import Counter, deque
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -30,6 +30,7 @@ from hicache_fsm.storage.prefetch import PrefetchOp
 log = logging.getLogger("hicache_fsm.storage.tier")
 
 PROBE_KEY = "0" * 64  # a key no page has: asking for it checks the backend answers, end to end
+FOREIGN_KEYS_KEPT = 1 << 16  # page keys remembered as stored in another page format (oldest forgotten first)
 
 
 def page_ids(indices: torch.Tensor, page_size: int) -> list[int]:
@@ -53,6 +54,8 @@ class StorageThreads:
     _link_down: str
     _last_probe: float
     _thread_counts: Counter[str]
+    _foreign_keys: dict[str, None]  # page keys stored in another page format (under _cv), until the next attach
+    _confine: Callable[[], None]  # the scheduler's calls here refuse a thread that does not drive the cache
 
     def start_workers(self) -> None:
         """Start the query and I/O threads over the attached backend.
@@ -70,6 +73,7 @@ class StorageThreads:
         for an unknown kind, a missing item or no backend. The outcome reaches
         the cache at its next ``poll``, as a thread's does.
         """
+        self._confine()
         runners = {"query": (self._query_q, self._run_query), "s2h": (self._transfer_q, self._run_transfer),
                    "h2s": (self._backup_q, self._run_backup)}
         if kind not in runners:
@@ -89,6 +93,7 @@ class StorageThreads:
 
     def probe_now(self) -> None:
         """Probe the backend's health now, on this thread (not rate-limited); ``KeyError`` without a backend."""
+        self._confine()
         backend = self.link.backend
         if backend is None:
             raise KeyError("probe: no backend attached")
@@ -176,7 +181,7 @@ class StorageThreads:
                     self._post(gen, "query_failed", op, "cancelled")
                     return
                 keys = list(op.keys[start: start + step])
-                n = backend.batch_exists(keys)
+                n = self._readable(keys, backend.batch_exists(keys))
                 hits.extend(keys[:n])
                 if n < len(keys):
                     break
@@ -242,6 +247,7 @@ class StorageThreads:
             batch_keys = list(keys[start: start + step])
             batch_pages = pages[start: start + step]
             got, error = 0, ""
+            mismatches = _format_mismatches(backend)
             try:
                 if hasattr(backend, "batch_get_into"):
                     results = backend.batch_get_into(batch_keys, pool, batch_pages)
@@ -263,7 +269,11 @@ class StorageThreads:
                 error = self._failed(gen, exc)
             short = got < len(batch_keys)
             if short and not error:
-                error = f"page {start + got} missing or corrupt"
+                if _format_mismatches(backend) > mismatches:  # stored in a page format this pool cannot read
+                    self._mark_foreign(batch_keys[got])
+                    error = f"page {start + got} stored in another page format"
+                else:
+                    error = f"page {start + got} missing or corrupt"
             accepted = op.add_landed(got * ps)
             self._post(gen, "batch", op, got * ps, short, error)
             if short or not accepted:
@@ -300,6 +310,23 @@ class StorageThreads:
             self._mark_link(gen, "")
         self._post(gen, "done", job, ok, error, None)
 
+    def _readable(self, keys: list[str], found: int) -> int:
+        """How many of the ``found`` leading keys can be read in this pool's page format (as far as is known)."""
+        with self._cv:
+            foreign = self._foreign_keys
+            if foreign:
+                for i in range(found):
+                    if keys[i] in foreign:
+                        return i
+        return found
+
+    def _mark_foreign(self, key: str) -> None:
+        """Remember ``key`` as stored in another page format: hit queries stop before it until the next attach."""
+        with self._cv:
+            self._foreign_keys[key] = None
+            while len(self._foreign_keys) > FOREIGN_KEYS_KEPT:
+                del self._foreign_keys[next(iter(self._foreign_keys))]
+
     def _wait_idle(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
         with self._cv:
@@ -319,4 +346,12 @@ class StorageThreads:
                     "h2s": tuple(job for _, job in self._backup_q)}
 
 
-__all__ = ["PROBE_KEY", "StorageThreads", "page_ids"]
+def _format_mismatches(backend: StorageBackend) -> int:
+    """The backend's count of pages read as misses because they were stored in another page format."""
+    try:
+        return int(backend.stats().get("format_mismatch", 0))
+    except Exception:  # noqa: BLE001 - a duck-typed backend without stats: mismatches are not told apart
+        return 0
+
+
+__all__ = ["FOREIGN_KEYS_KEPT", "PROBE_KEY", "StorageThreads", "page_ids"]

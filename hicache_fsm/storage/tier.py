@@ -46,14 +46,15 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import re
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from hicache_fsm.errors import GuardRejected, HiCacheError, InvalidTransition, StorageLinkError
+from hicache_fsm.errors import ConfigError, GroupError, GuardRejected, HiCacheError, InvalidTransition, StorageLinkError
 from hicache_fsm.jobs import Completion, JobKind, TransferJob
 from hicache_fsm.machine import compile_machine
 from hicache_fsm.outbox import STORAGE_KINDS
@@ -68,6 +69,7 @@ from hicache_fsm.storage.options import TierOptions
 from hicache_fsm.storage.prefetch import PrefetchOp, PrefetchRuntime
 from hicache_fsm.storage.retry import UNSTORED, BackupRetries
 from hicache_fsm.storage.threads import PROBE_KEY, StorageThreads
+from hicache_fsm.tp import PURPOSE_ATTACH
 
 if TYPE_CHECKING:  # pragma: no cover
     from hicache_fsm.interfaces import TierHost
@@ -76,16 +78,17 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger("hicache_fsm.storage.tier")
 
 STORING = frozenset({"device_host_storing", "host_storing", "loading_storing"})
-REJECT_REASONS = ("detached", "unhealthy", "below_threshold", "capacity", "host_full")
+REJECT_REASONS = ("detached", "unhealthy", "below_threshold", "capacity", "host_full", "format_mismatch")
 # every counter stats() reports, present (as 0) before it first counts; documented in docs/storage.md
 COUNTERS = (
     "attaches", "attach_failures", "detaches",
     "backups_submitted", "backups_stored", "backup_tokens_stored", "backup_failures", "backup_retries",
     "backups_skipped_mla", "jobs_failed_fast", "storage_outages", "storage_recoveries", "storage_errors",
-    "health_probes",
+    "health_probes", "data_epoch_changes", "storage_lost_nodes",
     "prefetch_admitted", "prefetch_requested_tokens", *(f"prefetch_rejected_{r}" for r in REJECT_REASONS),
     "prefetch_revoked", "prefetch_query_failures", "prefetch_short_batches", "prefetch_completed",
-    "prefetch_partial", "prefetch_empty", "prefetch_aborted", "prefetch_hit_tokens", "prefetch_fetched_tokens",
+    "prefetch_partial", "prefetch_empty", "prefetch_aborted", "prefetch_found_tokens", "prefetch_hit_tokens",
+    "prefetch_fetched_tokens",
     "prefetch_inserted_tokens", "prefetch_duplicate_tokens", "prefetch_released_tokens", "prefetch_trimmed_tokens",
 )
 _HANDLERS = {"query_start": "query_started", "query_done": "query_answered", "query_failed": "query_failed",
@@ -133,6 +136,7 @@ class StorageTier(PrefetchCalls, StorageThreads):
         self.retries = BackupRetries()  # unstored nodes, kept current by the driver's reports
         self.counters: Counter[str] = Counter()
         self._thread_counts: Counter[str] = Counter()  # written by storage threads under _cv
+        self._foreign_keys: dict[str, None] = {}  # keys stored in another page format, until the next attach
         self.closed = False
         self.agreement: TierAgreement | None = None
         if not cache.group.solo:  # tensor parallelism: ranks act on what every rank observed
@@ -192,6 +196,8 @@ class StorageTier(PrefetchCalls, StorageThreads):
             self._skip_writes = tier_options.skip_writes
             self.healthy, self.last_error = True, ""
             self._link_down = ""
+            with self._cv:  # another backend (or the same one, rewritten): formats are learnt again
+                self._foreign_keys.clear()
             if self.agreement is not None:
                 self.agreement.local_health = (True, "")
             self.start_workers()
@@ -212,6 +218,7 @@ class StorageTier(PrefetchCalls, StorageThreads):
                 raise StorageLinkError(f"attaching storage failed: {exc}") from exc
             raise
         self.link_machine.fire(self.link, "attach_ok", self.cache)
+        self._epoch, self._epoch_checked = self._data_epoch(), self.now()  # lost pages show as a change
         self._sweep_due = True  # host copies made before the attach get stored too
         self.counters["attaches"] += 1
         log.info("storage attached: %s (namespace %s)", self._describe(url_or_backend), namespace.prefix)
@@ -233,6 +240,7 @@ class StorageTier(PrefetchCalls, StorageThreads):
         nothing else changed). If a thread does not exit within ``join_timeout``
         the link stays ``detaching`` and StorageLinkError is raised: call again.
         """
+        self._confine()
         self._apply_finished()
         if self.link.state == "attached":
             self.wind_down("storage is detaching")
@@ -262,6 +270,7 @@ class StorageTier(PrefetchCalls, StorageThreads):
 
     def wind_down(self, reason: str) -> None:
         """End every storage transfer within ``join_timeout``: abort prefetches, fail queued jobs, await the rest."""
+        self._confine()
         for rid in list(self.runtime.active):
             self.abort_prefetch(rid)
         self._fail_queued(reason)
@@ -334,6 +343,7 @@ class StorageTier(PrefetchCalls, StorageThreads):
 
     def submit(self, job: TransferJob) -> None:
         """The cache emitted an H2S (or, through the prefetch runtime, an S2H) job."""
+        self._confine()
         if job.kind is JobKind.H2S:
             self.counters["backups_submitted"] += 1
             if self.link.state != "attached":
@@ -363,10 +373,81 @@ class StorageTier(PrefetchCalls, StorageThreads):
 
     def poll(self) -> list[Completion]:
         """Drain thread events, retry failed backups when due; completions for the cache."""
+        self._confine()
         self._drain()
+        self._check_epoch()
         self._maybe_sweep()
         done, self._completions = self._completions, []
         return done
+
+    def _data_epoch(self) -> object:
+        read = getattr(self.link.backend, "data_epoch", None)  # a duck-typed backend may not have one
+        try:
+            return read() if callable(read) else None
+        except Exception as exc:  # noqa: BLE001 - an epoch that cannot be read tells nothing
+            log.debug("storage data epoch unavailable: %s", exc)
+            return None
+
+    def _check_epoch(self) -> None:
+        """Every ``retry_interval``: if the backend's data epoch changed, its pages were lost (see ``storage_lost``).
+
+        A rank group leaves this out: one rank's backend losing pages must not split the trees.
+        """
+        if self.agreement is not None or self.link.state != "attached" or not self.healthy:
+            return
+        now = self.now()
+        if now - self._epoch_checked < self.options.retry_interval:
+            return
+        self._epoch_checked = now
+        epoch = self._data_epoch()
+        if epoch is None or epoch == self._epoch:
+            return
+        self._epoch = epoch
+        self.counters["data_epoch_changes"] += 1
+        self.storage_lost(self.cache.tree.nodes())
+
+    def verify_stored(self, nodes: Iterable[TreeNode] | None = None) -> int:
+        """Ask the backend whether stored nodes (default: every one) still have all their pages; a node
+        whose keys are found missing goes back to "not stored" and is backed up again. Returns how many.
+
+        A blocking backend call on this thread, for an engine's maintenance step; refused
+        (StorageLinkError) unless attached and healthy, and with a rank group.
+        """
+        self._check_open()
+        backend = self.link.backend
+        if self.link.state != "attached" or backend is None or not self.healthy:
+            raise StorageLinkError(f"cannot verify stored pages: the link is {self.link.state}"
+                                   + ("" if self.healthy else f", storage unhealthy ({self.last_error})"))
+        if self.agreement is not None:
+            raise StorageLinkError("verify_stored is not agreed across a rank group; it would split the trees")
+        stored = [n for n in (self.cache.tree.nodes() if nodes is None else nodes)
+                  if n.parent is not None and n.state.endswith("_stored")]
+        missing = []
+        for node in stored:
+            keys = list(self.keys_for(node))
+            if backend.batch_exists(keys) < len(keys):
+                missing.append(node)
+        return self.storage_lost(missing)
+
+    def storage_lost(self, nodes: Iterable[TreeNode]) -> int:
+        """Storage lost these nodes' pages: each stored one goes back to "not stored" and is backed up again.
+
+        For a backend that reports lost data (``data_epoch``) or a check that found
+        a node's keys missing. Returns how many nodes moved back.
+        """
+        self._confine()
+        driver = self.cache.driver
+        moved = 0
+        for node in list(nodes):
+            if node.parent is not None and driver.can_fire(node, "storage_lost"):
+                driver.fire(node, "storage_lost")
+                moved += 1
+        if moved:
+            self.counters["storage_lost_nodes"] += moved
+            self._sweep_due = True
+            self._last_sweep = float("-inf")  # store them again at this poll
+            log.warning("storage lost the pages of %d stored nodes; they will be stored again", moved)
+        return moved
 
     def _drain(self) -> None:
         events = self._events
@@ -520,6 +601,7 @@ class StorageTier(PrefetchCalls, StorageThreads):
 
     def reset(self) -> None:
         """The cache is dropping everything: cancel queued work, wait for running I/O, forget all prefetches."""
+        self._confine()
         with self._cv:
             self._gen += 1
             self._query_q.clear()
@@ -539,9 +621,16 @@ class StorageTier(PrefetchCalls, StorageThreads):
 
     def close(self, drain: float = 0.0) -> None:
         """Engine shutdown: let queued backups finish for up to ``drain`` seconds, then abort
-        prefetches, fail what is still queued, stop the threads and close the backend."""
+        prefetches, fail what is still queued, stop the threads and close the backend.
+
+        A bad ``drain`` is refused (``ConfigError``) before anything changes. Once
+        past that, the threads are stopped and the backend closed whatever fails
+        on the way (the failure is logged), so a closed tier never leaks either.
+        """
+        drain = drain_seconds(drain)
         if self.closed:
             return
+        self._confine()
         rt = self.runtime
         try:
             if drain > 0 and self.link.state == "attached":
@@ -555,12 +644,13 @@ class StorageTier(PrefetchCalls, StorageThreads):
             self._apply_finished()
             if self.link.state in ("attached", "detaching"):
                 self.detach()
-        except HiCacheError as exc:
+        except Exception as exc:  # noqa: BLE001 - closing goes on: stop the threads, close the backend
             log.error("closing the storage tier: %s", exc)
-            self.link.signal_stop()
-            self.link.join()
-            self.link.close_backend()
         finally:
+            if self.link.backend is not None or self.link.threads_alive():
+                self.link.signal_stop()
+                self.link.join()
+                self.link.close_backend()
             self.closed = True
 
     # ================================================================== forks and observation (the explorer)
@@ -602,6 +692,7 @@ class StorageTier(PrefetchCalls, StorageThreads):
         new.counters = Counter(self.counters)
         with self._cv:
             new._thread_counts = Counter(self._thread_counts)
+            new._foreign_keys = dict(self._foreign_keys)
         cache.driver.add_listener(new.retries)
         return new
 
@@ -615,16 +706,41 @@ class StorageTier(PrefetchCalls, StorageThreads):
         return len(self._events), len(self._completions)
 
     def _check_open(self) -> None:
+        """Refuse a call on a closed tier, or from a thread that does not drive the cache (``WrongThread``)."""
         if self.closed:
             raise HiCacheError("this storage tier is closed")
+        self.cache.check_open()
+
+    def _confine(self) -> None:
+        """Refuse a call from a thread that does not drive the cache: the tier is confined with it."""
+        self.cache.check_open()
+
+
+def drain_seconds(drain: object) -> float:
+    """``close(drain=...)``'s seconds, checked before anything changes: a finite number >= 0, else ``ConfigError``."""
+    if isinstance(drain, bool) or not isinstance(drain, (int, float)):
+        raise ConfigError(f"close(drain=...) wants seconds as a number >= 0, got {type(drain).__name__}; nothing changed")
+    if not math.isfinite(drain) or drain < 0:
+        raise ConfigError(f"close(drain=...) wants a finite number of seconds >= 0, got {drain!r}; nothing changed")
+    return float(drain)
 
 
 def attach_storage(cache: TierHost, url_or_backend: str | StorageBackend, **options: Any) -> StorageTier:
-    """Create ``cache.storage`` on first use and attach ``url_or_backend`` (HiCache.attach_storage)."""
+    """Create ``cache.storage`` on first use and attach ``url_or_backend`` (HiCache.attach_storage).
+
+    With a rank group, the ranks first agree that every one of them is attaching
+    (a collective of its own): a rank that attaches alone gets StorageLinkError
+    (and the others, in another collective, RanksDiverged) before anything changes.
+    """
+    if not cache.group.solo:
+        try:
+            cache.group.all_true(True, PURPOSE_ATTACH)
+        except GroupError as exc:
+            raise StorageLinkError(f"attaching storage needs every rank of the group to attach: {exc}") from exc
     if cache.storage is None:
         cache.storage = StorageTier(cache)
     cache.storage.attach(url_or_backend, **options)
     return cache.storage
 
 
-__all__ = ["StorageTier", "attach_storage", "namespace_seed"]
+__all__ = ["StorageTier", "attach_storage", "drain_seconds", "namespace_seed"]
