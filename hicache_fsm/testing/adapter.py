@@ -133,8 +133,13 @@ def kv_fingerprint(prefix: Sequence[int]) -> int:
 
 
 def fingerprints(tokens: Sequence[int]) -> list[int]:
+    from hicache_fsm.testing.statekey import remember_prefix
+
     tokens = tuple(tokens)
-    return [kv_fingerprint(tokens[: i + 1]) for i in range(len(tokens))]
+    out = [kv_fingerprint(tokens[: i + 1]) for i in range(len(tokens))]
+    for i, fp in enumerate(out):
+        remember_prefix(fp, tokens[: i + 1])
+    return out
 
 
 def encode_kv(tokens: Sequence[int], layers: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1107,80 +1112,20 @@ class HiCacheAdapter(CacheAdapter):
             return self.stored_prefix(args[0]) < len(self._aligned(args[0]))
         return True  # evictions always run: what is evictable is the code under test
 
+    def key_fields(self) -> dict:
+        """The named fields of the state key (``testing.statekey``), before token renaming."""
+        from hicache_fsm.testing.statekey import adapter_key_fields
+
+        return adapter_key_fields(self, self._pool_lists())
+
     def state_key(self) -> Hashable:
-        """Canonical state (see ``explorer``): prefixes, not ids; eviction rank, not clocks; token ids
-        up to renaming (two caches that differ only by a permutation of token ids share a key)."""
-        cache = self.cache
-        tree = cache.tree
-        sort_key = cache.eviction.sort_key
-        nodes = [n for n in tree.nodes() if n.parent is not None]
-        prefix: dict[int, tuple] = {tree.root.id: ()}
-        stack = [tree.root]
-        while stack:
-            p = stack.pop()
-            base = prefix[p.id]
-            for c in p.children.values():
-                prefix[c.id] = base + c.key
-                stack.append(c)
-        orphan = (-1,)
-        pre = {n.id: prefix.get(n.id, orphan + (n.id,)) for n in nodes}
-        pending = cache.pending_jobs()
-        kinds = {j.id: j.kind.value for j in pending}
-        outbox = {j.id for j in cache.outbox.queued_jobs()}
-        # hit counts matter to a policy that reads them: the selective threshold, LFU order
-        if cache.config.write_policy == "write_through_selective":
-            cap = max(1, cache.config.write_through_threshold)
-        elif cache.config.eviction_policy == "lfu" or self.track_hits:
-            cap = 1
-        else:
-            cap = 0
-        ranked = sorted(nodes, key=sort_key)
-        rows = [
-            (pre[n.id], n.state, n.lock_ref, n.host_ref, min(n.hit_count, cap), r,
-             tuple(sorted((kinds.get(j, "?"), j in outbox) for j in n.pending_jobs)) if n.pending_jobs else ())
-            for r, n in enumerate(ranked)
-        ]
-        jobs = [(j.kind.value, j.id in outbox, tuple(pre.get(i, orphan + (i,)) for i in j.node_ids)) for j in pending]
-        locks = [pre.get(n.id, orphan + (n.id,)) for n in self._locks.values()]
-        pins = [(pre.get(n.id, orphan + (n.id,)), start) for n, _, start in self._pins.values()]
-        # concrete facts the structure above does not imply, so a leak or a stray job makes a new state
-        extra = (len(cache.engine_pages), self.device_pool.allocator.free_pages, self.host_pool.allocator.free_pages,
-                 len(self.executor.pending_job_ids()), len(pending))
-        alphabet = sorted({t for n in nodes for t in n.key})
-        renamings: list[dict | None] = [None]
-        if cache.storage is not None:  # storage keys hash token ids: no renaming, the tier's state as is
-            from hicache_fsm.testing.storage import tier_state_key
+        """Canonical state (``testing.statekey``): everything that can change what happens next, node ids
+        dropped, token ids up to renaming (two caches that differ only by a permutation share a key)."""
+        from hicache_fsm.testing.statekey import key_of
 
-            extra = extra + (tuple(self._requests.values()), tier_state_key(
-                cache.storage, lambda n: () if n.is_root else pre.get(n.id, orphan + (n.id,)), list(self._requests)))
-        elif self.symmetric and 1 < len(alphabet) <= 4:
-            renamings = [dict(zip(alphabet, p)) for p in itertools.permutations(alphabet)]
-        best = None
-        for m in renamings:
-            if m is None:
-                f = _same
-            else:
-                f = functools.partial(_rename, m)
-            key = (
-                tuple(sorted((f(r[0]),) + r[1:] for r in rows)),
-                tuple(sorted((k, o, tuple(sorted(map(f, ns)))) for k, o, ns in jobs)),
-                tuple(sorted(map(f, locks))),
-                tuple(sorted((f(p), start) for p, start in pins)),
-                extra,
-            )
-            if best is None or key < best:
-                best = key
-        return best
-
-
-def _same(prefix: tuple) -> tuple:
-    return prefix
-
-
-def _rename(mapping: dict, prefix: tuple) -> tuple:
-    if prefix and prefix[0] < 0:  # an orphan's placeholder
-        return prefix
-    return tuple([mapping[t] for t in prefix])
+        fields = self.key_fields()
+        alphabet = sorted({t for n in self.cache.tree.nodes() for t in n.key})
+        return key_of(fields, alphabet, self.symmetric)
 
 
 LOADING_STATES = frozenset({"loading", "loading_storing", "loading_stored"})
