@@ -107,7 +107,7 @@ def test_cp_writes_with_draft_layers_hold_and_reach_the_layer_write_states(world
     cov = CoverageTracker()
     with quiet_cache_logs():
         r = explore(Bounds(nodes=2, device_pages=2, host_pages=2, alphabet=1, max_len=2, redeliver=False,
-                           write_policy="write_back", max_depth=7), lambda b: CPAdapter(world_size=world_size),
+                           write_policy="write_back", max_depth=6), lambda b: CPAdapter(world_size=world_size),
                     coverage=cov)
     assert not r.violations, r.violations[0].format()
     assert r.complete

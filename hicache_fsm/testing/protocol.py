@@ -311,5 +311,5 @@ def default_families() -> list[tuple[str, Any, Any]]:
                                       ("timeout", "write_through", 1, 6))]
     cp = [(f"cp/{n}_ranks", Bounds(nodes=2, device_pages=2, host_pages=h, alphabet=1, max_len=2, redeliver=False,
                                    write_policy="write_back", max_depth=depth), cp_factory(n))
-          for n, h, depth in ((1, 3, 7), (2, 3, 7))]  # a rank's host pool outgrows its device share
+          for n, h, depth in ((1, 3, 6), (2, 3, 5))]  # a rank's host pool outgrows its device share
     return memory + storage + cp
