@@ -184,6 +184,9 @@ def _check_portfolio(args: argparse.Namespace) -> int:
     report = total.report()
     if args.coverage or not args.json:
         print(total.format(), file=out)
+        for machine, edges in unreached_with_reasons(report).items():
+            for edge, reason in edges.items():
+                print(f"  {machine}: {edge}: {reason}", file=out)
     status = _status([r for _, r in runs])
     print(f"check: {sum(r.states for _, r in runs)} states in {sum(r.seconds for _, r in runs):.1f}s", file=sys.stderr)
     if args.json:
@@ -194,10 +197,19 @@ def _check_portfolio(args: argparse.Namespace) -> int:
             "complete": all(r.complete for _, r in runs),
             "coverage": coverage_summary(report),
             "coverage_detail": report,
+            "unreached": unreached_with_reasons(report),
             "runs": [dict(r.to_json(), family=name) for name, r in runs],
         }
         print(json.dumps(summary, sort_keys=True))
     return status
+
+
+def unreached_with_reasons(report: dict) -> dict:
+    """``{machine: {transition: reason}}`` for every transition the default families leave unfired."""
+    from hicache_fsm.testing.protocol import UNREACHED_REASONS
+
+    return {m: {edge: UNREACHED_REASONS.get(m, {}).get(edge, "unexplained") for edge in r["missing_transitions"]}
+            for m, r in report.items() if r["missing_transitions"]}
 
 
 def coverage_summary(report: dict) -> dict:

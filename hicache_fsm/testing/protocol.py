@@ -313,3 +313,25 @@ def default_families() -> list[tuple[str, Any, Any]]:
                                    write_policy="write_back", max_depth=depth), cp_factory(n))
           for n, h, depth in ((1, 3, 6), (2, 3, 5))]  # a rank's host pool outgrows its device share
     return memory + storage + cp
+
+
+# Why each transition the default families never fire stays unfired (``check --json``: ``"unreached"``).
+UNREACHED_REASONS: dict[str, dict[str, str]] = {
+    "layer_write": {
+        "idle --reserve--> failed": "beyond the cp families' depth bound: a refused reservation needs the rank's "
+                                    "host pool full of written nodes first",
+        "reserved --submit_layer--> all_submitted": "needs a write of one layer in all; the cp families write "
+                                                    "two target layers and one draft layer",
+    },
+    "prefetch": {
+        "failed --abort--> aborted": "the tier releases a failed prefetch at the next poll, before an abort can "
+                                     "reach it (abort_prefetch drains first)",
+        "querying --abort--> aborted": "with a manual storage tier 'querying' lasts only while a query step runs; "
+                                       "between steps the op is admitted or past its query",
+        "querying --stop--> terminated": "as above: no step boundary falls inside 'querying'",
+        "revoked --abort--> aborted": "a revoked prefetch is released at the next poll, before an abort",
+        "terminated --abort--> aborted": "a terminated prefetch is released at the next poll, before an abort",
+        "transferring --batch_done--> transferring": "needs a transfer of more than one batch (batch_pages=2); "
+                                                     "the storage families fetch at most two pages",
+    },
+}

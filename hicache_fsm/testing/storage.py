@@ -34,7 +34,7 @@ from hicache_fsm.storage.tier import StorageTier
 
 if TYPE_CHECKING:  # pragma: no cover
     from hicache_fsm.cache import HiCache
-    from hicache_fsm.testing.adapter import StorageFault
+    from hicache_fsm.testing.interface import StorageFault
 
 __all__ = ["CALL_METHODS", "FaultPlan", "ManualStorageTier", "StorageStep", "to_backend_fault"]
 
