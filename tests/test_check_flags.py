@@ -47,3 +47,19 @@ def test_help_says_how_long_write_policy_all_takes(capsys):
     with pytest.raises(SystemExit):
         main(["check", "--help"])
     assert "tens of minutes" in " ".join(capsys.readouterr().out.split())
+
+
+def test_every_explained_unreached_transition_is_a_transition_of_its_spec():
+    from hicache_fsm.spec import load_builtin
+    from hicache_fsm.testing.protocol import UNREACHED_REASONS
+
+    for machine, edges in UNREACHED_REASONS.items():
+        spec = load_builtin(machine)
+        real = {f"{s} --{t.trigger}--> {t.dest}" for t in spec.transitions for s in t.sources}
+        assert set(edges) <= real, set(edges) - real
+        assert all(reason for reason in edges.values())
+
+
+def test_fuzz_reports_the_runs_it_was_asked_for(capsys):
+    assert main(["fuzz", "--examples", "7", "--steps", "5", "--quiet"]) == 0
+    assert "fuzz: 7 runs of up to 5 steps" in capsys.readouterr().out
