@@ -5,15 +5,16 @@ table of who caught what, how fast and with how many steps:
 
 - ``check``: the default families of ``hicache-fsm check`` the bug's cache
   configuration lives in (``testing.protocol.families_for``), stopping at the
-  first violation, each family within its own time budget;
+  first violation, each family to its depth bound;
 - ``fuzz``: the default ``hicache-fsm fuzz`` machine (every variant; seed 0, no
   shrinking, at most ``FUZZ_EXAMPLES`` runs);
 - ``suite``: the protocol machine as the test suite runs it
   (``tests/test_testing_toolkit.py``: 10 runs of 20 steps).
 
-A mutant passes when ``check`` or ``fuzz`` catches it within two minutes;
-at least all but one must be caught by one of them, and each by some tool.
-The sweep is marked ``slow`` (it still runs in the suite).
+A mutant passes when some tool catches it; at least all but one must be caught
+by ``check`` or ``fuzz`` at their defaults. Every tool is bounded by the model
+(states, depth, runs), never by the clock: the seconds in the table are for
+reading only. The sweep is marked ``slow`` (it still runs in the suite).
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from hicache_fsm.testing.mutants import MUTANTS, mutant
 from hicache_fsm.testing.protocol import families_for
 
 FUZZ_EXAMPLES = 100
-LIMIT_S = 120.0
 
 
 @attrs.define
@@ -89,7 +89,7 @@ def _check(variant: dict) -> tuple[str, bool]:
         states += result.states
         if result.violations:
             secs = time.perf_counter() - t
-            return (f"caught {secs:5.1f}s {family} {len(result.violations[0].trace)} steps", secs <= LIMIT_S)
+            return f"caught {secs:5.1f}s {family} {len(result.violations[0].trace)} steps", True
     return f"missed ({time.perf_counter() - t:.0f}s, {states} states)", False
 
 
@@ -98,7 +98,7 @@ def _fuzz(examples: int, steps: int) -> tuple[str, bool]:
     fuzz = run_fuzz(hicache_machine(), examples=examples, steps=steps, seed=0, shrink=False)
     secs = time.perf_counter() - t
     if not fuzz.ok:
-        return f"caught {secs:5.1f}s {fuzz.examples:3d} runs", secs <= LIMIT_S
+        return f"caught {secs:5.1f}s {fuzz.examples:3d} runs", True
     return f"missed ({secs:.0f}s)", False
 
 
@@ -129,7 +129,7 @@ def test_report_table(table, capsys):
     for r in table.values():
         lines.append(f"{r.name:34s} {r.check:52s} {r.fuzz:22s} {r.suite}")
     fast = sum(r.fast for r in table.values())
-    lines.append(f"{fast}/{len(table)} caught by check or fuzz at defaults within {LIMIT_S:.0f}s; "
+    lines.append(f"{fast}/{len(table)} caught by check or fuzz at defaults; "
                  f"{sum(r.caught for r in table.values())}/{len(table)} caught by some tool")
     with capsys.disabled():
         print("\n".join(lines))

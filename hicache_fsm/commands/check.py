@@ -3,7 +3,8 @@
 With no bounds given, the whole protocol (``testing.protocol.default_families``):
 each write policy, storage attached with each prefetch stop policy (partial
 per-key results, attach / detach as actions), CP layer writes with draft
-layers on 1 and 2 ranks, each family up to its state budget (under a time cap); coverage is
+layers on 1 and 2 ranks, each family explored completely within its model bounds (nodes,
+pages, depth: the same states, coverage and verdict on every machine); coverage is
 merged over the families (``--json``: ``"coverage": {machine: {"states":
 [hit, total], "transitions": [hit, total]}}``).
 
@@ -12,8 +13,9 @@ radix nodes on ``--device-pages`` / ``--host-pages`` pages: every engine step
 (insert, match, lock, load back, back up, pin, evict) and every completion or
 failure of every pending job, in every order. Progress goes to stderr; the
 summary (states, transitions, violations with a shortest counterexample each,
-seconds) to stdout; with ``--json`` stdout is one JSON object. Exit
-status 1 when a violation was found.
+how far it went) to stdout, the time taken to stderr; with ``--json`` stdout is one JSON object
+that does not depend on the machine. Exit status 1 when a violation was found or when the
+``--max-seconds`` safety stop cut a run short (an incomplete run never passes by the clock).
 """
 
 from __future__ import annotations
@@ -26,27 +28,39 @@ from hicache_fsm.commands.args import UsageError, adapter_ref, json_kwargs, non_
 from hicache_fsm.config import EVICTION_POLICIES, WRITE_POLICIES
 
 
-DEFAULTS: dict = {}
+
+# Bounds of a single exploration when any bound flag is given (with none, the default families run).
+# Flags default to None so that an explicit flag equal to its default still counts as given.
+BOUND_DEFAULTS: dict = {"nodes": 3, "device_pages": 2, "host_pages": 2, "layers": 1, "page_size": 1, "alphabet": 2,
+                        "max_len": None, "locks": 1, "pins": 1, "write_policy": "write_through",
+                        "eviction_policy": "lru", "track_hits": False, "no_redeliver": False, "max_depth": None,
+                        "max_states": None, "max_seconds": None}
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("bounds")
-    g.add_argument("--nodes", type=positive_int, default=3, help="most radix nodes in a state (default 3)")
-    g.add_argument("--device-pages", type=positive_int, default=2, help="device pool pages (default 2)")
-    g.add_argument("--host-pages", type=positive_int, default=2, help="host pool pages (default 2)")
-    g.add_argument("--layers", type=positive_int, default=1, help="model layers of the KV (default 1)")
-    g.add_argument("--page-size", type=positive_int, default=1, help="tokens per page (default 1)")
-    g.add_argument("--alphabet", type=positive_int, default=2, help="distinct page contents in prompts (default 2)")
-    g.add_argument("--max-len", type=positive_int, default=None, help="longest prompt in pages (default: min(nodes, device pages))")
-    g.add_argument("--locks", type=non_negative_int, default=1, help="engine locks held at once (default 1)")
-    g.add_argument("--pins", type=non_negative_int, default=1, help="host pins held at once (default 1)")
-    g.add_argument("--write-policy", default="write_through", choices=[*WRITE_POLICIES, "all"],
-                   help="cache write policy, or 'all' to explore each (default write_through)")
-    g.add_argument("--eviction-policy", default="lru", choices=EVICTION_POLICIES)
-    g.add_argument("--track-hits", action="store_true", help="tell hit from never-hit nodes in the state key")
-    g.add_argument("--no-redeliver", action="store_true", help="do not try re-delivering finished acks")
-    g.add_argument("--max-states", type=positive_int, default=None, help="stop after this many states")
-    g.add_argument("--max-seconds", type=positive_float, default=None, help="stop after this long")
+    g.add_argument("--nodes", type=positive_int, help="most radix nodes in a state (default 3)")
+    g.add_argument("--device-pages", type=positive_int, help="device pool pages (default 2)")
+    g.add_argument("--host-pages", type=positive_int, help="host pool pages (default 2)")
+    g.add_argument("--layers", type=positive_int, help="model layers of the KV (default 1)")
+    g.add_argument("--page-size", type=positive_int, help="tokens per page (default 1)")
+    g.add_argument("--alphabet", type=positive_int, help="distinct page contents in prompts (default 2)")
+    g.add_argument("--max-len", type=positive_int, help="longest prompt in pages (default: min(nodes, device pages))")
+    g.add_argument("--locks", type=non_negative_int, help="engine locks held at once (default 1)")
+    g.add_argument("--pins", type=non_negative_int, help="host pins held at once (default 1)")
+    g.add_argument("--write-policy", choices=[*WRITE_POLICIES, "all"],
+                   help="cache write policy, or 'all' to explore each in turn (default write_through; 'all' "
+                        "explores four policies: at the default bounds that is tens of minutes, so give "
+                        "--max-depth or --max-states with it)")
+    g.add_argument("--eviction-policy", choices=EVICTION_POLICIES)
+    g.add_argument("--track-hits", action="store_true", default=None,
+                   help="tell hit from never-hit nodes in the state key")
+    g.add_argument("--no-redeliver", action="store_true", default=None, help="do not try re-delivering finished acks")
+    g.add_argument("--max-depth", type=positive_int,
+                   help="explore every state within this many steps (a model bound: the run stays complete)")
+    g.add_argument("--max-states", type=positive_int, help="stop after this many states (the run is incomplete)")
+    g.add_argument("--max-seconds", type=positive_float,
+                   help="safety stop: a run it stops is reported INCOMPLETE and check exits 1")
     parser.add_argument("--stop-on-first", action="store_true", help="stop at the first violation")
     parser.add_argument("--max-violations", type=positive_int, default=5, help="distinct violations to collect (default 5)")
     parser.add_argument("--adapter", metavar="MODULE:CALLABLE", type=adapter_ref,
@@ -61,15 +75,24 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "`hicache-fsm diagram NAME --counts FILE` draws it)")
     parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
     parser.add_argument("--json", action="store_true", help="print only one JSON object on stdout (the report goes to stderr)")
-    DEFAULTS.update({f: parser.get_default(f) for f in BOUND_FLAGS})
 
 
-def _how_far(result, args) -> str:
+def how_far(result) -> str:
+    """How far a run went, in the words the summary line uses."""
     if result.complete:
         return "complete"
-    if result.violations and (args.stop_on_first or len(result.violations) >= args.max_violations):
+    if result.stopped_by == "violation":
         return "stopped at a violation"
-    return "INCOMPLETE (stopped by --max-states / --max-seconds)"
+    if result.stopped_by == "max_states":
+        return f"INCOMPLETE (state budget {result.bounds.max_states} spent)"
+    if result.stopped_by == "max_seconds":
+        return f"INCOMPLETE (safety stop: {result.bounds.max_seconds:g}s reached)"
+    return "INCOMPLETE"
+
+
+def _status(results) -> int:
+    """1 when a violation was found or a safety stop cut a run short (never a pass by the clock)."""
+    return 1 if any(r.violations or r.stopped_by == "max_seconds" for r in results) else 0
 
 
 # The search is exhaustive: each state tries every prompt and every eviction, so bounds must stay small.
@@ -104,11 +127,11 @@ def run(args: argparse.Namespace) -> int:
     return _check_prefix_cache(args)
 
 
-
 def _check_block_store(args: argparse.Namespace, factory) -> int:
     """The block-store profile's explorer: prompts of up to ``--max-len`` blocks (default 3) over the alphabet."""
     from hicache_fsm.testing.blockstore import StoreBounds, explore_store
 
+    _fill_defaults(args)
     variant = args.variant or {}
     bounds = StoreBounds(alphabet=args.alphabet, max_len=args.max_len or 3, max_jobs=args.max_jobs,
                          max_entries=args.max_entries, max_states=args.max_states, max_seconds=args.max_seconds)
@@ -125,12 +148,15 @@ def _check_block_store(args: argparse.Namespace, factory) -> int:
     return 1 if result.violations else 0
 
 
-BOUND_FLAGS = ("nodes", "device_pages", "host_pages", "layers", "page_size", "alphabet", "max_len", "locks", "pins",
-               "write_policy", "eviction_policy", "track_hits", "no_redeliver", "max_states", "max_seconds")
+def bounds_given(args: argparse.Namespace) -> bool:
+    """True when any bound flag is on the command line (even one equal to its default)."""
+    return any(getattr(args, f) is not None for f in BOUND_DEFAULTS)
 
 
-def _defaults_only(args: argparse.Namespace, parser_defaults: dict) -> bool:
-    return all(getattr(args, f) == parser_defaults[f] for f in BOUND_FLAGS)
+def _fill_defaults(args: argparse.Namespace) -> None:
+    for f, default in BOUND_DEFAULTS.items():
+        if getattr(args, f) is None:
+            setattr(args, f, default)
 
 
 def _check_portfolio(args: argparse.Namespace) -> int:
@@ -149,17 +175,8 @@ def _check_portfolio(args: argparse.Namespace) -> int:
         result = explorer.run()
         total.merge(cov)
         runs.append((name, result))
-        if result.complete:
-            how = "complete"
-        elif result.violations:
-            how = "stopped at a violation"
-        elif bounds.max_states is not None and result.states >= bounds.max_states:
-            how = f"state budget {bounds.max_states} spent"
-        else:
-            how = f"time cap {bounds.max_seconds:g}s reached"
-        print(f"{name}: {result.adapter}: {result.states} states, {result.transitions} transitions, max depth "
-              f"{result.max_depth}, {how}, {len(result.violations)} violations, {result.seconds:.1f}s",
-              file=out, flush=True)
+        print(f"{name}: {result.adapter}: {result.states} states, {result.transitions} transitions, depth "
+              f"{result.max_depth}, {how_far(result)}, {len(result.violations)} violations", file=out, flush=True)
         for v in result.violations:
             print(v.format(), file=out)
         if result.violations and args.stop_on_first:
@@ -167,20 +184,32 @@ def _check_portfolio(args: argparse.Namespace) -> int:
     report = total.report()
     if args.coverage or not args.json:
         print(total.format(), file=out)
-    status = 1 if any(r.violations for _, r in runs) else 0
+        for machine, edges in unreached_with_reasons(report).items():
+            for edge, reason in edges.items():
+                print(f"  {machine}: {edge}: {reason}", file=out)
+    status = _status([r for _, r in runs])
+    print(f"check: {sum(r.states for _, r in runs)} states in {sum(r.seconds for _, r in runs):.1f}s", file=sys.stderr)
     if args.json:
         summary = {
             "states": sum(r.states for _, r in runs),
             "transitions": sum(r.transitions for _, r in runs),
             "violations": sum(len(r.violations) for _, r in runs),
-            "seconds": round(sum(r.seconds for _, r in runs), 3),
             "complete": all(r.complete for _, r in runs),
             "coverage": coverage_summary(report),
             "coverage_detail": report,
+            "unreached": unreached_with_reasons(report),
             "runs": [dict(r.to_json(), family=name) for name, r in runs],
         }
         print(json.dumps(summary, sort_keys=True))
     return status
+
+
+def unreached_with_reasons(report: dict) -> dict:
+    """``{machine: {transition: reason}}`` for every transition the default families leave unfired."""
+    from hicache_fsm.testing.protocol import UNREACHED_REASONS
+
+    return {m: {edge: UNREACHED_REASONS.get(m, {}).get(edge, "unexplained") for edge in r["missing_transitions"]}
+            for m, r in report.items() if r["missing_transitions"]}
 
 
 def coverage_summary(report: dict) -> dict:
@@ -190,8 +219,9 @@ def coverage_summary(report: dict) -> dict:
 
 
 def _check_prefix_cache(args: argparse.Namespace) -> int:
-    if not args.adapter and _defaults_only(args, DEFAULTS):
+    if not args.adapter and not bounds_given(args):
         return _check_portfolio(args)
+    _fill_defaults(args)
     from hicache_fsm.testing.explorer import Bounds, Explorer, hicache_factory
     from hicache_fsm.testing.paths import CoverageTracker
     from hicache_fsm.testing.transition_log import RecordingCoverage, recording_writer
@@ -212,8 +242,8 @@ def _check_prefix_cache(args: argparse.Namespace) -> int:
             nodes=args.nodes, device_pages=args.device_pages, host_pages=args.host_pages, layers=args.layers,
             page_size=args.page_size, alphabet=args.alphabet, max_len=args.max_len, max_locks=args.locks,
             max_pins=args.pins, write_policy=policy, eviction_policy=args.eviction_policy,
-            track_hits=args.track_hits, redeliver=not args.no_redeliver, max_states=args.max_states,
-            max_seconds=args.max_seconds,
+            track_hits=args.track_hits, redeliver=not args.no_redeliver, max_depth=args.max_depth,
+            max_states=args.max_states, max_seconds=args.max_seconds,
         )
         cov = CoverageTracker() if args.coverage or args.json else None
         if writer is not None:
@@ -222,12 +252,10 @@ def _check_prefix_cache(args: argparse.Namespace) -> int:
                             progress=None if args.quiet else sys.stderr, coverage=cov)
         result = explorer.run()
         runs.append(result)
-        if result.violations:
-            status = 1
+        status = max(status, _status([result]))
         out = sys.stderr if args.json else sys.stdout
-        print(f"{result.adapter}: {result.states} states, {result.transitions} transitions, max depth "
-              f"{result.max_depth}, {_how_far(result, args)}, "
-              f"{len(result.violations)} violations, {result.seconds:.1f}s", file=out)
+        print(f"{result.adapter}: {result.states} states, {result.transitions} transitions, depth "
+              f"{result.max_depth}, {how_far(result)}, {len(result.violations)} violations", file=out)
         for v in result.violations:
             print(v.format(), file=out)
         if args.coverage and cov is not None:
@@ -244,7 +272,6 @@ def _check_prefix_cache(args: argparse.Namespace) -> int:
                 "states": sum(r.states for r in runs),
                 "transitions": sum(r.transitions for r in runs),
                 "violations": sum(len(r.violations) for r in runs),
-                "seconds": round(sum(r.seconds for r in runs), 3),
                 "complete": all(r.complete for r in runs),
                 "runs": [r.to_json() for r in runs],
             }

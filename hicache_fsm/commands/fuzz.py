@@ -87,12 +87,25 @@ def _report(result, args: argparse.Namespace, out) -> None:
               f"({result.seconds:.1f}s)", file=out)
         return
     print(f"fuzz: FAILED after {result.examples} runs (seed {args.seed}, {result.seconds:.1f}s): "
-          f"{result.failure.splitlines()[0] if result.failure else ''}", file=out)
+          f"{failure_line(result)}", file=out)
     print("\n".join(["", "failing steps:", *(f"  {line}" for line in result.steps), "", "regression test:", "",
                      result.test_code]), file=out)
     if args.test_out:
         Path(args.test_out).write_text(result.test_code, encoding="utf-8")
         print(f"(written to {args.test_out})", file=out)
+
+
+def failure_line(result) -> str:
+    """The failure in one line: the error, the first invariant it names, and the step it broke at."""
+    lines = [line.strip() for line in (result.failure or "").splitlines() if line.strip()]
+    if not lines:
+        return ""
+    head = lines[0]
+    if head.endswith(":") and len(lines) > 1:  # "invariant catalogue:" then one problem per line
+        head = f"{head} {lines[1]}"
+    steps = [s for s in result.steps if s.strip().startswith("state.") and "check()" not in s
+             and not s.strip().startswith("state.teardown")]
+    return f"{head} (at step {len(steps)})" if steps else head
 
 
 def _fuzz_block_store(args: argparse.Namespace, factory, variants: list[dict]) -> int:

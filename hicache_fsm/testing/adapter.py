@@ -1,58 +1,34 @@
-"""Adapters: the one interface the protocol fuzzers drive a cache through.
+"""``HiCacheAdapter``: our ``HiCache`` behind the fuzzers' ``CacheAdapter`` interface.
 
-A ``CacheAdapter`` speaks in token sequences, not in the cache's own objects,
-so the same stateful machine (``stateful.py``) and the same bounded explorer
-(``explorer.py``) run against any prefix cache: ``HiCacheAdapter`` wraps our
-``HiCache`` with a ``ManualExecutor`` (every job waits until the driver
-completes or fails it, so every acknowledgement order is reachable), and
-``docs/fuzzing.md`` adapts a small two-tier LRU cache written for the example.
-
-Operations, all optional except ``insert``, ``match``, ``read_kv`` and
-``invariant_violations``:
-
-=====================  ==========================================================
-insert(tokens)         compute KV for ``tokens`` and hand it to the cache -> bool
-match(tokens)          longest cached prefix -> ``MatchInfo`` (counts as a hit)
-lock / unlock          pin a matched prefix on the device (engine-held lock ids)
-pin_host / unpin_host  pin the host copy of the node that ends at ``tokens``
-evict / evict_host     free at least N tokens of a tier -> tokens freed
-load_back(tokens)      start loading the host-only part of a match -> tokens
-backup(tokens)         back up the device-only node ending at ``tokens`` -> bool
-pending_jobs()         jobs in flight; ``complete_job`` / ``fail_job`` end one
-redeliver(job_id)      acknowledge a finished job again (must be ``Rejected``)
-prefetch(tokens)       storage prefetch of what memory lacks of a prompt -> request
-prefetching()          requests whose prefetch is still running (``JobInfo``)
-prefetch_ready / abort poll a prefetch like a scheduler step / abort its request
-storage_fault(fault)   make the storage tier raise / time out as scheduled
-storage_steps()        queued storage work; ``complete_storage`` / ``fail_storage``
-                       run one (hit query, S2H transfer, H2S backup, probe)
-store_remote(tokens)   another instance sharing the storage tier stores a prompt's KV
-read_kv(tokens)        per token, the KV fingerprint read from each valid copy
-=====================  ==========================================================
-
-An operation the adapter does not override raises ``NotSupported``; the
-stateful machine and the explorer consult ``supports(name)`` and never pick
-it. A cache that refuses an operation with its documented error is reported
-as ``Rejected``; the fuzzers then check that nothing changed (``snapshot``).
-
-KV content is checked end to end: ``insert`` writes, for token ``i`` of a
-prompt, a value derived from the prefix ``tokens[:i+1]`` (``kv_fingerprint``)
-into every layer, exactly as a transformer's KV depends only on the tokens up
-to it. ``read_kv`` reads back every copy the cache claims is valid (device,
-host, ...); any copy that differs from the fingerprint is a lost or stale copy.
+The interface and its records live in ``testing.interface``, KV fingerprints in
+``testing.kv``, forking in ``testing.fork``; they are re-exported here, so
+``from hicache_fsm.testing.adapter import CacheAdapter, kv_fingerprint`` keeps working.
+The cache runs with a ``ManualExecutor`` (every job waits until the driver
+completes or fails it, so every acknowledgement order is reachable).
 """
 
 from __future__ import annotations
 
-import copy
 import functools
-import itertools
 from collections import Counter
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from typing import Any
 
-import attrs
 import torch
+
+from hicache_fsm.testing.fork import fork_cache, own_kv
+from hicache_fsm.testing.interface import (
+    OPTIONAL_OPS,
+    CacheAdapter,
+    JobInfo,
+    MatchInfo,
+    NotSupported,
+    Occupancy,
+    Rejected,
+    StorageFault,
+)
+from hicache_fsm.testing.kv import CORRUPT, decode_kv_lists, encode_kv, encoded, fingerprints, kv_fingerprint, \
+    prefix_fingerprints
 
 __all__ = [
     "CORRUPT",
@@ -67,303 +43,12 @@ __all__ = [
     "StorageFault",
     "decode_kv_lists",
     "encode_kv",
+    "fingerprints",
+    "fork_cache",
+    "hicache_structure_violations",
     "kv_fingerprint",
+    "own_kv",
 ]
-
-FP_LIMIT = 1 << 17  # fingerprint * 64 + layer stays exact in float32
-MAX_LAYERS = 64
-CORRUPT = -1  # what ``decode`` returns for a token whose layers / K / V disagree
-
-
-class NotSupported(Exception):
-    """The adapter does not implement this operation; rules that need it are skipped."""
-
-
-class Rejected(Exception):
-    """The cache refused the operation with its documented error; it must have changed nothing."""
-
-
-@attrs.frozen
-class MatchInfo:
-    """Tokens of a prompt served from the device, then from the host (after the device part)."""
-
-    device_tokens: int
-    host_tokens: int = 0
-
-    @property
-    def total(self) -> int:
-        return self.device_tokens + self.host_tokens
-
-
-@attrs.frozen
-class JobInfo:
-    """One job in flight: its id, kind (``d2h``, ``h2d``, ``h2s``, ``s2h``, ...) and a description."""
-
-    id: int
-    kind: str
-    detail: tuple = ()
-
-
-@attrs.frozen
-class Occupancy:
-    """Tokens in use per tier (used to check that evictions report what they freed)."""
-
-    device_tokens: int
-    host_tokens: int = 0
-
-
-@attrs.frozen
-class StorageFault:
-    """One scheduled storage failure: calls of ``call`` after the ``after``-th fail ``count`` times.
-
-    ``kind`` is ``raise`` (the backend raises), ``timeout`` (the call times
-    out), ``short`` (a batch returns fewer pages) or ``corrupt`` (a page
-    fails its checksum). ``call`` is ``get``, ``set``, ``exists`` or ``any``.
-    """
-
-    kind: str
-    call: str = "any"
-    after: int = 0
-    count: int = 1
-
-
-def kv_fingerprint(prefix: Sequence[int]) -> int:
-    """The value ``insert`` writes for the last token of ``prefix`` (deterministic across runs)."""
-    return hash(tuple(prefix)) % (FP_LIMIT - 1) + 1
-
-
-def fingerprints(tokens: Sequence[int]) -> list[int]:
-    tokens = tuple(tokens)
-    return [kv_fingerprint(tokens[: i + 1]) for i in range(len(tokens))]
-
-
-def encode_kv(tokens: Sequence[int], layers: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V, each ``(layers, len(tokens), 1, 1)`` float32, carrying each token's fingerprint."""
-    if not 0 < layers <= MAX_LAYERS:
-        raise ValueError(f"layers must be in [1, {MAX_LAYERS}]")
-    fp = torch.tensor(fingerprints(tokens), dtype=torch.float32)
-    k = fp[None, :] * MAX_LAYERS + torch.arange(layers, dtype=torch.float32)[:, None]
-    k = k[:, :, None, None]
-    return k, -k
-
-
-@functools.lru_cache(maxsize=4096)
-def _encoded(tokens: tuple[int, ...], layers: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return encode_kv(tokens, layers)
-
-
-@functools.lru_cache(maxsize=1 << 16)
-def _prefix_fingerprints(tokens: tuple[int, ...]) -> list[int]:
-    return fingerprints(tokens)
-
-
-def decode_kv_lists(k: list, v: list, slot: int) -> int:
-    """Fingerprint stored at ``slot`` of K / V given as nested lists ``[layer][slot][0][0]``."""
-    first = k[0][slot][0][0]
-    fp = int(first) // MAX_LAYERS
-    if fp <= 0:
-        return CORRUPT
-    for layer in range(len(k)):
-        want = float(fp * MAX_LAYERS + layer)
-        if k[layer][slot][0][0] != want or v[layer][slot][0][0] != -want:
-            return CORRUPT
-    return fp
-
-
-# The operations a subclass may leave out (the base raises NotSupported).
-OPTIONAL_OPS = (
-    "lock", "unlock", "held_locks", "pin_host", "unpin_host", "held_pins", "evict", "evict_host",
-    "load_back", "backup", "complete_job", "fail_job", "redeliver", "prefetch", "prefetching", "prefetch_ready",
-    "abort", "storage_fault", "storage_steps", "stored_prefix", "store_remote", "complete_storage", "fail_storage",
-    "occupancy",
-    "snapshot",
-    "state_key", "size",
-)
-
-
-class CacheAdapter:
-    """Drive a prefix KV cache through token sequences; see the module docstring.
-
-    Subclasses implement ``insert``, ``match``, ``read_kv`` and
-    ``invariant_violations`` and whichever optional operations their cache
-    has. ``page_size`` is the token granularity (prompts are cut to whole pages).
-    """
-
-    name = "cache"
-    page_size = 1
-
-    # ------------------------------------------------------------------ capability
-
-    def supports(self, op: str) -> bool:
-        """True when this adapter overrides ``op`` (or ``pending_jobs`` returns jobs)."""
-        mine = getattr(type(self), op, None)
-        base = getattr(CacheAdapter, op, None)
-        return mine is not None and mine is not base
-
-    # ------------------------------------------------------------------ required
-
-    def insert(self, tokens: Sequence[int]) -> bool:
-        """Compute KV for ``tokens`` (whole pages) and insert it; False when there is no room."""
-        raise NotImplementedError
-
-    def match(self, tokens: Sequence[int]) -> MatchInfo:
-        raise NotImplementedError
-
-    def read_kv(self, tokens: Sequence[int]) -> list[tuple[int, ...]]:
-        """For each token of the longest cached prefix of ``tokens`` that some tier can serve
-        now, the fingerprints read from every copy the cache claims is valid (stop at the first
-        token with none). Must not change the cache (no hit counts, no splits)."""
-        raise NotImplementedError
-
-    def invariant_violations(self) -> list[str]:
-        raise NotImplementedError
-
-    # ------------------------------------------------------------------ optional
-
-    def read_kv_many(self, prompts: Iterable[Sequence[int]]) -> dict[tuple, list[tuple[int, ...]]]:
-        return {tuple(p): self.read_kv(p) for p in prompts}
-
-    def kv_violations(self) -> list[str]:
-        """Optional: check *every* cached token's valid copies against ``kv_fingerprint`` at once
-        (faster than reading prompt by prompt). Raise ``NotSupported`` to use ``read_kv``."""
-        raise NotSupported("kv_violations")
-
-    def lock(self, tokens: Sequence[int]) -> int | None:
-        """Match ``tokens`` and lock the device part; a lock id, or None when nothing is on the device."""
-        raise NotSupported("lock")
-
-    def unlock(self, lock_id: int) -> None:
-        raise NotSupported("unlock")
-
-    def held_locks(self) -> list[int]:
-        raise NotSupported("held_locks")
-
-    def pin_host(self, tokens: Sequence[int]) -> int | None:
-        raise NotSupported("pin_host")
-
-    def unpin_host(self, pin_id: int) -> None:
-        raise NotSupported("unpin_host")
-
-    def held_pins(self) -> list[int]:
-        raise NotSupported("held_pins")
-
-    def evict(self, num_tokens: int) -> int:
-        raise NotSupported("evict")
-
-    def evict_host(self, num_tokens: int) -> int:
-        raise NotSupported("evict_host")
-
-    def load_back(self, tokens: Sequence[int]) -> int:
-        raise NotSupported("load_back")
-
-    def backup(self, tokens: Sequence[int]) -> bool | None:
-        """True: backup started; False: refused for lack of room; None: no such device-only node."""
-        raise NotSupported("backup")
-
-    def pending_jobs(self) -> list[JobInfo]:
-        """Jobs in flight (a synchronous cache has none)."""
-        return []
-
-    def complete_job(self, job_id: int) -> None:
-        raise NotSupported("complete_job")
-
-    def fail_job(self, job_id: int) -> None:
-        raise NotSupported("fail_job")
-
-    def finished_jobs(self) -> list[int]:
-        """Ids of jobs already completed or failed (candidates for ``redeliver``)."""
-        return []
-
-    def redeliver(self, job_id: int) -> None:
-        """Deliver a finished job's acknowledgement again; a correct cache raises ``Rejected``."""
-        raise NotSupported("redeliver")
-
-    def poll(self) -> None:
-        """One engine step with nothing else to do (flush queued work)."""
-
-    def prefetch(self, tokens: Sequence[int]) -> Hashable | None:
-        """Start prefetching ``tokens`` from storage; a request id, or None when not admitted."""
-        raise NotSupported("prefetch")
-
-    def prefetching(self) -> list[JobInfo]:
-        """Prefetches in flight (``id``: the request; ``detail``: its tokens)."""
-        return []
-
-    def prefetch_ready(self, request: Hashable) -> bool:
-        """Poll a prefetch like a scheduler step: True once it ended (then it leaves ``prefetching``)."""
-        raise NotSupported("prefetch_ready")
-
-    def abort(self, request: Hashable) -> None:
-        """The request was aborted mid-prefetch; it leaves ``prefetching``."""
-        raise NotSupported("abort")
-
-    def storage_fault(self, fault: StorageFault) -> None:
-        raise NotSupported("storage_fault")
-
-    def storage_steps(self) -> list:
-        """Queued storage work the driver may run (objects with an ``id``); empty when none."""
-        return []
-
-    def stored_prefix(self, tokens: Sequence[int]) -> int:
-        """How many leading tokens of ``tokens`` the storage tier holds (no side effects)."""
-        raise NotSupported("stored_prefix")
-
-    def store_remote(self, tokens: Sequence[int]) -> int:
-        """Another cache sharing the storage tier stores the KV of ``tokens`` there -> tokens written."""
-        raise NotSupported("store_remote")
-
-    def complete_storage(self, step_id: Hashable) -> None:
-        """Run one queued storage step (hit query, transfer, backup) now."""
-        raise NotSupported("complete_storage")
-
-    def fail_storage(self, step_id: Hashable) -> None:
-        """Run one queued storage step with its backend call failing."""
-        raise NotSupported("fail_storage")
-
-    def occupancy(self) -> Occupancy:
-        raise NotSupported("occupancy")
-
-    def snapshot(self) -> Any:
-        """A comparable picture of the whole cache (checks that a rejected call changed nothing)."""
-        raise NotSupported("snapshot")
-
-    def state_key(self) -> Hashable:
-        """A canonical, hashable abstraction of the state (the explorer's visited set)."""
-        raise NotSupported("state_key")
-
-    def size(self) -> int:
-        """Number of entries (tree nodes); the explorer bounds it."""
-        raise NotSupported("size")
-
-    def machines(self) -> list:
-        """Compiled state machines to listen to (coverage)."""
-        return []
-
-    def prompt_steps(self, prompt: tuple[int, ...]) -> list:
-        """The explorer's extra steps on ``prompt`` for operations of this cache only (``checks.Step``)."""
-        return []
-
-    def extra_steps(self) -> list:
-        """The explorer's extra steps that take no prompt (``checks.Step``), tried in every state."""
-        return []
-
-    def applicable(self, op: str, args: tuple) -> bool:
-        """False only when running ``op(*args)`` now surely changes nothing, or has exactly the
-        effect of another step the explorer also tries (it skips the clone). Default: True."""
-        return True
-
-    def clone(self) -> CacheAdapter:
-        """An independent copy (the explorer forks states); deep copy by default."""
-        return copy.deepcopy(self)
-
-    def close(self) -> None:
-        pass
-
-    def describe(self) -> str:
-        return self.name
-
-
-# =========================================================================== HiCache
 
 
 @functools.cache
@@ -372,186 +57,6 @@ def _residency_spec():
 
     return load_builtin("residency")
 
-
-def _fork_allocator(alloc, memo: dict):
-    if id(alloc) not in memo:
-        memo[id(alloc)] = alloc.fork()
-    return memo[id(alloc)]
-
-
-def _remake_views(pool, base, kv) -> None:
-    """Point ``pool.kv`` at ``kv`` and re-make every other tensor attribute that viewed ``base``."""
-    d = pool.__dict__
-    for name, value in list(d.items()):
-        if name == "kv" or type(value) is not torch.Tensor:
-            continue
-        if value._base is base:
-            d[name] = kv.as_strided(value.size(), value.stride(), value.storage_offset())
-        elif name != "kv":
-            d[name] = value.clone()
-    d["kv"] = kv
-
-
-def _fork_pool(pool, memo: dict, share_kv: bool = False):
-    """Copy a KV pool (buffer cloned, views re-made), or share its buffer until ``own_kv``."""
-    if pool is None:
-        return None
-    if id(pool) in memo:
-        return memo[id(pool)]
-    new = object.__new__(type(pool))
-    d = new.__dict__
-    d.update(pool.__dict__)
-    if not share_kv:
-        _remake_views(new, pool.kv, pool.kv.clone())
-    alloc = d.get("allocator")
-    if alloc is not None:
-        d["allocator"] = _fork_allocator(alloc, memo)
-    memo[id(pool)] = new
-    return new
-
-
-def own_kv(*pools) -> None:
-    """Give each pool a private copy of its KV buffer (after a fork that shared it)."""
-    for pool in pools:
-        if pool is not None:
-            _remake_views(pool, pool.kv, pool.kv.clone())
-
-
-_COPIERS: dict[type, Callable] = {}
-
-
-def _node_copier(cls: type) -> Callable:
-    """A generated function copying every slot of a ``cls`` instance (about 5x a getattr loop)."""
-    fn = _COPIERS.get(cls)
-    if fn is None:
-        slots = [s for c in cls.__mro__ for s in getattr(c, "__slots__", ()) if s != "__weakref__"]
-        body = "\n".join(f"    m.{s} = n.{s}" for s in slots) or "    pass"
-        ns: dict = {"new": object.__new__, "cls": cls}
-        exec(f"def copy_node(n):\n    m = new(cls)\n{body}\n    return m\n", ns)  # noqa: S102 - our own slot names
-        fn = _COPIERS[cls] = ns["copy_node"]
-    return fn
-
-
-def _copy_tree_node(node):
-    m = _node_copier(type(node))(node)
-    m.pending_jobs = set(node.pending_jobs)
-    if node.cp_meta is not None:
-        m.cp_meta = copy.deepcopy(node.cp_meta)
-    return m
-
-
-def _fork_tree(tree, memo: dict):
-    return tree.fork(_copy_tree_node, memo)
-
-
-def _fork_manual_executor(ex, memo: dict):
-    """Copy a ``ManualExecutor``: its pending copies are re-pointed at the copied pools."""
-    ps = object.__new__(type(ex.pools))
-    ps.__dict__.update({k: _fork_pool(v, memo) for k, v in ex.pools.__dict__.items()})
-    new = ex.fork(ps, lambda c: attrs.evolve(c, device_pool=memo[id(c.device_pool)],
-                                             host_pool=memo[id(c.host_pool)]))
-    memo[id(ex)] = new
-    return new
-
-
-_ATOMIC = (int, float, str, bool, type(None), bytes)
-# HiCache attributes that never change after construction (shared by forks)
-_SHARED_ATTRS = ("config", "residency", "residency_registry", "_offsets")
-
-
-def fork_cache(cache, memo: dict | None = None, share_kv: bool = False):
-    """An independent copy of a ``HiCache`` driven by a ``ManualExecutor``, in ~100-200 us.
-
-    The heavy parts are copied structurally: KV buffers (views re-made on the
-    copy), allocators, the tree and the executor's pending jobs. What never
-    changes is shared: config, compiled machine, frozen jobs and batches, and
-    the slot-index tensors nodes hold (never written in place). The
-    controller's parts fork themselves (``driver.fork``, ``outbox.fork``;
-    eviction's candidate sets are rebuilt from the copied tree), and every
-    other attribute is deep-copied with the same memo, so references to
-    nodes, pools, the executor or the cache itself land on the copies, and a
-    field added to ``HiCache`` later is still copied.
-    """
-    from hicache_fsm.eviction import Eviction
-    from hicache_fsm.executors import ManualExecutor
-    from hicache_fsm.load_back import LoadBacks
-
-    memo = {} if memo is None else memo
-    if not isinstance(cache.executor, ManualExecutor):
-        raise NotSupported("fork needs a ManualExecutor (nothing may run behind the explorer's back)")
-    from hicache_fsm.testing.storage import ManualStorageTier, fork_tier
-
-    storage = getattr(cache, "storage", None)
-    if storage is not None and not isinstance(storage, ManualStorageTier):
-        raise NotSupported("fork of a cache whose storage tier runs threads (use ManualStorageTier)")
-    if getattr(cache, "cp", None) is not None or (storage is None and cache.registered_runtimes):
-        raise NotSupported("fork of a cache with CP or other registered runtimes is not implemented yet")
-    new = object.__new__(type(cache))
-    memo[id(cache)] = new
-    d = new.__dict__
-    d.update({k: v for k, v in cache.__dict__.items() if type(v) in _ATOMIC or k in _SHARED_ATTRS})
-    for name in _SHARED_ATTRS:
-        if name in cache.__dict__:
-            memo[id(cache.__dict__[name])] = cache.__dict__[name]
-    ex = cache.executor
-    outbox = cache.outbox
-    for job in itertools.chain(outbox.pending_jobs(), outbox.queued_jobs(), ex.pending_jobs()):
-        memo[id(job)] = job
-    for batch in ex.submitted:
-        memo[id(batch)] = batch
-    for name in ("device_pool", "host_pool", "draft_device_pool", "draft_host_pool"):
-        d[name] = _fork_pool(getattr(cache, name), memo, share_kv)
-    d["executor"] = _fork_manual_executor(ex, memo)
-    d["tree"] = _fork_tree(cache.tree, memo)
-    d["driver"] = cache.driver.fork(new)
-    d["outbox"] = outbox.fork(new, memo, lambda h: _fork_handle(h, memo, new))
-    d["loads"] = LoadBacks(new)
-    d["eviction"] = Eviction(new)
-    d["engine_pages"] = set(cache.engine_pages)
-    d["counters"] = Counter(cache.counters)
-    if storage is not None:
-        d["storage"] = fork_tier(storage, memo, new)
-    for name, value in cache.__dict__.items():
-        if name not in d:
-            d[name] = _copy_value(value, memo)
-    new.eviction.rebuild()
-    if storage is not None:  # the tier registered its slot owners and invariants: re-bind them to the copy
-        new.unregister_runtimes()
-        new.register_host_owner(new.storage.runtime.host_owners)
-        new.register_invariants(new.storage.violations)
-    return new
-
-
-def _fork_handle(handle, memo: dict, cache):
-    """Copy a ``LoadHandle``: re-point it at the forked cache and executor, keep its dependencies."""
-    from hicache_fsm.executors import ManualWait
-
-    if id(handle) in memo:
-        return memo[id(handle)]
-    wait = handle.bound_wait
-    if isinstance(wait, ManualWait):
-        wait = ManualWait(cache.executor, wait.job_ids, wait.layers, wait.load)
-    deps = tuple(_fork_handle(h, memo, cache) for h in handle.deps)
-    new = memo[id(handle)] = handle.replica(cache, deps, wait)
-    return new
-
-
-def _copy_value(value, memo: dict):
-    """Deep copy, with fast paths for atoms, containers of atoms and attrs records of them."""
-    if isinstance(value, _ATOMIC):
-        return value
-    if id(value) in memo:
-        return memo[id(value)]
-    t = type(value)
-    if t in (set, frozenset, list, tuple) and all(isinstance(v, _ATOMIC) for v in value):
-        return t(value)
-    if t in (dict, Counter) and all(isinstance(v, _ATOMIC) for v in value.values()):
-        return t(value)
-    if attrs.has(t) and not getattr(t, "__attrs_frozen__", False) is True:
-        fields = attrs.fields(t)
-        if all(f.init for f in fields):
-            return t(**{f.name: _copy_value(getattr(value, f.name), memo) for f in fields})
-    return copy.deepcopy(value, memo)
 
 
 class HiCacheAdapter(CacheAdapter):
@@ -659,7 +164,7 @@ class HiCacheAdapter(CacheAdapter):
         if idx is None:
             self.cache.flush()
             return False
-        k, v = _encoded(tokens, self.layers)
+        k, v = encoded(tokens, self.layers)
         self._own_kv()
         self._kv_writes += 1
         self.device_pool.write(idx, None, k, v)
@@ -842,7 +347,7 @@ class HiCacheAdapter(CacheAdapter):
             return 0
         ps = self.page_size
         scratch = HostKVPool(self.host_pool.shape, len(tokens), ps, self.host_pool.layout, pin_memory=False)
-        k, v = _encoded(tokens, self.layers)
+        k, v = encoded(tokens, self.layers)
         scratch.write(torch.arange(len(tokens)), k, v)
         values = [scratch.read_page(p).numpy().tobytes() for p in range(len(tokens) // ps)]
         stored = self.backend.inner.batch_set(page_keys(tokens, ps, None), values, page_format_of(scratch))
@@ -995,7 +500,7 @@ class HiCacheAdapter(CacheAdapter):
                 stack.append((child, before + child.key))
             if node.parent is None:
                 continue
-            want = _prefix_fingerprints(before)[-node.num_tokens:]
+            want = prefix_fingerprints(before)[-node.num_tokens:]
             state = node.state
             for tier, fps, idx, valid in (
                 ("device", dev_fp, node.device_indices, state in ON_DEVICE and state not in LOADING),
@@ -1107,80 +612,20 @@ class HiCacheAdapter(CacheAdapter):
             return self.stored_prefix(args[0]) < len(self._aligned(args[0]))
         return True  # evictions always run: what is evictable is the code under test
 
+    def key_fields(self) -> dict:
+        """The named fields of the state key (``testing.statekey``), before token renaming."""
+        from hicache_fsm.testing.statekey import adapter_key_fields
+
+        return adapter_key_fields(self, self._pool_lists())
+
     def state_key(self) -> Hashable:
-        """Canonical state (see ``explorer``): prefixes, not ids; eviction rank, not clocks; token ids
-        up to renaming (two caches that differ only by a permutation of token ids share a key)."""
-        cache = self.cache
-        tree = cache.tree
-        sort_key = cache.eviction.sort_key
-        nodes = [n for n in tree.nodes() if n.parent is not None]
-        prefix: dict[int, tuple] = {tree.root.id: ()}
-        stack = [tree.root]
-        while stack:
-            p = stack.pop()
-            base = prefix[p.id]
-            for c in p.children.values():
-                prefix[c.id] = base + c.key
-                stack.append(c)
-        orphan = (-1,)
-        pre = {n.id: prefix.get(n.id, orphan + (n.id,)) for n in nodes}
-        pending = cache.pending_jobs()
-        kinds = {j.id: j.kind.value for j in pending}
-        outbox = {j.id for j in cache.outbox.queued_jobs()}
-        # hit counts matter to a policy that reads them: the selective threshold, LFU order
-        if cache.config.write_policy == "write_through_selective":
-            cap = max(1, cache.config.write_through_threshold)
-        elif cache.config.eviction_policy == "lfu" or self.track_hits:
-            cap = 1
-        else:
-            cap = 0
-        ranked = sorted(nodes, key=sort_key)
-        rows = [
-            (pre[n.id], n.state, n.lock_ref, n.host_ref, min(n.hit_count, cap), r,
-             tuple(sorted((kinds.get(j, "?"), j in outbox) for j in n.pending_jobs)) if n.pending_jobs else ())
-            for r, n in enumerate(ranked)
-        ]
-        jobs = [(j.kind.value, j.id in outbox, tuple(pre.get(i, orphan + (i,)) for i in j.node_ids)) for j in pending]
-        locks = [pre.get(n.id, orphan + (n.id,)) for n in self._locks.values()]
-        pins = [(pre.get(n.id, orphan + (n.id,)), start) for n, _, start in self._pins.values()]
-        # concrete facts the structure above does not imply, so a leak or a stray job makes a new state
-        extra = (len(cache.engine_pages), self.device_pool.allocator.free_pages, self.host_pool.allocator.free_pages,
-                 len(self.executor.pending_job_ids()), len(pending))
-        alphabet = sorted({t for n in nodes for t in n.key})
-        renamings: list[dict | None] = [None]
-        if cache.storage is not None:  # storage keys hash token ids: no renaming, the tier's state as is
-            from hicache_fsm.testing.storage import tier_state_key
+        """Canonical state (``testing.statekey``): everything that can change what happens next, node ids
+        dropped, token ids up to renaming (two caches that differ only by a permutation share a key)."""
+        from hicache_fsm.testing.statekey import key_of
 
-            extra = extra + (tuple(self._requests.values()), tier_state_key(
-                cache.storage, lambda n: () if n.is_root else pre.get(n.id, orphan + (n.id,)), list(self._requests)))
-        elif self.symmetric and 1 < len(alphabet) <= 4:
-            renamings = [dict(zip(alphabet, p)) for p in itertools.permutations(alphabet)]
-        best = None
-        for m in renamings:
-            if m is None:
-                f = _same
-            else:
-                f = functools.partial(_rename, m)
-            key = (
-                tuple(sorted((f(r[0]),) + r[1:] for r in rows)),
-                tuple(sorted((k, o, tuple(sorted(map(f, ns)))) for k, o, ns in jobs)),
-                tuple(sorted(map(f, locks))),
-                tuple(sorted((f(p), start) for p, start in pins)),
-                extra,
-            )
-            if best is None or key < best:
-                best = key
-        return best
-
-
-def _same(prefix: tuple) -> tuple:
-    return prefix
-
-
-def _rename(mapping: dict, prefix: tuple) -> tuple:
-    if prefix and prefix[0] < 0:  # an orphan's placeholder
-        return prefix
-    return tuple([mapping[t] for t in prefix])
+        fields = self.key_fields()
+        alphabet = sorted({t for n in self.cache.tree.nodes() for t in n.key})
+        return key_of(fields, alphabet, self.symmetric)
 
 
 LOADING_STATES = frozenset({"loading", "loading_storing", "loading_stored"})

@@ -80,6 +80,11 @@ class Bounds:
     evictions of 1..``device_pages`` / 1..``host_pages`` pages. ``track_hits``
     keeps "was this node ever hit" in the state key even when the policy does
     not read hit counts (LRU, not selective), to explore hit-count bookkeeping.
+    ``max_depth``: every state within this many steps of the empty cache is reached and checked,
+    those at the bound are not expanded (a model bound: the run is still *complete* when the
+    frontier within it ran dry). ``max_states`` stops the search early (then it is incomplete).
+    ``max_seconds`` is a safety stop only: a run it stops is incomplete and ``check`` fails, so no
+    verdict depends on the clock.
     ``storage`` attaches an L3 tier run step by step (``ManualStorageTier`` over ``memory://``):
     then every prompt may also be prefetched or stored by another instance (``store_remote``),
     each running prefetch (at most ``max_prefetches``) polled or aborted, and each queued storage
@@ -102,6 +107,7 @@ class Bounds:
     storage: bool = False
     stop_policy: str = "best_effort"
     max_prefetches: int = 1
+    max_depth: int | None = None
     max_states: int | None = None
     max_seconds: float | None = None
 
@@ -170,6 +176,7 @@ class ExploreResult:
     max_depth: int = 0
     seconds: float = 0.0
     complete: bool = False
+    stopped_by: str = ""  # "", "max_states", "max_seconds" or "violation": why the frontier was left
     violations: list[Violation] = attrs.Factory(list)
     coverage: dict = attrs.Factory(dict)
 
@@ -186,7 +193,7 @@ class ExploreResult:
             "pruned": self.pruned,
             "max_depth": self.max_depth,
             "complete": self.complete,
-            "seconds": round(self.seconds, 3),
+            "stopped_by": self.stopped_by,
             "violations": len(self.violations),
             "counterexamples": [v.to_json() for v in self.violations],
             "coverage": self.coverage,
@@ -354,18 +361,22 @@ class Explorer:
                         stop = True
                         break
                     continue
-                if not too_big:
+                result.max_depth = max(result.max_depth, depth + 1)
+                if not too_big and (b.max_depth is None or depth + 1 < b.max_depth):
                     queue.append((child, ckey, depth + 1))
-                    result.max_depth = max(result.max_depth, depth + 1)
             now = time.perf_counter()
             if self.progress is not None and now - last >= self.progress_every:
                 last = now
                 print(f"explore: {len(parents)} states, {result.transitions} transitions, frontier {len(queue)}, "
                       f"depth {depth}, {now - t0:.1f}s", file=self.progress, flush=True)
             if b.max_states is not None and len(parents) >= b.max_states:
+                result.stopped_by = "max_states"
                 break
             if b.max_seconds is not None and now - t0 >= b.max_seconds:
+                result.stopped_by = "max_seconds"
                 break
+        if stop:
+            result.stopped_by = "violation"
         return self._finish(result, t0, len(parents), not queue and not stop)
 
     def _finish(self, result: ExploreResult, t0: float, states: int, complete: bool) -> ExploreResult:

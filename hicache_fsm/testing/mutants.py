@@ -445,6 +445,23 @@ def _short_inserted(p: Patcher) -> None:
     p.setattr(PrefetchRuntime, "insert_fetched", insert_fetched)
 
 
+@_mutant("prefetch_short_counted_complete",
+         "prefetch transfer counted complete when it landed one page short", storage=True)
+def _short_counted_complete(p: Patcher) -> None:
+    """A batch that came back one page short is counted (landed and completed) as whole: the missing page's
+    slot, never written, is inserted at stop. Only the slot's contents tell this state from a good one."""
+    StorageTier = _tier().StorageTier
+    orig = StorageTier.batch_landed
+
+    def batch_landed(self, op, tokens, short, error):
+        if short and op.state == "transferring" and op.landed_tokens + self.page_size <= op.hit_tokens:
+            op.landed_tokens += self.page_size
+            return orig(self, op, tokens + self.page_size, False, "")
+        return orig(self, op, tokens, short, error)
+
+    p.setattr(StorageTier, "batch_landed", batch_landed)
+
+
 @_mutant("anchor_unpinned_twice", "prefetch anchor unpinned twice (by the abort handler and by release)",
          storage=True)
 def _anchor_twice(p: Patcher) -> None:
@@ -550,6 +567,23 @@ def _lock_leak(p: Patcher) -> None:
         return out
 
     p.setattr(Outbox, "apply", apply)
+
+
+@_mutant("lock_leak_on_refused_load_back", "lock leaked when a load-back is refused for lack of device room")
+def _refused_load_back_keeps_lock(p: Patcher) -> None:
+    """The chain is locked for the load before device room is found; the refusal path never unlocks it."""
+    HiCache = _cache().HiCache
+    orig = HiCache.load_back
+
+    def load_back(self, node):
+        refused = self.counters["load_back_device_full"]
+        lb = orig(self, node)
+        if lb is None and self.counters["load_back_device_full"] > refused and self.tree.owns(node):
+            for n in self.tree.path_to_root(node):
+                n.lock_ref += 1
+        return lb
+
+    p.setattr(HiCache, "load_back", load_back)
 
 
 def _layer_write():

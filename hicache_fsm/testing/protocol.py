@@ -22,7 +22,7 @@ they arrived, ``no_transfer_while_detached``) come from the cache itself.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -123,11 +123,20 @@ class ProtocolAdapter(HiCacheAdapter):
         self._loads.append((got, tuple(prefix), int(got.numel())))
         return int(got.numel())
 
-    def _load_violations(self) -> list[str]:
-        """Acknowledged loads read back, through the slots the engine was handed, what was written."""
+    def _loading_slots(self) -> set[int]:
         from hicache_fsm.bindings.residency import LOADING
 
-        loading = {i for n in self.cache.tree.nodes() if n.state in LOADING for i in n.device_indices.tolist()}
+        return {i for n in self.cache.tree.nodes() if n.state in LOADING for i in n.device_indices.tolist()}
+
+    def watched_loads(self) -> list[tuple[torch.Tensor, tuple[int, ...], int]]:
+        """Load-backs still in flight, whose slots are read back once acknowledged (the state key has them;
+        the others are checked in the state they ended in and forgotten)."""
+        loading = self._loading_slots()
+        return [load for load in self._loads if any(i in loading for i in load[0].tolist())]
+
+    def _load_violations(self) -> list[str]:
+        """Acknowledged loads read back, through the slots the engine was handed, what was written."""
+        loading = self._loading_slots()
         problems, keep = [], []
         dev_fp = self._pool_lists()[0]
         for slots, prefix, n in self._loads:
@@ -201,6 +210,21 @@ class ProtocolAdapter(HiCacheAdapter):
         finally:  # a step that read nothing leaves no fault behind
             self.faults.armed = [e for e in self.faults.armed if any(e is a for a in armed)]
 
+    def time_passes(self) -> None:
+        """The prefetch timeout of every running prefetch expires (the tier's clock is the explorer's:
+        time moves only by this step, so no verdict depends on how fast the machine runs)."""
+        tier = self.cache.storage
+        tier.advance(tier.options.timeout_max + 1.0)
+        self.cache.poll()
+
+    def extra_steps(self) -> list:
+        from hicache_fsm.testing.checks import Step
+
+        tier = self.cache.storage
+        if tier is None or tier.options.stop_policy != "timeout" or not self.prefetching():
+            return []
+        return [Step("time_passes")]
+
     def applicable(self, op: str, args: tuple) -> bool:
         if op == "partial_storage":  # only a transfer reads pages
             steps = self.storage_steps()
@@ -211,11 +235,6 @@ class ProtocolAdapter(HiCacheAdapter):
         if op == "detach_storage":  # detached: a no-op detach (the spec's self-loop)
             return self.cache.storage.link.state in ("attached", "detached")
         return super().applicable(op, args)
-
-    def state_key(self) -> Hashable:
-        key = super().state_key()
-        tier = self.cache.storage
-        return key if tier is None else (key, tier.link.state)
 
     # ------------------------------------------------------------------ invariants
 
@@ -271,26 +290,48 @@ def families_for(variant: dict) -> list[tuple[str, Any, Any]]:
 def default_families() -> list[tuple[str, Any, Any]]:
     """What ``hicache-fsm check`` explores with no flags: (name, ``Bounds``, factory) per family.
 
-    Each family is explored breadth first up to a state budget
-    (``Bounds.max_states``: the same states on every machine, so the coverage
-    and the counterexamples are reproducible) under a time cap
-    (``Bounds.max_seconds``: 100 s in all, about 60 s spent on two busy cores); together
-    they reach every state of ``residency``, ``prefetch``, ``storage_link`` and
-    ``layer_write``.
+    Each family is explored breadth first to its depth bound (``Bounds.max_depth``, a model bound:
+    every state within that many steps of the empty cache is reached and checked), so every run is
+    complete and gives the same states, coverage and verdict on any machine; no clock is read.
+    Together they reach every state of ``residency``, ``prefetch``, ``storage_link`` and
+    ``layer_write`` (``check --json`` lists the transitions that stay unreached, with the reason).
     """
     from hicache_fsm.testing.explorer import Bounds
 
-    memory = [(f"memory/{w}", Bounds(nodes=2, device_pages=2, host_pages=2, write_policy=w, max_states=800,
-                                     max_seconds=7), protocol_factory)
-              for w in ("write_through", "write_back", "write_through_selective", "write_behind")]
+    memory = [(f"memory/{w}", Bounds(nodes=2, device_pages=2, host_pages=2, write_policy=w, max_depth=d),
+               protocol_factory)
+              for w, d in (("write_through", 5), ("write_back", 6), ("write_through_selective", 4),
+                           ("write_behind", 6))]
     # best_effort with two-page prompts (a cached prefix anchors a prefetch); the other stop policies with
     # one-page prompts on a one-page device, where every storage state is a few steps deep
     storage = [(f"storage/{p}", Bounds(nodes=2, device_pages=d, host_pages=2, alphabet=1, max_len=d, max_locks=0,
                                         max_pins=0, redeliver=False, storage=True, stop_policy=p,
-                                        write_policy=w, max_states=700, max_seconds=16), protocol_factory)
-               for p, w, d in (("best_effort", "write_through", 2), ("wait_complete", "write_back", 1),
-                               ("timeout", "write_through", 1))]
+                                        write_policy=w, max_depth=depth), protocol_factory)
+               for p, w, d, depth in (("best_effort", "write_through", 2, 4), ("wait_complete", "write_back", 1, 6),
+                                      ("timeout", "write_through", 1, 6))]
     cp = [(f"cp/{n}_ranks", Bounds(nodes=2, device_pages=2, host_pages=h, alphabet=1, max_len=2, redeliver=False,
-                                   write_policy="write_back", max_states=s, max_seconds=12), cp_factory(n))
-          for n, h, s in ((1, 3, 250), (2, 3, 350))]  # a rank's host pool outgrows its device share
+                                   write_policy="write_back", max_depth=depth), cp_factory(n))
+          for n, h, depth in ((1, 3, 6), (2, 3, 5))]  # a rank's host pool outgrows its device share
     return memory + storage + cp
+
+
+# Why each transition the default families never fire stays unfired (``check --json``: ``"unreached"``).
+UNREACHED_REASONS: dict[str, dict[str, str]] = {
+    "layer_write": {
+        "idle --reserve--> failed": "beyond the cp families' depth bound: a refused reservation needs the rank's "
+                                    "host pool full of written nodes first",
+        "reserved --submit_layer--> all_submitted": "needs a write of one layer in all; the cp families write "
+                                                    "two target layers and one draft layer",
+    },
+    "prefetch": {
+        "failed --abort--> aborted": "the tier releases a failed prefetch at the next poll, before an abort can "
+                                     "reach it (abort_prefetch drains first)",
+        "querying --abort--> aborted": "with a manual storage tier 'querying' lasts only while a query step runs; "
+                                       "between steps the op is admitted or past its query",
+        "querying --stop--> terminated": "as above: no step boundary falls inside 'querying'",
+        "revoked --abort--> aborted": "a revoked prefetch is released at the next poll, before an abort",
+        "terminated --abort--> aborted": "a terminated prefetch is released at the next poll, before an abort",
+        "transferring --batch_done--> transferring": "needs a transfer of more than one batch (batch_pages=2); "
+                                                     "the storage families fetch at most two pages",
+    },
+}

@@ -34,7 +34,7 @@ from hicache_fsm.storage.tier import StorageTier
 
 if TYPE_CHECKING:  # pragma: no cover
     from hicache_fsm.cache import HiCache
-    from hicache_fsm.testing.adapter import StorageFault
+    from hicache_fsm.testing.interface import StorageFault
 
 __all__ = ["CALL_METHODS", "FaultPlan", "ManualStorageTier", "StorageStep", "to_backend_fault"]
 
@@ -71,6 +71,23 @@ class ManualStorageTier(StorageTier):
 
     def start_workers(self) -> None:
         self.link.stop_event = threading.Event()  # what the threads would get: a fresh one per attach
+        self.use_manual_clock()
+
+    # ------------------------------------------------------------------ time, as a step
+
+    def use_manual_clock(self) -> None:
+        """Prefetch timeouts read ``seconds`` (moved by ``advance`` only), never the wall clock, so an
+        exploration's verdict does not depend on how fast the machine runs it."""
+        if not hasattr(self, "seconds"):
+            self.seconds = 0.0
+        self.runtime.clock = self.manual_now
+
+    def manual_now(self) -> float:
+        return self.seconds
+
+    def advance(self, seconds: float) -> None:
+        """Time passes for the prefetch timeouts (``stop_policy: timeout``)."""
+        self.seconds += seconds
 
     # ------------------------------------------------------------------ the queue, as steps
 
@@ -206,7 +223,9 @@ def fork_tier(tier: ManualStorageTier, memo: dict, cache: Any) -> ManualStorageT
     """Copy a manual storage tier onto the forked ``cache`` (whose nodes and jobs are in ``memo``)."""
     if not isinstance(tier, ManualStorageTier):
         raise NotImplementedError("only a ManualStorageTier (no threads) can be forked")
-    return tier.fork(cache, memo)
+    new = tier.fork(cache, memo)
+    new.use_manual_clock()
+    return new
 
 
 def tier_state_key(tier: ManualStorageTier, prefix_of: Any, requests: Sequence[Any]) -> tuple:

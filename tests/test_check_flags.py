@@ -1,0 +1,65 @@
+"""`check` flags: an explicit bound equal to its default still counts, and incomplete runs never pass."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hicache_fsm.cli import build_parser, main
+from hicache_fsm.commands.check import bounds_given
+
+
+@pytest.mark.parametrize("argv, given", [
+    (["check"], False),
+    (["check", "--json"], False),
+    (["check", "--nodes", "3"], True),  # 3 is the default: still an explicit single exploration
+    (["check", "--write-policy", "write_through"], True),
+    (["check", "--track-hits"], True),
+    (["check", "--max-depth", "2"], True),
+])
+def test_an_explicit_bound_flag_selects_one_exploration(argv, given):
+    assert bounds_given(build_parser().parse_args(argv)) is given
+
+
+def test_explicit_default_nodes_runs_one_exploration_to_its_depth(capsys):
+    assert main(["check", "--nodes", "3", "--max-depth", "2", "--json", "--quiet"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert "runs" not in out and out["bounds"]["nodes"] == 3 and out["complete"]
+    assert "seconds" not in out  # the JSON does not depend on the machine
+
+
+def test_a_state_budget_leaves_the_run_incomplete(capsys):
+    assert main(["check", "--nodes", "2", "--max-states", "5", "--quiet"]) == 0
+    assert "INCOMPLETE (state budget 5 spent)" in capsys.readouterr().out
+
+
+def test_the_safety_stop_fails_the_run_loudly(capsys, monkeypatch):
+    from hicache_fsm.testing import explorer
+
+    ticks = iter(range(0, 10**6, 1000))  # a clock that jumps 1000 s per reading: the stop fires at once
+    monkeypatch.setattr(explorer.time, "perf_counter", lambda: float(next(ticks)))
+    assert main(["check", "--nodes", "2", "--max-seconds", "1", "--quiet"]) == 1
+    assert "INCOMPLETE (safety stop: 1s reached)" in capsys.readouterr().out
+
+
+def test_help_says_how_long_write_policy_all_takes(capsys):
+    with pytest.raises(SystemExit):
+        main(["check", "--help"])
+    assert "tens of minutes" in " ".join(capsys.readouterr().out.split())
+
+
+def test_every_explained_unreached_transition_is_a_transition_of_its_spec():
+    from hicache_fsm.spec import load_builtin
+    from hicache_fsm.testing.protocol import UNREACHED_REASONS
+
+    for machine, edges in UNREACHED_REASONS.items():
+        spec = load_builtin(machine)
+        real = {f"{s} --{t.trigger}--> {t.dest}" for t in spec.transitions for s in t.sources}
+        assert set(edges) <= real, set(edges) - real
+        assert all(reason for reason in edges.values())
+
+
+def test_fuzz_reports_the_runs_it_was_asked_for(capsys):
+    assert main(["fuzz", "--examples", "7", "--steps", "5", "--quiet"]) == 0
+    assert "fuzz: 7 runs of up to 5 steps" in capsys.readouterr().out
