@@ -161,6 +161,17 @@ class PageAllocator:
         """Ids of the allocated pages (for invariant checks)."""
         return set(np.flatnonzero(self._allocated).tolist())
 
+    def hand_out_order(self) -> tuple[int, ...]:
+        """The free pages in the order ``alloc`` will hand them out (read only: nothing is merged).
+
+        Model checkers key states on it: two allocators with the same free set but another
+        order give later requests other slots.
+        """
+        free = [int(p) for p in self._free]
+        if self._released:
+            free += sorted(int(p) for p in np.concatenate(self._released))
+        return tuple(free)
+
     def _free_array(self) -> np.ndarray:
         """Every free page id, in allocation order (released pages merged in)."""
         if self._released:

@@ -44,7 +44,6 @@ from collections import Counter
 from collections.abc import Callable, Hashable
 from typing import Any
 
-import numpy as np
 import torch
 
 __all__ = ["KEY_FIELDS", "adapter_key_fields", "describe_difference", "free_order", "key_of", "remember_prefix"]
@@ -63,11 +62,7 @@ def remember_prefix(fingerprint: int, prefix: tuple[int, ...]) -> None:
 
 def free_order(alloc: Any) -> tuple[int, ...]:
     """An allocator's free pages in the order it will hand them out (read only: nothing is merged)."""
-    free = [int(p) for p in alloc._free]
-    released = getattr(alloc, "_released", [])
-    if released:
-        free += sorted(int(p) for p in np.concatenate(released))
-    return tuple(free)
+    return alloc.hand_out_order()
 
 
 def _slot_contents(fingerprints: list[int]) -> tuple:
