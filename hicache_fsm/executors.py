@@ -367,6 +367,11 @@ class ManualExecutor:
         self.submitted: list[JobBatch] = []  # every accepted batch, in order (for tests)
 
     @property
+    def completions_waiting(self) -> int:
+        """Completions reported but not yet taken by ``poll``."""
+        return len(self._queue)
+
+    @property
     def closed(self) -> bool:
         return self._closed
 

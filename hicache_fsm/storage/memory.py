@@ -86,6 +86,11 @@ class MemoryBackend(StorageBackend):
         memo[id(self)] = new
         return new
 
+    def stored_blob(self, skey: str) -> bytes:
+        """The bytes stored under ``skey`` as written (header and checksums included); b"" if absent."""
+        with self._mem.lock:
+            return bytes(self._mem.data.get(skey, b""))
+
     def stored_keys(self) -> list[str]:
         """Storage keys of every page this backend holds, sorted (tests and the explorer's state)."""
         with self._mem.lock:

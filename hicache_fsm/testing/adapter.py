@@ -230,6 +230,10 @@ class HiCacheAdapter(CacheAdapter):
     def held_pins(self) -> list[int]:
         return list(self._pins)
 
+    def engine_holdings(self) -> tuple[list, list, dict[int, tuple[int, ...]]]:
+        """What the engine holds, read only: locked nodes, (pinned node, prefix, start) pins, open prefetch requests."""
+        return list(self._locks.values()), list(self._pins.values()), dict(self._requests)
+
     def evict(self, num_tokens: int) -> int:
         freed = self.cache.evict(num_tokens)
         self.cache.flush()

@@ -111,11 +111,12 @@ def adapter_key_fields(adapter: Any, pool_fingerprints: tuple[list[int], list[in
                 _ids(j.device_indices), j.layer, j.keys, j.draft, _ids(j.draft_host_indices))
 
     jobs = (tuple(job(j) for j in outbox_jobs), tuple(job(j) for j in adapter.executor.pending_jobs()),
-            len(getattr(adapter.executor, "_queue", ())))
+            getattr(adapter.executor, "completions_waiting", 0))
+    locked, pinned, requests = adapter.engine_holdings()
     engine = (tuple(sorted(cache.engine_pages)),
-              tuple(sorted(pre(n.id) for n in adapter._locks.values())),
-              tuple(sorted((pre(n.id), start) for n, _, start in adapter._pins.values())),
-              tuple(adapter._requests.values()),
+              tuple(sorted(pre(n.id) for n in locked)),
+              tuple(sorted((pre(n.id), start) for n, _, start in pinned)),
+              tuple(requests.values()),
               tuple((tuple(s.tolist()), p, n) for s, p, n in (adapter.watched_loads()
                                                                if hasattr(adapter, "watched_loads") else ())))
     fields = {
@@ -139,8 +140,8 @@ def _storage_fields(tier: Any, adapter: Any, pre: Callable, job: Callable) -> tu
     backend = tier.link.backend
     inner = getattr(backend, "inner", backend)
     stored = tuple(sorted(inner.stored_keys())) if inner is not None else ()
-    mem = getattr(inner, "_mem", None)  # a memory:// backend's pages, bytes as stored (checksums included)
-    contents = tuple(bytes(mem.data.get(k, b"")) for k in stored) if mem is not None else ()
+    blob = getattr(inner, "stored_blob", None)  # a memory:// backend's pages, bytes as stored (checksums included)
+    contents = tuple(blob(k) for k in stored) if blob is not None else ()
     plan = getattr(backend, "chooser", None) or adapter.faults
     faults = (tuple((f, skip, left) for f, skip, left in plan.armed), tuple(sorted(plan.corrupted))) \
         if isinstance(plan, FaultPlan) else ()
@@ -165,7 +166,7 @@ def _storage_fields(tier: Any, adapter: Any, pre: Callable, job: Callable) -> tu
         timed_out = rt.clock() - op.start_time > rt.timeout_for(op)
         return tuple((k, value(v)) for k, v in sorted(vars(op).items()) if k not in _OP_SKIP) + (timed_out,)
 
-    requests = list(adapter._requests)
+    requests = list(adapter.engine_holdings()[2])
     active = tuple(op_key(rt.active[r]) if r in rt.active else None for r in requests)
     others = tuple(op_key(op) for r, op in rt.active.items() if r not in requests)
     draining = tuple(op_key(op) for op in rt.draining.values())
