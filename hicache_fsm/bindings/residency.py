@@ -1,8 +1,10 @@
 """Guards, effects and invariants of the ``residency`` machine.
 
-``obj`` is a radix ``TreeNode``; ``ctx`` is the owning ``HiCache``. Effects
-only move slots between a node and the allocators; the transfer itself is the
-job the transition emits, which the cache builds and an executor runs.
+``obj`` is a radix ``TreeNode``; ``ctx`` of guards and effects is a
+``ResidencyContext`` (the allocators and the attached runtimes), and
+invariants get the owning cache. Effects only move slots between a node and
+the allocators; the transfer itself is the job the transition emits, which
+the cache builds and an executor runs.
 """
 
 from __future__ import annotations
@@ -19,6 +21,25 @@ ON_HOST = frozenset(
 )
 LOADING = frozenset({"loading", "loading_storing", "loading_stored"})
 EVICTED = frozenset({"host", "host_storing", "host_stored"}) | LOADING
+
+
+class ResidencyContext:
+    """What residency guards and effects see as ``ctx``: the two allocators and the attached runtimes."""
+
+    __slots__ = ("device_allocator", "host_allocator", "attached")
+
+    def __init__(self, device_allocator, host_allocator, attached) -> None:
+        self.device_allocator = device_allocator
+        self.host_allocator = host_allocator
+        self.attached = attached  # interfaces.Attached: a CP runtime, the storage tier
+
+    @property
+    def cp(self):
+        return self.attached.cp
+
+    @property
+    def storage_attached(self) -> bool:
+        return self.attached.storage_attached()
 
 
 @residency.guard
