@@ -105,11 +105,10 @@ class HiCache(StorageCalls):
     (docs/tensor-parallel.md).
 
     The work is done by four parts, each a public attribute with a small
-    interface (see docs/architecture.md): ``driver`` (``ResidencyDriver``:
-    fires triggers, builds jobs, keeps the tree's shape and the clock),
-    ``eviction`` (``Eviction``: candidate sets, eviction passes, backups),
-    ``loads`` (``LoadBacks``) and ``outbox`` (``Outbox``: pending jobs,
-    flush, completions). The facade validates arguments, then delegates.
+    interface, built by ``compose`` with the collaborators it uses and never
+    the facade (docs/architecture.md): ``driver`` (``ResidencyDriver``),
+    ``eviction`` (``Eviction``), ``loads`` (``LoadBacks``) and ``outbox``
+    (``Outbox``). The facade validates arguments, then delegates.
     """
 
     def __init__(
@@ -158,9 +157,8 @@ class HiCache(StorageCalls):
     def compose(self, driver: ResidencyDriver, outbox: Outbox | None = None) -> None:
         """Build the parts around ``driver`` (and ``outbox``, a fork's copy) from this cache's collaborators.
 
-        The one place that wires the parts: each gets what it uses, never the
-        facade. ``__init__`` calls it, and so does a fork (``testing.adapter.fork_cache``)
-        with the copies of the parts that carry state.
+        The one place that wires the parts: each gets what it uses, never the facade. ``__init__``
+        calls it, and so does a fork (``testing.adapter.fork_cache``) with its copies of both.
         """
         tree, counters, attached = self.tree, self.counters, driver.attached
         if outbox is None:
@@ -510,8 +508,7 @@ class HiCache(StorageCalls):
         return self.eviction.evict(num_tokens)
 
     def executor_can_block(self) -> bool:
-        """Whether waiting on the executor ends (a manual executor waits for a test)."""
-        return executor_can_block(self.executor)
+        return executor_can_block(self.executor)  # a manual executor waits for a test
 
     def evict_node(self, node: TreeNode) -> int:
         """Take one node's KV off the device now; returns the tokens freed.
