@@ -223,7 +223,7 @@ class LayerWriteHost(Protocol):
     counters: Counter[str]
     driver: Driver
     outbox: Jobs
-    loads: Any  # start
+    loads: Loads
     cp: Any
     device_pool: Any
     draft_device_pool: Any
@@ -236,8 +236,6 @@ class LayerWriteHost(Protocol):
     def flush(self) -> None: ...
 
     def evict_host(self, num_tokens: int) -> int: ...
-
-    def load_back(self, node: TreeNode) -> Any: ...
 
     def register_invariants(self, check: Callable[[], list[str]]) -> None: ...
 
