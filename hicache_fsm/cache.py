@@ -43,7 +43,7 @@ import attrs
 import torch
 
 from hicache_fsm.acks import AckAgreement
-from hicache_fsm.bindings.residency import LOADING, ON_HOST
+from hicache_fsm.bindings.residency import LOADING, ON_HOST, ResidencyContext
 from hicache_fsm.config import CacheConfig
 from hicache_fsm.confinement import ThreadOwner
 from hicache_fsm.cp import CPLayout, build_cp_pools
@@ -61,10 +61,11 @@ from hicache_fsm.inspection import (
     HostOwners, InvariantViolation, RuntimeChecks, engine_slot_owner, maintained_set_problems, node_slot_owners,
     snapshot, stats,
 )
-from hicache_fsm.eviction import DEVICE_EVICTABLE, HOST_EVICTABLE, RESIDENT, REVIVABLE, Eviction
+from hicache_fsm.eviction import DEVICE_EVICTABLE, HOST_EVICTABLE, RESIDENT, REVIVABLE, Eviction, executor_can_block
+from hicache_fsm.interfaces import Attached
 from hicache_fsm.jobs import Completion, Executor, TransferJob
 from hicache_fsm.layer_write import LayerWriteRuntime
-from hicache_fsm.load_back import LoadBacks
+from hicache_fsm.load_back import CheckedFlush, LoadBacks
 from hicache_fsm.machine import CompiledMachine, compile_machine
 from hicache_fsm.outbox import JobLedger, Outbox
 from hicache_fsm.radix import RadixTree, TreeNode
@@ -104,11 +105,10 @@ class HiCache(StorageCalls):
     (docs/tensor-parallel.md).
 
     The work is done by four parts, each a public attribute with a small
-    interface (see docs/architecture.md): ``driver`` (``ResidencyDriver``:
-    fires triggers, builds jobs, keeps the tree's shape and the clock),
-    ``eviction`` (``Eviction``: candidate sets, eviction passes, backups),
-    ``loads`` (``LoadBacks``) and ``outbox`` (``Outbox``: pending jobs,
-    flush, completions). The facade validates arguments, then delegates.
+    interface, built by ``compose`` with the collaborators it uses and never
+    the facade (docs/architecture.md): ``driver`` (``ResidencyDriver``),
+    ``eviction`` (``Eviction``), ``loads`` (``LoadBacks``) and ``outbox``
+    (``Outbox``). The facade validates arguments, then delegates.
     """
 
     def __init__(
@@ -138,19 +138,13 @@ class HiCache(StorageCalls):
         self.executor = executor
         machine = dispatcher or compile_machine(load_builtin("residency"))
         self.residency_registry = registry_for("residency")
-        self.tree = RadixTree(self.page_size)
-        self.storage = None  # the storage tier attaches itself here (see hicache_fsm.storage)
-        self.cp = None  # a CP layer-write runtime attaches itself here (see hicache_fsm.layer_write)
+        self.tree = RadixTree(self.page_size)  # cleared in place by reset: every part holds this one
         self.token_bytes = device_pool.shape.token_bytes
         self.counters: Counter[str] = Counter()
-        self.driver = ResidencyDriver(self, machine)
-        self.eviction = Eviction(self)
-        self.loads = LoadBacks(self)
-        self.outbox = Outbox(self)
         # tensor parallelism (hicache_fsm.tp): what one rank observes alone is agreed on before it acts
         self.group = RankGroup.of(group)
         self.agreement = StepAgreement(self.group)
-        self.acks = None if self.group.solo else AckAgreement(self.outbox)
+        self.compose(ResidencyDriver(self.tree, machine, Attached(), draft_host_pool is not None))
         if self.acks is not None:
             self.agreement.register(self.acks)
         self.engine_pages: set[int] = set()  # device pages handed out by alloc_device, not yet inserted or freed
@@ -159,6 +153,29 @@ class HiCache(StorageCalls):
         self.check_candidates = False  # also recompute the eviction candidate sets in invariant_violations
         self.closed = False
         self.thread_owner = ThreadOwner()  # the thread that drives the cache (none yet: the next caller adopts it)
+
+    def compose(self, driver: ResidencyDriver, outbox: Outbox | None = None) -> None:
+        """Build the parts around ``driver`` (and ``outbox``, a fork's copy) from this cache's collaborators.
+
+        The one place that wires the parts: each gets what it uses, never the facade. ``__init__``
+        calls it, and so does a fork (``testing.adapter.fork_cache``) with its copies of both.
+        """
+        tree, counters, attached = self.tree, self.counters, driver.attached
+        if outbox is None:
+            outbox = Outbox(tree, driver, self.executor, attached, counters, self.token_bytes, self.agreement)
+        eviction = Eviction(self.config, tree, driver, outbox, self.executor, self.host_allocator, counters, attached)
+        loads = LoadBacks(self.config, tree, driver, outbox, eviction, self.device_allocator, self.group,
+                          self.draft_host_pool is not None, counters, attached, CheckedFlush(self.check_open, outbox))
+        self.attached, self.driver, self.outbox, self.eviction, self.loads = attached, driver, outbox, eviction, loads
+        self.residency_ctx = ResidencyContext(self.device_allocator, self.host_allocator, attached)
+        self.acks = None if self.group.solo else AckAgreement(outbox)
+        driver.connect(eviction, outbox, self.residency_ctx)
+        outbox.connect(loads, self.acks)
+
+    storage = property(lambda self: self.attached.storage, lambda self, tier: setattr(self.attached, "storage", tier),
+                       doc="The storage tier (L3), once attached (see hicache_fsm.storage).")
+    cp = property(lambda self: self.attached.cp, lambda self, runtime: setattr(self.attached, "cp", runtime),
+                  doc="A CP layer-write runtime, once attached (see hicache_fsm.layer_write).")
 
     @property
     def residency(self) -> CompiledMachine:
@@ -185,7 +202,7 @@ class HiCache(StorageCalls):
 
     @property
     def storage_attached(self) -> bool:
-        return self.storage is not None and self.storage.accepting_backups()
+        return self.attached.storage_attached()
 
     def alloc_device(self, num_tokens: int) -> torch.Tensor | None:
         """Device slots for the engine to compute new KV into.
@@ -493,13 +510,7 @@ class HiCache(StorageCalls):
         return self.eviction.evict(num_tokens)
 
     def executor_can_block(self) -> bool:
-        """Whether waiting on the executor ends (a manual executor waits for a test)."""
-        manual = getattr(self.executor, "manual", None)
-        if manual is None:
-            from hicache_fsm.executors import ManualExecutor
-
-            manual = isinstance(self.executor, ManualExecutor)
-        return not manual
+        return executor_can_block(self.executor)  # a manual executor waits for a test
 
     def evict_node(self, node: TreeNode) -> int:
         """Take one node's KV off the device now; returns the tokens freed.
@@ -702,7 +713,7 @@ class HiCache(StorageCalls):
         self.engine_pages.clear()
         self.device_allocator.reset()
         self.host_allocator.reset()
-        self.tree = RadixTree(self.page_size)
+        self.tree.clear()
         self.driver.forget_walk()
         self.driver.recount()
         self.eviction.rebuild()

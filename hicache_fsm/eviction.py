@@ -29,15 +29,17 @@ come first, and the first node that is not cold ends the pass.
 from __future__ import annotations
 
 import heapq
-from typing import TYPE_CHECKING, Callable
+from collections import Counter
+from typing import TYPE_CHECKING, Any, Callable
 
 from hicache_fsm.bindings.residency import EVICTED, LOADING, ON_DEVICE
 from hicache_fsm.errors import GuardRejected, LockError
 from hicache_fsm.jobs import JobKind
-from hicache_fsm.radix import TreeNode
+from hicache_fsm.radix import RadixTree, TreeNode
 
 if TYPE_CHECKING:
-    from hicache_fsm.interfaces import EvictionHost
+    from hicache_fsm.config import CacheConfig
+    from hicache_fsm.interfaces import Allocator, Attached, Driver, Jobs
 
 DEVICE_EVICTABLE = frozenset({"device", "device_host", "device_host_storing", "device_host_stored"})
 HOST_EVICTABLE = frozenset({"host", "host_stored"})
@@ -58,6 +60,16 @@ def priority_key(node: TreeNode) -> tuple:
 
 
 POLICY_KEYS: dict[str, Callable[[TreeNode], tuple]] = {"lru": lru_key, "lfu": lfu_key, "priority": priority_key}
+
+
+def executor_can_block(executor: Any) -> bool:
+    """Whether waiting on ``executor`` ends (a manual executor waits for a test)."""
+    manual = getattr(executor, "manual", None)
+    if manual is None:
+        from hicache_fsm.executors import ManualExecutor
+
+        manual = isinstance(executor, ManualExecutor)
+    return not manual
 
 
 class CandidateSet:
@@ -159,15 +171,27 @@ class Eviction:
     ``rebuild`` (after reset or a fork); ``is_device_candidate`` /
     ``is_host_candidate`` / ``is_unbacked`` (the from-scratch definitions)
     and ``violations`` (maintained sets == recomputation).
+
+    Built with what it reads and moves: the config, the tree, the driver
+    (every transition) and the outbox (backups waited for), the executor
+    (waited on when it can block), the host allocator, the counters and the attached runtimes (a CP runtime backs up by itself).
     """
 
-    def __init__(self, cache: "EvictionHost") -> None:
-        self.cache = cache
-        self.sort_key = POLICY_KEYS[cache.config.eviction_policy]
+    def __init__(self, config: "CacheConfig", tree: RadixTree, driver: "Driver", outbox: "Jobs", executor: Any,
+                 host_allocator: "Allocator", counters: Counter[str], attached: "Attached") -> None:
+        self.config = config
+        self.tree = tree
+        self.driver = driver
+        self.outbox = outbox
+        self.executor = executor
+        self.host_allocator = host_allocator
+        self.counters = counters
+        self.attached = attached
+        self.sort_key = POLICY_KEYS[config.eviction_policy]
         self.device = CandidateSet(self.sort_key)
         self.host = CandidateSet(self.sort_key)
         # device-only nodes by last access, kept only where write_behind reads them
-        self.unbacked = CandidateSet(lru_key) if cache.config.write_policy == "write_behind" else None
+        self.unbacked = CandidateSet(lru_key) if config.write_policy == "write_behind" else None
 
     # ------------------------------------------------------------------ the definitions (from scratch)
 
@@ -257,7 +281,7 @@ class Eviction:
         self.host.clear()
         if self.unbacked is not None:
             self.unbacked.clear()
-        nodes = list(self.cache.tree.nodes())
+        nodes = list(self.tree.nodes())
         for n in nodes:
             n.resident_children = sum(1 for c in n.children.values() if c.state in RESIDENT)
         for n in nodes:
@@ -266,7 +290,7 @@ class Eviction:
     def violations(self) -> list[str]:
         """The maintained sets and counts against a recomputation from scratch (an invariant)."""
         problems = []
-        nodes = list(self.cache.tree.nodes())
+        nodes = list(self.tree.nodes())
         for n in nodes:
             count = sum(1 for c in n.children.values() if c.state in RESIDENT)
             if n.resident_children != count:
@@ -287,16 +311,16 @@ class Eviction:
 
     def try_backup(self, node: TreeNode) -> bool:
         """Back a device-only node up to host, evicting host KV for room; False if the host stays full."""
-        cache = self.cache
-        if cache.cp is not None:  # CP: owned pages only, copied layer by layer (hicache_fsm.layer_write)
-            return cache.cp.backup(node)
-        host = cache.host_allocator
+        cp = self.attached.cp
+        if cp is not None:  # CP: owned pages only, copied layer by layer (hicache_fsm.layer_write)
+            return cp.backup(node)
+        host = self.host_allocator
         if host.available_tokens < node.num_tokens:
             self.evict_host(node.num_tokens - host.available_tokens)
         try:
-            cache.driver.fire(node, "backup")
+            self.driver.fire(node, "backup")
         except GuardRejected:  # host still full after host eviction
-            cache.counters["backup_host_full"] += 1
+            self.counters["backup_host_full"] += 1
             return False
         return True
 
@@ -307,14 +331,13 @@ class Eviction:
         node still warm, over the remaining budget, or whose backup cannot
         start (host full even after host eviction) ends the pass.
         """
-        cache = self.cache
         unbacked = self.unbacked
         if unbacked is None:
             return
-        idle = cache.config.write_behind_idle_steps
-        budget = cache.config.write_behind_batch_tokens
-        polls = cache.driver.polls
-        counters = cache.counters
+        idle = self.config.write_behind_idle_steps
+        budget = self.config.write_behind_batch_tokens
+        polls = self.driver.polls
+        counters = self.counters
         while True:
             node = unbacked.pop()
             if node is None:
@@ -329,14 +352,14 @@ class Eviction:
 
     def evict(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` device tokens if possible (see ``HiCache.evict``); returns tokens freed."""
-        cache = self.cache
         tried: set[int] = set()
         freed, _ = self.device_pass(num_tokens, tried)
-        outbox = cache.outbox
-        while freed < num_tokens and cache.executor_can_block() and outbox.has_pending(JobKind.D2H):
+        outbox = self.outbox
+        executor = self.executor
+        while freed < num_tokens and executor_can_block(executor) and outbox.has_pending(JobKind.D2H):
             outbox.flush()
-            cache.executor.synchronize()
-            outbox.defer(outbox.apply_agreed(list(cache.executor.poll()))[1])  # failures: reported by the next poll
+            executor.synchronize()
+            outbox.defer(outbox.apply_agreed(list(executor.poll()))[1])  # failures: reported by the next poll
             more, started = self.device_pass(num_tokens - freed, tried)
             freed += more
             if not more and not started:
@@ -350,12 +373,11 @@ class Eviction:
         host-only children) is backed up instead, once per ``tried``; it is
         evicted by a later pass once the copy lands.
         """
-        cache = self.cache
-        driver = cache.driver
-        counters = cache.counters
+        driver = self.driver
+        counters = self.counters
         candidates = self.device
         freed = started = 0
-        keep_unbacked = cache.config.write_policy in ("write_back", "write_behind")
+        keep_unbacked = self.config.write_policy in ("write_back", "write_behind")
         skipped: list[TreeNode] = []
         try:
             while freed < num_tokens:
@@ -389,8 +411,7 @@ class Eviction:
 
     def evict_node(self, node: TreeNode) -> int:
         """Take one live node's KV off the device now (see ``HiCache.evict_node``); returns tokens freed."""
-        cache = self.cache
-        driver = cache.driver
+        driver = self.driver
         if node.lock_ref:
             raise LockError(f"node {node.id} is locked ({node.lock_ref} lock(s)); unlock it before evicting")
         if node.state not in DEVICE_EVICTABLE:
@@ -401,7 +422,7 @@ class Eviction:
         if node.state == "device":
             if node.children:
                 raise GuardRejected("residency", node.state, "drop", f"node {node.id} has host-only children; back it up first")
-            policy = cache.config.write_policy
+            policy = self.config.write_policy
             if policy in ("write_back", "write_behind"):
                 raise GuardRejected("residency", node.state, "drop",
                                     f"node {node.id} is not backed up under {policy}; back it up first")
@@ -409,15 +430,14 @@ class Eviction:
             driver.remove(node)
         else:
             driver.fire(node, "evict_device")
-        cache.counters["evicted_device_tokens"] += node.num_tokens
+        self.counters["evicted_device_tokens"] += node.num_tokens
         return node.num_tokens
 
     # ------------------------------------------------------------------ host eviction
 
     def evict_host(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` host tokens of host candidates, in policy order; returns tokens freed."""
-        cache = self.cache
-        driver = cache.driver
+        driver = self.driver
         candidates = self.host
         freed = 0
         while freed < num_tokens:
@@ -427,5 +447,5 @@ class Eviction:
             freed += node.num_tokens
             driver.fire(node, "evict_host")
             driver.remove(node)
-        cache.counters["evicted_host_tokens"] += freed
+        self.counters["evicted_host_tokens"] += freed
         return freed

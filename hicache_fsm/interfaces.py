@@ -1,15 +1,18 @@
-"""What each part of the controller may use of the cache that composes it, as ``typing.Protocol``s.
+"""The interfaces the controller's parts are built with, and the records that carry them.
 
-The facade (``hicache_fsm.cache.HiCache``) builds the parts and hands each
-one itself, typed as the narrow protocol below: a reader of ``eviction.py``
-sees in ``EvictionHost`` everything eviction may touch, without reading the
-facade, and no part imports the facade (``tests/test_import_graph.py``).
-Siblings are typed by their interfaces here too (``Driver``, ``Jobs``), so
-this module imports no part and a part imports no sibling's class for a type.
+The facade (``hicache_fsm.cache.HiCache``) builds each part with the few
+collaborators it uses, typed by the interfaces here: the driver's
+(``Driver``), the outbox's (``Jobs``), eviction's (``StructureHooks``,
+``Refs``), the load-backs' (``Loads``), an ``Allocator``. No part holds the
+facade, and a part imports no sibling's class for a type, so this module
+imports no part (``tests/test_import_graph.py`` checks both).
 
-The tree, the storage tier and a CP runtime are read through the host on
-every use because they are replaced (``reset`` builds a new tree) or attached
-after construction (``attach_storage``, a ``LayerWriteRuntime``).
+Two things change under the parts after they were built, and each is one
+shared object: the tree (``reset`` clears it in place) and the runtimes that
+attach later (``Attached``: a CP runtime, the storage tier). A runtime that
+attaches later is given its collaborators when it attaches: the storage
+tier a ``TierContext`` read off the cache (``TierHost``), a CP runtime what
+``LayerWriteHost`` names.
 """
 
 from __future__ import annotations
@@ -17,9 +20,10 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any, Callable, Hashable, Iterable, Protocol
 
+import attrs
 import torch
 
-from hicache_fsm.config import CacheConfig
+from hicache_fsm.errors import StorageLinkError
 from hicache_fsm.jobs import Completion, JobKind, TransferJob
 from hicache_fsm.radix import RadixTree, TreeNode
 
@@ -99,73 +103,52 @@ class Allocator(Protocol):
     def free(self, indices: torch.Tensor) -> None: ...
 
 
-class DriverHost(Protocol):
-    """What ``ResidencyDriver`` uses: the tree and who hears of its changes; jobs go to the outbox."""
+class Loads(Protocol):
+    """The load-back part's interface (``load_back.LoadBacks``) as the outbox and CP writes use it."""
 
-    tree: RadixTree
-    eviction: StructureHooks
-    outbox: Jobs
-    cp: Any  # a CP layer-write runtime, or None
-    storage: Any  # the storage tier (keys of H2S jobs), or None
-    draft_host_pool: Any
+    def start(self, nodes: list[TreeNode], handle: Any) -> TransferJob: ...
+
+    def load_failed(self, nodes: list[TreeNode], handle: Any) -> None: ...
 
 
-class EvictionHost(Protocol):
-    """What ``Eviction`` uses: the tree, the driver and outbox, the host allocator, the executor."""
+class Refs(Protocol):
+    """Eviction's interface as a load-back uses it: lock / pin refs of a chain, and a device eviction pass."""
 
-    config: CacheConfig
-    tree: RadixTree
-    counters: Counter[str]
-    driver: Driver
-    outbox: Jobs
-    executor: Any
-    cp: Any
-    host_allocator: Allocator
+    def add_locks(self, nodes: Iterable[TreeNode], delta: int) -> None: ...
 
-    def executor_can_block(self) -> bool: ...
+    def add_pins(self, nodes: Iterable[TreeNode], delta: int) -> None: ...
+
+    def evict(self, num_tokens: int) -> int: ...
 
 
-class LoadHost(Protocol):
-    """What ``LoadBacks`` uses; ``flush`` is what a ``LoadHandle`` calls before its first wait."""
+class Attached:
+    """The runtimes that attach to a cache after its parts were built: a CP layer-write runtime, the storage tier.
 
-    config: CacheConfig
-    tree: RadixTree
-    counters: Counter[str]
-    driver: Driver
-    outbox: Jobs
-    eviction: Any  # add_locks / add_pins / evict
-    cp: Any
-    device_allocator: Allocator
-    group: Any  # tp.RankGroup
-    draft_host_pool: Any
+    One record shared by the facade and the parts that consult a runtime
+    (the driver, eviction, load-backs, the outbox, the residency bindings);
+    ``HiCache.cp`` / ``HiCache.storage`` read and write it, so an attach is
+    seen by every part at once and no part holds the facade to find them.
+    """
 
-    def flush(self) -> None: ...
+    __slots__ = ("cp", "storage")
 
+    def __init__(self, cp: Any = None, storage: Any = None) -> None:
+        self.cp = cp
+        self.storage = storage
 
-class OutboxHost(Protocol):
-    """What ``Outbox`` uses to apply completions: the driver, loads (failed loads), agreement, runtimes."""
-
-    tree: RadixTree
-    counters: Counter[str]
-    driver: Driver
-    loads: Any  # load_failed
-    executor: Any
-    storage: Any
-    cp: Any
-    acks: Any
-    agreement: Any
-    token_bytes: int
-    storage_attached: bool
+    def storage_attached(self) -> bool:
+        """Whether backups to storage may start now (a tier is attached, healthy and open)."""
+        return self.storage is not None and self.storage.accepting_backups()
 
 
 class TierHost(Protocol):
-    """What the storage tier and its prefetch runtime use of the cache they serve."""
+    """What ``TierContext.of`` reads off the cache the storage tier attaches to (once, at attach)."""
 
+    storage: Any  # where ``attach_storage`` puts the tier
     page_size: int
     tree: RadixTree
     driver: Driver
     outbox: Jobs
-    storage: Any
     cp: Any
     group: Any
     agreement: Any
@@ -177,10 +160,6 @@ class TierHost(Protocol):
     def check_open(self) -> None: ...
 
     def complete(self, completion: Completion, *, owner: object = None) -> None: ...
-
-    def pending_jobs(self) -> list[TransferJob]: ...
-
-    def storage_transfers_in_flight(self) -> int: ...
 
     def lock(self, node: TreeNode) -> None: ...
 
@@ -197,15 +176,57 @@ class TierHost(Protocol):
     def register_invariants(self, check: Callable[[], list[str]]) -> None: ...
 
 
+@attrs.frozen
+class TierContext:
+    """Everything the storage tier and its prefetch runtime may use of the cache they serve.
+
+    Built once when the tier attaches (``TierContext.of``); the tier keeps
+    this record, never the cache. The engine-facing calls it makes on the
+    cache's behalf (``complete``, ``lock``, ``pin_host``, ...) are the
+    cache's validated ones, handed over as callables.
+    """
+
+    page_size: int
+    tree: RadixTree
+    driver: Driver
+    outbox: Jobs
+    group: Any  # tp.RankGroup
+    agreement: Any  # tp.StepAgreement
+    host_pool: Any
+    host_allocator: Allocator
+    complete: Callable[..., None]
+    lock: Callable[[TreeNode], None]
+    unlock: Callable[[TreeNode], None]
+    pin_host: Callable[[TreeNode], None]
+    unpin_host: Callable[[TreeNode], None]
+    evict_host: Callable[[int], int]
+    register_host_owner: Callable[[Callable[[], Iterable[tuple[str, torch.Tensor]]]], None]
+    register_invariants: Callable[[Callable[[], list[str]]], None]
+    check_candidates: Callable[[], bool]  # also run the O(N) checks (tests)
+    check_open: Callable[[], None]  # the cache's confinement: WrongThread from a thread that does not drive it
+
+    @classmethod
+    def of(cls, cache: TierHost) -> "TierContext":
+        """The context of ``cache``; ``StorageLinkError`` for a cache storage cannot serve."""
+        if cache.cp is not None:
+            raise StorageLinkError("a context-parallel cache cannot attach storage")
+        if cache.draft_host_pool is not None:
+            raise StorageLinkError("storage of draft-model KV is not supported; detach the draft pools first")
+        return cls(cache.page_size, cache.tree, cache.driver, cache.outbox, cache.group, cache.agreement,
+                   cache.host_pool, cache.host_allocator, cache.complete, cache.lock, cache.unlock, cache.pin_host,
+                   cache.unpin_host, cache.evict_host, cache.register_host_owner, cache.register_invariants,
+                   lambda: cache.check_candidates, cache.check_open)
+
+
 class LayerWriteHost(Protocol):
-    """What a CP ``LayerWriteRuntime`` uses of the cache it attaches to (as ``cache.cp``)."""
+    """What a CP ``LayerWriteRuntime`` reads off the cache it attaches to (as ``cache.cp``), once, at attach."""
 
     page_size: int
     tree: RadixTree
     counters: Counter[str]
     driver: Driver
     outbox: Jobs
-    loads: Any  # start
+    loads: Loads
     cp: Any
     device_pool: Any
     draft_device_pool: Any
@@ -219,10 +240,8 @@ class LayerWriteHost(Protocol):
 
     def evict_host(self, num_tokens: int) -> int: ...
 
-    def load_back(self, node: TreeNode) -> Any: ...
-
     def register_invariants(self, check: Callable[[], list[str]]) -> None: ...
 
 
-__all__ = ["Allocator", "Driver", "DriverHost", "EvictionHost", "Jobs", "LayerWriteHost", "LoadHost",
-           "OutboxHost", "StructureHooks", "TierHost"]
+__all__ = ["Allocator", "Attached", "Driver", "Jobs", "LayerWriteHost", "Loads", "Refs", "StructureHooks",
+           "TierContext", "TierHost"]

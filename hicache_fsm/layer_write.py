@@ -140,7 +140,16 @@ class LayerWriteRuntime:
             raise ConfigError("a CP layer-write runtime needs a cache whose device allocator is a CPPageAllocator")
         if getattr(cache, "cp", None) is not None:
             raise ConfigError("this cache already has a CP runtime attached")
-        self.cache = cache
+        # the collaborators it uses, read off the cache once, at attach (never the cache itself)
+        self.check_open = cache.check_open  # refuses a closed cache or a foreign thread
+        self.flush = cache.flush  # what a CP load's LoadHandle flushes before its first wait
+        self.evict_host = cache.evict_host
+        self.register_invariants = cache.register_invariants
+        self.tree, self.driver, self.outbox, self.loads = cache.tree, cache.driver, cache.outbox, cache.loads
+        self.counters = cache.counters
+        self.device_pool, self.draft_device_pool = cache.device_pool, cache.draft_device_pool
+        self.draft_host_pool, self.host_allocator = cache.draft_host_pool, cache.host_allocator
+        self.device_allocator = allocator
         self.layout: CPLayout = allocator.layout
         self.rank = self.layout.rank
         self.page_size = cache.page_size
@@ -157,17 +166,17 @@ class LayerWriteRuntime:
         self._device_grants: dict[int, torch.Tensor] = {}  # node id -> logical slots load_cp reserved
         self._finished: collections.deque[LayerWrite] = collections.deque(maxlen=history)
         cache.cp = self
-        cache.register_invariants(self.invariant_violations)
+        self.register_invariants(self.invariant_violations)
 
     # ================================================================== allocators
 
     @property
     def draft_host_allocator(self):
-        return self.cache.draft_host_pool.allocator if self.has_draft else None
+        return self.draft_host_pool.allocator if self.has_draft else None
 
     def host_room(self) -> int:
         """Tokens this rank could still reserve (target and draft host together)."""
-        room = self.cache.host_allocator.available_tokens
+        room = self.host_allocator.available_tokens
         if self.has_draft:
             room = min(room, self.draft_host_allocator.available_tokens)
         return room
@@ -179,12 +188,12 @@ class LayerWriteRuntime:
 
     def alloc_owned(self, write: LayerWrite) -> None:
         n = write.owned_tokens
-        host = self.cache.host_allocator.alloc(n)
+        host = self.host_allocator.alloc(n)
         draft = None
         if host is not None and self.has_draft:
             draft = self.draft_host_allocator.alloc(n)
             if draft is None:
-                self.cache.host_allocator.free(host)
+                self.host_allocator.free(host)
                 host = None
         if host is None:  # the guard saw room: an allocator broke its word; nothing is kept
             raise AllocationError(f"host allocator refused {n} slots it reported free (node {write.node.id})")
@@ -193,7 +202,7 @@ class LayerWriteRuntime:
 
     def record_failure(self, write: LayerWrite) -> None:
         write.needed_slots = write.owned_tokens
-        self.cache.counters["cp_reserve_failed"] += 1
+        self.counters["cp_reserve_failed"] += 1
 
     # ---- called by the residency bindings (``cache.cp``)
 
@@ -226,9 +235,8 @@ class LayerWriteRuntime:
         rank owns nothing) or ``failed`` (``needed_slots`` says how many host
         slots it needed; nothing is held, the node stays device-only).
         """
-        cache = self.cache
-        cache.check_open()
-        node = cache.driver.require_node(node)
+        self.check_open()
+        node = self.driver.require_node(node)
         if node.id in self._records or node.cp_meta is not None:
             raise LayerWriteError(f"node {node.id} already has a CP host reservation; a second one is not allowed")
         if node.state != "device":
@@ -253,13 +261,13 @@ class LayerWriteRuntime:
             node.cp_meta = CPNodeMeta(write.page_owners, write.draft_host_indices, self.page_size)
         self._records[node.id] = write
         try:
-            cache.driver.fire(node, "backup", emit=False)
+            self.driver.fire(node, "backup", emit=False)
         except BaseException:
             del self._records[node.id]
-            cache.host_allocator.free(write.host_indices)
+            self.host_allocator.free(write.host_indices)
             self.release_host(node)
             raise
-        cache.counters["cp_reserved"] += 1
+        self.counters["cp_reserved"] += 1
         if write.state == "zero_owned":
             self._final_ack(write)
         return write
@@ -277,7 +285,7 @@ class LayerWriteRuntime:
 
     def submit_layer(self, write: LayerWrite, layer: int, source: str = "target") -> bool:
         """Submit one layer of one write; True if a copy was emitted (False: already in, or nothing to do)."""
-        self.cache.check_open()
+        self.check_open()
         self._check_layer(layer, source)
         if not isinstance(write, LayerWrite):
             raise LayerWriteError(f"expected a LayerWrite, got {type(write).__name__}")
@@ -302,13 +310,13 @@ class LayerWriteRuntime:
         Submits that layer of every pending write; with ``flush`` the copies
         start now, overlapping the next layers. Returns copies emitted.
         """
-        self.cache.check_open()
+        self.check_open()
         self._check_layer(layer, source)
         emitted = 0
         for write in self.pending_writes():
             emitted += self._submit(write, layer, source)
         if emitted and flush:
-            self.cache.flush()
+            self.flush()
         return emitted
 
     def _submit(self, write: LayerWrite, layer: int, source: str) -> bool:
@@ -326,7 +334,7 @@ class LayerWriteRuntime:
         )
         self._job_records[job.id] = write
         write.inflight.add(job.id)
-        self.cache.outbox.emit(job)
+        self.outbox.emit(job)
         return True
 
     # ================================================================== completions
@@ -338,11 +346,11 @@ class LayerWriteRuntime:
             return
         write.inflight.discard(job.id)
         if ok:
-            self.cache.counters["bytes_d2h"] += job.num_tokens * (
-                self.cache.draft_device_pool if job.draft else self.cache.device_pool).shape.token_bytes
+            self.counters["bytes_d2h"] += job.num_tokens * (
+                self.draft_device_pool if job.draft else self.device_pool).shape.token_bytes
         else:
             write.copy_failed = True
-            self.cache.counters["failed_d2h"] += 1
+            self.counters["failed_d2h"] += 1
         if write.state == "all_submitted" and not write.inflight:
             if write.copy_failed:
                 self._abort(write)
@@ -360,15 +368,15 @@ class LayerWriteRuntime:
         write.acks += 1
         self._forget(write)
         for n in write.nodes:
-            self.cache.driver.fire(n, "write_done")
-        self.cache.counters["cp_write_acks"] += 1
+            self.driver.fire(n, "write_done")
+        self.counters["cp_write_acks"] += 1
 
     def _abort(self, write: LayerWrite) -> None:
         self.machine.fire(write, "copies_failed", LayerEvent(self))
         self._forget(write)
         for n in write.nodes:
-            self.cache.driver.fire(n, "write_failed")
-        self.cache.counters["cp_write_failed"] += 1
+            self.driver.fire(n, "write_failed")
+        self.counters["cp_write_failed"] += 1
 
     # ================================================================== cache hooks
 
@@ -376,8 +384,8 @@ class LayerWriteRuntime:
         """The cache's backup path under CP: reserve (evicting host KV if short) and catch up all layers."""
         write = self.reserve(node)
         while write.state == "failed":
-            if self.cache.evict_host(write.needed_slots - self.host_room()) <= 0:
-                self.cache.counters["backup_host_full"] += 1
+            if self.evict_host(write.needed_slots - self.host_room()) <= 0:
+                self.counters["backup_host_full"] += 1
                 return False
             write = self.reserve(node)
         self.submit_all(write)
@@ -420,7 +428,6 @@ class LayerWriteRuntime:
         node whose parent would stay off the device, a node given twice, or an
         allocator answer that does not replay the pattern (what it took is freed).
         """
-        cache = self.cache
         seen: set[int] = set()
         for n in nodes:
             if n.state not in EVICTED - LOADING:
@@ -436,10 +443,10 @@ class LayerWriteRuntime:
                 raise LayerWriteError(f"node {n.id} would be on the device while its parent {parent.id} is not")
             seen.add(n.id)
         owners = torch.cat([n.cp_meta.page_owners for n in nodes])
-        allocator: CPPageAllocator = cache.device_allocator
+        allocator: CPPageAllocator = self.device_allocator
         device = allocator.alloc_pages_with_owners(owners)
         if device is None:
-            cache.counters["cp_load_no_pattern"] += 1
+            self.counters["cp_load_no_pattern"] += 1
             return None
         expected = sum(n.num_tokens for n in nodes)
         ok = isinstance(device, torch.Tensor) and device.numel() == expected
@@ -485,9 +492,8 @@ class LayerWriteRuntime:
         """
         from hicache_fsm.results import LoadBack, LoadHandle
 
-        cache = self.cache
-        cache.check_open()
-        nodes = [cache.driver.require_node(n) for n in nodes]
+        self.check_open()
+        nodes = [self.driver.require_node(n) for n in nodes]
         if not nodes:
             return None
         device = self.prepare_load(nodes)
@@ -496,14 +502,14 @@ class LayerWriteRuntime:
         ids = {n.id for n in nodes}
         deps = []
         for n in nodes:
-            for a in cache.tree.path_to_root(n.parent) if n.parent.parent is not None else ():
+            for a in self.tree.path_to_root(n.parent) if n.parent.parent is not None else ():
                 if a.id not in ids and a.state in LOADING:
-                    deps += [h for h in cache.outbox.handles_of(a) if h not in deps]
+                    deps += [h for h in self.outbox.handles_of(a) if h not in deps]
         for n in nodes:
-            cache.driver.fire(n, "load", emit=False)
-        handle = LoadHandle(cache, deps)
-        cache.loads.start(nodes, handle)
-        cache.counters["cp_loaded_tokens"] += int(device.numel())
+            self.driver.fire(n, "load", emit=False)
+        handle = LoadHandle(self, deps)
+        self.loads.start(nodes, handle)
+        self.counters["cp_loaded_tokens"] += int(device.numel())
         return LoadBack(device, tuple(nodes), handle)
 
     # ================================================================== observation
@@ -527,7 +533,7 @@ class LayerWriteRuntime:
             ),
             "meta": sorted(
                 (n.id, n.cp_meta.page_owners.tolist(), idx(n.cp_meta.draft_host_indices))
-                for n in self.cache.tree.nodes() if n.cp_meta is not None
+                for n in self.tree.nodes() if n.cp_meta is not None
             ),
             "draft_host_free": self.draft_host_allocator.free_pages if self.has_draft else None,
             "draft_host_owned": sorted(self.draft_host_allocator.owned_pages()) if self.has_draft else None,
@@ -550,7 +556,7 @@ class LayerWriteRuntime:
                 problems.append(f"write {w.id} acked {w.acks} times")
             if w.state != "acked" and w.acks:
                 problems.append(f"write {w.id} in {w.state} counts {w.acks} acks")
-        for n in self.cache.tree.nodes():
+        for n in self.tree.nodes():
             if n.state == "writing_host" and n.id not in self._records:
                 problems.append(f"node {n.id} is writing_host without a pending CP write")
         return problems
@@ -558,7 +564,7 @@ class LayerWriteRuntime:
     def ownership_violations(self) -> list[str]:
         problems = []
         draft_seen: dict[int, int] = {}
-        for n in self.cache.tree.nodes():
+        for n in self.tree.nodes():
             if n.parent is None:
                 continue
             meta = n.cp_meta

@@ -10,19 +10,34 @@ into the same slots.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections import Counter
+from typing import TYPE_CHECKING, Any, Callable
 
+import attrs
 import torch
 
 from hicache_fsm.bindings.residency import LOADING
 from hicache_fsm.errors import GuardRejected
 from hicache_fsm.eviction import RESIDENT, REVIVABLE
 from hicache_fsm.jobs import JobKind, TransferJob
-from hicache_fsm.radix import TreeNode
+from hicache_fsm.radix import RadixTree, TreeNode
 from hicache_fsm.results import LoadBack, LoadHandle
 
 if TYPE_CHECKING:
-    from hicache_fsm.interfaces import LoadHost
+    from hicache_fsm.config import CacheConfig
+    from hicache_fsm.interfaces import Allocator, Attached, Driver, Jobs, Refs
+
+
+@attrs.frozen
+class CheckedFlush:
+    """What a ``LoadHandle`` flushes before its first wait: the outbox, once the cache's entry check passed."""
+
+    check_open: Callable[[], None]  # refuses a closed cache or a foreign thread
+    outbox: "Jobs"
+
+    def flush(self) -> None:
+        self.check_open()
+        self.outbox.flush()
 
 
 class LoadBacks:
@@ -31,15 +46,33 @@ class LoadBacks:
     Interface: ``load_back`` (after the facade validated the node),
     ``evicted_chain``, ``loading_deps``, ``start`` (emit one H2D job for
     nodes already fired into ``loading``), ``load_failed`` (completion path).
+
+    Built with the config, the tree, the driver, the outbox and eviction's
+    refs (locks, pins, device eviction), the device allocator, the rank group
+    (room on every rank), whether draft pools exist, the counters, the
+    attached runtimes (a CP runtime replays its owner pattern) and what a
+    handle flushes (``CheckedFlush``).
     """
 
-    def __init__(self, cache: "LoadHost") -> None:
-        self.cache = cache
+    def __init__(self, config: "CacheConfig", tree: RadixTree, driver: "Driver", outbox: "Jobs", refs: "Refs",
+                 device_allocator: "Allocator", group: Any, draft: bool, counters: Counter[str],
+                 attached: "Attached", flusher: CheckedFlush) -> None:
+        self.config = config
+        self.tree = tree
+        self.driver = driver
+        self.outbox = outbox
+        self.refs = refs
+        self.device_allocator = device_allocator
+        self.group = group
+        self.draft = draft
+        self.counters = counters
+        self.attached = attached
+        self.flusher = flusher
 
     def evicted_chain(self, node: TreeNode) -> tuple[list[TreeNode], TreeNode]:
         """The host-only chain ending at ``node`` (top-down) and the resident ancestor above it."""
         chain: list[TreeNode] = []
-        tree = self.cache.tree
+        tree = self.tree
         anchor = tree.root
         for n in tree.path_to_root(node):
             if n.state in RESIDENT:
@@ -54,7 +87,7 @@ class LoadBacks:
     def loading_deps(self, nodes) -> list[LoadHandle]:
         """Handles of in-flight loads covering any of ``nodes`` (their layers must land first)."""
         deps: list[LoadHandle] = []
-        outbox = self.cache.outbox
+        outbox = self.outbox
         for n in nodes:
             for h in outbox.handles_of(n):
                 if h not in deps:
@@ -63,26 +96,26 @@ class LoadBacks:
 
     def room_everywhere(self, tokens: int) -> bool:
         """Free device memory for ``tokens`` on every rank (one collective with a rank group)."""
-        return self.cache.group.all_true(self.cache.device_allocator.available_tokens >= tokens)
+        return self.group.all_true(self.device_allocator.available_tokens >= tokens)
 
     def load_back(self, node: TreeNode) -> LoadBack | None:
         """See ``HiCache.load_back``."""
-        cache = self.cache
-        tree = cache.tree
+        tree = self.tree
+        counters = self.counters
         chain, anchor = self.evicted_chain(node)
         if not chain:
             return None
         total = sum(n.num_tokens for n in chain)
-        cfg = cache.config
+        cfg = self.config
         if total < cfg.load_back_threshold or (cfg.load_back_max_tokens is not None and total > cfg.load_back_max_tokens):
-            cache.counters["load_back_skipped"] += 1
+            counters["load_back_skipped"] += 1
             return None
-        device = cache.device_allocator
+        device = self.device_allocator
         if not self.room_everywhere(total):
             # the anchor (and so its ancestors) must stay on the device, and the
             # chain's host copies must survive host eviction done by backups
             anchor_path = [] if anchor.is_root else list(tree.path_to_root(anchor))
-            eviction = cache.eviction
+            eviction = self.refs
             eviction.add_locks(anchor_path, 1)
             eviction.add_pins(chain, 1)
             try:
@@ -91,10 +124,10 @@ class LoadBacks:
                 eviction.add_pins(chain, -1)
                 eviction.add_locks(anchor_path, -1)
             if not self.room_everywhere(total):
-                cache.counters["load_back_device_full"] += 1
+                counters["load_back_device_full"] += 1
                 return None
             if not all(tree.owns(n) for n in chain) or self.evicted_chain(node) != (chain, anchor):
-                cache.counters["load_back_raced"] += 1  # completions applied while waiting changed the chain
+                counters["load_back_raced"] += 1  # completions applied while waiting changed the chain
                 return None
         loading_above = []
         for n in tree.path_to_root(anchor) if not anchor.is_root else ():
@@ -102,31 +135,32 @@ class LoadBacks:
                 break
             loading_above.append(n)
         deps = self.loading_deps(loading_above)
-        if cache.cp is not None and cache.cp.prepare_load(chain) is None:  # CP: replay the saved owner pattern
-            cache.counters["load_back_device_full"] += 1
+        cp = self.attached.cp
+        if cp is not None and cp.prepare_load(chain) is None:  # CP: replay the saved owner pattern
+            counters["load_back_device_full"] += 1
             return None
-        driver = cache.driver
+        driver = self.driver
         for n in chain:
             driver.fire(n, "load", emit=False)
-        handle = LoadHandle(cache, deps)
+        handle = LoadHandle(self.flusher, deps)
         device_indices = torch.cat([n.device_indices for n in chain]) if len(chain) > 1 else chain[0].device_indices
         self.start(chain, handle)
-        cache.counters["loaded_back_tokens"] += total
+        counters["loaded_back_tokens"] += total
         return LoadBack(device_indices, tuple(chain), handle)
 
     def start(self, nodes: list[TreeNode], handle: LoadHandle) -> TransferJob:
         """Emit one H2D job for ``nodes`` (already ``loading``, top-down); ``handle`` binds to its batch."""
-        cache = self.cache
-        if cache.cp is not None:  # CP: only this rank's pages move (an empty job if it owns none)
-            job = cache.cp.load_job(nodes)
+        cp = self.attached.cp
+        if cp is not None:  # CP: only this rank's pages move (an empty job if it owns none)
+            job = cp.load_job(nodes)
         else:
             host = torch.cat([n.host_indices for n in nodes]) if len(nodes) > 1 else nodes[0].host_indices
             device = torch.cat([n.device_indices for n in nodes]) if len(nodes) > 1 else nodes[0].device_indices
             job = TransferJob(
                 JobKind.H2D, tuple(n.id for n in nodes), host, device,
-                draft_host_indices=host if cache.draft_host_pool is not None else None,
+                draft_host_indices=host if self.draft else None,
             )
-        cache.outbox.emit_load(job, handle)
+        self.outbox.emit_load(job, handle)
         return job
 
     def load_failed(self, nodes: list[TreeNode], handle: LoadHandle | None) -> None:
@@ -136,17 +170,16 @@ class LoadBacks:
         first, so a chain's lower part can leave while a locked upper part
         (or one with other resident children) is retried.
         """
-        cache = self.cache
-        depth = {n.id: sum(1 for _ in cache.tree.path_to_root(n)) for n in nodes}
+        depth = {n.id: sum(1 for _ in self.tree.path_to_root(n)) for n in nodes}
         retry: list[TreeNode] = []
         for node in sorted(nodes, key=lambda n: -depth[n.id]):
             if node.lock_ref == 0 and not any(c.state in RESIDENT for c in node.children.values()):
-                cache.driver.fire(node, "load_failed")
+                self.driver.fire(node, "load_failed")
             else:
                 retry.append(node)
         if retry:
             retry.reverse()  # top-down
-            cache.counters["load_retries"] += 1
-            self.start(retry, handle if handle is not None else LoadHandle(cache))
+            self.counters["load_retries"] += 1
+            self.start(retry, handle if handle is not None else LoadHandle(self.flusher))
             if handle is not None:
                 handle.unbind()

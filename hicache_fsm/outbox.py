@@ -12,17 +12,17 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import attrs
 
 from hicache_fsm.errors import CompletionFailure, UnknownJob
 from hicache_fsm.jobs import Completion, JobBatch, JobKind, TransferJob, merge_jobs
-from hicache_fsm.radix import TreeNode
+from hicache_fsm.radix import RadixTree, TreeNode
 from hicache_fsm.results import LoadHandle
 
-if TYPE_CHECKING:  # the facade composes the parts; parts only read its public attributes
-    from hicache_fsm.interfaces import OutboxHost
+if TYPE_CHECKING:
+    from hicache_fsm.interfaces import Attached, Driver, Loads
 
 log = logging.getLogger("hicache_fsm.cache")
 
@@ -79,10 +79,25 @@ class Outbox:
     split mid-transfer), ``cancel_all`` (reset); read-only views
     ``pending_ids``, ``pending_jobs``, ``queued_jobs``, ``nodes_of``,
     ``handles_of``, ``has_pending``, ``is_pending``.
+
+    Built with the tree (nodes of a job), the driver (transitions of a
+    completion), the executor (batches), the attached runtimes (storage jobs,
+    CP layer jobs), the counters, the bytes of one token and the step
+    agreement of a rank group; ``connect`` gives it the parts built after
+    it: the load-backs (failed loads) and the ack agreement (None on one rank).
     """
 
-    def __init__(self, cache: "OutboxHost") -> None:
-        self.cache = cache
+    def __init__(self, tree: RadixTree, driver: "Driver", executor: Any, attached: "Attached",
+                 counters: Counter[str], token_bytes: int, agreement: Any) -> None:
+        self.tree = tree
+        self.driver = driver
+        self.executor = executor
+        self.attached = attached
+        self.counters = counters
+        self.token_bytes = token_bytes
+        self.agreement = agreement
+        self.loads: Loads | None = None
+        self.acks: Any = None  # acks.AckAgreement with a rank group
         self._queued: list[TransferJob] = []
         self._pending: dict[int, TransferJob] = {}
         self._kind_count: Counter[JobKind] = Counter()  # pending jobs per kind: has_pending / count in O(1)
@@ -91,6 +106,10 @@ class Outbox:
         self._job_handle: dict[int, LoadHandle] = {}  # pending h2d job -> the handle waiting on it
         self.ledger = JobLedger()
         self._deferred: list[CompletionFailure] = []  # failures of completions applied outside poll
+
+    def connect(self, loads: "Loads", acks: Any) -> None:
+        """Wire the parts built after the outbox: the load-backs and the ack agreement (None on one rank)."""
+        self.loads, self.acks = loads, acks
 
     # ------------------------------------------------------------------ read-only views
 
@@ -132,9 +151,9 @@ class Outbox:
 
     def emit(self, job: TransferJob, nodes: list[TreeNode] | None = None) -> None:
         """Register ``job`` as pending on its nodes (``nodes``: those of ``job.node_ids``, when at hand) and queue it."""
-        cache = self.cache
         if nodes is None:
-            nodes = [cache.tree.get(n) for n in job.node_ids]
+            tree = self.tree
+            nodes = [tree.get(n) for n in job.node_ids]
         for n in nodes:
             n.pending_jobs.add(job.id)
         self._job_nodes[job.id] = nodes
@@ -142,11 +161,11 @@ class Outbox:
         self._kind_count[job.kind] += 1
         self.ledger.emitted += 1
         if job.kind in STORAGE_KINDS:
-            cache.storage.submit(job)
+            self.attached.storage.submit(job)
         else:
             self._queued.append(job)
-        cache.counters[_JOBS_KEY[job.kind]] += 1
-        driver = cache.driver
+        self.counters[_JOBS_KEY[job.kind]] += 1
+        driver = self.driver
         if driver.observed:
             event = {"event": "job", "job": job.id, "kind": job.kind.value, "nodes": list(job.node_ids),
                      "tokens": job.num_tokens}
@@ -174,7 +193,7 @@ class Outbox:
         jobs, self._queued = self._queued, []
         handles, self._load_handles = self._load_handles, []
         groups = batches(jobs)
-        executor = self.cache.executor
+        executor = self.executor
         for i, batch in enumerate(groups):
             try:
                 wait = executor.submit(batch)
@@ -213,8 +232,7 @@ class Outbox:
         Observers hear of every job that ended here, storage and CP layer jobs
         included.
         """
-        cache = self.cache
-        driver = cache.driver
+        driver = self.driver
         failures: list[CompletionFailure] = []
         for c in completions:
             try:
@@ -224,7 +242,7 @@ class Outbox:
                 continue
             job = self._pending.pop(c.job_id, None)
             if job is None:  # cancelled by reset
-                cache.counters["late_cancelled_completions"] += 1
+                self.counters["late_cancelled_completions"] += 1
                 continue
             self._kind_count[job.kind] -= 1
             self.ledger.ended(c.job_id, "acked" if c.ok else "failed")
@@ -251,14 +269,15 @@ class Outbox:
 
     def _finish(self, job: TransferJob, c: Completion, nodes: list[TreeNode], handle: LoadHandle | None) -> None:
         """The transitions a completion of ``job`` causes; every node is tried, the first error raised after."""
-        cache = self.cache
-        driver = cache.driver
-        if job.kind is JobKind.H2S and cache.storage is not None:
-            cache.storage.backup_finished(job, c.ok, c.error)
+        driver = self.driver
+        attached = self.attached
+        storage = attached.storage
+        if job.kind is JobKind.H2S and storage is not None:
+            storage.backup_finished(job, c.ok, c.error)
         if job.kind is JobKind.S2H:  # the prefetch runtime already took the pages
             return
-        if job.layer is not None and cache.cp is not None:  # a CP per-layer copy: the runtime acks once
-            cache.cp.layer_job_finished(job, c.ok)
+        if job.layer is not None and attached.cp is not None:  # a CP per-layer copy: the runtime acks once
+            attached.cp.layer_job_finished(job, c.ok)
             return
         errors: list[Exception] = []
 
@@ -272,14 +291,14 @@ class Outbox:
 
         if c.ok:
             each(_DONE_TRIGGER[job.kind])
-            cache.counters[_BYTES_KEY[job.kind]] += job.num_tokens * cache.token_bytes
-            if job.kind is JobKind.D2H and cache.storage is not None and cache.storage_attached:
+            self.counters[_BYTES_KEY[job.kind]] += job.num_tokens * self.token_bytes
+            if job.kind is JobKind.D2H and storage is not None and attached.storage_attached():
                 each("store", only_if_able=True)
         else:
-            cache.counters[_FAILED_KEY[job.kind]] += 1
+            self.counters[_FAILED_KEY[job.kind]] += 1
             log.warning("job %d (%s) failed: %s", c.job_id, job.kind.value, c.error)
             if job.kind is JobKind.H2D:
-                cache.loads.load_failed(nodes, handle)
+                self.loads.load_failed(nodes, handle)
             else:
                 each(_FAIL_TRIGGER[job.kind])
         if errors:
@@ -291,12 +310,11 @@ class Outbox:
         One rank: ``done`` itself. With a rank group, ``done`` is held and the
         step's agreement (one collective) decides which held completions apply now.
         """
-        cache = self.cache
-        acks = cache.acks
+        acks = self.acks
         if acks is None:
             return done, self.apply(done)
         direct = acks.hold(done)
-        cache.agreement.step()
+        self.agreement.step()
         agreed = direct + acks.take()
         return agreed, self.apply(agreed)
 
@@ -319,9 +337,13 @@ class Outbox:
         self._load_handles.clear()
         self._job_handle.clear()
 
-    def fork(self, cache: "OutboxHost", memo: dict, fork_handle) -> "Outbox":
-        """A copy for ``cache`` (a fork): nodes and handles through ``memo`` / ``fork_handle``, jobs shared."""
-        new = Outbox(cache)
+    def fork(self, tree: RadixTree, driver: "Driver", executor: Any, attached: "Attached", counters: Counter[str],
+             agreement: Any, memo: dict, fork_handle) -> "Outbox":
+        """A copy over a fork's collaborators: nodes and handles through ``memo`` / ``fork_handle``, jobs shared.
+
+        Connect it as a new outbox.
+        """
+        new = Outbox(tree, driver, executor, attached, counters, self.token_bytes, agreement)
         new._queued = list(self._queued)
         new._pending = dict(self._pending)
         new._kind_count = Counter(self._kind_count)

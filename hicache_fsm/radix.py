@@ -122,6 +122,17 @@ class RadixTree:
         self._nodes: dict[int, TreeNode] = {0: self.root}
         self.version = 0  # bumped by every change of shape (split, add, remove)
 
+    def clear(self) -> None:
+        """Drop every node, in place: the parts holding this tree see it empty (a cache ``reset``).
+
+        Ids start again from 1 as in a new tree; ``version`` keeps growing, so
+        no walk remembered before the clear is taken for one after it.
+        """
+        self._ids = itertools.count(1)
+        self.root = TreeNode(0, (), None, None)
+        self._nodes = {0: self.root}
+        self.version += 1
+
     # ------------------------------------------------------------------ lookup
 
     def get(self, node_id: int) -> TreeNode | None:

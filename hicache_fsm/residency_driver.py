@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING, Callable, Hashable, Protocol
 
 from hicache_fsm.errors import BadIndices, UnknownNode
 from hicache_fsm.jobs import JobKind, TransferJob
-from hicache_fsm.radix import TreeNode
+from hicache_fsm.radix import RadixTree, TreeNode
 
 if TYPE_CHECKING:
-    from hicache_fsm.interfaces import DriverHost
+    from hicache_fsm.interfaces import Attached, Jobs, StructureHooks
     from hicache_fsm.machine import CompiledMachine, CompiledTransition
 
 
@@ -49,11 +49,22 @@ class ResidencyDriver:
     ``add_observer``, ``remove_observer``, ``notify``, ``observed``;
     ``state_counts`` (tree nodes per residency state, kept as they change);
     ``add_listener``, ``remove_listener`` (``ResidencyListener``).
+
+    Built with the tree, the machine, the attached runtimes (a CP runtime
+    splits its slots, the storage tier names H2S keys) and whether draft
+    pools exist; ``connect`` then gives it the parts built after it: who
+    hears of structure changes (eviction), where jobs go (the outbox) and the
+    context guards and effects see by default.
     """
 
-    def __init__(self, cache: "DriverHost", machine: "CompiledMachine") -> None:
-        self.cache = cache
+    def __init__(self, tree: "RadixTree", machine: "CompiledMachine", attached: "Attached", draft: bool) -> None:
+        self.tree = tree
         self.machine = machine
+        self.attached = attached
+        self.draft = draft
+        self.hooks: StructureHooks | None = None
+        self.jobs: Jobs | None = None
+        self.ctx: object = None
         self.clock = 0
         self.polls = 0
         self._memo: tuple | None = None  # the last tree walk (see walk)
@@ -63,10 +74,14 @@ class ResidencyDriver:
         # scrape) copies this dict while the engine updates it, and its size never changes
         self.state_counts: dict[str, int] = dict.fromkeys(machine.spec.state_names, 0)
 
+    def connect(self, hooks: "StructureHooks", jobs: "Jobs", ctx: object) -> None:
+        """Wire the parts built after the driver: eviction's hooks, the outbox, the bindings' context."""
+        self.hooks, self.jobs, self.ctx = hooks, jobs, ctx
+
     def recount(self) -> None:
-        """Count the tree's nodes per state from scratch (after ``reset`` replaced the tree)."""
+        """Count the tree's nodes per state from scratch (after ``reset`` cleared the tree)."""
         counts = dict.fromkeys(self.state_counts, 0)
-        for node in self.cache.tree.nodes():
+        for node in self.tree.nodes():
             if not node.is_root:
                 counts[node.state] += 1
         self.state_counts.update(counts)
@@ -116,7 +131,7 @@ class ResidencyDriver:
     # ------------------------------------------------------------------ transitions
 
     def fire(self, node: TreeNode, trigger: str, ctx: object = None, emit: bool = True) -> "CompiledTransition":
-        """Fire ``trigger`` on ``node`` (guards and effects see ``ctx``, the cache by default).
+        """Fire ``trigger`` on ``node`` (guards and effects see ``ctx``, the bindings' context by default).
 
         Emits the transition's jobs unless ``emit`` is False (a caller that
         builds one job for several nodes, such as a load-back). Raises
@@ -126,9 +141,8 @@ class ResidencyDriver:
         not exist. Only effect-free transitions can fail so (the jobs of the
         others read the slots their effects just set).
         """
-        cache = self.cache
         old = node.state
-        transition = self.machine.fire(node, trigger, cache if ctx is None else ctx)
+        transition = self.machine.fire(node, trigger, self.ctx if ctx is None else ctx)
         if node.state != old:
             self._moved(node, old)
         if emit and transition.emits:
@@ -140,7 +154,7 @@ class ResidencyDriver:
                     self._moved(node, transition.dest)
                 raise
             for job in jobs:
-                cache.outbox.emit(job, [node])
+                self.jobs.emit(job, [node])
         if self._observers:
             self.notify({"event": "transition", "machine": "residency", "node": node.id, "trigger": trigger,
                          "source": transition.source, "dest": transition.dest})
@@ -151,45 +165,44 @@ class ResidencyDriver:
         counts = self.state_counts
         counts[old] -= 1
         counts[node.state] += 1
-        self.cache.eviction.state_changed(node, old)
+        self.hooks.state_changed(node, old)
         for listener in self._listeners:
             listener.state_changed(node, old)
 
     def can_fire(self, node: TreeNode, trigger: str) -> bool:
-        return self.machine.can_fire(node, trigger, self.cache)
+        return self.machine.can_fire(node, trigger, self.ctx)
 
     def build_job(self, kind: JobKind, node: TreeNode) -> TransferJob:
         """The job a transition of ``node`` emits: its slots, or its storage keys for H2S."""
-        cache = self.cache
         if kind is JobKind.H2S:
-            return TransferJob(kind, (node.id,), node.host_indices, keys=cache.storage.keys_for(node))
-        draft = node.host_indices if cache.draft_host_pool is not None else None
+            return TransferJob(kind, (node.id,), node.host_indices, keys=self.attached.storage.keys_for(node))
+        draft = node.host_indices if self.draft else None
         return TransferJob(kind, (node.id,), node.host_indices, node.device_indices, draft_host_indices=draft)
 
     # ------------------------------------------------------------------ tree shape
 
     def require_node(self, node: object) -> TreeNode:
         """``node`` if it is a live non-root node of this cache, else ``UnknownNode``."""
-        if not isinstance(node, TreeNode) or node.is_root or not self.cache.tree.owns(node):
+        if not isinstance(node, TreeNode) or node.is_root or not self.tree.owns(node):
             raise UnknownNode(f"{node!r} is not a live node of this cache (removed, split off, or from another cache)")
         return node
 
     def add_child(self, parent: TreeNode, tokens: tuple, namespace: Hashable, start: int) -> TreeNode:
         """A new node (state ``absent``) for ``tokens[start:]`` under ``parent``; fire its first trigger next."""
-        node = self.cache.tree.add_child(parent, tokens, namespace, start)
+        node = self.tree.add_child(parent, tokens, namespace, start)
         self.state_counts[node.state] += 1
-        self.cache.eviction.child_added(node)
+        self.hooks.child_added(node)
         return node
 
     def split(self, node: TreeNode, at: int) -> TreeNode:
         """Split ``node`` after ``at`` tokens (see ``RadixTree.split``); in-flight jobs cover both halves."""
-        cache = self.cache
-        upper = cache.tree.split(node, at)
+        upper = self.tree.split(node, at)
         self.state_counts[upper.state] += 1
-        if cache.cp is not None:  # CP host slots cover owned pages only: split them by ownership
-            cache.cp.on_split(node, upper, at)
-        cache.outbox.enrol_split(upper)
-        cache.eviction.split(node, upper)
+        cp = self.attached.cp
+        if cp is not None:  # CP host slots cover owned pages only: split them by ownership
+            cp.on_split(node, upper, at)
+        self.jobs.enrol_split(upper)
+        self.hooks.split(node, upper)
         for listener in self._listeners:
             listener.split(node, upper)
         if self._observers:
@@ -199,9 +212,9 @@ class ResidencyDriver:
     def remove(self, node: TreeNode) -> None:
         """Take a leaf that left every tier (after ``drop`` / ``evict_host``) out of the tree."""
         parent = node.parent
-        self.cache.tree.remove_leaf(node)
+        self.tree.remove_leaf(node)
         self.state_counts[node.state] -= 1
-        self.cache.eviction.removed(node, parent)
+        self.hooks.removed(node, parent)
         for listener in self._listeners:
             listener.removed(node, parent)
         if self._observers:
@@ -216,7 +229,7 @@ class ResidencyDriver:
         nothing was split, added or removed in between (tuples are immutable).
         """
         memo = self._memo
-        tree = self.cache.tree
+        tree = self.tree
         if memo is not None and memo[0] is tokens and memo[2] is tree and memo[3] == tree.version and (
             memo[1] is namespace or memo[1] == namespace
         ):
@@ -232,7 +245,7 @@ class ResidencyDriver:
         """``walk``, splitting a node that matches only in part so the match ends on a node boundary."""
         path, matched, partial = self.walk(tokens, namespace)
         if partial:
-            tree = self.cache.tree
+            tree = self.tree
             path = list(path)
             parent = path[-1] if path else tree.root
             child = parent.children[(namespace, tokens[matched : matched + tree.page_size])]
@@ -244,13 +257,13 @@ class ResidencyDriver:
     def forget_walk(self) -> None:
         self._memo = None
 
-    def fork(self, cache: "DriverHost") -> "ResidencyDriver":
-        """A copy driving ``cache`` (a fork): same machine and observers, same clock, no walk memo.
+    def fork(self, tree: "RadixTree", attached: "Attached") -> "ResidencyDriver":
+        """A copy driving ``tree`` (a fork's): same machine and observers, same clock, no walk memo.
 
         Listeners are not copied: each belongs to a runtime of the original
-        cache; a forked runtime registers its own copy.
+        cache; a forked runtime registers its own copy. Connect it as a new driver.
         """
-        new = ResidencyDriver(cache, self.machine)
+        new = ResidencyDriver(tree, self.machine, attached, self.draft)
         new.clock, new.polls = self.clock, self.polls
         new.state_counts = dict(self.state_counts)
         new._observers = self._observers

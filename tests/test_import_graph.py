@@ -157,22 +157,26 @@ def test_the_architecture_picture_matches_the_imports():
     )
 
 
-@pytest.mark.parametrize("name", ["hicache_fsm.eviction", "hicache_fsm.storage.tier", "hicache_fsm.layer_write"])
+# the controller's parts and the runtimes that attach to it: built with collaborators, never the facade
+PARTS = ("hicache_fsm.residency_driver", "hicache_fsm.eviction", "hicache_fsm.load_back", "hicache_fsm.outbox",
+         "hicache_fsm.acks", "hicache_fsm.layer_write", "hicache_fsm.storage.tier", "hicache_fsm.storage.threads",
+         "hicache_fsm.storage.admission", "hicache_fsm.storage.prefetch", "hicache_fsm.storage.agreement")
+
+
+@pytest.mark.parametrize("name", PARTS)
 def test_parts_are_built_without_the_facade(name):
-    """A part's module neither imports the facade nor names it in a type."""
+    """A part's module neither imports the facade, nor names it in a type, nor keeps a ``self.cache``."""
     text = source_files()[name].read_text()
-    assert FACADE not in text and "HiCache\"" not in text and ": HiCache" not in text
+    assert FACADE not in import_graph()[name] and "HiCache\"" not in text and ": HiCache" not in text
+    kept = [n.lineno for n in ast.walk(ast.parse(text)) if isinstance(n, ast.Attribute) and n.attr == "cache"
+            and isinstance(n.value, ast.Name) and n.value.id == "self"]
+    assert not kept, f"{name} keeps or reads self.cache (lines {kept}): give it the collaborators instead"
 
 
-# each part's module -> the protocol (hicache_fsm.interfaces) it is handed the cache as
-PART_HOSTS = {
-    "hicache_fsm.residency_driver": "DriverHost",
-    "hicache_fsm.eviction": "EvictionHost",
-    "hicache_fsm.load_back": "LoadHost",
-    "hicache_fsm.outbox": "OutboxHost",
-    "hicache_fsm.storage.tier": "TierHost",
-    "hicache_fsm.storage.admission": "TierHost",
-    "hicache_fsm.storage.prefetch": "TierHost",
+# modules that read collaborators off the cache once, when a runtime attaches -> the protocol naming them
+ATTACH_HOSTS = {
+    "hicache_fsm.interfaces": "TierHost",  # TierContext.of: what the storage tier is given
+    "hicache_fsm.storage.tier": "TierHost",  # attach_storage
     "hicache_fsm.layer_write": "LayerWriteHost",
 }
 
@@ -186,27 +190,20 @@ def protocol_members(name: str) -> set[str]:
 
 
 def cache_uses(module: str) -> set[str]:
-    """Attributes a module reads or calls on ``cache`` / ``self.cache``."""
-    used = set()
-    for node in ast.walk(ast.parse(source_files()[module].read_text())):
-        if isinstance(node, ast.Attribute):
-            v = node.value
-            if (isinstance(v, ast.Name) and v.id == "cache") or (
-                    isinstance(v, ast.Attribute) and v.attr == "cache" and isinstance(v.value, ast.Name)
-                    and v.value.id == "self"):
-                used.add(node.attr)
-    return used
+    """Attributes a module reads or calls on a name ``cache``."""
+    return {node.attr for node in ast.walk(ast.parse(source_files()[module].read_text()))
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "cache"}
 
 
-@pytest.mark.parametrize("module", sorted(PART_HOSTS))
-def test_a_part_touches_only_what_its_protocol_names(module):
-    """A reader of a part learns everything it may use of the cache from its protocol in interfaces.py."""
-    extra = cache_uses(module) - protocol_members(PART_HOSTS[module])
-    assert not extra, f"{module} uses {sorted(extra)} of the cache, not in {PART_HOSTS[module]}"
+@pytest.mark.parametrize("module", sorted(ATTACH_HOSTS))
+def test_an_attaching_runtime_reads_only_what_its_protocol_names(module):
+    """A reader learns everything a runtime is given at attach from its protocol in interfaces.py."""
+    extra = cache_uses(module) - protocol_members(ATTACH_HOSTS[module])
+    assert not extra, f"{module} reads {sorted(extra)} off the cache, not in {ATTACH_HOSTS[module]}"
 
 
-@pytest.mark.parametrize("protocol", sorted(set(PART_HOSTS.values())))
-def test_the_facade_is_every_host_its_parts_need(protocol):
+@pytest.mark.parametrize("protocol", sorted(set(ATTACH_HOSTS.values())))
+def test_the_facade_is_every_host_a_runtime_attaches_to(protocol):
     from hicache_fsm.cache import HiCache
     from hicache_fsm.pools import DeviceKVPool, HostKVPool, KVShape
 
@@ -214,3 +211,38 @@ def test_the_facade_is_every_host_its_parts_need(protocol):
     cache = HiCache(DeviceKVPool(shape, 8, page_size=2, device="cpu"), HostKVPool(shape, 8, page_size=2))
     missing = sorted(m for m in protocol_members(protocol) if not hasattr(cache, m))
     assert not missing, f"HiCache lacks {missing} of {protocol}"
+
+
+def holders_of(target: object, root: object) -> list[str]:
+    """Paths from ``root``'s attributes (and its records' fields, one level down) to ``target``."""
+    def fields(obj: object) -> dict[str, object]:
+        names = set(getattr(obj, "__dict__", {})) | {n for c in type(obj).__mro__ for n in getattr(c, "__slots__", ())}
+        return {n: getattr(obj, n) for n in names if hasattr(obj, n)}
+
+    found = []
+    for name, value in fields(root).items():
+        if value is target:
+            found.append(name)
+        elif type(value).__module__.startswith(PACKAGE + ".interfaces") or type(value).__name__.endswith("Context"):
+            found += [f"{name}.{n}" for n, v in fields(value).items() if v is target]
+    return found
+
+
+def test_no_part_holds_the_facade():
+    """At run time too: no part, attached runtime or context record of a cache keeps the cache itself."""
+    from hicache_fsm.cache import HiCache, build_cp_rank
+    from hicache_fsm.pools import DeviceKVPool, HostKVPool, KVShape, PoolConfig
+
+    shape = KVShape(layers=1, heads=1, head_dim=2)
+    cache = HiCache(DeviceKVPool(shape, 8, page_size=2, device="cpu"), HostKVPool(shape, 8, page_size=2))
+    cache.attach_storage("memory://")
+    try:
+        parts = {"driver": cache.driver, "eviction": cache.eviction, "loads": cache.loads, "outbox": cache.outbox,
+                 "storage": cache.storage, "storage.runtime": cache.storage.runtime,
+                 "residency_ctx": cache.residency_ctx, "attached": cache.attached}
+        held = {name: paths for name, part in parts.items() if (paths := holders_of(cache, part))}
+        assert not held, f"parts holding the facade: {held}"
+    finally:
+        cache.close()
+    rank = build_cp_rank(PoolConfig(shape=shape, device_tokens=8, page_size=2, host_tokens=8), 2, 0)
+    assert not holders_of(rank.cache, rank.writes), "the CP layer-write runtime holds the facade"

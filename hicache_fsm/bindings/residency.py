@@ -1,8 +1,10 @@
 """Guards, effects and invariants of the ``residency`` machine.
 
-``obj`` is a radix ``TreeNode``; ``ctx`` is the owning ``HiCache``. Effects
-only move slots between a node and the allocators; the transfer itself is the
-job the transition emits, which the cache builds and an executor runs.
+``obj`` is a radix ``TreeNode``; ``ctx`` of guards and effects is a
+``ResidencyContext`` (the allocators and the attached runtimes), and
+invariants get the owning cache. Effects only move slots between a node and
+the allocators; the transfer itself is the job the transition emits, which
+the cache builds and an executor runs.
 """
 
 from __future__ import annotations
@@ -21,68 +23,87 @@ LOADING = frozenset({"loading", "loading_storing", "loading_stored"})
 EVICTED = frozenset({"host", "host_storing", "host_stored"}) | LOADING
 
 
+class ResidencyContext:
+    """What residency guards and effects see as ``ctx``: the two allocators and the attached runtimes."""
+
+    __slots__ = ("device_allocator", "host_allocator", "attached")
+
+    def __init__(self, device_allocator, host_allocator, attached) -> None:
+        self.device_allocator = device_allocator
+        self.host_allocator = host_allocator
+        self.attached = attached  # interfaces.Attached: a CP runtime, the storage tier
+
+    @property
+    def cp(self):
+        return self.attached.cp
+
+    @property
+    def storage_attached(self) -> bool:
+        return self.attached.storage_attached()
+
+
 @residency.guard
-def host_has_room(node, cache) -> bool:
-    cp = getattr(cache, "cp", None)
+def host_has_room(node, ctx) -> bool:
+    cp = getattr(ctx, "cp", None)
     if cp is not None:  # CP: the layer-write runtime reserved slots for the owned pages
         return cp.host_has_room(node)
-    return cache.host_allocator.available_tokens >= node.num_tokens
+    return ctx.host_allocator.available_tokens >= node.num_tokens
 
 
 @residency.guard
-def device_has_room(node, cache) -> bool:
-    cp = getattr(cache, "cp", None)
+def device_has_room(node, ctx) -> bool:
+    cp = getattr(ctx, "cp", None)
     if cp is not None:  # CP: a load reserved pages replaying the node's owner pattern
         return cp.device_has_room(node)
-    return cache.device_allocator.available_tokens >= node.num_tokens
+    return ctx.device_allocator.available_tokens >= node.num_tokens
 
 
 @residency.guard
-def unlocked(node, cache) -> bool:
+def unlocked(node, ctx) -> bool:
     return node.lock_ref == 0
 
 
 @residency.guard
-def host_unpinned(node, cache) -> bool:
+def host_unpinned(node, ctx) -> bool:
     return node.host_ref == 0
 
 
 @residency.guard
-def storage_attached(node, cache) -> bool:
+def storage_attached(node, ctx) -> bool:
     # a CP host copy holds one rank's pages only: storing it per page is not wired (docs/cp-writes.md)
-    return cache.storage_attached and getattr(node, "cp_meta", None) is None
+    return ctx.storage_attached and getattr(node, "cp_meta", None) is None
 
 
 @residency.effect
-def alloc_host(node, cache) -> None:
-    cp = getattr(cache, "cp", None)
+def alloc_host(node, ctx) -> None:
+    cp = getattr(ctx, "cp", None)
     if cp is not None:
         cp.alloc_host(node)
         return
-    node.host_indices = cache.host_allocator.alloc(node.num_tokens)
+    node.host_indices = ctx.host_allocator.alloc(node.num_tokens)
 
 
 @residency.effect
-def free_host(node, cache) -> None:
-    cache.host_allocator.free(node.host_indices)
+def free_host(node, ctx) -> None:
+    ctx.host_allocator.free(node.host_indices)
     node.host_indices = None
-    cp = getattr(cache, "cp", None)
+    cp = getattr(ctx, "cp", None)
     if cp is not None:  # CP: draft host slots and the owner pattern go with the host copy
         cp.release_host(node)
 
 
 @residency.effect
-def alloc_device(node, cache) -> None:
-    cp = getattr(cache, "cp", None)
+def alloc_device(node, ctx) -> None:
+    cp = getattr(ctx, "cp", None)
     if cp is not None:
         cp.alloc_device(node)
         return
-    node.device_indices = cache.device_allocator.alloc(node.num_tokens)
+    node.device_indices = ctx.device_allocator.alloc(node.num_tokens)
 
 
 @residency.effect
-def free_device(node, cache) -> None:
-    cache.device_allocator.free(node.device_indices)
+def free_device(node, ctx) -> None:
+    ctx.device_allocator.free(node.device_indices)
     node.device_indices = None
 
 

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from hicache_fsm.bindings.residency import ON_HOST
 from hicache_fsm.errors import BadIndices
-from hicache_fsm.interfaces import TierHost
+from hicache_fsm.interfaces import TierContext
 from hicache_fsm.storage.keys import page_keys
 from hicache_fsm.storage.link import StorageLink
 from hicache_fsm.storage.prefetch import PrefetchError, PrefetchOp, PrefetchRuntime
@@ -30,7 +30,7 @@ log = logging.getLogger("hicache_fsm.storage.tier")
 class PrefetchCalls:
     """The prefetch side of ``StorageTier`` (engine calls and thread events), on the scheduler's thread."""
 
-    cache: TierHost
+    ctx: TierContext
     page_size: int
     link: StorageLink
     runtime: PrefetchRuntime
@@ -102,16 +102,17 @@ class PrefetchCalls:
         rt = self.runtime
         if request_id in rt.active:
             raise PrefetchError(f"request {request_id!r} already has a prefetch running")
-        cache = self.cache
+        ctx = self.ctx
+        tree = ctx.tree
         anchor = match.last_host_node
-        if not (anchor is cache.tree.root or cache.tree.owns(anchor)):
+        if not (anchor is tree.root or tree.owns(anchor)):
             raise BadIndices("the MatchResult is stale: its last node left the tree")
         if not anchor.is_root:
             if namespace is not None and namespace != anchor.namespace:
                 raise BadIndices(f"namespace {namespace!r} does not match the matched prefix's {anchor.namespace!r}")
             namespace = anchor.namespace
         start = match.device_hit_length + match.host_hit_length
-        prefix = cache.tree.prefix_tokens(anchor)
+        prefix = tree.prefix_tokens(anchor)
         if len(prefix) != start or tuple(tokens[:start]) != prefix:
             raise BadIndices("the MatchResult does not belong to these tokens (or is stale)")
         ps = self.page_size
@@ -133,19 +134,20 @@ class PrefetchCalls:
             pin = None
         elif anchor.state in ON_HOST:
             pin = "host"
-            cache.pin_host(anchor)
+            ctx.pin_host(anchor)
         else:
             pin = "lock"
-            cache.lock(anchor)
-        slots = cache.host_allocator.alloc(need)
+            ctx.lock(anchor)
+        host = ctx.host_allocator
+        slots = host.alloc(need)
         if slots is None:
-            cache.evict_host(need - cache.host_allocator.available_tokens)
-            slots = cache.host_allocator.alloc(need)
+            ctx.evict_host(need - host.available_tokens)
+            slots = host.alloc(need)
         if slots is None:
             if pin == "host":
-                cache.unpin_host(anchor)
+                ctx.unpin_host(anchor)
             elif pin == "lock":
-                cache.unlock(anchor)
+                ctx.unlock(anchor)
             return self._reject("host_full")
         op = PrefetchOp(request_id, want, keys, anchor, pin, namespace, slots, ps, self._gen, self.now(),
                         agreed=self.agreement is not None)

@@ -38,7 +38,7 @@ from hicache_fsm.spec import load_builtin
 from hicache_fsm.storage.options import TierOptions
 
 if TYPE_CHECKING:  # pragma: no cover
-    from hicache_fsm.interfaces import TierHost
+    from hicache_fsm.interfaces import TierContext
     from hicache_fsm.radix import TreeNode
 
 log = logging.getLogger("hicache_fsm.storage.tier")
@@ -139,9 +139,9 @@ def _pages(indices: torch.Tensor, page_size: int) -> list[int]:
 class PrefetchRuntime:
     """Owner of every running prefetch and context of the ``prefetch`` machine."""
 
-    def __init__(self, cache: TierHost, submit_transfer: Callable[[PrefetchOp, TransferJob], None]) -> None:
-        self.cache = cache
-        self.page_size = cache.page_size
+    def __init__(self, ctx: TierContext, submit_transfer: Callable[[PrefetchOp, TransferJob], None]) -> None:
+        self.ctx = ctx  # the tier's: tree, driver, host pool and allocator, unpin / unlock
+        self.page_size = ctx.page_size
         self.machine = compile_machine(load_builtin("prefetch"))
         self.options = TierOptions()
         self._submit_transfer = submit_transfer
@@ -165,7 +165,7 @@ class PrefetchRuntime:
     def capacity_tokens(self) -> int:
         cap = self.options.prefetch_capacity_tokens
         if cap is None:
-            cap = int(0.8 * self.cache.host_pool.size_tokens)
+            cap = int(0.8 * self.ctx.host_pool.size_tokens)
         return cap - cap % self.page_size
 
     def timeout_for(self, op: PrefetchOp) -> float:
@@ -214,8 +214,9 @@ class PrefetchRuntime:
         if done <= 0:
             return
         slots, op.host_indices = op.host_indices[:done], op.host_indices[done:]
-        cache = self.cache
-        tree = cache.tree
+        ctx = self.ctx
+        tree = ctx.tree
+        driver = ctx.driver
         anchor = op.anchor
         if not (anchor.is_root or tree.owns(anchor)):  # cannot happen while the anchor is pinned
             log.error("prefetch %r: anchor node %d left the tree; dropping %d fetched tokens",
@@ -224,7 +225,7 @@ class PrefetchRuntime:
             return
         prefix = tree.prefix_tokens(anchor)
         full = prefix + op.tokens[:done]
-        path, matched = cache.driver.walk_splitting(full, op.namespace)
+        path, matched = driver.walk_splitting(full, op.namespace)
         start = len(prefix)
         if matched < start:  # defensive: the anchor is on every path of its own prefix
             log.error("prefetch %r: prefix walk stopped above the anchor; dropping fetched pages", op.request_id)
@@ -236,12 +237,12 @@ class PrefetchRuntime:
             self.counters["prefetch_duplicate_tokens"] += dup
         if matched < len(full):
             parent = path[-1] if path else tree.root
-            node = cache.driver.add_child(parent, full, op.namespace, matched)
+            node = driver.add_child(parent, full, op.namespace, matched)
             node.host_indices = slots[dup:]
             first_page = dup // self.page_size
             node.storage_keys = tuple(op.hit_keys[first_page: done // self.page_size])
-            cache.driver.touch(node)
-            cache.driver.fire(node, "insert_prefetched")
+            driver.touch(node)
+            driver.fire(node, "insert_prefetched")
             op.inserted_pages.update(_pages(node.host_indices, self.page_size))
             self.occupied_tokens -= node.num_tokens
             op.inserted_tokens += node.num_tokens
@@ -262,16 +263,16 @@ class PrefetchRuntime:
             return
         op.anchor_pinned = False
         anchor = op.anchor
-        if not self.cache.tree.owns(anchor):
+        if not self.ctx.tree.owns(anchor):
             log.error("prefetch %r: anchor node %d left the tree while pinned", op.request_id, anchor.id)
             return
         held = anchor.host_ref if op.anchor_pin == "host" else anchor.lock_ref
         if held <= 0:  # someone else released our pin: report it, never go below zero
             self._violations.append(f"prefetch {op.request_id!r}: anchor node {anchor.id} lost its pin early")
         elif op.anchor_pin == "host":
-            self.cache.unpin_host(anchor)
+            self.ctx.unpin_host(anchor)
         else:
-            self.cache.unlock(anchor)
+            self.ctx.unlock(anchor)
 
     def _free(self, op: PrefetchOp, indices: torch.Tensor) -> None:
         if indices is None or not indices.numel():
@@ -281,7 +282,7 @@ class PrefetchRuntime:
         if again:  # never hand a page back twice (the upstream double free)
             self._violations.append(f"prefetch {op.request_id!r} tried to release pages {again[:8]} twice")
             return
-        self.cache.host_allocator.free(indices)
+        self.ctx.host_allocator.free(indices)
         op.freed_pages.update(pages)
         self.occupied_tokens -= int(indices.numel())
         self.counters["prefetch_released_tokens"] += int(indices.numel())
@@ -347,7 +348,7 @@ class PrefetchRuntime:
 
     def anchor_pin_violations(self) -> list[str]:
         problems = []
-        tree = self.cache.tree
+        tree = self.ctx.tree
         for op in self.active.values():
             anchor = op.anchor
             if anchor.is_root:
@@ -390,10 +391,10 @@ class PrefetchRuntime:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def fork(self, cache: TierHost, submit_transfer: Callable[[PrefetchOp, TransferJob], None],
+    def fork(self, ctx: TierContext, submit_transfer: Callable[[PrefetchOp, TransferJob], None],
              op_of: Callable[[PrefetchOp], PrefetchOp]) -> "PrefetchRuntime":
-        """A copy for the forked ``cache``; ``op_of`` maps an op to its copy (shared with the tier's queues)."""
-        new = PrefetchRuntime(cache, submit_transfer)
+        """A copy for the forked cache of ``ctx``; ``op_of`` maps an op to its copy (shared with the tier's queues)."""
+        new = PrefetchRuntime(ctx, submit_transfer)
         new.machine = self.machine
         new.options = self.options
         new.active = {k: op_of(op) for k, op in self.active.items()}

@@ -55,6 +55,7 @@ from collections.abc import Hashable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from hicache_fsm.errors import ConfigError, GroupError, GuardRejected, HiCacheError, InvalidTransition, StorageLinkError
+from hicache_fsm.interfaces import TierContext
 from hicache_fsm.jobs import Completion, JobKind, TransferJob
 from hicache_fsm.machine import compile_machine
 from hicache_fsm.outbox import STORAGE_KINDS
@@ -103,21 +104,22 @@ def namespace_seed(namespace: Hashable) -> str | None:
 
 
 class StorageTier(PrefetchCalls, StorageThreads):
-    """``cache.storage``: backend link, storage threads, backups and prefetches (see module docstring)."""
+    """``cache.storage``: backend link, storage threads, backups and prefetches (see module docstring).
 
-    def __init__(self, cache: TierHost) -> None:
-        if cache.cp is not None:
-            raise StorageLinkError("a context-parallel cache cannot attach storage")
-        if cache.draft_host_pool is not None:
-            raise StorageLinkError("storage of draft-model KV is not supported; detach the draft pools first")
-        self.cache = cache
-        self.page_size = cache.page_size
-        self.host_pool = cache.host_pool
+    Built with a ``TierContext`` (``TierContext.of(cache)``): the tree, the
+    driver, the outbox, the rank group and the few calls it makes on the
+    cache's behalf; never the cache itself.
+    """
+
+    def __init__(self, ctx: TierContext) -> None:
+        self.ctx = ctx
+        self.page_size = ctx.page_size
+        self.host_pool = ctx.host_pool
         self.options = TierOptions()
         self.link_machine = compile_machine(load_builtin("storage_link"))
         self._cv = threading.Condition()
         self.link = StorageLink(self._wake)
-        self.runtime = PrefetchRuntime(cache, self._submit_transfer)
+        self.runtime = PrefetchRuntime(ctx, self._submit_transfer)
         self._query_q: deque[tuple[int, PrefetchOp]] = deque()
         self._transfer_q: deque[tuple[int, TransferJob, PrefetchOp]] = deque()
         self._backup_q: deque[tuple[int, TransferJob]] = deque()
@@ -139,14 +141,14 @@ class StorageTier(PrefetchCalls, StorageThreads):
         self._foreign_keys: dict[str, None] = {}  # keys stored in another page format, until the next attach
         self.closed = False
         self.agreement: TierAgreement | None = None
-        if not cache.group.solo:  # tensor parallelism: ranks act on what every rank observed
+        if not ctx.group.solo:  # tensor parallelism: ranks act on what every rank observed
             self.agreement = TierAgreement(self)
-            cache.agreement.register(self.agreement)
+            ctx.agreement.register(self.agreement)
             self.runtime.clock = self.agreement.now
-        cache.register_host_owner(self.runtime.host_owners)
-        cache.register_invariants(self.violations)
-        cache.driver.add_listener(self.retries)
-        for node in cache.tree.nodes():  # host copies made before the tier existed
+        ctx.register_host_owner(self.runtime.host_owners)
+        ctx.register_invariants(self.violations)
+        ctx.driver.add_listener(self.retries)
+        for node in ctx.tree.nodes():  # host copies made before the tier existed
             if node.parent is not None and node.state in UNSTORED:
                 self.retries.ready[node.id] = node
 
@@ -178,10 +180,10 @@ class StorageTier(PrefetchCalls, StorageThreads):
         old_options = self.options
         voted = False
         try:
-            self.link_machine.fire(self.link, "attach", self.cache)
+            self.link_machine.fire(self.link, "attach", self)
         except GuardRejected:
             raise StorageLinkError(
-                f"cannot attach storage: {self.cache.storage_transfers_in_flight()} storage transfers in flight"
+                f"cannot attach storage: {self.transfers_in_flight()} storage transfers in flight"
             ) from None
         except InvalidTransition:
             raise StorageLinkError(f"cannot attach storage: the link is {self.link.state}") from None
@@ -203,12 +205,12 @@ class StorageTier(PrefetchCalls, StorageThreads):
             self.start_workers()
             self.link.backend.batch_exists([PROBE_KEY])  # the backend answers, end to end
             voted = True
-            if not self.cache.group.all_true(True):  # a rank group attaches everywhere or nowhere
+            if not self.ctx.group.all_true(True):  # a rank group attaches everywhere or nowhere
                 raise StorageLinkError("attaching storage failed on another rank")
         except BaseException as exc:  # anything, even KeyboardInterrupt: undo the attach first
             if not voted and isinstance(exc, Exception):
-                self.cache.group.all_true(False)
-            self.link_machine.fire(self.link, "attach_failed", self.cache)
+                self.ctx.group.all_true(False)
+            self.link_machine.fire(self.link, "attach_failed", self)
             self.options = old_options
             self.runtime.configure(old_options)
             self._skip_writes = old_options.skip_writes
@@ -217,7 +219,7 @@ class StorageTier(PrefetchCalls, StorageThreads):
             if isinstance(exc, (HiCacheError, OSError, ValueError, TypeError)):
                 raise StorageLinkError(f"attaching storage failed: {exc}") from exc
             raise
-        self.link_machine.fire(self.link, "attach_ok", self.cache)
+        self.link_machine.fire(self.link, "attach_ok", self)
         self._epoch, self._epoch_checked = self._data_epoch(), self.now()  # lost pages show as a change
         self._sweep_due = True  # host copies made before the attach get stored too
         self.counters["attaches"] += 1
@@ -246,10 +248,10 @@ class StorageTier(PrefetchCalls, StorageThreads):
             self.wind_down("storage is detaching")
         if self.link.state in ("detached", "attached"):
             try:
-                self.link_machine.fire(self.link, "detach", self.cache)
+                self.link_machine.fire(self.link, "detach", self)
             except GuardRejected:
                 raise StorageLinkError(
-                    f"cannot detach storage: {self.cache.storage_transfers_in_flight()} storage transfers in flight"
+                    f"cannot detach storage: {self.transfers_in_flight()} storage transfers in flight"
                 ) from None
             if self.link.state == "detached":
                 return
@@ -257,7 +259,7 @@ class StorageTier(PrefetchCalls, StorageThreads):
             raise StorageLinkError(f"cannot detach storage while the link is {self.link.state}")
         self.link.join()
         try:
-            self.link_machine.fire(self.link, "threads_stopped", self.cache)
+            self.link_machine.fire(self.link, "threads_stopped", self)
         except GuardRejected:
             raise StorageLinkError("storage threads did not stop in time; detach again to retry") from None
         with self._cv:
@@ -300,7 +302,7 @@ class StorageTier(PrefetchCalls, StorageThreads):
         deadline = time.monotonic() + timeout
         while True:
             self._apply_finished()
-            if not self.cache.outbox.has_pending(JobKind.H2S):
+            if not self.ctx.outbox.has_pending(JobKind.H2S):
                 return True
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -313,7 +315,7 @@ class StorageTier(PrefetchCalls, StorageThreads):
         self._drain()
         done, self._completions = self._completions, []
         for c in done:
-            self.cache.complete(c, owner=self)
+            self.ctx.complete(c, owner=self)
 
     def accepting_backups(self) -> bool:
         return self.link.state == "attached" and self.healthy and not self.closed
@@ -367,7 +369,7 @@ class StorageTier(PrefetchCalls, StorageThreads):
 
     def _submit_transfer(self, op: PrefetchOp, job: TransferJob) -> None:
         self._pending_transfer[job.id] = op
-        self.cache.outbox.emit(job)
+        self.ctx.outbox.emit(job)
 
     # ================================================================== poll
 
@@ -404,7 +406,7 @@ class StorageTier(PrefetchCalls, StorageThreads):
             return
         self._epoch = epoch
         self.counters["data_epoch_changes"] += 1
-        self.storage_lost(self.cache.tree.nodes())
+        self.storage_lost(self.ctx.tree.nodes())
 
     def verify_stored(self, nodes: Iterable[TreeNode] | None = None) -> int:
         """Ask the backend whether stored nodes (default: every one) still have all their pages; a node
@@ -420,7 +422,7 @@ class StorageTier(PrefetchCalls, StorageThreads):
                                    + ("" if self.healthy else f", storage unhealthy ({self.last_error})"))
         if self.agreement is not None:
             raise StorageLinkError("verify_stored is not agreed across a rank group; it would split the trees")
-        stored = [n for n in (self.cache.tree.nodes() if nodes is None else nodes)
+        stored = [n for n in (self.ctx.tree.nodes() if nodes is None else nodes)
                   if n.parent is not None and n.state.endswith("_stored")]
         missing = []
         for node in stored:
@@ -436,7 +438,7 @@ class StorageTier(PrefetchCalls, StorageThreads):
         a node's keys missing. Returns how many nodes moved back.
         """
         self._confine()
-        driver = self.cache.driver
+        driver = self.ctx.driver
         moved = 0
         for node in list(nodes):
             if node.parent is not None and driver.can_fire(node, "storage_lost"):
@@ -516,7 +518,7 @@ class StorageTier(PrefetchCalls, StorageThreads):
         if now - self._last_sweep < self.options.retry_interval:
             return
         self._last_sweep = now
-        driver = self.cache.driver
+        driver = self.ctx.driver
 
         def start(node: TreeNode) -> bool:
             if not driver.can_fire(node, "store"):
@@ -526,7 +528,7 @@ class StorageTier(PrefetchCalls, StorageThreads):
 
         started, more = self.retries.sweep(start, self.options.retry_batch_tokens, now)
         # a backup still running may fail: look again later
-        self._sweep_due = more or self.cache.outbox.has_pending(JobKind.H2S)
+        self._sweep_due = more or self.ctx.outbox.has_pending(JobKind.H2S)
         if started:
             self.counters["backup_retries"] += started
             log.info("retrying storage backup of %d nodes", started)
@@ -535,7 +537,7 @@ class StorageTier(PrefetchCalls, StorageThreads):
 
     def transfers_in_flight(self) -> int:
         """Storage jobs not yet acknowledged plus prefetches a storage thread may still pick up."""
-        pending = self.cache.outbox.count(STORAGE_KINDS)
+        pending = self.ctx.outbox.count(STORAGE_KINDS)
         waiting = sum(1 for op in self.runtime.active.values() if op.state in ("admitted", "querying"))
         return pending + waiting
 
@@ -573,10 +575,10 @@ class StorageTier(PrefetchCalls, StorageThreads):
             return problems
         if state != "detached":
             return problems
-        pending = [j.id for j in self.cache.pending_jobs() if j.kind in (JobKind.H2S, JobKind.S2H)]
+        pending = [j.id for j in self.ctx.outbox.pending_jobs() if j.kind in (JobKind.H2S, JobKind.S2H)]
         if pending:
             problems.append(f"storage jobs {pending[:8]} pending while detached")
-        storing = [n.id for n in self.cache.tree.nodes() if n.state in STORING]
+        storing = [n.id for n in self.ctx.tree.nodes() if n.state in STORING]
         if storing:
             problems.append(f"nodes {storing[:8]} are storing while detached")
         if self.link.threads_alive():
@@ -592,9 +594,9 @@ class StorageTier(PrefetchCalls, StorageThreads):
         reg = self.link_machine.registry
         out = []
         for name in self.link_machine.spec.invariants:
-            out += [f"{name}: {p}" for p in reg.invariants[name](self.cache)]
-        if self.cache.check_candidates:  # O(N), like the eviction sets' check: for tests
-            out += [f"backup_retries: {p}" for p in self.retries.violations(self.cache.tree)]
+            out += [f"{name}: {p}" for p in reg.invariants[name](self)]
+        if self.ctx.check_candidates():  # O(N), like the eviction sets' check: for tests
+            out += [f"backup_retries: {p}" for p in self.retries.violations(self.ctx.tree)]
         return out + self.runtime.violations()
 
     # ================================================================== lifecycle
@@ -655,8 +657,8 @@ class StorageTier(PrefetchCalls, StorageThreads):
 
     # ================================================================== forks and observation (the explorer)
 
-    def fork(self, cache: TierHost, memo: dict) -> "StorageTier":
-        """A copy of this tier for ``cache``, a fork of ours whose nodes are in ``memo`` (``id(node)`` -> copy).
+    def fork(self, ctx: TierContext, memo: dict) -> "StorageTier":
+        """A copy of this tier for the cache of ``ctx``, a fork of ours whose nodes are in ``memo`` (``id(node)`` -> copy).
 
         Only a tier whose threads never started (``ManualStorageTier``) over a
         backend that can be forked (private ``memory://``, maybe behind a
@@ -668,8 +670,8 @@ class StorageTier(PrefetchCalls, StorageThreads):
         new = object.__new__(type(self))
         new.__dict__.update(self.__dict__)
         memo[id(self)] = new
-        new.cache = cache
-        new.host_pool = cache.host_pool
+        new.ctx = ctx
+        new.host_pool = ctx.host_pool
         new._cv = threading.Condition()
         new.link = self.link.fork(new._wake, memo)
 
@@ -681,7 +683,7 @@ class StorageTier(PrefetchCalls, StorageThreads):
         def item(x: tuple) -> tuple:
             return tuple(op_of(v) if isinstance(v, PrefetchOp) else v for v in x)
 
-        new.runtime = self.runtime.fork(cache, new._submit_transfer, op_of)
+        new.runtime = self.runtime.fork(ctx, new._submit_transfer, op_of)
         new._query_q = deque(item(x) for x in self._query_q)
         new._transfer_q = deque(item(x) for x in self._transfer_q)
         new._backup_q = deque(self._backup_q)
@@ -693,7 +695,7 @@ class StorageTier(PrefetchCalls, StorageThreads):
         with self._cv:
             new._thread_counts = Counter(self._thread_counts)
             new._foreign_keys = dict(self._foreign_keys)
-        cache.driver.add_listener(new.retries)
+        ctx.driver.add_listener(new.retries)
         return new
 
     @property
@@ -709,11 +711,11 @@ class StorageTier(PrefetchCalls, StorageThreads):
         """Refuse a call on a closed tier, or from a thread that does not drive the cache (``WrongThread``)."""
         if self.closed:
             raise HiCacheError("this storage tier is closed")
-        self.cache.check_open()
+        self.ctx.check_open()
 
     def _confine(self) -> None:
         """Refuse a call from a thread that does not drive the cache: the tier is confined with it."""
-        self.cache.check_open()
+        self.ctx.check_open()
 
 
 def drain_seconds(drain: object) -> float:
@@ -738,7 +740,7 @@ def attach_storage(cache: TierHost, url_or_backend: str | StorageBackend, **opti
         except GroupError as exc:
             raise StorageLinkError(f"attaching storage needs every rank of the group to attach: {exc}") from exc
     if cache.storage is None:
-        cache.storage = StorageTier(cache)
+        cache.storage = StorageTier(TierContext.of(cache))
     cache.storage.attach(url_or_backend, **options)
     return cache.storage
 

@@ -119,9 +119,8 @@ def fork_cache(cache, memo: dict | None = None, share_kv: bool = False):
     nodes, pools, the executor or the cache itself land on the copies, and a
     field added to ``HiCache`` later is still copied.
     """
-    from hicache_fsm.eviction import Eviction
     from hicache_fsm.executors import ManualExecutor
-    from hicache_fsm.load_back import LoadBacks
+    from hicache_fsm.interfaces import Attached, TierContext
 
     memo = {} if memo is None else memo
     if not isinstance(cache.executor, ManualExecutor):
@@ -150,14 +149,14 @@ def fork_cache(cache, memo: dict | None = None, share_kv: bool = False):
         d[name] = _fork_pool(getattr(cache, name), memo, share_kv)
     d["executor"] = _fork_manual_executor(ex, memo)
     d["tree"] = _fork_tree(cache.tree, memo)
-    d["driver"] = cache.driver.fork(new)
-    d["outbox"] = outbox.fork(new, memo, lambda h: _fork_handle(h, memo, new))
-    d["loads"] = LoadBacks(new)
-    d["eviction"] = Eviction(new)
     d["engine_pages"] = set(cache.engine_pages)
     d["counters"] = Counter(cache.counters)
+    d["group"], d["agreement"] = _copy_value(cache.group, memo), _copy_value(cache.agreement, memo)
+    driver = cache.driver.fork(new.tree, Attached())
+    new.compose(driver, outbox.fork(new.tree, driver, new.executor, driver.attached, new.counters, new.agreement,
+                                    memo, lambda h: _fork_handle(h, memo, new)))
     if storage is not None:
-        d["storage"] = fork_tier(storage, memo, new)
+        new.storage = fork_tier(storage, memo, TierContext.of(new))
     for name, value in cache.__dict__.items():
         if name not in d:
             d[name] = _copy_value(value, memo)

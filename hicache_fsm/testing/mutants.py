@@ -133,7 +133,7 @@ def _double_free_host(p: Patcher) -> None:
         held = node.host_indices
         t = orig(self, node, trigger, *a, **kw)
         if trigger == "write_failed" and held is not None:
-            self.cache.host_allocator.free(held)
+            self.ctx.host_allocator.free(held)
         return t
 
     p.setattr(Driver, "fire", fire)
@@ -178,11 +178,11 @@ def _evict_loading(p: Patcher) -> None:
 
     def evict_host(self, num_tokens):
         freed = orig(self, num_tokens)
-        for n in list(self.cache.tree.nodes()):
+        for n in list(self.tree.nodes()):
             if freed >= num_tokens:
                 break
             if n.state in ("loading", "loading_stored") and not n.children and n.host_ref == 0:
-                self.cache.host_allocator.free(n.host_indices)  # the node still believes it holds them
+                self.host_allocator.free(n.host_indices)  # the node still believes it holds them
                 freed += n.num_tokens
         return freed
 
@@ -196,7 +196,7 @@ def _stale_host_node(p: Patcher) -> None:
     orig = Eviction.evict_host
 
     def evict_host(self, num_tokens):
-        driver = self.cache.driver
+        driver = self.driver
         driver.__dict__["remove"] = lambda node: None  # lazy deletion that never happens
         try:
             return orig(self, num_tokens)
@@ -214,15 +214,15 @@ def _orphan(p: Patcher) -> None:
 
     def evict_host(self, num_tokens):
         freed = orig(self, num_tokens)
-        cache = self.cache
-        for n in list(cache.tree.nodes()):
+        tree = self.tree
+        for n in list(tree.nodes()):
             if freed >= num_tokens:
                 break
             if n.is_root or not n.children or n.state not in ("host", "host_stored") or n.host_ref:
                 continue
-            cache.driver.fire(n, "evict_host")
-            del n.parent.children[cache.tree.child_key(n.namespace, n.token_ids, 0)]
-            del cache.tree._nodes[n.id]  # the bug: unlinked without RadixTree.remove_leaf's check
+            self.driver.fire(n, "evict_host")
+            del n.parent.children[tree.child_key(n.namespace, n.token_ids, 0)]
+            del tree._nodes[n.id]  # the bug: unlinked without RadixTree.remove_leaf's check
             freed += n.num_tokens
         return freed
 
@@ -235,7 +235,7 @@ def _failed_as_backed_up(p: Patcher) -> None:
     orig = Driver.fire
 
     def fire(self, node, trigger, *a, **kw):
-        if trigger == "write_failed" and self.cache.config.write_policy == "write_back":
+        if trigger == "write_failed" and self.hooks.config.write_policy == "write_back":
             trigger = "write_done"
         return orig(self, node, trigger, *a, **kw)
 
@@ -254,7 +254,7 @@ def _ack_early(p: Patcher) -> None:
     def flush(self):
         from hicache_fsm.jobs import Completion, JobKind
 
-        executor = self.cache.executor
+        executor = self.executor
         before = set(executor.pending_job_ids()) if hasattr(executor, "pending_job_ids") else set()
         orig(self)
         for job in self.pending_jobs():
@@ -395,7 +395,7 @@ def _prefetch_double_release(p: Patcher) -> None:
     def abort_prefetch(self, request_id):
         op = self.runtime.active.get(request_id)
         if op is not None and op.host_indices.numel() and not op.io_active:
-            self.cache.host_allocator.free(op.host_indices)
+            self.ctx.host_allocator.free(op.host_indices)
         return orig(self, request_id)
 
     p.setattr(StorageTier, "abort_prefetch", abort_prefetch)
@@ -473,9 +473,9 @@ def _anchor_twice(p: Patcher) -> None:
         op = self.runtime.active.get(request_id)
         if op is not None and op.anchor_pinned:
             if op.anchor_pin == "host":
-                self.cache.unpin_host(op.anchor)
+                self.ctx.unpin_host(op.anchor)
             else:
-                self.cache.unlock(op.anchor)
+                self.ctx.unlock(op.anchor)
         return orig(self, request_id)
 
     p.setattr(StorageTier, "abort_prefetch", abort_prefetch)
@@ -506,7 +506,7 @@ def _drops_only_copy(p: Patcher) -> None:
     orig = Eviction.device_pass
 
     def device_pass(self, num_tokens, tried):
-        config = self.cache.config
+        config = self.config
         policy = config.write_policy
         object.__setattr__(config, "write_policy", "write_through")  # eviction forgets the policy
         try:
@@ -557,7 +557,7 @@ def _lock_leak(p: Patcher) -> None:
         completions = list(completions)
         failed = [self._pending.get(c.job_id) for c in completions if not c.ok]
         out = orig(self, completions)
-        tree = self.cache.tree
+        tree = self.tree
         for job in failed:
             if job is None or job.kind is not JobKind.H2D or not job.node_ids:
                 continue

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from hicache_fsm.interfaces import TierContext
 from hicache_fsm.storage.faults import Fault
 from hicache_fsm.storage.tier import StorageTier
 
@@ -65,7 +66,7 @@ class ManualStorageTier(StorageTier):
         if cache.storage is not None and not isinstance(cache.storage, cls):
             raise ValueError("the cache already has a threaded storage tier")
         if cache.storage is None:
-            cache.storage = cls(cache)
+            cache.storage = cls(TierContext.of(cache))
         cache.storage.attach(url_or_backend, **options)
         return cache.storage
 
