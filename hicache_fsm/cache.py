@@ -39,14 +39,12 @@ import threading
 from collections import Counter
 from typing import Callable, Hashable, Sequence
 
-import attrs
 import torch
 
 from hicache_fsm.acks import AckAgreement
 from hicache_fsm.bindings.residency import LOADING, ON_HOST, ResidencyContext
 from hicache_fsm.config import CacheConfig
 from hicache_fsm.confinement import ThreadOwner
-from hicache_fsm.cp import CPLayout, build_cp_pools
 from hicache_fsm.errors import (
     BadIndices,
     CompletionFailure,
@@ -64,7 +62,6 @@ from hicache_fsm.inspection import (
 from hicache_fsm.eviction import DEVICE_EVICTABLE, HOST_EVICTABLE, RESIDENT, REVIVABLE, Eviction, executor_can_block
 from hicache_fsm.interfaces import Attached
 from hicache_fsm.jobs import Completion, Executor, TransferJob
-from hicache_fsm.layer_write import LayerWriteRuntime
 from hicache_fsm.load_back import CheckedFlush, LoadBacks
 from hicache_fsm.machine import CompiledMachine, compile_machine
 from hicache_fsm.outbox import JobLedger, Outbox
@@ -84,7 +81,6 @@ log = logging.getLogger("hicache_fsm.cache")
 __all__ = [
     "DEVICE_EVICTABLE", "HOST_EVICTABLE", "RESIDENT", "REVIVABLE", "DeviceGrant", "HiCache", "InsertResult",
     "InvariantViolation", "JobLedger", "LoadBack", "LoadCancelled", "LoadHandle", "MatchResult", "cache_from_pools",
-    "CPRank", "build_cp_rank", "build_cp_world",
 ]
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
@@ -775,32 +771,3 @@ class HiCache(StorageCalls):
 def cache_from_pools(pools, config: CacheConfig | None = None, executor: Executor | None = None) -> HiCache:
     """A ``HiCache`` over ``pools.build_pools(...)``'s result (draft pools included)."""
     return HiCache(pools.device, pools.host, config, executor, pools.draft_device, pools.draft_host)
-
-
-@attrs.frozen
-class CPRank:
-    """One simulated CP rank: its layout, pools, cache and layer-write runtime."""
-
-    layout: CPLayout
-    pools: object
-    cache: object
-    writes: LayerWriteRuntime
-
-
-def build_cp_rank(pool_config, world_size: int, rank: int, block_pages: int = 1, cache_config=None,
-                  executor_factory: Callable | None = None) -> CPRank:
-    """Build one rank: ``pool_config.device_tokens`` is the logical device size.
-
-    ``executor_factory(pools)`` makes the executor (a ``TorchExecutor`` over the pools by default).
-    """
-    pools = build_cp_pools(pool_config, world_size, rank, block_pages)
-    executor = executor_factory(pools) if executor_factory is not None else None
-    cache = HiCache(pools.device, pools.host, cache_config, executor, pools.draft_device, pools.draft_host,
-                    dispatcher=compile_machine(load_builtin("residency")))
-    return CPRank(pools.device.layout, pools, cache, LayerWriteRuntime(cache))
-
-
-def build_cp_world(pool_config, world_size: int, block_pages: int = 1, cache_config=None,
-                   executor_factory: Callable | None = None) -> list[CPRank]:
-    return [build_cp_rank(pool_config, world_size, r, block_pages, cache_config, executor_factory)
-            for r in range(world_size)]

@@ -31,7 +31,7 @@ job on a rank that owns none, so completions line up across ranks).
 ``HiCache.load_back`` goes through it when a runtime is attached.
 
 Attach with ``LayerWriteRuntime(cache)``; the cache's device allocator must be
-a ``CPPageAllocator`` (the facade's ``build_cp_rank`` builds a whole rank).
+a ``CPPageAllocator`` (``cp_world.build_cp_rank`` builds a whole rank).
 """
 
 from __future__ import annotations

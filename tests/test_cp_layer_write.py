@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hicache_fsm.bindings.residency import LOADING, ON_DEVICE, ON_HOST
-from hicache_fsm.cache import build_cp_rank, build_cp_world
+from hicache_fsm.cp_world import build_cp_rank, build_cp_world
 from hicache_fsm.config import CacheConfig
 from hicache_fsm.cp import CPLayout, CPPageAllocator, build_cp_pools
 from hicache_fsm.errors import AllocationError, BadIndices, ConfigError, GuardRejected, LayerWriteError

@@ -49,7 +49,7 @@ class CPAdapter(CacheAdapter):
                  draft_layers: int = 1, write_policy: str = "write_back", **config: Any) -> None:
         from hicache_fsm.config import CacheConfig
         from hicache_fsm.executors import ManualExecutor
-        from hicache_fsm.cache import build_cp_rank
+        from hicache_fsm.cp_world import build_cp_rank
         from hicache_fsm.pools import KVShape, PoolConfig
 
         self.world_size, self.layers, self.draft_layers = world_size, layers, draft_layers

@@ -1,0 +1,47 @@
+"""Simulated context-parallel worlds: one ``HiCache`` and layer-write runtime per CP rank.
+
+Built on the facade (like ``simulate``), for tests, the explorer's CP adapter
+and the docs' examples; an engine builds its own ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import attrs
+
+from hicache_fsm.cache import HiCache
+from hicache_fsm.cp import CPLayout, build_cp_pools
+from hicache_fsm.layer_write import LayerWriteRuntime
+from hicache_fsm.machine import compile_machine
+from hicache_fsm.spec import load_builtin
+
+
+@attrs.frozen
+class CPRank:
+    """One simulated CP rank: its layout, pools, cache and layer-write runtime."""
+
+    layout: CPLayout
+    pools: object
+    cache: object
+    writes: LayerWriteRuntime
+
+
+def build_cp_rank(pool_config, world_size: int, rank: int, block_pages: int = 1, cache_config=None,
+                  executor_factory: Callable | None = None) -> CPRank:
+    """Build one rank: ``pool_config.device_tokens`` is the logical device size.
+
+    ``executor_factory(pools)`` makes the executor (a ``TorchExecutor`` over the pools by default).
+    """
+    pools = build_cp_pools(pool_config, world_size, rank, block_pages)
+    executor = executor_factory(pools) if executor_factory is not None else None
+    cache = HiCache(pools.device, pools.host, cache_config, executor, pools.draft_device, pools.draft_host,
+                    dispatcher=compile_machine(load_builtin("residency")))
+    return CPRank(pools.device.layout, pools, cache, LayerWriteRuntime(cache))
+
+
+def build_cp_world(pool_config, world_size: int, block_pages: int = 1, cache_config=None,
+                   executor_factory: Callable | None = None) -> list[CPRank]:
+    """Every rank of a ``world_size`` CP world (``build_cp_rank`` for each)."""
+    return [build_cp_rank(pool_config, world_size, r, block_pages, cache_config, executor_factory)
+            for r in range(world_size)]
