@@ -7,7 +7,6 @@ policy conformance, the keys an engine used (``touched``).
 
 from __future__ import annotations
 
-import copy
 import enum
 from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -15,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from hicache_fsm.testing.adapter import NotSupported, kv_fingerprint
-from hicache_fsm.testing.blockstore.state import canonical
+from hicache_fsm.testing.blockstore.state import canonical, clone
 
 if TYPE_CHECKING:
     from hicache_fsm.testing.blockstore.model import StoreModel
@@ -147,8 +146,8 @@ class BlockStoreAdapter:
     def clone(self) -> BlockStoreAdapter:
         """An independent copy; ``NotSupported`` makes the explorer rebuild states by replay instead."""
         try:
-            return copy.deepcopy(self)
-        except Exception as exc:  # noqa: BLE001 - locks, sockets, C objects: anything deepcopy refuses
+            return clone(self)
+        except Exception as exc:  # noqa: BLE001 - locks, sockets, C objects: anything a deep copy refuses
             raise NotSupported(f"clone: {type(exc).__name__}: {exc}") from None
 
     def describe(self) -> str:

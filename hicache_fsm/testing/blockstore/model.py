@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Hashable, Sequence
 
 import attrs
 
 from hicache_fsm.testing.blockstore.adapter import Key
 from hicache_fsm.testing.blockstore.policies import ReferencePolicy
+from hicache_fsm.testing.blockstore.state import clone
 
 STORING, READABLE = "storing", "readable"
 
@@ -47,4 +47,4 @@ class StoreModel:
 
     def copy(self) -> StoreModel:
         return StoreModel(dict(self.keys), dict(self.reading), dict(self.jobs), list(self.finished),
-                          copy.deepcopy(self.policy))
+                          clone(self.policy))

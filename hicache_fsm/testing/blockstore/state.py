@@ -7,9 +7,13 @@ what has no value to compare (locks, threads, functions) is its type name.
 
 from __future__ import annotations
 
+import copy
 import enum
+from collections import OrderedDict
 from collections.abc import Hashable
 from typing import Any
+
+import attrs
 
 PRIMITIVES = (type(None), bool, int, float, complex, str, bytes)
 REPORTS = ("_evicted", "_touched")  # the adapter's pending reports, drained after every call
@@ -66,3 +70,58 @@ def _fields(obj: Any) -> dict[str, Any] | None:
     if callable(obj) and type(obj).__module__ == "builtins":
         return None
     return fields
+
+
+def clone(obj: Any) -> Any:
+    """A deep copy, several times faster than ``copy.deepcopy`` on plain data (containers, attrs and plain
+    objects); anything with its own copy or pickle hooks goes through ``copy.deepcopy``, whose errors
+    (locks, C objects) propagate."""
+    return _clone(obj, {})
+
+
+_HOOKS = ("__deepcopy__", "__reduce__", "__reduce_ex__", "__getstate__", "__setstate__")
+_PLAIN: dict[type, bool] = {}
+_ATOMS = frozenset(PRIMITIVES)
+
+
+def _clone(obj: Any, memo: dict) -> Any:
+    t = type(obj)
+    if t in _ATOMS or isinstance(obj, (enum.Enum, type)):
+        return obj
+    if t is tuple:
+        if all(type(x) in _ATOMS for x in obj):  # block keys: nothing to copy
+            return obj
+        return tuple([_clone(x, memo) for x in obj])
+    found = memo.get(id(obj))
+    if found is not None:
+        return found
+    if t is list:
+        new = memo[id(obj)] = []
+        new.extend([_clone(x, memo) for x in obj])
+    elif t is dict or t is OrderedDict:
+        new = memo[id(obj)] = t()
+        for k, v in obj.items():
+            new[_clone(k, memo)] = _clone(v, memo)
+    elif t is set or t is frozenset:
+        new = memo[id(obj)] = t(_clone(x, memo) for x in obj)
+    elif _is_plain(t):
+        new = memo[id(obj)] = object.__new__(t)
+        if hasattr(obj, "__dict__"):
+            new.__dict__.update({k: _clone(v, memo) for k, v in obj.__dict__.items()})
+        for cls in t.__mro__:
+            for name in getattr(cls, "__slots__", ()):
+                if name not in ("__dict__", "__weakref__") and hasattr(obj, name):
+                    object.__setattr__(new, name, _clone(getattr(obj, name), memo))
+    else:
+        new = copy.deepcopy(obj, memo)
+        memo[id(obj)] = new
+    return new  # ids in memo stay unique: every original is alive, held by the graph being copied
+
+
+def _is_plain(t: type) -> bool:
+    """Instances are only their attributes: built by ``object.__new__``, no copy or pickle hooks of their own."""
+    if t not in _PLAIN:
+        hooks = _HOOKS[:3] if attrs.has(t) else _HOOKS  # attrs' slot classes pickle their fields: plain too
+        _PLAIN[t] = t.__new__ is object.__new__ and all(
+            getattr(t, hook, None) is getattr(object, hook, None) for hook in hooks)
+    return _PLAIN[t]
