@@ -34,7 +34,7 @@ from collections.abc import Hashable, Iterable, Sequence
 
 import attrs
 
-from hicache_fsm.testing.blockstore import BlockStoreAdapter, StoreJob, value_of
+from hicache_fsm.testing.blockstore import BlockStoreAdapter, StoreJob, canonical, value_of
 
 BUGS = ("inverted_lru", "pending_hit", "unpin_on_finish")
 Key = Hashable
@@ -262,20 +262,16 @@ class KeyedOffloadAdapter(BlockStoreAdapter):
 
     def __init__(self, num_blocks: int = 2, policy: str = "lru", store_threshold: int = 1, bug: str | None = None):
         self.manager = CPUOffloadingManager(num_blocks, policy, store_threshold, bug)
-        self.capacity, self.eviction_policy = num_blocks, policy
-        self.memory: list[int | None] = [None] * num_blocks
-        self.jobs: dict[int, tuple[str, tuple[int, ...]]] = {}
-        self.next_job = 0
-        self.req: ReqContext | None = None
+        self.capacity, self.eviction_policy = num_blocks, policy  # every victim is checked against the policy
+        self.memory, self.jobs = [None] * num_blocks, {}  # CPU blocks; job id -> (kind, block ids)
 
     def begin_request(self, request_id):
         self.req = ReqContext(request_id)
         self.manager.on_new_request(self.req)
 
     def end_request(self, request_id):
-        self.touched(reversed(self.req.hits))  # the policy learns the request's hits, the first block last
+        self.touched(reversed(self.req.hits))  # the policy learns the request's hits, its first block last
         self.manager.on_request_finished(self.req)
-        self.req = None
 
     def lookup(self, keys):  # one answer per key, up to the first that is not a hit (as the scheduler asks)
         answers = []
@@ -291,8 +287,8 @@ class KeyedOffloadAdapter(BlockStoreAdapter):
             return None
         self.evicted(out.evicted_keys)
         counts, threshold = self.manager.counts, self.manager.store_threshold
-        declined = [k for k in keys if counts is not None and counts.get(k, 0) < threshold]
-        if not out.keys_to_store:
+        declined = [k for k in keys if counts is not None and counts.get(k, 0) < threshold]  # the admission filter
+        if not out.keys_to_store:  # all held or declined: nothing to copy
             return StoreJob.nothing(declined)
         return StoreJob(self._job("store", out.block_ids), out.keys_to_store, declined)
 
@@ -300,50 +296,34 @@ class KeyedOffloadAdapter(BlockStoreAdapter):
         return StoreJob(self._job("load", self.manager.prepare_load(keys, self.req)), tuple(keys))
 
     def _job(self, kind, block_ids):
-        self.next_job += 1
-        self.jobs[self.next_job] = (kind, block_ids)
-        return self.next_job
+        job_id = max(self.jobs, default=0) + 1
+        self.jobs[job_id] = (kind, block_ids)
+        return job_id
 
     def complete(self, job, ok):
         kind, block_ids = self.jobs.pop(job.id)
         if kind == "store":
-            if ok:  # the copy wrote each block's KV into its CPU block
-                for key, b in zip(job.keys, block_ids):
-                    self.memory[b] = value_of(key)
-            self.manager.complete_store(job.keys, success=ok)
-            return None
-        values = [self.memory[b] for b in block_ids]  # the copy read the CPU blocks
+            for key, b in zip(job.keys, block_ids):  # the copy wrote each block's KV into its CPU block
+                self.memory[b] = value_of(key) if ok else self.memory[b]
+            return self.manager.complete_store(job.keys, success=ok)
         self.manager.complete_load(job.keys)
-        return values
+        return [self.memory[b] for b in block_ids]  # the copy read the CPU blocks
 
-    def slots(self):
-        return {k: b.block_id for k, b in _blocks(self.manager.policy)}
+    def slots(self):  # LRU keeps one table, ARC two
+        return {k: b.block_id for t in ("blocks", "t1", "t2") for k, b in getattr(self.manager.policy, t, {}).items()}
 
     def free_slots(self):
         return len(self.manager.free_list)
 
-    def state_key(self):  # policy, free list, memory of held blocks, jobs by block ids, counts capped at the threshold
+    def state_key(self):  # the policy, free list, memory of held blocks, jobs, lookup counts capped at the threshold
         m = self.manager
-        counts = () if m.counts is None else tuple(sorted((k, min(c, m.store_threshold)) for k, c in m.counts.items()))
-        memory = tuple(self.memory[b] for b in sorted(self.slots().values()))
-        return _policy_key(m.policy), tuple(m.free_list), memory, tuple(sorted(self.jobs.values())), counts
+        counts = sorted((k, min(c, m.store_threshold)) for k, c in (m.counts or {}).items())
+        memory = [self.memory[b] for b in sorted(self.slots().values())]
+        return canonical(m.policy), tuple(m.free_list), tuple(memory), tuple(sorted(self.jobs.values())), tuple(counts)
 
     def describe(self):
         m = self.manager
-        return f"keyed_offload(blocks={m.num_blocks}, policy={self.eviction_policy}, threshold={m.store_threshold}, bug={m.bug})"
+        return f"keyed_offload({m.num_blocks} blocks, {self.eviction_policy}, threshold {m.store_threshold}, {m.bug})"
 
 
-def _blocks(policy) -> list[tuple[Key, BlockStatus]]:
-    return list(policy.blocks.items()) if isinstance(policy, LRUPolicy) else [*policy.t1.items(), *policy.t2.items()]
-
-
-def _policy_key(policy) -> Hashable:
-    blocks = lambda d: tuple((k, b.block_id, b.ref_cnt) for k, b in d.items())  # noqa: E731
-    if isinstance(policy, LRUPolicy):
-        return blocks(policy.blocks)
-    return policy.target, blocks(policy.t1), blocks(policy.t2), tuple(policy.b1), tuple(policy.b2)
-
-
-def make_adapter(**variant) -> KeyedOffloadAdapter:
-    """The factory ``hicache-fsm fuzz / check --adapter`` takes (``--variant`` passes keyword arguments)."""
-    return KeyedOffloadAdapter(**variant)
+make_adapter = KeyedOffloadAdapter  # the factory ``hicache-fsm fuzz / check --adapter`` takes (``--variant``: its arguments)
