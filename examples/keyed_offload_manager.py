@@ -315,10 +315,10 @@ class KeyedOffloadAdapter(BlockStoreAdapter):
     def free_slots(self):
         return len(self.manager.free_list)
 
-    def state_key(self):  # the policy, free list, memory of held blocks, jobs, lookup counts capped at the threshold
+    def state_key(self):  # the policy, free list, memory of ready blocks, jobs, lookup counts capped at the threshold
         m = self.manager
         counts = sorted((k, min(c, m.store_threshold)) for k, c in (m.counts or {}).items())
-        memory = [self.memory[b] for b in sorted(self.slots().values())]
+        memory = sorted((b, self.memory[b]) for k, b in self.slots().items() if m.policy.get(k).is_ready)
         return canonical(m.policy), tuple(m.free_list), tuple(memory), tuple(sorted(self.jobs.values())), tuple(counts)
 
     def describe(self):
