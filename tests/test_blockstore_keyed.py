@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
+import shlex
 import pathlib
 import sys
 
@@ -125,3 +127,16 @@ def test_reference_lru_evicts_the_least_recently_used(ops, n):
             last_use[(k,)] = t
     oldest = sorted(last_use, key=last_use.get)
     assert ref.choose(set(last_use), n) == (oldest[:n] if len(oldest) >= n else None)
+
+
+def test_the_docs_show_what_check_prints(capsys, monkeypatch):
+    root = EXAMPLE.parent.parent
+    text = (root / "docs" / "fuzzing.md").read_text()
+    section = text[text.index("## Writing a block-store adapter from a blank file"):]
+    block = section[section.index("```text\n$ hicache-fsm check"):].split("```")[1].splitlines()[1:]
+    argv = shlex.split(block[0].removeprefix("$ hicache-fsm "))
+    monkeypatch.chdir(root)
+    assert main(argv) == 1
+    seconds = re.compile(r"\d+\.\ds$")
+    printed = [seconds.sub("_s", line) for line in capsys.readouterr().out.splitlines()]
+    assert printed == [seconds.sub("_s", line) for line in block[1:]]

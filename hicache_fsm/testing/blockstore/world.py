@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -313,7 +314,7 @@ def format_step(step: tuple) -> str:
     return f"{op}({', '.join(fmt(a) if isinstance(a, tuple) else repr(a) for a in args)})"
 
 
-_TAKES_MODEL: dict[Any, bool] = {}
+_TAKES_MODEL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # function -> takes the model
 
 
 def _takes_model(method: Callable[..., Any]) -> bool:
