@@ -122,6 +122,7 @@ class OffloadAdapter(BlockStoreAdapter):
 
     name = "offload_manager"
     redelivery = "caller_guarantees_once"  # as in the engines: the caller acknowledges each job once
+    eviction_policy = "lru"  # every victim is checked against the toolkit's LRU
 
     def __init__(self, num_blocks: int = 2, bug: str | None = None) -> None:
         self.manager = OffloadManager(num_blocks, bug)
@@ -143,10 +144,13 @@ class OffloadAdapter(BlockStoreAdapter):
         if out is None:
             return None
         self.evicted(out.evicted)
+        if not out.to_store:  # all held: nothing to copy, no job
+            return StoreJob.nothing()
         return self._job("store", out.to_store, out.block_ids)
 
     def load(self, keys):
         self.manager.touch(keys)
+        self.touched(keys)
         return self._job("load", tuple(keys), self.manager.prepare_load(keys))
 
     def complete(self, job, ok):

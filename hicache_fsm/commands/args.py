@@ -59,12 +59,35 @@ def adapter_ref(text: str) -> str:
     return text
 
 
+MAX_VARIANT_CHARS = 64 * 1024
+MAX_VARIANT_DEPTH = 32
+
+
 def json_kwargs(text: str) -> dict:
-    """``--variant JSON``: a JSON object of keyword arguments for an adapter factory."""
+    """``--variant JSON``: a JSON object of keyword arguments for an adapter factory (bounded in size and depth)."""
+    if len(text) > MAX_VARIANT_CHARS:
+        raise argparse.ArgumentTypeError(f"longer than {MAX_VARIANT_CHARS} characters")
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
         raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    except RecursionError:
+        raise argparse.ArgumentTypeError(f"nested deeper than {MAX_VARIANT_DEPTH} levels") from None
+    if _depth(value) > MAX_VARIANT_DEPTH:
+        raise argparse.ArgumentTypeError(f"nested deeper than {MAX_VARIANT_DEPTH} levels")
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError("a JSON object of keyword arguments, e.g. '{\"bug\": \"capacity\"}'")
     return value
+
+
+def _depth(value: object) -> int:
+    """How deeply a parsed JSON value nests (iteratively: no recursion on hostile input)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        deepest = max(deepest, depth)
+        if isinstance(item, dict):
+            stack += [(v, depth + 1) for v in item.values()]
+        elif isinstance(item, list):
+            stack += [(v, depth + 1) for v in item]
+    return deepest

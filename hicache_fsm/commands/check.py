@@ -117,35 +117,14 @@ def _check_bounds_are_small(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.adapter:
-        from hicache_fsm.commands._adapters import load_factory, make_block_store
+        from hicache_fsm.commands.block_store import check_block_store
 
-        factory = load_factory(args.adapter)
-        if make_block_store(factory, args.variant or {}) is not None:  # else a prefix cache: Bounds as below
-            return _check_block_store(args, factory)
+        status = check_block_store(args, {})  # bound flags default to None: a value means given  # None: a prefix-cache factory, explored below
+        if status is not None:
+            return status
     elif args.variant is not None:
         raise UsageError("--variant needs --adapter")
     return _check_prefix_cache(args)
-
-
-def _check_block_store(args: argparse.Namespace, factory) -> int:
-    """The block-store profile's explorer: prompts of up to ``--max-len`` blocks (default 3) over the alphabet."""
-    from hicache_fsm.testing.blockstore import StoreBounds, explore_store
-
-    _fill_defaults(args)
-    variant = args.variant or {}
-    bounds = StoreBounds(alphabet=args.alphabet, max_len=args.max_len or 3, max_jobs=args.max_jobs,
-                         max_entries=args.max_entries, max_states=args.max_states, max_seconds=args.max_seconds)
-    result = explore_store(lambda: factory(**variant), bounds, stop_on_first=args.stop_on_first,
-                           max_violations=args.max_violations, progress=None if args.quiet else sys.stderr)
-    out = sys.stderr if args.json else sys.stdout
-    how = "complete" if result.complete else ("stopped at a violation" if result.violations else "INCOMPLETE")
-    print(f"{result.adapter}: {result.states} states, {result.transitions} transitions, max depth {result.max_depth}, "
-          f"{how}, {len(result.violations)} violations, {result.seconds:.1f}s", file=out)
-    for i in range(len(result.violations)):
-        print(result.format_violation(i), file=out)
-    if args.json:
-        print(json.dumps(result.to_json(), sort_keys=True))
-    return 1 if result.violations else 0
 
 
 def bounds_given(args: argparse.Namespace) -> bool:
@@ -230,7 +209,7 @@ def _check_prefix_cache(args: argparse.Namespace) -> int:
 
     factory = hicache_factory
     if args.adapter:
-        from hicache_fsm.commands._adapters import load_factory
+        from hicache_fsm.commands.adapter_factory import load_factory
 
         factory = load_factory(args.adapter)
     policies = list(WRITE_POLICIES) if args.write_policy == "all" else [args.write_policy]

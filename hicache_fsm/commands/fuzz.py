@@ -52,11 +52,13 @@ def run(args: argparse.Namespace) -> int:
     if args.variant and not args.adapter:
         raise UsageError("--variant needs --adapter")
     if args.adapter:
-        from hicache_fsm.commands._adapters import import_lines, load_factory, make_block_store
+        from hicache_fsm.commands.adapter_factory import import_lines, load_factory
+        from hicache_fsm.commands.block_store import fuzz_block_store
 
+        status = fuzz_block_store(args, variants, _report)  # None: a prefix-cache factory, fuzzed below
+        if status is not None:
+            return status
         factory = load_factory(args.adapter)
-        if make_block_store(factory, variants[0]) is not None:
-            return _fuzz_block_store(args, factory, variants)
         machine = CacheProtocolMachine.bind(factory, name="AdapterMachine", coverage=cov, variants=variants)
         machine_import = (f"from hicache_fsm.testing import CacheProtocolMachine\n"
                           f"{import_lines(args.adapter, '_factory')}\n"
@@ -107,19 +109,3 @@ def failure_line(result) -> str:
              and not s.strip().startswith("state.teardown")]
     return f"{head} (at step {len(steps)})" if steps else head
 
-
-def _fuzz_block_store(args: argparse.Namespace, factory, variants: list[dict]) -> int:
-    """The block-store profile's machine (``testing.blockstore``) instead of the prefix-cache one."""
-    from hicache_fsm.commands._adapters import import_lines
-    from hicache_fsm.testing.blockstore import run_store_fuzz
-
-    machine_import = (f"from hicache_fsm.testing.blockstore import store_machine\n"
-                      f"{import_lines(args.adapter, '_factory')}\n"
-                      f"BlockStoreMachine = store_machine(_factory, variants={variants!r})")
-    result = run_store_fuzz(factory, variants=variants, examples=args.examples, steps=args.steps, seed=args.seed,
-                            progress=None if args.quiet else sys.stderr, shrink=not args.no_shrink,
-                            machine_import=machine_import)
-    _report(result, args, sys.stderr if args.json else sys.stdout)
-    if args.json:
-        print(json.dumps(result.to_json(), sort_keys=True))
-    return 0 if result.ok else 1

@@ -1,9 +1,11 @@
-"""Load a user's adapter factory named on the command line (``module:attr`` or ``path.py:attr``)."""
+"""Load a user's adapter factory named on the command line (``module:attr`` or ``path.py:attr``) and tell
+which profile it belongs to (block store or prefix cache)."""
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -56,18 +58,50 @@ def import_lines(ref: str, name: str) -> str:
     return f"from {where} import {attr} as {name}"
 
 
-def make_block_store(factory: Callable[..., Any], variant: dict) -> Any:
-    """``factory(**variant)`` when that makes a ``BlockStoreAdapter`` (the block-store profile), else None
-    (a prefix-cache factory: ``check`` calls those with the ``Bounds``)."""
+def make_block_store(factory: Callable[..., Any], variant: dict, ref: str) -> Any:
+    """``factory(**variant)`` when ``factory`` makes ``BlockStoreAdapter``s; None when it makes prefix caches
+    (``CacheAdapter``s, or it wants the explorer's ``Bounds``). ``UsageError`` when the variant does not fit a
+    block-store factory, the factory fails, or it makes something else (None included)."""
+    from hicache_fsm.testing.adapter import CacheAdapter
     from hicache_fsm.testing.blockstore import BlockStoreAdapter
 
     try:
         made = factory(**variant)
-    except TypeError:
-        return None
+    except TypeError as exc:
+        probe = _probe(factory)  # a block-store factory without the variant? then the variant is what is wrong
+        if isinstance(probe, BlockStoreAdapter) or (variant and isinstance(probe, CacheAdapter)):
+            raise UsageError(f"--variant {_short(variant)} does not fit {ref}: {exc}") from None
+        return None  # a prefix-cache factory taking the Bounds
+    except Exception as exc:  # the user's factory: any failure is a bad --adapter / --variant
+        raise UsageError(f"--adapter {ref}{_with(variant)} raised {type(exc).__name__}: {exc}") from None
     if isinstance(made, BlockStoreAdapter):
         return made
+    if isinstance(made, CacheAdapter):
+        _close(made)
+        return None
+    raise UsageError(f"--adapter {ref}{_with(variant)} returned {type(made).__name__}, "
+                     "not a BlockStoreAdapter or CacheAdapter")
+
+
+def _probe(factory: Callable[..., Any]) -> Any:
+    try:
+        made = factory()
+    except Exception:  # noqa: BLE001 - only asking whether it makes a block store without arguments
+        return None
+    _close(made)
+    return made
+
+
+def _close(made: Any) -> None:
     close = getattr(made, "close", None)
     if callable(close):
         close()
-    return None
+
+
+def _with(variant: dict) -> str:
+    return f" with --variant {_short(variant)}" if variant else ""
+
+
+def _short(variant: dict) -> str:
+    text = json.dumps(variant, sort_keys=True)
+    return text if len(text) <= 80 else text[:77] + "..."

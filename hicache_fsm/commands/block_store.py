@@ -1,0 +1,130 @@
+"""``check`` and ``fuzz`` for a block-store ``--adapter`` (the ``testing.blockstore`` profile).
+
+Each command calls ``check_block_store`` / ``fuzz_block_store`` first when
+``--adapter`` is given; they return None for a prefix-cache factory (the
+command goes on as before) and an exit status otherwise. Flags that only mean
+something for a prefix cache are refused (usage error, exit 2); a ``--variant``
+that does not fit the factory is a usage error, never a run of another machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from hicache_fsm.commands.adapter_factory import import_lines, load_factory, make_block_store
+from hicache_fsm.commands.args import UsageError
+
+INTERRUPTED = 130  # 128 + SIGINT, as shells report it
+# check flags a block store has no use for, with the value meaning "not given"
+CHECK_ONLY_FOR_PREFIX_CACHES = ("nodes", "device_pages", "host_pages", "layers", "page_size", "locks", "pins",
+                                "write_policy", "eviction_policy", "track_hits", "max_seconds", "coverage", "record")
+FUZZ_ONLY_FOR_PREFIX_CACHES = ("coverage", "record")
+
+
+def check_block_store(args: argparse.Namespace, defaults: dict) -> int | None:
+    """Explore a block store; None when ``--adapter`` makes prefix caches (``--variant`` is then refused).
+    ``defaults``: the check parser's defaults, to tell which flags were given."""
+    factory = load_factory(args.adapter)
+    variant = args.variant or {}
+    first = make_block_store(factory, variant, args.adapter)
+    if first is None:
+        if args.variant is not None:
+            raise UsageError(f"--variant is for block-store factories; {args.adapter} makes prefix caches")
+        return None
+    _refuse_flags(args, CHECK_ONLY_FOR_PREFIX_CACHES, defaults)
+    if args.max_jobs < 1:
+        raise UsageError(f"--max-jobs {args.max_jobs} is not a positive integer")
+    if args.max_entries is not None and args.max_entries < 0:
+        raise UsageError(f"--max-entries {args.max_entries} is not a non-negative integer")
+    from hicache_fsm.testing.blockstore import StoreBounds, StoreWorld, explore_store
+
+    _check_world(StoreWorld, first, args.adapter)
+    bounds = StoreBounds(alphabet=args.alphabet or 2, max_len=args.max_len or 3, max_jobs=args.max_jobs,
+                         max_entries=args.max_entries, max_states=args.max_states,
+                         max_depth=getattr(args, "max_depth", None), redeliver=not args.no_redeliver)
+    progress = None if args.quiet or not sys.stderr.isatty() else sys.stderr
+    with _sigterm_interrupts():
+        result = explore_store(lambda: factory(**variant), bounds, stop_on_first=args.stop_on_first,
+                               max_violations=args.max_violations, progress=progress)
+    out = sys.stderr if args.json else sys.stdout
+    how = {"complete": "complete", "violation": "stopped at a violation", "interrupted": "INTERRUPTED",
+           "max_states": "INCOMPLETE (--max-states reached)", "max_depth": "INCOMPLETE (depth bound reached)"}
+    print(f"{result.adapter}: {result.states} states, {result.transitions} transitions, max depth {result.max_depth}, "
+          f"{how[result.stopped]}, {len(result.violations)} violations, {result.seconds:.1f}s", file=out)
+    for i in range(len(result.violations)):
+        print(result.format_violation(i), file=out)
+    if args.json:
+        print(json.dumps(result.to_json(), sort_keys=True))
+    if result.violations:
+        return 1
+    return INTERRUPTED if result.stopped == "interrupted" else 0
+
+
+def fuzz_block_store(args: argparse.Namespace, variants: list[dict],
+                     report: Callable[[Any, argparse.Namespace, Any], None]) -> int | None:
+    """Fuzz a block store; None when ``--adapter`` makes prefix caches. Every ``--variant`` is tried first;
+    ``report`` prints the outcome as the fuzz command does."""
+    factory = load_factory(args.adapter)
+    made = [make_block_store(factory, v, args.adapter) for v in variants]
+    if all(m is None for m in made):
+        return None
+    if any(m is None for m in made):
+        raise UsageError(f"--adapter {args.adapter}: some --variant make block stores, others not")
+    _refuse_flags(args, FUZZ_ONLY_FOR_PREFIX_CACHES, {})
+    from hicache_fsm.testing.blockstore import StoreWorld, run_store_fuzz
+
+    for adapter in made:
+        _check_world(StoreWorld, adapter, args.adapter)
+    machine_import = (f"from hicache_fsm.testing.blockstore import store_machine\n"
+                      f"{import_lines(args.adapter, '_factory')}\n"
+                      f"BlockStoreMachine = store_machine(_factory, variants={variants!r})")
+    result = run_store_fuzz(factory, variants=variants, examples=args.examples, steps=args.steps, seed=args.seed,
+                            progress=None if args.quiet else sys.stderr, shrink=not args.no_shrink,
+                            machine_import=machine_import)
+    report(result, args, sys.stderr if args.json else sys.stdout)
+    if args.json:
+        print(json.dumps(result.to_json(), sort_keys=True))
+    return 0 if result.ok else 1
+
+
+def _refuse_flags(args: argparse.Namespace, names: tuple[str, ...], defaults: dict) -> None:
+    given = [n for n in names if hasattr(args, n) and getattr(args, n) != defaults.get(n, _unset(args, n))]
+    if given:
+        flags = ", ".join("--" + n.replace("_", "-") for n in given)
+        raise UsageError(f"{flags}: not for a block store (its bounds: --alphabet, --max-len, --max-jobs, "
+                         f"--max-entries, --max-states)")
+
+
+def _unset(args: argparse.Namespace, name: str) -> Any:
+    return False if isinstance(getattr(args, name), bool) else None
+
+
+def _check_world(world_cls: Callable[..., Any], adapter: Any, ref: str) -> None:
+    try:
+        world_cls(adapter)
+    except ValueError as exc:
+        raise UsageError(f"--adapter {ref}: {exc}") from None
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM ends the search like Ctrl-C (a partial result is printed) while the block is running."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

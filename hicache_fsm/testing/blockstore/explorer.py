@@ -1,0 +1,177 @@
+"""The bounded explorer: breadth-first over every state a block store reaches, shortest counterexamples.
+
+Bounded by the model only (prompts, jobs in flight, entries, states, depth),
+never by the clock: the same bounds give the same verdict on any machine. The
+clock only paces the progress line. Ctrl-C (or SIGTERM, when the caller maps it
+to ``KeyboardInterrupt``) ends the search with a partial result
+(``complete: false``, ``stopped: "interrupted"``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import TextIO
+
+import attrs
+
+from hicache_fsm.testing.blockstore.adapter import BlockStoreAdapter, Key, chain
+from hicache_fsm.testing.blockstore.world import StoreWorld, format_step
+
+PROGRESS_EVERY_S = 1.0
+
+
+@attrs.frozen
+class StoreBounds:
+    """Prompts of 1..``max_len`` blocks over ``alphabet`` page ids, at most ``max_jobs`` jobs in flight and
+    ``max_entries`` keys held (a state beyond is checked, not expanded); at most ``max_states`` states
+    (exactly) and ``max_depth`` steps from the start; ``redeliver``: try re-delivering finished acks."""
+
+    alphabet: int = 2
+    max_len: int = 3
+    max_jobs: int = 2
+    max_entries: int | None = None
+    max_states: int | None = None
+    max_depth: int | None = None
+    redeliver: bool = True
+
+
+def prompts_for(bounds: StoreBounds) -> list[tuple[Key, ...]]:
+    return [chain(p) for n in range(1, bounds.max_len + 1)
+            for p in itertools.product(range(bounds.alphabet), repeat=n)]
+
+
+@attrs.define
+class StoreExploreResult:
+    adapter: str
+    states: int = 0
+    transitions: int = 0
+    max_depth: int = 0
+    seconds: float = 0.0
+    complete: bool = False
+    stopped: str = "complete"  # complete | violation | max_states | max_depth | interrupted
+    violations: list[tuple[tuple[str, ...], tuple[tuple, ...]]] = attrs.Factory(list)
+
+    def format_violation(self, i: int = 0) -> str:
+        problems, trace = self.violations[i]
+        lines = [f"violation after {len(trace)} steps:"]
+        lines += [f"  {n + 1:2d}. {format_step(s)}" for n, s in enumerate(trace)]
+        return "\n".join(lines + [f"  ! {p}" for p in problems])
+
+    def to_json(self) -> dict:
+        return {"adapter": self.adapter, "states": self.states, "transitions": self.transitions,
+                "max_depth": self.max_depth, "complete": self.complete, "stopped": self.stopped,
+                "seconds": round(self.seconds, 3), "violations": len(self.violations),
+                "counterexamples": [{"problems": list(p), "steps": [format_step(s) for s in t]}
+                                    for p, t in self.violations]}
+
+
+def explore_store(factory: Callable[[], BlockStoreAdapter], bounds: StoreBounds = StoreBounds(), *,
+                  stop_on_first: bool = False, max_violations: int = 5,
+                  progress: TextIO | None = None) -> StoreExploreResult:
+    """Breadth-first over every state ``factory()`` reaches within ``bounds``; shortest counterexamples.
+
+    ``progress`` gets a line now and then (states, depth, rate) and a last line.
+    Job ids are the adapter's; the model keys jobs by kind and keys, so the
+    adapter's ``state_key`` should not carry job ids either.
+    """
+    t0 = time.perf_counter()
+    root = StoreWorld(factory(), factory)
+    result = StoreExploreResult(root.adapter.describe())
+    search = _Search(root, bounds, result, stop_on_first, max_violations)
+    ticker = _Ticker(progress, t0)
+    try:
+        while search.queue and not search.stopped:
+            search.expand(*search.queue.popleft())
+            ticker.tick(search)
+    except KeyboardInterrupt:
+        search.stopped = "interrupted"
+    result.states = len(search.parents)
+    result.complete = not search.queue and not search.stopped and not search.pruned
+    result.stopped = search.stopped or ("max_depth" if search.pruned else "complete")
+    result.seconds = time.perf_counter() - t0
+    ticker.done(result)
+    return result
+
+
+class _Search:
+    """The frontier and what was seen; ``expand`` tries every step of one state."""
+
+    def __init__(self, root: StoreWorld, bounds: StoreBounds, result: StoreExploreResult, stop_on_first: bool,
+                 max_violations: int) -> None:
+        self.bounds, self.result = bounds, result
+        self.stop_on_first, self.max_violations = stop_on_first, max_violations
+        self.prompts = prompts_for(bounds)
+        key = root.key()
+        self.parents: dict = {key: (None, None)}
+        self.queue = deque([(root, key, 0)])
+        self.seen_kinds: set[str] = set()
+        self.stopped: str | None = None
+        self.pruned = False
+        self.depth = 0
+
+    def expand(self, world: StoreWorld, key, depth: int) -> None:
+        self.depth = depth
+        b = self.bounds
+        if b.max_depth is not None and depth >= b.max_depth:
+            self.pruned = True
+            return
+        for step in world.steps(self.prompts, b.max_jobs, b.redeliver):
+            child = world.clone()
+            problems = child.do(*step)
+            self.result.transitions += 1
+            if problems:
+                self._violation(problems, key, step)
+                if self.stopped:
+                    return
+                continue
+            ckey = child.key()
+            if ckey in self.parents:
+                continue
+            if b.max_states is not None and len(self.parents) >= b.max_states:
+                self.stopped = "max_states"
+                return
+            self.parents[ckey] = (key, step)
+            if b.max_entries is None or len(child.model.keys) <= b.max_entries:
+                self.queue.append((child, ckey, depth + 1))
+                self.result.max_depth = max(self.result.max_depth, depth + 1)
+
+    def _violation(self, problems: list[str], key, step: tuple) -> None:
+        kinds = {p.split(":")[0] for p in problems}
+        if not self.stop_on_first and kinds <= self.seen_kinds:
+            return
+        self.seen_kinds |= kinds
+        trace, k = [step], key
+        while self.parents[k][0] is not None:
+            trace.append(self.parents[k][1])
+            k = self.parents[k][0]
+        self.result.violations.append((tuple(problems), tuple(reversed(trace))))
+        if self.stop_on_first or len(self.result.violations) >= self.max_violations:
+            self.stopped = "violation"
+
+
+class _Ticker:
+    """A progress line about once a second (a terminal gets it redrawn in place)."""
+
+    def __init__(self, out: TextIO | None, t0: float) -> None:
+        self.out, self.t0, self.last = out, t0, t0
+        self.live = out is not None and out.isatty()
+
+    def tick(self, search: _Search) -> None:
+        now = time.perf_counter()
+        if self.out is None or now - self.last < PROGRESS_EVERY_S:
+            return
+        self.last = now
+        states = len(search.parents)
+        line = (f"explore: {states} states, depth {search.depth}, {len(search.queue)} queued, "
+                f"{states / max(now - self.t0, 1e-9):.0f} states/s")
+        print(f"\r{line}" if self.live else line, end="" if self.live else "\n", file=self.out, flush=True)
+
+    def done(self, result: StoreExploreResult) -> None:
+        if self.out is None:
+            return
+        print(f"{chr(13) if self.live else ''}explore: {result.stopped}: {result.states} states, "
+              f"{result.transitions} transitions, depth {result.max_depth}, {len(result.violations)} violations, "
+              f"{result.seconds:.1f}s", file=self.out, flush=True)
