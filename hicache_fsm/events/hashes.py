@@ -67,40 +67,97 @@ def request_hashes(tokens: Sequence[int], page_size: int, namespace: Hashable = 
     return [_int64(d) for d in chained_digests(tokens, page_size, _seed(namespace))]
 
 
-class NodeKeys:
-    """Page digests and int64 hashes per live node id; a split slices them, a removal forgets them."""
+class PageChain:
+    """One node's run of pages in the key chain, hashed on first ask and then kept.
+
+    Built on the serving thread from immutable facts only (the node's token
+    tuple and its parent's chain, or a slice of a chain split in two), so the
+    SHA-256 work can run later on any thread: the publisher's sender thread
+    renders queued events while the tree goes on changing. Each page is
+    hashed once in its chain's life; a split slices the digests.
+    """
+
+    __slots__ = ("page_size", "_todo", "_digests", "_ints")
+
+    def __init__(self, page_size: int, todo: tuple) -> None:
+        self.page_size = page_size
+        # ("tokens", tokens, parent chain or None, namespace) or ("slice", chain, first page, end page)
+        self._todo: tuple | None = todo
+        self._digests: list[bytes] | None = None
+        self._ints: list[int] | None = None
+
+    @classmethod
+    def of_tokens(cls, page_size: int, tokens: Sequence[int], parent: "PageChain | None",
+                  namespace: Hashable) -> "PageChain":
+        return cls(page_size, ("tokens", tokens, parent, namespace))
+
+    def sliced(self, first: int, end: int | None) -> "PageChain":
+        """Pages ``first:end`` of this chain (the halves of a split node)."""
+        return PageChain(self.page_size, ("slice", self, first, end))
+
+    def digests(self) -> list[bytes]:
+        """The 32-byte page digests; ``StorageKeyError`` if a token id does not fit 32 bits."""
+        digests = self._digests
+        if digests is None:
+            todo = self._todo
+            if todo is None:  # another thread finished it between the two reads
+                return self._digests  # type: ignore[return-value]
+            if todo[0] == "slice":
+                digests = todo[1].digests()[todo[2] : todo[3]]
+            else:
+                _, tokens, parent, namespace = todo
+                prior = _seed(namespace) if parent is None else parent.digests()[-1]
+                digests = chained_digests(tokens, self.page_size, prior)
+            self._digests = digests
+            self._todo = None  # the tokens and the parent chain are no longer needed
+        return digests
+
+    def int_keys(self) -> list[int]:
+        """The pages' int64 block hashes (SGLang's form)."""
+        ints = self._ints
+        if ints is None:
+            from_bytes = int.from_bytes
+            ints = self._ints = [from_bytes(d[:8], "big", signed=True) for d in self.digests()]
+        return ints
+
+    def last_int_key(self) -> int:
+        return self.int_keys()[-1]
+
+
+class NodeChains:
+    """The :class:`PageChain` of each live node id; a split slices it, a removal forgets it.
+
+    Only cheap bookkeeping runs here (the serving thread): no page is hashed.
+    """
 
     def __init__(self, page_size: int) -> None:
         self.page_size = page_size
-        self._keys: dict[int, tuple[list[bytes], list[int]]] = {}
+        self._chains: dict[int, PageChain] = {}
 
-    def _entry(self, node: TreeNode) -> tuple[list[bytes], list[int]]:
-        entry = self._keys.get(node.id)
-        if entry is None:
-            parent = node.parent
-            prior = _seed(node.namespace) if parent is None or parent.is_root else self._entry(parent)[0][-1]
-            digests = chained_digests(node.key, self.page_size, prior)
-            from_bytes = int.from_bytes
-            entry = self._keys[node.id] = (digests, [from_bytes(d[:8], "big", signed=True) for d in digests])
-        return entry
-
-    def int_keys(self, node: TreeNode) -> list[int]:
-        return self._entry(node)[1]
-
-    def parent_hash(self, node: TreeNode) -> int | None:
-        parent = node.parent
-        return None if parent is None or parent.is_root else self._entry(parent)[1][-1]
+    def chain(self, node: TreeNode) -> PageChain | None:
+        """``node``'s chain (``None`` for the root), made for it and any unchained ancestor on first ask."""
+        chains = self._chains
+        chain = chains.get(node.id)
+        if chain is not None or node.is_root:
+            return chain
+        missing = []
+        while chain is None and not node.is_root:
+            missing.append(node)
+            node = node.parent  # type: ignore[assignment]
+            chain = chains.get(node.id)
+        for n in reversed(missing):
+            chain = chains[n.id] = PageChain.of_tokens(self.page_size, n.key, chain, n.namespace)
+        return chain
 
     def split(self, node: TreeNode, upper: TreeNode) -> None:
-        entry = self._keys.pop(node.id, None)
-        if entry is not None:
+        chain = self._chains.pop(node.id, None)
+        if chain is not None:
             pages = upper.num_tokens // self.page_size
-            digests, ints = entry
-            self._keys[upper.id] = (digests[:pages], ints[:pages])
-            self._keys[node.id] = (digests[pages:], ints[pages:])
+            self._chains[upper.id] = chain.sliced(0, pages)
+            self._chains[node.id] = chain.sliced(pages, None)
 
     def forget(self, node: TreeNode) -> None:
-        self._keys.pop(node.id, None)
+        self._chains.pop(node.id, None)
 
     def clear(self) -> None:
-        self._keys.clear()
+        self._chains.clear()
