@@ -67,6 +67,30 @@ def request_hashes(tokens: Sequence[int], page_size: int, namespace: Hashable = 
     return [_int64(d) for d in chained_digests(tokens, page_size, _seed(namespace))]
 
 
+KeySpan = tuple[tuple[int, ...], int, int]  # (token tuple, start, end): a node's key without copying it
+
+
+def key_span(node: TreeNode) -> KeySpan:
+    """``node``'s key as (tuple, start, end), without slicing it.
+
+    A new node's key is a lazy slice of the request's tuple; reading
+    ``node.key`` would copy thousands of ids on the serving thread (and keep
+    the copy for the node's life), which measured as most of what events
+    cost. The span is taken now, while it is the node's key (a split changes
+    it later), and sliced when the event is rendered.
+    """
+    key = node._key  # radix keeps the key lazy; TreeNode has no public (source, start) accessor yet
+    if key is not None:
+        return key, 0, len(key)
+    source = node._key_source
+    return source, node._key_start, len(source)
+
+
+def span_tokens(span: KeySpan) -> tuple[int, ...]:
+    source, start, end = span
+    return source if start == 0 and end == len(source) else source[start:end]
+
+
 class PageChain:
     """One node's run of pages in the key chain, hashed on first ask and then kept.
 
@@ -81,15 +105,14 @@ class PageChain:
 
     def __init__(self, page_size: int, todo: tuple) -> None:
         self.page_size = page_size
-        # ("tokens", tokens, parent chain or None, namespace) or ("slice", chain, first page, end page)
+        # ("tokens", key span, parent chain or None, namespace) or ("slice", chain, first page, end page)
         self._todo: tuple | None = todo
         self._digests: list[bytes] | None = None
         self._ints: list[int] | None = None
 
     @classmethod
-    def of_tokens(cls, page_size: int, tokens: Sequence[int], parent: "PageChain | None",
-                  namespace: Hashable) -> "PageChain":
-        return cls(page_size, ("tokens", tokens, parent, namespace))
+    def of_span(cls, page_size: int, span: "KeySpan", parent: "PageChain | None", namespace: Hashable) -> "PageChain":
+        return cls(page_size, ("tokens", span, parent, namespace))
 
     def sliced(self, first: int, end: int | None) -> "PageChain":
         """Pages ``first:end`` of this chain (the halves of a split node)."""
@@ -105,9 +128,9 @@ class PageChain:
             if todo[0] == "slice":
                 digests = todo[1].digests()[todo[2] : todo[3]]
             else:
-                _, tokens, parent, namespace = todo
+                _, span, parent, namespace = todo
                 prior = _seed(namespace) if parent is None else parent.digests()[-1]
-                digests = chained_digests(tokens, self.page_size, prior)
+                digests = chained_digests(span_tokens(span), self.page_size, prior)
             self._digests = digests
             self._todo = None  # the tokens and the parent chain are no longer needed
         return digests
@@ -146,7 +169,7 @@ class NodeChains:
             node = node.parent  # type: ignore[assignment]
             chain = chains.get(node.id)
         for n in reversed(missing):
-            chain = chains[n.id] = PageChain.of_tokens(self.page_size, n.key, chain, n.namespace)
+            chain = chains[n.id] = PageChain.of_span(self.page_size, key_span(n), chain, n.namespace)
         return chain
 
     def split(self, node: TreeNode, upper: TreeNode) -> None:

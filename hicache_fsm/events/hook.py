@@ -24,7 +24,7 @@ import time
 from typing import TYPE_CHECKING, Callable, Hashable
 
 from hicache_fsm.errors import ConfigError
-from hicache_fsm.events.hashes import NodeChains
+from hicache_fsm.events.hashes import NodeChains, key_span
 from hicache_fsm.events.names import MEDIUMS, parse_event
 from hicache_fsm.events.pending import CLEARED_RECORD, REMOVED, STORED, PendingBatch, takes_pending
 from hicache_fsm.events.schema import KVEventBatch
@@ -109,7 +109,7 @@ class KVEventHook:
             lora_id, lora_name = _lora(node.namespace)
             parent = node.parent
             parent_chain = None if parent is None or parent.is_root else self._chains.chain(parent)
-            record = (STORED, MEDIUMS[tier], chain, parent_chain, node.key, self.page_size, lora_id, lora_name)
+            record = (STORED, MEDIUMS[tier], chain, parent_chain, key_span(node), self.page_size, lora_id, lora_name)
         else:
             record = (REMOVED, MEDIUMS[tier], chain)
         self._pending.append(record)

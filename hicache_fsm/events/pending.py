@@ -2,7 +2,7 @@
 
 The hook on the serving thread records each event as a tuple of facts that
 do not change afterwards (the node's :class:`~hicache_fsm.events.hashes.PageChain`,
-its parent's, its token tuple, the medium). Hashing the pages and building the
+its parent's, the span of the request tuple that is its key, the medium). Hashing the pages and building the
 msgspec structs is the costly part; :meth:`PendingBatch.render` does it, once.
 A sink marked with :func:`accepts_pending` (``ZmqEventPublisher.publish``)
 receives the ``PendingBatch`` itself and renders it on its own thread, so the
@@ -15,12 +15,12 @@ from __future__ import annotations
 from typing import Callable, TypeVar
 
 from hicache_fsm.errors import StorageKeyError
-from hicache_fsm.events.hashes import PageChain
+from hicache_fsm.events.hashes import span_tokens
 from hicache_fsm.events.schema import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 F = TypeVar("F", bound=Callable)
 
-# Records: (STORED, medium, chain, parent chain or None, tokens, page size, lora_id, lora_name),
+# Records: (STORED, medium, chain, parent chain or None, key span, page size, lora_id, lora_name),
 # (REMOVED, medium, chain), (CLEARED,).
 STORED, REMOVED, CLEARED = 0, 1, 2
 CLEARED_RECORD = (CLEARED,)
@@ -70,9 +70,9 @@ class PendingBatch:
 def _event(record: tuple):
     kind = record[0]
     if kind == STORED:
-        _, medium, chain, parent, tokens, page_size, lora_id, lora_name = record
-        return BlockStored(chain.int_keys(), None if parent is None else parent.last_int_key(), tokens, page_size,
-                           lora_id, medium, lora_name)
+        _, medium, chain, parent, span, page_size, lora_id, lora_name = record
+        return BlockStored(chain.int_keys(), None if parent is None else parent.last_int_key(), span_tokens(span),
+                           page_size, lora_id, medium, lora_name)
     if kind == REMOVED:
         return BlockRemoved(record[2].int_keys(), record[1])
     return AllBlocksCleared()
