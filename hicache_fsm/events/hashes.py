@@ -86,9 +86,36 @@ def key_span(node: TreeNode) -> KeySpan:
     return source, node._key_start, len(source)
 
 
-def span_tokens(span: KeySpan) -> tuple[int, ...]:
+def span_tokens(span: KeySpan, recent: "RecentSlices | None" = None) -> tuple[int, ...]:
+    """The tokens of ``span``; ``recent`` hands back a slice it made for the same span."""
     source, start, end = span
-    return source if start == 0 and end == len(source) else source[start:end]
+    if start == 0 and end == len(source):
+        return source
+    return source[start:end] if recent is None else recent.get(source, start, end)
+
+
+class RecentSlices:
+    """The last few span slices made while rendering, so a node's tokens are copied once, not per use.
+
+    A node's key is sliced for its page hashes and again for each ``BlockStored``
+    (device, then host a few batches later); each slice reads thousands of
+    scattered int objects. Used by one rendering thread at a time.
+    """
+
+    def __init__(self, size: int = 8) -> None:
+        self.size = size
+        self._slices: dict[tuple[int, int, int], tuple[tuple, tuple[int, ...]]] = {}
+
+    def get(self, source: tuple[int, ...], start: int, end: int) -> tuple[int, ...]:
+        key = (id(source), start, end)
+        hit = self._slices.get(key)
+        if hit is not None and hit[0] is source:
+            return hit[1]
+        tokens = source[start:end]
+        if len(self._slices) >= self.size:
+            del self._slices[next(iter(self._slices))]
+        self._slices[key] = (source, tokens)  # holding ``source`` keeps its id from being reused
+        return tokens
 
 
 class PageChain:
@@ -118,7 +145,7 @@ class PageChain:
         """Pages ``first:end`` of this chain (the halves of a split node)."""
         return PageChain(self.page_size, ("slice", self, first, end))
 
-    def digests(self) -> list[bytes]:
+    def digests(self, recent: RecentSlices | None = None) -> list[bytes]:
         """The 32-byte page digests; ``StorageKeyError`` if a token id does not fit 32 bits."""
         digests = self._digests
         if digests is None:
@@ -126,25 +153,25 @@ class PageChain:
             if todo is None:  # another thread finished it between the two reads
                 return self._digests  # type: ignore[return-value]
             if todo[0] == "slice":
-                digests = todo[1].digests()[todo[2] : todo[3]]
+                digests = todo[1].digests(recent)[todo[2] : todo[3]]
             else:
                 _, span, parent, namespace = todo
-                prior = _seed(namespace) if parent is None else parent.digests()[-1]
-                digests = chained_digests(span_tokens(span), self.page_size, prior)
+                prior = _seed(namespace) if parent is None else parent.digests(recent)[-1]
+                digests = chained_digests(span_tokens(span, recent), self.page_size, prior)
             self._digests = digests
             self._todo = None  # the tokens and the parent chain are no longer needed
         return digests
 
-    def int_keys(self) -> list[int]:
+    def int_keys(self, recent: RecentSlices | None = None) -> list[int]:
         """The pages' int64 block hashes (SGLang's form)."""
         ints = self._ints
         if ints is None:
             from_bytes = int.from_bytes
-            ints = self._ints = [from_bytes(d[:8], "big", signed=True) for d in self.digests()]
+            ints = self._ints = [from_bytes(d[:8], "big", signed=True) for d in self.digests(recent)]
         return ints
 
-    def last_int_key(self) -> int:
-        return self.int_keys()[-1]
+    def last_int_key(self, recent: RecentSlices | None = None) -> int:
+        return self.int_keys(recent)[-1]
 
 
 class NodeChains:

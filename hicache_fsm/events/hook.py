@@ -24,7 +24,7 @@ import time
 from typing import TYPE_CHECKING, Callable, Hashable
 
 from hicache_fsm.errors import ConfigError
-from hicache_fsm.events.hashes import NodeChains, key_span
+from hicache_fsm.events.hashes import NodeChains, RecentSlices, key_span
 from hicache_fsm.events.names import MEDIUMS, parse_event
 from hicache_fsm.events.pending import CLEARED_RECORD, REMOVED, STORED, PendingBatch, takes_pending
 from hicache_fsm.events.schema import KVEventBatch
@@ -82,6 +82,7 @@ class KVEventHook:
         self._moves = events_by_move(spec)
         self._readable = readable_tiers(spec)
         self._chains = NodeChains(page_size)
+        self._recent = RecentSlices()
         self._pending: list = []
         self.batches = 0
         self.events = 0
@@ -125,7 +126,7 @@ class KVEventHook:
             records, self._pending = self._pending, []
             self.batches += 1
             self.events += len(records)
-            batch = PendingBatch(time.time(), records, self.data_parallel_rank, self._count_unhashable)
+            batch = PendingBatch(time.time(), records, self.data_parallel_rank, self._count_unhashable, self._recent)
             self.sink(batch if self._sink_renders else batch.render())
 
     def cleared(self) -> None:

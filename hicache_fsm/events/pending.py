@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Callable, TypeVar
 
 from hicache_fsm.errors import StorageKeyError
-from hicache_fsm.events.hashes import span_tokens
+from hicache_fsm.events.hashes import RecentSlices, span_tokens
 from hicache_fsm.events.schema import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 F = TypeVar("F", bound=Callable)
@@ -40,15 +40,16 @@ def takes_pending(sink: Callable) -> bool:
 class PendingBatch:
     """A batch of event records with its timestamp and rank; ``render`` builds the ``KVEventBatch`` once."""
 
-    __slots__ = ("ts", "data_parallel_rank", "_records", "_rendered", "_on_unhashable")
+    __slots__ = ("ts", "data_parallel_rank", "_records", "_rendered", "_on_unhashable", "_recent")
 
     def __init__(self, ts: float, records: list[tuple], data_parallel_rank: int | None,
-                 on_unhashable: Callable[[int], None]) -> None:
+                 on_unhashable: Callable[[int], None], recent: RecentSlices | None = None) -> None:
         self.ts = ts
         self.data_parallel_rank = data_parallel_rank
         self._records: list[tuple] | None = records
         self._rendered: KVEventBatch | None = None
         self._on_unhashable = on_unhashable
+        self._recent = recent  # shared by a hook's batches, which one thread renders in order
 
     def render(self) -> KVEventBatch:
         """The batch as subscribers see it; events whose tokens have no page key are left out (and counted)."""
@@ -57,23 +58,23 @@ class PendingBatch:
             events, skipped = [], 0
             for record in self._records or ():
                 try:
-                    events.append(_event(record))
+                    events.append(_event(record, self._recent))
                 except StorageKeyError:  # token ids beyond 32 bits have no page key: no event
                     skipped += 1
             if skipped:
                 self._on_unhashable(skipped)
             rendered = self._rendered = KVEventBatch(self.ts, events, self.data_parallel_rank)
-            self._records = None  # the chains and token tuples are no longer held
+            self._records = self._recent = None  # the chains and token tuples are no longer held
         return rendered
 
 
-def _event(record: tuple):
+def _event(record: tuple, recent: RecentSlices | None):
     kind = record[0]
     if kind == STORED:
         _, medium, chain, parent, span, page_size, lora_id, lora_name = record
-        return BlockStored(chain.int_keys(), None if parent is None else parent.last_int_key(), span_tokens(span),
-                           page_size, lora_id, medium, lora_name)
+        return BlockStored(chain.int_keys(recent), None if parent is None else parent.last_int_key(recent),
+                           span_tokens(span, recent), page_size, lora_id, medium, lora_name)
     if kind == REMOVED:
-        return BlockRemoved(record[2].int_keys(), record[1])
+        return BlockRemoved(record[2].int_keys(recent), record[1])
     return AllBlocksCleared()
 
