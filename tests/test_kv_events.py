@@ -12,7 +12,7 @@ from hicache_fsm.config import CacheConfig
 from hicache_fsm.diagrams import edge_label
 from hicache_fsm.errors import ConfigError, SpecError, StorageKeyError
 from hicache_fsm.events.contents import MEMORY_TIERS, cache_contents
-from hicache_fsm.events.hashes import int64_hash, request_hashes
+from hicache_fsm.events.hashes import chained_digests, int64_hash, request_hashes, span_digests, span_tokens
 from hicache_fsm.events.hook import TIER_TAGS, disable_kv_events, enable_kv_events, reset_with_events
 from hicache_fsm.events.names import parse_event
 from hicache_fsm.events.pending import PendingBatch, accepts_pending
@@ -209,6 +209,17 @@ def test_index_from_events_equals_every_cache_at_every_quiescent_point(ops, drop
     finally:
         for cache, _ in caches:
             cache.close()
+
+
+@given(ids=st.lists(st.integers(0, (1 << 32) - 1), max_size=40), start=st.integers(0, 12), prior=st.binary(max_size=32))
+def test_a_key_held_packed_or_as_a_tuple_span_hashes_and_reads_alike(ids, start, prior):
+    """Keys packed as little-endian uint32 bytes, and spans of a tuple, give the tokens' own page digests."""
+    tokens = tuple(ids)
+    start = min(start, len(tokens))
+    packed = b"".join(i.to_bytes(4, "little") for i in tokens[start:])
+    expected = chained_digests(tokens[start:], 4, prior)
+    assert span_digests(packed, 4, prior) == expected == span_digests((tokens, start, len(tokens)), 4, prior)
+    assert list(span_tokens(packed)) == list(tokens[start:]) == list(span_tokens((tokens, start, len(tokens))))
 
 
 class PendingSink:

@@ -46,7 +46,11 @@ def chained_digests(tokens: Sequence[int], page_size: int, prior: bytes) -> list
         return [bytes.fromhex(k) for k in page_keys(tokens, page_size, prior.hex() or None)]
     if sys.byteorder == "big":
         packed.byteswap()
-    raw = memoryview(packed).cast("B")  # pages are hashed in place, never copied
+    return _packed_digests(memoryview(packed).cast("B"), page_size, prior)
+
+
+def _packed_digests(raw: memoryview, page_size: int, prior: bytes) -> list[bytes]:
+    """Chained SHA-256 of each full page of little-endian uint32 ids, hashed in place (never copied)."""
     stride = 4 * page_size
     sha = hashlib.sha256
     out = []
@@ -67,31 +71,49 @@ def request_hashes(tokens: Sequence[int], page_size: int, namespace: Hashable = 
     return [_int64(d) for d in chained_digests(tokens, page_size, _seed(namespace))]
 
 
-KeySpan = tuple[tuple[int, ...], int, int]  # (token tuple, start, end): a node's key without copying it
+# A node's key without copying it: its packed ids (little-endian uint32 bytes, for trees
+# that keep keys packed), or (token tuple, start, end).
+KeySpan = bytes | tuple[tuple[int, ...], int, int]
 
 
 def key_span(node: TreeNode) -> KeySpan:
-    """``node``'s key as (tuple, start, end), without slicing it.
+    """``node``'s key as it is held, without slicing or decoding it.
 
-    A new node's key is a lazy slice of the request's tuple; reading
-    ``node.key`` would copy thousands of ids on the serving thread (and keep
-    the copy for the node's life), which measured as most of what events
-    cost. The span is taken now, while it is the node's key (a split changes
-    it later), and sliced when the event is rendered.
+    Reading ``node.key`` would build thousands of ids on the serving thread
+    (and, for a lazily sliced key, keep the copy for the node's life), which
+    measured as most of what events cost. The span is taken now, while it is
+    the node's key (a split changes the key later), and read when the event
+    is rendered.
     """
-    key = node._key  # radix keeps the key lazy; TreeNode has no public (source, start) accessor yet
+    raw = getattr(node, "raw", None)
+    if isinstance(raw, bytes):  # a tree that keeps keys packed: immutable, shared as is
+        return raw
+    key = node._key  # the lazy key: TreeNode has no public (source, start) accessor
     if key is not None:
         return key, 0, len(key)
     source = node._key_source
     return source, node._key_start, len(source)
 
 
-def span_tokens(span: KeySpan, recent: "RecentSlices | None" = None) -> tuple[int, ...]:
-    """The tokens of ``span``; ``recent`` hands back a slice it made for the same span."""
+def span_tokens(span: KeySpan, recent: "RecentSlices | None" = None) -> tuple[int, ...] | list[int]:
+    """The token ids of ``span``; ``recent`` hands back a slice it made for the same span."""
+    if isinstance(span, bytes):
+        ids = array("I")
+        ids.frombytes(span)
+        if sys.byteorder == "big":
+            ids.byteswap()
+        return ids.tolist()
     source, start, end = span
     if start == 0 and end == len(source):
         return source
     return source[start:end] if recent is None else recent.get(source, start, end)
+
+
+def span_digests(span: KeySpan, page_size: int, prior: bytes, recent: "RecentSlices | None" = None) -> list[bytes]:
+    """The chained page digests of ``span``: packed bytes are hashed in place."""
+    if isinstance(span, bytes):
+        return _packed_digests(memoryview(span), page_size, prior)
+    return chained_digests(span_tokens(span, recent), page_size, prior)
 
 
 class RecentSlices:
@@ -157,7 +179,7 @@ class PageChain:
             else:
                 _, span, parent, namespace = todo
                 prior = _seed(namespace) if parent is None else parent.digests(recent)[-1]
-                digests = chained_digests(span_tokens(span, recent), self.page_size, prior)
+                digests = span_digests(span, self.page_size, prior, recent)
             self._digests = digests
             self._todo = None  # the tokens and the parent chain are no longer needed
         return digests
