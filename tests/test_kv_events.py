@@ -12,9 +12,10 @@ from hicache_fsm.config import CacheConfig
 from hicache_fsm.diagrams import edge_label
 from hicache_fsm.errors import ConfigError, SpecError, StorageKeyError
 from hicache_fsm.events.contents import MEMORY_TIERS, cache_contents
-from hicache_fsm.events.hashes import int64_hash, request_hashes
+from hicache_fsm.events.hashes import chained_digests, int64_hash, request_hashes, span_digests, span_tokens
 from hicache_fsm.events.hook import TIER_TAGS, disable_kv_events, enable_kv_events, reset_with_events
 from hicache_fsm.events.names import parse_event
+from hicache_fsm.events.pending import PendingBatch, accepts_pending
 from hicache_fsm.events.schema import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, decode, encode
 from hicache_fsm.router import PrefixIndex, Router
 from hicache_fsm.spec import load_builtin, parse_spec
@@ -207,6 +208,65 @@ def test_index_from_events_equals_every_cache_at_every_quiescent_point(ops, drop
                     assert index.blocks(j, tier) == actual[tier], (op, j, tier)
     finally:
         for cache, _ in caches:
+            cache.close()
+
+
+@given(ids=st.lists(st.integers(0, (1 << 32) - 1), max_size=40), start=st.integers(0, 12), prior=st.binary(max_size=32))
+def test_a_key_held_packed_or_as_a_tuple_span_hashes_and_reads_alike(ids, start, prior):
+    """Keys packed as little-endian uint32 bytes, and spans of a tuple, give the tokens' own page digests."""
+    tokens = tuple(ids)
+    start = min(start, len(tokens))
+    packed = b"".join(i.to_bytes(4, "little") for i in tokens[start:])
+    expected = chained_digests(tokens[start:], 4, prior)
+    assert span_digests(packed, 4, prior) == expected == span_digests((tokens, start, len(tokens)), 4, prior)
+    assert list(span_tokens(packed)) == list(tokens[start:]) == list(span_tokens((tokens, start, len(tokens))))
+
+
+class PendingSink:
+    """Keeps the hook's pending batches unrendered, as the ZMQ publisher's queue does until its thread runs."""
+
+    def __init__(self) -> None:
+        self.pending: list[PendingBatch] = []
+
+    @accepts_pending
+    def publish(self, batch: PendingBatch) -> None:
+        assert isinstance(batch, PendingBatch)
+        self.pending.append(batch)
+
+
+def _wire(batch: KVEventBatch) -> list:
+    return msgspec.to_builtins(batch.events)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(OPS, min_size=1, max_size=25))
+def test_batches_rendered_after_the_tree_moved_on_equal_those_rendered_at_flush(ops):
+    """Splits, evictions and resets after an event is recorded do not change what it renders to."""
+    made = [make_cache(device_pages=6, host_pages=10, config=CacheConfig(write_policy="write_through"))
+            for _ in range(2)]
+    now: list[KVEventBatch] = []
+    later = PendingSink()
+    hooks = [enable_kv_events(made[0][0], now.append, max_batch_events=3),
+             enable_kv_events(made[1][0], later.publish, max_batch_events=3)]
+    try:
+        for op in ops:
+            for (cache, ex), hook in zip(made, hooks):
+                if op[0] == "put":
+                    put(cache, PREFIXES[op[2]] + pages(op[3], start=1000 + 100 * op[4]))
+                elif op[0] == "load":
+                    m = cache.match_prefix(PREFIXES[op[2]])
+                    if m.host_hit_length:
+                        cache.load_back(m.last_host_node)
+                elif op[0] == "drain":
+                    drain(cache, ex)
+                else:
+                    drain(cache, ex)
+                    reset_with_events(cache, hook)
+                hook.flush()
+        assert [_wire(b) for b in now] == [_wire(p.render()) for p in later.pending]
+        assert hooks[1].unhashable == 0
+    finally:
+        for cache, _ in made:
             cache.close()
 
 

@@ -46,7 +46,11 @@ def chained_digests(tokens: Sequence[int], page_size: int, prior: bytes) -> list
         return [bytes.fromhex(k) for k in page_keys(tokens, page_size, prior.hex() or None)]
     if sys.byteorder == "big":
         packed.byteswap()
-    raw = memoryview(packed).cast("B")  # pages are hashed in place, never copied
+    return _packed_digests(memoryview(packed).cast("B"), page_size, prior)
+
+
+def _packed_digests(raw: memoryview, page_size: int, prior: bytes) -> list[bytes]:
+    """Chained SHA-256 of each full page of little-endian uint32 ids, hashed in place (never copied)."""
     stride = 4 * page_size
     sha = hashlib.sha256
     out = []
@@ -67,40 +71,165 @@ def request_hashes(tokens: Sequence[int], page_size: int, namespace: Hashable = 
     return [_int64(d) for d in chained_digests(tokens, page_size, _seed(namespace))]
 
 
-class NodeKeys:
-    """Page digests and int64 hashes per live node id; a split slices them, a removal forgets them."""
+# A node's key without copying it: its packed ids (little-endian uint32 bytes, for trees
+# that keep keys packed), or (token tuple, start, end).
+KeySpan = bytes | tuple[tuple[int, ...], int, int]
+
+
+def key_span(node: TreeNode) -> KeySpan:
+    """``node``'s key as it is held, without slicing or decoding it.
+
+    Reading ``node.key`` would build thousands of ids on the serving thread
+    (and, for a lazily sliced key, keep the copy for the node's life), which
+    measured as most of what events cost. The span is taken now, while it is
+    the node's key (a split changes the key later), and read when the event
+    is rendered.
+    """
+    raw = getattr(node, "raw", None)
+    if isinstance(raw, bytes):  # a tree that keeps keys packed: immutable, shared as is
+        return raw
+    key = node._key  # the lazy key: TreeNode has no public (source, start) accessor
+    if key is not None:
+        return key, 0, len(key)
+    source = node._key_source
+    return source, node._key_start, len(source)
+
+
+def span_tokens(span: KeySpan, recent: "RecentSlices | None" = None) -> tuple[int, ...] | list[int]:
+    """The token ids of ``span``; ``recent`` hands back a slice it made for the same span."""
+    if isinstance(span, bytes):
+        ids = array("I")
+        ids.frombytes(span)
+        if sys.byteorder == "big":
+            ids.byteswap()
+        return ids.tolist()
+    source, start, end = span
+    if start == 0 and end == len(source):
+        return source
+    return source[start:end] if recent is None else recent.get(source, start, end)
+
+
+def span_digests(span: KeySpan, page_size: int, prior: bytes, recent: "RecentSlices | None" = None) -> list[bytes]:
+    """The chained page digests of ``span``: packed bytes are hashed in place."""
+    if isinstance(span, bytes):
+        return _packed_digests(memoryview(span), page_size, prior)
+    return chained_digests(span_tokens(span, recent), page_size, prior)
+
+
+class RecentSlices:
+    """The last few span slices made while rendering, so a node's tokens are copied once, not per use.
+
+    A node's key is sliced for its page hashes and again for each ``BlockStored``
+    (device, then host a few batches later); each slice reads thousands of
+    scattered int objects. Used by one rendering thread at a time.
+    """
+
+    def __init__(self, size: int = 8) -> None:
+        self.size = size
+        self._slices: dict[tuple[int, int, int], tuple[tuple, tuple[int, ...]]] = {}
+
+    def get(self, source: tuple[int, ...], start: int, end: int) -> tuple[int, ...]:
+        key = (id(source), start, end)
+        hit = self._slices.get(key)
+        if hit is not None and hit[0] is source:
+            return hit[1]
+        tokens = source[start:end]
+        if len(self._slices) >= self.size:
+            del self._slices[next(iter(self._slices))]
+        self._slices[key] = (source, tokens)  # holding ``source`` keeps its id from being reused
+        return tokens
+
+
+class PageChain:
+    """One node's run of pages in the key chain, hashed on first ask and then kept.
+
+    Built on the serving thread from immutable facts only (the node's token
+    tuple and its parent's chain, or a slice of a chain split in two), so the
+    SHA-256 work can run later on any thread: the publisher's sender thread
+    renders queued events while the tree goes on changing. Each page is
+    hashed once in its chain's life; a split slices the digests.
+    """
+
+    __slots__ = ("page_size", "_todo", "_digests", "_ints")
+
+    def __init__(self, page_size: int, todo: tuple) -> None:
+        self.page_size = page_size
+        # ("tokens", key span, parent chain or None, namespace) or ("slice", chain, first page, end page)
+        self._todo: tuple | None = todo
+        self._digests: list[bytes] | None = None
+        self._ints: list[int] | None = None
+
+    @classmethod
+    def of_span(cls, page_size: int, span: "KeySpan", parent: "PageChain | None", namespace: Hashable) -> "PageChain":
+        return cls(page_size, ("tokens", span, parent, namespace))
+
+    def sliced(self, first: int, end: int | None) -> "PageChain":
+        """Pages ``first:end`` of this chain (the halves of a split node)."""
+        return PageChain(self.page_size, ("slice", self, first, end))
+
+    def digests(self, recent: RecentSlices | None = None) -> list[bytes]:
+        """The 32-byte page digests; ``StorageKeyError`` if a token id does not fit 32 bits."""
+        digests = self._digests
+        if digests is None:
+            todo = self._todo
+            if todo is None:  # another thread finished it between the two reads
+                return self._digests  # type: ignore[return-value]
+            if todo[0] == "slice":
+                digests = todo[1].digests(recent)[todo[2] : todo[3]]
+            else:
+                _, span, parent, namespace = todo
+                prior = _seed(namespace) if parent is None else parent.digests(recent)[-1]
+                digests = span_digests(span, self.page_size, prior, recent)
+            self._digests = digests
+            self._todo = None  # the tokens and the parent chain are no longer needed
+        return digests
+
+    def int_keys(self, recent: RecentSlices | None = None) -> list[int]:
+        """The pages' int64 block hashes (SGLang's form)."""
+        ints = self._ints
+        if ints is None:
+            from_bytes = int.from_bytes
+            ints = self._ints = [from_bytes(d[:8], "big", signed=True) for d in self.digests(recent)]
+        return ints
+
+    def last_int_key(self, recent: RecentSlices | None = None) -> int:
+        return self.int_keys(recent)[-1]
+
+
+class NodeChains:
+    """The :class:`PageChain` of each live node id; a split slices it, a removal forgets it.
+
+    Only cheap bookkeeping runs here (the serving thread): no page is hashed.
+    """
 
     def __init__(self, page_size: int) -> None:
         self.page_size = page_size
-        self._keys: dict[int, tuple[list[bytes], list[int]]] = {}
+        self._chains: dict[int, PageChain] = {}
 
-    def _entry(self, node: TreeNode) -> tuple[list[bytes], list[int]]:
-        entry = self._keys.get(node.id)
-        if entry is None:
-            parent = node.parent
-            prior = _seed(node.namespace) if parent is None or parent.is_root else self._entry(parent)[0][-1]
-            digests = chained_digests(node.key, self.page_size, prior)
-            from_bytes = int.from_bytes
-            entry = self._keys[node.id] = (digests, [from_bytes(d[:8], "big", signed=True) for d in digests])
-        return entry
-
-    def int_keys(self, node: TreeNode) -> list[int]:
-        return self._entry(node)[1]
-
-    def parent_hash(self, node: TreeNode) -> int | None:
-        parent = node.parent
-        return None if parent is None or parent.is_root else self._entry(parent)[1][-1]
+    def chain(self, node: TreeNode) -> PageChain | None:
+        """``node``'s chain (``None`` for the root), made for it and any unchained ancestor on first ask."""
+        chains = self._chains
+        chain = chains.get(node.id)
+        if chain is not None or node.is_root:
+            return chain
+        missing = []
+        while chain is None and not node.is_root:
+            missing.append(node)
+            node = node.parent  # type: ignore[assignment]
+            chain = chains.get(node.id)
+        for n in reversed(missing):
+            chain = chains[n.id] = PageChain.of_span(self.page_size, key_span(n), chain, n.namespace)
+        return chain
 
     def split(self, node: TreeNode, upper: TreeNode) -> None:
-        entry = self._keys.pop(node.id, None)
-        if entry is not None:
+        chain = self._chains.pop(node.id, None)
+        if chain is not None:
             pages = upper.num_tokens // self.page_size
-            digests, ints = entry
-            self._keys[upper.id] = (digests[:pages], ints[:pages])
-            self._keys[node.id] = (digests[pages:], ints[pages:])
+            self._chains[upper.id] = chain.sliced(0, pages)
+            self._chains[node.id] = chain.sliced(pages, None)
 
     def forget(self, node: TreeNode) -> None:
-        self._keys.pop(node.id, None)
+        self._chains.pop(node.id, None)
 
     def clear(self) -> None:
-        self._keys.clear()
+        self._chains.clear()

@@ -4,10 +4,15 @@
 cache's residency driver. Each state change looks up the transition it came
 from by (old state, new state) and queues that transition's declared events,
 with the node's page hashes, tokens and the tier's medium. Batches go to a
-sink (``ZmqEventPublisher.publish``, an in-process ``EventLog``, any
-callable) when ``flush`` is called (an engine calls it once per step) or when
+sink (``ZmqEventPublisher.publish``, any callable taking a ``KVEventBatch``)
+when ``flush`` is called (an engine calls it once per step) or when
 ``max_batch_events`` are queued. Nothing here blocks: the sink decides what to
 do when its consumer is slow.
+
+The serving thread only records each event (see
+:mod:`hicache_fsm.events.pending`): hashing the pages and building the
+structs happen when the batch is rendered, on the publisher's thread for a
+sink marked ``accepts_pending``, in ``flush`` for any other sink.
 
 The driver does not report ``HiCache.reset`` (it replaces the tree): call
 :func:`reset_with_events` instead, which publishes ``AllBlocksCleared``.
@@ -18,17 +23,18 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Callable, Hashable
 
-from hicache_fsm.errors import ConfigError, StorageKeyError
-from hicache_fsm.events.hashes import NodeKeys
+from hicache_fsm.errors import ConfigError
+from hicache_fsm.events.hashes import NodeChains, RecentSlices, key_span
 from hicache_fsm.events.names import MEDIUMS, parse_event
-from hicache_fsm.events.schema import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from hicache_fsm.events.pending import CLEARED_RECORD, REMOVED, STORED, PendingBatch, takes_pending
+from hicache_fsm.events.schema import KVEventBatch
 from hicache_fsm.radix import TreeNode
 from hicache_fsm.spec import Spec
 
 if TYPE_CHECKING:
     from hicache_fsm.cache import HiCache
 
-Sink = Callable[[KVEventBatch], None]
+Sink = Callable[[KVEventBatch], None]  # or, marked ``accepts_pending``, taking a ``PendingBatch``
 # The state tag that makes a node's pages readable in each tier (a snapshot of a running cache).
 TIER_TAGS = {"device": "on_device", "host": "on_host", "storage": "stored"}
 
@@ -69,16 +75,18 @@ class KVEventHook:
         if max_batch_events < 1:
             raise ConfigError(f"max_batch_events must be positive, got {max_batch_events!r}")
         self.sink = sink
+        self._sink_renders = takes_pending(sink)
         self.page_size = page_size
         self.data_parallel_rank = data_parallel_rank
         self.max_batch_events = max_batch_events
         self._moves = events_by_move(spec)
         self._readable = readable_tiers(spec)
-        self._keys = NodeKeys(page_size)
+        self._chains = NodeChains(page_size)
+        self._recent = RecentSlices()
         self._pending: list = []
         self.batches = 0
         self.events = 0
-        self.unhashable = 0  # events left out: the node's token ids do not fit a page key
+        self.unhashable = 0  # events left out when rendered: the node's token ids do not fit a page key
 
     # ------------------------------------------------------------ ResidencyListener
 
@@ -89,42 +97,42 @@ class KVEventHook:
                 self._queue(kind, tier, node)
 
     def split(self, node: TreeNode, upper: TreeNode) -> None:
-        self._keys.split(node, upper)
+        self._chains.split(node, upper)
 
     def removed(self, node: TreeNode, parent: TreeNode) -> None:
-        self._keys.forget(node)
+        self._chains.forget(node)
 
     # ------------------------------------------------------------ batches
 
     def _queue(self, kind: str, tier: str, node: TreeNode) -> None:
-        keys = self._keys
-        try:
-            keys.int_keys(node)
-        except StorageKeyError:  # token ids beyond 32 bits have no page key: no event, never a failed transition
-            self.unhashable += 1
-            return
+        chain = self._chains.chain(node)
         if kind == "stored":
             lora_id, lora_name = _lora(node.namespace)
-            event = BlockStored(keys.int_keys(node), keys.parent_hash(node), node.key, self.page_size,
-                                lora_id, MEDIUMS[tier], lora_name)
+            parent = node.parent
+            parent_chain = None if parent is None or parent.is_root else self._chains.chain(parent)
+            record = (STORED, MEDIUMS[tier], chain, parent_chain, key_span(node), self.page_size, lora_id, lora_name)
         else:
-            event = BlockRemoved(keys.int_keys(node), MEDIUMS[tier])
-        self._pending.append(event)
+            record = (REMOVED, MEDIUMS[tier], chain)
+        self._pending.append(record)
         if len(self._pending) >= self.max_batch_events:
             self.flush()
+
+    def _count_unhashable(self, events: int) -> None:
+        self.unhashable += events
 
     def flush(self) -> None:
         """Hand the queued events to the sink as one batch (nothing if none are queued)."""
         if self._pending:
-            events, self._pending = self._pending, []
+            records, self._pending = self._pending, []
             self.batches += 1
-            self.events += len(events)
-            self.sink(KVEventBatch(time.time(), events, self.data_parallel_rank))
+            self.events += len(records)
+            batch = PendingBatch(time.time(), records, self.data_parallel_rank, self._count_unhashable, self._recent)
+            self.sink(batch if self._sink_renders else batch.render())
 
     def cleared(self) -> None:
         """Everything is gone (the cache was reset): queue ``AllBlocksCleared`` and forget every key."""
-        self._keys.clear()
-        self._pending.append(AllBlocksCleared())
+        self._chains.clear()
+        self._pending.append(CLEARED_RECORD)
 
     def snapshot(self, nodes: list[TreeNode]) -> None:
         """``AllBlocksCleared``, then what ``nodes`` (top-down) hold now in each tier, then flush."""

@@ -9,7 +9,10 @@ number on, as ``(seq, payload)`` frames, then ``(-1, b"")``.
 ``publish`` never blocks the cache: it numbers the batch, keeps it in the
 replay buffer and offers it to a bounded queue; when the queue is full the
 batch is not sent live (``dropped`` counts it) and a subscriber sees the gap in
-the sequence numbers and fetches it by replay. One thread owns both sockets
+the sequence numbers and fetches it by replay. ``publish`` also takes the
+hook's ``PendingBatch`` (it is marked ``accepts_pending``): the batch is
+numbered at once and rendered (pages hashed, structs built) on the sender
+thread, before it is encoded, so the serving thread never hashes. One thread owns both sockets
 (ZMQ sockets are not thread-safe); ``close`` sends what is queued, joins the
 thread and closes the sockets and the context.
 """
@@ -27,7 +30,10 @@ except ModuleNotFoundError as exc:  # an optional dependency: say which extra br
     raise MissingExtra("KV events", "pyzmq", "events") from exc
 
 from hicache_fsm.errors import ConfigError, HiCacheError
+from hicache_fsm.events.pending import PendingBatch, accepts_pending
 from hicache_fsm.events.schema import KVEventBatch, encode
+
+Batch = KVEventBatch | PendingBatch
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 IDLE_WAIT_S = 0.01  # how long the sender thread sleeps between draining the queue and serving replays
@@ -69,9 +75,9 @@ class ZmqEventPublisher:
             raise ConfigError(f"cannot bind KV event sockets ({endpoint}, {replay_endpoint}): {exc}") from None
         # A plain deque, not queue.Queue: appending wakes no thread (the sender drains it every
         # IDLE_WAIT_S), so a publish costs the serving thread no GIL hand-off.
-        self._queue: deque[tuple[int, KVEventBatch]] = deque()
+        self._queue: deque[tuple[int, Batch]] = deque()
         self.max_queue_size = max_queue_size
-        self._buffer: deque[tuple[int, KVEventBatch]] = deque(maxlen=buffer_steps)
+        self._buffer: deque[tuple[int, Batch]] = deque(maxlen=buffer_steps)
         self._buffer_lock = threading.Lock()
         self._next_seq = 0
         self._stop = threading.Event()
@@ -89,7 +95,8 @@ class ZmqEventPublisher:
         """The sequence number the next batch will get (= batches published so far)."""
         return self._next_seq
 
-    def publish(self, batch: KVEventBatch) -> int:
+    @accepts_pending
+    def publish(self, batch: Batch) -> int:
         """Number ``batch``, buffer it for replay and queue it for sending; returns its sequence number."""
         if self._closed:
             raise PublisherClosed("this KV event publisher is closed")
@@ -134,7 +141,7 @@ class ZmqEventPublisher:
                     self._serve_replay(replay)
             while q:
                 seq, batch = q.popleft()
-                pub.send_multipart((self.topic, seq.to_bytes(8, "big"), encode(batch)))
+                pub.send_multipart((self.topic, seq.to_bytes(8, "big"), _payload(batch)))
                 self.sent += 1
             if self._stop.is_set():  # close() refuses new batches first: the queue is drained for good
                 return
@@ -150,7 +157,7 @@ class ZmqEventPublisher:
         with self._buffer_lock:
             wanted = [(seq, batch) for seq, batch in self._buffer if seq >= start_seq]
         for seq, batch in wanted:
-            replay.send_multipart((client, b"", seq.to_bytes(8, "big"), encode(batch)))
+            replay.send_multipart((client, b"", seq.to_bytes(8, "big"), _payload(batch)))
         replay.send_multipart((client, b"", END_SEQ, b""))
 
     def _close_sockets(self) -> None:
@@ -158,3 +165,8 @@ class ZmqEventPublisher:
             if sock is not None:
                 sock.close(linger=0)
         self._ctx.term()
+
+
+def _payload(batch: Batch) -> bytes:
+    """The msgpack bytes of ``batch``, rendering a pending one first (on the sender thread)."""
+    return encode(batch.render() if isinstance(batch, PendingBatch) else batch)
