@@ -79,20 +79,12 @@ KeySpan = bytes | tuple[tuple[int, ...], int, int]
 def key_span(node: TreeNode) -> KeySpan:
     """``node``'s key as it is held, without slicing or decoding it.
 
-    Reading ``node.key`` would build thousands of ids on the serving thread
-    (and, for a lazily sliced key, keep the copy for the node's life), which
-    measured as most of what events cost. The span is taken now, while it is
-    the node's key (a split changes the key later), and read when the event
-    is rendered.
+    Reading ``node.key`` would decode thousands of ids on the serving thread,
+    which measured as most of what events cost. The packed bytes are taken
+    now, while they are the node's key (a split gives the node new bytes
+    later), and decoded when the event is rendered.
     """
-    raw = getattr(node, "raw", None)
-    if isinstance(raw, bytes):  # a tree that keeps keys packed: immutable, shared as is
-        return raw
-    key = node._key  # the lazy key: TreeNode has no public (source, start) accessor
-    if key is not None:
-        return key, 0, len(key)
-    source = node._key_source
-    return source, node._key_start, len(source)
+    return node.raw  # the tree keeps keys packed: immutable bytes, shared as they are
 
 
 def span_tokens(span: KeySpan, recent: "RecentSlices | None" = None) -> tuple[int, ...] | list[int]:
