@@ -325,8 +325,12 @@ class ChatEngine:
             res.ranks_disagree += 1
 
     def _settle(self) -> None:
-        """Wait (untimed) until every job emitted so far landed: the next request sees settled storage."""
-        cache = self.cache
+        """Wait until every job emitted so far landed: the next request sees settled storage.
+
+        Untimed: copies the polls run here count neither as controller nor as transfer time.
+        """
+        cache, clock = self.cache, self.clock
+        c0, e0 = clock.controller, clock.executor
         deadline = time.perf_counter() + SETTLE_SAFETY_S
         while cache.pending_job_ids():
             if self._agreed(time.perf_counter() > deadline):
@@ -334,6 +338,7 @@ class ChatEngine:
                                      f"{SETTLE_SAFETY_S:.0f} s: the storage threads are stuck")
             time.sleep(PREFETCH_POLL_S)
             cache.poll()
+        clock.controller, clock.executor = c0, e0
 
     def _mine(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's heads of full-model KV (all of it without tensor parallelism)."""
