@@ -32,7 +32,7 @@ import attrs
 import torch
 
 from hicache_fsm.cache import HiCache
-from hicache_fsm.errors import ConfigError
+from hicache_fsm.errors import ConfigError, StorageTimeout
 from hicache_fsm.executors import TorchExecutor
 from hicache_fsm.pools import LAYOUTS, KVShape, default_device
 from hicache_fsm.simulate import (
@@ -40,7 +40,6 @@ from hicache_fsm.simulate import (
     DEVICE_HOST,
     FULL,
     INFINITE,
-    PREFETCH_TIMEOUT_S,
     STORAGE_OPTIONS,
     Tier,
     TierResult,
@@ -50,6 +49,7 @@ from hicache_fsm.simulate import (
     prefetch_and_wait,
     storage_available,
 )
+from hicache_fsm.simulate_engine import SETTLE_SAFETY_S
 from hicache_fsm.trace import BlockTokens, PrefixBound, Trace, prefix_bound
 
 METADATA_SHAPE = KVShape(1, 1, 1, torch.float16)  # one element of K and one of V per token
@@ -180,11 +180,15 @@ class TraceReplayer:
 
         A trace's requests are seconds apart and a page write takes far less;
         replayed back to back, how far the storage threads lag would depend on
-        the machine's load, and so would the hit rate.
+        the machine's load, and so would the hit rate. Writes still running after
+        ``SETTLE_SAFETY_S`` are stuck: ``StorageTimeout``, never a silent go-on.
         """
         cache = self.cache
         start = time.perf_counter()
-        while cache.storage_transfers_in_flight() and time.perf_counter() < start + PREFETCH_TIMEOUT_S:
+        while cache.storage_transfers_in_flight():
+            if time.perf_counter() > start + SETTLE_SAFETY_S:
+                raise StorageTimeout(f"storage writes still running after {SETTLE_SAFETY_S:.0f} s: "
+                                     "the storage threads are stuck")
             time.sleep(PREFETCH_POLL_S)
             cache.poll()
         self.storage_settle_s += time.perf_counter() - start
@@ -192,7 +196,8 @@ class TraceReplayer:
     def _prefetch(self, tokens: tuple, m):
         rid = self._requests
         self._requests += 1
-        return prefetch_and_wait(self.clock, self.cache, self.result, rid, tokens, m, poll_s=PREFETCH_POLL_S)
+        return prefetch_and_wait(self.clock, self.cache, self.result, rid, tokens, m, poll_s=PREFETCH_POLL_S,
+                                 settle=True)
 
     def finish(self) -> TierResult:
         """Let storage backups land (untimed), collect counters, check invariants, close."""
