@@ -197,7 +197,8 @@ def prefetch_and_wait(clock, cache: HiCache, res: TierResult, rid: Hashable, tok
     while not call(cache.prefetch_ready, rid):
         if agreed(time.perf_counter() > start + limit):
             if settle:
-                raise StorageTimeout(f"prefetch {rid!r} still running after {limit:.0f} s: the storage threads are stuck")
+                raise StorageTimeout(f"prefetch {rid!r} still running after {limit:.0f} s: "
+                                     "the storage threads are stuck")
             res.prefetch_timeouts += 1
             call(cache.abort_prefetch, rid)
             break
