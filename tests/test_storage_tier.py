@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import threading
 import time
 
 import pytest
@@ -56,6 +57,24 @@ def url(request, tmp_path):
 
 def slow(delay: float, method: str = "batch_get_into") -> FaultyBackend:
     return FaultyBackend(MemoryBackend(), [Fault("slow", method=method, delay=delay)])
+
+
+class GatedBackend(MemoryBackend):
+    """Reads wait for permits the test hands out: how far a transfer got depends on the test, not on the clock."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.permits = threading.Semaphore(0)
+
+    def batch_get_into(self, keys, host_pool, page_ids) -> list[bool]:
+        out = []
+        for key, page in zip(keys, page_ids):
+            assert self.permits.acquire(timeout=WAIT), "the test never let this page through"
+            out.extend(super().batch_get_into([key], host_pool, [page]))
+        return out
+
+    def let_through(self, pages: int) -> None:
+        self.permits.release(pages)
 
 
 def stored(cache, tokens) -> None:
@@ -250,11 +269,15 @@ def test_prefetch_under_device_only_anchor_locks_it():
 
 
 def test_wait_complete_waits_for_every_page(cache):
-    cache.attach_storage(slow(0.02), stop_policy="wait_complete", batch_pages=1, **FAST)
+    gate = GatedBackend()
+    cache.attach_storage(gate, stop_policy="wait_complete", batch_pages=1, **FAST)
     t = prompt(48, seed=5)
     seed(cache, t)
     assert cache.prefetch("r", t, cache.match_prefix(t))
-    assert not cache.prefetch_ready("r")
+    gate.let_through(48 // PAGE - 1)
+    wait_until(cache, lambda: cache.storage.runtime.active["r"].completed_tokens == 48 - PAGE, what="all but a page")
+    assert not cache.prefetch_ready("r")  # one page still missing
+    gate.let_through(1)
     ready(cache, "r")
     st = cache.stats()["storage"]
     assert st["prefetch_completed"] == 1 and st["prefetch_inserted_tokens"] == 48
@@ -264,16 +287,19 @@ def test_wait_complete_waits_for_every_page(cache):
 
 
 def test_best_effort_ends_at_once_with_what_arrived(cache):
-    cache.attach_storage(slow(0.05), stop_policy="best_effort", batch_pages=1, **FAST)
+    gate = GatedBackend()
+    cache.attach_storage(gate, stop_policy="best_effort", batch_pages=1, **FAST)
     t = prompt(64, seed=6)
     seed(cache, t)
     assert cache.prefetch("r", t, cache.match_prefix(t))
+    gate.let_through(2)
     wait_until(cache, lambda: cache.storage.runtime.active["r"].completed_tokens >= 8, what="two pages")
     assert cache.prefetch_ready("r")
     cache.check_invariants()
     inserted = cache.stats()["storage"]["prefetch_inserted_tokens"]
-    assert 8 <= inserted < 64
+    assert inserted == 8  # the two pages let through, nothing more
     assert_kv_intact(cache, t, inserted)
+    gate.let_through(64 // PAGE)  # the I/O thread may be waiting on the next page
     settle(cache)  # the I/O thread finishes its batch, then the release queue is freed
     cache.check_invariants()
     assert cache.host_allocator.used_pages == inserted // PAGE
@@ -281,17 +307,20 @@ def test_best_effort_ends_at_once_with_what_arrived(cache):
 
 
 def test_timeout_policy(cache):
-    cache.attach_storage(slow(0.1), stop_policy="timeout", batch_pages=1, timeout_base=0.15,
+    gate = GatedBackend()
+    cache.attach_storage(gate, stop_policy="timeout", batch_pages=1, timeout_base=0.15,
                          timeout_per_1k_tokens=0.0, **FAST)
     t = prompt(64, seed=7)
     seed(cache, t)
     t0 = time.monotonic()
     assert cache.prefetch("r", t, cache.match_prefix(t))
-    assert not cache.prefetch_ready("r")
+    gate.let_through(2)
+    assert not cache.prefetch_ready("r") or time.monotonic() - t0 >= 0.15
     ready(cache, "r")
     assert time.monotonic() - t0 >= 0.15  # never before the timeout
     inserted = cache.stats()["storage"]["prefetch_inserted_tokens"]
-    assert inserted < 64  # stopped at the timeout: 16 pages at 0.1 s take 1.6 s
+    assert inserted <= 2 * PAGE  # stopped at the timeout with at most the pages let through
+    gate.let_through(64 // PAGE)  # the I/O thread may be waiting on the next page
     settle(cache)
     cache.check_invariants()
     assert_kv_intact(cache, t, inserted)
