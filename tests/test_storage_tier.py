@@ -60,18 +60,27 @@ def slow(delay: float, method: str = "batch_get_into") -> FaultyBackend:
 
 
 class GatedBackend(MemoryBackend):
-    """Reads wait for permits the test hands out: how far a transfer got depends on the test, not on the clock."""
+    """Reads (or writes) wait for permits the test hands out: how far a transfer got depends on the test only."""
 
-    def __init__(self) -> None:
+    def __init__(self, writes: bool = False) -> None:
         super().__init__()
         self.permits = threading.Semaphore(0)
+        self.writes = writes
 
-    def batch_get_into(self, keys, host_pool, page_ids) -> list[bool]:
+    def _gated(self, gated: bool, call, keys, pool, page_ids) -> list[bool]:
+        if not gated:
+            return call(keys, pool, page_ids)
         out = []
         for key, page in zip(keys, page_ids):
             assert self.permits.acquire(timeout=WAIT), "the test never let this page through"
-            out.extend(super().batch_get_into([key], host_pool, [page]))
+            out.extend(call([key], pool, [page]))
         return out
+
+    def batch_get_into(self, keys, host_pool, page_ids) -> list[bool]:
+        return self._gated(not self.writes, super().batch_get_into, keys, host_pool, page_ids)
+
+    def batch_set_from(self, keys, host_pool, page_ids) -> list[bool]:
+        return self._gated(self.writes, super().batch_set_from, keys, host_pool, page_ids)
 
     def let_through(self, pages: int) -> None:
         self.permits.release(pages)
