@@ -74,12 +74,15 @@ class Progress:
 
 
 def run_simulation(options: Options = Options(), progress: Progress | None = None,
-                   storage_options: dict | None = None, observe: Observer | None = None) -> Simulation:
+                   storage_options: dict | None = None, observe: Observer | None = None,
+                   settle_storage: bool = False) -> Simulation:
     """Run the cache-free reference and every configuration on the same requests.
 
     ``observe(tier_name, cache)`` is called with each configuration's cache before
     its first request (to record a trace or count transitions). With ``options.tp`` > 1
     every configuration runs on that many rank processes (see ``simulate_tp``).
+    ``settle_storage``: storage hits that depend on the workload only, not on the
+    storage threads' speed (see ``simulate_engine``; the CLI leaves it off).
     """
     start = time.perf_counter()
     w = options.workload
@@ -109,7 +112,7 @@ def run_simulation(options: Options = Options(), progress: Progress | None = Non
             from hicache_fsm.simulate_tp import run_ranks_tiers
 
             progress.set_label(f"{options.tp} ranks")
-            rank_tiers = run_ranks_tiers(options, tiers, reference, device, storage_options)
+            rank_tiers = run_ranks_tiers(options, tiers, reference, device, storage_options, settle_storage)
             progress.step(w.requests * len(tiers))
             results = rank_tiers[0]
         else:
@@ -117,7 +120,7 @@ def run_simulation(options: Options = Options(), progress: Progress | None = Non
             for tier in tiers:
                 progress.set_label(tier.name)
                 results.append(run_tier(tier, w, reference, model, options.page_size, options.layout, device,
-                                        storage_options, progress.step, observe))
+                                        storage_options, progress.step, observe, settle_storage=settle_storage))
     finally:
         progress.close()
         if tmp is not None:

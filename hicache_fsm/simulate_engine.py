@@ -17,6 +17,15 @@ hash of the tokens up to and including it); every KV the engine hands to the
 cache is recorded under those keys, and every page the cache serves must
 equal, bit for bit, a KV recorded for that prefix. A page recomputed after its
 copy was dropped is recorded again (one more accepted version).
+
+Settled storage. By default the storage tier's threads run beside the engine,
+as in a real server: whether a later request finds a page in storage depends
+on whether its backup landed in time, and a prefetch still running after
+``PREFETCH_TIMEOUT_S`` is given up. With ``settle_storage`` the engine waits,
+after each request, until every job it emitted has landed, and waits for every
+prefetch to finish: storage hits then depend on the workload only, never on
+how fast the threads ran (tests). Work still running after ``SETTLE_SAFETY_S``
+is stuck, and the run fails with ``StorageTimeout`` instead of going on.
 """
 
 from __future__ import annotations
@@ -31,7 +40,7 @@ from hicache_fsm.executors import TorchExecutor
 from hicache_fsm.model import KVModel
 from hicache_fsm.pools import KVShape
 from hicache_fsm.tokens import as_token_ids
-from hicache_fsm.errors import ConfigError
+from hicache_fsm.errors import ConfigError, StorageTimeout
 from hicache_fsm.simulate_config import STORAGE_OPTIONS, Tier
 from hicache_fsm.simulate_results import TierResult
 from hicache_fsm.simulate_workload import Reference, Workload
@@ -39,6 +48,7 @@ from hicache_fsm.tp import RankGroup, rank_view, view_digest
 
 PREFETCH_TIMEOUT_S = 10.0  # a prefetch still running then is aborted (counted in prefetch_timeouts)
 PREFETCH_POLL_S = 0.0005  # seconds between polls while a prefetch runs
+SETTLE_SAFETY_S = 600.0  # settled storage: work still running then is stuck (the run fails, never goes on)
 
 Observer = Callable[[str, HiCache], None]
 
@@ -168,21 +178,27 @@ class Shard:
 
 
 def prefetch_and_wait(clock, cache: HiCache, res: TierResult, rid: Hashable, tokens: tuple, m,
-                      agreed: Callable[[bool], bool] = bool, poll_s: float = PREFETCH_POLL_S):
+                      agreed: Callable[[bool], bool] = bool, poll_s: float = PREFETCH_POLL_S,
+                      settle: bool = False):
     """Prefetch what storage adds to ``m``, wait for it, and return the new match.
 
     The wait is not controller time of this request (a real scheduler serves
     other requests meanwhile): ``clock``'s totals are restored after it and the
     wait is counted in ``res.prefetch_wait_s``. ``agreed`` turns "give up now"
-    into the whole rank group's decision.
+    into the whole rank group's decision. With ``settle`` the prefetch is never
+    given up: ``StorageTimeout`` after ``SETTLE_SAFETY_S`` (stuck threads).
     """
     call = clock.call
     if not call(cache.prefetch, rid, tokens, m):
         return m
     res.prefetches += 1
     start, c0, e0, b0 = time.perf_counter(), clock.controller, clock.executor, dict(clock.by_call)
+    limit = SETTLE_SAFETY_S if settle else PREFETCH_TIMEOUT_S
     while not call(cache.prefetch_ready, rid):
-        if agreed(time.perf_counter() > start + PREFETCH_TIMEOUT_S):
+        if agreed(time.perf_counter() > start + limit):
+            if settle:
+                raise StorageTimeout(f"prefetch {rid!r} still running after {limit:.0f} s: "
+                                     "the storage threads are stuck")
             res.prefetch_timeouts += 1
             call(cache.abort_prefetch, rid)
             break
@@ -224,8 +240,9 @@ class ChatEngine:
 
     def __init__(self, tier: Tier, workload: Workload, model: KVModel | None, page_size: int, layout: str,
                  device: str, storage_options: dict | None = None, observe: Observer | None = None,
-                 shard: Shard | None = None) -> None:
+                 shard: Shard | None = None, settle_storage: bool = False) -> None:
         self.tier = tier
+        self.settle_storage = settle_storage
         self.workload = workload
         self.model = model
         self.ps = page_size
@@ -303,8 +320,26 @@ class ChatEngine:
         finally:
             call(cache.unlock, node)
         call(cache.poll)
+        if self.settle_storage:
+            self._settle()
         if self.shard is not None and not self.shard.agree_view(cache):
             res.ranks_disagree += 1
+
+    def _settle(self) -> None:
+        """Wait until every job emitted so far landed: the next request sees settled storage.
+
+        Untimed: copies the polls run here count neither as controller nor as transfer time.
+        """
+        cache, clock = self.cache, self.clock
+        c0, e0 = clock.controller, clock.executor
+        deadline = time.perf_counter() + SETTLE_SAFETY_S
+        while cache.pending_job_ids():
+            if self._agreed(time.perf_counter() > deadline):
+                raise StorageTimeout(f"{len(cache.pending_job_ids())} transfer jobs still running after "
+                                     f"{SETTLE_SAFETY_S:.0f} s: the storage threads are stuck")
+            time.sleep(PREFETCH_POLL_S)
+            cache.poll()
+        clock.controller, clock.executor = c0, e0
 
     def _mine(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's heads of full-model KV (all of it without tensor parallelism)."""
@@ -321,7 +356,8 @@ class ChatEngine:
         rid = f"req-{self._next_request}"
         self._next_request += 1
         a0 = self.cache.agreement.seconds
-        m = prefetch_and_wait(self.clock, self.cache, self.result, rid, prompt, m, self._agreed)
+        m = prefetch_and_wait(self.clock, self.cache, self.result, rid, prompt, m, self._agreed,
+                              settle=self.settle_storage)
         self._untimed_agreement_s += self.cache.agreement.seconds - a0
         return m
 
@@ -428,13 +464,15 @@ class ChatEngine:
 def run_tier(tier: Tier, workload: Workload, reference: Reference, model: KVModel | None, page_size: int,
              layout: str = "page_first", device: str | None = None, storage_options: dict | None = None,
              on_request: Callable[[], None] = lambda: None, observe: Observer | None = None,
-             shard: Shard | None = None) -> TierResult:
+             shard: Shard | None = None, settle_storage: bool = False) -> TierResult:
     """Serve the reference's requests through one configuration (``model=None``: tokens only, no KV).
 
-    With ``shard`` this process is one rank of a tensor-parallel group (see ``Shard``).
+    With ``shard`` this process is one rank of a tensor-parallel group (see ``Shard``);
+    ``settle_storage``: see the module docstring.
     """
     start = time.perf_counter()
-    engine = ChatEngine(tier, workload, model, page_size, layout, device or "cpu", storage_options, observe, shard)
+    engine = ChatEngine(tier, workload, model, page_size, layout, device or "cpu", storage_options, observe, shard,
+                        settle_storage)
     try:
         for key in workload.schedule():
             engine.serve(reference.prompts[key], reference.outputs[key])
@@ -447,5 +485,5 @@ def run_tier(tier: Tier, workload: Workload, reference: Reference, model: KVMode
     return result
 
 
-__all__ = ["PREFETCH_POLL_S", "PREFETCH_TIMEOUT_S", "CallClock", "ChatEngine", "KVOracle", "Observer", "Shard",
-           "TimedExecutor", "fetch_prefix", "prefetch_and_wait", "run_tier"]
+__all__ = ["PREFETCH_POLL_S", "PREFETCH_TIMEOUT_S", "SETTLE_SAFETY_S", "CallClock", "ChatEngine", "KVOracle",
+           "Observer", "Shard", "TimedExecutor", "fetch_prefix", "prefetch_and_wait", "run_tier"]

@@ -22,7 +22,7 @@ GROUP_TIMEOUT_S = 60.0
 
 
 def _rank_main(rank: int, world: int, pg, options: Options, tiers: list[Tier], reference: Reference, device: str,
-               storage_options: dict | None) -> list[TierResult]:
+               storage_options: dict | None, settle_storage: bool = False) -> list[TierResult]:
     from hicache_fsm.model import TinyModel
 
     w = options.workload
@@ -30,14 +30,14 @@ def _rank_main(rank: int, world: int, pg, options: Options, tiers: list[Tier], r
                       seed=w.seed, device=device)
     shard = Shard(RankGroup(pg, timeout_s=GROUP_TIMEOUT_S), options.model_heads)
     return [run_tier(tier, w, reference, model, options.page_size, options.layout, device, storage_options,
-                     shard=shard) for tier in tiers]
+                     shard=shard, settle_storage=settle_storage) for tier in tiers]
 
 
 def run_ranks_tiers(options: Options, tiers: list[Tier], reference: Reference, device: str,
-                    storage_options: dict | None = None) -> list[list[TierResult]]:
+                    storage_options: dict | None = None, settle_storage: bool = False) -> list[list[TierResult]]:
     """Every rank's results of every configuration, by rank; HiCacheError if a rank failed."""
     outcomes = run_ranks(_rank_main, options.tp, options, tiers, reference, device, storage_options,
-                         timeout_s=3600.0, group_timeout_s=GROUP_TIMEOUT_S)
+                         settle_storage, timeout_s=3600.0, group_timeout_s=GROUP_TIMEOUT_S)
     failed = [o for o in outcomes if o.status != "ok"]
     if failed:
         o = failed[0]

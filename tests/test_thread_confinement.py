@@ -69,6 +69,7 @@ def test_racing_threads_get_typed_errors_and_never_corrupt_the_cache():
     """Several threads hammer one cache: one drives it, the rest are refused; state and KV stay intact."""
     cache, ex = make_cache(manual=False, device_pages=24, host_pages=48)
     start = threading.Barrier(4)
+    end = threading.Barrier(4)  # no worker ends (letting another adopt the cache) while the others still call
     refused: list[int] = []
     untyped: list[BaseException] = []
     inserted: dict[int, list[tuple[int, ...]]] = {}
@@ -91,6 +92,7 @@ def test_racing_threads_get_typed_errors_and_never_corrupt_the_cache():
             except BaseException as exc:  # noqa: BLE001 - any other error is a failure of the test
                 untyped.append(exc)
         inserted[w] = done
+        end.wait()
 
     threads = [threading.Thread(target=worker, args=(w,)) for w in range(4)]
     for t in threads:
