@@ -14,13 +14,12 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from hicache_fsm.testing.adapter import NotSupported, kv_fingerprint
-from hicache_fsm.testing.blockstore.state import canonical, clone
+from hicache_fsm.testing.blockstore.state import Key, canonical, clone
 
 if TYPE_CHECKING:
     from hicache_fsm.testing.blockstore.model import StoreModel
 
 REDELIVERY_CONTRACTS = ("reject", "idempotent", "caller_guarantees_once")
-Key = tuple  # a block key: the chained prefix of page ids up to and including the block
 
 
 def value_of(key: Key) -> int:

@@ -6,9 +6,8 @@ from collections.abc import Hashable, Sequence
 
 import attrs
 
-from hicache_fsm.testing.blockstore.adapter import Key
 from hicache_fsm.testing.blockstore.policies import ReferencePolicy
-from hicache_fsm.testing.blockstore.state import clone
+from hicache_fsm.testing.blockstore.state import Key, clone
 
 STORING, READABLE = "storing", "readable"
 

@@ -18,6 +18,8 @@ import attrs
 PRIMITIVES = (type(None), bool, int, float, complex, str, bytes)
 REPORTS = ("_evicted", "_touched")  # the adapter's pending reports, drained after every call
 
+Key = tuple  # a block key: the chained prefix of page ids up to and including the block
+
 
 def canonical(obj: Any, ignore: tuple[str, ...] = ()) -> Hashable:
     """A hashable value equal for equal states of ``obj``; ``ignore`` names top-level attributes left out."""
