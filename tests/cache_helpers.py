@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import threading
 import zlib
+from collections.abc import Callable
 
 import torch
 
@@ -101,3 +103,19 @@ def drain(cache: HiCache, ex) -> None:
 
 def pages(n: int, page: int = 4, start: int = 0) -> tuple[int, ...]:
     return tuple(range(start, start + n * page))
+
+
+def in_thread(fn: Callable[[], object]) -> dict[str, object]:
+    """Run ``fn`` in a new thread; its result under "value" or the exception it raised under "error"."""
+    out: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            out["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed back to the test
+            out["error"] = exc
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    return out

@@ -8,27 +8,19 @@ redelivery contracts, postconditions, job bound) fails when broken.
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-import sys
-
 import pytest
+from example_util import EXAMPLES, load_example
 
-import hicache_fsm
 from hicache_fsm.testing.adapter import Rejected
 from hicache_fsm.testing.blockstore import StoreBounds, StoreWorld, chain, explore_store, run_store_fuzz
 
-EXAMPLE = pathlib.Path(hicache_fsm.__file__).resolve().parent.parent / "examples" / "block_offload_manager.py"
+EXAMPLE = EXAMPLES / "block_offload_manager.py"
 BUGS = ("evict_loading", "failed_store_leak", "ready_before_ack")
 
 
 @pytest.fixture(scope="module")
 def offload():
-    spec = importlib.util.spec_from_file_location("block_offload_manager", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["block_offload_manager"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_example("block_offload_manager.py")
 
 
 def test_adapter_is_under_100_lines(offload):

@@ -4,35 +4,23 @@ fuzzer (and both commands) catch each planted bug, and the toolkit's reference A
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import shlex
-import pathlib
-import sys
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from example_util import EXAMPLES, load_example
 
-import hicache_fsm
 from hicache_fsm.cli import main
 from hicache_fsm.testing.blockstore import ARC, LRU, StoreBounds, explore_store, run_store_fuzz
 
-EXAMPLE = pathlib.Path(hicache_fsm.__file__).resolve().parent.parent / "examples" / "keyed_offload_manager.py"
+EXAMPLE = EXAMPLES / "keyed_offload_manager.py"
 REF = f"{EXAMPLE}:make_adapter"
 VARIANTS = [{"policy": p, "store_threshold": t} for p in ("lru", "arc") for t in (1, 2)]
 
-
-def _load():
-    spec = importlib.util.spec_from_file_location("keyed_offload_manager", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["keyed_offload_manager"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-keyed = _load()
+keyed = load_example("keyed_offload_manager.py")
 
 
 def code_lines(text: str) -> int:

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import runpy
-import sys
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
+from example_util import load_example
 
 from hicache_fsm.cli import main
 from hicache_fsm.spec import parse_spec
@@ -19,15 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "tiny_lru_cache.py"
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("tiny_lru_cache", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["tiny_lru_cache"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-tiny = _load()
+tiny = load_example("tiny_lru_cache.py")
 
 TinyMachine = CacheProtocolMachine.bind(
     tiny.make_adapter, name="TinyMachine", variants=[{}, {"fast_pages": 1, "slow_pages": 2}, {"page_size": 2}],

@@ -12,23 +12,20 @@ import ast
 import importlib.util
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from wheel_util import PIP_ENV, REPO, build_wheel
 
 from hicache_fsm.cli import COMMANDS
 
-REPO = Path(__file__).resolve().parent.parent
 SMALL_SIMULATE = [
     "simulate", "--clients", "2", "--rounds", "3", "--request-length", "16", "--output-length", "4",
     "--system-prompt-length", "16", "--page-size", "8", "--device-tokens", "80", "--host-tokens", "96",
     "--device", "cpu", "--no-progress", "--json",
 ]
-# Offline, quiet pip: nothing here may reach an index.
-PIP_ENV = {"PIP_NO_INDEX": "1", "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_ROOT_USER_ACTION": "ignore"}
 
 
 def _run(args: list[str], cwd: Path, pythonpath: Path, **kw) -> subprocess.CompletedProcess:
@@ -40,18 +37,10 @@ def _run(args: list[str], cwd: Path, pythonpath: Path, **kw) -> subprocess.Compl
 def installed_wheel(tmp_path_factory) -> Path:
     """A target directory holding the wheel built from this checkout, installed with --no-deps."""
     tmp = tmp_path_factory.mktemp("wheel")
-    src = tmp / "src"
-    src.mkdir()
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy(REPO / name, src / name)
-    shutil.copytree(REPO / "hicache_fsm", src / "hicache_fsm",
-                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info"))
-    pip = [sys.executable, "-m", "pip", "-q"]
-    built = _run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp / "dist"), str(src)], tmp, tmp)
-    assert built.returncode == 0, built.stderr
-    (wheel,) = (tmp / "dist").glob("hicache_fsm-*.whl")
+    wheel = build_wheel(tmp)
     target = tmp / "target"
-    installed = _run([*pip, "install", "--no-deps", "--target", str(target), str(wheel)], tmp, tmp)
+    installed = _run([sys.executable, "-m", "pip", "-q", "install", "--no-deps", "--target", str(target), str(wheel)],
+                     tmp, tmp)
     assert installed.returncode == 0, installed.stderr
     return target
 

@@ -3,36 +3,21 @@ the file (and the line where one exists), quickly, for every input up to the siz
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from hang_guard import raised_by
 
 from hicache_fsm.errors import SpecError
 from hicache_fsm.spec import MAX_DEPTH, MAX_EVENTS, MAX_SPEC_BYTES, SPEC_DIR, load_spec, parse_spec
 
-HANG_GUARD_S = 60  # not a speed assertion: only stops a regression from hanging the suite
-
 
 def refused(fn, *args) -> SpecError:
-    """Run ``fn`` in a thread; it must raise SpecError (and finish)."""
-    outcome: list[BaseException | None] = []
-
-    def target():
-        try:
-            fn(*args)
-            outcome.append(None)
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            outcome.append(exc)
-
-    t = threading.Thread(target=target, daemon=True)
-    t.start()
-    t.join(HANG_GUARD_S)
-    assert outcome, f"still running after {HANG_GUARD_S} s"
-    assert isinstance(outcome[0], SpecError), f"expected SpecError, got {outcome[0]!r}"
-    err = outcome[0]
+    """``fn(*args)`` must finish raising a SpecError whose one line starts with its file (and line)."""
+    err = raised_by(fn, *args)
+    assert isinstance(err, SpecError), f"expected SpecError, got {err!r}"
     where = f"{err.path}:{err.line}: " if err.line is not None else f"{err.path}: "
     assert str(err).startswith(where) and "\n" not in str(err)
     return err

@@ -2,32 +2,15 @@
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from cache_helpers import in_thread
 from storage_util import make_cache, prompt, put, settle, storage_threads
 from test_storage_tier import FAST
 
 from hicache_fsm.errors import ConfigError, WrongThread
 from hicache_fsm.storage.memory import MemoryBackend
-
-
-def _in_thread(fn):
-    """Run ``fn`` in a new thread; its result or the exception it raised."""
-    out = {}
-
-    def run():
-        try:
-            out["value"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - handed back to the test
-            out["error"] = exc
-
-    t = threading.Thread(target=run)
-    t.start()
-    t.join()
-    return out
 
 
 # ====================================================================== thread confinement
@@ -57,7 +40,7 @@ def test_every_mutating_storage_call_is_refused_from_another_thread_and_changes_
         "storage_lost": lambda: tier.storage_lost(list(cache.tree.nodes())),
     }
     for name, call in calls.items():
-        out = _in_thread(call)
+        out = in_thread(call)
         assert isinstance(out.get("error"), WrongThread), (name, out)
         assert tier.link.state == "attached" and not tier.closed, name
     assert dict(tier.counters) == counters
@@ -80,7 +63,7 @@ def test_storage_threads_keep_working_when_the_cache_moves_to_another_thread():
         cache.close()
         return st
 
-    out = _in_thread(serve)
+    out = in_thread(serve)
     assert out["value"]["backups_stored"] == 1
     assert not storage_threads()
 
@@ -250,7 +233,7 @@ def test_a_deleted_page_file_is_found_missing_and_its_node_stored_again(tmp_path
     wait_until(cache, lambda: _all_stored(cache, a), what="stored again")
     assert cache.storage.backend.exists(key)
     assert cache.storage.verify_stored() == 0
-    out = _in_thread(cache.storage.verify_stored)
+    out = in_thread(cache.storage.verify_stored)
     assert isinstance(out.get("error"), WrongThread)
     cache.check_invariants()
     cache.close()

@@ -7,24 +7,8 @@ import threading
 import pytest
 import torch
 
-from cache_helpers import expected_kv, make_cache, pages, put
+from cache_helpers import expected_kv, in_thread, make_cache, pages, put
 from hicache_fsm.errors import HiCacheError, WrongThread
-
-
-def _in_thread(fn):
-    """Run ``fn`` in a new thread; its result or the exception it raised."""
-    out = {}
-
-    def run():
-        try:
-            out["value"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - handed back to the test
-            out["error"] = exc
-
-    t = threading.Thread(target=run)
-    t.start()
-    t.join()
-    return out
 
 
 def test_another_thread_is_refused_and_changes_nothing():
@@ -46,7 +30,7 @@ def test_another_thread_is_refused_and_changes_nothing():
         lambda: cache.close(),
     ]
     for call in calls:
-        out = _in_thread(call)
+        out = in_thread(call)
         assert isinstance(out.get("error"), WrongThread), out
         assert "MainThread" in str(out["error"])
         assert cache.snapshot() == before
@@ -60,7 +44,7 @@ def test_release_thread_hands_the_cache_over_and_a_dead_owner_owns_nothing():
     cache, ex = make_cache()
     put(cache, pages(1))
     cache.release_thread()
-    assert "value" in _in_thread(lambda: put(cache, pages(1, start=50)))  # adopted by that thread, which ended
+    assert "value" in in_thread(lambda: put(cache, pages(1, start=50)))  # adopted by that thread, which ended
     put(cache, pages(1, start=80))  # the owner ended: this thread adopts the cache again
     cache.check_invariants()
 
@@ -125,4 +109,4 @@ def test_read_only_views_may_be_read_from_another_thread(method):
     """Metrics scrapes read ``stats()`` from the HTTP server's thread."""
     cache, ex = make_cache()
     put(cache, pages(1))
-    assert "value" in _in_thread(getattr(cache, method))
+    assert "value" in in_thread(getattr(cache, method))

@@ -9,17 +9,16 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hang_guard import raised_by as refused
 
 from hicache_fsm import cli, input_limits
 from hicache_fsm.errors import ConfigError, TraceError
 from hicache_fsm.trace import MAX_BLOCK_SIZE, MAX_LINE_CHARS, TOKEN_BYTES, load_trace, parse_request
 
-HANG_GUARD_S = 60  # not a speed assertion: only stops a regression (a FIFO opened) from hanging the suite
 GIB = 1 << 30
 
 
@@ -32,24 +31,6 @@ def four_gib(monkeypatch):
 
 def line(n_in=8, n_out=1, ids=(1, 2)) -> str:
     return json.dumps({"timestamp": 0, "input_length": n_in, "output_length": n_out, "hash_ids": list(ids)})
-
-
-def refused(fn, *args) -> BaseException:
-    outcome: list[BaseException | None] = []
-
-    def target():
-        try:
-            fn(*args)
-            outcome.append(None)
-        except BaseException as exc:  # noqa: BLE001 - checked below
-            outcome.append(exc)
-
-    t = threading.Thread(target=target, daemon=True)
-    t.start()
-    t.join(HANG_GUARD_S)
-    assert outcome, f"still running after {HANG_GUARD_S} s"
-    assert outcome[0] is not None, "accepted"
-    return outcome[0]
 
 
 def test_nested_json_is_refused_before_parsing():

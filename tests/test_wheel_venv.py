@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from wheel_util import PIP_ENV, build_wheel
 
-REPO = Path(__file__).resolve().parent.parent
-PIP_ENV = {"PIP_NO_INDEX": "1", "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_ROOT_USER_ACTION": "ignore"}
 SMALL_WORKLOAD = ["--clients", "2", "--rounds", "2", "--request-length", "16", "--output-length", "4",
                   "--system-prompt-length", "16", "--page-size", "8", "--device-tokens", "80", "--host-tokens", "96",
                   "--device", "cpu", "--no-progress"]
@@ -39,15 +37,7 @@ def _run(args: list[str], cwd: Path, check: bool = True) -> subprocess.Completed
 def venv(tmp_path_factory) -> Path:
     """A venv (system site-packages visible) holding only the wheel built from this checkout."""
     tmp = tmp_path_factory.mktemp("venv")
-    src = tmp / "src"
-    src.mkdir()
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy(REPO / name, src / name)
-    shutil.copytree(REPO / "hicache_fsm", src / "hicache_fsm",
-                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info"))
-    _run([sys.executable, "-m", "pip", "-q", "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp / "dist"),
-          str(src)], tmp)
-    (wheel,) = (tmp / "dist").glob("hicache_fsm-*.whl")
+    wheel = build_wheel(tmp)
     env_dir = tmp / "env"
     _run([sys.executable, "-m", "venv", "--system-site-packages", str(env_dir)], tmp)
     _run([str(env_dir / "bin" / "python"), "-m", "pip", "-q", "install", "--no-deps", str(wheel)], tmp)

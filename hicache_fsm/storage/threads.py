@@ -156,14 +156,18 @@ class StorageThreads:
     def _query_loop(self, stop: threading.Event, backend: StorageBackend) -> None:
         while not stop.is_set():
             item = self._take(stop, (self._query_q,), 0.5)
-            if item is None:
-                continue
-            try:
-                self._run_query(stop, backend, *item)
-            except BaseException as exc:
-                log.error("storage query thread: unexpected error", exc_info=exc)
-            finally:
-                self._done()
+            if item is not None:
+                self._run_taken("query", self._run_query, stop, backend, item)
+
+    def _run_taken(self, thread: str, runner: Callable[..., None], stop: threading.Event, backend: StorageBackend,
+                   item: tuple) -> None:
+        """Run a taken item on a storage thread: an unexpected error is logged (the thread lives on), then _done."""
+        try:
+            runner(stop, backend, *item)
+        except BaseException as exc:
+            log.error("storage %s thread: unexpected error", thread, exc_info=exc)
+        finally:
+            self._done()
 
     def _run_query(self, stop: threading.Event, backend: StorageBackend, gen: int, op: PrefetchOp) -> None:
         if op.terminated or gen != self._gen:
@@ -200,15 +204,8 @@ class StorageThreads:
                 if down and not stop.is_set():
                     self._probe(backend)
                 continue
-            try:
-                if len(item) == 3:
-                    self._run_transfer(stop, backend, *item)
-                else:
-                    self._run_backup(stop, backend, *item)
-            except BaseException as exc:
-                log.error("storage I/O thread: unexpected error", exc_info=exc)
-            finally:
-                self._done()
+            runner = self._run_transfer if len(item) == 3 else self._run_backup
+            self._run_taken("I/O", runner, stop, backend, item)
 
     def _probe(self, backend: StorageBackend) -> None:
         now = time.monotonic()
