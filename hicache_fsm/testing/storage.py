@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from hicache_fsm.storage.faults import Fault
-from hicache_fsm.storage.tier import StorageTier
+from hicache_fsm.storage.stepped import SteppedStorageTier
 
 if TYPE_CHECKING:  # pragma: no cover
     from hicache_fsm.cache import HiCache
@@ -56,7 +56,7 @@ class StorageStep:
     detail: tuple = ()
 
 
-class ManualStorageTier(StorageTier):
+class ManualStorageTier(SteppedStorageTier):
     """``StorageTier`` whose queued storage work runs only when the test says (see the module docstring)."""
 
     @classmethod
