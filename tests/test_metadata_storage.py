@@ -145,3 +145,19 @@ def test_trace_replay_runs_without_hypothesis(small_trace):
     out = json.loads(done.stdout)
     assert out["configs"]["device+host+storage"]["hit_rate"] > 0
     assert "hicache_fsm.testing" not in done.stderr
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.one_of(st.text(alphabet="ab09_-/ \n*", max_size=4), st.just("a" * 257), st.integers(0, 3)),
+                max_size=5))
+def test_storage_keys_checks_many_keys_as_one_by_one(keys):
+    """The batched check accepts exactly what ``storage_key`` accepts key by key, and refuses with its error."""
+    ns = KeyNamespace("m")
+    try:
+        expected = [ns.storage_key(k) for k in keys]
+    except StorageKeyError as exc:
+        with pytest.raises(StorageKeyError) as got:
+            ns.storage_keys(keys)
+        assert str(got.value) == str(exc)
+    else:
+        assert ns.storage_keys(keys) == expected

@@ -64,7 +64,6 @@ class KeysOnlyBackend(StorageBackend):
         self.store_name = store
         self._lru = LRUIndex(max_bytes)
         self._prefix = self.namespace.prefix
-        self._formats: dict[int, bytes] = {}  # id(host pool) -> its page format (pools never change format)
 
     @staticmethod
     def drop_shared(name: str) -> None:
@@ -89,7 +88,7 @@ class KeysOnlyBackend(StorageBackend):
             raise StorageKeyError(f"{len(skeys)} keys but {len(page_ids)} page ids")
         if not skeys:
             return []
-        fmt = self._format_of(host_pool)
+        fmt = self._pool_format(host_pool)
         out: list[bool] = []
         mismatched = 0
         with self._keys.lock:
@@ -116,18 +115,12 @@ class KeysOnlyBackend(StorageBackend):
             raise StorageKeyError(f"{len(skeys)} keys but {len(page_ids)} page ids")
         if not skeys:
             return []
-        fmt, nbytes = self._format_of(host_pool), int(host_pool.page_nbytes)
+        fmt, nbytes = self._pool_format(host_pool), int(host_pool.page_nbytes)
         outcomes = self._guard(self._record, skeys, nbytes, fmt)
         written = outcomes.count(WRITTEN)
         self._stats.add(sets=len(skeys), skipped_existing=outcomes.count(EXISTS),
                         set_failures=outcomes.count(FAILED), bytes_written=written * nbytes)
         return [o != FAILED for o in outcomes]
-
-    def _format_of(self, host_pool: Any) -> bytes:
-        fmt = self._formats.get(id(host_pool))
-        if fmt is None:
-            fmt = self._formats[id(host_pool)] = self._pool_format(host_pool)
-        return fmt
 
     def _record(self, skeys: list[str], nbytes: int, fmt: bytes) -> list[str]:
         outcomes = []
