@@ -2,7 +2,8 @@
 
 Metadata mode: no model and one element of K and of V per token, so the pools
 are tiny, while every residency transition, transfer job, executor copy,
-completion and storage backend runs for real. Each request is served as an
+completion and storage call runs for real (an in-process store keeps page
+keys only: see :func:`metadata_backend`). Each request is served as an
 engine's step loop would (see ``hicache_fsm.simulate``): ``match_prefix``;
 with storage, ``prefetch`` of the part beyond the in-memory hit, polled until
 ready, and a second match; ``load_back`` of the host part; ``lock``; the
@@ -526,5 +527,5 @@ def sweep_capacities(trace: Trace, page_size: int, bound: PrefixBound, points: i
 
 __all__ = [
     "DEFAULT_STORAGE_URL", "METADATA_SHAPE", "CostModel", "Latency", "ReplayProgress", "TraceOptions", "TraceReplayer", "TraceSimulation",
-    "replay", "replay_timed", "run_trace", "sweep_capacities",
+    "metadata_backend", "replay", "replay_timed", "run_trace", "sweep_capacities",
 ]
