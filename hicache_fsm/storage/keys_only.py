@@ -62,7 +62,7 @@ class KeysOnlyBackend(StorageBackend):
         else:
             self._keys = _KeyStore()
         self.store_name = store
-        self._lru = LRUIndex(max_bytes)
+        self._lru = LRUIndex(max_bytes) if max_bytes is not None else None  # recency matters only under a cap
         self._prefix = self.namespace.prefix
 
     @staticmethod
@@ -91,18 +91,21 @@ class KeysOnlyBackend(StorageBackend):
         fmt = self._pool_format(host_pool)
         out: list[bool] = []
         mismatched = 0
+        lru = self._lru
         with self._keys.lock:
             formats = self._keys.formats
             for skey in skeys:
                 stored = formats.get(skey)
                 if stored is None:
-                    self._lru.discard(skey)
+                    if lru is not None:
+                        lru.discard(skey)
                     out.append(False)
                 elif stored != fmt:
                     mismatched += 1
                     out.append(False)
                 else:
-                    self._lru.touch(skey)
+                    if lru is not None:
+                        lru.touch(skey)
                     out.append(True)
         hits = out.count(True)
         self._stats.add(gets=len(skeys), hits=hits, misses=len(skeys) - hits, format_mismatch=mismatched,
@@ -124,9 +127,10 @@ class KeysOnlyBackend(StorageBackend):
 
     def _record(self, skeys: list[str], nbytes: int, fmt: bytes) -> list[str]:
         outcomes = []
+        lru = self._lru
         with self._keys.lock:
             formats = self._keys.formats
-            fits = self._lru.fits(nbytes)
+            fits = lru is None or lru.fits(nbytes)
             for skey in skeys:
                 if skey in formats:
                     outcomes.append(EXISTS)
@@ -134,9 +138,10 @@ class KeysOnlyBackend(StorageBackend):
                     outcomes.append(FAILED)
                 else:
                     formats[skey] = fmt
-                    self._lru.add(skey, nbytes)
+                    if lru is not None:
+                        lru.add(skey, nbytes)
                     outcomes.append(WRITTEN)
-            victims = self._lru.over_budget()
+            victims = lru.over_budget() if lru is not None else []
             for victim in victims:
                 formats.pop(victim, None)
         if victims:
@@ -166,7 +171,8 @@ class KeysOnlyBackend(StorageBackend):
             for skey in [k for k in self._keys.formats if k.startswith(self._prefix)]:
                 del self._keys.formats[skey]
             self._keys.epoch = next(_EPOCHS)
-            self._lru.clear()
+            if self._lru is not None:
+                self._lru.clear()
 
     def _close(self) -> None:
         if not self.store_name:
