@@ -32,10 +32,12 @@ a caller computes runs once per batch and reuses them for every layer.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from hicache_fsm.allocator import page_ids_array
 from hicache_fsm.errors import BadIndices, ConfigError
-from hicache_fsm.pools import DeviceKVPool, HostKVPool, pages_of
+from hicache_fsm.pools import DeviceKVPool, HostKVPool
 
 Run = tuple[int, int, int]
 
@@ -46,18 +48,18 @@ def coalesce_runs(src_idx, dst_idx, page_size: int) -> list[Run]:
     Returns ``(src_start, dst_start, length)`` in tokens, in index order.
     Raises BadIndices unless both tensors are page aligned and of equal length.
     """
-    src_pages = pages_of(src_idx, page_size, what="src indices")
-    dst_pages = pages_of(dst_idx, page_size, what="dst indices")
-    if src_pages.numel() != dst_pages.numel():
-        raise BadIndices(f"src and dst lengths differ: {src_pages.numel() * page_size} vs {dst_pages.numel() * page_size}")
-    n = src_pages.numel()
+    src_pages = page_ids_array(src_idx, page_size, what="src indices")
+    dst_pages = page_ids_array(dst_idx, page_size, what="dst indices")
+    if src_pages.size != dst_pages.size:
+        raise BadIndices(f"src and dst lengths differ: {src_pages.size * page_size} vs {dst_pages.size * page_size}")
+    n = src_pages.size
     if n == 0:
         return []
     if n == 1:
         return [(int(src_pages[0]) * page_size, int(dst_pages[0]) * page_size, page_size)]
-    breaks = ((src_pages[1:] - src_pages[:-1]) != 1) | ((dst_pages[1:] - dst_pages[:-1]) != 1)
-    starts = torch.cat([torch.zeros(1, dtype=torch.int64), torch.nonzero(breaks).flatten() + 1])
-    ends = torch.cat([starts[1:], torch.tensor([n])])
+    breaks = np.flatnonzero((np.diff(src_pages) != 1) | (np.diff(dst_pages) != 1)) + 1
+    starts = np.concatenate(([0], breaks))
+    ends = np.concatenate((breaks, [n]))
     src_starts = (src_pages[starts] * page_size).tolist()
     dst_starts = (dst_pages[starts] * page_size).tolist()
     lengths = ((ends - starts) * page_size).tolist()

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+import struct
 from functools import lru_cache
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
@@ -33,7 +34,7 @@ import numpy as np
 
 from hicache_fsm.errors import ConfigError, TraceError
 from hicache_fsm.input_limits import InputRefused, check_count, check_json_depth, memory_budget_bytes, open_regular_text
-from hicache_fsm.tokens import ID_BYTES, TokenIds, pack_token_ids
+from hicache_fsm.tokens import ID_BYTES, TokenIds
 
 DEFAULT_BLOCK_SIZE = 512
 MAX_HASH_ID = 1 << 63  # hash ids are non-negative and below this (64-bit hashes fit)
@@ -42,6 +43,8 @@ ID_TOKENS = 4  # a block's first four tokens spell its hash id in base VOCAB
 _TAIL_ROWS = 1024  # the rest of a block comes from row (hash id mod this) of a fixed random table
 _TAIL_SEED = 20250225
 BLOCK_CACHE = 8192  # derived blocks kept per BlockTokens
+_LE_UINT32 = np.dtype("<u4")
+_HEAD = struct.Struct("<4I")  # a block's first four ids: its hash id in base VOCAB
 FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
 # Bounds on untrusted traces, checked before the work they would size.
 MAX_BLOCK_SIZE = 4096  # the token table is 1024 rows of a block, and up to BLOCK_CACHE derived blocks are kept
@@ -214,42 +217,44 @@ class BlockTokens:
     Token ``i`` of the block of ``hash_id`` is, for ``i < 4``, the ``i``-th
     base-65536 digit of ``hash_id`` (least significant first), and otherwise
     entry ``i - 4`` of row ``hash_id % 1024`` of a fixed pseudo-random table.
-    Every token is below ``VOCAB`` (2**16). The tokens are tuples of shared int
-    objects, so a block costs a few pointer copies and a cached prefix 8 bytes
-    a token, whatever the trace.
+    Every token is below ``VOCAB`` (2**16). ``packed`` (what the replay uses)
+    joins each block's packed bytes: the four head ids packed in one call and
+    the row's tail packed once per instance, so no token id is looked at one
+    by one (they are in range by construction: nothing to check). ``block``
+    and ``tokens`` give the same ids as ints (tuples of shared int objects,
+    built on first use).
     """
 
     def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
         self.block_size = check_block_size(block_size)
-        self._ints = tuple(range(VOCAB))  # every token refers to one of these objects
-        table = np.random.default_rng(_TAIL_SEED).integers(0, VOCAB, size=(_TAIL_ROWS, block_size - ID_TOKENS))
-        ints = self._ints
-        self._tails = [tuple(ints[t] for t in row) for row in table.tolist()]
+        self._table = np.random.default_rng(_TAIL_SEED).integers(0, VOCAB, size=(_TAIL_ROWS, block_size - ID_TOKENS))
+        self._tail_raw = [row.tobytes() for row in self._table.astype(_LE_UINT32)]
+        self._tails: list[tuple[int, ...]] | None = None
         # Consecutive requests reuse most of their blocks: remember the recent ones (4 KiB each).
         self._cached: Callable[[int], tuple[int, ...]] = lru_cache(maxsize=BLOCK_CACHE)(self._derive)
-        self._packed: Callable[[int], TokenIds] = lru_cache(maxsize=BLOCK_CACHE)(self._pack)
 
     def block(self, hash_id: int) -> tuple[int, ...]:
         """The ``block_size`` tokens of ``hash_id``'s block."""
         return self._cached(hash_id)
 
     def _derive(self, hash_id: int) -> tuple[int, ...]:
-        ints, mask = self._ints, VOCAB - 1
-        head = (ints[hash_id & mask], ints[(hash_id >> 16) & mask], ints[(hash_id >> 32) & mask],
-                ints[(hash_id >> 48) & mask])
+        if self._tails is None:
+            ints = tuple(range(VOCAB))  # every token refers to one of these objects
+            self._tails = [tuple(ints[t] for t in row) for row in self._table.tolist()]
+        mask = VOCAB - 1
+        head = (hash_id & mask, (hash_id >> 16) & mask, (hash_id >> 32) & mask, (hash_id >> 48) & mask)
         return head + self._tails[hash_id % _TAIL_ROWS]
 
     def packed(self, hash_ids: Sequence[int], length: int) -> TokenIds:
-        """``tokens(hash_ids, length)`` packed as the cache keys them: each block packed once, then joined."""
+        """``tokens(hash_ids, length)`` packed as the cache keys them (``pack_token_ids`` of them, byte for byte)."""
         full, rest = divmod(length, self.block_size)
-        block = self._packed
-        parts = [block(h) for h in hash_ids[:full]]
-        if rest:
-            parts.append(TokenIds(block(hash_ids[full]).raw[: rest * ID_BYTES]))
-        return TokenIds.concat(parts)
-
-    def _pack(self, hash_id: int) -> TokenIds:
-        return pack_token_ids(self._cached(hash_id))
+        head, tails, mask = _HEAD.pack, self._tail_raw, VOCAB - 1
+        parts = []
+        for h in hash_ids[: full + (rest > 0)]:
+            parts.append(head(h & mask, (h >> 16) & mask, (h >> 32) & mask, (h >> 48) & mask))
+            parts.append(tails[h % _TAIL_ROWS])
+        raw = b"".join(parts)
+        return TokenIds(raw[: length * ID_BYTES] if rest else raw)
 
     def tokens(self, hash_ids: Sequence[int], length: int) -> tuple[int, ...]:
         """The first ``length`` tokens of the blocks ``hash_ids`` (a partial last block is a prefix of its block)."""

@@ -2,7 +2,8 @@
 
 Metadata mode: no model and one element of K and of V per token, so the pools
 are tiny, while every residency transition, transfer job, executor copy,
-completion and storage backend runs for real. Each request is served as an
+completion and storage call runs for real (an in-process store keeps page
+keys only: see :func:`metadata_backend`). Each request is served as an
 engine's step loop would (see ``hicache_fsm.simulate``): ``match_prefix``;
 with storage, ``prefetch`` of the part beyond the in-memory hit, polled until
 ready, and a second match; ``load_back`` of the host part; ``lock``; the
@@ -32,6 +33,7 @@ from __future__ import annotations
 import sys
 import time
 import uuid
+from urllib.parse import urlsplit
 from typing import Callable, Sequence, TextIO
 
 import attrs
@@ -54,7 +56,9 @@ from hicache_fsm.simulate import (
     fetch_prefix,
     storage_available,
 )
-from hicache_fsm.testing.storage import ManualStorageTier
+from hicache_fsm.storage.keys import KeyNamespace
+from hicache_fsm.storage.keys_only import KeysOnlyBackend
+from hicache_fsm.storage.stepped import SteppedStorageTier
 from hicache_fsm.trace import BlockTokens, PrefixBound, Trace, prefix_bound
 
 METADATA_SHAPE = KVShape(1, 1, 1, torch.float16)  # one element of K and one of V per token
@@ -171,11 +175,26 @@ class Latency:
 # ====================================================================== one configuration
 
 
+def metadata_backend(storage_url: str, namespace: KeyNamespace) -> str | KeysOnlyBackend:
+    """What metadata mode stores into: ``memory://[NAME]`` becomes a keys-only store of the same name.
+
+    KV bytes mean nothing without a model, so an in-process store keeps the
+    keys alone (:class:`KeysOnlyBackend`: every storage call has the outcome it
+    would have on ``memory://``, and no page is serialised). Any other URL
+    (``file://``, ``redis://``, ...) is opened as given: its I/O is what the
+    caller asked to see.
+    """
+    parts = urlsplit(storage_url)
+    if parts.scheme.lower() != "memory" or parts.path not in ("", "/") or parts.query:
+        return storage_url
+    return KeysOnlyBackend(namespace, store=f"metadata-{parts.netloc}" if parts.netloc else None)
+
+
 class TraceReplayer:
     """Serves trace requests one at a time through one configuration's HiCache (metadata mode).
 
     Storage runs on the simulated clock: the tier starts no threads
-    (``ManualStorageTier``) and the replayer runs its queued work itself
+    (``SteppedStorageTier``) and the replayer runs its queued work itself
     (``run_queued``) where a thread would have finished it by then: a
     prefetch's queries and transfers before the request proceeds, a request's
     backups before the next request arrives. Nothing waits on wall time.
@@ -196,7 +215,8 @@ class TraceReplayer:
         if self.storage:
             options = dict(STORAGE_OPTIONS, model=storage_namespace, prefetch_threshold=page_size)
             try:
-                ManualStorageTier.attach_to(self.cache, tier.storage_url, **options)  # setup, not per-request time
+                backend = metadata_backend(tier.storage_url, KeyNamespace(storage_namespace))
+                SteppedStorageTier.attach_to(self.cache, backend, **options)  # setup, not per-request time
             except BaseException:
                 self.close()
                 raise
@@ -254,9 +274,7 @@ class TraceReplayer:
                 if not any(tier.queued_work().values()):
                     return
                 continue
-            for kind in ("query", "s2h", "h2s"):
-                for _ in work[kind]:
-                    tier.run_queued(kind, 0)
+            tier.run_all()
             cache.poll()
 
     def _prefetch(self, tokens, m):
@@ -509,5 +527,5 @@ def sweep_capacities(trace: Trace, page_size: int, bound: PrefixBound, points: i
 
 __all__ = [
     "DEFAULT_STORAGE_URL", "METADATA_SHAPE", "CostModel", "Latency", "ReplayProgress", "TraceOptions", "TraceReplayer", "TraceSimulation",
-    "replay", "replay_timed", "run_trace", "sweep_capacities",
+    "metadata_backend", "replay", "replay_timed", "run_trace", "sweep_capacities",
 ]

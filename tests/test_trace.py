@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hicache_fsm.errors import ConfigError, TraceError
+from hicache_fsm.tokens import pack_token_ids
 from hicache_fsm.trace import (
     VOCAB,
     BlockTokens,
@@ -123,6 +124,17 @@ def test_tokens_share_exactly_the_shared_blocks(ids_a, ids_b, cut_a, cut_b, offs
     while common < min(len_a, len_b) and a[common] == b[common]:
         common += 1
     assert common == min(k * bs, len_a, len_b)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, (1 << 64) - 1), min_size=1, max_size=5), st.integers(0, 15),
+       st.sampled_from([4, 8, 16]))
+def test_packed_blocks_are_the_tokens_packed(ids, cut, bs):
+    """``packed`` builds the bytes ``pack_token_ids`` gives for ``tokens``, whole blocks or a partial last one."""
+    bt = BlockTokens(bs)
+    length = (len(ids) - 1) * bs + 1 + cut % bs
+    assert bt.packed(ids, length).raw == pack_token_ids(bt.tokens(ids, length)).raw
+    assert bt.packed(ids, len(ids) * bs).raw == pack_token_ids(bt.tokens(ids, len(ids) * bs)).raw
 
 
 # ====================================================================== the bound

@@ -22,7 +22,7 @@ from hicache_fsm.interfaces import TierContext
 from hicache_fsm.storage.keys import page_keys
 from hicache_fsm.storage.link import StorageLink
 from hicache_fsm.storage.prefetch import PrefetchError, PrefetchOp, PrefetchRuntime
-from hicache_fsm.tokens import as_token_ids
+from hicache_fsm.tokens import ID_BYTES, TokenIds, pack_token_ids, unpack_token_ids
 
 log = logging.getLogger("hicache_fsm.storage.tier")
 
@@ -92,7 +92,7 @@ class PrefetchCalls:
 
         self._check_open()
         self._drain()
-        tokens = as_token_ids(tokens)
+        tokens = pack_token_ids(tokens)  # checked once; compared and hashed packed
         if not isinstance(match, MatchResult):
             raise BadIndices(f"prefetch wants the MatchResult of match_prefix, got {type(match).__name__}")
         try:
@@ -112,22 +112,22 @@ class PrefetchCalls:
                 raise BadIndices(f"namespace {namespace!r} does not match the matched prefix's {anchor.namespace!r}")
             namespace = anchor.namespace
         start = match.device_hit_length + match.host_hit_length
-        prefix = tree.prefix_tokens(anchor)
-        if len(prefix) != start or tuple(tokens[:start]) != prefix:
+        prefix = tree.prefix_ids(anchor)
+        if len(prefix) != start or tokens.raw[: start * ID_BYTES] != prefix.raw:
             raise BadIndices("the MatchResult does not belong to these tokens (or is stale)")
         ps = self.page_size
-        want = tokens[start: len(tokens) - len(tokens) % ps]
+        want_ids = TokenIds(tokens.raw[start * ID_BYTES: (len(tokens) - len(tokens) % ps) * ID_BYTES])
         if self.link.state != "attached":
             return self._reject("detached")
         if not self.healthy:
             return self._reject("unhealthy")
-        need = len(want)
+        need = len(want_ids)
         if need == 0 or need < rt.threshold_tokens:
             return self._reject("below_threshold")
         if rt.occupied_tokens + need > rt.capacity_tokens:
             return self._reject("capacity")
         prior = self.prior_key(anchor, namespace)
-        keys = tuple(page_keys(want, ps, prior))  # also validates the token ids before anything changes
+        keys = tuple(page_keys(want_ids, ps, prior))  # also validates the token ids before anything changes
         if self._readable([keys[0]], 1) == 0:  # its first page was stored in a format this pool cannot read
             return self._reject("format_mismatch")
         if anchor.is_root:
@@ -149,8 +149,8 @@ class PrefetchCalls:
             elif pin == "lock":
                 ctx.unlock(anchor)
             return self._reject("host_full")
-        op = PrefetchOp(request_id, want, keys, anchor, pin, namespace, slots, ps, self._gen, self.now(),
-                        agreed=self.agreement is not None)
+        op = PrefetchOp(request_id, unpack_token_ids(want_ids.raw), keys, anchor, pin, namespace, slots, ps,
+                        self._gen, self.now(), agreed=self.agreement is not None)
         rt.active[request_id] = op
         rt.occupied_tokens += need
         self.counters["prefetch_admitted"] += 1

@@ -23,18 +23,15 @@ after how many calls, how often) or a one-shot failure of the very next call
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from hicache_fsm.interfaces import TierContext
 from hicache_fsm.storage.faults import Fault
-from hicache_fsm.storage.tier import StorageTier
+from hicache_fsm.storage.stepped import SteppedStorageTier
 
 if TYPE_CHECKING:  # pragma: no cover
-    from hicache_fsm.cache import HiCache
     from hicache_fsm.testing.interface import StorageFault
 
 __all__ = ["CALL_METHODS", "FaultPlan", "ManualStorageTier", "StorageStep", "to_backend_fault"]
@@ -57,38 +54,8 @@ class StorageStep:
     detail: tuple = ()
 
 
-class ManualStorageTier(StorageTier):
+class ManualStorageTier(SteppedStorageTier):
     """``StorageTier`` whose queued storage work runs only when the test says (see the module docstring)."""
-
-    @classmethod
-    def attach_to(cls, cache: HiCache, url_or_backend: Any, **options: Any) -> ManualStorageTier:
-        """Install a manual tier as ``cache.storage`` (replacing none) and attach ``url_or_backend``."""
-        if cache.storage is not None and not isinstance(cache.storage, cls):
-            raise ValueError("the cache already has a threaded storage tier")
-        if cache.storage is None:
-            cache.storage = cls(TierContext.of(cache))
-        cache.storage.attach(url_or_backend, **options)
-        return cache.storage
-
-    def start_workers(self) -> None:
-        self.link.stop_event = threading.Event()  # what the threads would get: a fresh one per attach
-        self.use_manual_clock()
-
-    # ------------------------------------------------------------------ time, as a step
-
-    def use_manual_clock(self) -> None:
-        """Prefetch timeouts read ``seconds`` (moved by ``advance`` only), never the wall clock, so an
-        exploration's verdict does not depend on how fast the machine runs it."""
-        if not hasattr(self, "seconds"):
-            self.seconds = 0.0
-        self.runtime.clock = self.manual_now
-
-    def manual_now(self) -> float:
-        return self.seconds
-
-    def advance(self, seconds: float) -> None:
-        """Time passes for the prefetch timeouts (``stop_policy: timeout``)."""
-        self.seconds += seconds
 
     # ------------------------------------------------------------------ the queue, as steps
 
