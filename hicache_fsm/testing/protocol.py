@@ -189,12 +189,13 @@ class ProtocolAdapter(HiCacheAdapter):
             raise Rejected("nodes or prefetches still claim pages of the previous storage (a fresh store "
                            "cannot hold them)")
         self.backend = FaultyBackend(open_backend("memory://"), self.faults)
+        faulty = fail or bool(self.faults.armed)  # an armed storage fault may hit the attach's first call
         if fail:
             self.faults.fail_next()
         try:
             tier.attach(self.backend, **_attach_options(tier))
         except StorageLinkError as exc:
-            if not fail:
+            if not faulty:
                 raise
             raise Rejected(str(exc)) from None
         finally:
@@ -217,13 +218,36 @@ class ProtocolAdapter(HiCacheAdapter):
         tier.advance(tier.options.timeout_max + 1.0)
         self.cache.poll()
 
+    def lose_storage(self) -> int:
+        """The storage backend loses every page it held (a restart without persistence); the engine's
+        maintenance check (``StorageTier.verify_stored``) finds it and every stored node goes back to
+        "not stored" (``storage_lost``) to be backed up again. Returns how many nodes moved back."""
+        from hicache_fsm.errors import StorageLinkError
+
+        if not self._stored_nodes():
+            raise Rejected("no node is stored")
+        try:
+            self.backend.clear()
+            moved = self.cache.storage.verify_stored()
+        except StorageLinkError as exc:
+            raise Rejected(str(exc)) from None
+        self.cache.poll()
+        return moved
+
+    def _stored_nodes(self) -> list:
+        tier = self.cache.storage
+        if tier is None or tier.link.state != "attached" or not tier.healthy:
+            return []
+        return [n for n in self.cache.tree.nodes() if n.parent is not None and n.state.endswith("_stored")]
+
     def extra_steps(self) -> list:
         from hicache_fsm.testing.checks import Step
 
         tier = self.cache.storage
-        if tier is None or tier.options.stop_policy != "timeout" or not self.prefetching():
-            return []
-        return [Step("time_passes")]
+        out = [Step("lose_storage")] if self._stored_nodes() else []
+        if tier is not None and tier.options.stop_policy == "timeout" and self.prefetching():
+            out.append(Step("time_passes"))
+        return out
 
     def applicable(self, op: str, args: tuple) -> bool:
         if op == "partial_storage":  # only a transfer reads pages
