@@ -592,6 +592,40 @@ def _layer_write():
     return layer_write
 
 
+@_mutant("prefetch_hits_counted_as_found", "prefetch hits reported as the pages storage found, not those inserted",
+         storage=True)
+def _prefetch_hits_found(p: Patcher) -> None:
+    from hicache_fsm.storage.prefetch import PrefetchRuntime
+
+    orig = PrefetchRuntime.insert_fetched
+
+    def insert_fetched(self, op):
+        before = self.counters["prefetch_hit_tokens"]
+        orig(self, op)
+        self.counters["prefetch_hit_tokens"] = before + op.hit_tokens  # found, whether inserted or not
+
+    p.setattr(PrefetchRuntime, "insert_fetched", insert_fetched)
+
+
+@_mutant("failed_load_reported_done", "a failed load of a locked node reported as done (the node claims its "
+         "device copy)")
+def _failed_load_done(p: Patcher) -> None:
+    from hicache_fsm.load_back import LoadBacks
+
+    orig = LoadBacks.load_failed
+
+    def load_failed(self, nodes, handle):
+        # a locked node (which must be retried) is declared loaded though its copy never landed
+        locked = [n for n in nodes if n.lock_ref > 0]
+        for node in locked:
+            self.cache.driver.fire(node, "load_done")
+        rest = [n for n in nodes if n.lock_ref == 0]
+        if rest:
+            orig(self, rest, handle)
+
+    p.setattr(LoadBacks, "load_failed", load_failed)
+
+
 @_mutant("cp_ack_before_last_layer", "CP write acked before its last layer copy landed", cp=True)
 def _cp_ack_early(p: Patcher) -> None:
     Runtime = _layer_write().LayerWriteRuntime

@@ -163,6 +163,34 @@ class ProtocolAdapter(HiCacheAdapter):
         held = [i for n in path if n.state in ON_DEVICE for i in n.device_indices.tolist()]
         return len(held) >= len(idx) and held[-len(idx):] == idx
 
+    # ------------------------------------------------------------------ prefetch hits are pages inserted
+
+    def prefetch_ready(self, request):
+        return self._counting_hits(f"prefetch_ready({request!r})", super().prefetch_ready, request)
+
+    def abort(self, request):
+        return self._counting_hits(f"abort({request!r})", super().abort, request)
+
+    def _counting_hits(self, what: str, step, request):
+        """Run ``step``; the prefetch hits it reports (``stats()['prefetch_hit_tokens']``) must equal the
+        tokens the tree gained (what ``match_prefix`` can now return), never the tokens storage found."""
+        tier = self.cache.storage
+        if tier is None:
+            return step(request)
+        hits, held = tier.counters["prefetch_hit_tokens"], self._cached_tokens()
+        result = step(request)
+        hits, gained = tier.counters["prefetch_hit_tokens"] - hits, self._cached_tokens() - held
+        if hits != gained:
+            self._step_problems.append(f"prefetch_hits_equal_pages_inserted: {what} reported {hits} hit tokens, "
+                                       f"the tree gained {gained}")
+        return result
+
+    def _cached_tokens(self) -> int:
+        from hicache_fsm.bindings.residency import ON_DEVICE, ON_HOST
+
+        return sum(n.num_tokens for n in self.cache.tree.nodes()
+                   if n.parent is not None and (n.state in ON_HOST or n.state in ON_DEVICE))
+
     # ------------------------------------------------------------------ storage link and partial results
 
     def detach_storage(self) -> None:
