@@ -177,9 +177,9 @@ class ProtocolAdapter(HiCacheAdapter):
         tier = self.cache.storage
         if tier is None:
             return step(request)
-        hits, held = tier.counters["prefetch_hit_tokens"], self._cached_tokens()
+        hits, held = tier.stats()["prefetch_hit_tokens"], self._cached_tokens()
         result = step(request)
-        hits, gained = tier.counters["prefetch_hit_tokens"] - hits, self._cached_tokens() - held
+        hits, gained = tier.stats()["prefetch_hit_tokens"] - hits, self._cached_tokens() - held
         if hits != gained:
             self._step_problems.append(f"prefetch_hits_equal_pages_inserted: {what} reported {hits} hit tokens, "
                                        f"the tree gained {gained}")
