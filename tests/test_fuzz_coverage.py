@@ -73,3 +73,23 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     fuzz_command.configure(parser)
     return parser.parse_args(argv)
+
+
+def test_a_failed_load_reported_done_is_caught(monkeypatch):
+    """Planted: the failure path of a locked node's load declares it loaded (``load_done``) instead of
+    retrying it; the toolkit's ``failed_load_not_done`` check flags the step."""
+    from hicache_fsm.load_back import LoadBacks
+    from hicache_fsm.testing.checks import Step, replay_steps
+    from hicache_fsm.testing.protocol import ProtocolAdapter
+
+    def load_failed(self, nodes, handle):
+        for node in nodes:
+            self.cache.driver.fire(node, "load_done")
+
+    steps = [Step("insert", ((1,),)), Step("complete_job", (0,)), Step("evict", (1,)), Step("load_back", ((1,),)),
+             Step("lock", ((1,),)), Step("fail_job", (0,))]
+    with quiet_cache_logs():
+        assert replay_steps(ProtocolAdapter(device_pages=2, host_pages=2, write_policy="write_through"), steps) == []
+        monkeypatch.setattr(LoadBacks, "load_failed", load_failed)
+        problems = replay_steps(ProtocolAdapter(device_pages=2, host_pages=2, write_policy="write_through"), steps)
+    assert problems and "after step 6 fail_job(#0): failed_load_not_done" in problems[0]

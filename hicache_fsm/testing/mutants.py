@@ -607,25 +607,6 @@ def _prefetch_hits_found(p: Patcher) -> None:
     p.setattr(PrefetchRuntime, "insert_fetched", insert_fetched)
 
 
-@_mutant("failed_load_reported_done", "a failed load of a locked node reported as done (the node claims its "
-         "device copy)")
-def _failed_load_done(p: Patcher) -> None:
-    from hicache_fsm.load_back import LoadBacks
-
-    orig = LoadBacks.load_failed
-
-    def load_failed(self, nodes, handle):
-        # a locked node (which must be retried) is declared loaded though its copy never landed
-        locked = [n for n in nodes if n.lock_ref > 0]
-        for node in locked:
-            self.cache.driver.fire(node, "load_done")
-        rest = [n for n in nodes if n.lock_ref == 0]
-        if rest:
-            orig(self, rest, handle)
-
-    p.setattr(LoadBacks, "load_failed", load_failed)
-
-
 @_mutant("cp_ack_before_last_layer", "CP write acked before its last layer copy landed", cp=True)
 def _cp_ack_early(p: Patcher) -> None:
     Runtime = _layer_write().LayerWriteRuntime

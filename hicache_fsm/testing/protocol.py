@@ -163,21 +163,22 @@ class ProtocolAdapter(HiCacheAdapter):
         held = [i for n in path if n.state in ON_DEVICE for i in n.device_indices.tolist()]
         return len(held) >= len(idx) and held[-len(idx):] == idx
 
-    # ------------------------------------------------------------------ a failed load leaves torn data
+    # ------------------------------------------------------------------ a failed load is never reported done
 
     def fail_job(self, job_id: int) -> None:
-        """A failed load (H2D) may have copied part of its pages: its device slots hold torn data, so a
-        load reported done after it failed reads back wrong (before, the slot could still hold the very
-        KV the node had when it was evicted, and the lie would read back fine)."""
+        """Fail a job; a node whose load (H2D) this was must come out retried (still ``loading``) or rolled
+        back to its host copy, never with a device copy the cache now counts valid."""
+        from hicache_fsm.bindings.residency import LOADING, ON_DEVICE
         from hicache_fsm.jobs import JobKind
-        from hicache_fsm.testing.kv import encode_kv
 
         job = next((j for j in self.executor.pending_jobs() if j.id == job_id), None)
-        if job is not None and job.kind is JobKind.H2D and job.device_indices is not None and job.device_indices.numel():
-            k, v = encode_kv((TORN_TOKEN,) * int(job.device_indices.numel()), self.layers)
-            self._kv_writes += 1
-            self.device_pool.write(job.device_indices, None, k, v)
+        loading = [] if job is None or job.kind is not JobKind.H2D else [
+            n for n in (self.cache.tree.get(i) for i in job.node_ids) if n is not None and n.state in LOADING]
         super().fail_job(job_id)
+        for node in loading:
+            if node.state in ON_DEVICE and node.state not in LOADING:
+                self._step_problems.append(f"failed_load_not_done: node {node.id}'s load failed, yet it is "
+                                           f"{node.state} (its device copy never landed)")
 
     # ------------------------------------------------------------------ prefetch hits are pages inserted
 
@@ -310,9 +311,6 @@ class ProtocolAdapter(HiCacheAdapter):
         """KV read-back (also run after steps that land on a known state), plus this step's obligations."""
         problems, self._step_problems = self._step_problems, []
         return problems + super().kv_violations() + self._load_violations()
-
-
-TORN_TOKEN = -12345  # what a failed load leaves in its device slots (no prompt holds this token)
 
 
 def _attach_options(tier) -> dict:
