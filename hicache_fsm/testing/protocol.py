@@ -392,6 +392,11 @@ UNREACHED_REASONS: dict[str, dict[str, str]] = {
         "reserved --submit_layer--> all_submitted": "needs a write of one layer in all; the cp families write "
                                                     "two target layers and one draft layer",
     },
+    "residency": {
+        "loading_stored --load_done--> device_host_stored": "beyond the storage families' depth bound: a stored "
+                                                             "node's load back starts only at their last step",
+        "loading_stored --load_failed--> host_stored": "as above: the load's acknowledgement is one step deeper",
+    },
     "prefetch": {
         "failed --abort--> aborted": "the tier releases a failed prefetch at the next poll, before an abort can "
                                      "reach it (abort_prefetch drains first)",
