@@ -271,6 +271,8 @@ class ProtocolAdapter(HiCacheAdapter):
 
         if not self._stored_nodes():
             raise Rejected("no node is stored")
+        if self.faults.armed:  # the maintenance check would hit it after the pages are gone
+            raise Rejected("a storage fault is armed")
         try:
             self.backend.clear()
             moved = self.cache.storage.verify_stored()
@@ -289,7 +291,7 @@ class ProtocolAdapter(HiCacheAdapter):
         from hicache_fsm.testing.checks import Step
 
         tier = self.cache.storage
-        out = [Step("lose_storage")] if self._stored_nodes() else []
+        out = [Step("lose_storage")] if self._stored_nodes() and not self.faults.armed else []
         if tier is not None and tier.options.stop_policy == "timeout" and self.prefetching():
             out.append(Step("time_passes"))
         return out
