@@ -7,7 +7,7 @@ table of who caught what, how fast and with how many steps:
   configuration lives in (``testing.protocol.families_for``), stopping at the
   first violation, each family to its depth bound;
 - ``fuzz``: the default ``hicache-fsm fuzz`` machine (every variant; seed 0, no
-  shrinking, at most ``FUZZ_EXAMPLES`` runs);
+  shrinking, at most ``FUZZ_EXAMPLES`` runs), ``fuzz --cp`` for the CP bugs;
 - ``suite``: the protocol machine as the test suite runs it
   (``tests/test_testing_toolkit.py``: 10 runs of 20 steps).
 
@@ -28,6 +28,7 @@ from hicache_fsm.testing import explore, hicache_machine, run_fuzz
 from hicache_fsm.testing.explorer import quiet_cache_logs
 from hicache_fsm.testing.mutants import MUTANTS, mutant
 from hicache_fsm.testing.protocol import families_for
+from hicache_fsm.testing.stateful import cp_machine
 
 FUZZ_EXAMPLES = 100
 
@@ -93,9 +94,9 @@ def _check(variant: dict) -> tuple[str, bool]:
     return f"missed ({time.perf_counter() - t:.0f}s, {states} states)", False
 
 
-def _fuzz(examples: int, steps: int) -> tuple[str, bool]:
+def _fuzz(machine, examples: int, steps: int) -> tuple[str, bool]:
     t = time.perf_counter()
-    fuzz = run_fuzz(hicache_machine(), examples=examples, steps=steps, seed=0, shrink=False)
+    fuzz = run_fuzz(machine(), examples=examples, steps=steps, seed=0, shrink=False)
     secs = time.perf_counter() - t
     if not fuzz.ok:
         return f"caught {secs:5.1f}s {fuzz.examples:3d} runs", True
@@ -109,12 +110,9 @@ def test_mutant_is_caught(name, table):
     row = table.setdefault(name, Row(name, m.bug))
     with quiet_cache_logs(), mutant(name):
         row.check, check_fast = _check(m.variant)
-        if m.variant.get("cp"):  # the fuzzer's variants have no CP ranks
-            row.fuzz = row.suite = "n/a (no CP variant)"
-            fuzz_fast = False
-        else:
-            row.fuzz, fuzz_fast = _fuzz(FUZZ_EXAMPLES, 40)
-            row.suite, _ = _fuzz(10, 20)
+        machine = cp_machine if m.variant.get("cp") else hicache_machine  # `fuzz --cp` for CP bugs
+        row.fuzz, fuzz_fast = _fuzz(machine, FUZZ_EXAMPLES, 40)
+        row.suite, _ = _fuzz(machine, 10, 20)
     row.caught = row.check.startswith("caught") or row.fuzz.startswith("caught") or row.suite.startswith("caught")
     row.fast = check_fast or fuzz_fast
     assert row.caught, f"{name} ({m.bug}) escaped every tool"

@@ -102,12 +102,12 @@ def test_detach_ends_transfers_in_flight_first_and_attach_can_fail():
     assert a.cache.storage.link.state == "attached" and not a.invariant_violations()
 
 
-@pytest.mark.parametrize("world_size", [1, 2])
-def test_cp_writes_with_draft_layers_hold_and_reach_the_layer_write_states(world_size):
+@pytest.mark.parametrize("world_size, depth", [(1, 6), (2, 5)])  # two ranks: one step less keeps it small
+def test_cp_writes_with_draft_layers_hold_and_reach_the_layer_write_states(world_size, depth):
     cov = CoverageTracker()
     with quiet_cache_logs():
         r = explore(Bounds(nodes=2, device_pages=2, host_pages=2, alphabet=1, max_len=2, redeliver=False,
-                           write_policy="write_back", max_depth=6), lambda b: CPAdapter(world_size=world_size),
+                           write_policy="write_back", max_depth=depth), lambda b: CPAdapter(world_size=world_size),
                     coverage=cov)
     assert not r.violations, r.violations[0].format()
     assert r.complete

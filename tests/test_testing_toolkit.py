@@ -130,10 +130,10 @@ def test_spec_paths_reach_every_state_and_transition():
 # ------------------------------------------------------------------ the explorer
 
 
-@pytest.mark.parametrize("policy", ["write_through", "write_back"])
-def test_explorer_finds_no_violation_on_the_real_cache(policy):
+@pytest.mark.parametrize("policy, depth", [("write_through", 5), ("write_back", 6)])  # the default families' depths
+def test_explorer_finds_no_violation_on_the_real_cache(policy, depth):
     cov = CoverageTracker()
-    result = explore(Bounds(nodes=2, device_pages=2, host_pages=2, write_policy=policy, max_depth=6), coverage=cov)
+    result = explore(Bounds(nodes=2, device_pages=2, host_pages=2, write_policy=policy, max_depth=depth), coverage=cov)
     assert result.complete and not result.violations, [v.format() for v in result.violations]
     assert result.states > 100 and result.transitions > result.states
     summary = result.to_json()
@@ -243,7 +243,8 @@ def test_tampered_trace_is_rejected(tmp_path, tamper, capsys):
 
 
 def test_check_command_json(capsys):
-    rc = main(["check", "--nodes", "2", "--device-pages", "2", "--host-pages", "1", "--quiet", "--json"])
+    rc = main(["check", "--nodes", "2", "--device-pages", "2", "--host-pages", "1", "--max-depth", "4", "--quiet",
+               "--json"])
     out = capsys.readouterr().out
     summary = json.loads(out)
     assert rc == 0 and summary["violations"] == 0 and summary["states"] > 10 and summary["complete"]

@@ -44,10 +44,12 @@ def _import(where: str) -> Any:
 
 
 def import_lines(ref: str, name: str) -> str:
-    """Python source that makes ``name`` the factory ``ref`` names (for generated tests)."""
+    """Python source that makes ``name`` the factory ``ref`` names (for generated tests); a file is named by
+    its absolute path, so the test runs from whatever directory it is written to or run from."""
     where, _, attr = ref.rpartition(":")
     if where.endswith(".py"):
         stem = Path(where).stem
+        where = str(Path(where).resolve())
         return (
             "import importlib.util\n"
             f"_spec = importlib.util.spec_from_file_location({stem!r}, {where!r})\n"

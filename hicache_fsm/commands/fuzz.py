@@ -26,8 +26,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="fuzz your own cache: a callable returning a CacheAdapter")
     parser.add_argument("--variant", metavar="JSON", action="append", type=json_kwargs,
                         help="keyword arguments for the --adapter factory, as a JSON object (repeat to draw among several)")
-    parser.add_argument("--test-out", metavar="FILE", help="write the regression test for a failure here")
-    parser.add_argument("--coverage", action="store_true", help="print which spec states/transitions were reached")
+    parser.add_argument("--cp", action="store_true",
+                        help="fuzz CP layer writes (1 and 2 context-parallel ranks, target and draft layers) "
+                             "instead of the HiCache variants")
+    parser.add_argument("--test-out", metavar="FILE",
+                        help="write the regression test for a failure here (it runs from any directory)")
+    parser.add_argument("--coverage", action="store_true",
+                        help="also print the per-machine coverage with --json (it is always in the report)")
     parser.add_argument("--record", metavar="FILE",
                         help="write every transition the runs fire to FILE (JSONL, one run per example; "
                              "`hicache-fsm diagram NAME --counts FILE` draws it)")
@@ -42,6 +47,7 @@ def run(args: argparse.Namespace) -> int:
     from hicache_fsm.testing.transition_log import RecordingCoverage, recording_writer
     from hicache_fsm.testing.stateful import (
         CacheProtocolMachine,
+        cp_machine,
         hicache_machine,
         run_fuzz,
     )
@@ -51,7 +57,13 @@ def run(args: argparse.Namespace) -> int:
     variants = args.variant or [{}]
     if args.variant and not args.adapter:
         raise UsageError("--variant needs --adapter")
-    if args.adapter:
+    if args.cp and args.adapter:
+        raise UsageError("--cp fuzzes the built-in CP adapter; it cannot be combined with --adapter")
+    if args.cp:
+        machine = cp_machine(coverage=cov)
+        machine_import = ("from hicache_fsm.testing.stateful import cp_machine\n"
+                          "CPMachine = cp_machine(name='CPMachine')")
+    elif args.adapter:
         from hicache_fsm.commands.adapter_factory import import_lines, load_factory
         from hicache_fsm.commands.block_store import fuzz_block_store
 
@@ -75,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
         writer.close()
     out = sys.stderr if args.json else sys.stdout
     _report(result, args, out)
-    if args.coverage:
+    if cov.format() and (args.coverage or not args.json):  # per machine, like `check`
         print(cov.format(), file=out)
     if args.json:
         print(json.dumps(result.to_json(), sort_keys=True))

@@ -231,7 +231,9 @@ class CPAdapter(CacheAdapter):
 
     def read_kv(self, tokens: Sequence[int]) -> list[tuple[int, ...]]:
         """Per token of the cached prefix, the device copy read on the rank that owns its page (a copy
-        being loaded is not valid yet; a host-only token is read from its owner's host copy)."""
+        being loaded is not valid yet; a host-only token is read from its owner's host copy). Like
+        ``HiCacheAdapter.read_kv`` it reads on past a node whose only valid copy is on the host (a node
+        being loaded back, with device children inserted under it)."""
         from hicache_fsm.bindings.residency import LOADING, ON_DEVICE, ON_HOST
 
         out: list[tuple[int, ...]] = []
@@ -246,13 +248,14 @@ class CPAdapter(CacheAdapter):
                     k, v = rank.pools.device.read(phys)
                     out.append((decode_kv_lists(k.tolist(), v.tolist(), 0),))
             elif n.state in ON_HOST:
-                return out + [(fp,) for fp in self._host_tokens(n)]
+                out += [(fp,) for fp in self._host_tokens(n)]
             else:
                 break
         return out
 
     def _host_tokens(self, node) -> list[int]:
         """The fingerprints of ``node``'s tokens read from their owners' host copies (CORRUPT where missing)."""
+        from hicache_fsm.bindings.residency import LOADING, ON_DEVICE, ON_HOST
         from hicache_fsm.testing.adapter import CORRUPT
 
         owners = node.cp_meta.page_owners.tolist() if node.cp_meta is not None else []
@@ -262,6 +265,12 @@ class CPAdapter(CacheAdapter):
             o = owners[i] if i < len(owners) else 0
             rank = self.ranks[o]
             twin = rank.cache.tree.get(node.id) if rank is not self.ranks[0] else node
+            if twin is not None and twin.state not in ON_HOST and twin.state in ON_DEVICE and twin.state not in LOADING:
+                # the owner has not finished writing its share to host yet: its device copy is the valid one
+                phys = rank.layout.logical_locs_to_physical(twin.device_indices[i:i + 1])
+                k, v = rank.pools.device.read(phys)
+                out.append(decode_kv_lists(k.tolist(), v.tolist(), 0))
+                continue
             twin = twin if twin is not None and twin.host_indices is not None else None
             if twin is None or seen[o] >= twin.host_indices.numel():
                 out.append(CORRUPT)

@@ -592,6 +592,21 @@ def _layer_write():
     return layer_write
 
 
+@_mutant("prefetch_hits_counted_as_found", "prefetch hits reported as the pages storage found, not those inserted",
+         storage=True)
+def _prefetch_hits_found(p: Patcher) -> None:
+    from hicache_fsm.storage.prefetch import PrefetchRuntime
+
+    orig = PrefetchRuntime.insert_fetched
+
+    def insert_fetched(self, op):
+        before = self.counters["prefetch_hit_tokens"]
+        orig(self, op)
+        self.counters["prefetch_hit_tokens"] = before + op.hit_tokens  # found, whether inserted or not
+
+    p.setattr(PrefetchRuntime, "insert_fetched", insert_fetched)
+
+
 @_mutant("cp_ack_before_last_layer", "CP write acked before its last layer copy landed", cp=True)
 def _cp_ack_early(p: Patcher) -> None:
     Runtime = _layer_write().LayerWriteRuntime

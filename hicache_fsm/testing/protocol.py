@@ -163,6 +163,51 @@ class ProtocolAdapter(HiCacheAdapter):
         held = [i for n in path if n.state in ON_DEVICE for i in n.device_indices.tolist()]
         return len(held) >= len(idx) and held[-len(idx):] == idx
 
+    # ------------------------------------------------------------------ a failed load is never reported done
+
+    def fail_job(self, job_id: int) -> None:
+        """Fail a job; a node whose load (H2D) this was must come out retried (still ``loading``) or rolled
+        back to its host copy, never with a device copy the cache now counts valid."""
+        from hicache_fsm.bindings.residency import LOADING, ON_DEVICE
+        from hicache_fsm.jobs import JobKind
+
+        job = next((j for j in self.executor.pending_jobs() if j.id == job_id), None)
+        loading = [] if job is None or job.kind is not JobKind.H2D else [
+            n for n in (self.cache.tree.get(i) for i in job.node_ids) if n is not None and n.state in LOADING]
+        super().fail_job(job_id)
+        for node in loading:
+            if node.state in ON_DEVICE and node.state not in LOADING:
+                self._step_problems.append(f"failed_load_not_done: node {node.id}'s load failed, yet it is "
+                                           f"{node.state} (its device copy never landed)")
+
+    # ------------------------------------------------------------------ prefetch hits are pages inserted
+
+    def prefetch_ready(self, request):
+        return self._counting_hits(f"prefetch_ready({request!r})", super().prefetch_ready, request)
+
+    def abort(self, request):
+        return self._counting_hits(f"abort({request!r})", super().abort, request)
+
+    def _counting_hits(self, what: str, step, request):
+        """Run ``step``; the prefetch hits it reports (``stats()['prefetch_hit_tokens']``) must equal the
+        tokens the tree gained (what ``match_prefix`` can now return), never the tokens storage found."""
+        tier = self.cache.storage
+        if tier is None:
+            return step(request)
+        hits, held = tier.stats()["prefetch_hit_tokens"], self._cached_tokens()
+        result = step(request)
+        hits, gained = tier.stats()["prefetch_hit_tokens"] - hits, self._cached_tokens() - held
+        if hits != gained:
+            self._step_problems.append(f"prefetch_hits_equal_pages_inserted: {what} reported {hits} hit tokens, "
+                                       f"the tree gained {gained}")
+        return result
+
+    def _cached_tokens(self) -> int:
+        from hicache_fsm.bindings.residency import ON_DEVICE, ON_HOST
+
+        return sum(n.num_tokens for n in self.cache.tree.nodes()
+                   if n.parent is not None and (n.state in ON_HOST or n.state in ON_DEVICE))
+
     # ------------------------------------------------------------------ storage link and partial results
 
     def detach_storage(self) -> None:
@@ -189,12 +234,13 @@ class ProtocolAdapter(HiCacheAdapter):
             raise Rejected("nodes or prefetches still claim pages of the previous storage (a fresh store "
                            "cannot hold them)")
         self.backend = FaultyBackend(open_backend("memory://"), self.faults)
+        faulty = fail or bool(self.faults.armed)  # an armed storage fault may hit the attach's first call
         if fail:
             self.faults.fail_next()
         try:
             tier.attach(self.backend, **_attach_options(tier))
         except StorageLinkError as exc:
-            if not fail:
+            if not faulty:
                 raise
             raise Rejected(str(exc)) from None
         finally:
@@ -217,13 +263,38 @@ class ProtocolAdapter(HiCacheAdapter):
         tier.advance(tier.options.timeout_max + 1.0)
         self.cache.poll()
 
+    def lose_storage(self) -> int:
+        """The storage backend loses every page it held (a restart without persistence); the engine's
+        maintenance check (``StorageTier.verify_stored``) finds it and every stored node goes back to
+        "not stored" (``storage_lost``) to be backed up again. Returns how many nodes moved back."""
+        from hicache_fsm.errors import StorageLinkError
+
+        if not self._stored_nodes():
+            raise Rejected("no node is stored")
+        if self.faults.armed:  # the maintenance check would hit it after the pages are gone
+            raise Rejected("a storage fault is armed")
+        try:
+            self.backend.clear()
+            moved = self.cache.storage.verify_stored()
+        except StorageLinkError as exc:
+            raise Rejected(str(exc)) from None
+        self.cache.poll()
+        return moved
+
+    def _stored_nodes(self) -> list:
+        tier = self.cache.storage
+        if tier is None or tier.link.state != "attached" or not tier.healthy:
+            return []
+        return [n for n in self.cache.tree.nodes() if n.parent is not None and n.state.endswith("_stored")]
+
     def extra_steps(self) -> list:
         from hicache_fsm.testing.checks import Step
 
         tier = self.cache.storage
-        if tier is None or tier.options.stop_policy != "timeout" or not self.prefetching():
-            return []
-        return [Step("time_passes")]
+        out = [Step("lose_storage")] if self._stored_nodes() and not self.faults.armed else []
+        if tier is not None and tier.options.stop_policy == "timeout" and self.prefetching():
+            out.append(Step("time_passes"))
+        return out
 
     def applicable(self, op: str, args: tuple) -> bool:
         if op == "partial_storage":  # only a transfer reads pages
@@ -322,6 +393,11 @@ UNREACHED_REASONS: dict[str, dict[str, str]] = {
                                     "host pool full of written nodes first",
         "reserved --submit_layer--> all_submitted": "needs a write of one layer in all; the cp families write "
                                                     "two target layers and one draft layer",
+    },
+    "residency": {
+        "loading_stored --load_done--> device_host_stored": "beyond the storage families' depth bound: a stored "
+                                                             "node's load back starts only at their last step",
+        "loading_stored --load_failed--> host_stored": "as above: the load's acknowledgement is one step deeper",
     },
     "prefetch": {
         "failed --abort--> aborted": "the tier releases a failed prefetch at the next poll, before an abort can "

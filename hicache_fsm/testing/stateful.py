@@ -55,13 +55,13 @@ from hicache_fsm.testing.paths import CoverageTracker
 from hicache_fsm.testing.strategies import pages_to_tokens, prompt_pages, storage_faults
 
 __all__ = [
-    "HICACHE_VARIANTS", "CacheProtocolMachine", "FuzzResult", "hicache_machine", "protocol_test_case", "regression_test",
+    "CP_VARIANTS", "HICACHE_VARIANTS", "CacheProtocolMachine", "FuzzResult", "cp_machine", "hicache_machine", "protocol_test_case", "regression_test",
     "run_fuzz",
 ]
 
 ALPHABET = 3
 MAX_PAGES = 4
-REQUEST_ACTIONS = ("step", "step", "step", "fail", "ready", "abort")
+REQUEST_ACTIONS = ("step", "step", "step", "fail", "partial", "ready", "abort")
 
 
 def _supports(op: str) -> Callable[[Any], bool]:
@@ -79,6 +79,9 @@ class CacheProtocolMachine(RuleBasedStateMachine):
     adapter_factory: Callable[..., CacheAdapter] | None = None
     variants: tuple[dict, ...] = ({},)
     coverage: CoverageTracker | None = None
+    # skip a step the adapter says cannot run now (``applicable``): for adapters whose engine steps must
+    # wait for a condition (CP ranks agreeing on what is on the device), as the explorer does
+    respect_applicable: bool = False
 
     prompts = Bundle("prompts")
 
@@ -90,9 +93,11 @@ class CacheProtocolMachine(RuleBasedStateMachine):
 
     @classmethod
     def bind(cls, factory: Callable[..., CacheAdapter], *, variants: Sequence[dict] = ({},), name: str | None = None,
-             coverage: CoverageTracker | None = None, settings: Settings | None = None) -> type[CacheProtocolMachine]:
+             coverage: CoverageTracker | None = None, settings: Settings | None = None,
+             respect_applicable: bool = False) -> type[CacheProtocolMachine]:
         """A subclass driving ``factory``; its ``TestCase`` runs it under unittest / pytest."""
-        attrs_ = {"adapter_factory": staticmethod(factory), "variants": tuple(variants), "coverage": coverage}
+        attrs_ = {"adapter_factory": staticmethod(factory), "variants": tuple(variants), "coverage": coverage,
+                  "respect_applicable": respect_applicable}
         sub = type(name or f"{cls.__name__}Bound", (cls,), attrs_)
         sub.__module__ = cls.__module__
         sub.TestCase.settings = settings or default_settings()
@@ -109,6 +114,8 @@ class CacheProtocolMachine(RuleBasedStateMachine):
         return tokens[:keep]
 
     def _do(self, op: str, *args: Any):
+        if self.respect_applicable and not self.adapter.applicable(op, args):
+            return None
         out = perform(self.adapter, Step(op, args), catch=False)
         assert not out.problems, "\n".join(out.problems)
         return out.result
@@ -242,6 +249,26 @@ class CacheProtocolMachine(RuleBasedStateMachine):
     def redeliver(self, pick: int) -> None:
         self._do("redeliver", pick % len(self.adapter.finished_jobs()))
 
+    # ------------------------------------------------------------------ the adapter's own steps
+
+    @precondition(lambda self: self.adapter is not None and bool(self.adapter.extra_steps()))
+    @rule(pick=st.integers(0, 15))
+    def extra_step(self, pick: int) -> None:
+        """One of the steps the adapter adds (``extra_steps``: a CP layer finishing its forward pass, the
+        prefetch timeout expiring, the storage backend losing its pages)."""
+        steps = self.adapter.extra_steps()
+        step = steps[pick % len(steps)]
+        self._do(step.op, *step.args)
+
+    @precondition(_supports("prompt_steps"))
+    @rule(tokens=prompts, pick=st.integers(0, 7))
+    def prompt_step(self, tokens: tuple[int, ...], pick: int) -> None:
+        """One of the steps the adapter adds for a prompt (``prompt_steps``: a CP host reservation)."""
+        steps = self.adapter.prompt_steps(tokens)
+        if steps:
+            step = steps[pick % len(steps)]
+            self._do(step.op, *step.args)
+
     # ------------------------------------------------------------------ storage steps (when supported)
 
     @precondition(_supports("prefetch"))
@@ -260,10 +287,10 @@ class CacheProtocolMachine(RuleBasedStateMachine):
                 break
             freed = 0
             if self.adapter.supports("evict"):
-                freed += self._do("evict", device * ps)
+                freed += self._do("evict", device * ps) or 0
                 self.check()
             if self.adapter.supports("evict_host"):
-                freed += self._do("evict_host", host * ps)
+                freed += self._do("evict_host", host * ps) or 0
                 self.check()
             if not freed:
                 break
@@ -291,7 +318,7 @@ class CacheProtocolMachine(RuleBasedStateMachine):
         """Memory pressure pushes prompts off the device and out of host memory, then a request for a prompt
         whose pages backups put in storage prefetches it (L3 -> L2 again). ``query`` then ``script`` is
         what happens to that request next: its storage step (the hit query, then the transfer) runs
-        (``step``) or fails (``fail``), the scheduler polls it (``ready``: once it ended, load back and
+        (``step``), fails (``fail``) or lands one page short (``partial``, a transfer only), the scheduler polls it (``ready``: once it ended, load back and
         insert), or it is aborted (``abort``)."""
         stored = self._stored()
         before = {r.id for r in self.adapter.prefetching()}
@@ -307,10 +334,13 @@ class CacheProtocolMachine(RuleBasedStateMachine):
             ids = [r.id for r in self.adapter.prefetching()]
             if request not in ids:
                 return
-            if action in ("step", "fail"):
+            if action in ("step", "fail", "partial"):
                 steps = self.adapter.storage_steps()
-                mine = [i for i, s in enumerate(steps) if s.kind in ("query", "s2h") and s.detail[0] == request]
-                if mine:
+                kinds = ("s2h",) if action == "partial" else ("query", "s2h")
+                mine = [i for i, s in enumerate(steps) if s.kind in kinds and s.detail[0] == request]
+                if mine and action == "partial" and self.adapter.supports("partial_storage"):
+                    self._do("partial_storage", mine[0])
+                elif mine:
                     self._do("fail_storage" if action == "fail" else "complete_storage", mine[0])
             elif action == "ready":
                 self._ready(ids.index(request))
@@ -448,6 +478,32 @@ def hicache_machine(variants: Sequence[dict] = HICACHE_VARIANTS, coverage: Cover
     """The machine bound to ``HiCacheAdapter`` over tiny pools, drawing one of ``variants`` per run."""
     settings = default_settings(**settings_kw) if settings_kw else None
     return CacheProtocolMachine.bind(_hicache, variants=variants, name=name, coverage=coverage, settings=settings)
+
+
+# CP layer writes: one and two ranks, two target layers and one draft layer, a host pool that outgrows a
+# rank's device share, one just larger than a rank's share, and one single-layer model (a write
+# submits all its layers at once); engine steps wait until the ranks agree on what is on the device
+CP_VARIANTS: tuple[dict, ...] = (
+    {"world_size": 1, "device_pages": 2, "host_pages": 3, "write_policy": "write_back"},
+    {"world_size": 2, "device_pages": 2, "host_pages": 3, "write_policy": "write_back"},
+    {"world_size": 2, "device_pages": 2, "host_pages": 2, "write_policy": "write_back"},
+    {"world_size": 2, "device_pages": 2, "host_pages": 3, "write_policy": "write_through", "layers": 1,
+     "draft_layers": 0},
+)
+
+
+def _cp(**kw: Any) -> CacheAdapter:
+    from hicache_fsm.testing.cp import CPAdapter
+
+    return CPAdapter(**kw)
+
+
+def cp_machine(variants: Sequence[dict] = CP_VARIANTS, coverage: CoverageTracker | None = None,
+               name: str = "CPMachine", **settings_kw: Any) -> type[CacheProtocolMachine]:
+    """The machine bound to ``CPAdapter`` (``fuzz --cp``), drawing one of ``variants`` per run."""
+    settings = default_settings(**settings_kw) if settings_kw else None
+    return CacheProtocolMachine.bind(_cp, variants=variants, name=name, coverage=coverage, settings=settings,
+                                     respect_applicable=True)
 
 
 # =========================================================================== running outside pytest

@@ -1,0 +1,95 @@
+"""`fuzz` at its defaults reaches what it promises: every residency and prefetch state (transfers that
+complete, fail and land partially), the residency ``storage_lost`` transitions, and with ``--cp`` the
+layer_write states; its report lists per-machine coverage like ``check``.
+
+The runs are seeded hypothesis runs (no database, ``deadline=None``): the same code gives the same
+runs, so the coverage asserted here does not depend on the machine's speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from hicache_fsm.commands import fuzz as fuzz_command
+from hicache_fsm.commands.args import UsageError
+from hicache_fsm.testing.explorer import quiet_cache_logs
+from hicache_fsm.testing.paths import CoverageTracker
+from hicache_fsm.testing.stateful import cp_machine, hicache_machine, run_fuzz
+
+def _defaults() -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    fuzz_command.configure(parser)
+    return parser.parse_args([])
+
+
+def _fuzz_at_defaults(make_machine) -> dict:
+    """``hicache-fsm fuzz`` (or ``fuzz --cp``) at its default examples, steps and seed, in-process."""
+    args = _defaults()
+    cov = CoverageTracker()
+    with quiet_cache_logs():
+        result = run_fuzz(make_machine(coverage=cov), examples=args.examples, steps=args.steps, seed=args.seed)
+    assert result.ok, result.failure
+    return cov.report()
+
+
+def test_fuzz_defaults_reach_every_residency_and_prefetch_state_and_storage_lost():
+    report = _fuzz_at_defaults(hicache_machine)
+    for machine in ("residency", "prefetch", "storage_link"):
+        assert report[machine]["missing_states"] == [], (machine, report[machine]["missing_states"])
+    unfired = report["residency"]["missing_transitions"]
+    assert "device_host_stored --storage_lost--> device_host" not in unfired
+    assert "host_stored --storage_lost--> host" not in unfired
+    # a prefetch's transfer completes, lands one page short; its query fails
+    missing = report["prefetch"]["missing_transitions"]
+    for edge in ("transferring --batch_done--> completed", "transferring --batch_short--> partial",
+                 "querying --query_failed--> failed"):
+        assert edge not in missing, edge
+
+
+def test_fuzz_cp_defaults_reach_the_layer_write_states():
+    report = _fuzz_at_defaults(cp_machine)
+    assert report["layer_write"]["missing_states"] == ["failed"]  # see UNREACHED_REASONS["layer_write"]
+    assert "reserved --submit_layer--> all_submitted" not in report["layer_write"]["missing_transitions"]
+
+
+def test_fuzz_report_lists_per_machine_coverage(capsys):
+    assert fuzz_command.run(_parse(["--cp", "--examples", "3", "--steps", "5", "--quiet"])) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("fuzz: 3 runs of up to 5 steps, seed 0: no failure")
+    assert any(line.startswith("layer_write: ") and " states, " in line and line.endswith(" transitions")
+               for line in out)
+    assert any(line.startswith("residency: ") for line in out)
+
+
+def test_fuzz_cp_with_adapter_is_a_usage_error():
+
+    with pytest.raises(UsageError, match="--cp"):
+        fuzz_command.run(_parse(["--cp", "--adapter", "examples/tiny_lru_cache.py:make_adapter"]))
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    fuzz_command.configure(parser)
+    return parser.parse_args(argv)
+
+
+def test_a_failed_load_reported_done_is_caught(monkeypatch):
+    """Planted: the failure path of a locked node's load declares it loaded (``load_done``) instead of
+    retrying it; the toolkit's ``failed_load_not_done`` check flags the step."""
+    from hicache_fsm.load_back import LoadBacks
+    from hicache_fsm.testing.checks import Step, replay_steps
+    from hicache_fsm.testing.protocol import ProtocolAdapter
+
+    def load_failed(self, nodes, handle):
+        for node in nodes:
+            self.cache.driver.fire(node, "load_done")
+
+    steps = [Step("insert", ((1,),)), Step("complete_job", (0,)), Step("evict", (1,)), Step("load_back", ((1,),)),
+             Step("lock", ((1,),)), Step("fail_job", (0,))]
+    with quiet_cache_logs():
+        assert replay_steps(ProtocolAdapter(device_pages=2, host_pages=2, write_policy="write_through"), steps) == []
+        monkeypatch.setattr(LoadBacks, "load_failed", load_failed)
+        problems = replay_steps(ProtocolAdapter(device_pages=2, host_pages=2, write_policy="write_through"), steps)
+    assert problems and "after step 6 fail_job(#0): failed_load_not_done" in problems[0]
