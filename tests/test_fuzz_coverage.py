@@ -84,7 +84,7 @@ def test_a_failed_load_reported_done_is_caught(monkeypatch):
 
     def load_failed(self, nodes, handle):
         for node in nodes:
-            self.cache.driver.fire(node, "load_done")
+            self.driver.fire(node, "load_done")
 
     steps = [Step("insert", ((1,),)), Step("complete_job", (0,)), Step("evict", (1,)), Step("load_back", ((1,),)),
              Step("lock", ((1,),)), Step("fail_job", (0,))]
