@@ -443,14 +443,7 @@ class ChatEngine:
             while cache.pending_job_ids() and self._agreed(time.perf_counter() < deadline):  # backups land (untimed)
                 cache.poll()
                 time.sleep(0.001)
-        counters = cache.stats()
-        res.counters = {k: v for k, v in counters.items() if isinstance(v, (int, float))}
-        res.bytes = {kind: int(counters.get(f"bytes_{kind}", 0)) for kind in ("d2h", "h2d")}
-        storage = counters.get("storage")
-        if isinstance(storage, dict):
-            backend = storage.get("backend_stats") or {}
-            res.bytes["h2s"] = int(backend.get("bytes_written", counters.get("bytes_h2s", 0)))
-            res.bytes["s2h"] = int(backend.get("bytes_read", 0))
+        res.take_counters(cache.stats())
         res.kv_checked_pages = self.oracle.checked_pages if self.oracle else 0
         res.controller_s = max(0.0, self.clock.controller - self.clock.executor)
         res.transfer_s = self.clock.executor

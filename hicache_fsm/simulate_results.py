@@ -98,6 +98,17 @@ class TierResult:
         ordered = sorted(self.ttft_s)
         return ordered[max(0, math.ceil(quantile * len(ordered)) - 1)] * 1e3
 
+    def take_counters(self, counters: dict) -> None:
+        """Keep a cache's final ``stats()``: its numeric counters and the bytes moved per transfer kind
+        (storage bytes as the backend counted them)."""
+        self.counters = {k: v for k, v in counters.items() if isinstance(v, (int, float))}
+        self.bytes = {kind: int(counters.get(f"bytes_{kind}", 0)) for kind in ("d2h", "h2d")}
+        storage = counters.get("storage")
+        if isinstance(storage, dict):
+            backend = storage.get("backend_stats") or {}
+            self.bytes["h2s"] = int(backend.get("bytes_written", counters.get("bytes_h2s", 0)))
+            self.bytes["s2h"] = int(backend.get("bytes_read", 0))
+
     def as_dict(self) -> dict:
         return {
             "name": self.name,

@@ -302,14 +302,7 @@ class TraceReplayer:
         try:
             if self.storage:
                 self._run_storage()
-            counters = cache.stats()
-            res.counters = {k: v for k, v in counters.items() if isinstance(v, (int, float))}
-            res.bytes = {kind: int(counters.get(f"bytes_{kind}", 0)) for kind in ("d2h", "h2d")}
-            storage = counters.get("storage")
-            if isinstance(storage, dict):
-                backend = storage.get("backend_stats") or {}
-                res.bytes["h2s"] = int(backend.get("bytes_written", counters.get("bytes_h2s", 0)))
-                res.bytes["s2h"] = int(backend.get("bytes_read", 0))
+            res.take_counters(cache.stats())
             res.controller_s = max(0.0, self.clock.controller - self.clock.executor)
             res.transfer_s = self.clock.executor
             res.controller_by_call = dict(self.clock.by_call)
