@@ -51,6 +51,7 @@ import gc
 import math
 import random
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -147,13 +148,15 @@ def fill(cache: HiCache, nodes: int) -> None:
 CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
 
 
-def serve(cache: HiCache, requests: list[tuple[int, ...]], pc=time.perf_counter) -> float:
-    """Run the requests through the engine loop; seconds (of clock ``pc``) spent in match + insert + polls."""
+def serve(cache: HiCache, requests: list[tuple[int, ...]], pc=time.perf_counter,
+          after: Callable[[], None] | None = None) -> float:
+    """Run the requests through the engine loop; seconds (of clock ``pc``) spent in match + insert + polls
+    (and ``after``, run once a request inside the timed part: ``bench events`` flushes its events there)."""
     spent = 0.0
     gc.collect()
     gc.disable()  # as timeit does: a collection pass landing in one variant's loop is noise
     try:
-        spent = _serve(cache, requests, pc)
+        spent = _serve(cache, requests, pc, after)
     finally:
         gc.enable()
     if cache.pending_job_ids():
@@ -161,7 +164,7 @@ def serve(cache: HiCache, requests: list[tuple[int, ...]], pc=time.perf_counter)
     return spent
 
 
-def _serve(cache: HiCache, requests: list[tuple[int, ...]], pc) -> float:
+def _serve(cache: HiCache, requests: list[tuple[int, ...]], pc, after: Callable[[], None] | None) -> float:
     spent = 0.0
     for tokens in requests:
         t0 = pc()
@@ -174,6 +177,8 @@ def _serve(cache: HiCache, requests: list[tuple[int, ...]], pc) -> float:
         cache.insert(tokens, indices)
         cache.poll()  # start the backup batch
         cache.poll()  # apply its acks
+        if after is not None:
+            after()
         spent += (t1 - t0) + (pc() - t2)
     return spent
 

@@ -27,13 +27,13 @@ thread (encoding and sending run off the request path). Result keys:
 from __future__ import annotations
 
 import argparse
-import gc
 import time
 
 import torch
 
 from hicache_fsm.bench.common import machine_description, report
-from hicache_fsm.bench.controller import CHUNK, PAGE_SIZE, REQUEST_TOKENS, SYSTEM_PROMPTS, fill, make_cache, make_requests, system_prompts
+from hicache_fsm.bench.controller import (
+    CHUNK, PAGE_SIZE, REQUEST_TOKENS, SYSTEM_PROMPTS, fill, make_cache, make_requests, serve, system_prompts)
 from hicache_fsm.commands.args import non_negative_int, positive_int
 from hicache_fsm.events.hook import KVEventHook, enable_kv_events
 from hicache_fsm.events.pending import PendingBatch, accepts_pending
@@ -73,27 +73,7 @@ CLOCKS = {"thread": time.thread_time, "wall": time.perf_counter}
 
 def _serve(cache, hook: KVEventHook | None, requests: list[tuple[int, ...]], pc=time.thread_time) -> float:
     """``bench controller``'s timed loop, plus one ``flush`` a request when events are on."""
-    spent = 0.0
-    gc.collect()
-    gc.disable()
-    try:
-        for tokens in requests:
-            t0 = pc()
-            m = cache.match_prefix(tokens)
-            t1 = pc()
-            cached = m.device_hit_length
-            new = cache.alloc_device(len(tokens) - cached)
-            indices = torch.cat([m.device_indices, new]) if cached else new
-            t2 = pc()
-            cache.insert(tokens, indices)
-            cache.poll()
-            cache.poll()
-            if hook is not None:
-                hook.flush()
-            spent += (t1 - t0) + (pc() - t2)
-    finally:
-        gc.enable()
-    return spent
+    return serve(cache, requests, pc, None if hook is None else hook.flush)
 
 
 def run(args: argparse.Namespace) -> dict:
