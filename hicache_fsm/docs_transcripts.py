@@ -82,7 +82,11 @@ class Block:
 
     @property
     def where(self) -> str:
-        return f"{self.page.relative_to(REPO) if self.page.is_relative_to(REPO) else self.page}:{self.line}"
+        return f"{_shown_path(self.page)}:{self.line}"
+
+
+def _shown_path(page: Path) -> str:
+    return str(page.relative_to(REPO)) if page.is_relative_to(REPO) else page.name
 
 
 def doc_pages(root: Path = REPO) -> list[Path]:
@@ -235,7 +239,7 @@ def run_snippets(page: Path, cwd: Path, env: dict[str, str], scratch: Path) -> l
     """Run the page's ```python blocks in ``cwd``; return what each printed."""
     from_test = [(b.line + 1, "\n".join(b.body) + "\n") for b in python_blocks(page)]
     spec = scratch / "blocks.json"
-    spec.write_text(json.dumps([str(page.relative_to(REPO)), from_test]), encoding="utf-8")
+    spec.write_text(json.dumps([_shown_path(page), from_test]), encoding="utf-8")
     runner = scratch / "runner.py"
     runner.write_text(_RUNNER, encoding="utf-8")
     proc = subprocess.run([sys.executable, str(runner), str(spec)], cwd=cwd, env=env, capture_output=True,
