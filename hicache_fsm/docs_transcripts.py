@@ -31,10 +31,12 @@ an HTML comment on the line just before its fence that says what it is:
 Output is compared after normalising what genuinely varies between runs, and
 nothing else: a duration (a number followed by ``s``, ``ms``, ``us``, ``µs`` or
 ``ns``) reads ``<time>``; a memory address (``0x`` and at least six hex digits)
-reads ``<addr>``; the repository's absolute path reads ``/path/to/repo`` and the
+reads ``<addr>``; a run of spaces reads as one space and a run of three or more
+``-`` as ``---`` (a table's columns are as wide as their widest cell, which may be
+a timing); the repository's absolute path reads ``/path/to/repo`` and the
 run directory's ``/path/to/cwd`` (both are also written that way). When a block is
-rewritten, a line whose normalised text is unchanged keeps its old text, so the
-timings in the docs change only with the output around them::
+rewritten, a command's output that reads the same once normalised keeps its old
+text, so the timings in the docs change only with the output around them::
 
     python -m hicache_fsm.docs_transcripts           # exit 1 and show a diff for each drifted block
     python -m hicache_fsm.docs_transcripts --write   # rewrite the drifted blocks from real runs
@@ -159,11 +161,14 @@ def commands(block: Block) -> list[tuple[str, list[str]]]:
 
 _DURATION = re.compile(r"(?<![\w.])\d+(?:\.\d+)?\s?(?:ms|us|µs|ns|s)\b")
 _ADDRESS = re.compile(r"\b0x[0-9a-fA-F]{6,}\b")
+_SPACES = re.compile(r" {2,}")
+_RULE = re.compile(r"-{3,}")
 
 
 def normalise(line: str) -> str:
-    """The line with its durations and memory addresses masked (see the module doc)."""
-    return _ADDRESS.sub("<addr>", _DURATION.sub("<time>", line))
+    """The line with its durations, memory addresses and column padding masked (see the module doc)."""
+    line = _ADDRESS.sub("<addr>", _DURATION.sub("<time>", line))
+    return _RULE.sub("---", _SPACES.sub(" ", line))
 
 
 def shown(output: str, options: dict[str, str]) -> list[str]:
@@ -185,12 +190,8 @@ def shown(output: str, options: dict[str, str]) -> list[str]:
 
 
 def merge(old: list[str], new: list[str]) -> list[str]:
-    """``new``, keeping each old line whose normalised text equals the new one's there."""
-    out = list(new)
-    matcher = difflib.SequenceMatcher(a=[normalise(x) for x in old], b=[normalise(x) for x in new], autojunk=False)
-    for a, b, size in matcher.get_matching_blocks():
-        out[b : b + size] = old[a : a + size]
-    return out
+    """``old`` when it reads the same as ``new`` once normalised, else ``new`` (whole, so tables stay aligned)."""
+    return old if [normalise(x) for x in old] == [normalise(x) for x in new] else new
 
 
 # -- running -----------------------------------------------------------------------------

@@ -97,10 +97,12 @@ def test_a_bad_marker_is_one_clear_error(tmp_path, marker, error):
         dt.parse_blocks(path)
 
 
-def test_normalising_masks_only_durations_and_addresses():
+def test_normalising_masks_only_durations_addresses_and_padding():
     assert dt.normalise("fuzz: 50 runs (seed 1, 8.9s) at 0x7f00aa11") == "fuzz: 50 runs (seed 1, <time>) at <addr>"
     assert dt.normalise("3.2 ms / 12 us / 4 s, 12 states, 0x1f") == "<time> / <time> / <time>, 12 states, 0x1f"
     assert dt.normalise("max depth 6, v1.5s3") == "max depth 6, v1.5s3"
+    assert dt.normalise("  name    12   3.0%") == " name 12 3.0%"
+    assert dt.normalise("-----  ---------  -") == "--- --- -"
 
 
 def test_shown_selects_and_cuts():
@@ -111,10 +113,10 @@ def test_shown_selects_and_cuts():
     assert dt.shown("", {}) == []
 
 
-def test_merge_keeps_old_timings_and_takes_new_figures():
-    old = ["run 1: 3.0s", "12 states", "gone"]
-    new = ["run 1: 9.1s", "13 states", "added"]
-    assert dt.merge(old, new) == ["run 1: 3.0s", "13 states", "added"]
+def test_merge_keeps_the_old_text_only_when_it_reads_the_same():
+    old = ["run 1: 3.0s", "a    b", "---  ---"]
+    assert dt.merge(old, ["run 1: 9.1s", "a  b", "-----  ----"]) == old
+    assert dt.merge(old, ["run 1: 9.1s", "a  c", "---  ---"]) == ["run 1: 9.1s", "a  c", "---  ---"]
 
 
 def test_a_page_is_run_compared_and_rewritten(page):
