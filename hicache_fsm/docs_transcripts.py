@@ -53,7 +53,9 @@ import shlex
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -263,6 +265,8 @@ def python_blocks(page: Path) -> list[Block]:
 
 @dataclass
 class Result:
+    """A transcript block and what it should read after running it now."""
+
     block: Block
     expected: list[str]  # the block's body as it should read
 
@@ -275,15 +279,21 @@ class Result:
                                               f"{self.block.where} (run now)", lineterm=""))
 
 
-def _page_unit(page: Path, blocks: list[Block]) -> list[Result]:
-    """Blocks that need one page's python blocks run first: python output and cwd=snippets commands."""
+@contextmanager
+def _workspace() -> Iterator[tuple[Path, dict[str, str], Path]]:
+    """A fresh run directory (with the repository's ``examples/``), its environment and a scratch directory."""
     with tempfile.TemporaryDirectory(prefix="docs-transcript-") as tmp:
         scratch, cwd, bin_dir = Path(tmp) / "scratch", Path(tmp) / "run", Path(tmp) / "bin"
         for d in (scratch, cwd, bin_dir):
             d.mkdir()
         _shims(bin_dir)
         (cwd / "examples").symlink_to(REPO / "examples")
-        env = _environment(bin_dir)
+        yield cwd, _environment(bin_dir), scratch
+
+
+def _page_unit(page: Path, blocks: list[Block]) -> list[Result]:
+    """Blocks that need one page's python blocks run first: python output and cwd=snippets commands."""
+    with _workspace() as (cwd, env, scratch):
         printed = dict(zip((b.line for b in python_blocks(page)), run_snippets(page, cwd, env, scratch)))
         results = []
         for block in blocks:
@@ -298,13 +308,8 @@ def _page_unit(page: Path, blocks: list[Block]) -> list[Result]:
 
 
 def _fresh_unit(block: Block) -> list[Result]:
-    with tempfile.TemporaryDirectory(prefix="docs-transcript-") as tmp:
-        cwd, bin_dir = Path(tmp) / "run", Path(tmp) / "bin"
-        cwd.mkdir()
-        bin_dir.mkdir()
-        _shims(bin_dir)
-        (cwd / "examples").symlink_to(REPO / "examples")
-        return [_run_block(block, cwd, _environment(bin_dir))]
+    with _workspace() as (cwd, env, _):
+        return [_run_block(block, cwd, env)]
 
 
 def _run_block(block: Block, cwd: Path, env: dict[str, str]) -> Result:
