@@ -17,7 +17,8 @@ an HTML comment on the line just before its fence that says what it is:
     - ``select=REGEX``: show only the lines ``re.search`` finds REGEX in, a
       ``...`` line standing for each run of lines left out;
     - ``cwd=snippets``: run in the directory where the page's ```python blocks
-      (all of them, in order, as ``tests/test_docs_snippets.py`` runs them) ran;
+      ran (in order, as ``tests/test_docs_snippets.py`` runs them, up to the
+      page's last block marked ``cwd=snippets`` or ``python``);
     - ``python``: no commands: the block shows what the ```python block just
       above it printed, the page's blocks running in order in one namespace.
 
@@ -238,9 +239,9 @@ sys.stdout.flush()
 """
 
 
-def run_snippets(page: Path, cwd: Path, env: dict[str, str], scratch: Path) -> list[str]:
-    """Run the page's ```python blocks in ``cwd``; return what each printed."""
-    from_test = [(b.line + 1, "\n".join(b.body) + "\n") for b in python_blocks(page)]
+def run_snippets(page: Path, cwd: Path, env: dict[str, str], scratch: Path, until: int) -> list[str]:
+    """Run the page's ```python blocks above line ``until`` in ``cwd``; return what each printed."""
+    from_test = [(b.line + 1, "\n".join(b.body) + "\n") for b in python_blocks(page) if b.line < until]
     spec = scratch / "blocks.json"
     spec.write_text(json.dumps([_shown_path(page), from_test]), encoding="utf-8")
     runner = scratch / "runner.py"
@@ -294,7 +295,8 @@ def _workspace() -> Iterator[tuple[Path, dict[str, str], Path]]:
 def _page_unit(page: Path, blocks: list[Block]) -> list[Result]:
     """Blocks that need one page's python blocks run first: python output and cwd=snippets commands."""
     with _workspace() as (cwd, env, scratch):
-        printed = dict(zip((b.line for b in python_blocks(page)), run_snippets(page, cwd, env, scratch)))
+        until = max(b.line for b in blocks)  # later blocks cannot change what these show
+        printed = dict(zip((b.line for b in python_blocks(page)), run_snippets(page, cwd, env, scratch, until)))
         results = []
         for block in blocks:
             if "python" in block.options:
