@@ -18,6 +18,7 @@ from typing import TextIO
 import attrs
 
 from hicache_fsm.testing.blockstore.adapter import BlockStoreAdapter, Key, chain
+from hicache_fsm.testing.blockstore.symmetry import Asymmetric, ReducedKeys, Symmetry
 from hicache_fsm.testing.blockstore.world import StoreWorld, format_step
 
 PROGRESS_EVERY_S = 1.0
@@ -27,7 +28,8 @@ PROGRESS_EVERY_S = 1.0
 class StoreBounds:
     """Prompts of 1..``max_len`` blocks over ``alphabet`` page ids, at most ``max_jobs`` jobs in flight and
     ``max_entries`` keys held (a state beyond is checked, not expanded); at most ``max_states`` states
-    (exactly) and ``max_depth`` steps from the start; ``redeliver``: try re-delivering finished acks."""
+    (exactly) and ``max_depth`` steps from the start; ``redeliver``: try re-delivering finished acks;
+    ``symmetry``: merge states that differ only by the names of block keys (see ``symmetry``)."""
 
     alphabet: int = 2
     max_len: int = 3
@@ -36,6 +38,7 @@ class StoreBounds:
     max_states: int | None = None
     max_depth: int | None = None
     redeliver: bool = True
+    symmetry: bool = True
 
 
 def prompts_for(bounds: StoreBounds) -> list[tuple[Key, ...]]:
@@ -52,6 +55,8 @@ class StoreExploreResult:
     seconds: float = 0.0
     complete: bool = False
     stopped: str = "complete"  # complete | violation | max_states | max_depth | interrupted
+    states_unreduced: int = 0  # distinct states seen before the symmetry reduction merged renamed twins
+    symmetry: str = "off"  # "on", "off", or "off: why"
     violations: list[tuple[tuple[str, ...], tuple[tuple, ...]]] = attrs.Factory(list)
 
     def format_violation(self, i: int = 0) -> str:
@@ -64,6 +69,7 @@ class StoreExploreResult:
         return {"adapter": self.adapter, "states": self.states, "transitions": self.transitions,
                 "max_depth": self.max_depth, "complete": self.complete, "stopped": self.stopped,
                 "seconds": round(self.seconds, 3), "violations": len(self.violations),
+                "symmetry": self.symmetry, "states_unreduced": self.states_unreduced,
                 "counterexamples": [{"problems": list(p), "steps": [format_step(s) for s in t]}
                                     for p, t in self.violations]}
 
@@ -78,17 +84,29 @@ def explore_store(factory: Callable[[], BlockStoreAdapter], bounds: StoreBounds 
     adapter's ``state_key`` should not carry job ids either.
     """
     t0 = time.perf_counter()
-    root = StoreWorld(factory(), factory)
-    result = StoreExploreResult(root.adapter.describe())
-    search = _Search(root, bounds, result, stop_on_first, max_violations)
     ticker = _Ticker(progress, t0)
-    try:
-        while search.queue and not search.stopped:
-            search.expand(*search.queue.popleft())
-            ticker.tick(search)
-    except KeyboardInterrupt:
-        search.stopped = "interrupted"
+    symmetry = Symmetry(prompts_for(bounds)) if bounds.symmetry else None
+    why_off = None if symmetry is None else symmetry.why_not
+    while True:
+        root = StoreWorld(factory(), factory)
+        result = StoreExploreResult(root.adapter.describe())
+        if why_off is None and root.clone().replay_only:
+            why_off = "the adapter cannot be copied (its states are replayed)"
+        on = symmetry is not None and why_off is None
+        result.symmetry = "on" if on else ("off" if symmetry is None else f"off: {why_off}")
+        search = _Search(root, bounds, result, stop_on_first, max_violations, symmetry if on else None, factory)
+        try:
+            while search.queue and not search.stopped:
+                search.expand(*search.queue.popleft())
+                ticker.tick(search)
+        except KeyboardInterrupt:
+            search.stopped = "interrupted"
+        except Asymmetric as exc:
+            why_off = str(exc)
+            continue
+        break
     result.states = len(search.parents)
+    result.states_unreduced = result.states if search.reduced is None else len(search.reduced.seen)
     result.complete = not search.queue and not search.stopped and not search.pruned
     result.stopped = search.stopped or ("max_depth" if search.pruned else "complete")
     result.seconds = time.perf_counter() - t0
@@ -100,11 +118,13 @@ class _Search:
     """The frontier and what was seen; ``expand`` tries every step of one state."""
 
     def __init__(self, root: StoreWorld, bounds: StoreBounds, result: StoreExploreResult, stop_on_first: bool,
-                 max_violations: int) -> None:
+                 max_violations: int, symmetry: Symmetry | None, factory: Callable[[], BlockStoreAdapter]) -> None:
         self.bounds, self.result = bounds, result
         self.stop_on_first, self.max_violations = stop_on_first, max_violations
         self.prompts = prompts_for(bounds)
-        key = root.key()
+        self.reduced = None if symmetry is None else ReducedKeys(symmetry, factory)
+        self.key_of = StoreWorld.key if self.reduced is None else self.reduced
+        key = self.key_of(root)
         self.parents: dict = {key: (None, None)}
         self.queue = deque([(root, key, 0)])
         self.seen_kinds: set[str] = set()
@@ -127,7 +147,7 @@ class _Search:
                 if self.stopped:
                     return
                 continue
-            ckey = child.key()
+            ckey = self.key_of(child)
             if ckey in self.parents:
                 continue
             if b.max_states is not None and len(self.parents) >= b.max_states:

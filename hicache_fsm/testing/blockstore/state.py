@@ -21,6 +21,13 @@ REPORTS = ("_evicted", "_touched")  # the adapter's pending reports, drained aft
 Key = tuple  # a block key: the chained prefix of page ids up to and including the block
 
 
+class BlockKey(tuple):
+    """A block key the explorer made (a plain tuple to every adapter): its type lets the symmetry reduction
+    find and rename keys wherever an adapter keeps them, and tell them from other tuples of small ints."""
+
+    __slots__ = ()
+
+
 def canonical(obj: Any, ignore: tuple[str, ...] = ()) -> Hashable:
     """A hashable value equal for equal states of ``obj``; ``ignore`` names top-level attributes left out."""
     return _walk(obj, set(ignore) | set(REPORTS), set())
@@ -74,46 +81,55 @@ def _fields(obj: Any) -> dict[str, Any] | None:
     return fields
 
 
-def clone(obj: Any) -> Any:
+def clone(obj: Any, rename: dict | None = None) -> Any:
     """A deep copy, several times faster than ``copy.deepcopy`` on plain data (containers, attrs and plain
     objects); anything with its own copy or pickle hooks goes through ``copy.deepcopy``, whose errors
-    (locks, C objects) propagate."""
+    (locks, C objects) propagate. ``rename`` maps ``BlockKey``s and ints (the values stores write) to their
+    replacements in the copy, wherever they are held (a renamed copy for the symmetry reduction)."""
+    if rename:
+        return _clone(obj, {}, {k: v for k, v in rename.items() if type(k) is BlockKey},
+                      {k: v for k, v in rename.items() if type(k) is int})
     return _clone(obj, {})
 
 
 _HOOKS = ("__deepcopy__", "__reduce__", "__reduce_ex__", "__getstate__", "__setstate__")
 _PLAIN: dict[type, bool] = {}
 _ATOMS = frozenset(PRIMITIVES)
+_LEAVES = _ATOMS | {BlockKey}
 
 
-def _clone(obj: Any, memo: dict) -> Any:
+def _clone(obj: Any, memo: dict, keys: dict | None = None, ints: dict | None = None) -> Any:
     t = type(obj)
+    if t is BlockKey:
+        return obj if keys is None else keys.get(obj, obj)
     if t in _ATOMS or isinstance(obj, (enum.Enum, type)):
-        return obj
+        return ints.get(obj, obj) if ints and t is int else obj
     if t is tuple:
-        if all(type(x) in _ATOMS for x in obj):  # block keys: nothing to copy
+        if keys is None and all(type(x) in _LEAVES for x in obj):  # block keys: nothing to copy
             return obj
-        return tuple([_clone(x, memo) for x in obj])
+        return tuple([_clone(x, memo, keys, ints) for x in obj])
     found = memo.get(id(obj))
     if found is not None:
         return found
     if t is list:
         new = memo[id(obj)] = []
-        new.extend([_clone(x, memo) for x in obj])
+        new.extend([_clone(x, memo, keys, ints) for x in obj])
     elif t is dict or t is OrderedDict:
         new = memo[id(obj)] = t()
         for k, v in obj.items():
-            new[_clone(k, memo)] = _clone(v, memo)
+            new[_clone(k, memo, keys, ints)] = _clone(v, memo, keys, ints)
     elif t is set or t is frozenset:
-        new = memo[id(obj)] = t(_clone(x, memo) for x in obj)
+        new = memo[id(obj)] = t(_clone(x, memo, keys, ints) for x in obj)
     elif _is_plain(t):
         new = memo[id(obj)] = object.__new__(t)
         if hasattr(obj, "__dict__"):
-            new.__dict__.update({k: _clone(v, memo) for k, v in obj.__dict__.items()})
+            new.__dict__.update({k: _clone(v, memo, keys, ints) for k, v in obj.__dict__.items()})
         for cls in t.__mro__:
             for name in getattr(cls, "__slots__", ()):
                 if name not in ("__dict__", "__weakref__") and hasattr(obj, name):
-                    object.__setattr__(new, name, _clone(getattr(obj, name), memo))
+                    object.__setattr__(new, name, _clone(getattr(obj, name), memo, keys, ints))
+    elif keys is not None:
+        raise TypeError(f"cannot rename block keys inside a {t.__qualname__} (it has its own copy hooks)")
     else:
         new = copy.deepcopy(obj, memo)
         memo[id(obj)] = new
