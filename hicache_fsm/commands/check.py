@@ -69,6 +69,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="keyword arguments for a block-store --adapter factory, as a JSON object")
     g.add_argument("--max-jobs", type=int, default=2, help="block stores: jobs in flight at once (default 2)")
     g.add_argument("--max-entries", type=int, default=None, help="block stores: keys held in a state to expand")
+    g.add_argument("--no-symmetry", action="store_true",
+                   help="block stores: do not merge states that differ only by the names of block keys")
     parser.add_argument("--coverage", action="store_true", help="print which spec states/transitions were reached")
     parser.add_argument("--record", metavar="FILE",
                         help="write every transition fired while exploring to FILE (JSONL; "
@@ -124,6 +126,8 @@ def run(args: argparse.Namespace) -> int:
             return status
     elif args.variant is not None:
         raise UsageError("--variant needs --adapter")
+    if args.no_symmetry:
+        raise UsageError("--no-symmetry is for a block-store --adapter")
     return _check_prefix_cache(args)
 
 

@@ -22,21 +22,23 @@ from hicache_fsm.testing.blockstore.symmetry import Asymmetric, ReducedKeys, Sym
 from hicache_fsm.testing.blockstore.world import StoreWorld, format_step
 
 PROGRESS_EVERY_S = 1.0
+DEFAULT_DEPTH = 12  # steps from the empty store: every planted bug of the examples needs at most 4
 
 
 @attrs.frozen
 class StoreBounds:
     """Prompts of 1..``max_len`` blocks over ``alphabet`` page ids, at most ``max_jobs`` jobs in flight and
     ``max_entries`` keys held (a state beyond is checked, not expanded); at most ``max_states`` states
-    (exactly) and ``max_depth`` steps from the start; ``redeliver``: try re-delivering finished acks;
-    ``symmetry``: merge states that differ only by the names of block keys (see ``symmetry``)."""
+    (exactly, the run is then incomplete) and ``max_depth`` steps from the start (None: no limit; a model
+    bound, the run stays complete); ``redeliver``: try re-delivering finished acks; ``symmetry``: merge
+    states that differ only by the names of block keys (see ``symmetry``)."""
 
     alphabet: int = 2
     max_len: int = 3
     max_jobs: int = 2
     max_entries: int | None = None
     max_states: int | None = None
-    max_depth: int | None = None
+    max_depth: int | None = DEFAULT_DEPTH
     redeliver: bool = True
     symmetry: bool = True
 
@@ -53,11 +55,25 @@ class StoreExploreResult:
     transitions: int = 0
     max_depth: int = 0
     seconds: float = 0.0
-    complete: bool = False
-    stopped: str = "complete"  # complete | violation | max_states | max_depth | interrupted
-    states_unreduced: int = 0  # distinct states seen before the symmetry reduction merged renamed twins
+    complete: bool = False  # every state within the bounds (depth included) was reached and checked
+    stopped: str = "complete"  # complete | violation | max_states | interrupted
+    depth_bounded: bool = False  # states at max_depth were left unexpanded (deeper ones may exist)
+    states_before_symmetry: int = 0  # distinct states met before renamed twins were merged
     symmetry: str = "off"  # "on", "off", or "off: why"
     violations: list[tuple[tuple[str, ...], tuple[tuple, ...]]] = attrs.Factory(list)
+
+    def verdict(self) -> str:
+        """How far the run went: ``complete``, ``complete to depth N`` (deeper states left), or why it stopped."""
+        if self.complete:
+            return f"complete to depth {self.max_depth}" if self.depth_bounded else "complete"
+        return {"violation": "stopped at a violation", "interrupted": "INTERRUPTED",
+                "max_states": "INCOMPLETE (--max-states reached)"}.get(self.stopped, "INCOMPLETE")
+
+    def summary(self) -> str:
+        """One line: states (and before the symmetry merged renamed twins), transitions, depth, verdict."""
+        merged = f" ({self.states_before_symmetry} before symmetry)" if self.symmetry == "on" else ""
+        return (f"{self.adapter}: {self.states} states{merged}, {self.transitions} transitions, max depth "
+                f"{self.max_depth}, {self.verdict()}, {len(self.violations)} violations, {self.seconds:.1f}s")
 
     def format_violation(self, i: int = 0) -> str:
         problems, trace = self.violations[i]
@@ -69,7 +85,8 @@ class StoreExploreResult:
         return {"adapter": self.adapter, "states": self.states, "transitions": self.transitions,
                 "max_depth": self.max_depth, "complete": self.complete, "stopped": self.stopped,
                 "seconds": round(self.seconds, 3), "violations": len(self.violations),
-                "symmetry": self.symmetry, "states_unreduced": self.states_unreduced,
+                "depth_bounded": self.depth_bounded, "symmetry": self.symmetry,
+                "states_before_symmetry": self.states_before_symmetry,
                 "counterexamples": [{"problems": list(p), "steps": [format_step(s) for s in t]}
                                     for p, t in self.violations]}
 
@@ -106,9 +123,10 @@ def explore_store(factory: Callable[[], BlockStoreAdapter], bounds: StoreBounds 
             continue
         break
     result.states = len(search.parents)
-    result.states_unreduced = result.states if search.reduced is None else len(search.reduced.seen)
-    result.complete = not search.queue and not search.stopped and not search.pruned
-    result.stopped = search.stopped or ("max_depth" if search.pruned else "complete")
+    result.states_before_symmetry = result.states if search.reduced is None else len(search.reduced.seen)
+    result.complete = not search.queue and not search.stopped
+    result.stopped = search.stopped or "complete"
+    result.depth_bounded = search.pruned
     result.seconds = time.perf_counter() - t0
     ticker.done(result)
     return result
@@ -192,6 +210,4 @@ class _Ticker:
     def done(self, result: StoreExploreResult) -> None:
         if self.out is None:
             return
-        print(f"{chr(13) if self.live else ''}explore: {result.stopped}: {result.states} states, "
-              f"{result.transitions} transitions, depth {result.max_depth}, {len(result.violations)} violations, "
-              f"{result.seconds:.1f}s", file=self.out, flush=True)
+        print(f"{chr(13) if self.live else ''}explore: {result.summary()}", file=self.out, flush=True)

@@ -88,7 +88,7 @@ class StoreWorld:
             out += [("complete", job, True), ("complete", job, False)]
         if redeliver and self.model.finished and self.adapter.redelivery != "caller_guarantees_once":
             out.append(("redeliver",))
-        return out
+        return list(dict.fromkeys(out))  # prompts with one readable prefix load the same keys: try it once
 
     def do(self, op: str, *args: Any) -> list[str]:
         """Run one step against adapter and model; the problems (contract, model, policy, postconditions, invariants)."""
