@@ -107,8 +107,6 @@ def explore_store(factory: Callable[[], BlockStoreAdapter], bounds: StoreBounds 
     while True:
         root = StoreWorld(factory(), factory)
         result = StoreExploreResult(root.adapter.describe())
-        if why_off is None and root.clone().replay_only:
-            why_off = "the adapter cannot be copied (its states are replayed)"
         on = symmetry is not None and why_off is None
         result.symmetry = "on" if on else ("off" if symmetry is None else f"off: {why_off}")
         search = _Search(root, bounds, result, stop_on_first, max_violations, symmetry if on else None, factory)
