@@ -58,7 +58,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-redeliver", action="store_true", default=None, help="do not try re-delivering finished acks")
     g.add_argument("--max-depth", type=positive_int,
                    help="explore every state within this many steps (a model bound: the run stays complete; "
-                        "block stores: default 12)")
+                        "block stores: default 7)")
     g.add_argument("--max-states", type=positive_int, help="stop after this many states (the run is incomplete)")
     g.add_argument("--max-seconds", type=positive_float,
                    help="safety stop: a run it stops is reported INCOMPLETE and check exits 1")
