@@ -212,8 +212,12 @@ def test_max_states_is_never_exceeded(limit):
 
 
 def test_max_depth_bounds_the_search():
+    """A model bound: every state within two steps is reached, the run is complete to that depth."""
     result = explore_store(DictStore, StoreBounds(max_depth=2))
-    assert result.max_depth == 2 and not result.complete and result.stopped == "max_depth"
+    assert result.max_depth == 2 and result.complete and result.depth_bounded and result.stopped == "complete"
+    assert "complete to depth 2" in result.summary()
+    closed = explore_store(DictStore, StoreBounds(max_len=1, max_depth=None))
+    assert closed.complete and not closed.depth_bounded and ", complete," in closed.summary()
 
 
 class Interrupting(DictStore):
@@ -252,7 +256,8 @@ def test_progress_goes_to_a_terminal_only(monkeypatch):
     monkeypatch.setattr(explorer_module, "PROGRESS_EVERY_S", 0.0)
     tty = Tty(True)
     explore_store(DictStore, StoreBounds(max_len=1), progress=tty)
-    assert "states/s" in tty.text and "depth" in tty.text and "explore: complete" in tty.text
+    assert "states/s" in tty.text and "depth" in tty.text
+    assert tty.text.rsplit("\r", 1)[-1].startswith("explore: dict_store: ") and ", complete, 0 violations," in tty.text
 
 
 # ---------------------------------------------------------------------------- the command line

@@ -46,18 +46,19 @@ def check_block_store(args: argparse.Namespace, defaults: dict) -> int | None:
     from hicache_fsm.testing.blockstore import StoreBounds, StoreWorld, explore_store
 
     _check_world(StoreWorld, first, args.adapter)
+    depth = getattr(args, "max_depth", None)
     bounds = StoreBounds(alphabet=args.alphabet or 2, max_len=args.max_len or 3, max_jobs=args.max_jobs,
                          max_entries=args.max_entries, max_states=args.max_states,
-                         max_depth=getattr(args, "max_depth", None), redeliver=not args.no_redeliver)
+                         max_depth=StoreBounds().max_depth if depth is None else depth,
+                         redeliver=not args.no_redeliver, symmetry=not getattr(args, "no_symmetry", False))
     progress = None if args.quiet or not sys.stderr.isatty() else sys.stderr
     with _sigterm_interrupts():
         result = explore_store(lambda: factory(**variant), bounds, stop_on_first=args.stop_on_first,
                                max_violations=args.max_violations, progress=progress)
     out = sys.stderr if args.json else sys.stdout
-    how = {"complete": "complete", "violation": "stopped at a violation", "interrupted": "INTERRUPTED",
-           "max_states": "INCOMPLETE (--max-states reached)", "max_depth": "INCOMPLETE (depth bound reached)"}
-    print(f"{result.adapter}: {result.states} states, {result.transitions} transitions, max depth {result.max_depth}, "
-          f"{how[result.stopped]}, {len(result.violations)} violations, {result.seconds:.1f}s", file=out)
+    print(result.summary(), file=out)
+    if result.symmetry.startswith("off:"):
+        print(f"symmetry {result.symmetry}", file=out)
     for i in range(len(result.violations)):
         print(result.format_violation(i), file=out)
     if args.json:
@@ -99,7 +100,7 @@ def _refuse_flags(args: argparse.Namespace, names: tuple[str, ...], defaults: di
     if given:
         flags = ", ".join("--" + n.replace("_", "-") for n in given)
         raise UsageError(f"{flags}: not for a block store (its bounds: --alphabet, --max-len, --max-jobs, "
-                         f"--max-entries, --max-states)")
+                         f"--max-entries, --max-states, --max-depth)")
 
 
 def _unset(args: argparse.Namespace, name: str) -> Any:

@@ -57,7 +57,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                    help="tell hit from never-hit nodes in the state key")
     g.add_argument("--no-redeliver", action="store_true", default=None, help="do not try re-delivering finished acks")
     g.add_argument("--max-depth", type=positive_int,
-                   help="explore every state within this many steps (a model bound: the run stays complete)")
+                   help="explore every state within this many steps (a model bound: the run stays complete; "
+                        "block stores: default 7)")
     g.add_argument("--max-states", type=positive_int, help="stop after this many states (the run is incomplete)")
     g.add_argument("--max-seconds", type=positive_float,
                    help="safety stop: a run it stops is reported INCOMPLETE and check exits 1")
@@ -69,6 +70,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="keyword arguments for a block-store --adapter factory, as a JSON object")
     g.add_argument("--max-jobs", type=int, default=2, help="block stores: jobs in flight at once (default 2)")
     g.add_argument("--max-entries", type=int, default=None, help="block stores: keys held in a state to expand")
+    g.add_argument("--no-symmetry", action="store_true",
+                   help="block stores: do not merge states that differ only by the names of block keys")
     parser.add_argument("--coverage", action="store_true", help="print which spec states/transitions were reached")
     parser.add_argument("--record", metavar="FILE",
                         help="write every transition fired while exploring to FILE (JSONL; "
@@ -124,6 +127,8 @@ def run(args: argparse.Namespace) -> int:
             return status
     elif args.variant is not None:
         raise UsageError("--variant needs --adapter")
+    if args.no_symmetry:
+        raise UsageError("--no-symmetry is for a block-store --adapter")
     return _check_prefix_cache(args)
 
 

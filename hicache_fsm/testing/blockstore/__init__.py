@@ -21,7 +21,8 @@ everything an adapter should not have to write:
 - **request scopes**: ``begin_request`` / ``end_request`` around the calls of
   one request (lookup, load the hits, store the rest);
 - **postconditions** that receive the reference model;
-- a bounded **explorer** (``explore_store``) and a hypothesis **machine**
+- a bounded **explorer** (``explore_store``: to ``max_depth`` steps, states that differ only by the names of
+  block keys merged, see ``symmetry``) and a hypothesis **machine**
   (``store_machine``, ``run_store_fuzz``), both behind ``hicache-fsm check / fuzz
   --adapter``; adapters that cannot be deep-copied are explored by replay.
 
@@ -42,11 +43,12 @@ from hicache_fsm.testing.blockstore.explorer import StoreBounds, StoreExploreRes
 from hicache_fsm.testing.blockstore.machine import BlockStoreMachine, run_store_fuzz, store_machine
 from hicache_fsm.testing.blockstore.model import StoreModel
 from hicache_fsm.testing.blockstore.policies import ARC, FIFO, LFU, LRU, POLICIES, ReferencePolicy, reference_policy
-from hicache_fsm.testing.blockstore.state import canonical
+from hicache_fsm.testing.blockstore.state import BlockKey, canonical
 from hicache_fsm.testing.blockstore.world import StoreWorld, fmt, format_step
 
 __all__ = [
-    "ARC", "FIFO", "LFU", "LRU", "POLICIES", "REDELIVERY_CONTRACTS", "Answer", "BlockStoreAdapter", "BlockStoreMachine",
+    "ARC", "FIFO", "LFU", "LRU", "POLICIES", "REDELIVERY_CONTRACTS", "Answer", "BlockKey", "BlockStoreAdapter",
+    "BlockStoreMachine",
     "Key", "ReferencePolicy", "StoreBounds", "StoreExploreResult", "StoreJob", "StoreModel", "StoreWorld", "canonical",
     "chain", "explore_store", "fmt", "format_step", "prompts_for", "reference_policy", "run_store_fuzz",
     "store_machine", "value_of",

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from hicache_fsm.testing.adapter import NotSupported, kv_fingerprint
-from hicache_fsm.testing.blockstore.state import Key, canonical, clone
+from hicache_fsm.testing.blockstore.state import BlockKey, Key, canonical, clone
 
 if TYPE_CHECKING:
     from hicache_fsm.testing.blockstore.model import StoreModel
@@ -30,7 +30,7 @@ def value_of(key: Key) -> int:
 def chain(pages: Sequence[int]) -> tuple[Key, ...]:
     """Block keys of a prompt of page ids: each block's key is the prefix up to it (as block hashes chain)."""
     pages = tuple(pages)
-    return tuple(pages[: i + 1] for i in range(len(pages)))
+    return tuple(BlockKey(pages[: i + 1]) for i in range(len(pages)))
 
 
 class Answer(enum.Enum):
@@ -156,11 +156,11 @@ class BlockStoreAdapter:
 
     def evicted(self, keys: Sequence[Key]) -> None:
         """Call when the store reports ``keys`` evicted (e.g. from ``store``)."""
-        self.__dict__.setdefault("_evicted", []).extend(tuple(k) for k in keys)
+        self.__dict__.setdefault("_evicted", []).extend(k if isinstance(k, tuple) else tuple(k) for k in keys)
 
     def touched(self, keys: Sequence[Key]) -> None:
         """Call with the keys the store counts as used, in the order used (the last is the most recent)."""
-        self.__dict__.setdefault("_touched", []).extend(tuple(k) for k in keys)
+        self.__dict__.setdefault("_touched", []).extend(k if isinstance(k, tuple) else tuple(k) for k in keys)
 
     def take_evicted(self) -> list[Key]:
         return self.__dict__.pop("_evicted", [])

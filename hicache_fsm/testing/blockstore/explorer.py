@@ -18,24 +18,29 @@ from typing import TextIO
 import attrs
 
 from hicache_fsm.testing.blockstore.adapter import BlockStoreAdapter, Key, chain
+from hicache_fsm.testing.blockstore.symmetry import Asymmetric, ReducedKeys, Symmetry
 from hicache_fsm.testing.blockstore.world import StoreWorld, format_step
 
 PROGRESS_EVERY_S = 1.0
+DEFAULT_DEPTH = 7  # steps from the empty store: the examples' planted bugs need at most 4; vLLM-sized ARC grows ~3x a step
 
 
 @attrs.frozen
 class StoreBounds:
     """Prompts of 1..``max_len`` blocks over ``alphabet`` page ids, at most ``max_jobs`` jobs in flight and
     ``max_entries`` keys held (a state beyond is checked, not expanded); at most ``max_states`` states
-    (exactly) and ``max_depth`` steps from the start; ``redeliver``: try re-delivering finished acks."""
+    (exactly, the run is then incomplete) and ``max_depth`` steps from the start (None: no limit; a model
+    bound, the run stays complete); ``redeliver``: try re-delivering finished acks; ``symmetry``: merge
+    states that differ only by the names of block keys (see ``symmetry``)."""
 
     alphabet: int = 2
     max_len: int = 3
     max_jobs: int = 2
     max_entries: int | None = None
     max_states: int | None = None
-    max_depth: int | None = None
+    max_depth: int | None = DEFAULT_DEPTH
     redeliver: bool = True
+    symmetry: bool = True
 
 
 def prompts_for(bounds: StoreBounds) -> list[tuple[Key, ...]]:
@@ -50,9 +55,25 @@ class StoreExploreResult:
     transitions: int = 0
     max_depth: int = 0
     seconds: float = 0.0
-    complete: bool = False
-    stopped: str = "complete"  # complete | violation | max_states | max_depth | interrupted
+    complete: bool = False  # every state within the bounds (depth included) was reached and checked
+    stopped: str = "complete"  # complete | violation | max_states | interrupted
+    depth_bounded: bool = False  # states at max_depth were left unexpanded (deeper ones may exist)
+    states_before_symmetry: int = 0  # distinct states met before renamed twins were merged
+    symmetry: str = "off"  # "on", "off", or "off: why"
     violations: list[tuple[tuple[str, ...], tuple[tuple, ...]]] = attrs.Factory(list)
+
+    def verdict(self) -> str:
+        """How far the run went: ``complete``, ``complete to depth N`` (deeper states left), or why it stopped."""
+        if self.complete:
+            return f"complete to depth {self.max_depth}" if self.depth_bounded else "complete"
+        return {"violation": "stopped at a violation", "interrupted": "INTERRUPTED",
+                "max_states": "INCOMPLETE (--max-states reached)"}.get(self.stopped, "INCOMPLETE")
+
+    def summary(self) -> str:
+        """One line: states (and before the symmetry merged renamed twins), transitions, depth, verdict."""
+        merged = f" ({self.states_before_symmetry} before symmetry)" if self.symmetry == "on" else ""
+        return (f"{self.adapter}: {self.states} states{merged}, {self.transitions} transitions, max depth "
+                f"{self.max_depth}, {self.verdict()}, {len(self.violations)} violations, {self.seconds:.1f}s")
 
     def format_violation(self, i: int = 0) -> str:
         problems, trace = self.violations[i]
@@ -64,6 +85,8 @@ class StoreExploreResult:
         return {"adapter": self.adapter, "states": self.states, "transitions": self.transitions,
                 "max_depth": self.max_depth, "complete": self.complete, "stopped": self.stopped,
                 "seconds": round(self.seconds, 3), "violations": len(self.violations),
+                "depth_bounded": self.depth_bounded, "symmetry": self.symmetry,
+                "states_before_symmetry": self.states_before_symmetry,
                 "counterexamples": [{"problems": list(p), "steps": [format_step(s) for s in t]}
                                     for p, t in self.violations]}
 
@@ -78,19 +101,30 @@ def explore_store(factory: Callable[[], BlockStoreAdapter], bounds: StoreBounds 
     adapter's ``state_key`` should not carry job ids either.
     """
     t0 = time.perf_counter()
-    root = StoreWorld(factory(), factory)
-    result = StoreExploreResult(root.adapter.describe())
-    search = _Search(root, bounds, result, stop_on_first, max_violations)
     ticker = _Ticker(progress, t0)
-    try:
-        while search.queue and not search.stopped:
-            search.expand(*search.queue.popleft())
-            ticker.tick(search)
-    except KeyboardInterrupt:
-        search.stopped = "interrupted"
+    symmetry = Symmetry(prompts_for(bounds)) if bounds.symmetry else None
+    why_off = None if symmetry is None else symmetry.why_not
+    while True:
+        root = StoreWorld(factory(), factory)
+        result = StoreExploreResult(root.adapter.describe())
+        on = symmetry is not None and why_off is None
+        result.symmetry = "on" if on else ("off" if symmetry is None else f"off: {why_off}")
+        search = _Search(root, bounds, result, stop_on_first, max_violations, symmetry if on else None, factory)
+        try:
+            while search.queue and not search.stopped:
+                search.expand(*search.queue.popleft())
+                ticker.tick(search)
+        except KeyboardInterrupt:
+            search.stopped = "interrupted"
+        except Asymmetric as exc:
+            why_off = str(exc)
+            continue
+        break
     result.states = len(search.parents)
-    result.complete = not search.queue and not search.stopped and not search.pruned
-    result.stopped = search.stopped or ("max_depth" if search.pruned else "complete")
+    result.states_before_symmetry = result.states if search.reduced is None else len(search.reduced.seen)
+    result.complete = not search.queue and not search.stopped
+    result.stopped = search.stopped or "complete"
+    result.depth_bounded = search.pruned
     result.seconds = time.perf_counter() - t0
     ticker.done(result)
     return result
@@ -100,11 +134,13 @@ class _Search:
     """The frontier and what was seen; ``expand`` tries every step of one state."""
 
     def __init__(self, root: StoreWorld, bounds: StoreBounds, result: StoreExploreResult, stop_on_first: bool,
-                 max_violations: int) -> None:
+                 max_violations: int, symmetry: Symmetry | None, factory: Callable[[], BlockStoreAdapter]) -> None:
         self.bounds, self.result = bounds, result
         self.stop_on_first, self.max_violations = stop_on_first, max_violations
         self.prompts = prompts_for(bounds)
-        key = root.key()
+        self.reduced = None if symmetry is None else ReducedKeys(symmetry, factory)
+        self.key_of = StoreWorld.key if self.reduced is None else self.reduced
+        key = self.key_of(root)
         self.parents: dict = {key: (None, None)}
         self.queue = deque([(root, key, 0)])
         self.seen_kinds: set[str] = set()
@@ -127,7 +163,7 @@ class _Search:
                 if self.stopped:
                     return
                 continue
-            ckey = child.key()
+            ckey = self.key_of(child)
             if ckey in self.parents:
                 continue
             if b.max_states is not None and len(self.parents) >= b.max_states:
@@ -172,6 +208,4 @@ class _Ticker:
     def done(self, result: StoreExploreResult) -> None:
         if self.out is None:
             return
-        print(f"{chr(13) if self.live else ''}explore: {result.stopped}: {result.states} states, "
-              f"{result.transitions} transitions, depth {result.max_depth}, {len(result.violations)} violations, "
-              f"{result.seconds:.1f}s", file=self.out, flush=True)
+        print(f"{chr(13) if self.live else ''}explore: {result.summary()}", file=self.out, flush=True)

@@ -21,13 +21,23 @@ REPORTS = ("_evicted", "_touched")  # the adapter's pending reports, drained aft
 Key = tuple  # a block key: the chained prefix of page ids up to and including the block
 
 
+class BlockKey(tuple):
+    """A block key the explorer made (a plain tuple to every adapter): its type lets the symmetry reduction
+    find and rename keys wherever an adapter keeps them, and tell them from other tuples of small ints."""
+
+    __slots__ = ()
+
+
+_KEY_LEAVES = frozenset(PRIMITIVES) | {BlockKey}  # values ``canonical`` keeps as they are
+
+
 def canonical(obj: Any, ignore: tuple[str, ...] = ()) -> Hashable:
     """A hashable value equal for equal states of ``obj``; ``ignore`` names top-level attributes left out."""
     return _walk(obj, set(ignore) | set(REPORTS), set())
 
 
 def _walk(obj: Any, ignore: set[str], path: set[int]) -> Hashable:
-    if isinstance(obj, PRIMITIVES):
+    if isinstance(obj, PRIMITIVES) or type(obj) is BlockKey:
         return obj
     if isinstance(obj, enum.Enum):
         return (type(obj).__qualname__, obj.name)
@@ -42,10 +52,12 @@ def _walk(obj: Any, ignore: set[str], path: set[int]) -> Hashable:
 
 def _compound(obj: Any, ignore: set[str], path: set[int]) -> Hashable:
     nothing: set[str] = set()
+    leaf = _KEY_LEAVES  # values that are their own key: no call needed (the walk is the explorer's hot path)
     if isinstance(obj, (list, tuple)):
-        return tuple(_walk(x, nothing, path) for x in obj)
+        return tuple(x if type(x) in leaf else _walk(x, nothing, path) for x in obj)
     if isinstance(obj, dict):
-        return ("dict", tuple((_walk(k, nothing, path), _walk(v, nothing, path)) for k, v in obj.items()))
+        return ("dict", tuple((k if type(k) in leaf else _walk(k, nothing, path),
+                               v if type(v) in leaf else _walk(v, nothing, path)) for k, v in obj.items()))
     if isinstance(obj, (set, frozenset)):
         return ("set", frozenset(_walk(x, nothing, path) for x in obj))
     tolist = getattr(obj, "tolist", None)  # numpy arrays, torch tensors
@@ -55,7 +67,8 @@ def _compound(obj: Any, ignore: set[str], path: set[int]) -> Hashable:
     if fields is None:
         return ("opaque", type(obj).__qualname__)
     return (type(obj).__qualname__,
-            tuple((name, _walk(value, nothing, path)) for name, value in sorted(fields.items()) if name not in ignore))
+            tuple((name, value if type(value) in leaf else _walk(value, nothing, path))
+                  for name, value in sorted(fields.items()) if name not in ignore))
 
 
 def _fields(obj: Any) -> dict[str, Any] | None:
@@ -63,10 +76,9 @@ def _fields(obj: Any) -> dict[str, Any] | None:
     if callable(obj) and not hasattr(obj, "__dict__"):
         return None
     fields = dict(getattr(obj, "__dict__", None) or {})
-    for cls in type(obj).__mro__:
-        for name in getattr(cls, "__slots__", ()):
-            if name not in ("__dict__", "__weakref__") and hasattr(obj, name):
-                fields[name] = getattr(obj, name)
+    for name in _slots(type(obj)):
+        if hasattr(obj, name):
+            fields[name] = getattr(obj, name)
     if not fields and not hasattr(obj, "__dict__"):
         return None
     if callable(obj) and type(obj).__module__ == "builtins":
@@ -74,46 +86,69 @@ def _fields(obj: Any) -> dict[str, Any] | None:
     return fields
 
 
-def clone(obj: Any) -> Any:
+_SLOTS: dict[type, tuple[str, ...]] = {}
+
+
+def _slots(t: type) -> tuple[str, ...]:
+    """The slot attributes of instances of ``t`` (all its classes')."""
+    if t not in _SLOTS:
+        _SLOTS[t] = tuple(name for cls in t.__mro__ for name in getattr(cls, "__slots__", ())
+                          if name not in ("__dict__", "__weakref__"))
+    return _SLOTS[t]
+
+
+def clone(obj: Any, rename: dict | None = None) -> Any:
     """A deep copy, several times faster than ``copy.deepcopy`` on plain data (containers, attrs and plain
     objects); anything with its own copy or pickle hooks goes through ``copy.deepcopy``, whose errors
-    (locks, C objects) propagate."""
+    (locks, C objects) propagate. ``rename`` maps ``BlockKey``s and ints (the values stores write) to their
+    replacements in the copy, wherever they are held (a renamed copy for the symmetry reduction)."""
+    if rename:
+        return _clone(obj, {}, {k: v for k, v in rename.items() if type(k) is BlockKey},
+                      {k: v for k, v in rename.items() if type(k) is int})
     return _clone(obj, {})
 
 
 _HOOKS = ("__deepcopy__", "__reduce__", "__reduce_ex__", "__getstate__", "__setstate__")
 _PLAIN: dict[type, bool] = {}
 _ATOMS = frozenset(PRIMITIVES)
+_LEAVES = _ATOMS | {BlockKey}
+_NOTHING: frozenset = frozenset()
 
 
-def _clone(obj: Any, memo: dict) -> Any:
+def _clone(obj: Any, memo: dict, keys: dict | None = None, ints: dict | None = None) -> Any:
     t = type(obj)
+    if t is BlockKey:
+        return obj if keys is None else keys.get(obj, obj)
     if t in _ATOMS or isinstance(obj, (enum.Enum, type)):
-        return obj
+        return ints.get(obj, obj) if ints and t is int else obj
+    leaf = _LEAVES if keys is None else _NOTHING  # copied as they are, without a call (the explorer's hot path)
     if t is tuple:
-        if all(type(x) in _ATOMS for x in obj):  # block keys: nothing to copy
+        if keys is None and all(type(x) in leaf for x in obj):  # block keys: nothing to copy
             return obj
-        return tuple([_clone(x, memo) for x in obj])
+        return tuple([x if type(x) in leaf else _clone(x, memo, keys, ints) for x in obj])
     found = memo.get(id(obj))
     if found is not None:
         return found
     if t is list:
         new = memo[id(obj)] = []
-        new.extend([_clone(x, memo) for x in obj])
+        new.extend([x if type(x) in leaf else _clone(x, memo, keys, ints) for x in obj])
     elif t is dict or t is OrderedDict:
         new = memo[id(obj)] = t()
         for k, v in obj.items():
-            new[_clone(k, memo)] = _clone(v, memo)
+            new[k if type(k) in leaf else _clone(k, memo, keys, ints)] = \
+                v if type(v) in leaf else _clone(v, memo, keys, ints)
     elif t is set or t is frozenset:
-        new = memo[id(obj)] = t(_clone(x, memo) for x in obj)
+        new = memo[id(obj)] = t(_clone(x, memo, keys, ints) for x in obj)
     elif _is_plain(t):
         new = memo[id(obj)] = object.__new__(t)
         if hasattr(obj, "__dict__"):
-            new.__dict__.update({k: _clone(v, memo) for k, v in obj.__dict__.items()})
-        for cls in t.__mro__:
-            for name in getattr(cls, "__slots__", ()):
-                if name not in ("__dict__", "__weakref__") and hasattr(obj, name):
-                    object.__setattr__(new, name, _clone(getattr(obj, name), memo))
+            new.__dict__.update({k: v if type(v) in leaf else _clone(v, memo, keys, ints)
+                                 for k, v in obj.__dict__.items()})
+        for name in _slots(t):
+            if hasattr(obj, name):
+                object.__setattr__(new, name, _clone(getattr(obj, name), memo, keys, ints))
+    elif keys is not None:
+        raise TypeError(f"cannot rename block keys inside a {t.__qualname__} (it has its own copy hooks)")
     else:
         new = copy.deepcopy(obj, memo)
         memo[id(obj)] = new

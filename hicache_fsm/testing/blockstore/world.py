@@ -11,6 +11,7 @@ from hicache_fsm.testing.adapter import NotSupported, Rejected
 from hicache_fsm.testing.blockstore.adapter import REDELIVERY_CONTRACTS, Answer, BlockStoreAdapter, Key, StoreJob, value_of
 from hicache_fsm.testing.blockstore.model import READABLE, STORING, StoreModel
 from hicache_fsm.testing.blockstore.policies import reference_policy
+from hicache_fsm.testing.blockstore.state import clone
 
 SCOPED = ("lookup", "store", "load", "request")  # the calls an engine makes for a request
 EXPECTED = {READABLE: Answer.HIT, STORING: Answer.HIT_PENDING, None: Answer.MISS}
@@ -57,7 +58,18 @@ class StoreWorld:
         return world
 
     def key(self) -> Hashable:
-        return (self.adapter.state_key(), self.model.key(), self.open_request is not None)
+        """What tells states apart: the adapter's state key, the model's, an open scope, and the last finished
+        job when a redelivery of it may be tried."""
+        finished = () if self.adapter.redelivery == "caller_guarantees_once" else \
+            tuple((kind, keys, ok) for _, kind, keys, ok in self.model.finished)
+        return self.adapter.state_key(), self.model.key(), self.open_request is not None, finished
+
+    def renamed(self, rename: dict) -> StoreWorld:
+        """A copy with block keys and written values renamed (``rename``: old -> new), for its state key."""
+        new = object.__new__(StoreWorld)
+        new.__dict__.update(self.__dict__)
+        new.adapter, new.model = clone(self.adapter, rename), clone(self.model, rename)
+        return new
 
     # ------------------------------------------------------------------ steps
 
@@ -76,7 +88,7 @@ class StoreWorld:
             out += [("complete", job, True), ("complete", job, False)]
         if redeliver and self.model.finished and self.adapter.redelivery != "caller_guarantees_once":
             out.append(("redeliver",))
-        return out
+        return list(dict.fromkeys(out))  # prompts with one readable prefix load the same keys: try it once
 
     def do(self, op: str, *args: Any) -> list[str]:
         """Run one step against adapter and model; the problems (contract, model, policy, postconditions, invariants)."""
