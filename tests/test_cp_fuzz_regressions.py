@@ -10,8 +10,6 @@ step until the node is backed up again on the failed rank.
 
 from __future__ import annotations
 
-import pytest
-
 from hicache_fsm.testing.checks import Step, catalogue, perform
 from hicache_fsm.testing.cp import CPAdapter
 from hicache_fsm.testing.explorer import quiet_cache_logs
@@ -139,14 +137,12 @@ def test_a_seeded_fuzz_run_does_not_depend_on_what_the_process_imported(monkeypa
         sys.modules.pop("constants_of_some_module", None)
 
 
-@pytest.mark.xfail(strict=True, reason="open: a CP backup short of host room evicts host KV per rank, by the "
-                                       "rank's own owned-page count, so ranks evict different nodes")
 def test_ranks_evict_the_same_host_nodes_when_a_backup_is_short_of_host_room():
     """Found while steering `fuzz --cp` to host pressure. A three-page prompt's pages are owned 2:1 by the two
-    ranks; each rank's host has one free page. Rank 0's reservation fails and it evicts a host-only node for
-    room; rank 1's succeeds and keeps that node: the trees differ, and the scheduler (which waits for the
-    ranks to agree) can never move again. The decision must be the same on every rank (every rank can
-    compute every rank's need from the shared tree and the owner function)."""
+    ranks; each rank's host has one free page. Rank 0's reservation failed and it evicted a host-only node for
+    room; rank 1's succeeded and kept that node: the trees differed, and the scheduler (which waits for the
+    ranks to agree) could never move again. Now every rank evicts while any rank is short
+    (``LayerWriteRuntime.group_shortfall``, computed from the shared tree and the owner function)."""
     a = CPAdapter(world_size=2, device_pages=4, host_pages=3, write_policy="write_through")
     with quiet_cache_logs():
         assert _run(a, Step("insert", ((1, 1, 1, 1),))) == []
@@ -156,3 +152,5 @@ def test_ranks_evict_the_same_host_nodes_when_a_backup_is_short_of_host_room():
     trees = [sorted(r.cache.tree.prefix_tokens(n) for n in r.cache.tree.nodes() if n.parent is not None)
              for r in a.ranks]
     assert trees[0] == trees[1], trees
+    assert [r.cache.counters["cp_reserve_failed"] for r in a.ranks] == [1, 0]  # rank 0 still records its refusal
+    assert [len(r.cache.executor.pending_jobs()) for r in a.ranks] == [3, 3]  # backed up on both ranks
