@@ -560,8 +560,9 @@ def run_fuzz(machine: type[CacheProtocolMachine], *, examples: int = 100, steps:
              wrap: str | None = None) -> FuzzResult:
     """Run ``machine`` like hypothesis would under pytest, outside pytest.
 
-    Deterministic for a given ``seed``, whatever the process imported before (``fixed_draws``). On failure, ``steps`` holds the shrunk
-    falsifying program and ``test_code`` a pytest test that replays it.
+    Deterministic for a given ``seed``, whatever the process imported before
+    (``fixed_draws``). On failure, ``steps`` holds the shrunk falsifying
+    program and ``test_code`` a pytest test that replays it.
     """
     count = [0]
     t0 = time.perf_counter()
