@@ -381,15 +381,43 @@ class LayerWriteRuntime:
     # ================================================================== cache hooks
 
     def backup(self, node: TreeNode) -> bool:
-        """The cache's backup path under CP: reserve (evicting host KV if short) and catch up all layers."""
-        write = self.reserve(node)
-        while write.state == "failed":
-            if self.evict_host(write.needed_slots - self.host_room()) <= 0:
+        """The cache's backup path under CP: reserve (evicting host KV if short) and catch up all layers.
+
+        Every rank of the group decides alike: host KV is evicted while *any* rank lacks room for its
+        share of the node (``group_shortfall``, computed from the shared tree), and the node is backed up
+        on every rank or on none. A rank short of room still records its refused reservation first.
+        """
+        node = self.driver.require_node(node)
+        if self.host_room() < self._owned_tokens(node, self.rank):
+            write = self.reserve(node)  # refused (``failed``): nothing held, the tree unchanged
+            if write.state != "failed":
+                raise AllocationError(f"rank {self.rank} reserved node {node.id} without the room it lacked")
+        while (short := self.group_shortfall(node)) > 0:
+            if self.evict_host(short) <= 0:
                 self.counters["backup_host_full"] += 1
                 return False
-            write = self.reserve(node)
+        write = self.reserve(node)
+        if write.state == "failed":
+            raise AllocationError(f"rank {self.rank} was refused host room the group's count left for node {node.id}")
         self.submit_all(write)
         return True
+
+    def _owned_tokens(self, node: TreeNode, rank: int) -> int:
+        owners = self.layout.owner_for_logical_pages(node.device_indices[:: self.page_size] // self.page_size)
+        return int((owners == rank).sum()) * self.page_size
+
+    def group_shortfall(self, node: TreeNode) -> int:
+        """Most host tokens any rank of the group lacks to hold its share of ``node`` (0: every rank has room).
+
+        The same number on every rank: a rank's host holds the owned pages of the nodes with an owner
+        pattern (``cp_meta``; the tree and the owner function are the same on every rank) plus what the
+        engine holds by other, identical calls on every rank; so this rank's room plus its owned share of
+        those nodes is every rank's.
+        """
+        metas = [n.cp_meta for n in self.tree.nodes() if n.cp_meta is not None]
+        base = self.host_room() + sum(m.owned_tokens(self.rank) for m in metas)
+        return max(self._owned_tokens(node, rank) - (base - sum(m.owned_tokens(rank) for m in metas))
+                   for rank in range(self.layout.world_size))
 
     def on_split(self, lower: TreeNode, upper: TreeNode, at: int) -> None:
         """``upper`` took the first ``at`` tokens of ``lower``: split the owner pattern and host slots by ownership."""

@@ -9,10 +9,6 @@ runs, so the coverage asserted here does not depend on the machine's speed.
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -20,7 +16,7 @@ from hicache_fsm.commands import fuzz as fuzz_command
 from hicache_fsm.commands.args import UsageError
 from hicache_fsm.testing.explorer import quiet_cache_logs
 from hicache_fsm.testing.paths import CoverageTracker
-from hicache_fsm.testing.stateful import hicache_machine, run_fuzz
+from hicache_fsm.testing.stateful import cp_machine, hicache_machine, run_fuzz
 
 def _defaults() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
@@ -52,24 +48,13 @@ def test_fuzz_defaults_reach_every_residency_and_prefetch_state_and_storage_lost
         assert edge not in missing, edge
 
 
-# Run in a fresh interpreter: in one full-suite run, in-process state left by earlier tests made this
-# seeded run find a kv_readback violation that no fresh process reproduces (not yet diagnosed).
-_CP_FUZZ = """
-import json, sys
-sys.path.insert(0, sys.argv[1])
-from test_fuzz_coverage import _fuzz_at_defaults
-from hicache_fsm.testing.stateful import cp_machine
-print(json.dumps(_fuzz_at_defaults(cp_machine)))
-"""
-
-
-def test_fuzz_cp_defaults_reach_the_layer_write_states():
-    done = subprocess.run([sys.executable, "-c", _CP_FUZZ, str(Path(__file__).parent)], capture_output=True,
-                          text=True, timeout=1800)
-    assert done.returncode == 0, done.stderr[-4000:]
-    report = json.loads(done.stdout.splitlines()[-1])
-    assert report["layer_write"]["missing_states"] == ["failed"]  # see UNREACHED_REASONS["layer_write"]
-    assert "reserved --submit_layer--> all_submitted" not in report["layer_write"]["missing_transitions"]
+def test_fuzz_cp_defaults_reach_every_layer_write_state_and_transition():
+    """In-process: the seeded run draws the same steps whatever earlier tests imported
+    (``testing.fixed_draws``); a reservation on a full host fails (``failed``) under the host-pressure
+    variant."""
+    report = _fuzz_at_defaults(cp_machine)
+    assert report["layer_write"]["missing_states"] == []
+    assert report["layer_write"]["missing_transitions"] == []
 
 
 def test_fuzz_report_lists_per_machine_coverage(capsys):

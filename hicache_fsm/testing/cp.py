@@ -128,10 +128,19 @@ class CPAdapter(CacheAdapter):
         return path[-1] if path and not partial and matched == len(tokens) else None
 
     def backup(self, tokens: Sequence[int]) -> bool | None:
+        """Back the prompt's node up on every rank where it is device-only.
+
+        Also the engine's retry after a copy failed on some ranks only: the node is then ``device_host`` on
+        the ranks whose copies landed and ``device`` on the others, and only the latter write again (there
+        is no way back from ``device_host`` but eviction, which would drop the node on the failed ranks
+        and keep a host copy missing their pages on the others)."""
         nodes = [self._node(r, tuple(tokens)) for r in self.ranks]
-        if any(n is None or n.state != "device" for n in nodes):
+        if any(n is None or n.state not in ("device", "device_host") for n in nodes):
             return None
-        ok = [r.cache.write_backup(n) for r, n in zip(self.ranks, nodes)]
+        todo = [(r, n) for r, n in zip(self.ranks, nodes) if n.state == "device"]
+        if not todo:
+            return None
+        ok = [r.cache.write_backup(n) for r, n in todo]
         for r in self.ranks:
             r.cache.flush()
         return all(ok)
@@ -168,15 +177,24 @@ class CPAdapter(CacheAdapter):
         return got[0]
 
     def applicable(self, op: str, args: tuple) -> bool:
-        """Engine steps wait until every rank agrees on what is on the device (a rank that owns no page of a
-        write acks it at once; the scheduler moves on once all ranks did); acks are always possible."""
+        """Engine steps wait until every rank agrees on what is on the device and what has a host copy (a
+        rank that owns no page of a write acks it at once; the scheduler moves on once all ranks did); acks
+        are always possible. When a write's copies landed on some ranks and failed on others, the ranks
+        disagree on the host copy until the engine backs the node up again on the failed ranks: only that
+        ``backup`` may run meanwhile."""
         if op in ("complete_job", "fail_job"):
             return True
-        from hicache_fsm.bindings.residency import ON_DEVICE
+        views = self._views(with_host=True)
+        if len(views) == 1:
+            return True
+        return op == "backup" and len(self._views(with_host=False)) == 1
 
-        views = {frozenset((r.cache.tree.prefix_tokens(n), n.state in ON_DEVICE, n.state == "writing_host") for n in r.cache.tree.nodes()
-                           if n.parent is not None) for r in self.ranks}
-        return len(views) == 1
+    def _views(self, *, with_host: bool) -> set:
+        from hicache_fsm.bindings.residency import ON_DEVICE, ON_HOST
+
+        return {frozenset((r.cache.tree.prefix_tokens(n), n.state in ON_DEVICE, n.state == "writing_host",
+                           with_host and n.state in ON_HOST)
+                          for n in r.cache.tree.nodes() if n.parent is not None) for r in self.ranks}
 
     def extra_steps(self) -> list[Step]:
         out = [Step("layer_end", (i, "target")) for i in range(self.layers)]

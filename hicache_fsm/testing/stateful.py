@@ -51,6 +51,7 @@ from hypothesis.stateful import (
 
 from hicache_fsm.testing.adapter import CacheAdapter, StorageFault
 from hicache_fsm.testing.checks import Step, catalogue, perform
+from hicache_fsm.testing.fixed_draws import without_local_constants
 from hicache_fsm.testing.paths import CoverageTracker
 from hicache_fsm.testing.strategies import pages_to_tokens, prompt_pages, storage_faults
 
@@ -481,13 +482,19 @@ def hicache_machine(variants: Sequence[dict] = HICACHE_VARIANTS, coverage: Cover
 
 
 # CP layer writes: one and two ranks, two target layers and one draft layer, a host pool that outgrows a
-# rank's device share, one just larger than a rank's share, and one single-layer model (a write
-# submits all its layers at once); engine steps wait until the ranks agree on what is on the device
+# rank's device share, one just larger than a rank's share, one single-layer model (a write
+# submits all its layers at once), and one rank whose write-through backups press on the host (its
+# host holds one page more than its device: once a prompt filled the device and was backed up, a
+# two-page prompt evicts it to host and finds one free host page, so its reservation fails and host
+# KV is evicted for it); engine steps wait until the ranks agree on what is on the device and what
+# has a host copy
 CP_VARIANTS: tuple[dict, ...] = (
     {"world_size": 1, "device_pages": 2, "host_pages": 3, "write_policy": "write_back"},
     {"world_size": 2, "device_pages": 2, "host_pages": 3, "write_policy": "write_back"},
     {"world_size": 2, "device_pages": 2, "host_pages": 2, "write_policy": "write_back"},
     {"world_size": 2, "device_pages": 2, "host_pages": 3, "write_policy": "write_through", "layers": 1,
+     "draft_layers": 0},
+    {"world_size": 1, "device_pages": 2, "host_pages": 3, "write_policy": "write_through", "layers": 1,
      "draft_layers": 0},
 )
 
@@ -553,8 +560,9 @@ def run_fuzz(machine: type[CacheProtocolMachine], *, examples: int = 100, steps:
              wrap: str | None = None) -> FuzzResult:
     """Run ``machine`` like hypothesis would under pytest, outside pytest.
 
-    Deterministic for a given ``seed``. On failure, ``steps`` holds the shrunk
-    falsifying program and ``test_code`` a pytest test that replays it.
+    Deterministic for a given ``seed``, whatever the process imported before
+    (``fixed_draws``). On failure, ``steps`` holds the shrunk falsifying
+    program and ``test_code`` a pytest test that replays it.
     """
     count = [0]
     t0 = time.perf_counter()
@@ -584,7 +592,7 @@ def run_fuzz(machine: type[CacheProtocolMachine], *, examples: int = 100, steps:
     test = hypothesis_seed(seed)(get_state_machine_test(factory, settings=settings))
     lines: list[str] = []
     result = FuzzResult(True, 0, 0.0, seed)
-    with with_reporter(lines.append):
+    with with_reporter(lines.append), without_local_constants():
         try:
             test()
         except BaseException as exc:
