@@ -20,6 +20,7 @@ thread and closes the sockets and the context.
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 
 try:
@@ -36,6 +37,7 @@ from hicache_fsm.events.schema import KVEventBatch, encode
 Batch = KVEventBatch | PendingBatch
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+WAIT_POLL_S = 0.0005  # how often ``wait_sent`` looks at the counters
 IDLE_WAIT_S = 0.01  # how long the sender thread sleeps between draining the queue and serving replays
 
 
@@ -112,6 +114,15 @@ class ZmqEventPublisher:
             self.dropped += 1
         return seq
 
+    def wait_sent(self, timeout: float) -> bool:
+        """Wait (sleeping, off the GIL) until every batch published so far was sent or dropped; False on timeout."""
+        deadline = time.monotonic() + timeout
+        while self.sent + self.dropped < self._next_seq:
+            if self._closed or time.monotonic() >= deadline:
+                return False
+            time.sleep(WAIT_POLL_S)
+        return True
+
     def close(self) -> None:
         """Send what is queued, stop the thread, close the sockets (idempotent)."""
         if self._closed:
@@ -168,5 +179,5 @@ class ZmqEventPublisher:
 
 
 def _payload(batch: Batch) -> bytes:
-    """The msgpack bytes of ``batch``, rendering a pending one first (on the sender thread)."""
-    return encode(batch.render() if isinstance(batch, PendingBatch) else batch)
+    """The msgpack bytes of ``batch``, a pending one rendered straight to bytes (on the sender thread)."""
+    return batch.payload() if isinstance(batch, PendingBatch) else encode(batch)
