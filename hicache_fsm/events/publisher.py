@@ -11,8 +11,11 @@ replay buffer and offers it to a bounded queue; when the queue is full the
 batch is not sent live (``dropped`` counts it) and a subscriber sees the gap in
 the sequence numbers and fetches it by replay. ``publish`` also takes the
 hook's ``PendingBatch`` (it is marked ``accepts_pending``): the batch is
-numbered at once and rendered (pages hashed, structs built) on the sender
-thread, before it is encoded, so the serving thread never hashes. One thread owns both sockets
+numbered at once and written as msgpack bytes on the sender thread (pages
+hashed, hash and token lists written from bytes: ``PendingBatch.payload``), so
+the serving thread never hashes; a replay sends the same bytes. The sender
+wakes every ``IDLE_WAIT_S`` and sends what is queued; each send lets go of the
+GIL, so a busy serving thread gets it back after every batch. One thread owns both sockets
 (ZMQ sockets are not thread-safe); ``close`` sends what is queued, joins the
 thread and closes the sockets and the context.
 """
