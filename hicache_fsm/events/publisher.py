@@ -188,15 +188,19 @@ class ZmqEventPublisher:
 
     def _run(self) -> None:
         pub, replay, q, pacing, stop = self._pub, self._replay, self._queue, self.pacing, self._stop
+        paused = False
         while True:
             if replay is not None:
                 while replay.poll(0):
                     self._serve_replay(replay)
             if q:
-                if not stop.is_set() and pacing.give_way(time.monotonic() - self._last_publish, len(q)):
+                if (not paused and not stop.is_set()
+                        and pacing.give_way(time.monotonic() - self._last_publish, len(q))):
                     self.paused += 1
                     stop.wait(pacing.pause_s)
+                    paused = True  # one batch goes out after each pause, however busy the cache is
                     continue
+                paused = False
                 seq, batch = q.popleft()
                 pub.send_multipart((self.topic, seq.to_bytes(8, "big"), _payload(batch)))  # lets go of the GIL
                 self.sent += 1
