@@ -12,11 +12,13 @@ from hicache_fsm.config import CacheConfig
 from hicache_fsm.diagrams import edge_label
 from hicache_fsm.errors import ConfigError, SpecError, StorageKeyError
 from hicache_fsm.events.contents import MEMORY_TIERS, cache_contents
-from hicache_fsm.events.hashes import chained_digests, int64_hash, request_hashes, span_digests, span_tokens
+from hicache_fsm.events.hashes import (
+    chained_digests, int64_hash, request_hashes, span_digests, span_tokens, span_wire_tokens)
 from hicache_fsm.events.hook import TIER_TAGS, disable_kv_events, enable_kv_events, reset_with_events
 from hicache_fsm.events.names import parse_event
 from hicache_fsm.events.pending import PendingBatch, accepts_pending
 from hicache_fsm.events.schema import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, decode, encode
+from hicache_fsm.events.wire import int64_array, uint32_array
 from hicache_fsm.router import PrefixIndex, Router
 from hicache_fsm.spec import load_builtin, parse_spec
 
@@ -222,6 +224,21 @@ def test_a_key_held_packed_or_as_a_tuple_span_hashes_and_reads_alike(ids, start,
     assert list(span_tokens(packed)) == list(tokens[start:]) == list(span_tokens((tokens, start, len(tokens))))
 
 
+@given(ids=st.lists(st.integers(0, (1 << 32) - 1), max_size=70), digests=st.lists(st.binary(min_size=8, max_size=32)))
+def test_lists_written_from_bytes_decode_as_the_ints_they_stand_for(ids, digests):
+    """The msgpack arrays built from packed ids and digests read back as the ids and the int64 block hashes."""
+    packed = b"".join(i.to_bytes(4, "little") for i in ids)
+    assert msgspec.msgpack.decode(uint32_array(packed), type=list[int]) == ids
+    assert msgspec.msgpack.decode(span_wire_tokens((tuple(ids), 0, len(ids))), type=list[int]) == ids
+    ints = [int.from_bytes(d[:8], "big", signed=True) for d in digests]
+    assert msgspec.msgpack.decode(int64_array(digests), type=list[int]) == ints
+
+
+def test_a_token_beyond_32_bits_has_no_wire_form():
+    with pytest.raises(StorageKeyError):
+        span_wire_tokens(((1, 1 << 32), 0, 2))
+
+
 class PendingSink:
     """Keeps the hook's pending batches unrendered, as the ZMQ publisher's queue does until its thread runs."""
 
@@ -241,13 +258,15 @@ def _wire(batch: KVEventBatch) -> list:
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=st.lists(OPS, min_size=1, max_size=25))
 def test_batches_rendered_after_the_tree_moved_on_equal_those_rendered_at_flush(ops):
-    """Splits, evictions and resets after an event is recorded do not change what it renders to."""
+    """Splits, evictions and resets after an event is recorded do not change what it renders to,
+    as structs or as the bytes a publisher sends (hash and token lists written from bytes)."""
     made = [make_cache(device_pages=6, host_pages=10, config=CacheConfig(write_policy="write_through"))
-            for _ in range(2)]
+            for _ in range(3)]
     now: list[KVEventBatch] = []
-    later = PendingSink()
+    later, sent = PendingSink(), PendingSink()
     hooks = [enable_kv_events(made[0][0], now.append, max_batch_events=3),
-             enable_kv_events(made[1][0], later.publish, max_batch_events=3)]
+             enable_kv_events(made[1][0], later.publish, max_batch_events=3),
+             enable_kv_events(made[2][0], sent.publish, max_batch_events=3)]
     try:
         for op in ops:
             for (cache, ex), hook in zip(made, hooks):
@@ -264,7 +283,9 @@ def test_batches_rendered_after_the_tree_moved_on_equal_those_rendered_at_flush(
                     reset_with_events(cache, hook)
                 hook.flush()
         assert [_wire(b) for b in now] == [_wire(p.render()) for p in later.pending]
-        assert hooks[1].unhashable == 0
+        assert [_wire(b) for b in now] == [_wire(decode(p.payload())) for p in sent.pending]
+        assert [_wire(b) for b in now] == [_wire(p.render()) for p in sent.pending]  # read back from the bytes
+        assert hooks[1].unhashable == hooks[2].unhashable == 0
     finally:
         for cache, _ in made:
             cache.close()

@@ -13,7 +13,8 @@ from cache_helpers import drain, make_cache, pages, put
 from hicache_fsm.config import CacheConfig
 from hicache_fsm.events.contents import MEMORY_TIERS, cache_contents
 from hicache_fsm.events.hook import enable_kv_events
-from hicache_fsm.events.publisher import PublisherClosed, ZmqEventPublisher
+from hicache_fsm.errors import ConfigError
+from hicache_fsm.events.publisher import Pacing, PublisherClosed, ZmqEventPublisher
 from hicache_fsm.events.schema import BlockRemoved, BlockStored, KVEventBatch
 from hicache_fsm.events.subscriber import ZmqEventSubscriber
 from hicache_fsm.router import PrefixIndex
@@ -157,3 +158,27 @@ def test_publisher_stamps_its_rank_and_numbers_batches():
         batch = KVEventBatch(0.0, [BlockStored([1], None, [1, 2], 2, None, "GPU")])
         assert pub.publish(batch) == 0 and pub.publish(batch) == 1
         assert batch.data_parallel_rank == 3
+
+
+def test_the_sender_gives_way_only_while_the_cache_steps_and_never_beyond_its_lag_bound():
+    pacing = Pacing(pause_s=0.005, window_s=0.002, max_lag=3)
+    assert pacing.give_way(since_publish_s=0.001, queued=2)  # a batch was just published: the cache steps
+    assert not pacing.give_way(since_publish_s=0.003, queued=2)  # the cache is waiting: catch up
+    assert not pacing.give_way(since_publish_s=0.001, queued=3)  # too far behind: send at once
+    assert not Pacing(pause_s=0.0, window_s=0.002, max_lag=3).give_way(0.0, 0)  # pacing off
+
+
+@pytest.mark.parametrize("option, value", [("busy_pause_s", -1.0), ("busy_window_s", float("inf")),
+                                           ("busy_pause_s", True), ("max_lag", 0), ("max_lag", 1.5)])
+def test_bad_pacing_options_are_refused_before_anything_is_bound(option, value):
+    with pytest.raises(ConfigError):
+        ZmqEventPublisher(**{option: value})
+
+
+def test_a_paced_publisher_sends_everything_once_the_cache_waits():
+    with ZmqEventPublisher(busy_pause_s=0.001, busy_window_s=0.05, max_lag=5) as pub:
+        batch = KVEventBatch(0.0, [BlockRemoved([1], "GPU")])
+        for _ in range(12):  # a publish "now" keeps the sender giving way until 5 are queued
+            pub.publish(batch)
+        assert pub.wait_sent(60.0)
+        assert pub.sent == 12 and pub.dropped == 0

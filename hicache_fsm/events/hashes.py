@@ -20,6 +20,8 @@ import sys
 from array import array
 from typing import Hashable, Sequence
 
+from hicache_fsm.errors import StorageKeyError
+from hicache_fsm.events.wire import ID_CODE, int64_array, uint32_array
 from hicache_fsm.radix import TreeNode
 from hicache_fsm.storage.keys import page_keys
 from hicache_fsm.storage.tier import namespace_seed
@@ -46,19 +48,23 @@ def chained_digests(tokens: Sequence[int], page_size: int, prior: bytes) -> list
         return [bytes.fromhex(k) for k in page_keys(tokens, page_size, prior.hex() or None)]
     if sys.byteorder == "big":
         packed.byteswap()
-    return _packed_digests(memoryview(packed).cast("B"), page_size, prior)
+    return _packed_digests(packed.tobytes(), page_size, prior)
 
 
-def _packed_digests(raw: memoryview, page_size: int, prior: bytes) -> list[bytes]:
-    """Chained SHA-256 of each full page of little-endian uint32 ids, hashed in place (never copied)."""
+def _packed_digests(raw: bytes | memoryview, page_size: int, prior: bytes) -> list[bytes]:
+    """Chained SHA-256 of each full page of little-endian uint32 ids.
+
+    One ``sha256(prior + page)`` call per page: the fewest interpreter steps per
+    page found (a page is hashed once in its chain's life, and this is most of
+    what rendering an event costs).
+    """
     stride = 4 * page_size
     sha = hashlib.sha256
     out = []
+    append = out.append
     for start in range(0, len(raw) - stride + 1, stride):
-        h = sha(prior)
-        h.update(raw[start : start + stride])
-        prior = h.digest()
-        out.append(prior)
+        prior = sha(prior + raw[start : start + stride]).digest()
+        append(prior)
     return out
 
 
@@ -101,10 +107,23 @@ def span_tokens(span: KeySpan, recent: "RecentSlices | None" = None) -> tuple[in
     return source[start:end] if recent is None else recent.get(source, start, end)
 
 
+def span_wire_tokens(span: KeySpan, recent: "RecentSlices | None" = None) -> bytes:
+    """``span``'s token ids as a msgpack array; ``StorageKeyError`` if one does not fit 32 bits."""
+    if isinstance(span, bytes):
+        return uint32_array(span)
+    try:
+        packed = array(ID_CODE, span_tokens(span, recent))
+    except (OverflowError, TypeError):
+        raise StorageKeyError("a token id does not fit 32 bits: the event has no page key") from None
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return uint32_array(packed.tobytes())
+
+
 def span_digests(span: KeySpan, page_size: int, prior: bytes, recent: "RecentSlices | None" = None) -> list[bytes]:
     """The chained page digests of ``span``: packed bytes are hashed in place."""
     if isinstance(span, bytes):
-        return _packed_digests(memoryview(span), page_size, prior)
+        return _packed_digests(span, page_size, prior)
     return chained_digests(span_tokens(span, recent), page_size, prior)
 
 
@@ -119,6 +138,20 @@ class RecentSlices:
     def __init__(self, size: int = 8) -> None:
         self.size = size
         self._slices: dict[tuple[int, int, int], tuple[tuple, tuple[int, ...]]] = {}
+        self._wires: dict[int, tuple[bytes, bytes]] = {}
+
+    def wire_tokens(self, span: KeySpan) -> bytes:
+        """``span``'s token ids as a msgpack array, encoded once for a node's device and host events."""
+        if not isinstance(span, bytes):
+            return span_wire_tokens(span, self)
+        hit = self._wires.get(id(span))
+        if hit is not None and hit[0] is span:
+            return hit[1]
+        wire = uint32_array(span)
+        if len(self._wires) >= self.size:
+            del self._wires[next(iter(self._wires))]
+        self._wires[id(span)] = (span, wire)  # holding ``span`` keeps its id from being reused
+        return wire
 
     def get(self, source: tuple[int, ...], start: int, end: int) -> tuple[int, ...]:
         key = (id(source), start, end)
@@ -142,7 +175,7 @@ class PageChain:
     hashed once in its chain's life; a split slices the digests.
     """
 
-    __slots__ = ("page_size", "_todo", "_digests", "_ints")
+    __slots__ = ("page_size", "_todo", "_digests", "_ints", "_wire")
 
     def __init__(self, page_size: int, todo: tuple) -> None:
         self.page_size = page_size
@@ -150,6 +183,7 @@ class PageChain:
         self._todo: tuple | None = todo
         self._digests: list[bytes] | None = None
         self._ints: list[int] | None = None
+        self._wire: bytes | None = None
 
     @classmethod
     def of_span(cls, page_size: int, span: "KeySpan", parent: "PageChain | None", namespace: Hashable) -> "PageChain":
@@ -185,7 +219,15 @@ class PageChain:
         return ints
 
     def last_int_key(self, recent: RecentSlices | None = None) -> int:
-        return self.int_keys(recent)[-1]
+        ints = self._ints
+        return ints[-1] if ints is not None else _int64(self.digests(recent)[-1])
+
+    def wire_keys(self, recent: RecentSlices | None = None) -> bytes:
+        """The int64 block hashes as a msgpack array (encoded once, for every event of this chain)."""
+        wire = self._wire
+        if wire is None:
+            wire = self._wire = int64_array(self.digests(recent))
+        return wire
 
 
 class NodeChains:

@@ -10,9 +10,10 @@ when ``flush`` is called (an engine calls it once per step) or when
 do when its consumer is slow.
 
 The serving thread only records each event (see
-:mod:`hicache_fsm.events.pending`): hashing the pages and building the
-structs happen when the batch is rendered, on the publisher's thread for a
-sink marked ``accepts_pending``, in ``flush`` for any other sink.
+:mod:`hicache_fsm.events.pending`): hashing the pages and building the batch
+happen when it is rendered, on the publisher's thread for a sink marked
+``accepts_pending`` (as msgpack bytes), in ``flush`` for any other sink (as
+structs).
 
 The driver does not report ``HiCache.reset`` (it replaces the tree): call
 :func:`reset_with_events` instead, which publishes ``AllBlocksCleared``.

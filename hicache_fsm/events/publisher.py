@@ -11,16 +11,24 @@ replay buffer and offers it to a bounded queue; when the queue is full the
 batch is not sent live (``dropped`` counts it) and a subscriber sees the gap in
 the sequence numbers and fetches it by replay. ``publish`` also takes the
 hook's ``PendingBatch`` (it is marked ``accepts_pending``): the batch is
-numbered at once and rendered (pages hashed, structs built) on the sender
-thread, before it is encoded, so the serving thread never hashes. One thread owns both sockets
+numbered at once and written as msgpack bytes on the sender thread (pages
+hashed, hash and token lists written from bytes: ``PendingBatch.payload``), so
+the serving thread never hashes; a replay sends the same bytes. That work
+still holds the GIL, so while the cache is stepping the sender gives way
+(:class:`Pacing`: one batch per ``busy_pause_s``) and catches up when the
+serving thread waits, up to ``max_lag`` queued batches. One thread owns both sockets
 (ZMQ sockets are not thread-safe); ``close`` sends what is queued, joins the
 thread and closes the sockets and the context.
 """
 
 from __future__ import annotations
 
+import math
 import threading
+import time
 from collections import deque
+
+import attrs
 
 try:
     import zmq
@@ -36,7 +44,34 @@ from hicache_fsm.events.schema import KVEventBatch, encode
 Batch = KVEventBatch | PendingBatch
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+WAIT_POLL_S = 0.0005  # how often ``wait_sent`` looks at the counters
 IDLE_WAIT_S = 0.01  # how long the sender thread sleeps between draining the queue and serving replays
+
+
+BUSY_PAUSE_S = 0.005  # while the cache steps, the sender sends one batch per pause at most
+BUSY_WINDOW_S = 0.002  # a publish this recent means the cache is stepping now
+MAX_LAG = 1000  # batches queued beyond which the sender stops giving way (staleness bound)
+
+
+@attrs.frozen
+class Pacing:
+    """When the sender thread gives way to the serving thread, so their work does not share the GIL at once.
+
+    Rendering a batch (hashing its pages, writing its bytes) holds the GIL; while
+    the cache is stepping (a batch was published within ``window_s``) the
+    sender sends at most one batch per ``pause_s`` and catches up when the
+    serving thread waits (an engine's forward pass on the accelerator, an idle
+    scheduler), unless ``max_lag`` batches are queued: then it sends at once,
+    competing for the GIL, so events are never more than that far behind. A
+    ``pause_s`` of 0 never gives way.
+    """
+
+    pause_s: float
+    window_s: float
+    max_lag: int
+
+    def give_way(self, since_publish_s: float, queued: int) -> bool:
+        return self.pause_s > 0 and since_publish_s < self.window_s and queued < self.max_lag
 
 
 class PublisherClosed(HiCacheError):
@@ -52,10 +87,16 @@ class ZmqEventPublisher:
 
     def __init__(self, endpoint: str = "tcp://127.0.0.1:*", replay_endpoint: str | None = "tcp://127.0.0.1:*", *,
                  buffer_steps: int = 10_000, hwm: int = 100_000, max_queue_size: int = 100_000, topic: str = "",
-                 data_parallel_rank: int | None = None) -> None:
-        for name, value in (("buffer_steps", buffer_steps), ("hwm", hwm), ("max_queue_size", max_queue_size)):
+                 data_parallel_rank: int | None = None, busy_pause_s: float = BUSY_PAUSE_S,
+                 busy_window_s: float = BUSY_WINDOW_S, max_lag: int = MAX_LAG) -> None:
+        for name, value in (("buffer_steps", buffer_steps), ("hwm", hwm), ("max_queue_size", max_queue_size),
+                            ("max_lag", max_lag)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive int, got {value!r}")
+        for name, value in (("busy_pause_s", busy_pause_s), ("busy_window_s", busy_window_s)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+                raise ConfigError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
+        self.pacing = Pacing(float(busy_pause_s), float(busy_window_s), max_lag)
         self.topic = topic.encode("utf-8")
         self.data_parallel_rank = data_parallel_rank
         self._ctx = zmq.Context()
@@ -80,11 +121,13 @@ class ZmqEventPublisher:
         self._buffer: deque[tuple[int, Batch]] = deque(maxlen=buffer_steps)
         self._buffer_lock = threading.Lock()
         self._next_seq = 0
+        self._last_publish = -math.inf
         self._stop = threading.Event()
         self._closed = False
         self.dropped = 0  # batches not sent live (queue full); still in the replay buffer
         self.sent = 0
         self.replays = 0
+        self.paused = 0  # pauses the sender took to give way to a stepping cache
         self._thread = threading.Thread(target=self._run, name="kv-event-publisher", daemon=True)
         self._thread.start()
 
@@ -104,6 +147,7 @@ class ZmqEventPublisher:
             batch.data_parallel_rank = self.data_parallel_rank
         seq = self._next_seq
         self._next_seq = seq + 1
+        self._last_publish = time.monotonic()  # the cache is stepping: the sender gives way (see Pacing)
         with self._buffer_lock:
             self._buffer.append((seq, batch))
         if len(self._queue) < self.max_queue_size:
@@ -111,6 +155,15 @@ class ZmqEventPublisher:
         else:
             self.dropped += 1
         return seq
+
+    def wait_sent(self, timeout: float) -> bool:
+        """Wait (sleeping, off the GIL) until every batch published so far was sent or dropped; False on timeout."""
+        deadline = time.monotonic() + timeout
+        while self.sent + self.dropped < self._next_seq:
+            if self._closed or time.monotonic() >= deadline:
+                return False
+            time.sleep(WAIT_POLL_S)
+        return True
 
     def close(self) -> None:
         """Send what is queued, stop the thread, close the sockets (idempotent)."""
@@ -129,23 +182,32 @@ class ZmqEventPublisher:
 
     def stats(self) -> dict:
         return {"published": self._next_seq, "sent": self.sent, "dropped": self.dropped, "replays": self.replays,
-                "queued": len(self._queue)}
+                "queued": len(self._queue), "paused": self.paused}
 
     # ------------------------------------------------------------ sender thread
 
     def _run(self) -> None:
-        pub, replay, q = self._pub, self._replay, self._queue
+        pub, replay, q, pacing, stop = self._pub, self._replay, self._queue, self.pacing, self._stop
+        paused = False
         while True:
             if replay is not None:
                 while replay.poll(0):
                     self._serve_replay(replay)
-            while q:
+            if q:
+                if (not paused and not stop.is_set()
+                        and pacing.give_way(time.monotonic() - self._last_publish, len(q))):
+                    self.paused += 1
+                    stop.wait(pacing.pause_s)
+                    paused = True  # one batch goes out after each pause, however busy the cache is
+                    continue
+                paused = False
                 seq, batch = q.popleft()
-                pub.send_multipart((self.topic, seq.to_bytes(8, "big"), _payload(batch)))
+                pub.send_multipart((self.topic, seq.to_bytes(8, "big"), _payload(batch)))  # lets go of the GIL
                 self.sent += 1
-            if self._stop.is_set():  # close() refuses new batches first: the queue is drained for good
+                continue
+            if stop.is_set():  # close() refuses new batches first: the queue is drained for good
                 return
-            self._stop.wait(IDLE_WAIT_S)
+            stop.wait(IDLE_WAIT_S)
 
     def _serve_replay(self, replay: zmq.Socket) -> None:
         frames = replay.recv_multipart()
@@ -168,5 +230,5 @@ class ZmqEventPublisher:
 
 
 def _payload(batch: Batch) -> bytes:
-    """The msgpack bytes of ``batch``, rendering a pending one first (on the sender thread)."""
-    return encode(batch.render() if isinstance(batch, PendingBatch) else batch)
+    """The msgpack bytes of ``batch``, a pending one rendered straight to bytes (on the sender thread)."""
+    return batch.payload() if isinstance(batch, PendingBatch) else encode(batch)

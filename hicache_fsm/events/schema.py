@@ -62,11 +62,34 @@ class KVEventBatch(EventBatch):
 
 KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
 
+
+class BlockStoredWire(msgspec.Struct, omit_defaults=True, gc=False, tag="BlockStored"):  # type: ignore[call-arg]
+    """``BlockStored`` as it is encoded, its lists already msgpack bytes (see :mod:`hicache_fsm.events.wire`)."""
+
+    block_hashes: msgspec.Raw
+    parent_block_hash: int | None
+    token_ids: msgspec.Raw
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None = None
+
+
+class BlockRemovedWire(msgspec.Struct, omit_defaults=True, gc=False, tag="BlockRemoved"):  # type: ignore[call-arg]
+    """``BlockRemoved`` as it is encoded, its hashes already msgpack bytes."""
+
+    block_hashes: msgspec.Raw
+    medium: str | None
+
+
+Raw = msgspec.Raw  # already-encoded msgpack bytes, copied into a batch as they are
+
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(KVEventBatch)
 
 
-def encode(batch: KVEventBatch) -> bytes:
+def encode(batch: EventBatch) -> bytes:
+    """The msgpack bytes of ``batch`` (a ``KVEventBatch``, or an ``EventBatch`` of the wire structs)."""
     return _ENCODER.encode(batch)
 
 

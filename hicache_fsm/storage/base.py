@@ -16,6 +16,13 @@ Contract of every backend:
   same, reading into / writing from host-pool pages without an intermediate
   page-sized buffer wherever the medium allows. On a False result the
   destination page's contents are unspecified.
+* ``add_eviction_listener(fn)``: a backend that drops pages on its own (a size
+  cap's LRU eviction) calls ``fn(page_keys)`` with the page keys it dropped, from
+  whichever thread evicted them (``reports_evictions`` says whether it can). The
+  storage tier uses it to move the nodes holding those pages back to "not
+  stored" (publishing ``removed:storage``). Pages lost where the backend cannot
+  see it (a server's own eviction, a file deleted by hand) are found by
+  ``data_epoch`` and ``StorageTier.verify_stored`` instead.
 * An I/O failure raises :class:`~hicache_fsm.errors.StorageError` (or a subclass:
   ``StorageUnavailable``, ``StorageTimeout``, ``StorageFull``); a backend never
   returns bytes it has not verified. A stored page that is corrupt or short is
@@ -48,7 +55,7 @@ import threading
 import zlib
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from typing import Any, Hashable, Iterable, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Hashable, Iterable, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 import torch
@@ -439,6 +446,9 @@ def _pool_views(host_pool: Any, page_id: int, *, writable: bool) -> list[memoryv
     return views
 
 
+EvictionListener = Callable[[list[str]], None]
+
+
 class StorageBackend(ABC):
     """Abstract L3 backend. Subclasses implement the ``_``-prefixed hooks on storage keys.
 
@@ -447,6 +457,7 @@ class StorageBackend(ABC):
     """
 
     scheme: str = ""
+    reports_evictions = False  # True where the backend evicts pages itself and tells its eviction listeners
 
     def __init__(self, namespace: KeyNamespace | None = None, *, checksum: str = "wsum64",
                  page_format: PageFormat | None = None) -> None:
@@ -461,6 +472,7 @@ class StorageBackend(ABC):
         self._namespace = namespace if namespace is not None else DEFAULT_NAMESPACE
         self._stats = StorageStats()
         self._closed = False
+        self._eviction_listeners: tuple[EvictionListener, ...] = ()  # replaced, never mutated: read lock-free
 
     # -- public API ------------------------------------------------------
 
@@ -557,6 +569,21 @@ class StorageBackend(ABC):
         """
         return 0
 
+    def add_eviction_listener(self, listener: EvictionListener) -> None:
+        """Call ``listener(page_keys)`` whenever this backend drops stored pages on its own.
+
+        It runs on the thread that evicted (a storage I/O thread), so it must be
+        quick and thread-safe (appending to a deque is). Nothing is reported by
+        a backend whose ``reports_evictions`` is False.
+        """
+        if not callable(listener):
+            raise StorageKeyError(f"an eviction listener must be callable, got {type(listener).__name__}")
+        self._eviction_listeners = (*self._eviction_listeners, listener)
+
+    def remove_eviction_listener(self, listener: EvictionListener) -> None:
+        """Stop calling ``listener`` (an equal one: a bound method made again matches; no-op if absent)."""
+        self._eviction_listeners = tuple(fn for fn in self._eviction_listeners if fn != listener)
+
     def close(self) -> None:
         """Release connections/handles; idempotent. Later calls raise StorageUnavailable."""
         if self._closed:
@@ -624,6 +651,21 @@ class StorageBackend(ABC):
 
     def _encode_header(self, skey: str, parts: Sequence[memoryview | bytes], fmt: bytes) -> bytes:
         return encode_header(skey.encode(), parts, self._algo, fmt)
+
+    def _report_evicted(self, skeys: Iterable[str]) -> None:
+        """Tell the eviction listeners which of this namespace's pages were dropped (storage keys in)."""
+        listeners = self._eviction_listeners
+        if not listeners:
+            return
+        prefix = self._namespace.prefix
+        keys = [skey[len(prefix):] for skey in skeys if skey.startswith(prefix)]
+        if not keys:
+            return
+        for listener in listeners:
+            try:
+                listener(keys)
+            except Exception:  # noqa: BLE001 - a listener's bug must not fail the write that evicted
+                logger.exception("%s: an eviction listener failed", type(self).__name__)
 
     def _report_corrupt(self, skey: str, reason: str | CorruptPage) -> None:
         """Count a stored page that is read as a miss: corrupt, or (warned once per format) foreign."""

@@ -244,6 +244,16 @@ class FaultyBackend(StorageBackend):
     def data_epoch(self) -> int:
         return self.inner.data_epoch()
 
+    @property
+    def reports_evictions(self) -> bool:  # type: ignore[override]
+        return self.inner.reports_evictions
+
+    def add_eviction_listener(self, listener) -> None:
+        self.inner.add_eviction_listener(listener)  # the inner backend evicts; its keys are ours (same namespace)
+
+    def remove_eviction_listener(self, listener) -> None:
+        self.inner.remove_eviction_listener(listener)
+
     def stats(self) -> dict[str, int]:
         stats = self.inner.stats()
         with self._lock:

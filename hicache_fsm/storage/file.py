@@ -22,7 +22,8 @@ the payload.
   counted ``corrupt``; any other OS error raises StorageError (ENOSPC/EDQUOT:
   StorageFull).
 * ``max_bytes`` caps the bytes of this namespace's files: least recently used
-  pages are deleted first. Recency is tracked in memory, seeded from file mtimes
+  pages are deleted first, and reported to the eviction listeners (each file's
+  storage key is read from its header before it is deleted). Recency is tracked in memory, seeded from file mtimes
   when the backend opens (hits refresh the mtime), so it survives restarts but
   does not see pages other processes write meanwhile.
 * ``batch_get_into`` reads header, key and payload with one ``readv`` straight
@@ -124,6 +125,7 @@ class FileBackend(StorageBackend):
     """Pages as files under ``root``; see the module docstring for the guarantees."""
 
     scheme = "file"
+    reports_evictions = True
 
     def __init__(
         self,
@@ -219,11 +221,40 @@ class FileBackend(StorageBackend):
         found.sort()
         for _, path, size in found:
             self._lru.add(path, size)
-        victims = self._lru.over_budget()
+        self._evict(self._lru.over_budget())
+
+    def _evict(self, victims: list) -> None:
+        """Delete the evicted pages' files and tell the eviction listeners their keys."""
+        keys = []
         for victim in victims:
+            if self._eviction_listeners:
+                skey = self._stored_key(victim)
+                if skey is not None:
+                    keys.append(skey)
             self._unlink(victim)
         if victims:
             self._stats.add(evictions=len(victims))
+        if keys:
+            self._report_evicted(keys)
+
+    @staticmethod
+    def _stored_key(path: str) -> str | None:
+        """The storage key a page file's header names; None if it cannot be read (gone, short)."""
+        try:
+            fd = os.open(path, os.O_RDONLY | _O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            head = os.pread(fd, HEADER.size, 0)
+            if len(head) < HEADER.size:
+                return None
+            key_len = HEADER.unpack_from(head, 0)[3]
+            key = os.pread(fd, key_len, HEADER.size)
+            return key.decode("utf-8") if len(key) == key_len else None
+        except (OSError, UnicodeDecodeError):
+            return None
+        finally:
+            os.close(fd)
 
     @staticmethod
     def _unlink(path: str) -> None:
@@ -274,10 +305,7 @@ class FileBackend(StorageBackend):
         if self._lru.max_bytes is not None:
             with self._lock:
                 victims = self._lru.over_budget()
-            for victim in victims:
-                self._unlink(victim)
-            if victims:
-                self._stats.add(evictions=len(victims))
+            self._evict(victims)
         return outcomes
 
     def _epoch_path(self) -> str:

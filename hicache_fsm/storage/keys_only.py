@@ -18,13 +18,15 @@ is read or written:
   ``StorageKeyError``: there are no bytes to give back.
 
 ``store=NAME`` shares one key set between every backend opened with that name
-in this process (a cluster's shared L3), like ``memory://NAME``.
+in this process (a cluster's shared L3), like ``memory://NAME``; a key evicted
+by ``max_bytes`` is reported to every backend's eviction listeners, as there.
 """
 
 from __future__ import annotations
 
 import itertools
 import threading
+import weakref
 from typing import Any, Sequence
 
 from hicache_fsm.errors import StorageKeyError
@@ -42,6 +44,18 @@ class _KeyStore:
         self.lock = threading.RLock()
         self.formats: dict[str, bytes] = {}  # storage key -> page format it was written in
         self.epoch = next(_EPOCHS)
+        self.backends: weakref.WeakSet[KeysOnlyBackend] = weakref.WeakSet()  # every backend on this key set
+
+    def evicted(self, skeys: list[str]) -> None:
+        """``skeys`` were dropped: every backend on this key set forgets them and tells its listeners."""
+        with self.lock:
+            backends = list(self.backends)
+            for backend in backends:
+                if backend._lru is not None:
+                    for skey in skeys:
+                        backend._lru.discard(skey)
+        for backend in backends:
+            backend._report_evicted(skeys)
 
 
 _SHARED: dict[str, _KeyStore] = {}
@@ -52,6 +66,7 @@ class KeysOnlyBackend(StorageBackend):
     """Stored keys and their page format only (see the module docstring); ``max_bytes`` caps with LRU eviction."""
 
     scheme = "keys"
+    reports_evictions = True
 
     def __init__(self, namespace: KeyNamespace | None = None, *, store: str | None = None,
                  max_bytes: int | None = None, page_format: PageFormat | None = None) -> None:
@@ -64,6 +79,8 @@ class KeysOnlyBackend(StorageBackend):
         self.store_name = store
         self._lru = LRUIndex(max_bytes) if max_bytes is not None else None  # recency matters only under a cap
         self._prefix = self.namespace.prefix
+        with self._keys.lock:
+            self._keys.backends.add(self)
 
     @staticmethod
     def drop_shared(name: str) -> None:
@@ -146,6 +163,7 @@ class KeysOnlyBackend(StorageBackend):
                 formats.pop(victim, None)
         if victims:
             self._stats.add(evictions=len(victims))
+            self._keys.evicted(victims)
         return outcomes
 
     # ------------------------------------------------------------------ hooks
@@ -175,5 +193,7 @@ class KeysOnlyBackend(StorageBackend):
                 self._lru.clear()
 
     def _close(self) -> None:
+        with self._keys.lock:
+            self._keys.backends.discard(self)
         if not self.store_name:
             self._keys.formats.clear()

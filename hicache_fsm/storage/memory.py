@@ -5,12 +5,18 @@ backend opened with the same name in this process (so two tenants or two ranks
 can be shown to stay apart). Values are kept in the same header + checksum
 format as the other backends, so corruption behaves the same way. For injected
 failures wrap a backend in :class:`hicache_fsm.storage.faults.FaultyBackend`.
+
+With ``max_bytes`` the backend evicts least recently used pages and tells its
+eviction listeners (``reports_evictions``). A page evicted from a shared store
+is gone for every backend on it, so each of them forgets it and tells its own
+listeners (a cluster of caches on one ``memory://NAME`` L3 all hear it).
 """
 
 from __future__ import annotations
 
 import itertools
 import threading
+import weakref
 
 from hicache_fsm.storage.base import (
     EXISTS,
@@ -35,6 +41,17 @@ class _Store:
         self.lock = threading.RLock()
         self.data: dict[str, bytes] = {}
         self.epoch = next(_EPOCHS)
+        self.backends: weakref.WeakSet[MemoryBackend] = weakref.WeakSet()  # every open backend on this store
+
+    def evicted(self, skeys: list[str]) -> None:
+        """``skeys`` were dropped from the store: every backend on it forgets them and tells its listeners."""
+        with self.lock:
+            backends = list(self.backends)
+            for backend in backends:
+                for skey in skeys:
+                    backend._lru.discard(skey)
+        for backend in backends:
+            backend._report_evicted(skeys)
 
 
 _SHARED: dict[str, _Store] = {}
@@ -45,6 +62,7 @@ class MemoryBackend(StorageBackend):
     """In-process storage; ``max_bytes`` caps this namespace's payload bytes with LRU eviction."""
 
     scheme = "memory"
+    reports_evictions = True
 
     def __init__(
         self,
@@ -64,6 +82,7 @@ class MemoryBackend(StorageBackend):
         self.store_name = store
         self._lru = LRUIndex(max_bytes)
         with self._mem.lock:  # adopt pages already in a shared store
+            self._mem.backends.add(self)
             prefix = self.namespace.prefix
             for skey, blob in self._mem.data.items():
                 if skey.startswith(prefix):
@@ -83,6 +102,8 @@ class MemoryBackend(StorageBackend):
             store.data = dict(self._mem.data)
             new._lru = self._lru.fork()
         new._mem = store
+        new._eviction_listeners = ()  # the copy's evictions are its own holder's business
+        store.backends.add(new)
         memo[id(self)] = new
         return new
 
@@ -149,6 +170,7 @@ class MemoryBackend(StorageBackend):
                 self._mem.data.pop(victim, None)
         if victims:
             self._stats.add(evictions=len(victims))
+            self._mem.evicted(victims)
         return outcomes
 
     def _clear(self) -> None:
@@ -164,6 +186,8 @@ class MemoryBackend(StorageBackend):
         return self._mem.epoch
 
     def _close(self) -> None:
+        with self._mem.lock:
+            self._mem.backends.discard(self)
         if not self.store_name:
             self._mem.data.clear()
 

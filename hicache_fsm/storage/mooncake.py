@@ -33,6 +33,8 @@ into the distributed pool and keeps a ``buffer_mb`` MiB transfer buffer.
   a handshake probe (a master that accepts but never answers) share it, before
   ``setup`` (one retry) runs. A master restart loses every key: reads then miss;
   ``data_epoch()`` goes up so the tier checks and stores its pages again.
+  Keys the master evicts under memory pressure are not reported to eviction
+  listeners (the client is never told); ``StorageTier.verify_stored`` finds them.
 * ``segment_mb + buffer_mb`` past the memory available is refused before the
   library allocates. ``listen=local`` (default): the client may listen only on
   ``local_host``; this Mooncake version's transfer engine listens on every

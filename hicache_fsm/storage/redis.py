@@ -17,6 +17,9 @@
   and StorageError (anything else).
 * ``clear()`` SCANs this namespace's prefix and UNLINKs what it finds; it never
   flushes the database.
+* Keys the server drops by itself (``maxmemory`` eviction, a ``ttl`` expiring)
+  are not reported to eviction listeners (``reports_evictions`` is False: the
+  client is never told); ``StorageTier.verify_stored`` finds those pages.
 
 ``batch_get_into`` still costs one copy from the reply buffer into the host
 page (redis-py materialises replies as ``bytes``).

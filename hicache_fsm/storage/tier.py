@@ -61,6 +61,7 @@ from hicache_fsm.machine import compile_machine
 from hicache_fsm.outbox import STORAGE_KINDS
 from hicache_fsm.spec import load_builtin
 from hicache_fsm.storage import open_backend
+from hicache_fsm.storage.evictions import EvictionTracker
 from hicache_fsm.storage.admission import PrefetchCalls
 from hicache_fsm.storage.agreement import TierAgreement
 from hicache_fsm.storage.base import STAT_FIELDS, StorageBackend
@@ -148,6 +149,8 @@ class StorageTier(PrefetchCalls, StorageThreads):
         ctx.register_host_owner(self.runtime.host_owners)
         ctx.register_invariants(self.violations)
         ctx.driver.add_listener(self.retries)
+        self.evictions = EvictionTracker(self.keys_for)  # pages the backend evicted -> storage_lost
+        ctx.driver.add_listener(self.evictions)
         for node in ctx.tree.nodes():  # host copies made before the tier existed
             if node.parent is not None and node.state in UNSTORED:
                 self.retries.ready[node.id] = node
@@ -220,6 +223,7 @@ class StorageTier(PrefetchCalls, StorageThreads):
                 raise StorageLinkError(f"attaching storage failed: {exc}") from exc
             raise
         self.link_machine.fire(self.link, "attach_ok", self)
+        self.evictions.watch(self.link.backend, self.ctx.tree.nodes())
         self._epoch, self._epoch_checked = self._data_epoch(), self.now()  # lost pages show as a change
         self._sweep_due = True  # host copies made before the attach get stored too
         self.counters["attaches"] += 1
@@ -265,6 +269,7 @@ class StorageTier(PrefetchCalls, StorageThreads):
         with self._cv:
             self._gen += 1  # whatever the stopped threads posted last (a probe's verdict) is stale now
         self._events.clear()
+        self.evictions.unwatch()
         self.healthy, self.last_error = True, ""
         self._link_down = ""
         self.counters["detaches"] += 1
@@ -378,6 +383,7 @@ class StorageTier(PrefetchCalls, StorageThreads):
         self._confine()
         self._drain()
         self._check_epoch()
+        self._apply_evictions()
         self._maybe_sweep()
         done, self._completions = self._completions, []
         return done
@@ -407,6 +413,15 @@ class StorageTier(PrefetchCalls, StorageThreads):
         self._epoch = epoch
         self.counters["data_epoch_changes"] += 1
         self.storage_lost(self.ctx.tree.nodes())
+
+    def _apply_evictions(self) -> None:
+        """Stored nodes whose pages the backend evicted go back to "not stored" (see ``storage.evictions``).
+
+        A rank group leaves this out, as it does the epoch: one rank's evictions must not split the trees.
+        """
+        lost = self.evictions.take_lost()
+        if lost and self.agreement is None:
+            self.storage_lost(lost)
 
     def verify_stored(self, nodes: Iterable[TreeNode] | None = None) -> int:
         """Ask the backend whether stored nodes (default: every one) still have all their pages; a node
@@ -696,6 +711,8 @@ class StorageTier(PrefetchCalls, StorageThreads):
             new._thread_counts = Counter(self._thread_counts)
             new._foreign_keys = dict(self._foreign_keys)
         ctx.driver.add_listener(new.retries)
+        new.evictions = self.evictions.fork(new.keys_for, new.link.backend, lambda n: memo[id(n)])
+        ctx.driver.add_listener(new.evictions)
         return new
 
     @property
