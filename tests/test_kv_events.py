@@ -89,8 +89,10 @@ def test_schema_has_vllms_field_names_in_order():
     batch = KVEventBatch(1.5, [BlockStored([1, -2], None, [7] * 8, 4, None, "GPU"), BlockRemoved([3], "CPU_TIER1"),
                                AllBlocksCleared()], 0)
     assert decode(encode(batch)) == batch
+    # vLLM's structs are array_like: a batch is [ts, events, dp_rank], an event [tag, *fields] (lora_name last).
     raw = msgspec.msgpack.decode(encode(batch))
-    assert [e["type"] for e in raw["events"]] == ["BlockStored", "BlockRemoved", "AllBlocksCleared"]
+    assert raw == [1.5, [["BlockStored", [1, -2], None, [7] * 8, 4, None, "GPU", None], ["BlockRemoved", [3], "CPU_TIER1"],
+                         ["AllBlocksCleared"]], 0]
 
 
 def test_block_hash_is_sglangs_int64_of_the_page_key():

@@ -21,13 +21,14 @@ from hicache_fsm.router import PrefixIndex
 
 pytest.importorskip("zmq")
 
-# A subscriber written against the vLLM/SGLang schema alone: it declares its own structs.
+# A subscriber written against the vLLM/SGLang schema alone: it declares its own structs, as vLLM
+# declares them (array_like: each struct is a msgpack array in field order, an event's tag first).
 SUBSCRIBER = textwrap.dedent("""
     import json, sys
     from typing import Optional, Union
     import msgspec, zmq
 
-    class Ev(msgspec.Struct, tag=True, omit_defaults=True):
+    class Ev(msgspec.Struct, array_like=True, tag=True, omit_defaults=True):
         pass
     class BlockStored(Ev):
         block_hashes: list[int]
@@ -42,7 +43,7 @@ SUBSCRIBER = textwrap.dedent("""
         medium: Optional[str]
     class AllBlocksCleared(Ev):
         pass
-    class KVEventBatch(msgspec.Struct, omit_defaults=True):
+    class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True):
         ts: float
         events: list[Union[BlockStored, BlockRemoved, AllBlocksCleared]]
         data_parallel_rank: Optional[int] = None

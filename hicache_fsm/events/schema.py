@@ -4,7 +4,8 @@ A router written for vLLM or SGLang (NVIDIA Dynamo's KV router, vLLM's
 production stack) decodes these batches unchanged: tagged unions of
 ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` in a
 ``KVEventBatch`` with a timestamp and a data-parallel rank, encoded as
-msgpack maps. Block hashes are page keys in SGLang's int64 form
+msgpack arrays in field order (vLLM declares its structs ``array_like``; the
+tag, the class name, comes first in each event's array). Block hashes are page keys in SGLang's int64 form
 (:func:`hicache_fsm.events.hashes.int64_hash`); ``medium`` names the tier
 (see :data:`hicache_fsm.events.names.MEDIUMS`).
 """
@@ -21,7 +22,7 @@ except ModuleNotFoundError as exc:  # an optional dependency: say which extra br
     raise MissingExtra("KV events", "msgspec", "events") from exc
 
 
-class EventBatch(msgspec.Struct, omit_defaults=True, gc=False):  # type: ignore[call-arg]
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]
     """Events published together, with when and by which data-parallel rank."""
 
     ts: float
@@ -29,7 +30,7 @@ class EventBatch(msgspec.Struct, omit_defaults=True, gc=False):  # type: ignore[
     data_parallel_rank: int | None = None
 
 
-class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):  # type: ignore[call-arg]
+class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):  # type: ignore[call-arg]
     """Base of every KV cache event (the tag is the class name)."""
 
 
@@ -63,7 +64,7 @@ class KVEventBatch(EventBatch):
 KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
 
 
-class BlockStoredWire(msgspec.Struct, omit_defaults=True, gc=False, tag="BlockStored"):  # type: ignore[call-arg]
+class BlockStoredWire(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag="BlockStored"):  # type: ignore[call-arg]
     """``BlockStored`` as it is encoded, its lists already msgpack bytes (see :mod:`hicache_fsm.events.wire`)."""
 
     block_hashes: msgspec.Raw
@@ -75,7 +76,7 @@ class BlockStoredWire(msgspec.Struct, omit_defaults=True, gc=False, tag="BlockSt
     lora_name: str | None = None
 
 
-class BlockRemovedWire(msgspec.Struct, omit_defaults=True, gc=False, tag="BlockRemoved"):  # type: ignore[call-arg]
+class BlockRemovedWire(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag="BlockRemoved"):  # type: ignore[call-arg]
     """``BlockRemoved`` as it is encoded, its hashes already msgpack bytes."""
 
     block_hashes: msgspec.Raw
