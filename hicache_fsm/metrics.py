@@ -44,7 +44,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 from hicache_fsm.jobs import JobKind
 from hicache_fsm.spec import load_builtin
 
-__all__ = ["BackendTotals", "HiCacheCollector"]
+__all__ = ["HiCacheCollector"]
 
 Path = tuple[str, ...]  # a key in stats(): ("device_hit_tokens",) or ("storage", "backend_stats", "bytes_read")
 S = "storage"
@@ -91,8 +91,9 @@ STORAGE_COUNTERS: tuple[tuple[str, str, str | None, dict[str | None, Path]], ...
 # stats() keys that are gauges or text, never counters
 GAUGE_KEYS = frozenset({"nodes", "device_used_tokens", "device_free_tokens", "host_used_tokens", "host_free_tokens",
                         "pending_jobs"})
-STORAGE_GAUGE_KEYS = frozenset({"link", "healthy", "last_error", "backend", "backend_stats", "prefetch_running",
-                                "prefetch_tokens_held", "prefetch_capacity_tokens", "transfers_in_flight"})
+STORAGE_GAUGE_KEYS = frozenset({"link", "healthy", "last_error", "backend", "backend_stats", "backend_totals",
+                                "prefetch_running", "prefetch_tokens_held", "prefetch_capacity_tokens",
+                                "transfers_in_flight"})
 _REJECTED = re.compile(r"^prefetch_rejected_(\w+)$")
 _NAME = re.compile(r"^[a-z_][a-z0-9_]*$")
 READ_ATTEMPTS = 3
@@ -111,43 +112,6 @@ def _is_count(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-class BackendTotals:
-    """The storage backend's counters as running totals over every backend a cache attached.
-
-    A backend counts from 0, so after detach + attach its ``stats()`` restart at 0;
-    Prometheus counters must never decrease. The collector hands each scrape's
-    backend object and counters here: when another backend appears, the previous
-    one's final counters (read from the object, which keeps them after close) join
-    the carried totals; a counter that drops under one backend (one never seen
-    by a scrape came and went) carries what it had reached.
-    """
-
-    def __init__(self) -> None:
-        self._backend: object = None  # the backend whose counters ``_last`` are
-        self._last: dict[str, float] = {}
-        self._carry: Counter[str] = Counter()
-
-    def totals(self, backend: object, current: dict) -> dict:
-        """``current`` (the backend's counters now, or the last backend's once detached) plus what came before."""
-        counts = {key: value for key, value in current.items() if _is_count(value)}
-        if backend is not None and backend is not self._backend:
-            final = self._final(self._backend) if self._backend is not None else self._last
-            self._carry.update({key: value for key, value in final.items() if _is_count(value)})
-            self._backend, self._last = backend, {}
-        for key, value in counts.items():
-            if value < self._last.get(key, 0):
-                self._carry[key] += self._last[key]
-        self._last = counts
-        return {**current, **{key: self._carry[key] + value for key, value in counts.items()}}
-
-    def _final(self, backend: object) -> dict:
-        try:
-            final = backend.stats()  # type: ignore[attr-defined]
-        except Exception:  # noqa: BLE001 - a broken backend's last scrape is the best left
-            return self._last
-        return {key: max(value, self._last.get(key, 0)) for key, value in final.items() if _is_count(value)}
-
-
 class HiCacheCollector:
     """A Prometheus collector over one cache; register it with a ``CollectorRegistry`` (see the module docstring).
 
@@ -163,7 +127,6 @@ class HiCacheCollector:
         self.const = dict(labels or {})
         self.residency_states = tuple(s for s in load_builtin("residency").state_names)
         self.link_states = tuple(load_builtin("storage_link").state_names)
-        self.backend_totals = BackendTotals()
 
     def describe(self) -> list[Metric]:
         """Nothing up front: the families depend on the cache's state (storage attached or not)."""
@@ -172,19 +135,18 @@ class HiCacheCollector:
     def read(self) -> tuple[dict, Counter[str]]:
         """``stats()`` and the number of tree nodes per residency state, read together.
 
-        The storage backend's counters come back as totals over every backend
-        attached so far (``BackendTotals``), so they never decrease.
+        The storage backend's counters come back as the tier's totals over every
+        backend attached so far (``backend_totals``), so they never decrease.
         """
         for attempt in range(READ_ATTEMPTS):
             try:
                 with self.lock if self.lock is not None else contextlib.nullcontext():
                     stats = self.cache.stats()
                     states = Counter(self.cache.driver.state_counts)
-                    backend = getattr(getattr(self.cache, "storage", None), "backend", None)
                 storage = stats.get(S)
-                if isinstance(storage, dict) and isinstance(storage.get("backend_stats"), dict):
-                    totals = self.backend_totals.totals(backend, storage["backend_stats"])
-                    stats[S] = {**storage, "backend_stats": totals}
+                if isinstance(storage, dict) and isinstance(storage.get("backend_totals"), dict):
+                    stats[S] = {**storage, "backend_stats": {**storage.get("backend_stats", {}),
+                                                             **storage["backend_totals"]}}
                 return stats, states
             except RuntimeError:  # the engine changed a dict while this thread iterated it: read again
                 if attempt == READ_ATTEMPTS - 1:

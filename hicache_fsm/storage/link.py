@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 
 log = logging.getLogger("hicache_fsm.storage.tier")
@@ -32,6 +33,19 @@ class StorageLink:
         self.join_timeout = join_timeout
         self._wake = wake
         self.last_backend_stats: dict = {}
+        self.closed_totals: Counter[str] = Counter()  # counters of every backend closed so far, summed
+
+    def totals(self) -> dict[str, float]:
+        """Every backend counter summed over all backends this link attached, the open one included.
+
+        A backend counts from 0, so its own counters restart after detach + attach;
+        these never decrease (what Prometheus counters need), even for a backend
+        attached, used and closed between two reads.
+        """
+        live = self.backend.stats() if self.backend is not None else {}
+        out = Counter(self.closed_totals)
+        out.update({key: value for key, value in live.items() if is_count(value)})
+        return dict(out)
 
     def fork(self, wake: Callable[[], None], memo: dict) -> "StorageLink":
         """A copy for a forked tier (no threads: only a link whose threads never started can be forked)."""
@@ -43,6 +57,7 @@ class StorageLink:
         if self.stop_event.is_set():
             new.stop_event.set()
         new.last_backend_stats = dict(self.last_backend_stats)
+        new.closed_totals = Counter(self.closed_totals)
         return new
 
     # ------------------------------------------------------------------ used by attach
@@ -89,6 +104,7 @@ class StorageLink:
             return
         try:
             self.last_backend_stats = dict(backend.stats())
+            self.closed_totals.update({k: v for k, v in self.last_backend_stats.items() if is_count(v)})
         except Exception as exc:  # noqa: BLE001 - stats of a broken backend are not worth failing a close
             log.debug("storage backend stats unavailable at close: %s", exc)
         try:
@@ -97,4 +113,9 @@ class StorageLink:
             log.exception("closing storage backend %r failed", backend)
 
 
-__all__ = ["THREAD_PREFIX", "StorageLink"]
+def is_count(value: object) -> bool:
+    """A counter value (a number, not a flag)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+__all__ = ["THREAD_PREFIX", "StorageLink", "is_count"]

@@ -572,6 +572,7 @@ class StorageTier(PrefetchCalls, StorageThreads):
             backend=(getattr(backend, "scheme", None) or type(backend).__name__) if backend is not None else None,
             backend_stats={**dict.fromkeys(STAT_FIELDS, 0),
                            **(backend.stats() if backend is not None else self.link.last_backend_stats)},
+            backend_totals={**dict.fromkeys(STAT_FIELDS, 0), **self.link.totals()},
             prefetch_running=len(rt.active),
             prefetch_tokens_held=rt.occupied_tokens,
             prefetch_capacity_tokens=rt.capacity_tokens,
