@@ -89,6 +89,9 @@ class Bounds:
     then every prompt may also be prefetched or stored by another instance (``store_remote``),
     each running prefetch (at most ``max_prefetches``) polled or aborted, and each queued storage
     step completed or failed; ``stop_policy`` is the prefetch stop policy.
+    ``omit``: operations never tried (a narrower action set, named in the report). ``start``: steps run
+    on the empty cache before the search (each checked); depth counts from the state they reach, and a
+    counterexample's trace begins with them.
     """
 
     nodes: int = 3
@@ -110,6 +113,8 @@ class Bounds:
     max_depth: int | None = None
     max_states: int | None = None
     max_seconds: float | None = None
+    omit: tuple[str, ...] = ()
+    start: tuple[Step, ...] = ()
 
     @property
     def prompt_pages(self) -> int:
@@ -270,14 +275,14 @@ class Explorer:
         out += adapter.extra_steps()
         if b.redeliver and sup("redeliver") and adapter.finished_jobs():
             out.append(Step("redeliver", (len(adapter.finished_jobs()) - 1,)))
-        return out
+        return [s for s in out if s.op not in b.omit] if b.omit else out
 
     def _trace(self, parents: dict, key) -> tuple[Step, ...]:
         steps = []
         while True:
             parent, step = parents[key]
             if parent is None:
-                return tuple(reversed(steps))
+                return self.bounds.start + tuple(reversed(steps))
             steps.append(step)
             key = parent
 
@@ -300,6 +305,15 @@ class Explorer:
         t0 = time.perf_counter()
         root = self.factory(b)
         result = ExploreResult(b, adapter=root.describe())
+        for n, step in enumerate(b.start):
+            out = perform(root, step)
+            problems = out.problems or catalogue(root, self.prompts)
+            if out.skipped or out.rejected is not None:
+                problems = problems or [f"start: step {n + 1} {step} was {'skipped' if out.skipped else 'refused'}"]
+            if problems:
+                result.violations.append(Violation(tuple(problems), b.start[: n + 1]))
+                result.stopped_by = "violation"
+                return self._finish(result, t0, 0, False)
         self._node_kv = root.supports("kv_violations")
         if self.coverage is not None:
             self.coverage.attach_all(root.machines())

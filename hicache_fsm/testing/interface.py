@@ -111,7 +111,7 @@ OPTIONAL_OPS = (
     "lock", "unlock", "held_locks", "pin_host", "unpin_host", "held_pins", "evict", "evict_host",
     "load_back", "backup", "complete_job", "fail_job", "redeliver", "prefetch", "prefetching", "prefetch_ready",
     "abort", "storage_fault", "storage_steps", "stored_prefix", "store_remote", "complete_storage", "fail_storage",
-    "occupancy",
+    "occupancy", "unowned_refs",
     "snapshot",
     "state_key", "size",
 )
@@ -258,6 +258,11 @@ class CacheAdapter:
 
     def occupancy(self) -> Occupancy:
         raise NotSupported("occupancy")
+
+    def unowned_refs(self) -> dict[Hashable, tuple[int, int]]:
+        """Per entry (as ``JobInfo.detail`` names it), the (locks, pins) it holds beyond what the engine's
+        ``held_locks`` / ``held_pins`` and running operations own; entries with none are left out."""
+        raise NotSupported("unowned_refs")
 
     def snapshot(self) -> Any:
         """A comparable picture of the whole cache (checks that a rejected call changed nothing)."""
