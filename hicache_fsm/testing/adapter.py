@@ -645,11 +645,18 @@ class HiCacheAdapter(CacheAdapter):
     def state_key(self) -> Hashable:
         """Canonical state (``testing.statekey``): everything that can change what happens next, node ids
         dropped, token ids up to renaming (two caches that differ only by a permutation share a key)."""
-        from hicache_fsm.testing.statekey import key_of
+        return self.state_key_orbit()[0]
+
+    def state_key_orbit(self) -> tuple[Hashable, int]:
+        """``state_key`` and how many distinct states (token renamings) it stands for."""
+        from hicache_fsm.testing.statekey import key_and_orbit
 
         fields = self.key_fields()
-        alphabet = sorted({t for n in self.cache.tree.nodes() for t in n.key})
-        return key_of(fields, alphabet, self.symmetric)
+        # every token id the key names (the tree's, and stale KV left in free slots): renaming only the
+        # tree's would keep two renamings of one state apart when a slot still holds an evicted prefix
+        alphabet = {t for n in self.cache.tree.nodes() for t in n.key}
+        alphabet.update(t for f in ("device_slots", "host_slots") for slot in fields[f] if slot for t in slot)
+        return key_and_orbit(fields, sorted(alphabet), self.symmetric)
 
 
 LOADING_STATES = frozenset({"loading", "loading_storing", "loading_stored"})

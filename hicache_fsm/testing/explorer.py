@@ -179,6 +179,7 @@ class ExploreResult:
     pruned: int = 0
     skipped: int = 0
     max_depth: int = 0
+    raw_states: int = 0  # states counted once per distinct token renaming (what the renaming merged)
     seconds: float = 0.0
     complete: bool = False
     stopped_by: str = ""  # "", "max_states", "max_seconds" or "violation": why the frontier was left
@@ -189,6 +190,13 @@ class ExploreResult:
     def ok(self) -> bool:
         return not self.violations
 
+    def reductions(self) -> dict:
+        """What the search left out, per reduction: token renaming (states kept, and counted once per
+        distinct renaming: what a search without it would keep, exact when the start state is the empty
+        cache), the operations a narrower action set omits, and the steps run before the search."""
+        return {"token_renaming": {"states": self.states, "without": self.raw_states or self.states},
+                "omitted_ops": list(self.bounds.omit), "start_steps": len(self.bounds.start)}
+
     def to_json(self) -> dict:
         return {
             "adapter": self.adapter,
@@ -197,6 +205,7 @@ class ExploreResult:
             "transitions": self.transitions,
             "pruned": self.pruned,
             "max_depth": self.max_depth,
+            "reductions": self.reductions(),
             "complete": self.complete,
             "stopped_by": self.stopped_by,
             "violations": len(self.violations),
@@ -317,7 +326,10 @@ class Explorer:
         self._node_kv = root.supports("kv_violations")
         if self.coverage is not None:
             self.coverage.attach_all(root.machines())
-        key0 = root.state_key()
+        keyed = getattr(root, "state_key_orbit", None)
+        key_orbit = (lambda w: w.state_key_orbit()) if keyed is not None else (lambda w: (w.state_key(), 1))
+        key0, orbit = key_orbit(root)
+        result.raw_states = orbit
         parents: dict = {key0: (None, None)}
         outside: set = set()
         seen_problems: set[str] = set()
@@ -353,7 +365,7 @@ class Explorer:
                         stop = True
                         break
                     continue
-                ckey = child.state_key()
+                ckey, orbit = key_orbit(child)
                 if ckey in parents or ckey in outside:
                     # KV contents are not in the key: a step that corrupts a copy can land on a key
                     # first reached with good data, so read-back is checked after every step
@@ -368,6 +380,7 @@ class Explorer:
                     result.pruned += 1
                 else:
                     parents[ckey] = (key, step)
+                    result.raw_states += orbit
                 problems = catalogue(child, () if self._node_kv else self.prompts)
                 if problems:
                     trace = (self._trace(parents, key) + (step,))

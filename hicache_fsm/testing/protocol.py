@@ -398,18 +398,19 @@ def pressure_family() -> tuple[str, Any, Any]:
     """Three nodes on a three-page device: load-backs under device pressure with locked occupants.
 
     From a host-only two-page chain (``PRESSURE_START``), every state within four steps: occupants
-    inserted, locked, backed up or evicted while the chain loads back (refused for device room, or
-    evicting an unlocked occupant), and loads that complete or fail with their nodes locked. The action
-    set is narrowed to what those scenarios use (no match, explicit backup, host eviction, host pins or
-    re-delivered acks: the 2-node families explore those): at depth 6 from the empty cache the full
-    action set has about 25,000 states; this family has about 2,000.
+    inserted (their backups in flight), locked or evicted while the chain loads back (refused for device
+    room, or evicting an unlocked occupant), and loads that complete or fail with their nodes locked. The
+    host (four pages) keeps the chain's copy while an occupant is backed up. The action set is narrowed
+    to what those scenarios use: no match, explicit backup, host eviction, host pins or re-delivered acks
+    (the two-node families explore those). ``check --json`` reports both narrowings under
+    ``"reductions"``.
     """
     from hicache_fsm.testing.checks import Step
     from hicache_fsm.testing.explorer import Bounds
 
     start = tuple(Step(op, args) for op, args in PRESSURE_START)
     return ("memory/load_back_pressure",
-            Bounds(nodes=3, device_pages=3, host_pages=3, alphabet=2, max_len=2, max_pins=0, redeliver=False,
+            Bounds(nodes=3, device_pages=3, host_pages=4, alphabet=2, max_len=2, max_pins=0, redeliver=False,
                    omit=("match", "backup", "evict_host"), start=start, max_depth=4), protocol_factory)
 
 
