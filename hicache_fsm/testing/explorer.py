@@ -42,6 +42,14 @@ is checked after every step, also when it lands on a known key; the key does
 carry the free-page counts and job counts, so a leak or a stray job makes a
 new state that gets the full invariant check.
 
+Reductions, each reported (``ExploreResult.reductions``, ``check --json``'s ``"reductions"``):
+token renaming merges states that differ by a permutation of token ids (the tree's and those stale
+KV in free slots still holds), and every kept state is also counted once per distinct renaming
+(``raw_states``: what a search without it keeps, exact from the empty cache); ``Bounds.omit``
+narrows the action set and ``Bounds.start`` begins the search after a few fixed steps. Slot ids are
+not renamed: the allocator sorts released pages by id, so which page comes next depends on the ids
+themselves, and no renaming but the identity keeps that order.
+
 Checks in every new state: the adapter's invariant catalogue, KV read-back of
 every prompt of the alphabet, and per step the contract of ``checks.perform``
 (refusals change nothing, evictions report what they freed, a second ack is

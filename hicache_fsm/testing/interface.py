@@ -28,6 +28,8 @@ storage_steps()        queued storage work; ``complete_storage`` / ``fail_storag
                        run one (hit query, S2H transfer, H2S backup, probe)
 store_remote(tokens)   another instance sharing the storage tier stores a prompt's KV
 read_kv(tokens)        per token, the KV fingerprint read from each valid copy
+unowned_refs()         locks / pins on entries that neither the engine nor a running
+                       operation owns (checked after every job ends)
 =====================  ==========================================================
 
 An operation the adapter does not override raises ``NotSupported``; the
