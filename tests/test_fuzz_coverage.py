@@ -78,21 +78,22 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def test_a_failed_load_reported_done_is_caught(monkeypatch):
-    """Planted: the failure path of a locked node's load declares it loaded (``load_done``) instead of
-    retrying it; the toolkit's ``failed_load_not_done`` check flags the step."""
-    from hicache_fsm.load_back import LoadBacks
+def test_a_failed_load_reported_done_is_caught():
+    """Planted (``failed_load_reported_done``): the failure path of a locked node's load declares it loaded
+    (``load_done``) instead of retrying it; the toolkit's ``failed_load_not_done`` check flags the step, and
+    ``check``'s ``memory/load_back_pressure`` family finds it on its own."""
     from hicache_fsm.testing.checks import Step, replay_steps
-    from hicache_fsm.testing.protocol import ProtocolAdapter
-
-    def load_failed(self, nodes, handle):
-        for node in nodes:
-            self.driver.fire(node, "load_done")
+    from hicache_fsm.testing.explorer import explore
+    from hicache_fsm.testing.mutants import mutant
+    from hicache_fsm.testing.protocol import ProtocolAdapter, pressure_family
 
     steps = [Step("insert", ((1,),)), Step("complete_job", (0,)), Step("evict", (1,)), Step("load_back", ((1,),)),
              Step("lock", ((1,),)), Step("fail_job", (0,))]
+    _, bounds, factory = pressure_family()
     with quiet_cache_logs():
         assert replay_steps(ProtocolAdapter(device_pages=2, host_pages=2, write_policy="write_through"), steps) == []
-        monkeypatch.setattr(LoadBacks, "load_failed", load_failed)
-        problems = replay_steps(ProtocolAdapter(device_pages=2, host_pages=2, write_policy="write_through"), steps)
+        with mutant("failed_load_reported_done"):
+            problems = replay_steps(ProtocolAdapter(device_pages=2, host_pages=2, write_policy="write_through"), steps)
+            found = explore(bounds, factory, stop_on_first=True)
     assert problems and "after step 6 fail_job(#0): failed_load_not_done" in problems[0]
+    assert found.violations and any(p.startswith("failed_load_not_done") for p in found.violations[0].problems)

@@ -93,6 +93,19 @@ def how_far(result) -> str:
     return "INCOMPLETE"
 
 
+def reduced(result) -> str:
+    """What the reductions removed, for the summary line ("" when nothing)."""
+    red = result.reductions()
+    parts = []
+    if red["token_renaming"]["without"] != result.states:
+        parts.append(f"{red['token_renaming']['without']} before token renaming")
+    if red["omitted_ops"]:
+        parts.append(f"without {', '.join(red['omitted_ops'])}")
+    if red["start_steps"]:
+        parts.append(f"from a {red['start_steps']}-step start")
+    return f" ({'; '.join(parts)})" if parts else ""
+
+
 def _status(results) -> int:
     """1 when a violation was found or a safety stop cut a run short (never a pass by the clock)."""
     return 1 if any(r.violations or r.stopped_by == "max_seconds" for r in results) else 0
@@ -159,8 +172,8 @@ def _check_portfolio(args: argparse.Namespace) -> int:
         result = explorer.run()
         total.merge(cov)
         runs.append((name, result))
-        print(f"{name}: {result.adapter}: {result.states} states, {result.transitions} transitions, depth "
-              f"{result.max_depth}, {how_far(result)}, {len(result.violations)} violations", file=out, flush=True)
+        print(f"{name}: {result.adapter}: {result.states} states{reduced(result)}, {result.transitions} transitions, "
+              f"depth {result.max_depth}, {how_far(result)}, {len(result.violations)} violations", file=out, flush=True)
         for v in result.violations:
             print(v.format(), file=out)
         if result.violations and args.stop_on_first:
@@ -179,6 +192,9 @@ def _check_portfolio(args: argparse.Namespace) -> int:
             "transitions": sum(r.transitions for _, r in runs),
             "violations": sum(len(r.violations) for _, r in runs),
             "complete": all(r.complete for _, r in runs),
+            "reductions": {"token_renaming": {"states": sum(r.states for _, r in runs),
+                                              "without": sum(r.reductions()["token_renaming"]["without"]
+                                                             for _, r in runs)}},
             "coverage": coverage_summary(report),
             "coverage_detail": report,
             "unreached": unreached_with_reasons(report),
@@ -238,7 +254,7 @@ def _check_prefix_cache(args: argparse.Namespace) -> int:
         runs.append(result)
         status = max(status, _status([result]))
         out = sys.stderr if args.json else sys.stdout
-        print(f"{result.adapter}: {result.states} states, {result.transitions} transitions, depth "
+        print(f"{result.adapter}: {result.states} states{reduced(result)}, {result.transitions} transitions, depth "
               f"{result.max_depth}, {how_far(result)}, {len(result.violations)} violations", file=out)
         for v in result.violations:
             print(v.format(), file=out)

@@ -533,19 +533,20 @@ class HiCacheAdapter(CacheAdapter):
         problems += self.storage_violations()
         return problems
 
-    def _engine_ref_violations(self) -> list[str]:
-        """Lock and host-pin counts equal what the engine (this adapter) holds."""
+    def _wanted_refs(self) -> tuple[Counter[int], Counter[int]] | str:
+        """Per node id, the lock and host-pin counts the engine's holdings and running prefetches account
+        for; a message instead when a held node left the tree."""
         tree = self.cache.tree
         want_lock: Counter[int] = Counter()
         for node in self._locks.values():
             if not tree.owns(node):
-                return [f"locks: locked node {node.id} left the tree"]
+                return f"locks: locked node {node.id} left the tree"
             for n in tree.path_to_root(node):
                 want_lock[n.id] += 1
         want_pin: Counter[int] = Counter()
         for node, _, _ in self._pins.values():  # a host pin covers the pinned node only, never its split-off half
             if not tree.owns(node):
-                return [f"pins: host-pinned node {node.id} left the tree"]
+                return f"pins: host-pinned node {node.id} left the tree"
             want_pin[node.id] += 1
         tier = self.cache.storage
         for op in (tier.runtime.active.values() if tier is not None else ()):  # prefetch anchors pin too
@@ -556,8 +557,16 @@ class HiCacheAdapter(CacheAdapter):
             elif op.anchor_pin == "lock":
                 for n in tree.path_to_root(op.anchor):
                     want_lock[n.id] += 1
+        return want_lock, want_pin
+
+    def _engine_ref_violations(self) -> list[str]:
+        """Lock and host-pin counts equal what the engine (this adapter) holds."""
+        wanted = self._wanted_refs()
+        if isinstance(wanted, str):
+            return [wanted]
+        want_lock, want_pin = wanted
         problems = []
-        for n in tree.nodes():
+        for n in self.cache.tree.nodes():
             if n.is_root:
                 continue
             if n.lock_ref != want_lock[n.id]:
@@ -565,6 +574,17 @@ class HiCacheAdapter(CacheAdapter):
             if n.host_ref != want_pin[n.id]:
                 problems.append(f"engine_pins: node {n.id} has host_ref {n.host_ref}, the engine holds {want_pin[n.id]}")
         return problems
+
+    def unowned_refs(self) -> dict[int, tuple[int, int]]:
+        """Per node id, the (locks, host pins) it holds beyond what the engine and running prefetches own."""
+        wanted = self._wanted_refs()
+        want_lock, want_pin = (Counter(), Counter()) if isinstance(wanted, str) else wanted
+        out = {}
+        for n in self.cache.tree.nodes():
+            extra = (n.lock_ref - want_lock[n.id], n.host_ref - want_pin[n.id])
+            if not n.is_root and (extra[0] > 0 or extra[1] > 0):
+                out[n.id] = extra
+        return out
 
     # ------------------------------------------------------------------ explorer support
 
@@ -625,11 +645,18 @@ class HiCacheAdapter(CacheAdapter):
     def state_key(self) -> Hashable:
         """Canonical state (``testing.statekey``): everything that can change what happens next, node ids
         dropped, token ids up to renaming (two caches that differ only by a permutation share a key)."""
-        from hicache_fsm.testing.statekey import key_of
+        return self.state_key_orbit()[0]
+
+    def state_key_orbit(self) -> tuple[Hashable, int]:
+        """``state_key`` and how many distinct states (token renamings) it stands for."""
+        from hicache_fsm.testing.statekey import key_and_orbit
 
         fields = self.key_fields()
-        alphabet = sorted({t for n in self.cache.tree.nodes() for t in n.key})
-        return key_of(fields, alphabet, self.symmetric)
+        # every token id the key names (the tree's, and stale KV left in free slots): renaming only the
+        # tree's would keep two renamings of one state apart when a slot still holds an evicted prefix
+        alphabet = {t for n in self.cache.tree.nodes() for t in n.key}
+        alphabet.update(t for f in ("device_slots", "host_slots") for slot in fields[f] if slot for t in slot)
+        return key_and_orbit(fields, sorted(alphabet), self.symmetric)
 
 
 LOADING_STATES = frozenset({"loading", "loading_storing", "loading_stored"})

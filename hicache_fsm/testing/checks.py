@@ -12,6 +12,9 @@ of steps replays on a fresh cache even though job ids differ between runs.
 - an operation that is refused (``Rejected``) must leave the cache exactly
   as it was;
 - acknowledging a finished job again must be refused;
+- once ``complete_job`` / ``fail_job`` ended a job, none of its entries holds a
+  lock or pin nobody owns (``job_keeps_no_lock``, when the adapter has
+  ``unowned_refs``);
 - ``evict`` / ``evict_host`` must free exactly the tokens they report;
 - after a successful ``insert`` the whole prompt can be read back, and a
   ``match`` never reports more tokens than can be read back;
@@ -33,12 +36,14 @@ import attrs
 
 from hicache_fsm.testing.adapter import (
     CacheAdapter,
+    JobInfo,
     NotSupported,
     Rejected,
     kv_fingerprint,
 )
 
-__all__ = ["INDEXED_OPS", "Outcome", "Step", "catalogue", "kv_check", "kv_problems", "perform", "replay_steps"]
+__all__ = ["INDEXED_OPS", "Outcome", "Step", "catalogue", "job_lock_problems", "kv_check", "kv_problems", "perform",
+           "replay_steps"]
 
 # op -> the adapter list its (first) argument indexes
 INDEXED_OPS = {
@@ -56,6 +61,7 @@ INDEXED_OPS = {
 MUST_SUCCEED = frozenset({"unlock", "unpin_host", "complete_job", "fail_job", "prefetch_ready", "abort",
                           "complete_storage", "fail_storage", "partial_storage"})
 MUST_REJECT = frozenset({"redeliver"})
+JOB_ENDING = frozenset({"complete_job", "fail_job"})  # steps after which ``job_lock_problems`` runs
 SNAPSHOT_OPS = frozenset({"unlock", "unpin_host", "redeliver"})
 
 
@@ -122,6 +128,7 @@ def perform(adapter: CacheAdapter, step: Step, *, catch: bool = True,
     if args is None:
         return Outcome(skipped=True)
     fn = getattr(adapter, step.op)
+    ending = _job_of(adapter, step)
     snap = None
     if step.op in SNAPSHOT_OPS and adapter.supports("snapshot"):
         snap = before if before is not None else adapter.snapshot()
@@ -155,6 +162,8 @@ def perform(adapter: CacheAdapter, step: Step, *, catch: bool = True,
         delta = (occ.device_tokens - after.device_tokens) if step.op == "evict" else (occ.host_tokens - after.host_tokens)
         if result != delta:
             out.problems.append(f"{step}: reported {result} tokens freed, occupancy went down by {delta}")
+    if ending is not None:
+        out.problems += job_lock_problems(adapter, step, ending)
     if step.op == "insert" and result:
         want = len(_aligned(adapter, args[0]))
         got = len(adapter.read_kv(args[0]))
@@ -167,6 +176,24 @@ def perform(adapter: CacheAdapter, step: Step, *, catch: bool = True,
             out.problems.append(f"{step}: matched {result.device_tokens}+{result.host_tokens} tokens, "
                                 f"{got} readable of {want}")
     return out
+
+
+def _job_of(adapter: CacheAdapter, step: Step) -> JobInfo | None:
+    """The job a ``complete_job`` / ``fail_job`` step ends, when the adapter can tell who owns its locks."""
+    if step.op not in JOB_ENDING or not adapter.supports("unowned_refs"):
+        return None
+    jobs = adapter.pending_jobs()
+    return jobs[step.args[0]] if 0 <= step.args[0] < len(jobs) else None
+
+
+def job_lock_problems(adapter: CacheAdapter, step: Step, job: JobInfo) -> list[str]:
+    """``job_keeps_no_lock``: once ``step`` ended ``job`` (it left ``pending_jobs``; a retry runs under a new
+    id), no entry the job moved holds a lock or pin that neither the engine nor a running operation owns."""
+    if any(j.id == job.id for j in adapter.pending_jobs()):
+        return []
+    extra = adapter.unowned_refs()
+    return [f"job_keeps_no_lock: {step} ended job {job.id} ({job.kind}), yet node {n} still holds "
+            f"{extra[n][0]} lock(s) and {extra[n][1]} pin(s) nobody owns" for n in job.detail if n in extra]
 
 
 def kv_problems(reads: dict[tuple, list[tuple[int, ...]]]) -> list[str]:

@@ -42,6 +42,14 @@ is checked after every step, also when it lands on a known key; the key does
 carry the free-page counts and job counts, so a leak or a stray job makes a
 new state that gets the full invariant check.
 
+Reductions, each reported (``ExploreResult.reductions``, ``check --json``'s ``"reductions"``):
+token renaming merges states that differ by a permutation of token ids (the tree's and those stale
+KV in free slots still holds), and every kept state is also counted once per distinct renaming
+(``raw_states``: what a search without it keeps, exact from the empty cache); ``Bounds.omit``
+narrows the action set and ``Bounds.start`` begins the search after a few fixed steps. Slot ids are
+not renamed: the allocator sorts released pages by id, so which page comes next depends on the ids
+themselves, and no renaming but the identity keeps that order.
+
 Checks in every new state: the adapter's invariant catalogue, KV read-back of
 every prompt of the alphabet, and per step the contract of ``checks.perform``
 (refusals change nothing, evictions report what they freed, a second ack is
@@ -89,6 +97,9 @@ class Bounds:
     then every prompt may also be prefetched or stored by another instance (``store_remote``),
     each running prefetch (at most ``max_prefetches``) polled or aborted, and each queued storage
     step completed or failed; ``stop_policy`` is the prefetch stop policy.
+    ``omit``: operations never tried (a narrower action set, named in the report). ``start``: steps run
+    on the empty cache before the search (each checked); depth counts from the state they reach, and a
+    counterexample's trace begins with them.
     """
 
     nodes: int = 3
@@ -110,6 +121,8 @@ class Bounds:
     max_depth: int | None = None
     max_states: int | None = None
     max_seconds: float | None = None
+    omit: tuple[str, ...] = ()
+    start: tuple[Step, ...] = ()
 
     @property
     def prompt_pages(self) -> int:
@@ -174,6 +187,7 @@ class ExploreResult:
     pruned: int = 0
     skipped: int = 0
     max_depth: int = 0
+    raw_states: int = 0  # states counted once per distinct token renaming (what the renaming merged)
     seconds: float = 0.0
     complete: bool = False
     stopped_by: str = ""  # "", "max_states", "max_seconds" or "violation": why the frontier was left
@@ -184,6 +198,13 @@ class ExploreResult:
     def ok(self) -> bool:
         return not self.violations
 
+    def reductions(self) -> dict:
+        """What the search left out, per reduction: token renaming (states kept, and counted once per
+        distinct renaming: what a search without it would keep, exact when the start state is the empty
+        cache), the operations a narrower action set omits, and the steps run before the search."""
+        return {"token_renaming": {"states": self.states, "without": self.raw_states or self.states},
+                "omitted_ops": list(self.bounds.omit), "start_steps": len(self.bounds.start)}
+
     def to_json(self) -> dict:
         return {
             "adapter": self.adapter,
@@ -192,6 +213,7 @@ class ExploreResult:
             "transitions": self.transitions,
             "pruned": self.pruned,
             "max_depth": self.max_depth,
+            "reductions": self.reductions(),
             "complete": self.complete,
             "stopped_by": self.stopped_by,
             "violations": len(self.violations),
@@ -270,14 +292,14 @@ class Explorer:
         out += adapter.extra_steps()
         if b.redeliver and sup("redeliver") and adapter.finished_jobs():
             out.append(Step("redeliver", (len(adapter.finished_jobs()) - 1,)))
-        return out
+        return [s for s in out if s.op not in b.omit] if b.omit else out
 
     def _trace(self, parents: dict, key) -> tuple[Step, ...]:
         steps = []
         while True:
             parent, step = parents[key]
             if parent is None:
-                return tuple(reversed(steps))
+                return self.bounds.start + tuple(reversed(steps))
             steps.append(step)
             key = parent
 
@@ -300,10 +322,22 @@ class Explorer:
         t0 = time.perf_counter()
         root = self.factory(b)
         result = ExploreResult(b, adapter=root.describe())
+        for n, step in enumerate(b.start):
+            out = perform(root, step)
+            problems = out.problems or catalogue(root, self.prompts)
+            if out.skipped or out.rejected is not None:
+                problems = problems or [f"start: step {n + 1} {step} was {'skipped' if out.skipped else 'refused'}"]
+            if problems:
+                result.violations.append(Violation(tuple(problems), b.start[: n + 1]))
+                result.stopped_by = "violation"
+                return self._finish(result, t0, 0, False)
         self._node_kv = root.supports("kv_violations")
         if self.coverage is not None:
             self.coverage.attach_all(root.machines())
-        key0 = root.state_key()
+        keyed = getattr(root, "state_key_orbit", None)
+        key_orbit = (lambda w: w.state_key_orbit()) if keyed is not None else (lambda w: (w.state_key(), 1))
+        key0, orbit = key_orbit(root)
+        result.raw_states = orbit
         parents: dict = {key0: (None, None)}
         outside: set = set()
         seen_problems: set[str] = set()
@@ -339,7 +373,7 @@ class Explorer:
                         stop = True
                         break
                     continue
-                ckey = child.state_key()
+                ckey, orbit = key_orbit(child)
                 if ckey in parents or ckey in outside:
                     # KV contents are not in the key: a step that corrupts a copy can land on a key
                     # first reached with good data, so read-back is checked after every step
@@ -354,6 +388,7 @@ class Explorer:
                     result.pruned += 1
                 else:
                     parents[ckey] = (key, step)
+                    result.raw_states += orbit
                 problems = catalogue(child, () if self._node_kv else self.prompts)
                 if problems:
                     trace = (self._trace(parents, key) + (step,))

@@ -8,7 +8,9 @@ and what never changes is shared (see ``fork_cache``).
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
+import weakref
 from collections import Counter
 from collections.abc import Callable
 
@@ -157,6 +159,11 @@ def fork_cache(cache, memo: dict | None = None, share_kv: bool = False):
                                     memo, lambda h: _fork_handle(h, memo, new)))
     if storage is not None:
         new.storage = fork_tier(storage, memo, TierContext.of(new))
+        # the tier's registered owners and checks are bound to the old tier (copying them would copy it
+        # whole): the copy starts empty and the forked tier registers its own below
+        checks = copy.copy(cache.runtime_checks)
+        checks.clear()
+        d["runtime_checks"] = checks
     for name, value in cache.__dict__.items():
         if name not in d:
             d[name] = _copy_value(value, memo)
@@ -193,9 +200,39 @@ def _copy_value(value, memo: dict):
         return t(value)
     if t in (dict, Counter) and all(isinstance(v, _ATOMIC) for v in value.values()):
         return t(value)
+    if t in (list, tuple):
+        out = [_copy_value(v, memo) for v in value]
+        return out if t is list else tuple(out)
+    if t is weakref.ref:  # deepcopy keeps weak references as they are
+        return value
     if attrs.has(t) and not getattr(t, "__attrs_frozen__", False) is True:
         fields = attrs.fields(t)
         if all(f.init for f in fields):
             return t(**{f.name: _copy_value(getattr(value, f.name), memo) for f in fields})
+    slots = _plain_slots(t)
+    if slots is not None:
+        new = object.__new__(t)
+        memo[id(value)] = new
+        if hasattr(value, "__dict__"):
+            new.__dict__.update({k: _copy_value(v, memo) for k, v in value.__dict__.items()})
+        for name in slots:
+            if hasattr(value, name):
+                setattr(new, name, _copy_value(getattr(value, name), memo))
+        return new
     return copy.deepcopy(value, memo)
 
+
+@functools.cache
+def _plain_slots(t: type) -> tuple[str, ...] | None:
+    """The slots of a class whose instances ``copy.deepcopy`` copies attribute by attribute (no copy hooks,
+    no custom ``__new__``), so ``_copy_value`` can do the same without deepcopy's generic machinery; None
+    for any other class."""
+    if (hasattr(t, "__deepcopy__") or t.__reduce_ex__ is not object.__reduce_ex__ or t.__reduce__ is not object.__reduce__
+            or getattr(t, "__getstate__", None) is not object.__getstate__ or hasattr(t, "__setstate__")
+            or t.__new__ is not object.__new__ or t.__module__ == "builtins"):
+        return None
+    slots = []
+    for c in t.__mro__:
+        declared = getattr(c, "__slots__", ())
+        slots += [declared] if isinstance(declared, str) else [s for s in declared if s not in ("__dict__", "__weakref__")]
+    return tuple(slots)

@@ -28,6 +28,8 @@ storage_steps()        queued storage work; ``complete_storage`` / ``fail_storag
                        run one (hit query, S2H transfer, H2S backup, probe)
 store_remote(tokens)   another instance sharing the storage tier stores a prompt's KV
 read_kv(tokens)        per token, the KV fingerprint read from each valid copy
+unowned_refs()         locks / pins on entries that neither the engine nor a running
+                       operation owns (checked after every job ends)
 =====================  ==========================================================
 
 An operation the adapter does not override raises ``NotSupported``; the
@@ -111,7 +113,7 @@ OPTIONAL_OPS = (
     "lock", "unlock", "held_locks", "pin_host", "unpin_host", "held_pins", "evict", "evict_host",
     "load_back", "backup", "complete_job", "fail_job", "redeliver", "prefetch", "prefetching", "prefetch_ready",
     "abort", "storage_fault", "storage_steps", "stored_prefix", "store_remote", "complete_storage", "fail_storage",
-    "occupancy",
+    "occupancy", "unowned_refs",
     "snapshot",
     "state_key", "size",
 )
@@ -258,6 +260,11 @@ class CacheAdapter:
 
     def occupancy(self) -> Occupancy:
         raise NotSupported("occupancy")
+
+    def unowned_refs(self) -> dict[Hashable, tuple[int, int]]:
+        """Per entry (as ``JobInfo.detail`` names it), the (locks, pins) it holds beyond what the engine's
+        ``held_locks`` / ``held_pins`` and running operations own; entries with none are left out."""
+        raise NotSupported("unowned_refs")
 
     def snapshot(self) -> Any:
         """A comparable picture of the whole cache (checks that a rejected call changed nothing)."""

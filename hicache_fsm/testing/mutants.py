@@ -646,3 +646,72 @@ def _detach_in_flight(p: Patcher) -> None:
     # detach neither ends the transfers first nor waits for them
     p.setattr(StorageTier, "wind_down", lambda self, reason: None)
     p.setitem(registry_for("storage_link").guards, "nothing_in_flight", lambda link, cache: True)
+
+
+@_mutant("failed_load_reported_done", "a failed load of a locked node reported as done (neither retried nor "
+                                      "rolled back)")
+def _failed_load_done(p: Patcher) -> None:
+    """The failure path of a load retries the nodes it must keep (locked, or with resident children); here it
+    declares them loaded instead, so a device copy that never landed is served as valid."""
+    from hicache_fsm.load_back import LoadBacks
+
+    orig = LoadBacks.load_failed
+
+    def load_failed(self, nodes, handle):
+        kept = [n for n in nodes if n.lock_ref > 0]
+        for node in kept:
+            self.driver.fire(node, "load_done")
+        rest = [n for n in nodes if n.lock_ref == 0]
+        if rest:
+            orig(self, rest, handle)
+
+    p.setattr(LoadBacks, "load_failed", load_failed)
+
+
+@_mutant("backup_keeps_lock", "a transfer that keeps a lock after it ends (a backup's ack never hands back the "
+                              "lock taken for the copy)")
+def _backup_keeps_lock(p: Patcher) -> None:
+    """As the reference does, a backup locks its node for the copy; the acknowledgement path forgets to hand
+    the lock back, so the node stays locked (and unevictable) after the job ended."""
+    from hicache_fsm.jobs import JobKind
+    from hicache_fsm.outbox import Outbox
+
+    orig = Outbox.apply
+
+    def apply(self, completions):
+        completions = list(completions)
+        done = [self._pending.get(c.job_id) for c in completions if c.ok]
+        out = orig(self, completions)
+        for job in done:
+            if job is None or job.kind is not JobKind.D2H:
+                continue
+            for node in (self.tree.get(i) for i in job.node_ids):
+                if node is not None:
+                    node.lock_ref += 1  # the copy's lock, never released
+        return out
+
+    p.setattr(Outbox, "apply", apply)
+
+
+@_mutant("anchor_lock_leak_on_host_full", "lock leaked on a path that gives up because the host is full (a "
+                                          "prefetch refused for host room keeps its anchor locked)", storage=True)
+def _anchor_leak_host_full(p: Patcher) -> None:
+    """Prefetch admission locks (or host-pins) the matched anchor before it asks the host for slots; when the
+    host stays full it gives up, and here it forgets to release the anchor."""
+    StorageTier = _tier().StorageTier
+    orig = StorageTier.prefetch
+
+    def prefetch(self, request_id, tokens, match, *a, **kw):
+        refused = self.counters["prefetch_rejected_host_full"]
+        out = orig(self, request_id, tokens, match, *a, **kw)
+        anchor = match.last_host_node
+        if self.counters["prefetch_rejected_host_full"] > refused and not anchor.is_root:
+            if anchor.state in ON_HOST_STATES:
+                self.ctx.pin_host(anchor)
+            else:
+                self.ctx.lock(anchor)
+        return out
+
+    from hicache_fsm.bindings.residency import ON_HOST as ON_HOST_STATES
+
+    p.setattr(StorageTier, "prefetch", prefetch)

@@ -380,10 +380,38 @@ def default_families() -> list[tuple[str, Any, Any]]:
                                         write_policy=w, max_depth=depth), protocol_factory)
                for p, w, d, depth in (("best_effort", "write_through", 2, 4), ("wait_complete", "write_back", 1, 6),
                                       ("timeout", "write_through", 1, 6))]
+    # storage with a one-page host: a prefetch whose anchor is locked or pinned is refused for host room
+    storage.append(("storage/host_full", Bounds(nodes=2, device_pages=2, host_pages=1, alphabet=1, max_len=2,
+                                                max_locks=0, max_pins=0, redeliver=False, storage=True,
+                                                max_depth=4), protocol_factory))
     cp = [(f"cp/{n}_ranks", Bounds(nodes=2, device_pages=2, host_pages=h, alphabet=1, max_len=2, redeliver=False,
                                    write_policy="write_back", max_depth=depth), cp_factory(n))
           for n, h, depth in ((1, 3, 6), (2, 3, 5))]  # a rank's host pool outgrows its device share
-    return memory + storage + cp
+    return memory + [pressure_family()] + storage + cp
+
+
+# The start of ``memory/load_back_pressure``: a two-page chain backed up, then evicted (host-only).
+PRESSURE_START = (("insert", ((1, 1),)), ("complete_job", (0,)), ("evict", (2,)))
+
+
+def pressure_family() -> tuple[str, Any, Any]:
+    """Three nodes on a three-page device: load-backs under device pressure with locked occupants.
+
+    From a host-only two-page chain (``PRESSURE_START``), every state within four steps: occupants
+    inserted (their backups in flight), locked or evicted while the chain loads back (refused for device
+    room, or evicting an unlocked occupant), and loads that complete or fail with their nodes locked. The
+    host (four pages) keeps the chain's copy while an occupant is backed up. The action set is narrowed
+    to what those scenarios use: no match, explicit backup, host eviction, host pins or re-delivered acks
+    (the two-node families explore those). ``check --json`` reports both narrowings under
+    ``"reductions"``.
+    """
+    from hicache_fsm.testing.checks import Step
+    from hicache_fsm.testing.explorer import Bounds
+
+    start = tuple(Step(op, args) for op, args in PRESSURE_START)
+    return ("memory/load_back_pressure",
+            Bounds(nodes=3, device_pages=3, host_pages=4, alphabet=2, max_len=2, max_pins=0, redeliver=False,
+                   omit=("match", "backup", "evict_host"), start=start, max_depth=4), protocol_factory)
 
 
 # Why each transition the default families never fire stays unfired (``check --json``: ``"unreached"``).

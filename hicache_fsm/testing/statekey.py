@@ -46,7 +46,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["KEY_FIELDS", "adapter_key_fields", "describe_difference", "free_order", "key_of", "remember_prefix"]
+__all__ = ["KEY_FIELDS", "adapter_key_fields", "describe_difference", "free_order", "key_and_orbit", "key_of",
+           "remember_prefix"]
 
 KEY_FIELDS = ("tree", "device_slots", "host_slots", "device_free", "host_free", "jobs", "engine", "storage")
 
@@ -201,12 +202,20 @@ def _rename_slots(mapping: dict | None, slots: tuple) -> tuple:
 
 def key_of(fields: dict[str, Any], alphabet: list[int], symmetric: bool) -> Hashable:
     """The key: the fields in ``KEY_FIELDS`` order, smallest over token renamings when ``symmetric``."""
+    return key_and_orbit(fields, alphabet, symmetric)[0]
+
+
+def key_and_orbit(fields: dict[str, Any], alphabet: list[int], symmetric: bool) -> tuple[Hashable, int]:
+    """``key_of`` and the size of its orbit: how many distinct keys the token renamings give (the states
+    one key stands for; 1 without renaming), so the explorer can report what the reduction removed."""
     renamings: list[dict | None] = [None]
     if symmetric and fields["storage"] is None and 1 < len(alphabet) <= 4:
         renamings = [dict(zip(alphabet, p)) for p in itertools.permutations(alphabet)]
     keys = [tuple(_rename_slots(m, fields[f]) if f.endswith("_slots") else _renamed_field(m, f, fields[f])
                   for f in KEY_FIELDS) for m in renamings]
-    return keys[0] if len(keys) == 1 else min(keys, key=repr)
+    if len(keys) == 1:
+        return keys[0], 1
+    return min(keys, key=repr), len(set(keys))
 
 
 def _renamed_field(mapping: dict | None, name: str, value: Any) -> Any:
