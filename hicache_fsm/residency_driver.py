@@ -248,7 +248,7 @@ class ResidencyDriver:
             tree = self.tree
             path = list(path)
             parent = path[-1] if path else tree.root
-            child = parent.children[(namespace, tokens[matched : matched + tree.page_size])]
+            child = parent.children[tree.child_key(namespace, tokens, matched)]
             path.append(self.split(child, partial))
             matched += partial
             self._memo = (tokens, namespace, tree, tree.version, (path, matched, 0))

@@ -248,3 +248,19 @@ def test_keys_are_packed_pages_and_split_like_the_ints_they_hold():
     for bad_start in (-1, 4 * PAGE, 1):
         with pytest.raises(ValueError):
             tree.add_child(tree.root, tuple(range(500, 500 + 4 * PAGE)), None, bad_start)
+
+
+@pytest.mark.parametrize("as_tuple", [True, False])
+def test_walk_splitting_splits_a_partly_matched_node_for_tokens_in_any_form(as_tuple):
+    """The storage tier walks fetched tokens as a tuple; the child lookup must use the tree's packed key."""
+    cache, ex = make_cache(page=4)
+    try:
+        put(cache, tuple(range(1, 9)))  # one node of two pages
+        drain(cache, ex)
+        probe = tuple(range(1, 5)) + (99, 98, 97, 96)
+        tokens = probe if as_tuple else pack_token_ids(probe)
+        path, matched = cache.driver.walk_splitting(tokens, None)
+        assert matched == 4 and [n.num_tokens for n in path] == [4]
+        assert sorted(n.num_tokens for n in cache.tree.nodes() if not n.is_root) == [4, 4]
+    finally:
+        cache.close()
