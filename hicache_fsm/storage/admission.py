@@ -128,6 +128,7 @@ class PrefetchCalls:
             return self._reject("capacity")
         prior = self.prior_key(anchor, namespace)
         keys = PageKeyChain(want_ids, ps, prior)  # hashed as the hit query reads them (it stops at a miss)
+        self.remember_chain(keys)
         if self._readable([keys[0]], 1) == 0:  # its first page was stored in a format this pool cannot read
             return self._reject("format_mismatch")
         if anchor.is_root:

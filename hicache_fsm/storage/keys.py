@@ -99,9 +99,7 @@ def _chain_into(keys: list[str], raw: memoryview, stride: int, first: int, stop:
     sha256 = hashlib.sha256
     append = keys.append
     for start in range(first * stride, stop * stride, stride):
-        hasher = sha256(chained)
-        hasher.update(raw[start : start + stride])  # a view: no copy of the page
-        chained = hasher.digest()
+        chained = sha256(chained + raw[start : start + stride]).digest()  # one call: measured faster than update()
         append(chained.hex())
     return chained
 
@@ -116,7 +114,7 @@ class PageKeyChain(Sequence[str]):
     ``page_keys``'s. Safe to read from several threads.
     """
 
-    __slots__ = ("_raw", "_stride", "_len", "_keys", "_chained", "_chunk", "_lock")
+    __slots__ = ("_raw", "_stride", "_len", "_keys", "_prior", "_chained", "_chunk", "_lock")
 
     def __init__(self, tokens: Sequence[int] | TokenIds, page_size: int, prior: str | None = None,
                  chunk: int = 64) -> None:
@@ -126,6 +124,7 @@ class PageKeyChain(Sequence[str]):
         self._stride = ID_BYTES * page_size
         self._len = len(self._raw) // self._stride
         self._chained = _prior_bytes(prior)
+        self._prior = prior or None
         self._keys: list[str] = []
         self._chunk = max(1, chunk)
         self._lock = threading.Lock()
@@ -159,6 +158,30 @@ class PageKeyChain(Sequence[str]):
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._upto(self._len))
+
+    def keys_following(self, prior: str | None, tokens: TokenIds) -> tuple[str, ...] | None:
+        """``page_keys(tokens, page_size, prior)`` when this chain covers those pages after ``prior``, else None.
+
+        The pages a prefetch asked for and did not get are the ones its
+        request then computes and inserts; their backup reuses the keys the
+        hit query already hashed (equal bytes on an equal chain give equal keys).
+        """
+        raw = tokens.raw
+        stride = self._stride
+        if not raw or len(raw) % stride:
+            return None
+        if prior == self._prior:
+            pos = 0
+        else:
+            try:
+                pos = self._keys.index(prior) + 1
+            except ValueError:
+                return None
+        start = pos * stride
+        if start + len(raw) > len(self._raw) or self._raw[start : start + len(raw)] != raw:
+            return None
+        stop = pos + len(raw) // stride
+        return tuple(self._upto(stop)[pos:stop])
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, PageKeyChain):

@@ -279,8 +279,10 @@ class PrefetchRuntime:
         if indices is None or not indices.numel():
             return
         pages = _pages(indices, self.page_size)
-        again = [p for p in pages if op.freed_pages[p] or p in op.inserted_pages or p not in op.reserved_pages]
-        if again:  # never hand a page back twice (the upstream double free)
+        given = set(pages)
+        if not given <= op.reserved_pages or not given.isdisjoint(op.inserted_pages) \
+                or not given.isdisjoint(op.freed_pages):  # never hand a page back twice (the upstream double free)
+            again = [p for p in pages if op.freed_pages[p] or p in op.inserted_pages or p not in op.reserved_pages]
             self._violations.append(f"prefetch {op.request_id!r} tried to release pages {again[:8]} twice")
             return
         self.ctx.host_allocator.free(indices)
