@@ -183,7 +183,51 @@ def _block_layer(block: torch.Tensor, layout: str, layer: int, page_size: int) -
     return block[:, layer]
 
 
+# From this many runs on, one gather + one scatter over token indices beats a copy per run on the CPU
+# (a view and a copy call cost microseconds each; small runs of small pages are mostly that).
+GATHER_MIN_RUNS = 16
+
+
+def _token_views(dev: DeviceKVPool, host: HostKVPool, layer: int | None):
+    """(device view, host view, token dim) with the same shape but the token dim, or None for this layout."""
+    if dev.adopted or host.layout not in ("layer_first", "page_first"):
+        return None
+    if layer is None:
+        if host.layout == "layer_first":
+            return dev.kv, host.kv, 2  # (P, L, T, H, D) both
+        return dev.kv.transpose(1, 2), host.kv, 1  # (P, T, L, H, D) both
+    dl = dev.kv.select(1, layer)  # (P, T, H, D)
+    return dl, host.kv.select(1 if host.layout == "layer_first" else 2, layer), 1
+
+
+def _run_indices(runs: list[Run]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Device and host token indices covered by ``runs``, in run order."""
+    arr = np.asarray(runs, dtype=np.int64).reshape(-1, 3)
+    lengths = arr[:, 2]
+    within = np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    return (torch.from_numpy(np.repeat(arr[:, 0], lengths) + within),
+            torch.from_numpy(np.repeat(arr[:, 1], lengths) + within))
+
+
+def _gathered(dev: DeviceKVPool, host: HostKVPool, runs: list[Run], layer: int | None, to_host: bool) -> bool:
+    """Copy ``runs`` with one index_select and one index_copy_ when they are many; False when not done."""
+    if len(runs) < GATHER_MIN_RUNS:
+        return False
+    views = _token_views(dev, host, layer)
+    if views is None:
+        return False
+    dview, hview, dim = views
+    d_idx, h_idx = _run_indices(runs)
+    if to_host:
+        hview.index_copy_(dim, h_idx, dview.index_select(dim, d_idx))
+    else:
+        dview.index_copy_(dim, d_idx, hview.index_select(dim, h_idx))
+    return True
+
+
 def _d2h_cpu(dev: DeviceKVPool, host: HostKVPool, runs: list[Run], layer: int | None) -> None:
+    if _gathered(dev, host, runs, layer, to_host=True):
+        return
     pairs = _paged_pairs(dev, host, runs, layer) if dev.adopted else _cpu_pairs(dev, host, runs, layer)
     _copy_pairs([(h, d) for d, h in pairs])
 
@@ -274,6 +318,8 @@ def load_all_layers(device_pool: DeviceKVPool, host_pool: HostKVPool, host_indic
 
 
 def _h2d_cpu(dev: DeviceKVPool, host: HostKVPool, runs: list[Run], layer: int | None) -> None:
+    if _gathered(dev, host, runs, layer, to_host=False):
+        return
     _copy_pairs(_paged_pairs(dev, host, runs, layer) if dev.adopted else list(_cpu_pairs(dev, host, runs, layer)))
 
 

@@ -196,3 +196,37 @@ def test_cuda_round_trip(layout):
     backup_to_host(dev, host, back, h_idx, layer=2)
     torch.cuda.synchronize()
     assert torch.equal(host.read(h_idx)[1][2], want[1][2])
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), layout=st.sampled_from(LAYOUTS), ps=st.sampled_from([1, 2, 4]),
+       layer=st.sampled_from([None, 0, 2]))
+def test_gathered_copies_equal_copies_per_run(data, layout, ps, layer):
+    """Many runs go through one gather and one scatter: every pool ends exactly as with a copy per run."""
+    import hicache_fsm.copy as copy_mod
+
+    seed = data.draw(st.integers(0, 2**16))
+    n = data.draw(st.integers(0, 16))
+    dev_pages = data.draw(st.permutations(list(range(16))))[:n]
+    host_pages = data.draw(st.permutations(list(range(16))))[:n]
+    d_idx, h_idx = tokens_of(dev_pages, ps), tokens_of(host_pages, ps)
+    finals = []
+    for threshold in (1, 10**9):  # always gathered, never gathered
+        gen = torch.Generator().manual_seed(seed)
+        dev = DeviceKVPool(SHAPE, 16 * ps, ps, device="cpu")
+        host = HostKVPool(SHAPE, 16 * ps, ps, layout)
+        fill(dev, gen)
+        fill(host, gen)
+        old = copy_mod.GATHER_MIN_RUNS
+        copy_mod.GATHER_MIN_RUNS = threshold
+        try:
+            backup_to_host(dev, host, d_idx, h_idx, layer=layer)
+            fill(dev, gen)
+            if layer is None:
+                load_all_layers(dev, host, h_idx, d_idx)
+            else:
+                load_to_device(dev, host, h_idx, d_idx, layer)
+        finally:
+            copy_mod.GATHER_MIN_RUNS = old
+        finals.append((dev.kv.clone(), host.kv.clone()))
+    assert torch.equal(finals[0][0], finals[1][0]) and torch.equal(finals[0][1], finals[1][1])

@@ -151,3 +151,47 @@ def test_distinct_namespaces_never_share_keys(m1, t1, r1, m2, t2, r2, mla1, mla2
     assert (a.storage_key(key) == b.storage_key(key)) == same
     if not same:
         assert not a.prefix.startswith(b.prefix) and not b.prefix.startswith(a.prefix)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ids=st.lists(st.integers(0, 2**32 - 1), max_size=80), ps=st.sampled_from([1, 2, 4]),
+       prior=st.sampled_from([None, "ab" * 32]), chunk=st.integers(1, 5), reads=st.lists(st.integers(-25, 25)))
+def test_page_key_chain_reads_equal_page_keys(ids, ps, prior, chunk, reads):
+    """Whatever order keys are read in, a PageKeyChain gives page_keys's keys."""
+    from hicache_fsm.storage.keys import PageKeyChain
+
+    want = page_keys(ids, ps, prior)
+    chain = PageKeyChain(ids, ps, prior, chunk=chunk)
+    assert len(chain) == len(want)
+    for r in reads:
+        if -len(want) <= r < len(want):
+            assert chain[r] == want[r]
+        else:
+            with pytest.raises(IndexError):
+                chain[r]
+        assert chain[r:] == tuple(want[r:]) and chain[:r] == tuple(want[:r])
+    assert list(chain) == want and chain == tuple(want)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ids=st.lists(st.integers(0, 50), min_size=1, max_size=40), ps=st.sampled_from([1, 2, 4]),
+       cut=st.integers(0, 40), length=st.integers(0, 40), other=st.lists(st.integers(0, 50), max_size=8))
+def test_page_key_chain_keys_following(ids, ps, cut, length, other):
+    """keys_following answers page_keys of the pages after a prior it hashed, or None; never other keys."""
+    from hicache_fsm.storage.keys import PageKeyChain
+    from hicache_fsm.tokens import pack_token_ids
+
+    chain = PageKeyChain(ids, ps, None)
+    pages = len(ids) // ps
+    cut, length = min(cut, pages), min(length, pages - min(cut, pages))
+    keys = page_keys(ids, ps, None)
+    prior = keys[cut - 1] if cut else None
+    part = ids[cut * ps:(cut + length) * ps]
+    want = tuple(page_keys(part, ps, prior)) if part else None
+    got = chain.keys_following(prior, pack_token_ids(part))
+    assert got is None or got == want  # None: the prior was not hashed yet (the caller hashes itself)
+    list(chain)  # every key hashed: the chain now knows every prior
+    assert chain.keys_following(prior, pack_token_ids(part)) == want
+    if other and len(other) % ps == 0:
+        foreign = chain.keys_following(prior, pack_token_ids(other))
+        assert foreign is None or foreign == tuple(page_keys(other, ps, prior))

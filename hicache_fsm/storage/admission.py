@@ -19,10 +19,10 @@ from typing import Any, Callable
 from hicache_fsm.bindings.residency import ON_HOST
 from hicache_fsm.errors import BadIndices
 from hicache_fsm.interfaces import TierContext
-from hicache_fsm.storage.keys import page_keys
+from hicache_fsm.storage.keys import PageKeyChain
 from hicache_fsm.storage.link import StorageLink
 from hicache_fsm.storage.prefetch import PrefetchError, PrefetchOp, PrefetchRuntime
-from hicache_fsm.tokens import ID_BYTES, TokenIds, pack_token_ids, unpack_token_ids
+from hicache_fsm.tokens import ID_BYTES, TokenIds, pack_token_ids
 
 log = logging.getLogger("hicache_fsm.storage.tier")
 
@@ -127,7 +127,8 @@ class PrefetchCalls:
         if rt.occupied_tokens + need > rt.capacity_tokens:
             return self._reject("capacity")
         prior = self.prior_key(anchor, namespace)
-        keys = tuple(page_keys(want_ids, ps, prior))  # also validates the token ids before anything changes
+        keys = PageKeyChain(want_ids, ps, prior)  # hashed as the hit query reads them (it stops at a miss)
+        self.remember_chain(keys)
         if self._readable([keys[0]], 1) == 0:  # its first page was stored in a format this pool cannot read
             return self._reject("format_mismatch")
         if anchor.is_root:
@@ -149,7 +150,7 @@ class PrefetchCalls:
             elif pin == "lock":
                 ctx.unlock(anchor)
             return self._reject("host_full")
-        op = PrefetchOp(request_id, unpack_token_ids(want_ids.raw), keys, anchor, pin, namespace, slots, ps,
+        op = PrefetchOp(request_id, want_ids, keys, anchor, pin, namespace, slots, ps,
                         self._gen, self.now(), agreed=self.agreement is not None)
         rt.active[request_id] = op
         rt.occupied_tokens += need

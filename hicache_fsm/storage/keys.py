@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import hashlib
 import re
-from typing import Iterable, Sequence
+import threading
+from typing import Iterable, Iterator, Sequence, overload
 
 import attrs
 
@@ -36,6 +37,7 @@ __all__ = [
     "MAX_NAME_LEN",
     "MAX_PAGE_KEY_LEN",
     "KeyNamespace",
+    "PageKeyChain",
     "page_hash",
     "page_keys",
     "validate_page_key",
@@ -50,8 +52,9 @@ _MLA_PART = "mla"
 # Printable ASCII without whitespace, '/', '\\' or glob metacharacters.
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.:@+=,~%#!$&()\-]+$")
 _PAGE_KEY_RE = re.compile(r"^[A-Za-z0-9_.:@+=,~%#!$&()\-]+$")
-_PAGE_KEY_CHARS = re.compile(r"[A-Za-z0-9_.:@+=,~%#!$&()\-]*")  # _PAGE_KEY_RE over many keys at once
 _HEX_RE = re.compile(r"^[0-9a-fA-F]{64}$")
+# the bytes _PAGE_KEY_RE allows: deleting them from an ASCII key leaves nothing (bytes.translate, in C)
+_PAGE_KEY_BYTES = bytes(c for c in range(128) if _PAGE_KEY_RE.match(chr(c)))
 
 
 def _token_bytes(tokens: Sequence[int]) -> bytes:
@@ -86,16 +89,110 @@ def page_keys(tokens: Sequence[int] | TokenIds, page_size: int, prior: str | Non
     if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
         raise StorageKeyError(f"page_size must be a positive int, got {page_size!r}")
     raw = memoryview(_token_bytes(tokens))
-    chained = _prior_bytes(prior)
-    stride = ID_BYTES * page_size
     keys: list[str] = []
-    sha256 = hashlib.sha256
-    for start in range(0, len(raw) - stride + 1, stride):
-        hasher = sha256(chained)
-        hasher.update(raw[start : start + stride])  # a view: no copy of the page
-        chained = hasher.digest()
-        keys.append(chained.hex())
+    _chain_into(keys, raw, ID_BYTES * page_size, 0, len(raw) // (ID_BYTES * page_size), _prior_bytes(prior))
     return keys
+
+
+def _chain_into(keys: list[str], raw: memoryview, stride: int, first: int, stop: int, chained: bytes) -> bytes:
+    """Append the keys of pages ``first..stop-1`` of ``raw`` chained onto ``chained``; the last digest."""
+    sha256 = hashlib.sha256
+    append = keys.append
+    for start in range(first * stride, stop * stride, stride):
+        chained = sha256(chained + raw[start : start + stride]).digest()  # one call: measured faster than update()
+        append(chained.hex())
+    return chained
+
+
+class PageKeyChain(Sequence[str]):
+    """``page_keys(tokens, page_size, prior)`` as a sequence whose keys are hashed when first read.
+
+    A prefetch names every page beyond the in-memory hit, but its hit query
+    stops at the first page storage lacks, so most keys of a long miss are
+    never read. Reading key ``i`` hashes the pages up to ``i`` (the chain is
+    sequential) at least ``chunk`` pages at a time; the keys are exactly
+    ``page_keys``'s. Safe to read from several threads.
+    """
+
+    __slots__ = ("_raw", "_stride", "_len", "_keys", "_prior", "_chained", "_chunk", "_lock")
+
+    def __init__(self, tokens: Sequence[int] | TokenIds, page_size: int, prior: str | None = None,
+                 chunk: int = 64) -> None:
+        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+            raise StorageKeyError(f"page_size must be a positive int, got {page_size!r}")
+        self._raw = memoryview(_token_bytes(tokens))
+        self._stride = ID_BYTES * page_size
+        self._len = len(self._raw) // self._stride
+        self._chained = _prior_bytes(prior)
+        self._prior = prior or None
+        self._keys: list[str] = []
+        self._chunk = max(1, chunk)
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return self._len
+
+    def _upto(self, stop: int) -> list[str]:
+        """The keys list, holding at least the first ``stop`` keys (``stop`` <= len)."""
+        keys = self._keys
+        if len(keys) < stop:
+            with self._lock:
+                have = len(keys)
+                if have < stop:
+                    end = min(self._len, max(stop, have + self._chunk))
+                    self._chained = _chain_into(keys, self._raw, self._stride, have, end, self._chained)
+        return keys
+
+    @overload
+    def __getitem__(self, index: int) -> str: ...
+    @overload
+    def __getitem__(self, index: slice) -> tuple[str, ...]: ...
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            start, stop, step = index.indices(self._len)
+            return tuple(self._upto(max(start, stop))[start:stop:step]) if start < stop or step < 0 else ()
+        i = index + self._len if index < 0 else index
+        if not 0 <= i < self._len:
+            raise IndexError("page key index out of range")
+        return self._upto(i + 1)[i]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._upto(self._len))
+
+    def keys_following(self, prior: str | None, tokens: TokenIds) -> tuple[str, ...] | None:
+        """``page_keys(tokens, page_size, prior)`` when this chain covers those pages after ``prior``, else None.
+
+        The pages a prefetch asked for and did not get are the ones its
+        request then computes and inserts; their backup reuses the keys the
+        hit query already hashed (equal bytes on an equal chain give equal keys).
+        """
+        raw = tokens.raw
+        stride = self._stride
+        if not raw or len(raw) % stride:
+            return None
+        if prior == self._prior:
+            pos = 0
+        else:
+            try:
+                pos = self._keys.index(prior) + 1
+            except ValueError:
+                return None
+        start = pos * stride
+        if start + len(raw) > len(self._raw) or self._raw[start : start + len(raw)] != raw:
+            return None
+        stop = pos + len(raw) // stride
+        return tuple(self._upto(stop)[pos:stop])
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, PageKeyChain):
+            return tuple(self) == tuple(other)
+        return isinstance(other, tuple) and tuple(self) == other
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return f"PageKeyChain({self._len} pages, {len(self._keys)} hashed)"
 
 
 def _check_name(kind: str, value: object) -> str:
@@ -123,6 +220,18 @@ def validate_page_key(key: object) -> str:
             "without whitespace, '/', '\\' or glob characters"
         )
     return key
+
+
+def _all_valid(hashes: list) -> bool:
+    """Whether every one of ``hashes`` is a valid page key (validate_page_key's rule), checked in C over all."""
+    try:
+        joined = "".join(hashes)
+    except TypeError:  # a key that is not a str: validate_page_key names it
+        return False
+    if not joined.isascii() or joined.encode("ascii").translate(None, _PAGE_KEY_BYTES):
+        return False
+    lengths = list(map(len, hashes))
+    return min(lengths) > 0 and max(lengths) <= MAX_PAGE_KEY_LEN
 
 
 def _check_rank(instance: "KeyNamespace", attribute: attrs.Attribute, value: object) -> None:
@@ -171,12 +280,7 @@ class KeyNamespace:
         """The backend keys of many page keys: checked together in one regex pass, one by one only on a refusal."""
         prefix = self.prefix
         hashes = list(page_hashes)
-        try:
-            joined = "".join(hashes)
-        except TypeError:  # a key that is not a str: validate_page_key names it
-            joined = None
-        if joined is not None and _PAGE_KEY_CHARS.fullmatch(joined) \
-                and all(0 < len(h) <= MAX_PAGE_KEY_LEN for h in hashes):
+        if hashes and _all_valid(hashes):
             return [prefix + h for h in hashes]
         return [prefix + validate_page_key(h) for h in hashes]
 

@@ -26,7 +26,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -36,6 +36,7 @@ from hicache_fsm.jobs import JobKind, TransferJob
 from hicache_fsm.machine import compile_machine
 from hicache_fsm.spec import load_builtin
 from hicache_fsm.storage.options import TierOptions
+from hicache_fsm.tokens import TokenIds
 
 if TYPE_CHECKING:  # pragma: no cover
     from hicache_fsm.interfaces import TierContext
@@ -56,16 +57,16 @@ class PrefetchError(HiCacheError):
 class PrefetchOp:
     """One request's prefetch; ``state`` is moved by the ``prefetch`` machine only."""
 
-    def __init__(self, request_id: Hashable, tokens: tuple, keys: tuple[str, ...], anchor: TreeNode,
+    def __init__(self, request_id: Hashable, tokens: TokenIds, keys: Sequence[str], anchor: TreeNode,
                  anchor_pin: str | None, namespace: Hashable, host_indices: torch.Tensor, page_size: int,
                  gen: int, start_time: float, agreed: bool = False) -> None:
         self.state = "admitted"
         self.request_id = request_id
-        self.tokens = tokens  # the tokens to fetch (after the in-memory hit), whole pages
+        self.tokens = tokens  # the tokens to fetch (after the in-memory hit), whole pages, packed
         self.anchor = anchor
         self.anchor_pin = anchor_pin  # "host", "lock" or None (root)
         self.anchor_pinned = anchor_pin is not None
-        self.keys = keys  # chained storage key of every page of ``tokens``
+        self.keys = keys  # chained storage key of every page of ``tokens`` (a PageKeyChain: hashed when read)
         self.namespace = namespace
         self.page_size = page_size
         self.gen = gen
@@ -223,8 +224,8 @@ class PrefetchRuntime:
                       op.request_id, anchor.id, done)
             self._free(op, slots)
             return
-        prefix = tree.prefix_tokens(anchor)
-        full = prefix + op.tokens[:done]
+        prefix = tree.prefix_ids(anchor)
+        full = TokenIds(prefix.raw + op.tokens[:done])
         path, matched = driver.walk_splitting(full, op.namespace)
         start = len(prefix)
         if matched < start:  # defensive: the anchor is on every path of its own prefix
@@ -278,8 +279,10 @@ class PrefetchRuntime:
         if indices is None or not indices.numel():
             return
         pages = _pages(indices, self.page_size)
-        again = [p for p in pages if op.freed_pages[p] or p in op.inserted_pages or p not in op.reserved_pages]
-        if again:  # never hand a page back twice (the upstream double free)
+        given = set(pages)
+        if not given <= op.reserved_pages or not given.isdisjoint(op.inserted_pages) \
+                or not given.isdisjoint(op.freed_pages):  # never hand a page back twice (the upstream double free)
+            again = [p for p in pages if op.freed_pages[p] or p in op.inserted_pages or p not in op.reserved_pages]
             self._violations.append(f"prefetch {op.request_id!r} tried to release pages {again[:8]} twice")
             return
         self.ctx.host_allocator.free(indices)

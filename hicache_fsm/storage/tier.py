@@ -65,12 +65,13 @@ from hicache_fsm.storage.evictions import EvictionTracker
 from hicache_fsm.storage.admission import PrefetchCalls
 from hicache_fsm.storage.agreement import TierAgreement
 from hicache_fsm.storage.base import STAT_FIELDS, StorageBackend
-from hicache_fsm.storage.keys import page_keys
+from hicache_fsm.storage.keys import PageKeyChain, page_keys
 from hicache_fsm.storage.link import StorageLink
 from hicache_fsm.storage.options import TierOptions
 from hicache_fsm.storage.prefetch import PrefetchOp, PrefetchRuntime
 from hicache_fsm.storage.retry import UNSTORED, BackupRetries
 from hicache_fsm.storage.threads import PROBE_KEY, StorageThreads
+from hicache_fsm.tokens import TokenIds
 from hicache_fsm.tp import PURPOSE_ATTACH
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -129,6 +130,7 @@ class StorageTier(PrefetchCalls, StorageThreads):
         self._events: deque[tuple] = deque()
         self._completions: list[Completion] = []
         self._pending_transfer: dict[int, PrefetchOp] = {}  # S2H job id -> op, between emit and submit
+        self._recent_chains: deque[PageKeyChain] = deque(maxlen=4)  # the last prefetches' keys (keys_for reuses)
         self._skip_writes = False
         self.healthy = True
         self.last_error = ""
@@ -341,9 +343,21 @@ class StorageTier(PrefetchCalls, StorageThreads):
         for m in reversed(chain):
             if m.parent.is_root:
                 prior = namespace_seed(m.namespace)
-            m.storage_keys = tuple(page_keys(m.key, ps, prior))
+            tokens = m.token_ids
+            m.storage_keys = self._hashed_keys(prior, tokens) or tuple(page_keys(tokens, ps, prior))
             prior = m.storage_keys[-1]
         return node.storage_keys
+
+    def remember_chain(self, chain: PageKeyChain) -> None:
+        """Keep a prefetch's key chain a while: the pages it missed are inserted next and backed up."""
+        self._recent_chains.append(chain)
+
+    def _hashed_keys(self, prior: str | None, tokens: TokenIds) -> tuple[str, ...] | None:
+        for chain in reversed(self._recent_chains):
+            keys = chain.keys_following(prior, tokens)
+            if keys is not None:
+                return keys
+        return None
 
     def prior_key(self, node: TreeNode, namespace: Hashable) -> str | None:
         return namespace_seed(namespace) if node.is_root else self.keys_for(node)[-1]
@@ -706,6 +720,7 @@ class StorageTier(PrefetchCalls, StorageThreads):
         new._events = deque(item(x) for x in self._events)
         new._completions = list(self._completions)
         new._pending_transfer = {k: op_of(op) for k, op in self._pending_transfer.items()}
+        new._recent_chains = deque(self._recent_chains, maxlen=self._recent_chains.maxlen)
         new.retries = self.retries.fork(lambda n: memo[id(n)])
         new.counters = Counter(self.counters)
         with self._cv:
