@@ -69,7 +69,9 @@ from hicache_fsm.radix import RadixTree, TreeNode
 from hicache_fsm.registry import registry_for
 from hicache_fsm.residency_driver import ResidencyDriver
 from hicache_fsm.results import DeviceGrant, InsertResult, LoadBack, LoadCancelled, LoadHandle, MatchResult
-from hicache_fsm.slots import check_engine_pages, check_index_tensor, check_pools, node_page_ids, page_ids
+from hicache_fsm.slots import (
+    check_engine_pages, check_index_pages, check_index_tensor, check_pools, device_slot_tensor, node_page_ids, page_ids,
+)
 from hicache_fsm.spec import load_builtin
 from hicache_fsm.storage.ownership import check_completion_owner
 from hicache_fsm.storage.calls import StorageCalls, drain_seconds
@@ -272,7 +274,7 @@ class HiCache(StorageCalls):
         path, _ = driver.walk_splitting(tokens, namespace)  # a bad namespace fails before any split
         now = driver.tick()
         polls = driver.polls
-        device_parts: list[torch.Tensor] = []
+        device_parts: list = []  # the nodes' compact device slots
         loads: list[LoadHandle] = []
         last_device = self.tree.root
         host_hit = 0
@@ -281,7 +283,7 @@ class HiCache(StorageCalls):
             node.last_access = now
             node.last_poll = polls
             if host_hit == 0 and node.state in RESIDENT:
-                device_parts.append(node.device_indices)
+                device_parts.append(node.device_slots)
                 last_device = node
                 if node.state in LOADING:
                     for h in self.outbox.handles_of(node):
@@ -290,12 +292,7 @@ class HiCache(StorageCalls):
             else:
                 host_hit += node.num_tokens
         last_host = path[-1] if path else self.tree.root
-        if not device_parts:
-            device_indices = _EMPTY
-        elif len(device_parts) == 1:
-            device_indices = device_parts[0]
-        else:
-            device_indices = torch.cat(device_parts)
+        device_indices = device_slot_tensor(device_parts, self.page_size)
         device_hit = int(device_indices.numel())
         c = self.counters
         c["match_requests"] += 1
@@ -349,7 +346,8 @@ class HiCache(StorageCalls):
         ps = self.page_size
         if len(tokens) % ps:
             raise BadIndices(f"insert wants whole pages of {ps} tokens; got {len(tokens)} tokens")
-        page_ids = self._check_tensor(device_indices, len(tokens))
+        page_array = check_index_pages(device_indices, len(tokens), ps, self.device_allocator)
+        page_ids = page_array.tolist()
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise BadIndices(f"priority must be an int, got {priority!r}")
         driver = self.driver
@@ -408,8 +406,8 @@ class HiCache(StorageCalls):
             parent = node
             node = driver.add_child(parent, tokens, namespace, matched)
             node.last_access, node.priority, node.last_poll = now, priority, polls
-            node.device_indices = device_indices[matched : len(tokens)]  # an explicit stop slices faster
-            new_pages = page_ids[matched // ps :]  # not memoised on the node: most nodes are never re-inserted
+            node.device_slots = page_array[matched // ps :].tobytes()
+            new_pages = page_ids[matched // ps :]
             driver.fire(node, "insert")
             self.engine_pages.difference_update(new_pages)
         if self.config.write_policy == "write_through":
