@@ -430,26 +430,22 @@ class HiCache(StorageCalls):
         root is accepted and ignored. Pair every call with ``unlock``.
         """
         self.check_open()
-        if node is self.tree.root:
+        tree = self.tree
+        if node is tree.root:
             return
-        node = self.driver.require_node(node)
-        chain = list(self.tree.path_to_root(node))
-        off = [n.id for n in chain if n.state not in RESIDENT]
-        if off:
-            raise LockError(f"cannot lock node {node.id}: nodes {off} are not on the device")
-        self.eviction.add_locks(chain, 1)
+        if type(node) is not TreeNode or not tree.owns(node):
+            node = self.driver.require_node(node)
+        self.eviction.lock_path(node)
 
     def unlock(self, node: TreeNode) -> None:
         """Release a ``lock`` when the request that took it no longer reads the prefix."""
         self.check_open()
-        if node is self.tree.root:
+        tree = self.tree
+        if node is tree.root:
             return
-        node = self.driver.require_node(node)
-        chain = list(self.tree.path_to_root(node))
-        unlocked = [n.id for n in chain if n.lock_ref <= 0]
-        if unlocked:
-            raise LockError(f"unlock of node {node.id} would take lock refs below zero on nodes {unlocked}")
-        self.eviction.add_locks(chain, -1)
+        if type(node) is not TreeNode or not tree.owns(node):
+            node = self.driver.require_node(node)
+        self.eviction.unlock_path(node)
 
     def pin_host(self, node: TreeNode) -> None:
         """Protect a node's host copy from host eviction (prefetch anchors, storage readers)."""

@@ -11,7 +11,6 @@ so that two namespaces never match each other's prefixes.
 from __future__ import annotations
 
 import itertools
-from types import MappingProxyType
 from typing import Callable, Hashable, Iterator, Mapping
 
 import numpy as np
@@ -22,7 +21,29 @@ from hicache_fsm.tokens import ID_BYTES, TokenIds, pack_token_ids, unpack_token_
 ROOT_STATE = "root"
 
 NO_JOBS: frozenset[int] = frozenset()  # the ``pending_jobs`` of a node no job covers (shared: no set per node)
-NO_CHILDREN: Mapping = MappingProxyType({})  # the ``children`` of a leaf (shared, read-only: no dict per leaf)
+
+
+class _NoChildren(dict):
+    """The one empty, read-only ``children`` every leaf shares (a dict per leaf costs 64 bytes)."""
+
+    __slots__ = ()
+
+    def _refuse(self, *args, **kwargs):
+        raise TypeError("a leaf's shared empty children mapping is read-only (RadixTree gives a node its own dict)")
+
+    __setitem__ = __delitem__ = setdefault = update = pop = popitem = clear = __ior__ = _refuse
+
+    def __copy__(self) -> "_NoChildren":
+        return self
+
+    def __deepcopy__(self, memo: dict) -> "_NoChildren":
+        return self
+
+    def __reduce__(self):
+        return "NO_CHILDREN"  # the module global: a copy or a pickle is the same object
+
+
+NO_CHILDREN: Mapping = _NoChildren()  # the ``children`` of a leaf (shared, read-only: no dict per leaf)
 
 _ROWS: dict[int, np.ndarray] = {}  # page size -> the offsets 0..page_size-1 of a page's slots
 
