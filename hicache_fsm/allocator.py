@@ -278,12 +278,18 @@ class PageAllocator:
             self._free_ascending = True
         return pages
 
+    def slot_tensor(self, pages: np.ndarray) -> torch.Tensor:
+        """The token indices (a fresh int64 tensor) of page ids of this allocator, page by page."""
+        return torch.from_numpy(self._page_slots.take(pages, axis=0).reshape(-1))
+
     def free_page_ids(self, pages: np.ndarray) -> None:
-        """Return pages by id (int64, each named once: what ``alloc_page_ids`` gave); a page not held frees nothing."""
+        """Return pages by id (int64 ids of this allocator, each named once: what ``alloc_page_ids`` gave).
+
+        For holders that keep page ids (tree nodes): no slot checks, only that
+        every page is held, so a double free still raises and frees nothing.
+        """
         if pages.size == 0:
             return
-        if pages.min() < 0 or pages.max() >= self._total_pages:
-            raise AllocationError(f"free: page ids out of range [0, {self._total_pages})")
         held = self._allocated[pages]
         if not held.all():
             bad = pages[~held][:8].tolist()

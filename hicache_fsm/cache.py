@@ -292,7 +292,7 @@ class HiCache(StorageCalls):
             else:
                 host_hit += node.num_tokens
         last_host = path[-1] if path else self.tree.root
-        device_indices = device_slot_tensor(device_parts, self.page_size)
+        device_indices = device_slot_tensor(device_parts, self.device_allocator)
         device_hit = int(device_indices.numel())
         c = self.counters
         c["match_requests"] += 1
@@ -338,15 +338,15 @@ class HiCache(StorageCalls):
         ``match_prefix`` returned them: kept) or fresh ones from
         ``alloc_device`` (duplicates: freed). Every other slot must come from
         ``alloc_device``; an evicted part is revived with them. Nodes keep
-        views of ``device_indices``: hand over a tensor you will not modify
-        (clone a view of a reused buffer such as a request-to-token table).
+        the page ids, not the tensor: the engine may reuse its buffer.
         """
         self.check_open()
         tokens = self._token_ids(tokens)
         ps = self.page_size
-        if len(tokens) % ps:
-            raise BadIndices(f"insert wants whole pages of {ps} tokens; got {len(tokens)} tokens")
-        page_array = check_index_pages(device_indices, len(tokens), ps, self.device_allocator)
+        n_tokens = len(tokens)
+        if n_tokens % ps:
+            raise BadIndices(f"insert wants whole pages of {ps} tokens; got {n_tokens} tokens")
+        page_array = check_index_pages(device_indices, n_tokens, ps, self.device_allocator)
         page_ids = page_array.tolist()
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise BadIndices(f"priority must be an int, got {priority!r}")
@@ -402,7 +402,7 @@ class HiCache(StorageCalls):
                 self.device_allocator.free(part)
                 self.engine_pages.difference_update(pages)
         node = path[-1] if path else self.tree.root
-        if matched < len(tokens):
+        if matched < n_tokens:
             parent = node
             node = driver.add_child(parent, tokens, namespace, matched)
             node.last_access, node.priority, node.last_poll = now, priority, polls
@@ -416,10 +416,10 @@ class HiCache(StorageCalls):
             for n in path:
                 if n.state == "device":
                     try_backup(n)
-            if matched < len(tokens):
+            if matched < n_tokens:
                 try_backup(node)
-        self.counters["inserted_tokens"] += len(tokens) - matched
-        return InsertResult(node, matched, len(tokens) - matched)
+        self.counters["inserted_tokens"] += n_tokens - matched
+        return InsertResult(node, matched, n_tokens - matched)
 
     # ================================================================== locks
 

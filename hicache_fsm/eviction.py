@@ -237,14 +237,18 @@ class Eviction:
         """Re-decide ``node``'s membership in both sets from its fields (O(1))."""
         if node.parent is None:
             return
-        if node.state in DEVICE_EVICTABLE and node.lock_ref == 0 and node.resident_children == 0:
-            self.device.add(node)
-        else:
-            self.device.discard(node)
-        if node.state in HOST_EVICTABLE and node.host_ref == 0 and not node.children:
-            self.host.add(node)
-        else:
-            self.host.discard(node)
+        state = node.state
+        device, host = self.device, self.host
+        if state in DEVICE_EVICTABLE and node.lock_ref == 0 and node.resident_children == 0:
+            if device._members.get(node.id) is not node:
+                device.add(node)
+        elif device._members.get(node.id) is node:  # tested inline: most nodes are in neither set
+            device.discard(node)
+        if state in HOST_EVICTABLE and node.host_ref == 0 and not node.children:
+            if host._members.get(node.id) is not node:
+                host.add(node)
+        elif host._members.get(node.id) is node:
+            host.discard(node)
         unbacked = self.unbacked
         if unbacked is not None:
             if node.state == "device":

@@ -63,6 +63,20 @@ def slots_of_pages(pages: bytes, page_size: int) -> torch.Tensor:
     return torch.from_numpy((p[:, None] * page_size + _page_row(page_size)).reshape(-1))
 
 
+def slot_tensor(slots: "bytes | torch.Tensor | None", allocator) -> torch.Tensor | None:
+    """A node's compact slots (``TreeNode.device_slots`` / ``host_slots``) as an index tensor of ``allocator``.
+
+    Page ids are expanded by the allocator's slot table (one gather) where it
+    has one; a tensor or None is returned as it is.
+    """
+    if type(slots) is not bytes:
+        return slots
+    expand = getattr(allocator, "slot_tensor", None)
+    if expand is None:
+        return slots_of_pages(slots, allocator.page_size)
+    return expand(np.frombuffer(slots, dtype=np.int64))
+
+
 def pack_slots(indices: "torch.Tensor | None", page_size: int) -> "bytes | torch.Tensor | None":
     """The compact form a node keeps of slot indices: page ids as int64 ``bytes`` where they are whole pages.
 

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from hicache_fsm.errors import BadIndices, ConfigError
-from hicache_fsm.radix import TreeNode, slots_of_pages
+from hicache_fsm.radix import TreeNode, slot_tensor
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
@@ -33,13 +33,13 @@ def node_page_ids(node: TreeNode, page_size: int) -> list[int]:
     return page_ids(slots, page_size)
 
 
-def device_slot_tensor(parts: list, page_size: int) -> torch.Tensor:
+def device_slot_tensor(parts: list, allocator: Any) -> torch.Tensor:
     """One int64 slot tensor of nodes' compact slots (``TreeNode.device_slots``), in order (a fresh copy)."""
     if not parts:
         return _EMPTY
     if all(type(p) is bytes for p in parts):
-        return slots_of_pages(parts[0] if len(parts) == 1 else b"".join(parts), page_size)
-    return torch.cat([slots_of_pages(p, page_size) if type(p) is bytes else p for p in parts])
+        return slot_tensor(parts[0] if len(parts) == 1 else b"".join(parts), allocator)
+    return torch.cat([slot_tensor(p, allocator) for p in parts])
 
 
 def check_index_tensor(indices: object, length: int | None, page_size: int, allocator: Any) -> list[int]:
