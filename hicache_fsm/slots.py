@@ -98,6 +98,6 @@ def check_pools(device_pool: Any, host_pool: Any, draft_device_pool: Any, draft_
 
 
 __all__ = [
-    "check_engine_pages", "check_index_pages", "check_index_tensor", "check_pools", "device_slot_tensor", "node_page_ids",
-    "page_ids",
+    "check_engine_pages", "check_index_pages", "check_index_tensor", "check_pools", "device_slot_tensor",
+    "node_page_ids", "page_ids",
 ]
