@@ -429,21 +429,23 @@ class HiCache(StorageCalls):
         Called when a request starts using a matched or loaded prefix; the
         root is accepted and ignored. Pair every call with ``unlock``.
         """
-        self.check_open()
+        if self.closed or threading.get_ident() != self.thread_owner.ident:  # ``check_open``, inline
+            self.check_open()
         tree = self.tree
         if node is tree.root:
             return
-        if type(node) is not TreeNode or not tree.owns(node):
+        if type(node) is not TreeNode or tree.by_id.get(node.id) is not node:
             node = self.driver.require_node(node)
         self.eviction.lock_path(node)
 
     def unlock(self, node: TreeNode) -> None:
         """Release a ``lock`` when the request that took it no longer reads the prefix."""
-        self.check_open()
+        if self.closed or threading.get_ident() != self.thread_owner.ident:  # ``check_open``, inline
+            self.check_open()
         tree = self.tree
         if node is tree.root:
             return
-        if type(node) is not TreeNode or not tree.owns(node):
+        if type(node) is not TreeNode or tree.by_id.get(node.id) is not node:
             node = self.driver.require_node(node)
         self.eviction.unlock_path(node)
 

@@ -292,6 +292,7 @@ class Eviction:
         """Undo one ``lock_path`` of ``node``; ``LockError``, nothing changed, if a ref would go below zero."""
         n = node
         device = self.device
+        members = device._members
         while n.parent is not None:
             ref = n.lock_ref
             if ref <= 0:
@@ -299,8 +300,8 @@ class Eviction:
                 below = [m.id for m in self.tree.path_to_root(node) if m.lock_ref <= 0]
                 raise LockError(f"unlock of node {node.id} would take lock refs below zero on nodes {below}")
             n.lock_ref = ref - 1
-            if ref == 1 and n.resident_children == 0 and n.state in DEVICE_EVICTABLE:
-                device.add(n)  # no-op while it is still a member
+            if ref == 1 and n.resident_children == 0 and n.state in DEVICE_EVICTABLE and members.get(n.id) is not n:
+                device.add(n)  # it left the set while locked (a pass popped it)
             n = n.parent
 
     @staticmethod

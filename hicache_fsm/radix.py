@@ -255,6 +255,7 @@ class RadixTree:
         self._ids = itertools.count(1)
         self.root = TreeNode(0, b"", None, None, page_size)
         self._nodes: dict[int, TreeNode] = {0: self.root}
+        self.by_id = self._nodes  # every live node by id, the root included: read it, never change it
         self.version = 0  # bumped by every change of shape (split, add, remove)
 
     def clear(self) -> None:
@@ -265,7 +266,7 @@ class RadixTree:
         """
         self._ids = itertools.count(1)
         self.root = TreeNode(0, b"", None, None, self.page_size)
-        self._nodes = {0: self.root}
+        self._nodes = self.by_id = {0: self.root}
         self.version += 1
 
     # ------------------------------------------------------------------ lookup
@@ -420,7 +421,7 @@ class RadixTree:
                 m.parent = memo[id(node.parent)]
             if node.children:
                 m.children = {k: memo[id(c)] for k, c in node.children.items()}
-        new._nodes = nodes
+        new._nodes = new.by_id = nodes
         new.root = memo[id(self.root)]
         memo[id(self)] = new
         return new
