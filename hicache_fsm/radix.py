@@ -112,8 +112,7 @@ class TreeNode:
     enrol its new half in the same jobs (``NO_JOBS`` when none: change it
     through ``add_job`` / ``drop_job``). ``resident_children`` is maintained
     by the cache (``hicache_fsm.eviction``) so that eviction never scans
-    children; ``heap_entry`` is the node's newest entry in the device
-    eviction heap (eviction's bookkeeping).
+    children.
 
     A node is small because a cache holds millions: slots are kept as
     ``device_slots`` / ``host_slots``, page ids packed as int64 ``bytes``
@@ -142,7 +141,6 @@ class TreeNode:
         "cp_meta",
         "last_poll",
         "resident_children",
-        "heap_entry",
     )
 
     def __init__(self, node_id: int, raw: bytes, namespace: Hashable, parent: "TreeNode | None",
@@ -166,7 +164,6 @@ class TreeNode:
         self.cp_meta: object | None = None
         self.last_poll = 0  # the cache's poll count at the last access (write_behind coldness)
         self.resident_children = 0  # children on (or coming to) the device; kept by the cache's eviction part
-        self.heap_entry: tuple | None = None
 
     @property
     def device_indices(self) -> torch.Tensor | None:
@@ -190,7 +187,7 @@ class TreeNode:
 
     def add_job(self, job_id: int) -> None:
         jobs = self.pending_jobs
-        if jobs is NO_JOBS:
+        if not jobs:  # ``NO_JOBS``, or an empty frozenset a deep copy made of it
             self.pending_jobs = {job_id}
         else:
             jobs.add(job_id)

@@ -304,3 +304,14 @@ def test_a_split_cuts_compact_slots_at_the_page():
     upper = tree.split(node, 2)
     assert upper.device_indices.tolist() == [4, 5] and node.device_indices.tolist() == [0, 1, 8, 9]
     assert upper.host_indices.tolist() == [2, 3] and node.host_indices.tolist() == [6, 7, 10, 11]
+
+
+def test_a_deep_copied_node_without_jobs_can_take_one():
+    """Explorers deep-copy caches: the copy of the shared empty job set is another empty frozenset."""
+    import copy
+
+    tree = RadixTree(PAGE)
+    node = tree_insert(tree, (1, 2))
+    twin = copy.deepcopy(node)
+    twin.add_job(3)
+    assert twin.pending_jobs == {3} and not node.pending_jobs
