@@ -37,9 +37,11 @@ def device_slot_tensor(parts: list, allocator: Any) -> torch.Tensor:
     """One int64 slot tensor of nodes' compact slots (``TreeNode.device_slots``), in order (a fresh copy)."""
     if not parts:
         return _EMPTY
-    if all(type(p) is bytes for p in parts):
-        return slot_tensor(parts[0] if len(parts) == 1 else b"".join(parts), allocator)
-    return torch.cat([slot_tensor(p, allocator) for p in parts])
+    try:
+        joined = parts[0] if len(parts) == 1 else b"".join(parts)  # a tensor part (kept as given) refuses to join
+    except TypeError:
+        return torch.cat([slot_tensor(p, allocator) for p in parts])
+    return slot_tensor(joined, allocator)
 
 
 def check_index_tensor(indices: object, length: int | None, page_size: int, allocator: Any) -> list[int]:
