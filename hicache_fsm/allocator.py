@@ -257,6 +257,47 @@ class PageAllocator:
             self._free_ascending = True  # the claim took all the old rest: a tail of the sorted released pages is left
         return indices
 
+    def alloc_page_ids(self, num_tokens: int) -> np.ndarray | None:
+        """``alloc``, as the page ids claimed (int64) instead of slot indices: for holders that keep page ids."""
+        if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 0:
+            raise BadIndices(f"num_tokens must be a non-negative int, got {num_tokens!r}")
+        if num_tokens % self.page_size:
+            raise BadIndices(f"num_tokens {num_tokens} is not a multiple of page_size {self.page_size}")
+        need = num_tokens // self.page_size
+        if need > self._num_free:
+            return None
+        free = self._free
+        short = need > free.size
+        if short:
+            free = self._free_array()
+        pages = free[:need]
+        self._free = free[need:]
+        self._num_free -= need
+        self._allocated[pages] = True
+        if short:
+            self._free_ascending = True
+        return pages
+
+    def slot_tensor(self, pages: np.ndarray) -> torch.Tensor:
+        """The token indices (a fresh int64 tensor) of page ids of this allocator, page by page."""
+        return torch.from_numpy(self._page_slots.take(pages, axis=0).reshape(-1))
+
+    def free_page_ids(self, pages: np.ndarray) -> None:
+        """Return pages by id (int64 ids of this allocator, each named once: what ``alloc_page_ids`` gave).
+
+        For holders that keep page ids (tree nodes): no slot checks, only that
+        every page is held, so a double free still raises and frees nothing.
+        """
+        if pages.size == 0:
+            return
+        held = self._allocated[pages]
+        if not held.all():
+            bad = pages[~held][:8].tolist()
+            raise AllocationError(f"free: page(s) {bad} are not allocated (double free?)")
+        self._allocated[pages] = False
+        self._released.append(pages.copy())
+        self._num_free += pages.size
+
     def _pages_to_free(self, indices) -> np.ndarray:
         if isinstance(indices, torch.Tensor) and indices.dtype == torch.int64 and indices.dim() == 1 and indices.device.type == "cpu":
             arr = indices.numpy()

@@ -69,7 +69,9 @@ from hicache_fsm.radix import RadixTree, TreeNode
 from hicache_fsm.registry import registry_for
 from hicache_fsm.residency_driver import ResidencyDriver
 from hicache_fsm.results import DeviceGrant, InsertResult, LoadBack, LoadCancelled, LoadHandle, MatchResult
-from hicache_fsm.slots import check_engine_pages, check_index_tensor, check_pools, node_page_ids, page_ids
+from hicache_fsm.slots import (
+    check_engine_pages, check_index_pages, check_index_tensor, check_pools, device_slot_tensor, node_page_ids, page_ids,
+)
 from hicache_fsm.spec import load_builtin
 from hicache_fsm.storage.ownership import check_completion_owner
 from hicache_fsm.storage.calls import StorageCalls, drain_seconds
@@ -272,7 +274,7 @@ class HiCache(StorageCalls):
         path, _ = driver.walk_splitting(tokens, namespace)  # a bad namespace fails before any split
         now = driver.tick()
         polls = driver.polls
-        device_parts: list[torch.Tensor] = []
+        device_parts: list = []  # the nodes' compact device slots
         loads: list[LoadHandle] = []
         last_device = self.tree.root
         host_hit = 0
@@ -281,7 +283,7 @@ class HiCache(StorageCalls):
             node.last_access = now
             node.last_poll = polls
             if host_hit == 0 and node.state in RESIDENT:
-                device_parts.append(node.device_indices)
+                device_parts.append(node.device_slots)
                 last_device = node
                 if node.state in LOADING:
                     for h in self.outbox.handles_of(node):
@@ -290,12 +292,7 @@ class HiCache(StorageCalls):
             else:
                 host_hit += node.num_tokens
         last_host = path[-1] if path else self.tree.root
-        if not device_parts:
-            device_indices = _EMPTY
-        elif len(device_parts) == 1:
-            device_indices = device_parts[0]
-        else:
-            device_indices = torch.cat(device_parts)
+        device_indices = device_slot_tensor(device_parts, self.device_allocator)
         device_hit = int(device_indices.numel())
         c = self.counters
         c["match_requests"] += 1
@@ -341,15 +338,16 @@ class HiCache(StorageCalls):
         ``match_prefix`` returned them: kept) or fresh ones from
         ``alloc_device`` (duplicates: freed). Every other slot must come from
         ``alloc_device``; an evicted part is revived with them. Nodes keep
-        views of ``device_indices``: hand over a tensor you will not modify
-        (clone a view of a reused buffer such as a request-to-token table).
+        the page ids, not the tensor: the engine may reuse its buffer.
         """
         self.check_open()
         tokens = self._token_ids(tokens)
         ps = self.page_size
-        if len(tokens) % ps:
-            raise BadIndices(f"insert wants whole pages of {ps} tokens; got {len(tokens)} tokens")
-        page_ids = self._check_tensor(device_indices, len(tokens))
+        n_tokens = len(tokens)
+        if n_tokens % ps:
+            raise BadIndices(f"insert wants whole pages of {ps} tokens; got {n_tokens} tokens")
+        page_array = check_index_pages(device_indices, n_tokens, ps, self.device_allocator)
+        page_ids = page_array.tolist()
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise BadIndices(f"priority must be an int, got {priority!r}")
         driver = self.driver
@@ -404,12 +402,12 @@ class HiCache(StorageCalls):
                 self.device_allocator.free(part)
                 self.engine_pages.difference_update(pages)
         node = path[-1] if path else self.tree.root
-        if matched < len(tokens):
+        if matched < n_tokens:
             parent = node
             node = driver.add_child(parent, tokens, namespace, matched)
             node.last_access, node.priority, node.last_poll = now, priority, polls
-            node.device_indices = device_indices[matched : len(tokens)]  # an explicit stop slices faster
-            new_pages = page_ids[matched // ps :]  # not memoised on the node: most nodes are never re-inserted
+            node.device_slots = page_array[matched // ps :].tobytes()
+            new_pages = page_ids[matched // ps :]
             driver.fire(node, "insert")
             self.engine_pages.difference_update(new_pages)
         if self.config.write_policy == "write_through":
@@ -418,10 +416,10 @@ class HiCache(StorageCalls):
             for n in path:
                 if n.state == "device":
                     try_backup(n)
-            if matched < len(tokens):
+            if matched < n_tokens:
                 try_backup(node)
-        self.counters["inserted_tokens"] += len(tokens) - matched
-        return InsertResult(node, matched, len(tokens) - matched)
+        self.counters["inserted_tokens"] += n_tokens - matched
+        return InsertResult(node, matched, n_tokens - matched)
 
     # ================================================================== locks
 
@@ -431,27 +429,25 @@ class HiCache(StorageCalls):
         Called when a request starts using a matched or loaded prefix; the
         root is accepted and ignored. Pair every call with ``unlock``.
         """
-        self.check_open()
-        if node is self.tree.root:
+        if self.closed or threading.get_ident() != self.thread_owner.ident:  # ``check_open``, inline
+            self.check_open()
+        tree = self.tree
+        if node is tree.root:
             return
-        node = self.driver.require_node(node)
-        chain = list(self.tree.path_to_root(node))
-        off = [n.id for n in chain if n.state not in RESIDENT]
-        if off:
-            raise LockError(f"cannot lock node {node.id}: nodes {off} are not on the device")
-        self.eviction.add_locks(chain, 1)
+        if type(node) is not TreeNode or tree.by_id.get(node.id) is not node:
+            node = self.driver.require_node(node)
+        self.eviction.lock_path(node)
 
     def unlock(self, node: TreeNode) -> None:
         """Release a ``lock`` when the request that took it no longer reads the prefix."""
-        self.check_open()
-        if node is self.tree.root:
+        if self.closed or threading.get_ident() != self.thread_owner.ident:  # ``check_open``, inline
+            self.check_open()
+        tree = self.tree
+        if node is tree.root:
             return
-        node = self.driver.require_node(node)
-        chain = list(self.tree.path_to_root(node))
-        unlocked = [n.id for n in chain if n.lock_ref <= 0]
-        if unlocked:
-            raise LockError(f"unlock of node {node.id} would take lock refs below zero on nodes {unlocked}")
-        self.eviction.add_locks(chain, -1)
+        if type(node) is not TreeNode or tree.by_id.get(node.id) is not node:
+            node = self.driver.require_node(node)
+        self.eviction.unlock_path(node)
 
     def pin_host(self, node: TreeNode) -> None:
         """Protect a node's host copy from host eviction (prefetch anchors, storage readers)."""

@@ -80,21 +80,29 @@ class CandidateSet:
     it back with ``restore`` when it skips it). Stale heap entries (left
     members, outdated keys) are skipped or re-pushed when popped, and the heap
     is rebuilt when they outnumber the members.
+
+    ``blocked`` (optional) excludes members lazily: a member for which it is
+    true does not count (``len``, ``in``, ``ids``, ``nodes``) and is dropped
+    when popped. The device set uses it for locks, so that a lock and its
+    unlock need not leave and re-enter the set (the hot path of a request).
     """
 
-    __slots__ = ("key", "_members", "_heap", "_seq")
+    __slots__ = ("key", "blocked", "_members", "_heap", "_seq")
 
-    def __init__(self, key: Callable[[TreeNode], tuple]) -> None:
+    def __init__(self, key: Callable[[TreeNode], tuple], blocked: Callable[[TreeNode], bool] | None = None) -> None:
         self.key = key
+        self.blocked = blocked
         self._members: dict[int, TreeNode] = {}
         self._heap: list[tuple] = []
         self._seq = 0
 
     def __len__(self) -> int:
-        return len(self._members)
+        if self.blocked is None:
+            return len(self._members)
+        return len(self.nodes())
 
     def __contains__(self, node: TreeNode) -> bool:
-        return self._members.get(node.id) is node
+        return self._members.get(node.id) is node and not (self.blocked is not None and self.blocked(node))
 
     @property
     def heap_size(self) -> int:
@@ -102,10 +110,13 @@ class CandidateSet:
         return len(self._heap)
 
     def ids(self) -> set[int]:
-        return set(self._members)
+        return {n.id for n in self.nodes()}
 
     def nodes(self) -> list[TreeNode]:
-        return list(self._members.values())
+        blocked = self.blocked
+        if blocked is None:
+            return list(self._members.values())
+        return [n for n in self._members.values() if not blocked(n)]
 
     def add(self, node: TreeNode) -> None:
         if self._members.get(node.id) is not node:
@@ -123,11 +134,14 @@ class CandidateSet:
 
     def pop(self) -> TreeNode | None:
         """The member with the smallest key, or None when there is none."""
-        members, key = self._members, self.key
+        members, key, blocked = self._members, self.key, self.blocked
         while self._heap:  # re-read: a push below may rebuild the heap
             k, _, node = heapq.heappop(self._heap)
             if members.get(node.id) is not node:
                 continue  # left the set since it was pushed
+            if blocked is not None and blocked(node):
+                del members[node.id]  # blocked now: out until re-added (an unlock adds it back)
+                continue
             current = key(node)
             if current != k:  # its key grew: put it back where it belongs now
                 self._push(node)
@@ -161,6 +175,11 @@ class CandidateSet:
                 for nid, node in self._members.items() if nid not in best or best[nid] > self.key(node)]
 
 
+def node_locked(node: TreeNode) -> bool:
+    """Whether ``node`` is locked (the device set skips such members: see ``CandidateSet``)."""
+    return node.lock_ref != 0
+
+
 class Eviction:
     """Candidate sets of both tiers, eviction passes and backups.
 
@@ -188,7 +207,7 @@ class Eviction:
         self.counters = counters
         self.attached = attached
         self.sort_key = POLICY_KEYS[config.eviction_policy]
-        self.device = CandidateSet(self.sort_key)
+        self.device = CandidateSet(self.sort_key, lambda n: node_locked(n))  # a locked member is skipped, not removed
         self.host = CandidateSet(self.sort_key)
         # device-only nodes by last access, kept only where write_behind reads them
         self.unbacked = CandidateSet(lru_key) if config.write_policy == "write_behind" else None
@@ -218,14 +237,18 @@ class Eviction:
         """Re-decide ``node``'s membership in both sets from its fields (O(1))."""
         if node.parent is None:
             return
-        if node.state in DEVICE_EVICTABLE and node.lock_ref == 0 and node.resident_children == 0:
-            self.device.add(node)
-        else:
-            self.device.discard(node)
-        if node.state in HOST_EVICTABLE and node.host_ref == 0 and not node.children:
-            self.host.add(node)
-        else:
-            self.host.discard(node)
+        state = node.state
+        device, host = self.device, self.host
+        if state in DEVICE_EVICTABLE and node.lock_ref == 0 and node.resident_children == 0:
+            if device._members.get(node.id) is not node:
+                device.add(node)
+        elif device._members.get(node.id) is node:  # tested inline: most nodes are in neither set
+            device.discard(node)
+        if state in HOST_EVICTABLE and node.host_ref == 0 and not node.children:
+            if host._members.get(node.id) is not node:
+                host.add(node)
+        elif host._members.get(node.id) is node:
+            host.discard(node)
         unbacked = self.unbacked
         if unbacked is not None:
             if node.state == "device":
@@ -249,6 +272,44 @@ class Eviction:
             n.lock_ref += delta
             if n.lock_ref == 0 or n.lock_ref == delta:  # was or is now zero
                 self.refresh(n)
+
+    def lock_path(self, node: TreeNode) -> None:
+        """Lock ``node`` and its ancestors (``HiCache.lock``); ``LockError``, nothing changed, if one is off the device.
+
+        The device set keeps a node it holds when it is locked (``pop`` skips
+        it), so a lock costs one increment a node.
+        """
+        n = node
+        while n.parent is not None:
+            if n.state not in RESIDENT:
+                self._undo(node, n, -1)
+                off = [m.id for m in self.tree.path_to_root(node) if m.state not in RESIDENT]
+                raise LockError(f"cannot lock node {node.id}: nodes {off} are not on the device")
+            n.lock_ref += 1
+            n = n.parent
+
+    def unlock_path(self, node: TreeNode) -> None:
+        """Undo one ``lock_path`` of ``node``; ``LockError``, nothing changed, if a ref would go below zero."""
+        n = node
+        device = self.device
+        members = device._members
+        while n.parent is not None:
+            ref = n.lock_ref
+            if ref <= 0:
+                self._undo(node, n, 1)
+                below = [m.id for m in self.tree.path_to_root(node) if m.lock_ref <= 0]
+                raise LockError(f"unlock of node {node.id} would take lock refs below zero on nodes {below}")
+            n.lock_ref = ref - 1
+            if ref == 1 and n.resident_children == 0 and n.state in DEVICE_EVICTABLE and members.get(n.id) is not n:
+                device.add(n)  # it left the set while locked (a pass popped it)
+            n = n.parent
+
+    @staticmethod
+    def _undo(node: TreeNode, stop: TreeNode, delta: int) -> None:
+        """Add ``delta`` to the lock refs from ``node`` up to ``stop`` (excluded): a refused lock or unlock."""
+        while node is not stop:
+            node.lock_ref += delta
+            node = node.parent
 
     def add_pins(self, nodes, delta: int) -> None:
         """Add ``delta`` to the host pins of ``nodes``; membership changes where a pin crosses zero."""

@@ -155,7 +155,7 @@ class Outbox:
             tree = self.tree
             nodes = [tree.get(n) for n in job.node_ids]
         for n in nodes:
-            n.pending_jobs.add(job.id)
+            n.add_job(job.id)
         self._job_nodes[job.id] = nodes
         self._pending[job.id] = job
         self._kind_count[job.kind] += 1
@@ -248,7 +248,7 @@ class Outbox:
             self.ledger.ended(c.job_id, "acked" if c.ok else "failed")
             nodes = self._job_nodes.pop(c.job_id)
             for node in nodes:
-                node.pending_jobs.discard(c.job_id)
+                node.drop_job(c.job_id)
             handle = self._job_handle.pop(c.job_id, None)
             try:
                 self._finish(job, c, nodes, handle)

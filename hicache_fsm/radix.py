@@ -11,13 +11,93 @@ so that two namespaces never match each other's prefixes.
 from __future__ import annotations
 
 import itertools
-from typing import Callable, Hashable, Iterator
+from typing import Callable, Hashable, Iterator, Mapping
 
+import numpy as np
 import torch
 
 from hicache_fsm.tokens import ID_BYTES, TokenIds, pack_token_ids, unpack_token_ids
 
 ROOT_STATE = "root"
+
+NO_JOBS: frozenset[int] = frozenset()  # the ``pending_jobs`` of a node no job covers (shared: no set per node)
+
+
+class _NoChildren(dict):
+    """The one empty, read-only ``children`` every leaf shares (a dict per leaf costs 64 bytes)."""
+
+    __slots__ = ()
+
+    def _refuse(self, *args, **kwargs):
+        raise TypeError("a leaf's shared empty children mapping is read-only (RadixTree gives a node its own dict)")
+
+    __setitem__ = __delitem__ = setdefault = update = pop = popitem = clear = __ior__ = _refuse
+
+    def __copy__(self) -> "_NoChildren":
+        return self
+
+    def __deepcopy__(self, memo: dict) -> "_NoChildren":
+        return self
+
+    def __reduce__(self):
+        return "NO_CHILDREN"  # the module global: a copy or a pickle is the same object
+
+
+NO_CHILDREN: Mapping = _NoChildren()  # the ``children`` of a leaf (shared, read-only: no dict per leaf)
+
+_ROWS: dict[int, np.ndarray] = {}  # page size -> the offsets 0..page_size-1 of a page's slots
+
+
+def _page_row(page_size: int) -> np.ndarray:
+    row = _ROWS.get(page_size)
+    if row is None:
+        row = _ROWS[page_size] = np.arange(page_size, dtype=np.int64)
+    return row
+
+
+def slots_of_pages(pages: bytes, page_size: int) -> torch.Tensor:
+    """The slot indices (int64 tensor, a fresh copy) of page ids packed as native int64 ``bytes``."""
+    p = np.frombuffer(pages, dtype=np.int64)
+    if page_size == 1:
+        return torch.from_numpy(p.copy())
+    return torch.from_numpy((p[:, None] * page_size + _page_row(page_size)).reshape(-1))
+
+
+def slot_tensor(slots: "bytes | torch.Tensor | None", allocator) -> torch.Tensor | None:
+    """A node's compact slots (``TreeNode.device_slots`` / ``host_slots``) as an index tensor of ``allocator``.
+
+    Page ids are expanded by the allocator's slot table (one gather) where it
+    has one; a tensor or None is returned as it is.
+    """
+    if type(slots) is not bytes:
+        return slots
+    expand = getattr(allocator, "slot_tensor", None)
+    if expand is None:
+        return slots_of_pages(slots, allocator.page_size)
+    return expand(np.frombuffer(slots, dtype=np.int64))
+
+
+def pack_slots(indices: "torch.Tensor | None", page_size: int) -> "bytes | torch.Tensor | None":
+    """The compact form a node keeps of slot indices: page ids as int64 ``bytes`` where they are whole pages.
+
+    A tensor that is not whole pages in order (a CP layout, a test's odd
+    tensor) is kept as it is, so reading it back always gives what was set.
+    """
+    if (indices is None or type(indices) is not torch.Tensor or indices.dtype != torch.int64
+            or indices.dim() != 1 or not indices.is_cpu or indices.requires_grad):
+        return indices
+    a = indices.numpy()
+    n = a.size
+    if n % page_size:
+        return indices
+    if n == 0:
+        return b""
+    first = a[::page_size]
+    if first.min() < 0 or (first % page_size).any():
+        return indices
+    if page_size > 1 and not np.array_equal(a.reshape(-1, page_size), first[:, None] + _page_row(page_size)):
+        return indices
+    return (first // page_size).tobytes()
 
 
 class TreeNode:
@@ -29,9 +109,16 @@ class TreeNode:
     lock pins the whole path to the root on the device); ``host_ref`` pins
     this node's host copy only (prefetch anchors). ``pending_jobs`` holds ids
     of in-flight jobs that cover this node, so a node split mid-transfer can
-    enrol its new half in the same jobs. ``resident_children`` is maintained
+    enrol its new half in the same jobs (``NO_JOBS`` when none: change it
+    through ``add_job`` / ``drop_job``). ``resident_children`` is maintained
     by the cache (``hicache_fsm.eviction``) so that eviction never scans
     children.
+
+    A node is small because a cache holds millions: slots are kept as
+    ``device_slots`` / ``host_slots``, page ids packed as int64 ``bytes``
+    (see ``pack_slots``); ``device_indices`` / ``host_indices`` build the
+    slot-index tensor on each read and accept a tensor on write. A leaf
+    shares ``NO_CHILDREN`` and a node without jobs ``NO_JOBS``.
     """
 
     __slots__ = (
@@ -41,8 +128,9 @@ class TreeNode:
         "raw",
         "namespace",
         "state",
-        "device_indices",
-        "host_indices",
+        "page_size",
+        "device_slots",
+        "host_slots",
         "lock_ref",
         "host_ref",
         "hit_count",
@@ -52,30 +140,64 @@ class TreeNode:
         "pending_jobs",
         "cp_meta",
         "last_poll",
-        "page_memo",
         "resident_children",
     )
 
-    def __init__(self, node_id: int, raw: bytes, namespace: Hashable, parent: "TreeNode | None") -> None:
+    def __init__(self, node_id: int, raw: bytes, namespace: Hashable, parent: "TreeNode | None",
+                 page_size: int = 1) -> None:
         self.id = node_id
         self.parent = parent
-        self.children: dict[tuple, TreeNode] = {}
+        self.children: Mapping[tuple, TreeNode] = NO_CHILDREN
         self.raw = raw
         self.namespace = namespace
         self.state = ROOT_STATE if parent is None else "absent"
-        self.device_indices: torch.Tensor | None = None
-        self.host_indices: torch.Tensor | None = None
+        self.page_size = page_size
+        self.device_slots: bytes | torch.Tensor | None = None
+        self.host_slots: bytes | torch.Tensor | None = None
         self.lock_ref = 0
         self.host_ref = 0
         self.hit_count = 0
         self.last_access = 0
         self.priority = 0
         self.storage_keys: tuple[str, ...] | None = None
-        self.pending_jobs: set[int] = set()
+        self.pending_jobs: set[int] | frozenset[int] = NO_JOBS
         self.cp_meta: object | None = None
         self.last_poll = 0  # the cache's poll count at the last access (write_behind coldness)
-        self.page_memo: tuple | None = None  # (device_indices tensor, its page ids): valid while that tensor is current
         self.resident_children = 0  # children on (or coming to) the device; kept by the cache's eviction part
+
+    @property
+    def device_indices(self) -> torch.Tensor | None:
+        """The node's device slot indices (a fresh int64 tensor on each read), or None."""
+        s = self.device_slots
+        return slots_of_pages(s, self.page_size) if type(s) is bytes else s
+
+    @device_indices.setter
+    def device_indices(self, indices: torch.Tensor | None) -> None:
+        self.device_slots = pack_slots(indices, self.page_size)
+
+    @property
+    def host_indices(self) -> torch.Tensor | None:
+        """The node's host slot indices (a fresh int64 tensor on each read), or None."""
+        s = self.host_slots
+        return slots_of_pages(s, self.page_size) if type(s) is bytes else s
+
+    @host_indices.setter
+    def host_indices(self, indices: torch.Tensor | None) -> None:
+        self.host_slots = pack_slots(indices, self.page_size)
+
+    def add_job(self, job_id: int) -> None:
+        jobs = self.pending_jobs
+        if not jobs:  # ``NO_JOBS``, or an empty frozenset a deep copy made of it
+            self.pending_jobs = {job_id}
+        else:
+            jobs.add(job_id)
+
+    def drop_job(self, job_id: int) -> None:
+        jobs = self.pending_jobs
+        if jobs:
+            jobs.discard(job_id)
+            if not jobs:
+                self.pending_jobs = NO_JOBS
 
     @property
     def key(self) -> tuple[int, ...]:
@@ -103,6 +225,16 @@ class TreeNode:
         return f"TreeNode(id={self.id}, tokens={self.num_tokens}, state={self.state})"
 
 
+def _split_slots(slots, at: int, pages: int) -> tuple:
+    """``slots`` (compact page ids, a tensor, or None) cut after ``at`` tokens (``pages`` pages)."""
+    if slots is None:
+        return None, None
+    if type(slots) is bytes:
+        cut = pages * 8
+        return slots[:cut], slots[cut:]
+    return slots[:at], slots[at:]
+
+
 class RadixTree:
     """Prefix match, insert and split over page-aligned runs of packed token ids.
 
@@ -118,8 +250,9 @@ class RadixTree:
         self.page_size = page_size
         self.page_bytes = page_size * ID_BYTES
         self._ids = itertools.count(1)
-        self.root = TreeNode(0, b"", None, None)
+        self.root = TreeNode(0, b"", None, None, page_size)
         self._nodes: dict[int, TreeNode] = {0: self.root}
+        self.by_id = self._nodes  # every live node by id, the root included: read it, never change it
         self.version = 0  # bumped by every change of shape (split, add, remove)
 
     def clear(self) -> None:
@@ -129,8 +262,8 @@ class RadixTree:
         no walk remembered before the clear is taken for one after it.
         """
         self._ids = itertools.count(1)
-        self.root = TreeNode(0, (), None, None)
-        self._nodes = {0: self.root}
+        self.root = TreeNode(0, b"", None, None, self.page_size)
+        self._nodes = self.by_id = {0: self.root}
         self.version += 1
 
     # ------------------------------------------------------------------ lookup
@@ -212,24 +345,23 @@ class RadixTree:
             raise ValueError(f"cannot split node of {node.num_tokens} tokens at {at}")
         parent = node.parent
         cut = at * ID_BYTES
-        upper = TreeNode(next(self._ids), node.raw[:cut], node.namespace, parent)
+        upper = TreeNode(next(self._ids), node.raw[:cut], node.namespace, parent, self.page_size)
         upper.state = node.state
         upper.lock_ref = node.lock_ref
         upper.hit_count, upper.last_access, upper.priority = node.hit_count, node.last_access, node.priority
         upper.last_poll = node.last_poll
-        upper.pending_jobs = set(node.pending_jobs)
-        if node.device_indices is not None:
-            upper.device_indices, node.device_indices = node.device_indices[:at], node.device_indices[at:]
-        if node.host_indices is not None:
-            upper.host_indices, node.host_indices = node.host_indices[:at], node.host_indices[at:]
+        if node.pending_jobs:
+            upper.pending_jobs = set(node.pending_jobs)
+        pages = at // self.page_size
+        upper.device_slots, node.device_slots = _split_slots(node.device_slots, at, pages)
+        upper.host_slots, node.host_slots = _split_slots(node.host_slots, at, pages)
         if node.storage_keys is not None:
-            pages = at // self.page_size
             upper.storage_keys, node.storage_keys = node.storage_keys[:pages], node.storage_keys[pages:]
         pb = self.page_bytes
         parent.children[(node.namespace, node.raw[:pb])] = upper
         node.raw = node.raw[cut:]
         node.parent = upper
-        upper.children[(node.namespace, node.raw[:pb])] = node
+        upper.children = {(node.namespace, node.raw[:pb]): node}
         self._nodes[upper.id] = upper
         self.version += 1
         return upper
@@ -241,9 +373,12 @@ class RadixTree:
         if start < 0 or length <= 0 or length % self.page_size:
             raise ValueError("a node holds a positive whole number of pages")
         key = raw[start * ID_BYTES :] if start else raw
-        child = TreeNode(next(self._ids), key, namespace, parent)
+        child = TreeNode(next(self._ids), key, namespace, parent, self.page_size)
+        children = parent.children
+        if children is NO_CHILDREN:
+            children = parent.children = {}
         # one hash of the first page, not two (a lookup, then a store)
-        if parent.children.setdefault((namespace, key[: self.page_bytes]), child) is not child:
+        if children.setdefault((namespace, key[: self.page_bytes]), child) is not child:
             raise ValueError("a child with that first page already exists")
         self._nodes[child.id] = child
         self.version += 1
@@ -252,7 +387,10 @@ class RadixTree:
     def remove_leaf(self, node: TreeNode) -> None:
         if node.children:
             raise ValueError(f"node {node.id} has children; only leaves leave the tree")
-        del node.parent.children[(node.namespace, node.raw[: self.page_bytes])]
+        parent = node.parent
+        del parent.children[(node.namespace, node.raw[: self.page_bytes])]
+        if not parent.children:
+            parent.children = NO_CHILDREN
         del self._nodes[node.id]
         self.version += 1
 
@@ -278,8 +416,9 @@ class RadixTree:
         for node, m in pairs:
             if node.parent is not None:
                 m.parent = memo[id(node.parent)]
-            m.children = {k: memo[id(c)] for k, c in node.children.items()}
-        new._nodes = nodes
+            if node.children:
+                m.children = {k: memo[id(c)] for k, c in node.children.items()}
+        new._nodes = new.by_id = nodes
         new.root = memo[id(self.root)]
         memo[id(self)] = new
         return new

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Callable, Hashable, Protocol
 
 from hicache_fsm.errors import BadIndices, UnknownNode
 from hicache_fsm.jobs import JobKind, TransferJob
-from hicache_fsm.radix import RadixTree, TreeNode
+from hicache_fsm.radix import RadixTree, TreeNode, slot_tensor
 
 if TYPE_CHECKING:
     from hicache_fsm.interfaces import Attached, Jobs, StructureHooks
@@ -176,8 +176,11 @@ class ResidencyDriver:
         """The job a transition of ``node`` emits: its slots, or its storage keys for H2S."""
         if kind is JobKind.H2S:
             return TransferJob(kind, (node.id,), node.host_indices, keys=self.attached.storage.keys_for(node))
-        draft = node.host_indices if self.draft else None
-        return TransferJob(kind, (node.id,), node.host_indices, node.device_indices, draft_host_indices=draft)
+        ctx = self.ctx
+        host = slot_tensor(node.host_slots, ctx.host_allocator)
+        draft = host if self.draft else None
+        return TransferJob(kind, (node.id,), host, slot_tensor(node.device_slots, ctx.device_allocator),
+                           draft_host_indices=draft)
 
     # ------------------------------------------------------------------ tree shape
 

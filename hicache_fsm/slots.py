@@ -11,10 +11,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from hicache_fsm.errors import BadIndices, ConfigError
-from hicache_fsm.radix import TreeNode
+from hicache_fsm.radix import TreeNode, slot_tensor
+
+_EMPTY = torch.empty(0, dtype=torch.int64)
 
 
 def page_ids(indices: torch.Tensor, page_size: int) -> list[int]:
@@ -23,18 +26,31 @@ def page_ids(indices: torch.Tensor, page_size: int) -> list[int]:
 
 
 def node_page_ids(node: TreeNode, page_size: int) -> list[int]:
-    """Page ids of a node's device slots, remembered for as long as the node keeps the same tensor."""
-    memo = node.page_memo
-    indices = node.device_indices
-    if memo is not None and memo[0] is indices:
-        return memo[1]
-    pages = page_ids(indices, page_size)
-    node.page_memo = (indices, pages)
-    return pages
+    """Page ids of a node's device slots (read from its compact form: no tensor is built)."""
+    slots = node.device_slots
+    if type(slots) is bytes:
+        return np.frombuffer(slots, dtype=np.int64).tolist()
+    return page_ids(slots, page_size)
+
+
+def device_slot_tensor(parts: list, allocator: Any) -> torch.Tensor:
+    """One int64 slot tensor of nodes' compact slots (``TreeNode.device_slots``), in order (a fresh copy)."""
+    if not parts:
+        return _EMPTY
+    try:
+        joined = parts[0] if len(parts) == 1 else b"".join(parts)  # a tensor part (kept as given) refuses to join
+    except TypeError:
+        return torch.cat([slot_tensor(p, allocator) for p in parts])
+    return slot_tensor(joined, allocator)
 
 
 def check_index_tensor(indices: object, length: int | None, page_size: int, allocator: Any) -> list[int]:
     """Type, dtype, device, length and page alignment of an engine index tensor; returns its page ids."""
+    return check_index_pages(indices, length, page_size, allocator).tolist()
+
+
+def check_index_pages(indices: object, length: int | None, page_size: int, allocator: Any) -> np.ndarray:
+    """``check_index_tensor``, returning the page ids as an int64 array (what a node keeps, packed)."""
     if not isinstance(indices, torch.Tensor):
         raise BadIndices(f"device indices must be a torch.Tensor, got {type(indices).__name__}")
     if indices.dtype != torch.int64 or indices.dim() != 1:
@@ -49,11 +65,11 @@ def check_index_tensor(indices: object, length: int | None, page_size: int, allo
     if n % page_size:
         raise BadIndices(f"{n} indices is not a whole number of pages of {page_size} tokens")
     if not n:
-        return []
+        return np.empty(0, dtype=np.int64)
     a = indices.numpy()
     pages = allocator.whole_pages(a)
     if pages is not None:
-        return pages.tolist()
+        return pages
     raise BadIndices(f"device indices {allocator.not_whole_pages_reason(a)}")
 
 
@@ -83,4 +99,7 @@ def check_pools(device_pool: Any, host_pool: Any, draft_device_pool: Any, draft_
             raise ConfigError("draft pools must use the target pools' page size (one tree indexes both)")
 
 
-__all__ = ["check_engine_pages", "check_index_tensor", "check_pools", "node_page_ids", "page_ids"]
+__all__ = [
+    "check_engine_pages", "check_index_pages", "check_index_tensor", "check_pools", "device_slot_tensor",
+    "node_page_ids", "page_ids",
+]

@@ -130,3 +130,24 @@ def test_a_heap_rebuilt_while_popping_keeps_the_order():
         cs.discard(n)
     assert order == [n.id for n in sorted(left, key=POLICY_KEYS["lru"])]
     assert cs.heap_size == 0
+
+
+def test_a_locked_candidate_is_skipped_by_eviction_and_counts_again_once_unlocked():
+    """A lock leaves the node in the device set's heap (no churn per request); it neither counts nor is evicted."""
+    cache, ex = make_cache(page=PAGE, device_pages=64, host_pages=64)
+    a, b = (1,) * (2 * PAGE), (2,) * (2 * PAGE)
+    put(cache, a)
+    put(cache, b)
+    drain(cache, ex)
+    node = cache.match_prefix(a).last_device_node
+    device = cache.eviction.device
+    assert node in device and len(device) == 2
+    cache.lock(node)
+    assert node not in device and len(device) == 1 and cache.eviction.violations() == []
+    cache.evict(1 << 30)
+    assert node.state in DEVICE_EVICTABLE and cache.match_prefix(b).device_hit_length == 0
+    assert cache.eviction.violations() == []
+    cache.unlock(node)
+    assert node in device and cache.eviction.violations() == []
+    assert cache.evict(1 << 30) == 2 * PAGE and node.state not in DEVICE_EVICTABLE
+    cache.check_invariants()

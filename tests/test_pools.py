@@ -381,3 +381,20 @@ def test_cp_rank_host_pool_must_exceed_its_device_share():
     with pytest.raises(ConfigError, match=r"larger than the device pool it backs \(16 tokens\)"):
         build_cp_pools(config, 2, 0)
     assert build_cp_pools(attrs.evolve(config, host_tokens=20), 2, 0).host.size_tokens == 20
+
+
+def test_page_id_allocation_hands_out_what_alloc_would_and_refuses_a_double_free():
+    import numpy as np
+
+    from hicache_fsm.allocator import PageAllocator
+    from hicache_fsm.errors import AllocationError
+
+    by_ids, by_slots = PageAllocator(32, 4), PageAllocator(32, 4)
+    pages = by_ids.alloc_page_ids(12)
+    assert pages.tolist() == (by_slots.alloc(12)[::4] // 4).tolist() == [0, 1, 2]
+    assert by_ids.slot_tensor(pages).tolist() == list(range(12))
+    by_ids.free_page_ids(pages[1:2])
+    with pytest.raises(AllocationError):
+        by_ids.free_page_ids(np.array([2, 1], dtype=np.int64))  # page 1 is free already: nothing is freed
+    assert by_ids.free_pages == 6 and by_ids.is_allocated(2)
+    assert by_ids.alloc_page_ids(64) is None

@@ -264,3 +264,70 @@ def test_walk_splitting_splits_a_partly_matched_node_for_tokens_in_any_form(as_t
         assert sorted(n.num_tokens for n in cache.tree.nodes() if not n.is_root) == [4, 4]
     finally:
         cache.close()
+
+
+# ---------------------------------------------------------------- the compact node
+
+
+@settings(max_examples=60, deadline=None)
+@given(page=st.sampled_from([1, 2, 4]), pages=st.lists(st.integers(0, 1 << 40), min_size=0, max_size=8, unique=True))
+def test_whole_page_slots_are_kept_as_page_ids_and_read_back_the_same(page, pages):
+    from hicache_fsm.radix import NO_JOBS
+
+    tree = RadixTree(page)
+    node = tree.add_child(tree.root, (1,) * page, None)
+    slots = torch.tensor([p * page + k for p in pages for k in range(page)], dtype=torch.int64)
+    node.device_indices = slots
+    assert type(node.device_slots) is bytes and len(node.device_slots) == 8 * len(pages)
+    assert torch.equal(node.device_indices, slots) and node.device_indices.dtype == torch.int64
+    assert node.device_indices is not node.device_indices  # a fresh tensor each read: writing one changes no node
+    assert node.host_indices is None and node.pending_jobs is NO_JOBS
+
+
+@pytest.mark.parametrize("slots", [torch.tensor([1, 2], dtype=torch.int64), torch.tensor([0, 1, 2]),
+                                   torch.tensor([2, 3], dtype=torch.int32), torch.tensor([3, 2], dtype=torch.int64)])
+def test_slots_that_are_not_whole_pages_are_kept_as_given(slots):
+    tree = RadixTree(2)
+    node = tree.add_child(tree.root, (1, 2), None)
+    node.host_indices = slots
+    assert node.host_indices is slots
+
+
+def test_leaves_share_one_read_only_children_mapping_and_nodes_without_jobs_share_no_jobs():
+    from hicache_fsm.radix import NO_CHILDREN, NO_JOBS
+
+    tree = RadixTree(PAGE)
+    a = tree_insert(tree, (1, 2, 3, 4))
+    b = tree_insert(tree, (1, 2, 5, 6))
+    upper = a.parent
+    assert a.children is NO_CHILDREN and b.children is NO_CHILDREN and len(upper.children) == 2
+    with pytest.raises(TypeError):
+        NO_CHILDREN[("x", b"")] = a
+    a.add_job(7)
+    assert a.pending_jobs == {7} and b.pending_jobs is NO_JOBS
+    a.drop_job(7)
+    assert a.pending_jobs is NO_JOBS
+    tree.remove_leaf(a)
+    tree.remove_leaf(b)
+    assert upper.children is NO_CHILDREN and len(NO_CHILDREN) == 0
+
+
+def test_a_split_cuts_compact_slots_at_the_page():
+    tree = RadixTree(PAGE)
+    node = tree_insert(tree, (1, 2, 3, 4, 5, 6))
+    node.device_indices = torch.tensor([4, 5, 0, 1, 8, 9], dtype=torch.int64)
+    node.host_indices = torch.tensor([2, 3, 6, 7, 10, 11], dtype=torch.int64)
+    upper = tree.split(node, 2)
+    assert upper.device_indices.tolist() == [4, 5] and node.device_indices.tolist() == [0, 1, 8, 9]
+    assert upper.host_indices.tolist() == [2, 3] and node.host_indices.tolist() == [6, 7, 10, 11]
+
+
+def test_a_deep_copied_node_without_jobs_can_take_one():
+    """Explorers deep-copy caches: the copy of the shared empty job set is another empty frozenset."""
+    import copy
+
+    tree = RadixTree(PAGE)
+    node = tree_insert(tree, (1, 2))
+    twin = copy.deepcopy(node)
+    twin.add_job(3)
+    assert twin.pending_jobs == {3} and not node.pending_jobs

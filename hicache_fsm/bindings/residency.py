@@ -9,7 +9,10 @@ the cache builds and an executor runs.
 
 from __future__ import annotations
 
+import numpy as np
+
 from hicache_fsm.jobs import JobKind
+from hicache_fsm.radix import pack_slots, slots_of_pages
 from hicache_fsm.registry import machine_registry
 
 residency = machine_registry("residency")
@@ -74,19 +77,38 @@ def storage_attached(node, ctx) -> bool:
     return ctx.storage_attached and getattr(node, "cp_meta", None) is None
 
 
+def _take_slots(allocator, num_tokens: int):
+    """Slots for a node in its compact form (page ids as bytes) when the allocator hands out page ids."""
+    alloc_page_ids = getattr(allocator, "alloc_page_ids", None)
+    if alloc_page_ids is None:
+        return pack_slots(allocator.alloc(num_tokens), allocator.page_size)
+    pages = alloc_page_ids(num_tokens)
+    return None if pages is None else pages.tobytes()
+
+
+def _give_back(allocator, slots) -> None:
+    """Return a node's slots (compact page ids or a tensor) to ``allocator``."""
+    if type(slots) is bytes and hasattr(allocator, "free_page_ids"):
+        allocator.free_page_ids(np.frombuffer(slots, dtype=np.int64))
+    elif type(slots) is bytes:
+        allocator.free(slots_of_pages(slots, allocator.page_size))
+    else:
+        allocator.free(slots)
+
+
 @residency.effect
 def alloc_host(node, ctx) -> None:
     cp = getattr(ctx, "cp", None)
     if cp is not None:
         cp.alloc_host(node)
         return
-    node.host_indices = ctx.host_allocator.alloc(node.num_tokens)
+    node.host_slots = _take_slots(ctx.host_allocator, node.num_tokens)
 
 
 @residency.effect
 def free_host(node, ctx) -> None:
-    ctx.host_allocator.free(node.host_indices)
-    node.host_indices = None
+    _give_back(ctx.host_allocator, node.host_slots)
+    node.host_slots = None
     cp = getattr(ctx, "cp", None)
     if cp is not None:  # CP: draft host slots and the owner pattern go with the host copy
         cp.release_host(node)
@@ -98,13 +120,13 @@ def alloc_device(node, ctx) -> None:
     if cp is not None:
         cp.alloc_device(node)
         return
-    node.device_indices = ctx.device_allocator.alloc(node.num_tokens)
+    node.device_slots = _take_slots(ctx.device_allocator, node.num_tokens)
 
 
 @residency.effect
 def free_device(node, ctx) -> None:
-    ctx.device_allocator.free(node.device_indices)
-    node.device_indices = None
+    _give_back(ctx.device_allocator, node.device_slots)
+    node.device_slots = None
 
 
 @residency.effect

@@ -338,6 +338,9 @@ def _evict_locked(p: Patcher) -> None:
     from hicache_fsm.eviction import DEVICE_EVICTABLE
 
     p.setattr(Eviction, "refresh", refresh)
+    import hicache_fsm.eviction as eviction_module
+
+    p.setattr(eviction_module, "node_locked", lambda node: False)  # the device set no longer skips locked members
     p.setitem(_residency().guards, "unlocked", lambda node, cache: True)
 
 
