@@ -12,7 +12,6 @@ from __future__ import annotations
 import numpy as np
 
 from hicache_fsm.jobs import JobKind
-from hicache_fsm.radix import pack_slots, slots_of_pages
 from hicache_fsm.registry import machine_registry
 
 residency = machine_registry("residency")
@@ -81,6 +80,8 @@ def _take_slots(allocator, num_tokens: int):
     """Slots for a node in its compact form (page ids as bytes) when the allocator hands out page ids."""
     alloc_page_ids = getattr(allocator, "alloc_page_ids", None)
     if alloc_page_ids is None:
+        from hicache_fsm.radix import pack_slots  # radix needs torch; diagrams load these bindings without it
+
         return pack_slots(allocator.alloc(num_tokens), allocator.page_size)
     pages = alloc_page_ids(num_tokens)
     return None if pages is None else pages.tobytes()
@@ -91,6 +92,8 @@ def _give_back(allocator, slots) -> None:
     if type(slots) is bytes and hasattr(allocator, "free_page_ids"):
         allocator.free_page_ids(np.frombuffer(slots, dtype=np.int64))
     elif type(slots) is bytes:
+        from hicache_fsm.radix import slots_of_pages  # as in _take_slots: only an allocator without page ids
+
         allocator.free(slots_of_pages(slots, allocator.page_size))
     else:
         allocator.free(slots)
