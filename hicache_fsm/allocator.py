@@ -190,22 +190,24 @@ class PageAllocator:
             self._released = []
         return self._free
 
-    def _claim(self, pages: np.ndarray, remaining_free: np.ndarray, run: bool = False) -> torch.Tensor:
-        """Mark ``pages`` allocated, keep ``remaining_free`` as the free list; token indices of ``pages``.
+    def _claim(self, pages: np.ndarray, remaining_free: np.ndarray, run: bool = False) -> None:
+        """Mark ``pages`` allocated and keep ``remaining_free`` as the free list (in the order it had).
 
-        ``remaining_free`` must keep the order it had in the free array.
-        ``run``: the caller knows ``pages`` are consecutive and ascending.
+        ``run``: the caller knows ``pages`` are consecutive and ascending (a slice instead of a gather).
         """
         self._free = remaining_free
         self._num_free -= pages.size
-        if run:  # a slice instead of a gather, and (``views``) a view instead of a copy
+        if run:
             first = int(pages[0])
             self._allocated[first : first + pages.size] = True
-            if self.views:
-                ps = self.page_size
-                return self._slot_ids[first * ps : (first + pages.size) * ps]
         else:
             self._allocated[pages] = True
+
+    def _slots_of_claimed(self, pages: np.ndarray, run: bool) -> torch.Tensor:
+        """Token indices of just-claimed ``pages``: with ``views``, a run is a view of the slot ids, not a copy."""
+        if run and self.views:
+            first, ps = int(pages[0]), self.page_size
+            return self._slot_ids[first * ps : (first + pages.size) * ps]
         return torch.from_numpy(self._page_slots.take(pages, axis=0).reshape(-1))
 
     def whole_pages(self, slots: np.ndarray) -> np.ndarray | None:
@@ -239,6 +241,19 @@ class PageAllocator:
 
     def alloc(self, num_tokens: int) -> torch.Tensor | None:
         """Token indices (int64, CPU) of ``num_tokens / page_size`` free pages, or None if too few."""
+        taken = self._take_pages(num_tokens)
+        if taken is None:
+            return None
+        pages, run = taken
+        return self._slots_of_claimed(pages, run)
+
+    def alloc_page_ids(self, num_tokens: int) -> np.ndarray | None:
+        """``alloc``, as the page ids claimed (int64) instead of slot indices: for holders that keep page ids."""
+        taken = self._take_pages(num_tokens)
+        return None if taken is None else taken[0]
+
+    def _take_pages(self, num_tokens: int) -> tuple[np.ndarray, bool] | None:
+        """Claim the first ``num_tokens / page_size`` free pages (None if too few); whether they are one run."""
         if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 0:
             raise BadIndices(f"num_tokens must be a non-negative int, got {num_tokens!r}")
         if num_tokens % self.page_size:
@@ -251,32 +266,12 @@ class PageAllocator:
         if short:
             free = self._free_array()  # the rest, then the sorted released pages
         # from an ascending free array, ``need`` pages spanning ``need`` ids are one run
-        run = self._free_ascending and need > 0 and free[need - 1] - free[0] == need - 1
-        indices = self._claim(free[:need], free[need:], run)
+        run = bool(self._free_ascending and need > 0 and free[need - 1] - free[0] == need - 1)
+        pages = free[:need]
+        self._claim(pages, free[need:], run)
         if short:
             self._free_ascending = True  # the claim took all the old rest: a tail of the sorted released pages is left
-        return indices
-
-    def alloc_page_ids(self, num_tokens: int) -> np.ndarray | None:
-        """``alloc``, as the page ids claimed (int64) instead of slot indices: for holders that keep page ids."""
-        if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 0:
-            raise BadIndices(f"num_tokens must be a non-negative int, got {num_tokens!r}")
-        if num_tokens % self.page_size:
-            raise BadIndices(f"num_tokens {num_tokens} is not a multiple of page_size {self.page_size}")
-        need = num_tokens // self.page_size
-        if need > self._num_free:
-            return None
-        free = self._free
-        short = need > free.size
-        if short:
-            free = self._free_array()
-        pages = free[:need]
-        self._free = free[need:]
-        self._num_free -= need
-        self._allocated[pages] = True
-        if short:
-            self._free_ascending = True
-        return pages
+        return pages, run
 
     def slot_tensor(self, pages: np.ndarray) -> torch.Tensor:
         """The token indices (a fresh int64 tensor) of page ids of this allocator, page by page."""

@@ -164,7 +164,8 @@ class CPPageAllocator(PageAllocator):
             pick = have[: want.size]
             chosen[want] = free[pick]
             taken[pick] = True
-        return self._claim(chosen, free[~taken])
+        self._claim(chosen, free[~taken])
+        return self._slots_of_claimed(chosen, run=False)
 
 
 class CPDeviceKVPool(DeviceKVPool):
