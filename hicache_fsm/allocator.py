@@ -277,6 +277,10 @@ class PageAllocator:
         """The token indices (a fresh int64 tensor) of page ids of this allocator, page by page."""
         return torch.from_numpy(self._page_slots.take(pages, axis=0).reshape(-1))
 
+    def free_packed_pages(self, pages: bytes) -> None:
+        """``free_page_ids`` of page ids packed as native int64 ``bytes`` (what a tree node keeps)."""
+        self.free_page_ids(np.frombuffer(pages, dtype=np.int64))
+
     def free_page_ids(self, pages: np.ndarray) -> None:
         """Return pages by id (int64 ids of this allocator, each named once: what ``alloc_page_ids`` gave).
 

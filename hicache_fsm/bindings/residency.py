@@ -9,8 +9,6 @@ the cache builds and an executor runs.
 
 from __future__ import annotations
 
-import numpy as np
-
 from hicache_fsm.jobs import JobKind
 from hicache_fsm.registry import machine_registry
 
@@ -89,8 +87,8 @@ def _take_slots(allocator, num_tokens: int):
 
 def _give_back(allocator, slots) -> None:
     """Return a node's slots (compact page ids or a tensor) to ``allocator``."""
-    if type(slots) is bytes and hasattr(allocator, "free_page_ids"):
-        allocator.free_page_ids(np.frombuffer(slots, dtype=np.int64))
+    if type(slots) is bytes and hasattr(allocator, "free_packed_pages"):
+        allocator.free_packed_pages(slots)
     elif type(slots) is bytes:
         from hicache_fsm.radix import slots_of_pages  # as in _take_slots: only an allocator without page ids
 
