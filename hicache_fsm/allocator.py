@@ -321,13 +321,7 @@ class PageAllocator:
         # strictly ascending (the common case: pages handed out from sorted free runs) has no repeat
         if pages.size > 1 and not (pages[1:] > pages[:-1]).all() and np.unique(pages).size != pages.size:
             raise AllocationError("free: the same page appears twice in one call")
-        held = self._allocated[pages]
-        if not held.all():
-            bad = pages[~held][:8].tolist()
-            raise AllocationError(f"free: page(s) {bad} are not allocated (double free?)")
-        self._allocated[pages] = False
-        self._released.append(pages.copy())
-        self._num_free += pages.size
+        self.free_page_ids(pages)
 
 
 __all__ = ["PageAllocator", "as_index_tensor", "page_ids_array", "pages_of"]

@@ -49,9 +49,11 @@ The host pool is duck-typed (:class:`HostPoolLike`): ``page_nbytes``,
 
 from __future__ import annotations
 
+import itertools
 import logging
 import struct
 import threading
+import weakref
 import zlib
 from abc import ABC, abstractmethod
 from collections import OrderedDict
@@ -72,6 +74,7 @@ __all__ = [
     "HEADER",
     "MAGIC",
     "STAT_FIELDS",
+    "SharedStore",
     "HostPoolLike",
     "LRUIndex",
     "StorageBackend",
@@ -667,6 +670,9 @@ class StorageBackend(ABC):
             except Exception:  # noqa: BLE001 - a listener's bug must not fail the write that evicted
                 logger.exception("%s: an eviction listener failed", type(self).__name__)
 
+    def _forget_recency(self, skeys: Sequence[str]) -> None:
+        """Drop ``skeys`` from this backend's recency order (a store it shares evicted them); none kept by default."""
+
     def _report_corrupt(self, skey: str, reason: str | CorruptPage) -> None:
         """Count a stored page that is read as a miss: corrupt, or (warned once per format) foreign."""
         if isinstance(reason, FormatMismatch):
@@ -722,3 +728,32 @@ class StorageBackend(ABC):
     def _debug_corrupt(self, key: str) -> bool:
         """Test hook: damage the stored copy of page key ``key``; False if it is not stored."""
         raise NotImplementedError(f"{type(self).__name__} cannot corrupt pages for tests")
+
+
+_STORE_EPOCHS = itertools.count(1)  # every store, and every clear of one, gets an epoch no other had
+
+
+class SharedStore:
+    """What the backends opened on one in-process store share: a lock, a data epoch and who is open on it.
+
+    A size cap evicts from the store, so every backend on it must forget the
+    pages (their recency order) and tell its own eviction listeners.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.epoch = next(_STORE_EPOCHS)
+        self.backends: weakref.WeakSet[StorageBackend] = weakref.WeakSet()
+
+    def renew_epoch(self) -> None:
+        """The store's pages were dropped wholesale (a clear): holders must store their nodes again."""
+        self.epoch = next(_STORE_EPOCHS)
+
+    def evicted(self, skeys: list[str]) -> None:
+        """``skeys`` were dropped from the store: every backend on it forgets them and tells its listeners."""
+        with self.lock:
+            backends = list(self.backends)
+            for backend in backends:
+                backend._forget_recency(skeys)
+        for backend in backends:
+            backend._report_evicted(skeys)

@@ -24,38 +24,21 @@ by ``max_bytes`` is reported to every backend's eviction listeners, as there.
 
 from __future__ import annotations
 
-import itertools
 import threading
-import weakref
 from typing import Any, Sequence
 
 from hicache_fsm.errors import StorageKeyError
-from hicache_fsm.storage.base import EXISTS, FAILED, WRITTEN, LRUIndex, StorageBackend
+from hicache_fsm.storage.base import EXISTS, FAILED, WRITTEN, LRUIndex, SharedStore, StorageBackend
 from hicache_fsm.storage.keys import KeyNamespace
 from hicache_fsm.storage.page_format import PageFormat
 
 __all__ = ["KeysOnlyBackend"]
 
-_EPOCHS = itertools.count(1)
 
-
-class _KeyStore:
+class _KeyStore(SharedStore):
     def __init__(self) -> None:
-        self.lock = threading.RLock()
+        super().__init__()
         self.formats: dict[str, bytes] = {}  # storage key -> page format it was written in
-        self.epoch = next(_EPOCHS)
-        self.backends: weakref.WeakSet[KeysOnlyBackend] = weakref.WeakSet()  # every backend on this key set
-
-    def evicted(self, skeys: list[str]) -> None:
-        """``skeys`` were dropped: every backend on this key set forgets them and tells its listeners."""
-        with self.lock:
-            backends = list(self.backends)
-            for backend in backends:
-                if backend._lru is not None:
-                    for skey in skeys:
-                        backend._lru.discard(skey)
-        for backend in backends:
-            backend._report_evicted(skeys)
 
 
 _SHARED: dict[str, _KeyStore] = {}
@@ -92,6 +75,11 @@ class KeysOnlyBackend(StorageBackend):
         """Storage keys of every page this backend's key set holds, sorted."""
         with self._keys.lock:
             return sorted(self._keys.formats)
+
+    def _forget_recency(self, skeys: Sequence[str]) -> None:
+        if self._lru is not None:
+            for skey in skeys:
+                self._lru.discard(skey)
 
     def data_epoch(self) -> int:
         """Goes up whenever stored keys were dropped wholesale (``clear``)."""
@@ -188,7 +176,7 @@ class KeysOnlyBackend(StorageBackend):
         with self._keys.lock:
             for skey in [k for k in self._keys.formats if k.startswith(self._prefix)]:
                 del self._keys.formats[skey]
-            self._keys.epoch = next(_EPOCHS)
+            self._keys.renew_epoch()
             if self._lru is not None:
                 self._lru.clear()
 

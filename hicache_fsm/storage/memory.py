@@ -14,9 +14,8 @@ listeners (a cluster of caches on one ``memory://NAME`` L3 all hear it).
 
 from __future__ import annotations
 
-import itertools
 import threading
-import weakref
+from typing import Sequence
 
 from hicache_fsm.storage.base import (
     EXISTS,
@@ -24,6 +23,7 @@ from hicache_fsm.storage.base import (
     WRITTEN,
     CorruptPage,
     LRUIndex,
+    SharedStore,
     StorageBackend,
     decode_blob,
 )
@@ -33,25 +33,10 @@ from hicache_fsm.storage.page_format import PageFormat
 __all__ = ["MemoryBackend"]
 
 
-_EPOCHS = itertools.count(1)  # every store, and every clear of one, gets an epoch no other had
-
-
-class _Store:
+class _Store(SharedStore):
     def __init__(self) -> None:
-        self.lock = threading.RLock()
+        super().__init__()
         self.data: dict[str, bytes] = {}
-        self.epoch = next(_EPOCHS)
-        self.backends: weakref.WeakSet[MemoryBackend] = weakref.WeakSet()  # every open backend on this store
-
-    def evicted(self, skeys: list[str]) -> None:
-        """``skeys`` were dropped from the store: every backend on it forgets them and tells its listeners."""
-        with self.lock:
-            backends = list(self.backends)
-            for backend in backends:
-                for skey in skeys:
-                    backend._lru.discard(skey)
-        for backend in backends:
-            backend._report_evicted(skeys)
 
 
 _SHARED: dict[str, _Store] = {}
@@ -178,8 +163,12 @@ class MemoryBackend(StorageBackend):
         with self._mem.lock:
             for skey in [k for k in self._mem.data if k.startswith(prefix)]:
                 del self._mem.data[skey]
-            self._mem.epoch = next(_EPOCHS)
+            self._mem.renew_epoch()
             self._lru.clear()
+
+    def _forget_recency(self, skeys: Sequence[str]) -> None:
+        for skey in skeys:
+            self._lru.discard(skey)
 
     def data_epoch(self) -> int:
         """Goes up whenever stored pages were dropped wholesale (``clear``): the tier stores its nodes again."""
