@@ -200,3 +200,14 @@ def test_after_evictions_every_stored_node_is_in_storage_and_the_index_knows_it(
                 assert sink.index.blocks(0, t) == actual[t], (op, t)
     finally:
         cache.close()
+
+
+def test_only_backends_that_can_evict_say_they_report_evictions(tmp_path):
+    """An uncapped private store never evicts, so the tier need not index its stored nodes' keys."""
+    assert not MemoryBackend().reports_evictions
+    assert MemoryBackend(max_bytes=PAGE_BYTES).reports_evictions
+    assert MemoryBackend(store="evictions-shared").reports_evictions  # a capped neighbour may evict our keys
+    assert not KeysOnlyBackend().reports_evictions
+    assert KeysOnlyBackend(max_bytes=PAGE_BYTES).reports_evictions
+    assert not FileBackend(str(tmp_path / "a")).reports_evictions
+    assert FileBackend(str(tmp_path / "b"), max_bytes=PAGE_BYTES).reports_evictions

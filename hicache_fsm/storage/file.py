@@ -125,7 +125,11 @@ class FileBackend(StorageBackend):
     """Pages as files under ``root``; see the module docstring for the guarantees."""
 
     scheme = "file"
-    reports_evictions = True
+
+    @property
+    def reports_evictions(self) -> bool:  # type: ignore[override]
+        """Only ``max_bytes`` evicts (files deleted by others are found by ``verify_stored``)."""
+        return self._lru.max_bytes is not None
 
     def __init__(
         self,

@@ -49,7 +49,11 @@ class KeysOnlyBackend(StorageBackend):
     """Stored keys and their page format only (see the module docstring); ``max_bytes`` caps with LRU eviction."""
 
     scheme = "keys"
-    reports_evictions = True
+
+    @property
+    def reports_evictions(self) -> bool:  # type: ignore[override]
+        """Only a cap evicts: this backend's own, or another's on the same shared key set and namespace."""
+        return self._lru is not None or bool(self.store_name)
 
     def __init__(self, namespace: KeyNamespace | None = None, *, store: str | None = None,
                  max_bytes: int | None = None, page_format: PageFormat | None = None) -> None:

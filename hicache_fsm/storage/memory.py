@@ -47,7 +47,11 @@ class MemoryBackend(StorageBackend):
     """In-process storage; ``max_bytes`` caps this namespace's payload bytes with LRU eviction."""
 
     scheme = "memory"
-    reports_evictions = True
+
+    @property
+    def reports_evictions(self) -> bool:  # type: ignore[override]
+        """Only a cap evicts: this backend's own, or another's on the same shared store and namespace."""
+        return self._lru.max_bytes is not None or bool(self.store_name)
 
     def __init__(
         self,
