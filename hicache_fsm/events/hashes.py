@@ -15,7 +15,6 @@ controller; a token that does not fit 32 bits falls back to ``page_keys``.
 
 from __future__ import annotations
 
-import hashlib
 import sys
 from array import array
 from typing import Hashable, Sequence
@@ -23,7 +22,7 @@ from typing import Hashable, Sequence
 from hicache_fsm.errors import StorageKeyError
 from hicache_fsm.events.wire import ID_CODE, int64_array, uint32_array
 from hicache_fsm.radix import TreeNode
-from hicache_fsm.storage.keys import page_keys
+from hicache_fsm.storage.keys import page_digests, page_keys
 from hicache_fsm.storage.tier import namespace_seed
 
 
@@ -48,24 +47,7 @@ def chained_digests(tokens: Sequence[int], page_size: int, prior: bytes) -> list
         return [bytes.fromhex(k) for k in page_keys(tokens, page_size, prior.hex() or None)]
     if sys.byteorder == "big":
         packed.byteswap()
-    return _packed_digests(packed.tobytes(), page_size, prior)
-
-
-def _packed_digests(raw: bytes | memoryview, page_size: int, prior: bytes) -> list[bytes]:
-    """Chained SHA-256 of each full page of little-endian uint32 ids.
-
-    One ``sha256(prior + page)`` call per page: the fewest interpreter steps per
-    page found (a page is hashed once in its chain's life, and this is most of
-    what rendering an event costs).
-    """
-    stride = 4 * page_size
-    sha = hashlib.sha256
-    out = []
-    append = out.append
-    for start in range(0, len(raw) - stride + 1, stride):
-        prior = sha(prior + raw[start : start + stride]).digest()
-        append(prior)
-    return out
+    return page_digests(packed.tobytes(), page_size, prior)
 
 
 def _int64(digest: bytes) -> int:
@@ -123,7 +105,7 @@ def span_wire_tokens(span: KeySpan, recent: "RecentSlices | None" = None) -> byt
 def span_digests(span: KeySpan, page_size: int, prior: bytes, recent: "RecentSlices | None" = None) -> list[bytes]:
     """The chained page digests of ``span``: packed bytes are hashed in place."""
     if isinstance(span, bytes):
-        return _packed_digests(span, page_size, prior)
+        return page_digests(span, page_size, prior)
     return chained_digests(span_tokens(span, recent), page_size, prior)
 
 

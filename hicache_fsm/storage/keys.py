@@ -90,18 +90,34 @@ def page_keys(tokens: Sequence[int] | TokenIds, page_size: int, prior: str | Non
         raise StorageKeyError(f"page_size must be a positive int, got {page_size!r}")
     raw = memoryview(_token_bytes(tokens))
     keys: list[str] = []
-    _chain_into(keys, raw, ID_BYTES * page_size, 0, len(raw) // (ID_BYTES * page_size), _prior_bytes(prior))
+    _chain_into(keys, raw, page_size, 0, len(raw) // (ID_BYTES * page_size), _prior_bytes(prior))
     return keys
 
 
-def _chain_into(keys: list[str], raw: memoryview, stride: int, first: int, stop: int, chained: bytes) -> bytes:
-    """Append the keys of pages ``first..stop-1`` of ``raw`` chained onto ``chained``; the last digest."""
+def page_digests(raw: bytes | memoryview, page_size: int, prior: bytes, first: int = 0,
+                 stop: int | None = None) -> list[bytes]:
+    """Chained SHA-256 digests of full pages ``first..stop-1`` of packed little-endian uint32 ids, onto ``prior``.
+
+    The one chain every tier key and KV event block hash comes from: each page's
+    digest is ``sha256(previous digest + the page's bytes)``, hashed in place.
+    """
+    stride = ID_BYTES * page_size
+    if stop is None:
+        stop = len(raw) // stride
     sha256 = hashlib.sha256
-    append = keys.append
+    out: list[bytes] = []
+    append = out.append
     for start in range(first * stride, stop * stride, stride):
-        chained = sha256(chained + raw[start : start + stride]).digest()  # one call: measured faster than update()
-        append(chained.hex())
-    return chained
+        prior = sha256(prior + raw[start : start + stride]).digest()  # one call: measured faster than update()
+        append(prior)
+    return out
+
+
+def _chain_into(keys: list[str], raw: memoryview, page_size: int, first: int, stop: int, chained: bytes) -> bytes:
+    """Append the keys of pages ``first..stop-1`` of ``raw`` chained onto ``chained``; the last digest."""
+    digests = page_digests(raw, page_size, chained, first, stop)
+    keys.extend([d.hex() for d in digests])
+    return digests[-1] if digests else chained
 
 
 class PageKeyChain(Sequence[str]):
@@ -140,7 +156,7 @@ class PageKeyChain(Sequence[str]):
                 have = len(keys)
                 if have < stop:
                     end = min(self._len, max(stop, have + self._chunk))
-                    self._chained = _chain_into(keys, self._raw, self._stride, have, end, self._chained)
+                    self._chained = _chain_into(keys, self._raw, self._stride // ID_BYTES, have, end, self._chained)
         return keys
 
     @overload
