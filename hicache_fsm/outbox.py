@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 import attrs
 
 from hicache_fsm.errors import CompletionFailure, UnknownJob
-from hicache_fsm.jobs import Completion, JobBatch, JobKind, TransferJob, merge_jobs
+from hicache_fsm.jobs import Completion, JobKind, TransferJob, merge_jobs
 from hicache_fsm.radix import RadixTree, TreeNode
 from hicache_fsm.results import LoadHandle
 
@@ -61,14 +61,6 @@ class JobLedger:
 
     def copy(self) -> "JobLedger":
         return JobLedger(self.window, self.emitted, self.acked, self.failed, self.cancelled, dict(self.recent))
-
-
-def batches(jobs: list[TransferJob]) -> list[JobBatch]:
-    """``merge_jobs``, without concatenating the indices of a group that has one job."""
-    if len(jobs) == 1:
-        j = jobs[0]
-        return [JobBatch(j.kind, (j,), j.host_indices, j.device_indices, j.layer, j.draft_host_indices)]
-    return merge_jobs(jobs)
 
 
 class Outbox:
@@ -192,7 +184,7 @@ class Outbox:
             return
         jobs, self._queued = self._queued, []
         handles, self._load_handles = self._load_handles, []
-        groups = batches(jobs)
+        groups = merge_jobs(jobs)
         executor = self.executor
         for i, batch in enumerate(groups):
             try:

@@ -22,12 +22,19 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable, Hashable, Protocol
 
 from hicache_fsm.errors import BadIndices, UnknownNode
-from hicache_fsm.jobs import JobKind, TransferJob
-from hicache_fsm.radix import RadixTree, TreeNode, slot_tensor
+from hicache_fsm.jobs import JobKind, PageSlots, TransferJob
+from hicache_fsm.radix import RadixTree, TreeNode
 
 if TYPE_CHECKING:
+    import torch
+
     from hicache_fsm.interfaces import Attached, Jobs, StructureHooks
     from hicache_fsm.machine import CompiledMachine, CompiledTransition
+
+
+def _slots(slots: "bytes | torch.Tensor | None", allocator: object) -> "PageSlots | torch.Tensor | None":
+    """A node's compact slots as a job carries them: page ids stay page ids (expanded if an executor reads them)."""
+    return PageSlots(slots, allocator) if type(slots) is bytes else slots
 
 
 class ResidencyListener(Protocol):
@@ -173,14 +180,13 @@ class ResidencyDriver:
         return self.machine.can_fire(node, trigger, self.ctx)
 
     def build_job(self, kind: JobKind, node: TreeNode) -> TransferJob:
-        """The job a transition of ``node`` emits: its slots, or its storage keys for H2S."""
-        if kind is JobKind.H2S:
-            return TransferJob(kind, (node.id,), node.host_indices, keys=self.attached.storage.keys_for(node))
+        """The job a transition of ``node`` emits: its slots (as page ids), or its storage keys for H2S."""
         ctx = self.ctx
-        host = slot_tensor(node.host_slots, ctx.host_allocator)
-        draft = host if self.draft else None
-        return TransferJob(kind, (node.id,), host, slot_tensor(node.device_slots, ctx.device_allocator),
-                           draft_host_indices=draft)
+        host = _slots(node.host_slots, ctx.host_allocator)
+        if kind is JobKind.H2S:
+            return TransferJob(kind, (node.id,), host, keys=self.attached.storage.keys_for(node))
+        return TransferJob(kind, (node.id,), host, _slots(node.device_slots, ctx.device_allocator),
+                           draft_host_indices=host if self.draft else None)
 
     # ------------------------------------------------------------------ tree shape
 
