@@ -290,7 +290,7 @@ class PageAllocator:
         if pages.size == 0:
             return
         held = self._allocated[pages]
-        if not held.all():
+        if np.count_nonzero(held) != pages.size:  # measured faster than ``all()``
             bad = pages[~held][:8].tolist()
             raise AllocationError(f"free: page(s) {bad} are not allocated (double free?)")
         self._allocated[pages] = False

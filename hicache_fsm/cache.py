@@ -88,6 +88,19 @@ __all__ = [
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
 
+def _own_prefix(path: list[TreeNode], partial: int) -> bytes | None:
+    """The packed device page ids of ``path`` when every node holds its own compact slots, else None (no partial)."""
+    if partial:
+        return None
+    parts = []
+    for node in path:
+        slots = node.device_slots
+        if type(slots) is not bytes or node.state not in RESIDENT:
+            return None
+        parts.append(slots)
+    return b"".join(parts)
+
+
 class HiCache(StorageCalls):
     """A device + host (+ storage) KV cache over a radix tree: the facade an engine embeds.
 
@@ -340,19 +353,66 @@ class HiCache(StorageCalls):
         ``alloc_device``; an evicted part is revived with them. Nodes keep
         the page ids, not the tensor: the engine may reuse its buffer.
         """
-        self.check_open()
+        if self.closed or threading.get_ident() != self.thread_owner.ident:  # ``check_open``, inline
+            self.check_open()
         tokens = self._token_ids(tokens)
         ps = self.page_size
         n_tokens = len(tokens)
         if n_tokens % ps:
             raise BadIndices(f"insert wants whole pages of {ps} tokens; got {n_tokens} tokens")
         page_array = check_index_pages(device_indices, n_tokens, ps, self.device_allocator)
-        page_ids = page_array.tolist()
-        if isinstance(priority, bool) or not isinstance(priority, int):
+        if type(priority) is not int and (isinstance(priority, bool) or not isinstance(priority, int)):
             raise BadIndices(f"priority must be an int, got {priority!r}")
         driver = self.driver
         path, matched, partial = driver.walk(tokens, namespace)
         # ---- validate every page before changing anything
+        packed = page_array.tobytes()  # the engine's page ids, as nodes keep them
+        own = _own_prefix(path, partial)
+        if own is not None and packed.startswith(own):  # the usual case: the cached part is the cache's own slots
+            n_own = len(own) >> 3
+            page_ids = own_ids = None  # not needed: nothing to revive, no duplicate
+            engine = page_array[n_own:].tolist()
+        else:
+            page_ids = page_array.tolist()
+            own_ids = self._own_pages(path, partial, tokens, namespace, matched)
+            n_own = len(own_ids)
+            engine = [p for i, p in enumerate(page_ids) if i >= n_own or own_ids[i] != p]
+        self._check_engine_pages(engine)
+        # ---- apply
+        if partial:
+            path, matched = driver.walk_splitting(tokens, namespace)
+        now = driver.tick()
+        polls = driver.polls
+        if own_ids is None:
+            for node in path:
+                node.last_access = now
+                node.last_poll = polls
+                if priority > node.priority:
+                    node.priority = priority
+        else:
+            self._adopt_path(path, device_indices, page_ids, own_ids, priority, now, polls)
+        node = path[-1] if path else self.tree.root
+        if matched < n_tokens:
+            node = driver.add_child(node, tokens, namespace, matched)
+            node.last_access, node.priority, node.last_poll = now, priority, polls
+            node.device_slots = packed[(matched // ps) << 3 :]
+            driver.fire(node, "insert")
+            self.engine_pages.difference_update(engine if own_ids is None else page_ids[matched // ps :])
+        if self.config.write_policy == "write_through":
+            # new node, plus any node on the path whose earlier backup failed or was refused
+            try_backup = self.eviction.try_backup
+            for n in path:
+                if n.state == "device":
+                    try_backup(n)
+            if matched < n_tokens:
+                try_backup(node)
+        self.counters["inserted_tokens"] += n_tokens - matched
+        return InsertResult(node, matched, n_tokens - matched)
+
+    def _own_pages(self, path: list[TreeNode], partial: int, tokens: TokenIds, namespace: Hashable,
+                   matched: int) -> list[int | None]:
+        """Per page of the matched part (a partly matched node included): the cache's own device page, or None."""
+        ps = self.page_size
         own: list[int | None] = []
         for node in path:
             if node.state in RESIDENT:
@@ -365,17 +425,13 @@ class HiCache(StorageCalls):
                 own.extend(self._page_ids(child.device_indices[:partial]))
             else:
                 own.extend([None] * (partial // ps))
-        n_own = len(own)
-        if own == page_ids[:n_own]:  # the usual case: the cached part is the cache's own slots
-            engine = page_ids[n_own:]
-        else:
-            engine = [p for i, p in enumerate(page_ids) if i >= n_own or own[i] != p]
-        self._check_engine_pages(engine)
-        # ---- apply
-        if partial:
-            path, matched = driver.walk_splitting(tokens, namespace)
-        now = driver.tick()
-        polls = driver.polls
+        return own
+
+    def _adopt_path(self, path: list[TreeNode], device_indices: torch.Tensor, page_ids: list[int],
+                    own: list[int | None], priority: int, now: int, polls: int) -> None:
+        """Touch the matched nodes; revive evicted ones with the engine's slots, free the engine's duplicates."""
+        ps = self.page_size
+        driver = self.driver
         pos = 0
         duplicate: list[torch.Tensor] = []
         for node in path:
@@ -401,25 +457,6 @@ class HiCache(StorageCalls):
             if pages:
                 self.device_allocator.free(part)
                 self.engine_pages.difference_update(pages)
-        node = path[-1] if path else self.tree.root
-        if matched < n_tokens:
-            parent = node
-            node = driver.add_child(parent, tokens, namespace, matched)
-            node.last_access, node.priority, node.last_poll = now, priority, polls
-            node.device_slots = page_array[matched // ps :].tobytes()
-            new_pages = page_ids[matched // ps :]
-            driver.fire(node, "insert")
-            self.engine_pages.difference_update(new_pages)
-        if self.config.write_policy == "write_through":
-            # new node, plus any node on the path whose earlier backup failed or was refused
-            try_backup = self.eviction.try_backup
-            for n in path:
-                if n.state == "device":
-                    try_backup(n)
-            if matched < n_tokens:
-                try_backup(node)
-        self.counters["inserted_tokens"] += n_tokens - matched
-        return InsertResult(node, matched, n_tokens - matched)
 
     # ================================================================== locks
 

@@ -152,16 +152,20 @@ class ResidencyDriver:
         transition = self.machine.fire(node, trigger, self.ctx if ctx is None else ctx)
         if node.state != old:
             self._moved(node, old)
-        if emit and transition.emits:
-            try:
-                jobs = [self.build_job(kind, node) for kind in transition.emits]
-            except Exception:
-                if getattr(transition, "effects", None) == ():  # None: a dispatcher that keeps its own state
-                    node.state = old
-                    self._moved(node, transition.dest)
-                raise
-            for job in jobs:
-                self.jobs.emit(job, [node])
+        if emit:
+            emits = transition.emits
+            if emits:
+                try:
+                    jobs = [self.build_job(kind, node) for kind in emits] if len(emits) > 1 else (
+                        self.build_job(emits[0], node),)
+                except Exception:
+                    if getattr(transition, "effects", None) == ():  # None: a dispatcher that keeps its own state
+                        node.state = old
+                        self._moved(node, transition.dest)
+                    raise
+                emit_job = self.jobs.emit
+                for job in jobs:
+                    emit_job(job, [node])
         if self._observers:
             self.notify({"event": "transition", "machine": "residency", "node": node.id, "trigger": trigger,
                          "source": transition.source, "dest": transition.dest})
@@ -173,8 +177,10 @@ class ResidencyDriver:
         counts[old] -= 1
         counts[node.state] += 1
         self.hooks.state_changed(node, old)
-        for listener in self._listeners:
-            listener.state_changed(node, old)
+        listeners = self._listeners
+        if listeners:
+            for listener in listeners:
+                listener.state_changed(node, old)
 
     def can_fire(self, node: TreeNode, trigger: str) -> bool:
         return self.machine.can_fire(node, trigger, self.ctx)
