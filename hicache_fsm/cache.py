@@ -55,6 +55,7 @@ from hicache_fsm.errors import (
     LockError,
     UnknownJob,
 )
+from hicache_fsm.insert_slots import own_pages, own_prefix
 from hicache_fsm.inspection import (
     HostOwners, InvariantViolation, RuntimeChecks, engine_slot_owner, maintained_set_problems, node_slot_owners,
     snapshot, stats,
@@ -70,7 +71,7 @@ from hicache_fsm.registry import registry_for
 from hicache_fsm.residency_driver import ResidencyDriver
 from hicache_fsm.results import DeviceGrant, InsertResult, LoadBack, LoadCancelled, LoadHandle, MatchResult
 from hicache_fsm.slots import (
-    check_engine_pages, check_index_pages, check_index_tensor, check_pools, device_slot_tensor, node_page_ids, page_ids,
+    check_engine_pages, check_index_pages, check_index_tensor, check_pools, device_slot_tensor, page_ids,
 )
 from hicache_fsm.spec import load_builtin
 from hicache_fsm.storage.ownership import check_completion_owner
@@ -86,19 +87,6 @@ __all__ = [
 ]
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
-
-
-def _own_prefix(path: list[TreeNode], partial: int) -> bytes | None:
-    """The packed device page ids of ``path`` when every node holds its own compact slots, else None (no partial)."""
-    if partial:
-        return None
-    parts = []
-    for node in path:
-        slots = node.device_slots
-        if type(slots) is not bytes or node.state not in RESIDENT:
-            return None
-        parts.append(slots)
-    return b"".join(parts)
 
 
 class HiCache(StorageCalls):
@@ -250,9 +238,6 @@ class HiCache(StorageCalls):
     def _check_tensor(self, indices: object, length: int | None) -> list[int]:
         return check_index_tensor(indices, length, self.page_size, self.device_allocator)
 
-    def _node_pages(self, node: TreeNode) -> list[int]:
-        return node_page_ids(node, self.page_size)
-
     def _check_engine_pages(self, pages: list[int]) -> None:
         check_engine_pages(self.engine_pages, pages)
 
@@ -367,14 +352,14 @@ class HiCache(StorageCalls):
         path, matched, partial = driver.walk(tokens, namespace)
         # ---- validate every page before changing anything
         packed = page_array.tobytes()  # the engine's page ids, as nodes keep them
-        own = _own_prefix(path, partial)
+        own = own_prefix(path, partial)
         if own is not None and packed.startswith(own):  # the usual case: the cached part is the cache's own slots
             n_own = len(own) >> 3
             page_ids = own_ids = None  # not needed: nothing to revive, no duplicate
             engine = page_array[n_own:].tolist()
         else:
             page_ids = page_array.tolist()
-            own_ids = self._own_pages(path, partial, tokens, namespace, matched)
+            own_ids = own_pages(path, partial, self.tree, tokens, namespace, matched)
             n_own = len(own_ids)
             engine = [p for i, p in enumerate(page_ids) if i >= n_own or own_ids[i] != p]
         self._check_engine_pages(engine)
@@ -408,24 +393,6 @@ class HiCache(StorageCalls):
                 try_backup(node)
         self.counters["inserted_tokens"] += n_tokens - matched
         return InsertResult(node, matched, n_tokens - matched)
-
-    def _own_pages(self, path: list[TreeNode], partial: int, tokens: TokenIds, namespace: Hashable,
-                   matched: int) -> list[int | None]:
-        """Per page of the matched part (a partly matched node included): the cache's own device page, or None."""
-        ps = self.page_size
-        own: list[int | None] = []
-        for node in path:
-            if node.state in RESIDENT:
-                own.extend(self._node_pages(node))
-            else:
-                own.extend([None] * (node.num_tokens // ps))
-        if partial:
-            child = (path[-1] if path else self.tree.root).children[self.tree.child_key(namespace, tokens, matched)]
-            if child.state in RESIDENT:
-                own.extend(self._page_ids(child.device_indices[:partial]))
-            else:
-                own.extend([None] * (partial // ps))
-        return own
 
     def _adopt_path(self, path: list[TreeNode], device_indices: torch.Tensor, page_ids: list[int],
                     own: list[int | None], priority: int, now: int, polls: int) -> None:
@@ -614,7 +581,8 @@ class HiCache(StorageCalls):
         ``applied`` holds what this call would have returned). No node is left
         in flight without a job (``in_flight_has_job``).
         """
-        self.check_open()
+        if self.closed or threading.get_ident() != self.thread_owner.ident:  # ``check_open``, inline
+            self.check_open()
         self.driver.count_poll()
         if self.config.write_policy == "write_behind":
             self.eviction.write_behind()
@@ -622,13 +590,15 @@ class HiCache(StorageCalls):
         outbox.flush()
         done = list(self.executor.poll())
         failures = outbox.take_deferred()
-        if self.storage is not None:
+        storage = self.attached.storage
+        if storage is not None:
             try:
-                done += self.storage.poll()
+                done += storage.poll()
             except Exception as exc:  # the executor's completions are applied all the same
                 failures.append(CompletionFailure(None, exc))
-        applied, more = outbox.apply_agreed(done)
-        failures += more
+        applied, more = outbox.apply_agreed(done)  # with a rank group: a collective every poll, even with none here
+        if more:
+            failures += more
         if failures:
             unknown = {id(f.completion) for f in failures if isinstance(f.error, UnknownJob)}
             raise CompletionsFailed(failures, [c for c in applied if id(c) not in unknown])
