@@ -11,7 +11,7 @@ the nodes it covers. ``JobLedger`` counts how every job ended.
 from __future__ import annotations
 
 import logging
-from collections import Counter
+from collections import Counter, OrderedDict
 from typing import TYPE_CHECKING, Any, Iterable
 
 import attrs
@@ -49,7 +49,9 @@ class JobLedger:
     acked: int = 0
     failed: int = 0
     cancelled: int = 0
-    recent: dict[int, str] = attrs.Factory(dict)  # job id -> "acked" | "failed" | "cancelled", oldest first
+    # job id -> "acked" | "failed" | "cancelled", oldest first; ordered so that dropping the oldest is O(1)
+    # (deleting a plain dict's first key leaves a hole every later ``next(iter())`` scans: ~100 us a job)
+    recent: OrderedDict[int, str] = attrs.field(factory=OrderedDict, converter=OrderedDict)
 
     def ended(self, job_id: int, how: str) -> None:
         """Record that ``job_id`` ended ``how``: "acked", "failed" or "cancelled"."""
@@ -64,10 +66,10 @@ class JobLedger:
         recent = self.recent
         recent[job_id] = how
         if len(recent) > self.window:
-            del recent[next(iter(recent))]
+            recent.popitem(last=False)
 
     def copy(self) -> "JobLedger":
-        return JobLedger(self.window, self.emitted, self.acked, self.failed, self.cancelled, dict(self.recent))
+        return JobLedger(self.window, self.emitted, self.acked, self.failed, self.cancelled, self.recent)  # copied by the converter
 
 
 class Outbox:
