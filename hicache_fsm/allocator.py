@@ -183,7 +183,9 @@ class PageAllocator:
     def _free_array(self) -> np.ndarray:
         """Every free page id, in allocation order (released pages merged in)."""
         if self._released:
-            released = np.sort(np.concatenate(self._released))
+            batches = self._released
+            released = batches[0] if len(batches) == 1 else np.concatenate(batches)
+            released.sort()  # in place: a batch is a copy ``free_page_ids`` made (a fork may share it: order is moot)
             left = self._free
             self._free_ascending = self._free_ascending and (not left.size or left[-1] < released[0])
             self._free = np.concatenate([left, released]) if left.size else released
@@ -254,20 +256,21 @@ class PageAllocator:
 
     def _take_pages(self, num_tokens: int) -> tuple[np.ndarray, bool] | None:
         """Claim the first ``num_tokens / page_size`` free pages (None if too few); whether they are one run."""
-        if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 0:
+        if type(num_tokens) is not int and (not isinstance(num_tokens, int) or isinstance(num_tokens, bool)) \
+                or num_tokens < 0:
             raise BadIndices(f"num_tokens must be a non-negative int, got {num_tokens!r}")
-        if num_tokens % self.page_size:
+        need, rest = divmod(num_tokens, self.page_size)
+        if rest:
             raise BadIndices(f"num_tokens {num_tokens} is not a multiple of page_size {self.page_size}")
-        need = num_tokens // self.page_size
         if need > self._num_free:
             return None
         free = self._free
         short = need > free.size
         if short:
             free = self._free_array()  # the rest, then the sorted released pages
-        # from an ascending free array, ``need`` pages spanning ``need`` ids are one run
-        run = bool(self._free_ascending and need > 0 and free[need - 1] - free[0] == need - 1)
         pages = free[:need]
+        # from an ascending free array, ``need`` pages spanning ``need`` ids are one run
+        run = bool(need) and self._free_ascending and int(free[need - 1]) - int(free[0]) == need - 1
         self._claim(pages, free[need:], run)
         if short:
             self._free_ascending = True  # the claim took all the old rest: a tail of the sorted released pages is left
@@ -290,7 +293,7 @@ class PageAllocator:
         if pages.size == 0:
             return
         held = self._allocated[pages]
-        if not held.all():
+        if np.count_nonzero(held) != pages.size:  # measured faster than ``all()``
             bad = pages[~held][:8].tolist()
             raise AllocationError(f"free: page(s) {bad} are not allocated (double free?)")
         self._allocated[pages] = False

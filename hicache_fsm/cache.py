@@ -55,6 +55,7 @@ from hicache_fsm.errors import (
     LockError,
     UnknownJob,
 )
+from hicache_fsm.insert_slots import own_pages, own_prefix
 from hicache_fsm.inspection import (
     HostOwners, InvariantViolation, RuntimeChecks, engine_slot_owner, maintained_set_problems, node_slot_owners,
     snapshot, stats,
@@ -70,7 +71,7 @@ from hicache_fsm.registry import registry_for
 from hicache_fsm.residency_driver import ResidencyDriver
 from hicache_fsm.results import DeviceGrant, InsertResult, LoadBack, LoadCancelled, LoadHandle, MatchResult
 from hicache_fsm.slots import (
-    check_engine_pages, check_index_pages, check_index_tensor, check_pools, device_slot_tensor, node_page_ids, page_ids,
+    check_engine_pages, check_index_pages, check_index_tensor, check_pools, device_slot_tensor, page_ids,
 )
 from hicache_fsm.spec import load_builtin
 from hicache_fsm.storage.ownership import check_completion_owner
@@ -237,9 +238,6 @@ class HiCache(StorageCalls):
     def _check_tensor(self, indices: object, length: int | None) -> list[int]:
         return check_index_tensor(indices, length, self.page_size, self.device_allocator)
 
-    def _node_pages(self, node: TreeNode) -> list[int]:
-        return node_page_ids(node, self.page_size)
-
     def _check_engine_pages(self, pages: list[int]) -> None:
         check_engine_pages(self.engine_pages, pages)
 
@@ -340,42 +338,67 @@ class HiCache(StorageCalls):
         ``alloc_device``; an evicted part is revived with them. Nodes keep
         the page ids, not the tensor: the engine may reuse its buffer.
         """
-        self.check_open()
+        if self.closed or threading.get_ident() != self.thread_owner.ident:  # ``check_open``, inline
+            self.check_open()
         tokens = self._token_ids(tokens)
         ps = self.page_size
         n_tokens = len(tokens)
         if n_tokens % ps:
             raise BadIndices(f"insert wants whole pages of {ps} tokens; got {n_tokens} tokens")
         page_array = check_index_pages(device_indices, n_tokens, ps, self.device_allocator)
-        page_ids = page_array.tolist()
-        if isinstance(priority, bool) or not isinstance(priority, int):
+        if type(priority) is not int and (isinstance(priority, bool) or not isinstance(priority, int)):
             raise BadIndices(f"priority must be an int, got {priority!r}")
         driver = self.driver
         path, matched, partial = driver.walk(tokens, namespace)
         # ---- validate every page before changing anything
-        own: list[int | None] = []
-        for node in path:
-            if node.state in RESIDENT:
-                own.extend(self._node_pages(node))
-            else:
-                own.extend([None] * (node.num_tokens // ps))
-        if partial:
-            child = (path[-1] if path else self.tree.root).children[self.tree.child_key(namespace, tokens, matched)]
-            if child.state in RESIDENT:
-                own.extend(self._page_ids(child.device_indices[:partial]))
-            else:
-                own.extend([None] * (partial // ps))
-        n_own = len(own)
-        if own == page_ids[:n_own]:  # the usual case: the cached part is the cache's own slots
-            engine = page_ids[n_own:]
+        packed = page_array.tobytes()  # the engine's page ids, as nodes keep them
+        own = own_prefix(path, partial)
+        if own is not None and packed.startswith(own):  # the usual case: the cached part is the cache's own slots
+            n_own = len(own) >> 3
+            page_ids = own_ids = None  # not needed: nothing to revive, no duplicate
+            engine = page_array[n_own:].tolist()
         else:
-            engine = [p for i, p in enumerate(page_ids) if i >= n_own or own[i] != p]
+            page_ids = page_array.tolist()
+            own_ids = own_pages(path, partial, self.tree, tokens, namespace, matched)
+            n_own = len(own_ids)
+            engine = [p for i, p in enumerate(page_ids) if i >= n_own or own_ids[i] != p]
         self._check_engine_pages(engine)
         # ---- apply
         if partial:
             path, matched = driver.walk_splitting(tokens, namespace)
         now = driver.tick()
         polls = driver.polls
+        if own_ids is None:
+            for node in path:
+                node.last_access = now
+                node.last_poll = polls
+                if priority > node.priority:
+                    node.priority = priority
+        else:
+            self._adopt_path(path, device_indices, page_ids, own_ids, priority, now, polls)
+        node = path[-1] if path else self.tree.root
+        if matched < n_tokens:
+            node = driver.add_child(node, tokens, namespace, matched)
+            node.last_access, node.priority, node.last_poll = now, priority, polls
+            node.device_slots = packed[(matched // ps) << 3 :]
+            driver.fire(node, "insert")
+            self.engine_pages.difference_update(engine if own_ids is None else page_ids[matched // ps :])
+        if self.config.write_policy == "write_through":
+            # new node, plus any node on the path whose earlier backup failed or was refused
+            try_backup = self.eviction.try_backup
+            for n in path:
+                if n.state == "device":
+                    try_backup(n)
+            if matched < n_tokens:
+                try_backup(node)
+        self.counters["inserted_tokens"] += n_tokens - matched
+        return InsertResult(node, matched, n_tokens - matched)
+
+    def _adopt_path(self, path: list[TreeNode], device_indices: torch.Tensor, page_ids: list[int],
+                    own: list[int | None], priority: int, now: int, polls: int) -> None:
+        """Touch the matched nodes; revive evicted ones with the engine's slots, free the engine's duplicates."""
+        ps = self.page_size
+        driver = self.driver
         pos = 0
         duplicate: list[torch.Tensor] = []
         for node in path:
@@ -401,25 +424,6 @@ class HiCache(StorageCalls):
             if pages:
                 self.device_allocator.free(part)
                 self.engine_pages.difference_update(pages)
-        node = path[-1] if path else self.tree.root
-        if matched < n_tokens:
-            parent = node
-            node = driver.add_child(parent, tokens, namespace, matched)
-            node.last_access, node.priority, node.last_poll = now, priority, polls
-            node.device_slots = page_array[matched // ps :].tobytes()
-            new_pages = page_ids[matched // ps :]
-            driver.fire(node, "insert")
-            self.engine_pages.difference_update(new_pages)
-        if self.config.write_policy == "write_through":
-            # new node, plus any node on the path whose earlier backup failed or was refused
-            try_backup = self.eviction.try_backup
-            for n in path:
-                if n.state == "device":
-                    try_backup(n)
-            if matched < n_tokens:
-                try_backup(node)
-        self.counters["inserted_tokens"] += n_tokens - matched
-        return InsertResult(node, matched, n_tokens - matched)
 
     # ================================================================== locks
 
@@ -577,7 +581,8 @@ class HiCache(StorageCalls):
         ``applied`` holds what this call would have returned). No node is left
         in flight without a job (``in_flight_has_job``).
         """
-        self.check_open()
+        if self.closed or threading.get_ident() != self.thread_owner.ident:  # ``check_open``, inline
+            self.check_open()
         self.driver.count_poll()
         if self.config.write_policy == "write_behind":
             self.eviction.write_behind()
@@ -585,13 +590,15 @@ class HiCache(StorageCalls):
         outbox.flush()
         done = list(self.executor.poll())
         failures = outbox.take_deferred()
-        if self.storage is not None:
+        storage = self.attached.storage
+        if storage is not None:
             try:
-                done += self.storage.poll()
+                done += storage.poll()
             except Exception as exc:  # the executor's completions are applied all the same
                 failures.append(CompletionFailure(None, exc))
-        applied, more = outbox.apply_agreed(done)
-        failures += more
+        applied, more = outbox.apply_agreed(done)  # with a rank group: a collective every poll, even with none here
+        if more:
+            failures += more
         if failures:
             unknown = {id(f.completion) for f in failures if isinstance(f.error, UnknownJob)}
             raise CompletionsFailed(failures, [c for c in applied if id(c) not in unknown])

@@ -238,17 +238,22 @@ class Eviction:
         if node.parent is None:
             return
         state = node.state
+        nid = node.id
         device, host = self.device, self.host
+        members = device._members  # membership tested and kept inline (``add`` / ``discard``): most nodes are in neither set
         if state in DEVICE_EVICTABLE and node.lock_ref == 0 and node.resident_children == 0:
-            if device._members.get(node.id) is not node:
-                device.add(node)
-        elif device._members.get(node.id) is node:  # tested inline: most nodes are in neither set
-            device.discard(node)
+            if members.get(nid) is not node:
+                members[nid] = node
+                device._push(node)
+        elif members.get(nid) is node:
+            del members[nid]
+        members = host._members
         if state in HOST_EVICTABLE and node.host_ref == 0 and not node.children:
-            if host._members.get(node.id) is not node:
-                host.add(node)
-        elif host._members.get(node.id) is node:
-            host.discard(node)
+            if members.get(nid) is not node:
+                members[nid] = node
+                host._push(node)
+        elif members.get(nid) is node:
+            del members[nid]
         unbacked = self.unbacked
         if unbacked is not None:
             if node.state == "device":

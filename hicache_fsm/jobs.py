@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Iterable, Protocol, Sequence
 import attrs
 
 if TYPE_CHECKING:
-    import torch  # only ``merge_jobs`` needs torch at run time: importing jobs stays cheap
+    import torch  # only expanding or joining indices needs torch at run time: importing jobs stays cheap
 
 
 class JobKind(str, enum.Enum):
@@ -39,12 +39,50 @@ def next_job_id() -> int:
     return next(_job_ids)
 
 
+class PageSlots:
+    """Slot indices of whole pages of ``allocator``, kept as the page ids until a reader wants the tensor.
+
+    ``pages`` are native int64 page ids as ``bytes`` (what a tree node keeps).
+    A job built from a node carries these instead of index tensors: many
+    executors (and every completion's byte count) never read the indices,
+    and a batch of several jobs expands its joined pages once.
+    """
+
+    __slots__ = ("pages", "allocator")
+
+    def __init__(self, pages: bytes, allocator: object) -> None:
+        self.pages = pages
+        self.allocator = allocator
+
+    @property
+    def num_tokens(self) -> int:
+        return (len(self.pages) >> 3) * self.allocator.page_size
+
+    def tensor(self) -> torch.Tensor:
+        from hicache_fsm.radix import slot_tensor  # needs torch: importing jobs stays cheap
+
+        return slot_tensor(self.pages, self.allocator)
+
+    def __repr__(self) -> str:
+        return f"PageSlots({len(self.pages) >> 3} pages)"
+
+
+def _indices(holder: object, name: str) -> "torch.Tensor | None":
+    """The index tensor in ``holder``'s slot ``name``, expanded (once, then kept) from ``PageSlots``."""
+    value = object.__getattribute__(holder, name)
+    if type(value) is PageSlots:
+        value = value.tensor()
+        object.__setattr__(holder, name, value)  # same indices, expanded: the record stays what it was
+    return value
+
+
 @attrs.frozen(slots=True, eq=False)
 class TransferJob:
     """One node's (or one prefetch's) transfer, described, not performed.
 
     ``device_indices`` and ``host_indices`` are token-slot indices (int64, page
-    aligned) of equal length, paired element by element. ``layer`` is None for
+    aligned) of equal length, paired element by element; they may be given
+    as ``PageSlots`` and are then expanded when first read. ``layer`` is None for
     an all-layer job, or the single layer of a per-layer (CP) write. ``keys``
     are storage keys, one per page, for storage jobs. ``draft`` marks a job on
     the draft model's pools.
@@ -52,29 +90,40 @@ class TransferJob:
 
     kind: JobKind
     node_ids: tuple[int, ...]
-    host_indices: torch.Tensor
-    device_indices: torch.Tensor | None = None
+    _host: "torch.Tensor | PageSlots" = attrs.field(alias="host_indices")
+    _device: "torch.Tensor | PageSlots | None" = attrs.field(default=None, alias="device_indices")
     layer: int | None = None
     keys: tuple[str, ...] = ()
     draft: bool = False
-    draft_host_indices: torch.Tensor | None = None
+    _draft_host: "torch.Tensor | PageSlots | None" = attrs.field(default=None, alias="draft_host_indices")
     id: int = attrs.field(factory=next_job_id)
+
+    host_indices = property(lambda self: _indices(self, "_host"), doc="Host slot indices (int64 tensor).")
+    device_indices = property(lambda self: _indices(self, "_device"), doc="Device slot indices, or None.")
+    draft_host_indices = property(lambda self: _indices(self, "_draft_host"),
+                                  doc="Draft host slot indices, or None.")
 
     @property
     def num_tokens(self) -> int:
-        return int(self.host_indices.numel())
+        host = self._host
+        return host.num_tokens if type(host) is PageSlots else int(host.numel())
 
 
 @attrs.frozen(slots=True, eq=False)
 class JobBatch:
-    """Jobs of one kind (and layer) merged into one transfer for one step."""
+    """Jobs of one kind (and layer) merged into one transfer for one step (indices as ``TransferJob``'s)."""
 
     kind: JobKind
     jobs: tuple[TransferJob, ...]
-    host_indices: torch.Tensor
-    device_indices: torch.Tensor | None
+    _host: "torch.Tensor | PageSlots" = attrs.field(alias="host_indices")
+    _device: "torch.Tensor | PageSlots | None" = attrs.field(alias="device_indices")
     layer: int | None = None
-    draft_host_indices: torch.Tensor | None = None
+    _draft_host: "torch.Tensor | PageSlots | None" = attrs.field(default=None, alias="draft_host_indices")
+
+    host_indices = property(lambda self: _indices(self, "_host"), doc="Host slot indices (int64 tensor).")
+    device_indices = property(lambda self: _indices(self, "_device"), doc="Device slot indices, or None.")
+    draft_host_indices = property(lambda self: _indices(self, "_draft_host"),
+                                  doc="Draft host slot indices, or None.")
 
     @property
     def job_ids(self) -> tuple[int, ...]:
@@ -82,23 +131,39 @@ class JobBatch:
 
     @property
     def num_tokens(self) -> int:
-        return int(self.host_indices.numel())
+        host = self._host
+        return host.num_tokens if type(host) is PageSlots else int(host.numel())
+
+
+def _joined(parts: list) -> "torch.Tensor | PageSlots":
+    """Indices of several jobs one after another: page ids of one allocator stay page ids (joined bytes)."""
+    first = parts[0]
+    if type(first) is PageSlots and all(type(p) is PageSlots and p.allocator is first.allocator for p in parts):
+        return PageSlots(b"".join(p.pages for p in parts), first.allocator)
+    import torch
+
+    return torch.cat([p.tensor() if type(p) is PageSlots else p for p in parts])
 
 
 def merge_jobs(jobs: Sequence[TransferJob]) -> list[JobBatch]:
-    """Merge pending jobs into one batch per (kind, layer), keeping submit order."""
-    import torch
-
+    """Merge pending jobs into one batch per (kind, layer), keeping submit order (no copy for a lone job)."""
+    if len(jobs) == 1:
+        j = jobs[0]
+        return [JobBatch(j.kind, (j,), j._host, j._device, j.layer, j._draft_host)]
     groups: dict[tuple[JobKind, int | None], list[TransferJob]] = {}
     for job in jobs:
         groups.setdefault((job.kind, job.layer), []).append(job)
     batches = []
     for (kind, layer), members in groups.items():
-        host = torch.cat([j.host_indices for j in members]) if members else torch.empty(0, dtype=torch.int64)
-        devs = [j.device_indices for j in members if j.device_indices is not None]
-        device = torch.cat(devs) if len(devs) == len(members) else None
-        drafts = [j.draft_host_indices for j in members if j.draft_host_indices is not None]
-        draft = torch.cat(drafts) if drafts and len(drafts) == len(members) else None
+        if len(members) == 1:
+            j = members[0]
+            batches.append(JobBatch(kind, (j,), j._host, j._device, layer, j._draft_host))
+            continue
+        host = _joined([j._host for j in members])
+        devs = [j._device for j in members if j._device is not None]
+        device = _joined(devs) if len(devs) == len(members) else None
+        drafts = [j._draft_host for j in members if j._draft_host is not None]
+        draft = _joined(drafts) if drafts and len(drafts) == len(members) else None
         batches.append(JobBatch(kind, tuple(members), host, device, layer, draft))
     return batches
 

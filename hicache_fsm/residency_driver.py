@@ -22,12 +22,19 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable, Hashable, Protocol
 
 from hicache_fsm.errors import BadIndices, UnknownNode
-from hicache_fsm.jobs import JobKind, TransferJob
-from hicache_fsm.radix import RadixTree, TreeNode, slot_tensor
+from hicache_fsm.jobs import JobKind, PageSlots, TransferJob
+from hicache_fsm.radix import RadixTree, TreeNode
 
 if TYPE_CHECKING:
+    import torch
+
     from hicache_fsm.interfaces import Attached, Jobs, StructureHooks
     from hicache_fsm.machine import CompiledMachine, CompiledTransition
+
+
+def _slots(slots: "bytes | torch.Tensor | None", allocator: object) -> "PageSlots | torch.Tensor | None":
+    """A node's compact slots as a job carries them: page ids stay page ids (expanded if an executor reads them)."""
+    return PageSlots(slots, allocator) if type(slots) is bytes else slots
 
 
 class ResidencyListener(Protocol):
@@ -145,16 +152,20 @@ class ResidencyDriver:
         transition = self.machine.fire(node, trigger, self.ctx if ctx is None else ctx)
         if node.state != old:
             self._moved(node, old)
-        if emit and transition.emits:
-            try:
-                jobs = [self.build_job(kind, node) for kind in transition.emits]
-            except Exception:
-                if getattr(transition, "effects", None) == ():  # None: a dispatcher that keeps its own state
-                    node.state = old
-                    self._moved(node, transition.dest)
-                raise
-            for job in jobs:
-                self.jobs.emit(job, [node])
+        if emit:
+            emits = transition.emits
+            if emits:
+                try:
+                    jobs = [self.build_job(kind, node) for kind in emits] if len(emits) > 1 else (
+                        self.build_job(emits[0], node),)
+                except Exception:
+                    if getattr(transition, "effects", None) == ():  # None: a dispatcher that keeps its own state
+                        node.state = old
+                        self._moved(node, transition.dest)
+                    raise
+                emit_job = self.jobs.emit
+                for job in jobs:
+                    emit_job(job, [node])
         if self._observers:
             self.notify({"event": "transition", "machine": "residency", "node": node.id, "trigger": trigger,
                          "source": transition.source, "dest": transition.dest})
@@ -166,21 +177,22 @@ class ResidencyDriver:
         counts[old] -= 1
         counts[node.state] += 1
         self.hooks.state_changed(node, old)
-        for listener in self._listeners:
-            listener.state_changed(node, old)
+        listeners = self._listeners
+        if listeners:
+            for listener in listeners:
+                listener.state_changed(node, old)
 
     def can_fire(self, node: TreeNode, trigger: str) -> bool:
         return self.machine.can_fire(node, trigger, self.ctx)
 
     def build_job(self, kind: JobKind, node: TreeNode) -> TransferJob:
-        """The job a transition of ``node`` emits: its slots, or its storage keys for H2S."""
-        if kind is JobKind.H2S:
-            return TransferJob(kind, (node.id,), node.host_indices, keys=self.attached.storage.keys_for(node))
+        """The job a transition of ``node`` emits: its slots (as page ids), or its storage keys for H2S."""
         ctx = self.ctx
-        host = slot_tensor(node.host_slots, ctx.host_allocator)
-        draft = host if self.draft else None
-        return TransferJob(kind, (node.id,), host, slot_tensor(node.device_slots, ctx.device_allocator),
-                           draft_host_indices=draft)
+        host = _slots(node.host_slots, ctx.host_allocator)
+        if kind is JobKind.H2S:
+            return TransferJob(kind, (node.id,), host, keys=self.attached.storage.keys_for(node))
+        return TransferJob(kind, (node.id,), host, _slots(node.device_slots, ctx.device_allocator),
+                           draft_host_indices=host if self.draft else None)
 
     # ------------------------------------------------------------------ tree shape
 

@@ -94,10 +94,11 @@ class AckExecutor:
     def __init__(self, layers: int = 1) -> None:
         self.layers = layers
         self._ready: list[Completion] = []
+        self._done = _Done(layers)  # stateless: one handle serves every batch
 
     def submit(self, batch: JobBatch) -> _Done:
         self._ready.extend(completed_all(batch.jobs))
-        return _Done(self.layers)
+        return self._done
 
     def poll(self) -> list[Completion]:
         out, self._ready = self._ready, []
