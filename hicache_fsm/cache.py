@@ -36,8 +36,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from threading import get_ident
 from collections import Counter
+from threading import get_ident
 from typing import Callable, Hashable, Sequence
 
 import torch
