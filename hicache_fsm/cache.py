@@ -37,6 +37,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter
+from threading import get_ident
 from typing import Callable, Hashable, Sequence
 
 import torch
@@ -266,7 +267,8 @@ class HiCache(StorageCalls):
         node boundary. Under ``write_through_selective`` nodes whose hit count
         reaches the threshold are backed up here.
         """
-        self.check_open()
+        if self.closed or get_ident() != self.thread_owner.ident:  # ``check_open``, inline
+            self.check_open()
         tokens = self._token_ids(tokens)
         driver = self.driver
         path, _ = driver.walk_splitting(tokens, namespace)  # a bad namespace fails before any split
@@ -289,17 +291,16 @@ class HiCache(StorageCalls):
                             loads.append(h)
             else:
                 host_hit += node.num_tokens
-        last_host = path[-1] if path else self.tree.root
-        device_indices = device_slot_tensor(device_parts, self.device_allocator)
-        device_hit = int(device_indices.numel())
+        device_indices = device_slot_tensor(device_parts, self.device_pool.allocator)
+        device_hit = device_indices.numel()
         c = self.counters
         c["match_requests"] += 1
         c["device_hit_tokens"] += device_hit
         c["host_hit_tokens"] += host_hit
-        c["miss_tokens"] += len(tokens) - len(tokens) % self.page_size - device_hit - host_hit
+        c["miss_tokens"] += (len(tokens.raw) >> 2) // self.page_size * self.page_size - device_hit - host_hit
         if self.config.write_policy == "write_through_selective":
             self._selective_backups(path)
-        return MatchResult(device_indices, last_device, last_host, host_hit, tuple(loads))
+        return MatchResult(device_indices, last_device, path[-1] if path else last_device, host_hit, tuple(loads))
 
     def _selective_backups(self, path: Sequence[TreeNode]) -> None:
         """Back up matched nodes that reached the hit threshold.
@@ -433,23 +434,17 @@ class HiCache(StorageCalls):
         Called when a request starts using a matched or loaded prefix; the
         root is accepted and ignored. Pair every call with ``unlock``.
         """
-        if self.closed or threading.get_ident() != self.thread_owner.ident:  # ``check_open``, inline
+        if self.closed or get_ident() != self.thread_owner.ident:  # ``check_open``, inline
             self.check_open()
-        tree = self.tree
-        if node is tree.root:
-            return
-        if type(node) is not TreeNode or tree.by_id.get(node.id) is not node:
+        if type(node) is not TreeNode or self.tree.by_id.get(node.id) is not node:  # the root passes: no-op below
             node = self.driver.require_node(node)
         self.eviction.lock_path(node)
 
     def unlock(self, node: TreeNode) -> None:
         """Release a ``lock`` when the request that took it no longer reads the prefix."""
-        if self.closed or threading.get_ident() != self.thread_owner.ident:  # ``check_open``, inline
+        if self.closed or get_ident() != self.thread_owner.ident:  # ``check_open``, inline
             self.check_open()
-        tree = self.tree
-        if node is tree.root:
-            return
-        if type(node) is not TreeNode or tree.by_id.get(node.id) is not node:
+        if type(node) is not TreeNode or self.tree.by_id.get(node.id) is not node:  # the root passes: no-op below
             node = self.driver.require_node(node)
         self.eviction.unlock_path(node)
 

@@ -44,6 +44,7 @@ __all__ = ["ID_BYTES", "TOKEN_ID_LIMIT", "TokenIds", "as_token_ids", "pack_token
 _LE_UINT32 = np.dtype("<u4")
 _CODE = next(c for c in "IL" if array(c).itemsize == ID_BYTES)  # 'I' on every platform CPython supports
 _SWAP = sys.byteorder != "little"
+_smallest = np.minimum.reduce  # ``ndarray.min`` less its Python wrapper (this runs on every packing)
 
 
 class TokenIds:
@@ -116,21 +117,22 @@ def unpack_token_ids(raw: bytes) -> tuple[int, ...]:
 
 def _packed(tokens: Any) -> bytes:
     """Check every id of ``tokens``; returns them packed, or raises naming the first bad position."""
-    if isinstance(tokens, (np.ndarray, torch.Tensor)):
-        arr = _integer_array(tokens)
-        if arr is not None:
-            if arr.size and (arr.min() < 0 or arr.max() >= TOKEN_ID_LIMIT):
-                first = int(((arr < 0) | (arr >= TOKEN_ID_LIMIT)).argmax())
-                _check_one(first, int(arr[first]))  # raises, naming it
-            return arr.astype(_LE_UINT32).tobytes()
-        tokens = tokens.tolist()  # bools, floats: refused by the element check below
-    elif isinstance(tokens, (str, bytes, bytearray, memoryview)):
-        raise TokenIdTypeError(f"token ids must be a sequence of ints, got {type(tokens).__name__}")
-    elif type(tokens) is not list and type(tokens) is not tuple:
-        try:
-            tokens = tuple(tokens)
-        except Exception:  # not iterable, or its iterator failed: not a token sequence
-            raise TokenIdTypeError(f"token ids must be a sequence of ints, got {type(tokens).__name__}") from None
+    if type(tokens) is not tuple and type(tokens) is not list:  # a tuple or a list goes straight to the packer
+        if isinstance(tokens, (np.ndarray, torch.Tensor)):
+            arr = _integer_array(tokens)
+            if arr is not None:
+                if arr.size and (arr.min() < 0 or arr.max() >= TOKEN_ID_LIMIT):
+                    first = int(((arr < 0) | (arr >= TOKEN_ID_LIMIT)).argmax())
+                    _check_one(first, int(arr[first]))  # raises, naming it
+                return arr.astype(_LE_UINT32).tobytes()
+            tokens = tokens.tolist()  # bools, floats: refused by the element check below
+        elif isinstance(tokens, (str, bytes, bytearray, memoryview)):
+            raise TokenIdTypeError(f"token ids must be a sequence of ints, got {type(tokens).__name__}")
+        else:
+            try:
+                tokens = tuple(tokens)
+            except Exception:  # not iterable, or its iterator failed: not a token sequence
+                raise TokenIdTypeError(f"token ids must be a sequence of ints, got {type(tokens).__name__}") from None
     n = len(tokens)
     try:
         packed = _packer(n).pack(*tokens)  # in C: refuses floats, None, str, nested lists and ids out of range
@@ -140,7 +142,7 @@ def _packed(tokens: Any) -> bytes:
         raise BadTokenIds("token ids could not be packed") from None  # pragma: no cover - _check_one raised
     if n:
         words = np.frombuffer(packed, dtype=_LE_UINT32)
-        if words.min() <= 1:  # a bool packs as 0 or 1: look at the type of those ids only
+        if _smallest(words) <= 1:  # a bool packs as 0 or 1: look at the type of those ids only
             for i in np.flatnonzero(words <= 1).tolist():
                 _check_one(i, tokens[i])
     return packed
