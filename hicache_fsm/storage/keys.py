@@ -41,6 +41,7 @@ __all__ = [
     "page_hash",
     "page_keys",
     "validate_page_key",
+    "validate_page_keys",
 ]
 
 HASH_HEX_LEN = 64
@@ -238,6 +239,15 @@ def validate_page_key(key: object) -> str:
     return key
 
 
+def validate_page_keys(keys: Iterable[str]) -> list[str]:
+    """Check many page-level keys (``validate_page_key``'s rule) in one pass over all; a list of them unchanged."""
+    checked = list(keys)
+    if checked and not _all_valid(checked):
+        for key in checked:
+            validate_page_key(key)
+    return checked
+
+
 def _all_valid(hashes: list) -> bool:
     """Whether every one of ``hashes`` is a valid page key (validate_page_key's rule), checked in C over all."""
     try:
@@ -295,10 +305,7 @@ class KeyNamespace:
     def storage_keys(self, page_hashes: Iterable[str]) -> list[str]:
         """The backend keys of many page keys: checked together in one regex pass, one by one only on a refusal."""
         prefix = self.prefix
-        hashes = list(page_hashes)
-        if hashes and _all_valid(hashes):
-            return [prefix + h for h in hashes]
-        return [prefix + validate_page_key(h) for h in hashes]
+        return [prefix + h for h in validate_page_keys(page_hashes)]
 
     def owns(self, storage_key: str) -> bool:
         """Whether ``storage_key`` was produced by this namespace."""
