@@ -1,9 +1,11 @@
 """Replay a production trace (Mooncake format) through ``HiCache`` in metadata mode.
 
 Metadata mode: no model and one element of K and of V per token, so the pools
-are tiny, while every residency transition, transfer job, executor copy,
-completion and storage call runs for real (an in-process store keeps page
-keys only: see :func:`metadata_backend`). Each request is served as an
+are tiny, while every residency transition, transfer job, completion and
+storage call runs for real. KV bytes mean nothing without a model, so none is
+moved: the executor completes each device/host batch at the next poll without
+copying (:class:`MetadataExecutor`), and an in-process store keeps page keys
+only (see :func:`metadata_backend`). Each request is served as an
 engine's step loop would (see ``hicache_fsm.simulate``): ``match_prefix``;
 with storage, ``prefetch`` of the part beyond the in-memory hit, polled until
 ready, and a second match; ``load_back`` of the host part; ``lock``; the
@@ -43,7 +45,7 @@ from hicache_fsm.cache import HiCache
 from hicache_fsm.errors import ConfigError
 from hicache_fsm.executors import DoneWait
 from hicache_fsm.jobs import Completion, JobBatch, JobKind, completed_all
-from hicache_fsm.pools import LAYOUTS, KVShape, default_device
+from hicache_fsm.pools import LAYOUTS, DeviceKVPool, HostKVPool, KVShape, default_device
 from hicache_fsm.simulate import (
     DEVICE,
     DEVICE_HOST,
@@ -213,6 +215,11 @@ class MetadataExecutor:
 
 
 
+def metadata_executor(device_pool: DeviceKVPool, host_pool: HostKVPool) -> MetadataExecutor:
+    """The executor of a metadata-mode cache over these pools (no KV byte moves between them)."""
+    return MetadataExecutor(device_pool.layers)
+
+
 def metadata_backend(storage_url: str, namespace: KeyNamespace) -> str | KeysOnlyBackend:
     """What metadata mode stores into: ``memory://[NAME]`` becomes a keys-only store of the same name.
 
@@ -246,7 +253,7 @@ class TraceReplayer:
         self.clock = _CallClock()
         device_pool, host_pool = tier.pools(METADATA_SHAPE, page_size, layout, device)
         self.layers = device_pool.layers
-        executor = TimedExecutor(MetadataExecutor(device_pool.layers), self.clock)
+        executor = TimedExecutor(metadata_executor(device_pool, host_pool), self.clock)
         self.cache = HiCache(device_pool, host_pool, tier.cache_config(), executor)
         self.result = TierResult(tier.name, tier.device_tokens, tier.host_tokens, tier.storage_url)
         self.storage = tier.storage_url is not None
@@ -557,6 +564,6 @@ def sweep_capacities(trace: Trace, page_size: int, bound: PrefixBound, points: i
 
 
 __all__ = [
-    "DEFAULT_STORAGE_URL", "METADATA_SHAPE", "CostModel", "Latency", "MetadataExecutor", "ReplayProgress", "TraceOptions", "TraceReplayer", "TraceSimulation",
-    "metadata_backend", "replay", "replay_timed", "run_trace", "sweep_capacities",
+    "DEFAULT_STORAGE_URL", "METADATA_SHAPE", "CostModel", "Latency", "MetadataExecutor", "ReplayProgress", "TraceOptions",
+    "TraceReplayer", "TraceSimulation", "metadata_backend", "metadata_executor", "replay", "replay_timed", "run_trace", "sweep_capacities",
 ]

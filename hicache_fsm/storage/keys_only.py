@@ -29,6 +29,7 @@ own key strings (whose hash Python caches) then serve every lookup.
 from __future__ import annotations
 
 import threading
+from itertools import takewhile
 from typing import Any, Sequence
 
 from hicache_fsm.errors import StorageKeyError, StorageUnavailable
@@ -191,14 +192,8 @@ class KeysOnlyBackend(StorageBackend):
     # ------------------------------------------------------------------ hooks (on this namespace's page keys)
 
     def _exists(self, pkeys: list[str]) -> int:
-        formats = self._formats
         with self._keys.lock:
-            n = 0
-            for key in pkeys:
-                if key not in formats:
-                    break
-                n += 1
-            return n
+            return len(list(takewhile(self._formats.__contains__, pkeys)))
 
     def _get(self, pkeys: list[str], fmt: bytes) -> list[bytes | None]:
         raise StorageKeyError("a keys-only backend keeps no page bytes: read pages with batch_get_into")
