@@ -257,7 +257,7 @@ def _all_valid(hashes: list) -> bool:
         return False
     if not joined.isascii() or joined.encode("ascii").translate(None, _PAGE_KEY_BYTES):
         return False
-    lengths = list(map(len, hashes))
+    lengths = set(map(len, hashes))  # keys of one hash share a length: a set of one
     return min(lengths) > 0 and max(lengths) <= MAX_PAGE_KEY_LEN
 
 
