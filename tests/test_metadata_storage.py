@@ -65,6 +65,17 @@ def test_keys_only_answers_every_host_pool_call_as_memory_does(script, cap_pages
     assert real.stored_keys() == keys_only.stored_keys()
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.lists(st.sampled_from(KEYS[:3]), max_size=5), max_size=4))
+def test_keys_only_stores_a_key_repeated_within_a_batch_once_as_memory_does(batches):
+    pool = host_pool()
+    real, keys_only = MemoryBackend(KeyNamespace("m")), KeysOnlyBackend(KeyNamespace("m"))
+    for keys in batches:
+        pages = list(range(len(keys)))
+        assert real.batch_set_from(keys, pool, pages) == keys_only.batch_set_from(keys, pool, pages)
+        assert real.stats() == keys_only.stats()
+
+
 def test_keys_only_reads_another_page_format_as_a_mismatch():
     backend = KeysOnlyBackend(KeyNamespace("m"))
     backend.batch_set_from(KEYS[:2], host_pool("page_first"), [0, 1])
