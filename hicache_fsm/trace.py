@@ -33,7 +33,9 @@ import attrs
 import numpy as np
 
 from hicache_fsm.errors import ConfigError, TraceError
-from hicache_fsm.input_limits import InputRefused, check_count, check_json_depth, memory_budget_bytes, open_regular_text
+from hicache_fsm.input_limits import (
+    MAX_JSON_DEPTH, InputRefused, check_count, check_json_depth, max_items, memory_budget_bytes, open_regular_text,
+)
 from hicache_fsm.tokens import ID_BYTES, TokenIds
 
 DEFAULT_BLOCK_SIZE = 512
@@ -123,8 +125,19 @@ def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def parse_request(text: str, block_size: int, where: str = "<trace>", line: int = 1) -> TraceRequest:
-    """One trace line as a request; a ``TraceError`` saying ``where:line`` and what is wrong otherwise."""
+def _within_tokens(count: int, what: str, limit: int | None) -> None:
+    """``check_tokens``, skipped while ``count`` is within ``limit`` (the memory bound read once per file)."""
+    if limit is None or count > limit:
+        check_tokens(count, what)
+
+
+def parse_request(text: str, block_size: int, where: str = "<trace>", line: int = 1, *,
+                  token_limit: int | None = None) -> TraceRequest:
+    """One trace line as a request; a ``TraceError`` saying ``where:line`` and what is wrong otherwise.
+
+    ``token_limit``: what ``check_tokens`` allowed when the caller asked (a count
+    within it is not checked again; one over it is, against the memory of now).
+    """
 
     def bad(message: str) -> TraceError:
         return TraceError(where, line, message)
@@ -132,7 +145,9 @@ def parse_request(text: str, block_size: int, where: str = "<trace>", line: int 
     if len(text) > MAX_LINE_CHARS and len(text.rstrip("\r\n")) > MAX_LINE_CHARS:
         raise bad(f"line longer than {MAX_LINE_CHARS} characters")
     try:
-        obj = json.loads(check_json_depth(text))
+        if text.count("[") + text.count("{") > MAX_JSON_DEPTH:  # fewer openers cannot nest deeper
+            check_json_depth(text)
+        obj = json.loads(text)
     except InputRefused as exc:
         raise bad(str(exc)) from None
     except ValueError as exc:
@@ -151,15 +166,16 @@ def parse_request(text: str, block_size: int, where: str = "<trace>", line: int 
     if not _is_int(n_out) or n_out < 0:
         raise bad(f"output_length must be an int >= 0, got {n_out!r}")
     try:
-        check_tokens(n_in + n_out, "input_length + output_length")
+        _within_tokens(n_in + n_out, "input_length + output_length", token_limit)
     except ConfigError as exc:
         raise bad(str(exc)) from None
     ids = obj["hash_ids"]
     if not isinstance(ids, list):
         raise bad(f"hash_ids must be a list of ints, got {type(ids).__name__}")
-    for h in ids:
-        if not _is_int(h) or not 0 <= h < MAX_HASH_ID:
-            raise bad(f"hash_ids must be ints in [0, 2**63), got {h!r}")
+    if ids and not (set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < MAX_HASH_ID):
+        for h in ids:  # name the first bad one
+            if not _is_int(h) or not 0 <= h < MAX_HASH_ID:
+                raise bad(f"hash_ids must be ints in [0, 2**63), got {h!r}")
     blocks = -(-n_in // block_size)
     if len(ids) != blocks:
         raise bad(f"{len(ids)} hash_ids, but input_length {n_in} makes {blocks} blocks of {block_size} tokens "
@@ -171,12 +187,13 @@ def parse_lines(lines: Iterable[str], block_size: int = DEFAULT_BLOCK_SIZE, wher
     """Requests from JSON lines (blank lines skipped), sorted by timestamp; at least one required."""
     check_block_size(block_size)
     requests, tokens = [], 0
+    limit = max_items(TOKEN_BYTES)  # check_tokens's bound, read once: counts past it are checked afresh
     for i, text in enumerate(lines, 1):
         if text.strip():
-            requests.append(parse_request(text, block_size, where, i))
+            requests.append(parse_request(text, block_size, where, i, token_limit=limit))
             tokens += requests[-1].input_length + requests[-1].output_length
             try:
-                check_tokens(tokens, "the trace's tokens so far")
+                _within_tokens(tokens, "the trace's tokens so far", limit)
             except ConfigError as exc:
                 raise TraceError(where, i, str(exc)) from None
     if not requests:

@@ -1,9 +1,11 @@
 """Replay a production trace (Mooncake format) through ``HiCache`` in metadata mode.
 
 Metadata mode: no model and one element of K and of V per token, so the pools
-are tiny, while every residency transition, transfer job, executor copy,
-completion and storage call runs for real (an in-process store keeps page
-keys only: see :func:`metadata_backend`). Each request is served as an
+are tiny, while every residency transition, transfer job, completion and
+storage call runs for real. KV bytes mean nothing without a model, so none is
+moved: the executor completes each device/host batch at the next poll without
+copying (:class:`MetadataExecutor`), and an in-process store keeps page keys
+only (see :func:`metadata_backend`). Each request is served as an
 engine's step loop would (see ``hicache_fsm.simulate``): ``match_prefix``;
 with storage, ``prefetch`` of the part beyond the in-memory hit, polled until
 ready, and a second match; ``load_back`` of the host part; ``lock``; the
@@ -41,8 +43,9 @@ import torch
 
 from hicache_fsm.cache import HiCache
 from hicache_fsm.errors import ConfigError
-from hicache_fsm.executors import TorchExecutor
-from hicache_fsm.pools import LAYOUTS, KVShape, default_device
+from hicache_fsm.executors import DoneWait
+from hicache_fsm.jobs import Completion, JobBatch, JobKind, completed_all
+from hicache_fsm.pools import LAYOUTS, DeviceKVPool, HostKVPool, KVShape, default_device
 from hicache_fsm.simulate import (
     DEVICE,
     DEVICE_HOST,
@@ -175,6 +178,48 @@ class Latency:
 # ====================================================================== one configuration
 
 
+class MetadataExecutor:
+    """Metadata mode's executor: a D2H or H2D batch completes at the next ``poll``, and no KV byte moves.
+
+    A pool's KV means nothing without a model, so copying it only costs time
+    (most of a replay's CPU, at trace scale). Everything the cache decides and
+    counts (jobs, completions, bytes moved, the storage tier's reads of host
+    pages) is as with ``TorchExecutor`` on the CPU, which also reports a batch
+    at the next ``poll``.
+    """
+
+    manual = False
+
+    def __init__(self, layers: int) -> None:
+        self.layers = layers
+        self._ready: list[Completion] = []
+        self._closed = False
+
+    def submit(self, batch: JobBatch) -> DoneWait:
+        if self._closed:
+            raise ConfigError("executor is closed")
+        if batch.kind not in (JobKind.D2H, JobKind.H2D):
+            raise ConfigError(f"{batch.kind.value} jobs are storage transfers; this executor runs only d2h and h2d")
+        self._ready.extend(completed_all(batch.jobs))
+        return DoneWait(self.layers)
+
+    def poll(self) -> list[Completion]:
+        out, self._ready = self._ready, []
+        return out
+
+    def synchronize(self) -> None:
+        return None
+
+    def close(self) -> None:
+        self._closed = True
+
+
+
+def metadata_executor(device_pool: DeviceKVPool, host_pool: HostKVPool) -> MetadataExecutor:
+    """The executor of a metadata-mode cache over these pools (no KV byte moves between them)."""
+    return MetadataExecutor(device_pool.layers)
+
+
 def metadata_backend(storage_url: str, namespace: KeyNamespace) -> str | KeysOnlyBackend:
     """What metadata mode stores into: ``memory://[NAME]`` becomes a keys-only store of the same name.
 
@@ -208,7 +253,7 @@ class TraceReplayer:
         self.clock = _CallClock()
         device_pool, host_pool = tier.pools(METADATA_SHAPE, page_size, layout, device)
         self.layers = device_pool.layers
-        executor = TimedExecutor(TorchExecutor(device_pool, host_pool), self.clock)
+        executor = TimedExecutor(metadata_executor(device_pool, host_pool), self.clock)
         self.cache = HiCache(device_pool, host_pool, tier.cache_config(), executor)
         self.result = TierResult(tier.name, tier.device_tokens, tier.host_tokens, tier.storage_url)
         self.storage = tier.storage_url is not None
@@ -519,6 +564,6 @@ def sweep_capacities(trace: Trace, page_size: int, bound: PrefixBound, points: i
 
 
 __all__ = [
-    "DEFAULT_STORAGE_URL", "METADATA_SHAPE", "CostModel", "Latency", "ReplayProgress", "TraceOptions", "TraceReplayer", "TraceSimulation",
-    "metadata_backend", "replay", "replay_timed", "run_trace", "sweep_capacities",
+    "DEFAULT_STORAGE_URL", "METADATA_SHAPE", "CostModel", "Latency", "MetadataExecutor", "ReplayProgress", "TraceOptions",
+    "TraceReplayer", "TraceSimulation", "metadata_backend", "metadata_executor", "replay", "replay_timed", "run_trace", "sweep_capacities",
 ]

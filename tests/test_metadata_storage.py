@@ -13,15 +13,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hicache_fsm import trace_replay
-from hicache_fsm.errors import StorageKeyError
-from hicache_fsm.pools import HostKVPool, KVShape
+from hicache_fsm.errors import ConfigError, StorageKeyError
+from hicache_fsm.executors import TorchExecutor
+from hicache_fsm.jobs import Completion, JobBatch, JobKind, TransferJob
+from hicache_fsm.pools import DeviceKVPool, HostKVPool, KVShape
 from hicache_fsm.simulate import storage_available
 from hicache_fsm.storage.keys import KeyNamespace
 from hicache_fsm.storage.keys_only import KeysOnlyBackend
 from hicache_fsm.storage.memory import MemoryBackend
 from hicache_fsm.trace import load_trace
 from hicache_fsm.trace_gen import TraceShape, write
-from hicache_fsm.trace_replay import TraceOptions, metadata_backend, run_trace
+from hicache_fsm.trace_replay import TraceOptions, metadata_backend, metadata_executor, run_trace
 
 ROOT = Path(__file__).resolve().parent.parent
 KEYS = [f"{i:064x}" for i in range(8)]
@@ -61,6 +63,17 @@ def test_keys_only_answers_every_host_pool_call_as_memory_does(script, cap_pages
         assert got[0] == got[1], (op, keys)
         assert real.stats() == keys_only.stats()
     assert real.stored_keys() == keys_only.stored_keys()
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.lists(st.sampled_from(KEYS[:3]), max_size=5), max_size=4))
+def test_keys_only_stores_a_key_repeated_within_a_batch_once_as_memory_does(batches):
+    pool = host_pool()
+    real, keys_only = MemoryBackend(KeyNamespace("m")), KeysOnlyBackend(KeyNamespace("m"))
+    for keys in batches:
+        pages = list(range(len(keys)))
+        assert real.batch_set_from(keys, pool, pages) == keys_only.batch_set_from(keys, pool, pages)
+        assert real.stats() == keys_only.stats()
 
 
 def test_keys_only_reads_another_page_format_as_a_mismatch():
@@ -131,6 +144,35 @@ def test_keys_only_replay_matches_a_replay_that_stores_the_bytes(small_trace, mo
     assert fast.tier("device+host+storage").storage_hit_tokens > 0
     assert _figures(fast) == _figures(slow)
     assert [t.hit_rate for t in fast.tiers] == [t.hit_rate for t in slow.tiers]
+
+
+def test_every_figure_is_that_of_a_replay_whose_executor_copies_the_kv(small_trace, monkeypatch):
+    """The metadata executor moves no byte, and hit rates, counters and byte counts are those of real copies."""
+    trace = load_trace(small_trace, 32)
+    options = TraceOptions(trace, device_tokens=256, host_tokens=512, page_size=8, device="cpu")
+    fast = run_trace(options)
+    monkeypatch.setattr(trace_replay, "metadata_executor", TorchExecutor)
+    slow = run_trace(options)
+    assert fast.tier("device+host").host_hit_tokens > 0
+    assert _figures(fast) == _figures(slow)
+    assert [(t.hit_rate, t.bytes) for t in fast.tiers] == [(t.hit_rate, t.bytes) for t in slow.tiers]
+
+
+def test_the_metadata_executor_completes_batches_at_the_next_poll_without_copying():
+    shape = KVShape(2, 1, 2, torch.float16)
+    device, host = DeviceKVPool(shape, 32, 4, "cpu"), HostKVPool(shape, 64, 4, "page_first", pin_memory=False)
+    device.kv.fill_(1.0)
+    executor = metadata_executor(device, host)
+    job = TransferJob(JobKind.D2H, (), torch.arange(0, 8), device_indices=torch.arange(8, 16))
+    handle = executor.submit(JobBatch(JobKind.D2H, (job,), job.host_indices, job.device_indices))
+    handle.wait(1)
+    assert handle.done() and executor.poll() == [Completion(job.id)] and executor.poll() == []
+    assert not host.kv.any()  # nothing was copied
+    with pytest.raises(ConfigError, match="storage transfers"):
+        executor.submit(JobBatch(JobKind.H2S, (), torch.arange(0, 4), None))
+    executor.close()
+    with pytest.raises(ConfigError, match="closed"):
+        executor.submit(JobBatch(JobKind.D2H, (job,), job.host_indices, job.device_indices))
 
 
 @needs_storage

@@ -476,6 +476,7 @@ class StorageBackend(ABC):
         self._stats = StorageStats()
         self._closed = False
         self._eviction_listeners: tuple[EvictionListener, ...] = ()  # replaced, never mutated: read lock-free
+        self._last_pool_format: tuple[Any, bytes] | None = None  # (host pool, its format field), replaced whole
 
     # -- public API ------------------------------------------------------
 
@@ -630,7 +631,13 @@ class StorageBackend(ABC):
         return self._namespace.storage_keys(_check_keys(keys))
 
     def _pool_format(self, host_pool: Any) -> bytes:
-        return format_bytes(page_format_of(host_pool, self.page_format))
+        """The header field of ``host_pool``'s page format (kept for the last pool asked about: a tier has one)."""
+        last = self._last_pool_format
+        if last is not None and last[0] is host_pool:
+            return last[1]
+        fmt = format_bytes(page_format_of(host_pool, self.page_format))
+        self._last_pool_format = (host_pool, fmt)
+        return fmt
 
     def _guard(self, fn, *args):
         try:

@@ -72,7 +72,7 @@ class PrefetchOp:
         self.gen = gen
         self.host_indices = host_indices  # slots this op still holds (a prefix of what it reserved)
         self.deferred: list[torch.Tensor] = []  # release queue: freed when the transfer job ends
-        self.reserved_pages = set(_pages(host_indices, page_size))
+        self.reserved_pages = set(page_ids(host_indices, page_size))
         self.inserted_pages: set[int] = set()
         self.freed_pages: Counter[int] = Counter()
         self.hit_keys: tuple[str, ...] = ()
@@ -131,10 +131,14 @@ class PrefetchOp:
                 f"completed={self.completed_tokens})")
 
 
-def _pages(indices: torch.Tensor, page_size: int) -> list[int]:
+def page_ids(indices: torch.Tensor | None, page_size: int) -> list[int]:
+    """Page ids of page-aligned slot indices (none for None)."""
     if indices is None or not indices.numel():
         return []
-    return (indices[::page_size] // page_size).tolist()
+    firsts = indices[::page_size]
+    if firsts.device.type == "cpu":  # through numpy: a torch division costs more than the pages it divides
+        return (firsts.numpy() // page_size).tolist()
+    return (firsts // page_size).tolist()
 
 
 class PrefetchRuntime:
@@ -244,7 +248,7 @@ class PrefetchRuntime:
             node.storage_keys = tuple(op.hit_keys[first_page: done // self.page_size])
             driver.touch(node)
             driver.fire(node, "insert_prefetched")
-            op.inserted_pages.update(_pages(node.host_indices, self.page_size))
+            op.inserted_pages.update(page_ids(node.host_indices, self.page_size))
             self.occupied_tokens -= node.num_tokens
             op.inserted_tokens += node.num_tokens
             self.counters["prefetch_inserted_tokens"] += node.num_tokens
@@ -278,7 +282,7 @@ class PrefetchRuntime:
     def _free(self, op: PrefetchOp, indices: torch.Tensor) -> None:
         if indices is None or not indices.numel():
             return
-        pages = _pages(indices, self.page_size)
+        pages = page_ids(indices, self.page_size)
         given = set(pages)
         if not given <= op.reserved_pages or not given.isdisjoint(op.inserted_pages) \
                 or not given.isdisjoint(op.freed_pages):  # never hand a page back twice (the upstream double free)
@@ -338,9 +342,9 @@ class PrefetchRuntime:
             twice = [p for p, n in op.freed_pages.items() if n > 1]
             if twice:
                 problems.append(f"prefetch {op.request_id!r}: pages {twice[:8]} freed twice")
-            held = set(_pages(op.host_indices, self.page_size))
+            held = set(page_ids(op.host_indices, self.page_size))
             for t in op.deferred:
-                held.update(_pages(t, self.page_size))
+                held.update(page_ids(t, self.page_size))
             if held & (set(op.freed_pages) | op.inserted_pages):
                 problems.append(f"prefetch {op.request_id!r} still holds pages it released")
             if held | set(op.freed_pages) | op.inserted_pages != op.reserved_pages:
@@ -415,4 +419,4 @@ class PrefetchRuntime:
         self._violations.clear()
 
 
-__all__ = ["ENDED", "THREAD_STATES", "PrefetchError", "PrefetchOp", "PrefetchRuntime"]
+__all__ = ["ENDED", "THREAD_STATES", "PrefetchError", "PrefetchOp", "PrefetchRuntime", "page_ids"]

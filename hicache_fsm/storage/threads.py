@@ -18,23 +18,17 @@ import time
 from collections import Counter, deque
 from typing import Any, Callable
 
-import torch
-
 from hicache_fsm.errors import StorageError, StorageFull, StorageKeyError
 from hicache_fsm.jobs import TransferJob
 from hicache_fsm.storage.base import StorageBackend
 from hicache_fsm.storage.link import StorageLink
 from hicache_fsm.storage.options import TierOptions
-from hicache_fsm.storage.prefetch import PrefetchOp
+from hicache_fsm.storage.prefetch import PrefetchOp, page_ids
 
 log = logging.getLogger("hicache_fsm.storage.tier")
 
 PROBE_KEY = "0" * 64  # a key no page has: asking for it checks the backend answers, end to end
 FOREIGN_KEYS_KEPT = 1 << 16  # page keys remembered as stored in another page format (oldest forgotten first)
-
-
-def page_ids(indices: torch.Tensor, page_size: int) -> list[int]:
-    return (indices[::page_size] // page_size).tolist()
 
 
 class StorageThreads:
@@ -351,4 +345,4 @@ def _format_mismatches(backend: StorageBackend) -> int:
         return 0
 
 
-__all__ = ["FOREIGN_KEYS_KEPT", "PROBE_KEY", "StorageThreads", "page_ids"]
+__all__ = ["FOREIGN_KEYS_KEPT", "PROBE_KEY", "StorageThreads"]
