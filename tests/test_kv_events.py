@@ -316,6 +316,9 @@ def test_batches_rendered_after_the_tree_moved_on_equal_those_rendered_at_flush(
         assert [_wire(b) for b in now] == [_wire(p.render()) for p in later.pending]
         assert [_wire(b) for b in now] == [_wire(decode(p.payload())) for p in sent.pending]
         assert [_wire(b) for b in now] == [_wire(p.render()) for p in sent.pending]  # read back from the bytes
+        # the bytes written piece by piece have the schema's array layout, field for field
+        assert [msgspec.msgpack.decode(encode(b))[1:] for b in now] == [msgspec.msgpack.decode(p.payload())[1:]
+                                                                        for p in sent.pending]
     finally:
         for cache, _ in made:
             cache.close()

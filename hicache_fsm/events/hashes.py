@@ -22,7 +22,7 @@ import sys
 from array import array
 from typing import Hashable, Sequence
 
-from hicache_fsm.events.wire import DIGEST_BYTES, int64_array, int64_list, uint32_array
+from hicache_fsm.events.wire import DIGEST_BYTES, int64_array, int64_list, uint32_array, uint32_list
 from hicache_fsm.radix import TreeNode
 from hicache_fsm.storage.keys import page_digests, page_keys
 from hicache_fsm.storage.tier import namespace_seed
@@ -140,26 +140,37 @@ def _storage_digests(node: TreeNode, pages: int) -> bytes | None:
         return None
 
 
-class RecentWires:
-    """The last few token lists written as msgpack, so a node's device and host events encode them once.
+class RecentTokens:
+    """The last few token lists made while rendering, so a node's device and host events make them once.
 
-    Used by one rendering thread at a time; holding the packed key keeps its id from being reused.
+    Each ``BlockStored`` carries its node's token ids, as msgpack bytes (ZMQ)
+    or a list of ints (in-process); a node's second event reuses the first's.
+    Used by one rendering thread at a time; holding the packed key keeps its
+    id from being reused.
     """
 
     def __init__(self, size: int = 8) -> None:
         self.size = size
-        self._wires: dict[int, tuple[bytes, bytes]] = {}
+        self._made: dict[tuple[int, bool], tuple[bytes, bytes | list[int]]] = {}
 
-    def tokens(self, raw: bytes) -> bytes:
+    def wire(self, raw: bytes) -> bytes:
         """``raw`` (packed little-endian uint32 ids) as a msgpack array."""
-        hit = self._wires.get(id(raw))
+        return self._get(raw, True)  # type: ignore[return-value]
+
+    def ids(self, raw: bytes) -> list[int]:
+        """``raw`` as a list of ints (the same list for a node's events: read it, do not change it)."""
+        return self._get(raw, False)  # type: ignore[return-value]
+
+    def _get(self, raw: bytes, wire: bool) -> bytes | list[int]:
+        key = (id(raw), wire)
+        hit = self._made.get(key)
         if hit is not None and hit[0] is raw:
             return hit[1]
-        wire = uint32_array(raw)
-        if len(self._wires) >= self.size:
-            del self._wires[next(iter(self._wires))]
-        self._wires[id(raw)] = (raw, wire)
-        return wire
+        made = uint32_array(raw) if wire else uint32_list(raw)
+        if len(self._made) >= self.size:
+            del self._made[next(iter(self._made))]
+        self._made[key] = (raw, made)
+        return made
 
 
 class NodeChains:

@@ -25,7 +25,7 @@ import time
 from typing import TYPE_CHECKING, Callable, Hashable
 
 from hicache_fsm.errors import ConfigError
-from hicache_fsm.events.hashes import NodeChains, RecentWires
+from hicache_fsm.events.hashes import NodeChains, RecentTokens
 from hicache_fsm.events.names import MEDIUMS, parse_event
 from hicache_fsm.events.pending import CLEARED_RECORD, REMOVED, STORED, PendingBatch, takes_pending
 from hicache_fsm.events.schema import KVEventBatch
@@ -86,7 +86,7 @@ class KVEventHook:
         self._readable = readable_tiers(spec)
         self._chains = NodeChains(page_size)
         self._loras: dict[Hashable, tuple[int | None, str | None]] = {}
-        self._recent = RecentWires()
+        self._recent = RecentTokens()
         self._pending: list = []
         self.batches = 0
         self.events = 0

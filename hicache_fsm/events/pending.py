@@ -17,11 +17,9 @@ from __future__ import annotations
 
 from typing import Callable, TypeVar
 
-from hicache_fsm.events.hashes import RecentWires
-from hicache_fsm.events.schema import (
-    AllBlocksCleared, BlockRemoved, BlockRemovedWire, BlockStored, BlockStoredWire, EventBatch, KVEventBatch, Raw,
-    decode, encode)
-from hicache_fsm.events.wire import uint32_list
+from hicache_fsm.events.hashes import RecentTokens
+from hicache_fsm.events.schema import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, decode, encode
+from hicache_fsm.events.wire import CLEARED_EVENT, NIL, REMOVED_HEAD, STORED_HEAD, batch_bytes, int64_item, plain
 
 F = TypeVar("F", bound=Callable)
 
@@ -48,7 +46,7 @@ class PendingBatch:
     __slots__ = ("ts", "data_parallel_rank", "page_size", "_records", "_rendered", "_payload", "_recent")
 
     def __init__(self, ts: float, records: list[tuple], data_parallel_rank: int | None, page_size: int,
-                 recent: RecentWires | None = None) -> None:
+                 recent: RecentTokens | None = None) -> None:
         self.ts = ts
         self.data_parallel_rank = data_parallel_rank
         self.page_size = page_size
@@ -64,8 +62,9 @@ class PendingBatch:
             if self._records is None:  # already sent as bytes: read them back
                 rendered = decode(self._payload)  # type: ignore[arg-type]
             else:
-                ps = self.page_size
-                rendered = KVEventBatch(self.ts, [_event(r, ps) for r in self._records], self.data_parallel_rank)
+                ps, recent = self.page_size, self._recent or RecentTokens(1)
+                events = [_event(r, ps, recent) for r in self._records]
+                rendered = KVEventBatch(self.ts, events, self.data_parallel_rank)
                 self._records = self._recent = None  # the chains and token bytes are no longer held
             self._rendered = rendered
         return rendered
@@ -77,31 +76,38 @@ class PendingBatch:
             if self._rendered is not None:
                 payload = encode(self._rendered)
             else:
-                ps, recent = self.page_size, self._recent or RecentWires(1)
-                events = [_wire_event(r, ps, recent) for r in self._records or ()]
-                payload = encode(EventBatch(self.ts, events, self.data_parallel_rank))
+                records = self._records or []
+                pieces = _wire_pieces(records, self.page_size, self._recent or RecentTokens(1))
+                payload = batch_bytes(self.ts, len(records), pieces, self.data_parallel_rank)
                 self._records = self._recent = None  # the chains and token bytes are no longer held
             self._payload = payload
         return payload
 
 
-def _event(record: tuple, page_size: int):
+def _event(record: tuple, page_size: int, recent: RecentTokens):
     kind = record[0]
     if kind == STORED:
         _, medium, chain, parent, raw, lora_id, lora_name = record
-        return BlockStored(chain.int_keys(), None if parent is None else parent.last_int_key(), uint32_list(raw),
+        return BlockStored(chain.int_keys(), None if parent is None else parent.last_int_key(), recent.ids(raw),
                            page_size, lora_id, medium, lora_name)
     if kind == REMOVED:
         return BlockRemoved(record[2].int_keys(), record[1])
     return AllBlocksCleared()
 
 
-def _wire_event(record: tuple, page_size: int, recent: RecentWires):
-    kind = record[0]
-    if kind == STORED:
-        _, medium, chain, parent, raw, lora_id, lora_name = record
-        return BlockStoredWire(Raw(chain.wire_keys()), None if parent is None else parent.last_int_key(),
-                               Raw(recent.tokens(raw)), page_size, lora_id, medium, lora_name)
-    if kind == REMOVED:
-        return BlockRemovedWire(Raw(record[2].wire_keys()), record[1])
-    return AllBlocksCleared()
+def _wire_pieces(records: list[tuple], page_size: int, recent: RecentTokens) -> list[bytes]:
+    """The events of ``records`` as msgpack pieces (heads, hash and token lists, fields), in order."""
+    pieces: list[bytes] = []
+    add = pieces.extend
+    for record in records:
+        kind = record[0]
+        if kind == STORED:
+            _, medium, chain, parent, raw, lora_id, lora_name = record
+            parent_hash = NIL if parent is None else int64_item(parent.last_digest())
+            add((STORED_HEAD, chain.wire_keys(), parent_hash, recent.wire(raw), plain(page_size, lora_id, medium,
+                                                                                       lora_name)))
+        elif kind == REMOVED:
+            add((REMOVED_HEAD, record[2].wire_keys(), plain(record[1])))
+        else:
+            pieces.append(CLEARED_EVENT)
+    return pieces

@@ -1,18 +1,28 @@
-"""msgpack arrays of block hashes and token ids built from bytes, never from Python ints.
+"""A batch's msgpack bytes built from what the cache holds, never from Python ints.
 
 Rendering an event as structs of ``list[int]`` made thousands of int objects
 per request (a node's token ids, decoded) only for msgspec to encode them
-again. These build the msgpack bytes of those lists straight from what the
-cache already holds, with a few numpy copies and no Python loop: a page
-digest's first 8 bytes *are* the big-endian int64 block hash (msgpack
-``int 64``, ``0xd3``), and a node's packed little-endian uint32 ids become
-``uint 32`` items (``0xce``, big-endian). Every msgpack decoder reads these
-as the same integers as the shortest encoding; they go into the batch as
-``msgspec.Raw``.
+again. These build the msgpack bytes of those lists straight from bytes, with
+a few numpy copies and no Python loop: a page digest's first 8 bytes *are*
+the big-endian int64 block hash (msgpack ``int 64``, ``0xd3``), and a node's
+packed little-endian uint32 ids become ``uint 32`` items (``0xce``,
+big-endian). Every msgpack decoder reads these as the same integers as the
+shortest encoding.
+
+The batch around them is the schema's array-like layout written as byte
+pieces and joined once (:func:`batch_bytes`): ``[ts, [event, ...], rank]``,
+``["BlockStored", hashes, parent, tokens, block_size, lora_id, medium,
+lora_name]``, ``["BlockRemoved", hashes, medium]``, ``["AllBlocksCleared"]``.
+A test holds it equal to msgspec's encoding of the same ``KVEventBatch``.
 """
 
 from __future__ import annotations
 
+import struct
+from functools import lru_cache
+from typing import Hashable
+
+import msgspec
 import numpy as np
 
 DIGEST_BYTES = 32  # one page digest (SHA-256)
@@ -57,3 +67,28 @@ def int64_list(digests: bytes) -> list[int]:
 def uint32_list(packed: bytes) -> list[int]:
     """The little-endian uint32 ids packed in ``packed``."""
     return np.frombuffer(packed, "<u4", len(packed) >> 2).tolist()
+
+
+_pack = msgspec.msgpack.Encoder().encode
+_TS = struct.Struct(">d").pack
+BATCH_HEAD = b"\x93\xcb"  # [ts as float 64, ...
+STORED_HEAD = b"\x98" + _pack("BlockStored")
+REMOVED_HEAD = b"\x93" + _pack("BlockRemoved")
+CLEARED_EVENT = b"\x91" + _pack("AllBlocksCleared")
+NIL = b"\xc0"
+
+
+def int64_item(digest: bytes) -> bytes:
+    """A digest's first 8 bytes as one msgpack int64 (a parent block hash)."""
+    return b"\xd3" + digest[:8]
+
+
+@lru_cache(maxsize=256, typed=True)
+def plain(*values: Hashable) -> bytes:
+    """The msgpack items of a few plain values (ints, strings, None), one after another; remembered."""
+    return b"".join(_pack(v) for v in values)
+
+
+def batch_bytes(ts: float, events: int, pieces: list[bytes], data_parallel_rank: int | None) -> bytes:
+    """One batch: ``events`` events written as ``pieces`` (event heads, lists, fields), joined once."""
+    return b"".join([BATCH_HEAD, _TS(ts), array_header(events), *pieces, plain(data_parallel_rank)])
