@@ -51,6 +51,7 @@ IDLE_WAIT_S = 0.01  # how long the sender thread sleeps between draining the que
 BUSY_PAUSE_S = 0.005  # while the cache steps, the sender sends one batch per pause at most
 BUSY_WINDOW_S = 0.002  # a publish this recent means the cache is stepping now
 MAX_LAG = 1000  # batches queued beyond which the sender stops giving way (staleness bound)
+YIELD_S = 0.0002  # the sender's sleep after each batch it sends (paced): the serving thread takes the GIL
 
 
 @attrs.frozen
@@ -62,13 +63,17 @@ class Pacing:
     sender sends at most one batch per ``pause_s`` and catches up when the
     serving thread waits (an engine's forward pass on the accelerator, an idle
     scheduler), unless ``max_lag`` batches are queued: then it sends at once,
-    competing for the GIL, so events are never more than that far behind. A
-    ``pause_s`` of 0 never gives way.
+    competing for the GIL, so events are never more than that far behind.
+    After each batch it sends, a paced sender sleeps ``yield_s``: a thread
+    that lets go of the GIL and takes it straight back keeps a thread waiting
+    for it from running, and a serving thread starved so would look idle. A
+    ``pause_s`` of 0 never gives way (and never sleeps).
     """
 
     pause_s: float
     window_s: float
     max_lag: int
+    yield_s: float = YIELD_S
 
     def give_way(self, since_publish_s: float, queued: int) -> bool:
         return self.pause_s > 0 and since_publish_s < self.window_s and queued < self.max_lag
@@ -202,8 +207,12 @@ class ZmqEventPublisher:
                     continue
                 paused = False
                 seq, batch = q.popleft()
-                pub.send_multipart((self.topic, seq.to_bytes(8, "big"), _payload(batch)))  # lets go of the GIL
+                pub.send_multipart((self.topic, seq.to_bytes(8, "big"), _payload(batch)))
                 self.sent += 1
+                if pacing.pause_s > 0:
+                    # Hand the GIL over: a serving thread waiting for it runs (and publishes) before the
+                    # next look, so a cache starved by this loop is not taken for a waiting one.
+                    time.sleep(pacing.yield_s)
                 continue
             if stop.is_set():  # close() refuses new batches first: the queue is drained for good
                 return
