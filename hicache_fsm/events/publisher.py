@@ -44,7 +44,6 @@ from hicache_fsm.events.schema import KVEventBatch, encode
 Batch = KVEventBatch | PendingBatch
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
-WAIT_POLL_S = 0.0005  # how often ``wait_sent`` looks at the counters
 IDLE_WAIT_S = 0.01  # how long the sender thread sleeps between draining the queue and serving replays
 
 
@@ -128,6 +127,7 @@ class ZmqEventPublisher:
         self._next_seq = 0
         self._last_publish = -math.inf
         self._stop = threading.Event()
+        self._drained = threading.Event()  # set by the sender whenever it finds its queue empty
         self._closed = False
         self.dropped = 0  # batches not sent live (queue full); still in the replay buffer
         self.sent = 0
@@ -164,11 +164,14 @@ class ZmqEventPublisher:
     def wait_sent(self, timeout: float) -> bool:
         """Wait (sleeping, off the GIL) until every batch published so far was sent or dropped; False on timeout."""
         deadline = time.monotonic() + timeout
-        while self.sent + self.dropped < self._next_seq:
-            if self._closed or time.monotonic() >= deadline:
+        while True:
+            self._drained.clear()  # before looking: a drain after the look sets it again
+            if self.sent + self.dropped >= self._next_seq:
+                return True
+            left = deadline - time.monotonic()
+            if self._closed or left <= 0:
                 return False
-            time.sleep(WAIT_POLL_S)
-        return True
+            self._drained.wait(min(left, IDLE_WAIT_S))  # no polling: each wake-up would take the GIL
 
     def close(self) -> None:
         """Send what is queued, stop the thread, close the sockets (idempotent)."""
@@ -214,6 +217,7 @@ class ZmqEventPublisher:
                     # next look, so a cache starved by this loop is not taken for a waiting one.
                     time.sleep(pacing.yield_s)
                 continue
+            self._drained.set()
             if stop.is_set():  # close() refuses new batches first: the queue is drained for good
                 return
             stop.wait(IDLE_WAIT_S)
