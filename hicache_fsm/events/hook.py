@@ -109,11 +109,12 @@ class KVEventHook:
 
     def _queue(self, stored: bool, medium: str, node: TreeNode) -> None:
         """Record one event: references to facts that do not change (see ``pending``), nothing hashed."""
-        chains = self._chains
-        chain = chains.by_id.get(node.id) or chains.chain(node)
+        by_id = self._chains.by_id
+        chain = by_id.get(node.id) or self._chains.chain(node)
         if stored:
             lora = self._loras.get(node.namespace) or self._lora(node.namespace)
-            self._pending.append((STORED, medium, chain, chains.chain(node.parent), node.raw) + lora)
+            # every ancestor of a chained node is chained (NodeChains.chain); the root is not: None
+            self._pending.append((STORED, medium, chain, by_id.get(node.parent.id), node.raw) + lora)
         else:
             self._pending.append((REMOVED, medium, chain))
         if len(self._pending) >= self.max_batch_events:
