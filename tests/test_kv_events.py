@@ -17,7 +17,7 @@ from hicache_fsm.events.hook import TIER_TAGS, disable_kv_events, enable_kv_even
 from hicache_fsm.events.names import parse_event
 from hicache_fsm.events.pending import PendingBatch, accepts_pending
 from hicache_fsm.events.schema import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, decode, encode
-from hicache_fsm.events.wire import int64_array, int64_list, uint32_array, uint32_list
+from hicache_fsm.events.wire import int64_array, int64_list, token_array, uint32_list
 from hicache_fsm.router import PrefixIndex, Router
 from hicache_fsm.spec import load_builtin, parse_spec
 
@@ -264,7 +264,10 @@ class _Node:
 def test_lists_written_from_bytes_decode_as_the_ints_they_stand_for(ids, digests):
     """The msgpack arrays built from packed ids and joined digests read back as the ids and the int64 block hashes."""
     packed = b"".join(i.to_bytes(4, "little") for i in ids)
-    assert msgspec.msgpack.decode(uint32_array(packed), type=list[int]) == ids == uint32_list(packed)
+    assert msgspec.msgpack.decode(token_array(packed), type=list[int]) == ids == uint32_list(packed)
+    narrow = [i & 0xFFFF for i in ids]  # every id fits 16 bits: the shorter items
+    packed = b"".join(i.to_bytes(4, "little") for i in narrow)
+    assert msgspec.msgpack.decode(token_array(packed), type=list[int]) == narrow
     ints = [int.from_bytes(d[:8], "big", signed=True) for d in digests]
     joined = b"".join(digests)
     assert msgspec.msgpack.decode(int64_array(joined), type=list[int]) == ints == int64_list(joined)

@@ -22,7 +22,7 @@ import sys
 from array import array
 from typing import Hashable, Sequence
 
-from hicache_fsm.events.wire import DIGEST_BYTES, int64_array, int64_list, uint32_array, uint32_list
+from hicache_fsm.events.wire import DIGEST_BYTES, int64_array, int64_list, token_array, uint32_list
 from hicache_fsm.radix import TreeNode
 from hicache_fsm.storage.keys import page_digests, page_keys
 from hicache_fsm.storage.tier import namespace_seed
@@ -166,7 +166,7 @@ class RecentTokens:
         hit = self._made.get(key)
         if hit is not None and hit[0] is raw:
             return hit[1]
-        made = uint32_array(raw) if wire else uint32_list(raw)
+        made = token_array(raw) if wire else uint32_list(raw)
         if len(self._made) >= self.size:
             del self._made[next(iter(self._made))]
         self._made[key] = (raw, made)

@@ -5,9 +5,9 @@ per request (a node's token ids, decoded) only for msgspec to encode them
 again. These build the msgpack bytes of those lists straight from bytes, with
 a few numpy copies and no Python loop: a page digest's first 8 bytes *are*
 the big-endian int64 block hash (msgpack ``int 64``, ``0xd3``), and a node's
-packed little-endian uint32 ids become ``uint 32`` items (``0xce``,
-big-endian). Every msgpack decoder reads these as the same integers as the
-shortest encoding.
+packed little-endian uint32 ids become ``uint 16`` or ``uint 32`` items
+(``0xcd`` / ``0xce``, big-endian). Every msgpack decoder reads these as the
+same integers as the shortest encoding.
 
 The batch around them is the schema's array-like layout written as byte
 pieces and joined once (:func:`batch_bytes`): ``[ts, [event, ...], rank]``,
@@ -27,7 +27,9 @@ import numpy as np
 
 DIGEST_BYTES = 32  # one page digest (SHA-256)
 INT64 = 0xD3
+UINT16 = 0xCD
 UINT32 = 0xCE
+_UINT16_ITEM = np.dtype([("code", "u1"), ("value", ">u2")])
 _UINT32_ITEM = np.dtype([("code", "u1"), ("value", ">u4")])
 _INT64_ITEM = np.dtype([("code", "u1"), ("value", "S8")])
 
@@ -50,12 +52,18 @@ def int64_array(digests: bytes) -> bytes:
     return array_header(n) + items.tobytes()
 
 
-def uint32_array(packed: bytes) -> bytes:
-    """The msgpack array of the little-endian uint32 ids packed in ``packed``."""
+def token_array(packed: bytes) -> bytes:
+    """The msgpack array of the little-endian uint32 ids packed in ``packed``.
+
+    Each id is a ``uint 16`` item (3 bytes) when every id of the list fits 16
+    bits, else every id is a ``uint 32`` item (5 bytes).
+    """
     n = len(packed) >> 2
-    items = np.empty(n, _UINT32_ITEM)
-    items["code"] = UINT32
-    items["value"] = np.frombuffer(packed, "<u4", n)
+    ids = np.frombuffer(packed, "<u4", n)
+    wide = n > 0 and int(ids.max()) > 0xFFFF
+    items = np.empty(n, _UINT32_ITEM if wide else _UINT16_ITEM)
+    items["code"] = UINT32 if wide else UINT16
+    items["value"] = ids
     return array_header(n) + items.tobytes()
 
 
