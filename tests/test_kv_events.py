@@ -244,6 +244,8 @@ def test_a_chain_reads_the_storage_tiers_keys_when_they_cover_its_pages():
     assert PageChain.of_node(4, _Node(packed, fake), None).digests() == bytes.fromhex("".join(fake))
     assert PageChain.of_node(4, _Node(packed, fake[:2]), None).digests() == bytes.fromhex("".join(keys))
     assert PageChain.of_node(4, _Node(packed, None), None).digests() == bytes.fromhex("".join(keys))
+    short = tuple("ab" * 8 for _ in keys)  # hex, but not 32-byte digests
+    assert PageChain.of_node(4, _Node(packed, short), None).digests() == bytes.fromhex("".join(keys))
 
 
 class _Fixed:

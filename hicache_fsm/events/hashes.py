@@ -135,9 +135,10 @@ def _storage_digests(node: TreeNode, pages: int) -> bytes | None:
     if keys is None or len(keys) != pages or not pages:
         return None
     try:
-        return bytes.fromhex("".join(keys))
+        digests = bytes.fromhex("".join(keys))
     except (TypeError, ValueError):  # not hex digests: keys of another form
         return None
+    return digests if len(digests) == pages * DIGEST_BYTES else None
 
 
 class RecentTokens:
