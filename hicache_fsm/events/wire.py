@@ -13,7 +13,7 @@ The batch around them is the schema's array-like layout written as byte
 pieces and joined once (:func:`batch_bytes`): ``[ts, [event, ...], rank]``,
 ``["BlockStored", hashes, parent, tokens, block_size, lora_id, medium,
 lora_name]``, ``["BlockRemoved", hashes, medium]``, ``["AllBlocksCleared"]``.
-A test holds it equal to msgspec's encoding of the same ``KVEventBatch``.
+A test holds it to decode as msgspec's encoding of the same ``KVEventBatch`` does.
 """
 
 from __future__ import annotations
