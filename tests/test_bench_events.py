@@ -24,6 +24,10 @@ def test_bench_events_reports_the_serving_thread_and_the_work_beside_it(clock, c
     for name in ("off", "inprocess", "zmq"):
         assert result[f"{name}_us_per_request"] > 0
     for name in ("inprocess", "zmq"):
-        assert result[f"{name}_beside_us_per_request"] > 0  # rendering (and sending) is counted, not hidden
-        assert (result[f"{name}_process_cpu_overhead_pct"] is None) == (clock == "wall")
+        assert result[f"{name}_beside_cpu_us_per_request"] > 0  # rendering (and sending) is counted, not hidden
+        for figure in ("serving_best_chunk_pct", "serving_median_chunk_pct"):
+            assert isinstance(result[f"{name}_{figure}"], float)
+        for figure in ("process_cpu_median_chunk_pct", "process_cpu_pct"):
+            assert (result[f"{name}_{figure}"] is None) == (clock == "wall")
+    assert result["target_pct"] == 10.0
     assert '"benchmark": "events"' in capsys.readouterr().out

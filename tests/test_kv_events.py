@@ -12,13 +12,12 @@ from hicache_fsm.config import CacheConfig
 from hicache_fsm.diagrams import edge_label
 from hicache_fsm.errors import ConfigError, SpecError, StorageKeyError
 from hicache_fsm.events.contents import MEMORY_TIERS, cache_contents
-from hicache_fsm.events.hashes import (
-    chained_digests, int64_hash, request_hashes, span_digests, span_tokens, span_wire_tokens)
+from hicache_fsm.events.hashes import PageChain, chained_digests, int64_hash, request_hashes
 from hicache_fsm.events.hook import TIER_TAGS, disable_kv_events, enable_kv_events, reset_with_events
 from hicache_fsm.events.names import parse_event
 from hicache_fsm.events.pending import PendingBatch, accepts_pending
 from hicache_fsm.events.schema import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, decode, encode
-from hicache_fsm.events.wire import int64_array, uint32_array
+from hicache_fsm.events.wire import int64_array, int64_list, token_array, uint32_list
 from hicache_fsm.router import PrefixIndex, Router
 from hicache_fsm.spec import load_builtin, parse_spec
 
@@ -215,30 +214,65 @@ def test_index_from_events_equals_every_cache_at_every_quiescent_point(ops, drop
             cache.close()
 
 
-@given(ids=st.lists(st.integers(0, (1 << 32) - 1), max_size=40), start=st.integers(0, 12), prior=st.binary(max_size=32))
-def test_a_key_held_packed_or_as_a_tuple_span_hashes_and_reads_alike(ids, start, prior):
-    """Keys packed as little-endian uint32 bytes, and spans of a tuple, give the tokens' own page digests."""
+@given(ids=st.lists(st.integers(0, (1 << 32) - 1), max_size=40), cut=st.integers(0, 10),
+       prior=st.binary(min_size=32, max_size=32))
+def test_a_chain_hashed_from_packed_bytes_and_its_split_halves_give_the_tokens_page_digests(ids, cut, prior):
+    """A node's chain (packed little-endian uint32 key) has the tokens' own page digests; the halves of
+    a split slice them, and a child chains on from the last page."""
     tokens = tuple(ids)
-    start = min(start, len(tokens))
-    packed = b"".join(i.to_bytes(4, "little") for i in tokens[start:])
-    expected = chained_digests(tokens[start:], 4, prior)
-    assert span_digests(packed, 4, prior) == expected == span_digests((tokens, start, len(tokens)), 4, prior)
-    assert list(span_tokens(packed)) == list(tokens[start:]) == list(span_tokens((tokens, start, len(tokens))))
+    packed = b"".join(i.to_bytes(4, "little") for i in tokens)
+    expected = chained_digests(tokens, 4, prior)
+    parent = PageChain(4, 1, ("slice", _Fixed(prior), 0, 1))
+    node = _Node(packed, None)
+    chain = PageChain.of_node(4, node, parent)
+    assert chain.digests() == b"".join(expected)
+    assert chain.int_keys() == [int.from_bytes(d[:8], "big", signed=True) for d in expected]
+    cut = min(cut, chain.pages)
+    upper, lower = chain.sliced(0, cut), chain.sliced(cut, chain.pages)
+    assert upper.digests() + lower.digests() == chain.digests()
+    if expected:
+        assert chain.last_digest() == expected[-1]
+        assert chain.last_int_key() == chain.int_keys()[-1]
 
 
-@given(ids=st.lists(st.integers(0, (1 << 32) - 1), max_size=70), digests=st.lists(st.binary(min_size=8, max_size=32)))
+def test_a_chain_reads_the_storage_tiers_keys_when_they_cover_its_pages():
+    """Pages the storage tier already keyed are not hashed again; keys of a split node are not taken."""
+    tokens = tuple(range(100, 116))
+    packed = b"".join(i.to_bytes(4, "little") for i in tokens)
+    keys = tuple(d.hex() for d in chained_digests(tokens, 4, b""))
+    fake = tuple("ab" * 32 for _ in keys)  # keys that are not these pages' hashes: shows which were read
+    assert PageChain.of_node(4, _Node(packed, fake), None).digests() == bytes.fromhex("".join(fake))
+    assert PageChain.of_node(4, _Node(packed, fake[:2]), None).digests() == bytes.fromhex("".join(keys))
+    assert PageChain.of_node(4, _Node(packed, None), None).digests() == bytes.fromhex("".join(keys))
+    short = tuple("ab" * 8 for _ in keys)  # hex, but not 32-byte digests
+    assert PageChain.of_node(4, _Node(packed, short), None).digests() == bytes.fromhex("".join(keys))
+
+
+class _Fixed:
+    def __init__(self, digest: bytes) -> None:
+        self.value = digest
+
+    def digests(self) -> bytes:
+        return self.value
+
+
+class _Node:
+    def __init__(self, raw: bytes, storage_keys) -> None:
+        self.raw, self.storage_keys, self.namespace = raw, storage_keys, None
+
+
+@given(ids=st.lists(st.integers(0, (1 << 32) - 1), max_size=70),
+       digests=st.lists(st.binary(min_size=32, max_size=32), max_size=40))
 def test_lists_written_from_bytes_decode_as_the_ints_they_stand_for(ids, digests):
-    """The msgpack arrays built from packed ids and digests read back as the ids and the int64 block hashes."""
+    """The msgpack arrays built from packed ids and joined digests read back as the ids and the int64 block hashes."""
     packed = b"".join(i.to_bytes(4, "little") for i in ids)
-    assert msgspec.msgpack.decode(uint32_array(packed), type=list[int]) == ids
-    assert msgspec.msgpack.decode(span_wire_tokens((tuple(ids), 0, len(ids))), type=list[int]) == ids
+    assert msgspec.msgpack.decode(token_array(packed), type=list[int]) == ids == uint32_list(packed)
+    narrow = [i & 0xFFFF for i in ids]  # every id fits 16 bits: the shorter items
+    packed = b"".join(i.to_bytes(4, "little") for i in narrow)
+    assert msgspec.msgpack.decode(token_array(packed), type=list[int]) == narrow
     ints = [int.from_bytes(d[:8], "big", signed=True) for d in digests]
-    assert msgspec.msgpack.decode(int64_array(digests), type=list[int]) == ints
-
-
-def test_a_token_beyond_32_bits_has_no_wire_form():
-    with pytest.raises(StorageKeyError):
-        span_wire_tokens(((1, 1 << 32), 0, 2))
+    joined = b"".join(digests)
+    assert msgspec.msgpack.decode(int64_array(joined), type=list[int]) == ints == int64_list(joined)
 
 
 class PendingSink:
@@ -287,7 +321,9 @@ def test_batches_rendered_after_the_tree_moved_on_equal_those_rendered_at_flush(
         assert [_wire(b) for b in now] == [_wire(p.render()) for p in later.pending]
         assert [_wire(b) for b in now] == [_wire(decode(p.payload())) for p in sent.pending]
         assert [_wire(b) for b in now] == [_wire(p.render()) for p in sent.pending]  # read back from the bytes
-        assert hooks[1].unhashable == hooks[2].unhashable == 0
+        # the bytes written piece by piece have the schema's array layout, field for field
+        assert [msgspec.msgpack.decode(encode(b))[1:] for b in now] == [msgspec.msgpack.decode(p.payload())[1:]
+                                                                        for p in sent.pending]
     finally:
         for cache, _ in made:
             cache.close()

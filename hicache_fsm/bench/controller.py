@@ -168,20 +168,26 @@ def serve(cache: HiCache, requests: list[tuple[int, ...]], pc=time.perf_counter,
 def _serve(cache: HiCache, requests: list[tuple[int, ...]], pc, after: Callable[[], None] | None) -> float:
     spent = 0.0
     for tokens in requests:
-        t0 = pc()
-        m = cache.match_prefix(tokens)
-        t1 = pc()
-        cached = m.device_hit_length
-        new = cache.alloc_device(len(tokens) - cached)
-        indices = torch.cat([m.device_indices, new]) if cached else new
-        t2 = pc()
-        cache.insert(tokens, indices)
-        cache.poll()  # start the backup batch
-        cache.poll()  # apply its acks
-        if after is not None:
-            after()
-        spent += (t1 - t0) + (pc() - t2)
+        spent += serve_one(cache, tokens, pc, after)
     return spent
+
+
+def serve_one(cache: HiCache, tokens: tuple[int, ...], pc=time.perf_counter,
+              after: Callable[[], None] | None = None) -> float:
+    """One request of the engine loop (see ``serve``, without its collector handling); seconds timed."""
+    t0 = pc()
+    m = cache.match_prefix(tokens)
+    t1 = pc()
+    cached = m.device_hit_length
+    new = cache.alloc_device(len(tokens) - cached)
+    indices = torch.cat([m.device_indices, new]) if cached else new
+    t2 = pc()
+    cache.insert(tokens, indices)
+    cache.poll()  # start the backup batch
+    cache.poll()  # apply its acks
+    if after is not None:
+        after()
+    return (t1 - t0) + (pc() - t2)
 
 
 def scrape_cost_us(cache: HiCache, repeats: int = 5) -> float | None:

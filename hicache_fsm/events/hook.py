@@ -25,7 +25,7 @@ import time
 from typing import TYPE_CHECKING, Callable, Hashable
 
 from hicache_fsm.errors import ConfigError
-from hicache_fsm.events.hashes import NodeChains, RecentSlices, key_span
+from hicache_fsm.events.hashes import NodeChains, RecentTokens
 from hicache_fsm.events.names import MEDIUMS, parse_event
 from hicache_fsm.events.pending import CLEARED_RECORD, REMOVED, STORED, PendingBatch, takes_pending
 from hicache_fsm.events.schema import KVEventBatch
@@ -80,22 +80,24 @@ class KVEventHook:
         self.page_size = page_size
         self.data_parallel_rank = data_parallel_rank
         self.max_batch_events = max_batch_events
-        self._moves = events_by_move(spec)
+        # (source, dest) -> ((stored?, medium), ...): what the serving thread looks up per state change
+        self._moves = {move: tuple((kind == "stored", MEDIUMS[tier]) for kind, tier in events)
+                       for move, events in events_by_move(spec).items() if events}
         self._readable = readable_tiers(spec)
         self._chains = NodeChains(page_size)
-        self._recent = RecentSlices()
+        self._loras: dict[Hashable, tuple[int | None, str | None]] = {}
+        self._recent = RecentTokens()
         self._pending: list = []
         self.batches = 0
         self.events = 0
-        self.unhashable = 0  # events left out when rendered: the node's token ids do not fit a page key
 
     # ------------------------------------------------------------ ResidencyListener
 
     def state_changed(self, node: TreeNode, old: str) -> None:
         events = self._moves.get((old, node.state))
-        if events:
-            for kind, tier in events:
-                self._queue(kind, tier, node)
+        if events is not None:
+            for stored, medium in events:
+                self._queue(stored, medium, node)
 
     def split(self, node: TreeNode, upper: TreeNode) -> None:
         self._chains.split(node, upper)
@@ -105,21 +107,22 @@ class KVEventHook:
 
     # ------------------------------------------------------------ batches
 
-    def _queue(self, kind: str, tier: str, node: TreeNode) -> None:
-        chain = self._chains.chain(node)
-        if kind == "stored":
-            lora_id, lora_name = _lora(node.namespace)
-            parent = node.parent
-            parent_chain = None if parent is None or parent.is_root else self._chains.chain(parent)
-            record = (STORED, MEDIUMS[tier], chain, parent_chain, key_span(node), self.page_size, lora_id, lora_name)
+    def _queue(self, stored: bool, medium: str, node: TreeNode) -> None:
+        """Record one event: references to facts that do not change (see ``pending``), nothing hashed."""
+        by_id = self._chains.by_id
+        chain = by_id.get(node.id) or self._chains.chain(node)
+        if stored:
+            lora = self._loras.get(node.namespace) or self._lora(node.namespace)
+            # every ancestor of a chained node is chained (NodeChains.chain); the root is not: None
+            self._pending.append((STORED, medium, chain, by_id.get(node.parent.id), node.raw) + lora)
         else:
-            record = (REMOVED, MEDIUMS[tier], chain)
-        self._pending.append(record)
+            self._pending.append((REMOVED, medium, chain))
         if len(self._pending) >= self.max_batch_events:
             self.flush()
 
-    def _count_unhashable(self, events: int) -> None:
-        self.unhashable += events
+    def _lora(self, namespace: Hashable) -> tuple[int | None, str | None]:
+        lora = self._loras[namespace] = _lora(namespace)
+        return lora
 
     def flush(self) -> None:
         """Hand the queued events to the sink as one batch (nothing if none are queued)."""
@@ -127,7 +130,7 @@ class KVEventHook:
             records, self._pending = self._pending, []
             self.batches += 1
             self.events += len(records)
-            batch = PendingBatch(time.time(), records, self.data_parallel_rank, self._count_unhashable, self._recent)
+            batch = PendingBatch(time.time(), records, self.data_parallel_rank, self.page_size, self._recent)
             self.sink(batch if self._sink_renders else batch.render())
 
     def cleared(self) -> None:
@@ -141,7 +144,7 @@ class KVEventHook:
         for node in nodes:
             if not node.is_root:
                 for tier in self._readable.get(node.state, ()):
-                    self._queue("stored", tier, node)
+                    self._queue(True, MEDIUMS[tier], node)
         self.flush()
 
 

@@ -17,15 +17,13 @@ from __future__ import annotations
 
 from typing import Callable, TypeVar
 
-from hicache_fsm.errors import StorageKeyError
-from hicache_fsm.events.hashes import RecentSlices, span_tokens, span_wire_tokens
-from hicache_fsm.events.schema import (
-    AllBlocksCleared, BlockRemoved, BlockRemovedWire, BlockStored, BlockStoredWire, EventBatch, KVEventBatch, Raw,
-    decode, encode)
+from hicache_fsm.events.hashes import RecentTokens
+from hicache_fsm.events.schema import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, decode, encode
+from hicache_fsm.events.wire import CLEARED_EVENT, NIL, REMOVED_HEAD, STORED_HEAD, batch_bytes, int64_item, plain
 
 F = TypeVar("F", bound=Callable)
 
-# Records: (STORED, medium, chain, parent chain or None, key span, page size, lora_id, lora_name),
+# Records: (STORED, medium, chain, parent chain or None, packed key, lora_id, lora_name),
 # (REMOVED, medium, chain), (CLEARED,).
 STORED, REMOVED, CLEARED = 0, 1, 2
 CLEARED_RECORD = (CLEARED,)
@@ -45,26 +43,28 @@ def takes_pending(sink: Callable) -> bool:
 class PendingBatch:
     """A batch of event records with its timestamp and rank, rendered once (as bytes or as structs)."""
 
-    __slots__ = ("ts", "data_parallel_rank", "_records", "_rendered", "_payload", "_on_unhashable", "_recent")
+    __slots__ = ("ts", "data_parallel_rank", "page_size", "_records", "_rendered", "_payload", "_recent")
 
-    def __init__(self, ts: float, records: list[tuple], data_parallel_rank: int | None,
-                 on_unhashable: Callable[[int], None], recent: RecentSlices | None = None) -> None:
+    def __init__(self, ts: float, records: list[tuple], data_parallel_rank: int | None, page_size: int,
+                 recent: RecentTokens | None = None) -> None:
         self.ts = ts
         self.data_parallel_rank = data_parallel_rank
+        self.page_size = page_size
         self._records: list[tuple] | None = records
         self._rendered: KVEventBatch | None = None
         self._payload: bytes | None = None
-        self._on_unhashable = on_unhashable
         self._recent = recent  # shared by a hook's batches, which one thread renders in order
 
     def render(self) -> KVEventBatch:
-        """The batch as subscribers see it; events whose tokens have no page key are left out (and counted)."""
+        """The batch as subscribers see it."""
         rendered = self._rendered
         if rendered is None:
             if self._records is None:  # already sent as bytes: read them back
                 rendered = decode(self._payload)  # type: ignore[arg-type]
             else:
-                rendered = KVEventBatch(self.ts, self._events(_event), self.data_parallel_rank)
+                ps, recent = self.page_size, self._recent or RecentTokens(1)
+                events = [_event(r, ps, recent) for r in self._records]
+                rendered = KVEventBatch(self.ts, events, self.data_parallel_rank)
                 self._records = self._recent = None  # the chains and token bytes are no longer held
             self._rendered = rendered
         return rendered
@@ -76,42 +76,38 @@ class PendingBatch:
             if self._rendered is not None:
                 payload = encode(self._rendered)
             else:
-                payload = encode(EventBatch(self.ts, self._events(_wire_event), self.data_parallel_rank))
+                records = self._records or []
+                pieces = _wire_pieces(records, self.page_size, self._recent or RecentTokens(1))
+                payload = batch_bytes(self.ts, len(records), pieces, self.data_parallel_rank)
                 self._records = self._recent = None  # the chains and token bytes are no longer held
             self._payload = payload
         return payload
 
-    def _events(self, make: Callable[[tuple, RecentSlices | None], object]) -> list:
-        events, skipped = [], 0
-        for record in self._records or ():
-            try:
-                events.append(make(record, self._recent))
-            except StorageKeyError:  # token ids beyond 32 bits have no page key: no event
-                skipped += 1
-        if skipped:
-            self._on_unhashable(skipped)
-        return events
 
-
-def _event(record: tuple, recent: RecentSlices | None):
+def _event(record: tuple, page_size: int, recent: RecentTokens):
     kind = record[0]
     if kind == STORED:
-        _, medium, chain, parent, span, page_size, lora_id, lora_name = record
-        return BlockStored(chain.int_keys(recent), None if parent is None else parent.last_int_key(recent),
-                           span_tokens(span, recent), page_size, lora_id, medium, lora_name)
+        _, medium, chain, parent, raw, lora_id, lora_name = record
+        return BlockStored(chain.int_keys(), None if parent is None else parent.last_int_key(), recent.ids(raw),
+                           page_size, lora_id, medium, lora_name)
     if kind == REMOVED:
-        return BlockRemoved(record[2].int_keys(recent), record[1])
+        return BlockRemoved(record[2].int_keys(), record[1])
     return AllBlocksCleared()
 
 
-def _wire_event(record: tuple, recent: RecentSlices | None):
-    kind = record[0]
-    if kind == STORED:
-        _, medium, chain, parent, span, page_size, lora_id, lora_name = record
-        keys = chain.wire_keys(recent)  # first: a token id beyond 32 bits fails here
-        tokens = recent.wire_tokens(span) if recent is not None else span_wire_tokens(span)
-        return BlockStoredWire(Raw(keys), None if parent is None else parent.last_int_key(recent), Raw(tokens),
-                               page_size, lora_id, medium, lora_name)
-    if kind == REMOVED:
-        return BlockRemovedWire(Raw(record[2].wire_keys(recent)), record[1])
-    return AllBlocksCleared()
+def _wire_pieces(records: list[tuple], page_size: int, recent: RecentTokens) -> list[bytes]:
+    """The events of ``records`` as msgpack pieces (heads, hash and token lists, fields), in order."""
+    pieces: list[bytes] = []
+    add = pieces.extend
+    for record in records:
+        kind = record[0]
+        if kind == STORED:
+            _, medium, chain, parent, raw, lora_id, lora_name = record
+            parent_hash = NIL if parent is None else int64_item(parent.last_digest())
+            add((STORED_HEAD, chain.wire_keys(), parent_hash, recent.wire(raw), plain(page_size, lora_id, medium,
+                                                                                       lora_name)))
+        elif kind == REMOVED:
+            add((REMOVED_HEAD, record[2].wire_keys(), plain(record[1])))
+        else:
+            pieces.append(CLEARED_EVENT)
+    return pieces

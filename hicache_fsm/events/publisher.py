@@ -15,7 +15,7 @@ numbered at once and written as msgpack bytes on the sender thread (pages
 hashed, hash and token lists written from bytes: ``PendingBatch.payload``), so
 the serving thread never hashes; a replay sends the same bytes. That work
 still holds the GIL, so while the cache is stepping the sender gives way
-(:class:`Pacing`: one batch per ``busy_pause_s``) and catches up when the
+(:class:`Pacing`: one short burst per ``busy_pause_s``) and catches up when the
 serving thread waits, up to ``max_lag`` queued batches. One thread owns both sockets
 (ZMQ sockets are not thread-safe); ``close`` sends what is queued, joins the
 thread and closes the sockets and the context.
@@ -44,13 +44,14 @@ from hicache_fsm.events.schema import KVEventBatch, encode
 Batch = KVEventBatch | PendingBatch
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
-WAIT_POLL_S = 0.0005  # how often ``wait_sent`` looks at the counters
 IDLE_WAIT_S = 0.01  # how long the sender thread sleeps between draining the queue and serving replays
 
 
-BUSY_PAUSE_S = 0.005  # while the cache steps, the sender sends one batch per pause at most
+BUSY_PAUSE_S = 0.005  # while the cache steps, the sender sends one burst per pause at most
 BUSY_WINDOW_S = 0.002  # a publish this recent means the cache is stepping now
 MAX_LAG = 1000  # batches queued beyond which the sender stops giving way (staleness bound)
+BURST_S = 0.001  # how long a paced sender works before handing the GIL back
+YIELD_S = 0.0002  # the sender's sleep after each burst (paced): the serving thread takes the GIL
 
 
 @attrs.frozen
@@ -59,16 +60,24 @@ class Pacing:
 
     Rendering a batch (hashing its pages, writing its bytes) holds the GIL; while
     the cache is stepping (a batch was published within ``window_s``) the
-    sender sends at most one batch per ``pause_s`` and catches up when the
-    serving thread waits (an engine's forward pass on the accelerator, an idle
-    scheduler), unless ``max_lag`` batches are queued: then it sends at once,
-    competing for the GIL, so events are never more than that far behind. A
-    ``pause_s`` of 0 never gives way.
+    sender works at most one burst (batches for up to ``burst_s``) per
+    ``pause_s`` and catches up when the serving thread waits (an engine's
+    forward pass on the accelerator, an idle scheduler), unless ``max_lag``
+    batches are queued: then it sends at once, competing for the GIL, so
+    events are never more than that far behind. After each burst a paced
+    sender sleeps ``yield_s``: a thread that lets go of the GIL and takes it
+    straight back keeps a thread waiting for it from running, and a serving
+    thread starved so would look idle. Bursts, not single batches, because
+    every hand-over of the GIL between the threads costs CPU (measured: one
+    batch per pause cost more CPU than the batches themselves). A ``pause_s``
+    of 0 never gives way (and never sleeps).
     """
 
     pause_s: float
     window_s: float
     max_lag: int
+    burst_s: float = BURST_S
+    yield_s: float = YIELD_S
 
     def give_way(self, since_publish_s: float, queued: int) -> bool:
         return self.pause_s > 0 and since_publish_s < self.window_s and queued < self.max_lag
@@ -123,6 +132,7 @@ class ZmqEventPublisher:
         self._next_seq = 0
         self._last_publish = -math.inf
         self._stop = threading.Event()
+        self._drained = threading.Event()  # set by the sender whenever it finds its queue empty
         self._closed = False
         self.dropped = 0  # batches not sent live (queue full); still in the replay buffer
         self.sent = 0
@@ -159,11 +169,14 @@ class ZmqEventPublisher:
     def wait_sent(self, timeout: float) -> bool:
         """Wait (sleeping, off the GIL) until every batch published so far was sent or dropped; False on timeout."""
         deadline = time.monotonic() + timeout
-        while self.sent + self.dropped < self._next_seq:
-            if self._closed or time.monotonic() >= deadline:
+        while True:
+            self._drained.clear()  # before looking: a drain after the look sets it again
+            if self.sent + self.dropped >= self._next_seq:
+                return True
+            left = deadline - time.monotonic()
+            if self._closed or left <= 0:
                 return False
-            time.sleep(WAIT_POLL_S)
-        return True
+            self._drained.wait(min(left, IDLE_WAIT_S))  # no polling: each wake-up would take the GIL
 
     def close(self) -> None:
         """Send what is queued, stop the thread, close the sockets (idempotent)."""
@@ -198,16 +211,30 @@ class ZmqEventPublisher:
                         and pacing.give_way(time.monotonic() - self._last_publish, len(q))):
                     self.paused += 1
                     stop.wait(pacing.pause_s)
-                    paused = True  # one batch goes out after each pause, however busy the cache is
+                    paused = True  # one burst goes out after each pause, however busy the cache is
                     continue
                 paused = False
-                seq, batch = q.popleft()
-                pub.send_multipart((self.topic, seq.to_bytes(8, "big"), _payload(batch)))  # lets go of the GIL
-                self.sent += 1
+                self._burst(pub, q)
+                if pacing.pause_s > 0:
+                    # Hand the GIL over: a serving thread waiting for it runs (and publishes) before the
+                    # next look, so a cache starved by this loop is not taken for a waiting one.
+                    time.sleep(pacing.yield_s)
                 continue
+            self._drained.set()
             if stop.is_set():  # close() refuses new batches first: the queue is drained for good
                 return
             stop.wait(IDLE_WAIT_S)
+
+    def _burst(self, pub: zmq.Socket, q: deque) -> None:
+        """Send queued batches for up to ``burst_s`` (all of them when not paced)."""
+        topic, paced, send = self.topic, self.pacing.pause_s > 0, pub.send_multipart
+        end = time.monotonic() + self.pacing.burst_s
+        while q:
+            seq, batch = q.popleft()
+            send((topic, seq.to_bytes(8, "big"), _payload(batch)))
+            self.sent += 1
+            if paced and time.monotonic() >= end:
+                return
 
     def _serve_replay(self, replay: zmq.Socket) -> None:
         frames = replay.recv_multipart()

@@ -23,7 +23,7 @@ except ModuleNotFoundError as exc:  # an optional dependency: say which extra br
 
 
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]
-    """Events published together, with when and by which data-parallel rank."""
+    """Events published together, with when and by which data-parallel rank (vLLM's base class)."""
 
     ts: float
     events: list[Any]
@@ -64,33 +64,12 @@ class KVEventBatch(EventBatch):
 KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
 
 
-class BlockStoredWire(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag="BlockStored"):  # type: ignore[call-arg]
-    """``BlockStored`` as it is encoded, its lists already msgpack bytes (see :mod:`hicache_fsm.events.wire`)."""
-
-    block_hashes: msgspec.Raw
-    parent_block_hash: int | None
-    token_ids: msgspec.Raw
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None = None
-
-
-class BlockRemovedWire(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag="BlockRemoved"):  # type: ignore[call-arg]
-    """``BlockRemoved`` as it is encoded, its hashes already msgpack bytes."""
-
-    block_hashes: msgspec.Raw
-    medium: str | None
-
-
-Raw = msgspec.Raw  # already-encoded msgpack bytes, copied into a batch as they are
-
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(KVEventBatch)
 
 
 def encode(batch: EventBatch) -> bytes:
-    """The msgpack bytes of ``batch`` (a ``KVEventBatch``, or an ``EventBatch`` of the wire structs)."""
+    """The msgpack bytes of ``batch``."""
     return _ENCODER.encode(batch)
 
 

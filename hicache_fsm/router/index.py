@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Hashable, Iterable, Sequence
 
 from hicache_fsm.events.names import TIER_OF_MEDIUM, TIERS
-from hicache_fsm.events.schema import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from hicache_fsm.events.schema import AllBlocksCleared, BlockStored, KVEventBatch
 
 
 class PrefixIndex:
@@ -50,16 +50,23 @@ class PrefixIndex:
                 self.unknown_media += 1
                 continue
             blocks = tiers[tier]
-            if isinstance(event, BlockStored):
-                for h in event.block_hashes:
-                    if tier == "storage" and h not in blocks:
-                        self._shared_storage[h] = self._shared_storage.get(h, 0) + 1
-                    blocks.add(h)
-            elif isinstance(event, BlockRemoved):
-                for h in event.block_hashes:
-                    if tier == "storage" and h in blocks:
-                        self._forget_storage(h)
-                    blocks.discard(h)
+            stored = isinstance(event, BlockStored)  # else BlockRemoved
+            if tier == "storage":  # shared L3: count the instances that announced each hash
+                self._apply_storage(blocks, event.block_hashes, stored)
+            elif stored:
+                blocks.update(event.block_hashes)
+            else:
+                blocks.difference_update(event.block_hashes)
+
+    def _apply_storage(self, blocks: set[int], hashes: list[int], stored: bool) -> None:
+        shared = self._shared_storage
+        for h in hashes:
+            if stored and h not in blocks:
+                shared[h] = shared.get(h, 0) + 1
+                blocks.add(h)
+            elif not stored and h in blocks:
+                self._forget_storage(h)
+                blocks.discard(h)
 
     def _forget_storage(self, h: int) -> None:
         left = self._shared_storage.get(h, 0) - 1
