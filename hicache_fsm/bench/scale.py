@@ -515,7 +515,7 @@ def _sizes(args: argparse.Namespace) -> list[int]:
     return list(QUICK_SIZES if args.quick else SIZES)
 
 
-def _peer(choice: str) -> sglang_peer.SGLangRadix | None:
+def resolve_peer(choice: str) -> sglang_peer.SGLangRadix | None:
     """SGLang's ``RadixCache`` when ``--peer`` asks for it and it imports; ``--peer sglang`` without it is a usage
     error, ``auto`` says in one line that it runs without it."""
     if choice == "none":
@@ -550,7 +550,7 @@ def run(args: argparse.Namespace) -> dict:
     if chunks <= 0 or args.headroom_pages < 0:
         raise SystemExit("--chunks must be positive and --headroom-pages non-negative")
     calls = 16 if args.quick else 64
-    peer = _peer(getattr(args, "peer", "auto"))
+    peer = resolve_peer(getattr(args, "peer", "auto"))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
