@@ -138,3 +138,15 @@ def test_peer_keeps_a_locked_request_as_ours_does(sgl):
     ours.unlock(ours_node)
     peer.dec_lock_ref(peer_node)
     assert peer.evict(16 * PAGE) == ours.evict(16 * PAGE) == len(request)
+
+
+def test_bench_all_keeps_the_hand_written_tail_of_the_page(tmp_path):
+    """The SGLang figures are measured by hand (SGLang is not a dependency): rewriting the page keeps them."""
+    from hicache_fsm.bench import all as bench_all
+
+    page = tmp_path / "performance.md"
+    assert bench_all.kept_tail(page) == ""
+    page.write_text("# generated\n\n" + bench_all.KEPT + "\n\n## By hand\n", encoding="utf-8")
+    assert bench_all.kept_tail(page) == "\n" + bench_all.KEPT + "\n\n## By hand\n"
+    page.write_text("# generated, no hand-written part\n", encoding="utf-8")
+    assert bench_all.kept_tail(page) == ""
