@@ -55,7 +55,7 @@ def _torchvision_importable() -> bool:
     try:
         importlib.import_module("torchvision")
         return True
-    except Exception:  # noqa: BLE001 - a wheel built for another torch fails with RuntimeError, not ImportError
+    except Exception:  # a wheel built for another torch fails with RuntimeError, not ImportError
         for name in [n for n in sys.modules if n.split(".")[0] == "torchvision"]:
             del sys.modules[name]
         return False
@@ -97,7 +97,7 @@ def load() -> SGLangRadix:
         with _torchvision_placeholder():
             radix = importlib.import_module("sglang.srt.mem_cache.radix_cache")
             base = importlib.import_module("sglang.srt.mem_cache.base_prefix_cache")
-    except Exception as exc:  # noqa: BLE001 - any failure of a third-party import means "no peer", said in one line
+    except Exception as exc:  # any failure of a third-party import means "no peer", said in one line
         detail = " ".join(str(exc).split()) or type(exc).__name__
         raise PeerUnavailable(f"SGLang's RadixCache cannot be imported ({type(exc).__name__}: {detail})") from None
     try:
