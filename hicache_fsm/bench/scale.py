@@ -276,14 +276,14 @@ class _Baseline:
     def fill(self, nodes: int) -> None:
         tail = tuple(range(1, PAGE))
         for i in range(nodes):
-            self.restore_page((VOCAB + i,) + tail, i)
+            self.cache.insert(self._form((VOCAB + i,) + tail), self._slots[i * PAGE : (i + 1) * PAGE])
         self.used = nodes * PAGE
 
-    def restore_page(self, tokens: tuple, slot_page: int = 0) -> None:
+    def restore_page(self, tokens: tuple) -> None:
         """Insert a one-page prefix if it is not cached (the evict benchmark puts its victims back)."""
         key = self._form(tokens)
         if not self.cache.match_prefix(key)[0].numel():
-            self.cache.insert(key, self._slots[slot_page * PAGE : (slot_page + 1) * PAGE])
+            self.cache.insert(key, self._slots[:PAGE])
 
     def _alloc(self, n: int) -> torch.Tensor:
         if self.used + n > self.capacity:
