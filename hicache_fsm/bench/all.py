@@ -64,6 +64,21 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test (noisy figures)")
 
 
+# The page's hand-written tail (measurements bench all cannot repeat, e.g. against an installed SGLang) starts at
+# this line; a rewrite keeps it.
+KEPT = "<!-- Written by hand, below this line: `hicache-fsm bench all` keeps it. -->"
+
+
+def kept_tail(out: Path) -> str:
+    """The hand-written part of the page ``out`` (from ``KEPT`` on), or "" when there is none."""
+    try:
+        page = out.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return ""
+    at = page.find(KEPT)
+    return "" if at < 0 else "\n" + page[at:]
+
+
 def _run_one(name: str, argv: list[str]) -> dict:
     """Run one benchmark in a fresh interpreter, exactly as its reproduce command does.
 
@@ -269,7 +284,7 @@ def _scale_rows(r: dict) -> list[str]:
     ops = ("match", "match_partial", "match_miss", "insert", "lock", "evict", "cycle")
     rows = [f"| {r.get('nodes')} | " + " | ".join(_fmt(r.get(f"{op}_us"), 1) for op in ops)
             + f" | {_fmt(r.get('bytes_per_node'), 0)} | {_fmt(r.get('peak_rss_mb'), 0)} |"]
-    for name in ("plain", "sglang"):
+    for name in ("plain", "sglang", "sglang_peer"):
         if f"vs_{name}_match" in r:
             base = r.get(f"{name}_bytes_per_node")
             mem = _fmt(r["bytes_per_node"] / base) + "x" if base else "-"
@@ -300,7 +315,7 @@ def run(args: argparse.Namespace) -> dict:
     seconds = time.perf_counter() - t0
     page = render(results, commands, machine, started, seconds, args.quick)
     if out is not None:
-        out.write_text(page, encoding="utf-8")
+        out.write_text(page + kept_tail(out), encoding="utf-8")
         print(f"wrote {out}", file=sys.stderr)
     result = {"benchmark": "all", "results": results, "machine": machine, "seconds": round(seconds, 1),
               "output": str(out) if out else None}

@@ -41,6 +41,14 @@ baselines' beside it. Each size runs in its own interpreter so
 from 1k to 1M nodes. ``--headroom-pages`` sets ``CacheConfig.eviction_headroom_tokens``
 (``alloc_device`` and ``load_back`` evict that many pages beyond the
 shortfall: a low watermark), to measure whether that pays.
+
+``--peer`` adds SGLang's own ``RadixCache`` (``bench.sglang_peer``) as a third
+same-run variant, ``sglang_peer``, with ratios ``vs_sglang_peer``: ``auto``
+(default) when ``sglang`` is importable (else one line on stderr says why not,
+and the bench runs without it), ``sglang`` requires it (exit 2 when missing),
+``none`` skips it. Its full hit is also timed without reading the slots
+(``sglang_peer_match_bare_us``: SGLang's ``match_prefix`` returns a length and
+a node; ours returns the slots).
 """
 
 from __future__ import annotations
@@ -57,10 +65,12 @@ import time
 
 import torch
 
+from hicache_fsm.bench import sglang_peer
 from hicache_fsm.bench.baselines import PlainPrefixCache, RadixLikeSGLang
 from hicache_fsm.bench.common import machine_description
 from hicache_fsm.bench.controller import AckExecutor
 from hicache_fsm.cache import HiCache
+from hicache_fsm.commands.args import UsageError
 from hicache_fsm.config import CacheConfig
 from hicache_fsm.pools import DeviceKVPool, HostKVPool, KVShape
 
@@ -86,6 +96,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--in-process", action="store_true",
                         help="run every size in this interpreter (peak RSS then accumulates)")
+    parser.add_argument("--peer", choices=("auto", "sglang", "none"), default="auto",
+                        help="also time SGLang's own RadixCache in the same run: auto (default) when sglang is "
+                             "importable, sglang to require it, none to skip it")
 
 
 class _Tokens:
@@ -245,11 +258,17 @@ class _Ours:
 
 
 class _Baseline:
-    """A baseline prefix cache (``bench.baselines``) behind the same operations, with a device budget in tokens."""
+    """A baseline prefix cache (``bench.baselines``, or the SGLang peer) behind the same operations, with a device
+    budget in tokens."""
 
-    def __init__(self, name: str, nodes: int, warm: int) -> None:
+    def __init__(self, name: str, nodes: int, warm: int, cache=None) -> None:
         self.name = name
-        self.cache = PlainPrefixCache(PAGE) if name == "plain" else RadixLikeSGLang(PAGE)
+        if cache is not None:
+            self.cache, self._form = cache, cache.engine_form
+        elif name == "plain":
+            self.cache, self._form = PlainPrefixCache(PAGE), tuple
+        else:
+            self.cache, self._form = RadixLikeSGLang(PAGE), list  # SGLang keys held lists before array('q')
         self.capacity = nodes * PAGE + (warm + 8) * REQUEST
         self.used = 0
         self._slots = torch.arange(self.capacity, dtype=torch.int64)
@@ -257,8 +276,14 @@ class _Baseline:
     def fill(self, nodes: int) -> None:
         tail = tuple(range(1, PAGE))
         for i in range(nodes):
-            self.cache.insert((VOCAB + i,) + tail, self._slots[i * PAGE : (i + 1) * PAGE])
+            self.cache.insert(self._form((VOCAB + i,) + tail), self._slots[i * PAGE : (i + 1) * PAGE])
         self.used = nodes * PAGE
+
+    def restore_page(self, tokens: tuple) -> None:
+        """Insert a one-page prefix if it is not cached (the evict benchmark puts its victims back)."""
+        key = self._form(tokens)
+        if not self.cache.match_prefix(key)[0].numel():
+            self.cache.insert(key, self._slots[:PAGE])
 
     def _alloc(self, n: int) -> torch.Tensor:
         if self.used + n > self.capacity:
@@ -275,8 +300,8 @@ class _Baseline:
         return self.cache.match_prefix(tokens)[1]
 
     def engine_form(self, tokens: tuple):
-        """What the engine would hand this cache (untimed): SGLang keys hold lists."""
-        return tokens if self.name == "plain" else list(tokens)
+        """What the engine would hand this cache (untimed)."""
+        return self._form(tokens)
 
     def lock(self, node) -> None:
         self.lock_node(node, 1)
@@ -301,7 +326,7 @@ class _Baseline:
         self.lock_node(node, -1)
 
     def lock_node(self, node, delta: int) -> None:
-        if self.name == "plain":
+        if isinstance(self.cache, PlainPrefixCache):
             self.cache.lock(node, delta)
         elif delta > 0:
             self.cache.inc_lock_ref(node)
@@ -325,13 +350,19 @@ def _filled(variant, nodes: int) -> int:
 
 
 def measure(nodes: int, chunks: int, calls: int, headroom_pages: int, seed: int, warmup_cycles: int = 64,
-            clock: str = "cpu", baselines: tuple[str, ...] = BASELINES) -> dict:
-    """Every figure at one tree size, ours and each baseline's, interleaved (see the module docstring)."""
+            clock: str = "cpu", baselines: tuple[str, ...] = BASELINES,
+            peer: sglang_peer.SGLangRadix | None = None) -> dict:
+    """Every figure at one tree size, ours and each baseline's (and SGLang's own with ``peer``), interleaved (see
+    the module docstring)."""
     pc = _CLOCK[clock]
     warm = 16
     ours = _Ours(nodes, warm, headroom_pages)
     variants = [ours] + [_Baseline(name, nodes, warm) for name in baselines]
-    out: dict = {"nodes": nodes, "bytes_per_node": _filled(ours, nodes)}
+    if peer is not None:
+        variants.append(_Baseline(sglang_peer.NAME, nodes, warm, sglang_peer.SGLangRadixPeer(peer, PAGE)))
+    out: dict = {"nodes": nodes, "baselines": [v.name for v in variants[1:]], "bytes_per_node": _filled(ours, nodes)}
+    if peer is not None:
+        out["sglang_peer_version"] = peer.version
     for v in variants[1:]:
         out[f"{v.name}_bytes_per_node"] = _filled(v, nodes)
     out["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
@@ -375,9 +406,7 @@ def measure(nodes: int, chunks: int, calls: int, headroom_pages: int, seed: int,
             if freed < 64 * PAGE:
                 raise RuntimeError(f"{v.name} evict freed {freed} tokens, wanted {64 * PAGE}")
             for _ in range(64):  # LRU took the 64 oldest prefixes: put them back (now the newest), untimed
-                t = (VOCAB + next(order) % nodes,) + tail
-                if not v.match(t)[0].numel():
-                    v.cache.insert(t, v._slots[:PAGE])
+                v.restore_page((VOCAB + next(order) % nodes,) + tail)
             return spent
         return evict
 
@@ -409,8 +438,16 @@ def measure(nodes: int, chunks: int, calls: int, headroom_pages: int, seed: int,
         return fn
 
     every = {v.name: calls for v in variants}
-    results["match_us"] = _interleaved({v.name: timed_call(v, requests, lambda v: v.match) for v in variants},
-                                       chunks, every, pc)
+    match_fns = {v.name: timed_call(v, requests, lambda v: v.match) for v in variants}
+    bare = "sglang_peer_bare"
+    if peer is not None:  # SGLang's match_prefix alone: a length and a node, no slots read
+        match_fns[bare] = lambda i, pc: _timed(pc, variants[-1].cache.match_length,
+                                               requests[sglang_peer.NAME][i % warm])
+    results["match_us"] = _interleaved(match_fns, chunks, every | {bare: calls}, pc)
+    if peer is not None:
+        bare_us = results["match_us"].pop(bare)
+        out["sglang_peer_match_bare_us"] = round(bare_us, 2)
+        out["vs_sglang_peer_match_bare"] = round(results["match_us"]["ours"] / bare_us, 3) if bare_us else None
     results["match_partial_us"] = _interleaved(
         {v.name: timed_call(v, partial, lambda v: v.match) for v in variants}, chunks, every, pc)
     miss_fns = {v.name: timed_call(v, misses, lambda v: v.match) for v in variants}
@@ -478,9 +515,25 @@ def _sizes(args: argparse.Namespace) -> list[int]:
     return list(QUICK_SIZES if args.quick else SIZES)
 
 
-def _one_size_in_subprocess(n: int, args: argparse.Namespace) -> dict:
+def resolve_peer(choice: str) -> sglang_peer.SGLangRadix | None:
+    """SGLang's ``RadixCache`` when ``--peer`` asks for it and it imports; ``--peer sglang`` without it is a usage
+    error, ``auto`` says in one line that it runs without it."""
+    if choice == "none":
+        return None
+    try:
+        return sglang_peer.load()
+    except sglang_peer.PeerUnavailable as exc:
+        if choice == "sglang":
+            raise UsageError(f"--peer sglang: {exc}") from None
+        print(f"bench scale: no SGLang peer: {exc}; the baselines run without it (--peer none to skip the check)",
+              file=sys.stderr)
+        return None
+
+
+def _one_size_in_subprocess(n: int, args: argparse.Namespace, peer: bool) -> dict:
     cmd = [sys.executable, "-m", "hicache_fsm.cli", "bench", "scale", "--in-process", "--json", "--sizes", str(n),
-           "--headroom-pages", str(args.headroom_pages), "--seed", str(args.seed), "--clock", args.clock]
+           "--headroom-pages", str(args.headroom_pages), "--seed", str(args.seed), "--clock", args.clock,
+           "--peer", "sglang" if peer else "none"]
     if args.chunks is not None:
         cmd += ["--chunks", str(args.chunks)]
     if args.quick:
@@ -497,20 +550,27 @@ def run(args: argparse.Namespace) -> dict:
     if chunks <= 0 or args.headroom_pages < 0:
         raise SystemExit("--chunks must be positive and --headroom-pages non-negative")
     calls = 16 if args.quick else 64
+    peer = resolve_peer(getattr(args, "peer", "auto"))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         if args.in_process or len(sizes) == 1:
             warmup = 8 if args.quick else 64
-            per_size = [measure(n, chunks, calls, args.headroom_pages, args.seed, warmup, args.clock) for n in sizes]
+            per_size = [measure(n, chunks, calls, args.headroom_pages, args.seed, warmup, args.clock, peer=peer)
+                        for n in sizes]
         else:
-            per_size = [_one_size_in_subprocess(n, args) for n in sizes]
+            per_size = [_one_size_in_subprocess(n, args, peer is not None) for n in sizes]
     finally:
         torch.set_num_threads(threads)
-    result: dict = {"nodes": [r["nodes"] for r in per_size]}
+    names = per_size[0]["baselines"]
+    result: dict = {"nodes": [r["nodes"] for r in per_size], "baselines": names}
+    if peer is not None:
+        result["sglang_peer_version"] = peer.version
+        result["sglang_peer_match_bare_us"] = [r["sglang_peer_match_bare_us"] for r in per_size]
+        result["vs_sglang_peer_match_bare"] = [r["vs_sglang_peer_match_bare"] for r in per_size]
     for key in OPS + ("peak_rss_mb", "bytes_per_node"):
         result[key] = [r[key] for r in per_size]
-    for name in BASELINES:
+    for name in names:
         result[f"{name}_bytes_per_node"] = [r[f"{name}_bytes_per_node"] for r in per_size]
         result[f"vs_{name}"] = {key[:-3]: [r[f"vs_{name}_{key[:-3]}"] for r in per_size] for key in OPS}
     base = per_size[0]
@@ -526,16 +586,20 @@ def run(args: argparse.Namespace) -> dict:
     print("  " + "  ".join(c.rjust(16) for c in cols), file=out)
     for r in per_size:
         print("  " + "  ".join(str(r[c]).rjust(16) for c in cols), file=out)
-        for name in BASELINES:
+        for name in names:
             row = [f"/ {name}"] + [f"{r[f'vs_{name}_{c[:-3]}']}x" for c in OPS] + [
                 f"{r['bytes_per_node'] / r[f'{name}_bytes_per_node']:.2f}x" if r[f"{name}_bytes_per_node"] else "-", ""]
             print("  " + "  ".join(c.rjust(16) for c in row), file=out)
         print(f"  insert without the host backup it starts: {r['insert_nobackup_us']} us ("
-              + ", ".join(f"{r[f'vs_{name}_insert_nobackup']}x {name}" for name in BASELINES) + ")", file=out)
+              + ", ".join(f"{r[f'vs_{name}_insert_nobackup']}x {name}" for name in names) + ")", file=out)
+        if peer is not None:
+            print(f"  SGLang {peer.version} match_prefix alone (no slots read): {r['sglang_peer_match_bare_us']} us "
+                  f"(ours / it: {r['vs_sglang_peer_match_bare']}x)", file=out)
     print(f"  growth {per_size[0]['nodes']} -> {per_size[-1]['nodes']} nodes: "
           + ", ".join(f"{k} {v}x" for k, v in result["growth"].items()), file=out)
     print("  ratios: ours / same-run baseline doing the same work (plain: a dict of page tuples; sglang: a "
-          "re-implementation of SGLang RadixCache's loop, see hicache_fsm.bench.baselines)", file=out)
+          "re-implementation of SGLang RadixCache's loop, see hicache_fsm.bench.baselines"
+          + ("; sglang_peer: SGLang's own RadixCache, see hicache_fsm.bench.sglang_peer)" if peer else ")"), file=out)
     if getattr(args, "json", False):
         print(json.dumps(result))
     return result
