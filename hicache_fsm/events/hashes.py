@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import sys
 from array import array
+from collections import OrderedDict
 from typing import Hashable, Sequence
 
 from hicache_fsm.events.wire import DIGEST_BYTES, int64_array, int64_list, token_array, uint32_list
@@ -152,7 +153,7 @@ class RecentTokens:
 
     def __init__(self, size: int = 8) -> None:
         self.size = size
-        self._made: dict[tuple[int, bool], tuple[bytes, bytes | list[int]]] = {}
+        self._made: OrderedDict[tuple[int, bool], tuple[bytes, bytes | list[int]]] = OrderedDict()
 
     def wire(self, raw: bytes) -> bytes:
         """``raw`` (packed little-endian uint32 ids) as a msgpack array."""
@@ -169,7 +170,7 @@ class RecentTokens:
             return hit[1]
         made = token_array(raw) if wire else uint32_list(raw)
         if len(self._made) >= self.size:
-            del self._made[next(iter(self._made))]
+            self._made.popitem(last=False)  # the oldest (O(1), unlike a plain dict's first key)
         self._made[key] = (raw, made)
         return made
 
