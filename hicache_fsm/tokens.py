@@ -205,10 +205,8 @@ def _array_bytes(arr: np.ndarray, offset: int) -> bytes:
                 _refuse_first(arr, arr < 0, offset)
             return arr.tobytes() if not _SWAP else arr.astype(_LE_UINT32).tobytes()
     # narrower ints (always below 2**32) and byte-swapped arrays: the plain two-sided check
-    if dtype.kind == "i" and _smallest(arr) < 0:
-        _refuse_first(arr, arr < 0, offset)
-    if dtype.itemsize >= 8 and _largest(arr) >= TOKEN_ID_LIMIT:
-        _refuse_first(arr, arr >= TOKEN_ID_LIMIT, offset)
+    if (dtype.kind == "i" and _smallest(arr) < 0) or (dtype.itemsize >= 8 and _largest(arr) >= TOKEN_ID_LIMIT):
+        _refuse_first(arr, (arr < 0) | (arr >= TOKEN_ID_LIMIT), offset)
     return arr.astype(_LE_UINT32).tobytes()
 
 
