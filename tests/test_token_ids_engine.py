@@ -272,3 +272,8 @@ def test_no_cache_call_turns_a_packed_request_back_into_ints(monkeypatch):
     finally:
         monkeypatch.undo()
         cache.close()
+
+
+def test_a_tensor_whose_values_cannot_be_read_is_one_typed_error():
+    with pytest.raises(TokenIdTypeError, match="could not be read"):
+        pack_token_ids(torch.zeros(3, dtype=torch.int64, device="meta"))
