@@ -550,7 +550,7 @@ def run(args: argparse.Namespace) -> dict:
     result["ids"] = per_size[0]["ids"]
     result["pack_us"] = [r["pack_us"] for r in per_size]
     result["packed"] = {key: [r[f"packed_{key}"] for r in per_size] for key in ID_OPS}
-    for name in BASELINES:
+    for name in per_size[0].get("baselines", BASELINES):  # every baseline of the run (a peer too, where one ran)
         result[f"vs_{name}_packed"] = {key[:-3]: [r[f"vs_{name}_packed_{key[:-3]}"] for r in per_size] for key in ID_OPS}
     base = per_size[0]
     result["growth"] = {k: round(per_size[-1][k] / base[k], 2) if base[k] else None for k in KEYS}
@@ -571,7 +571,7 @@ def run(args: argparse.Namespace) -> dict:
             print("  " + "  ".join(c.rjust(16) for c in row), file=out)
         print("  " + "  ".join(c.rjust(16) for c in ["ours packed"] + [
             str(r[f"packed_{c}"]) if c in ID_OPS else "-" for c in OPS]), file=out)
-        for name in BASELINES:
+        for name in r.get("baselines", BASELINES):
             row = [f"/ {name}"] + [f"{r[f'vs_{name}_packed_{c[:-3]}']}x" if c in ID_OPS else "-" for c in OPS]
             print("  " + "  ".join(c.rjust(16) for c in row), file=out)
         print(f"  ids: ours takes a {REQUEST}-id tuple per call (each call packs it; insert after match_prefix with "
