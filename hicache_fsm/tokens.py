@@ -17,8 +17,15 @@ once, and whatever an element was (an int subclass, a 0-d tensor, an
 ``__index__`` object) the key holds the integer it equals, so it is found
 again. Only ids that pack as 0 or 1 (the values a bool can take, found by one
 vectorised minimum) have their type looked at. A 1-D integer array or tensor
-is range-checked and converted by numpy: no per-id Python work. A bad
+is range-checked and converted by numpy in one or two vectorised passes
+(int64: one maximum over the bits read as unsigned covers both ``< 0`` and
+``>= 2**32``; int32: one minimum; uint32: none): no per-id Python work. A bad
 sequence takes the element-by-element path that names the first bad position.
+
+An engine packs a request's ids once, when the request arrives, keeps the
+``TokenIds`` with the request, and grows it with :meth:`TokenIds.extended`
+(which checks and packs only the new ids); every cache call then takes it as
+it is (see docs/embedding.md, "Pack a request's ids once").
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ import struct
 import sys
 from array import array
 from functools import lru_cache
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, overload
 
 import numpy as np
 import torch
@@ -44,14 +51,19 @@ __all__ = ["ID_BYTES", "TOKEN_ID_LIMIT", "TokenIds", "as_token_ids", "pack_token
 _LE_UINT32 = np.dtype("<u4")
 _CODE = next(c for c in "IL" if array(c).itemsize == ID_BYTES)  # 'I' on every platform CPython supports
 _SWAP = sys.byteorder != "little"
+_UINT64 = np.dtype(np.uint64)
 _smallest = np.minimum.reduce  # ``ndarray.min`` less its Python wrapper (this runs on every packing)
+_largest = np.maximum.reduce
+_TORCH_INTEGER = frozenset({torch.int8, torch.int16, torch.int32, torch.int64,
+                            torch.uint8, torch.uint16, torch.uint32, torch.uint64})
 
 
 class TokenIds:
     """Checked token ids packed as little-endian uint32 bytes (``raw``); built by :func:`pack_token_ids`.
 
-    ``len`` counts ids; a slice (in ids) is the packed bytes of those ids,
-    which is what tree keys and page hashes are made of.
+    Immutable and hashable. ``len`` counts ids, ``ids[i]`` is an int and a
+    slice is a ``TokenIds`` again (``ids[:n]``: a prefix to insert, nothing
+    checked twice); ``extended`` / ``+`` append ids, checking only the new ones.
     """
 
     __slots__ = ("raw",)
@@ -62,11 +74,23 @@ class TokenIds:
     def __len__(self) -> int:
         return len(self.raw) >> 2
 
-    def __getitem__(self, index: slice) -> bytes:
-        if not isinstance(index, slice) or index.step not in (None, 1):
-            raise TypeError("TokenIds slices by a plain slice of ids, giving their packed bytes")
-        start, stop, _ = index.indices(len(self.raw) >> 2)
-        return self.raw[start << 2 : stop << 2]
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+    @overload
+    def __getitem__(self, index: slice) -> "TokenIds": ...
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self.raw) >> 2)
+            if step == 1:
+                return TokenIds(self.raw[start << 2 : max(start, stop) << 2])
+            return TokenIds(np.frombuffer(self.raw, dtype=_LE_UINT32)[index].tobytes())
+        n = len(self.raw) >> 2
+        i = operator.index(index)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError("token id index out of range")
+        return int.from_bytes(self.raw[i << 2 : (i + 1) << 2], "little")
 
     def __iter__(self) -> Iterator[int]:
         return iter(unpack_token_ids(self.raw))
@@ -76,6 +100,22 @@ class TokenIds:
 
     def __hash__(self) -> int:
         return hash(self.raw)
+
+    def __bytes__(self) -> bytes:
+        return self.raw
+
+    def extended(self, new_ids: Any) -> "TokenIds":
+        """These ids followed by ``new_ids``; only the new ids are checked and packed.
+
+        A bad new id raises ``BadTokenIds`` naming its position in the whole
+        sequence (``len(self)`` + its index in ``new_ids``); ``self`` is never
+        changed (a ``TokenIds`` is immutable), so a request keeps its good ids.
+        """
+        if type(new_ids) is TokenIds:
+            return TokenIds(self.raw + new_ids.raw)
+        return TokenIds(self.raw + _packed(new_ids, len(self.raw) >> 2))
+
+    __add__ = extended
 
     @classmethod
     def concat(cls, parts: "Iterable[TokenIds]") -> "TokenIds":
@@ -115,17 +155,18 @@ def unpack_token_ids(raw: bytes) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def _packed(tokens: Any) -> bytes:
-    """Check every id of ``tokens``; returns them packed, or raises naming the first bad position."""
+def _packed(tokens: Any, offset: int = 0) -> bytes:
+    """Check every id of ``tokens``; returns them packed, or raises naming the first bad position (+ ``offset``)."""
     if type(tokens) is not tuple and type(tokens) is not list:  # a tuple or a list goes straight to the packer
         if isinstance(tokens, (np.ndarray, torch.Tensor)):
             arr = _integer_array(tokens)
             if arr is not None:
-                if arr.size and (arr.min() < 0 or arr.max() >= TOKEN_ID_LIMIT):
-                    first = int(((arr < 0) | (arr >= TOKEN_ID_LIMIT)).argmax())
-                    _check_one(first, int(arr[first]))  # raises, naming it
-                return arr.astype(_LE_UINT32).tobytes()
-            tokens = tokens.tolist()  # bools, floats: refused by the element check below
+                return _array_bytes(arr, offset)
+            try:
+                tokens = tokens.tolist()  # bools, floats: refused by the element check below
+            except Exception:  # a tensor whose values cannot be read here (e.g. on the meta device)
+                raise TokenIdTypeError(f"token ids could not be read from {type(tokens).__name__} "
+                                       f"of {tokens.dtype}") from None
         elif isinstance(tokens, (str, bytes, bytearray, memoryview)):
             raise TokenIdTypeError(f"token ids must be a sequence of ints, got {type(tokens).__name__}")
         else:
@@ -138,14 +179,42 @@ def _packed(tokens: Any) -> bytes:
         packed = _packer(n).pack(*tokens)  # in C: refuses floats, None, str, nested lists and ids out of range
     except Exception:  # struct.error, TypeError, or whatever an element's __index__ raised
         for i, t in enumerate(tokens):
-            _check_one(i, t)  # raises for the first bad id
+            _check_one(i + offset, t)  # raises for the first bad id
         raise BadTokenIds("token ids could not be packed") from None  # pragma: no cover - _check_one raised
     if n:
         words = np.frombuffer(packed, dtype=_LE_UINT32)
         if _smallest(words) <= 1:  # a bool packs as 0 or 1: look at the type of those ids only
             for i in np.flatnonzero(words <= 1).tolist():
-                _check_one(i, tokens[i])
+                _check_one(i + offset, tokens[i])
     return packed
+
+
+def _array_bytes(arr: np.ndarray, offset: int) -> bytes:
+    """A 1-D integer array's ids range-checked and packed, in as few vectorised passes as its dtype allows."""
+    if not arr.size:
+        return b""
+    dtype = arr.dtype
+    if dtype.isnative:
+        size = dtype.itemsize
+        if size == 8:  # read as uint64, a negative id is >= 2**63: one maximum covers both ends of the range
+            if _largest(arr.view(_UINT64)) >= TOKEN_ID_LIMIT:
+                _refuse_first(arr, arr.view(_UINT64) >= TOKEN_ID_LIMIT, offset)
+            return arr.astype(_LE_UINT32).tobytes()
+        if size == 4:  # int32 ids are below 2**31: only the sign is checked; uint32 holds exactly the range
+            if dtype.kind == "i" and _smallest(arr) < 0:
+                _refuse_first(arr, arr < 0, offset)
+            return arr.tobytes() if not _SWAP else arr.astype(_LE_UINT32).tobytes()
+    # narrower ints (always below 2**32) and byte-swapped arrays: the plain two-sided check
+    if (dtype.kind == "i" and _smallest(arr) < 0) or (dtype.itemsize >= 8 and _largest(arr) >= TOKEN_ID_LIMIT):
+        _refuse_first(arr, (arr < 0) | (arr >= TOKEN_ID_LIMIT), offset)
+    return arr.astype(_LE_UINT32).tobytes()
+
+
+def _refuse_first(arr: np.ndarray, bad: np.ndarray, offset: int) -> None:
+    """Raise for the first id ``bad`` marks, naming its position."""
+    first = int(bad.argmax())
+    _check_one(first + offset, int(arr[first]))  # raises, naming it
+    raise BadTokenIds("token ids could not be packed")  # pragma: no cover - _check_one raised
 
 
 @lru_cache(maxsize=256)
@@ -155,15 +224,15 @@ def _packer(n: int) -> struct.Struct:
 
 
 def _integer_array(tokens: np.ndarray | torch.Tensor) -> np.ndarray | None:
-    """A 1-D integer array or tensor as a numpy array; None for other dtypes."""
+    """A 1-D integer array or tensor as a numpy array (a CPU tensor's own memory, no copy); None for other dtypes."""
     if tokens.ndim != 1:
         raise BadTokenIds(f"token ids must be 1-D, got {tokens.dtype} with shape {tuple(tokens.shape)}")
     if isinstance(tokens, torch.Tensor):
-        if tokens.dtype == torch.bool or tokens.dtype.is_floating_point or tokens.dtype.is_complex:
+        if tokens.dtype not in _TORCH_INTEGER:
             return None
         try:
-            tokens = tokens.detach().cpu().numpy()
-        except (TypeError, RuntimeError):  # an integer dtype numpy lacks: take the element path
+            return (tokens if tokens.is_cpu else tokens.cpu()).numpy()  # integer tensors never require grad
+        except (TypeError, RuntimeError, NotImplementedError):  # a tensor numpy cannot view: take the element path
             return None
     return tokens if tokens.dtype.kind in "iu" else None
 

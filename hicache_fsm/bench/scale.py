@@ -36,7 +36,15 @@ loop, which takes lists as SGLang's keys hold them), and reported as ratios
 machine. ``bytes_per_node`` is the resident memory the fill took per node
 (RSS delta: torch's slot tensors live outside tracemalloc's view), the
 baselines' beside it. Each size runs in its own interpreter so
-``peak_rss_mb`` is that size's peak. Ratios against the smallest size are printed: the targets are
+``peak_rss_mb`` is that size's peak.
+
+Ours is timed with ids in two forms, interleaved on the same cache: ``ours``
+takes each request's 4,096 ids as a tuple on every call (the call packs them;
+``insert`` right after ``match_prefix`` with the same tuple reuses that), and
+``ours packed`` (``packed_*`` and ``vs_*_packed_*``) takes a ``TokenIds`` the
+engine packed once when the request arrived. That packing is timed apart as
+``pack_us`` (``pack_token_ids`` of a 4,096-id tuple): add it once per request
+to the packed figures. Ratios against the smallest size are printed: the targets are
 ``evict_us`` and ``cycle_us`` within 2x and match / insert / lock within 1.5x
 from 1k to 1M nodes. ``--headroom-pages`` sets ``CacheConfig.eviction_headroom_tokens``
 (``alloc_device`` and ``load_back`` evict that many pages beyond the
@@ -54,6 +62,7 @@ a node; ours returns the slots).
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import json
 import random
@@ -73,6 +82,7 @@ from hicache_fsm.cache import HiCache
 from hicache_fsm.commands.args import UsageError
 from hicache_fsm.config import CacheConfig
 from hicache_fsm.pools import DeviceKVPool, HostKVPool, KVShape
+from hicache_fsm.tokens import pack_token_ids
 
 PAGE = 64
 REQUEST = 4096
@@ -149,6 +159,7 @@ def _put(cache: HiCache, tokens: tuple[int, ...]) -> None:
 
 _CLOCK = {"wall": time.perf_counter, "cpu": time.process_time}
 OPS = ("match_us", "match_partial_us", "match_miss_us", "insert_us", "lock_us", "evict_us", "cycle_us")
+ID_OPS = ("match_us", "match_partial_us", "match_miss_us", "insert_us", "cycle_us")  # the ops that take ids
 BASELINES = ("plain", "sglang")
 
 
@@ -182,28 +193,36 @@ def _interleaved(fns: dict, chunks: int, calls: dict, pc) -> dict[str, float]:
 
 
 class _Ours:
-    """``HiCache`` doing each operation of the benchmark."""
+    """``HiCache`` doing each operation of the benchmark, the engine handing it ids in one form (``ids``)."""
 
     name = "ours"
+    ids = "tuple"
 
     def __init__(self, nodes: int, warm: int, headroom_pages: int) -> None:
         # room for the warm requests and a few more: inserts and cycles soon evict (older requests first)
         self.cache = _cache(nodes, device_requests=warm + 8, host_requests=3 * warm, headroom_pages=headroom_pages)
-        self.backup_spent = 0.0  # clock time inside the host backups ``insert`` starts (see ``insert_timed``)
-        self._clock = None
+        # the clock timing the host backups ``insert`` starts, and the time spent in them (see ``insert_timed``)
+        self._backups = timer = {"clock": None, "spent": 0.0}
         eviction = self.cache.eviction
         backup = eviction.try_backup
 
         def timed_backup(node) -> bool:  # the backup a write_through insert starts, timed apart
-            if self._clock is None:
+            clock = timer["clock"]
+            if clock is None:
                 return backup(node)
-            t0 = self._clock()
+            t0 = clock()
             try:
                 return backup(node)
             finally:
-                self.backup_spent += self._clock() - t0
+                timer["spent"] += clock() - t0
 
         eviction.try_backup = timed_backup
+
+    def packed_twin(self) -> "_Ours":
+        """The same cache driven with each request's ids packed once as a ``TokenIds`` (``ours_packed``)."""
+        twin = copy.copy(self)
+        twin.name, twin.ids = "ours_packed", "packed"
+        return twin
 
     def fill(self, nodes: int) -> None:
         _fill(self.cache, nodes)
@@ -217,8 +236,10 @@ class _Ours:
     def leaf(self, tokens: tuple) -> object:
         return self.cache.match_prefix(tokens).last_device_node
 
-    def engine_form(self, tokens: tuple) -> tuple:
-        return tokens  # the documented fast path: a tuple, packed once for match_prefix and insert
+    def engine_form(self, tokens: tuple):
+        """What the engine hands the cache (untimed): the request's tuple, packed by every call that takes it
+        (``insert`` right after ``match_prefix`` reuses the packing), or a ``TokenIds`` packed once per request."""
+        return tokens if self.ids == "tuple" else pack_token_ids(tokens)
 
     def lock(self, node) -> None:
         self.cache.lock(node)
@@ -226,13 +247,14 @@ class _Ours:
 
     def insert_timed(self, tokens: tuple, pc) -> float:
         cache = self.cache
+        tokens = self.engine_form(tokens)
         m = cache.match_prefix(tokens)
         idx = torch.cat([m.device_indices, cache.alloc_device(REQUEST - m.device_hit_length)])
-        self.backup_spent, self._clock = 0.0, pc
+        self._backups.update(clock=pc, spent=0.0)
         t0 = pc()
         cache.insert(tokens, idx)
         spent = pc() - t0
-        self._clock = None
+        self._backups["clock"] = None
         cache.poll()
         cache.poll()
         return spent
@@ -240,7 +262,7 @@ class _Ours:
     def insert_without_backup_timed(self, tokens: tuple, pc) -> float:
         """``insert_timed`` less the time of the host backup it starts (work the baselines do not do)."""
         spent = self.insert_timed(tokens, pc)
-        return spent - self.backup_spent
+        return spent - self._backups["spent"]
 
     def cycle(self, t: tuple) -> None:
         cache = self.cache
@@ -417,14 +439,17 @@ def measure(nodes: int, chunks: int, calls: int, headroom_pages: int, seed: int,
     cache.free_device(held)
     cache.remove_observer(observe)
 
+    packed = ours.packed_twin()  # ours again, each request's ids packed once as a TokenIds: same cache
+    timed = variants + [packed]  # the variants of every operation that takes ids
     tok = {v.name: _Tokens(seed) for v in variants}  # every variant sees the same token stream
-    requests = {v.name: [v.engine_form(tok[v.name].request()) for _ in range(warm)] for v in variants}
-    for v in variants:
+    tok[packed.name] = tok[ours.name]  # one cache, one stream: neither form meets a request the other inserted
+    requests = {v.name: [v.engine_form(tok[v.name].request()) for _ in range(warm)] for v in timed}
+    for v in timed:
         for r in requests[v.name]:
             v.put(r)
     partial = {v.name: [v.engine_form(tok[v.name].prompt + tok[v.name].fresh(REQUEST - PROMPT)) for _ in range(64)]
-               for v in variants}
-    misses = {v.name: [v.engine_form(tok[v.name].fresh(REQUEST)) for _ in range(64)] for v in variants}
+               for v in timed}
+    misses = {v.name: [v.engine_form(tok[v.name].fresh(REQUEST)) for _ in range(64)] for v in timed}
     leaves = {v.name: [v.leaf(r) for r in requests[v.name]] for v in variants}
     # an engine holding its ids in an integer tensor: packed by numpy, no per-id Python work
     misses["ours_tensor"] = [torch.tensor(t, dtype=torch.int32) for t in misses["ours"]]
@@ -437,8 +462,8 @@ def measure(nodes: int, chunks: int, calls: int, headroom_pages: int, seed: int,
             return pc() - t0
         return fn
 
-    every = {v.name: calls for v in variants}
-    match_fns = {v.name: timed_call(v, requests, lambda v: v.match) for v in variants}
+    every = {v.name: calls for v in timed}
+    match_fns = {v.name: timed_call(v, requests, lambda v: v.match) for v in timed}
     bare = "sglang_peer_bare"
     if peer is not None:  # SGLang's match_prefix alone: a length and a node, no slots read
         match_fns[bare] = lambda i, pc: _timed(pc, variants[-1].cache.match_length,
@@ -449,10 +474,12 @@ def measure(nodes: int, chunks: int, calls: int, headroom_pages: int, seed: int,
         out["sglang_peer_match_bare_us"] = round(bare_us, 2)
         out["vs_sglang_peer_match_bare"] = round(results["match_us"]["ours"] / bare_us, 3) if bare_us else None
     results["match_partial_us"] = _interleaved(
-        {v.name: timed_call(v, partial, lambda v: v.match) for v in variants}, chunks, every, pc)
-    miss_fns = {v.name: timed_call(v, misses, lambda v: v.match) for v in variants}
+        {v.name: timed_call(v, partial, lambda v: v.match) for v in timed}, chunks, every, pc)
+    miss_fns = {v.name: timed_call(v, misses, lambda v: v.match) for v in timed}
     miss_fns["ours_tensor"] = lambda i, pc: _timed(pc, ours.match, misses["ours_tensor"][i % 64])
-    results["match_miss_us"] = _interleaved(miss_fns, chunks, every | {"ours_tensor": calls}, pc)
+    miss_fns["pack"] = lambda i, pc: _timed(pc, pack_token_ids, misses["ours"][i % 64])  # once per request
+    results["match_miss_us"] = _interleaved(miss_fns, chunks, every | {"ours_tensor": calls, "pack": calls}, pc)
+    out["pack_us"] = round(results["match_miss_us"].pop("pack"), 2)
     tensor_miss = results["match_miss_us"].pop("ours_tensor")
     out["match_miss_tensor_us"] = round(tensor_miss, 2)
     for v in variants[1:]:
@@ -460,7 +487,7 @@ def measure(nodes: int, chunks: int, calls: int, headroom_pages: int, seed: int,
         out[f"vs_{v.name}_match_miss_tensor"] = round(tensor_miss / base, 3) if base else None
     results["lock_us"] = _interleaved({v.name: timed_call(v, leaves, lambda v: v.lock) for v in variants},
                                       chunks, every, pc)
-    insert_fns = {v.name: (lambda v: lambda i, pc: v.insert_timed(tok[v.name].request(), pc))(v) for v in variants}
+    insert_fns = {v.name: (lambda v: lambda i, pc: v.insert_timed(tok[v.name].request(), pc))(v) for v in timed}
     insert_fns["ours_nobackup"] = lambda i, pc: ours.insert_without_backup_timed(tok["ours"].request(), pc)
     results["insert_us"] = _interleaved(insert_fns, chunks, {name: max(1, calls // 4) for name in insert_fns}, pc)
     nobackup = results["insert_us"].pop("ours_nobackup")
@@ -483,19 +510,26 @@ def measure(nodes: int, chunks: int, calls: int, headroom_pages: int, seed: int,
             return _timed(pc, v.cycle, v.engine_form(t))
         return cycle
 
-    cycles = {v.name: cycle_fn(v) for v in variants}
-    for v in variants:  # reach the steady state: device full (ours: host full too)
-        for _ in range(warmup_cycles if v is ours else min(warmup_cycles, 4 * scan_calls)):
+    cycles = {v.name: cycle_fn(v) for v in timed}
+    for v in timed:  # reach the steady state: device full (ours: host full too)
+        for _ in range(warmup_cycles if isinstance(v, _Ours) else min(warmup_cycles, 4 * scan_calls)):
             cycles[v.name](-1, pc)
-    results["cycle_us"] = _interleaved(cycles, chunks, {"ours": max(1, calls // 4)}
+    results["cycle_us"] = _interleaved(cycles, chunks, dict.fromkeys(("ours", packed.name), max(1, calls // 4))
                                        | {v.name: min(max(1, calls // 4), scan_calls) for v in variants[1:]}, pc)
     cache.poll()
+    out["ids"] = {"ours": "a tuple per call", "packed": "a TokenIds packed once per request"}
     for key, by_variant in results.items():
         out[key] = round(by_variant["ours"], 2)
         for v in variants[1:]:
             base = by_variant[v.name]
             out[f"{v.name}_{key}"] = round(base, 2)
             out[f"vs_{v.name}_{key[:-3]}"] = round(by_variant["ours"] / base, 3) if base else None
+        if packed.name in by_variant:  # the ops that take ids, ours again with them packed once per request
+            mine = by_variant[packed.name]
+            out[f"packed_{key}"] = round(mine, 2)
+            for v in variants[1:]:
+                base = by_variant[v.name]
+                out[f"vs_{v.name}_packed_{key[:-3]}"] = round(mine / base, 3) if base else None
     out["tree_nodes_after"] = len(cache.tree)
     out["evicted_device_tokens"] = cache.counters["evicted_device_tokens"]
     out["loaded_back_tokens"] = cache.counters["loaded_back_tokens"]
@@ -573,6 +607,11 @@ def run(args: argparse.Namespace) -> dict:
     for name in names:
         result[f"{name}_bytes_per_node"] = [r[f"{name}_bytes_per_node"] for r in per_size]
         result[f"vs_{name}"] = {key[:-3]: [r[f"vs_{name}_{key[:-3]}"] for r in per_size] for key in OPS}
+    result["ids"] = per_size[0]["ids"]
+    result["pack_us"] = [r["pack_us"] for r in per_size]
+    result["packed"] = {key: [r[f"packed_{key}"] for r in per_size] for key in ID_OPS}
+    for name in per_size[0].get("baselines", BASELINES):  # every baseline of the run (a peer too, where one ran)
+        result[f"vs_{name}_packed"] = {key[:-3]: [r[f"vs_{name}_packed_{key[:-3]}"] for r in per_size] for key in ID_OPS}
     base = per_size[0]
     result["growth"] = {k: round(per_size[-1][k] / base[k], 2) if base[k] else None for k in KEYS}
     result["headroom_pages"] = args.headroom_pages
@@ -590,6 +629,14 @@ def run(args: argparse.Namespace) -> dict:
             row = [f"/ {name}"] + [f"{r[f'vs_{name}_{c[:-3]}']}x" for c in OPS] + [
                 f"{r['bytes_per_node'] / r[f'{name}_bytes_per_node']:.2f}x" if r[f"{name}_bytes_per_node"] else "-", ""]
             print("  " + "  ".join(c.rjust(16) for c in row), file=out)
+        print("  " + "  ".join(c.rjust(16) for c in ["ours packed"] + [
+            str(r[f"packed_{c}"]) if c in ID_OPS else "-" for c in OPS]), file=out)
+        for name in r.get("baselines", BASELINES):
+            row = [f"/ {name}"] + [f"{r[f'vs_{name}_packed_{c[:-3]}']}x" if c in ID_OPS else "-" for c in OPS]
+            print("  " + "  ".join(c.rjust(16) for c in row), file=out)
+        print(f"  ids: ours takes a {REQUEST}-id tuple per call (each call packs it; insert after match_prefix with "
+              f"the same tuple reuses the packing); ours packed takes a TokenIds packed once per request, which "
+              f"took {r['pack_us']} us", file=out)
         print(f"  insert without the host backup it starts: {r['insert_nobackup_us']} us ("
               + ", ".join(f"{r[f'vs_{name}_insert_nobackup']}x {name}" for name in names) + ")", file=out)
         if peer is not None:

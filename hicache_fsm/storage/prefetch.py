@@ -229,7 +229,7 @@ class PrefetchRuntime:
             self._free(op, slots)
             return
         prefix = tree.prefix_ids(anchor)
-        full = TokenIds(prefix.raw + op.tokens[:done])
+        full = TokenIds(prefix.raw + op.tokens[:done].raw)
         path, matched = driver.walk_splitting(full, op.namespace)
         start = len(prefix)
         if matched < start:  # defensive: the anchor is on every path of its own prefix
