@@ -18,14 +18,12 @@ hashing (:meth:`PageChain.digests`).
 
 from __future__ import annotations
 
-import sys
-from array import array
 from collections import OrderedDict
 from typing import Hashable, Sequence
 
 from hicache_fsm.events.wire import DIGEST_BYTES, int64_array, int64_list, token_array, uint32_list
 from hicache_fsm.radix import TreeNode
-from hicache_fsm.storage.keys import page_digests, page_keys
+from hicache_fsm.storage.keys import key_token_bytes, page_digests
 from hicache_fsm.storage.tier import namespace_seed
 
 
@@ -42,16 +40,11 @@ def seed_digest(namespace: Hashable) -> bytes:
 
 
 def chained_digests(tokens: Sequence[int], page_size: int, prior: bytes) -> list[bytes]:
-    """SHA-256 digests of every full page of ``tokens`` chained onto ``prior`` (``page_keys`` as bytes)."""
-    try:
-        packed = array("I", tokens)
-        if packed.itemsize != 4:  # a platform whose unsigned int is not 4 bytes
-            raise TypeError
-    except (OverflowError, TypeError):
-        return [bytes.fromhex(k) for k in page_keys(tokens, page_size, prior.hex() or None)]
-    if sys.byteorder == "big":
-        packed.byteswap()
-    return page_digests(packed.tobytes(), page_size, prior)
+    """SHA-256 digests of every full page of ``tokens`` chained onto ``prior`` (``page_keys`` as bytes).
+
+    ``tokens`` are checked and packed once (a ``TokenIds`` is used as it is).
+    """
+    return page_digests(key_token_bytes(tokens), page_size, prior)
 
 
 def request_hashes(tokens: Sequence[int], page_size: int, namespace: Hashable = None) -> list[int]:

@@ -58,7 +58,8 @@ _HEX_RE = re.compile(r"^[0-9a-fA-F]{64}$")
 _PAGE_KEY_BYTES = bytes(c for c in range(128) if _PAGE_KEY_RE.match(chr(c)))
 
 
-def _token_bytes(tokens: Sequence[int]) -> bytes:
+def key_token_bytes(tokens: Sequence[int] | TokenIds) -> bytes:
+    """``tokens`` checked and packed for hashing (a ``TokenIds`` as it is); a bad id is a ``StorageKeyError``."""
     try:
         return token_id_bytes(tokens)  # the one definition of a valid token id, packed little-endian
     except BadTokenIds as exc:
@@ -77,7 +78,7 @@ def page_hash(tokens: Sequence[int], prior: str | None = None) -> str:
     """SHA-256 hex digest of one page of ``tokens`` chained onto ``prior`` (None: first page)."""
     hasher = hashlib.sha256()
     hasher.update(_prior_bytes(prior))
-    hasher.update(_token_bytes(tokens))
+    hasher.update(key_token_bytes(tokens))
     return hasher.hexdigest()
 
 
@@ -89,7 +90,7 @@ def page_keys(tokens: Sequence[int] | TokenIds, page_size: int, prior: str | Non
     """
     if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
         raise StorageKeyError(f"page_size must be a positive int, got {page_size!r}")
-    raw = memoryview(_token_bytes(tokens))
+    raw = memoryview(key_token_bytes(tokens))
     keys: list[str] = []
     _chain_into(keys, raw, page_size, 0, len(raw) // (ID_BYTES * page_size), _prior_bytes(prior))
     return keys
@@ -138,7 +139,7 @@ class PageKeyChain(Sequence[str]):
                  chunk: int = 64) -> None:
         if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
             raise StorageKeyError(f"page_size must be a positive int, got {page_size!r}")
-        self._raw = memoryview(_token_bytes(tokens))
+        self._raw = memoryview(key_token_bytes(tokens))
         self._stride = ID_BYTES * page_size
         self._len = len(self._raw) // self._stride
         self._chained = _prior_bytes(prior)
