@@ -514,12 +514,16 @@ class TraceSimulation:
 
 
 def run_trace(options: TraceOptions, progress: ReplayProgress | None = None,
-              sweep: Sequence[int] | None = None) -> TraceSimulation:
-    """Replay the trace through every configuration (and a device-only cache of each ``sweep`` size)."""
+              sweep: Sequence[int] | None = None, bound: PrefixBound | None = None) -> TraceSimulation:
+    """Replay the trace through every configuration (and a device-only cache of each ``sweep`` size).
+
+    ``bound``: the trace's ``prefix_bound`` at the options' page size when the caller has it (else computed here).
+    """
     start = time.perf_counter()
     trace, ps = options.trace, options.page_size
     device = options.device or str(default_device())
-    bound = prefix_bound(trace, ps)
+    if bound is None:
+        bound = prefix_bound(trace, ps)
     storage_skipped = None
     storage_url = None
     if options.storage:

@@ -10,7 +10,7 @@ from hicache_fsm.commands import simulate_cluster
 from hicache_fsm.commands.table import columns
 from hicache_fsm.errors import ConfigError, HiCacheError, TraceError
 from hicache_fsm.simulate import INFINITE, TierResult, Workload
-from hicache_fsm.trace import DEFAULT_BLOCK_SIZE, check_tokens, load_trace, prefix_bound
+from hicache_fsm.trace import DEFAULT_BLOCK_SIZE, PrefixBound, check_tokens, load_trace, prefix_bound
 from hicache_fsm.trace_replay import (
     ReplayProgress,
     TraceOptions,
@@ -26,13 +26,17 @@ DEFAULT_SIZES = (f"1/{DEVICE_SHARE} of the trace's distinct cacheable tokens, at
                  f"{HOST_PER_DEVICE}x the device pool")
 
 
-def default_sizes(trace, page_size: int, device_tokens: int | None, host_tokens: int | None) -> tuple[int, int]:
-    """Device and host pool sizes: those given, else sized to the trace (``DEFAULT_SIZES``), in whole pages."""
+def default_sizes(trace, page_size: int, device_tokens: int | None, host_tokens: int | None,
+                  bound: PrefixBound | None = None) -> tuple[int, int]:
+    """Device and host pool sizes: those given, else sized to the trace (``DEFAULT_SIZES``), in whole pages.
+
+    ``bound``: the trace's ``prefix_bound`` at ``page_size`` when the caller has it (else computed here).
+    """
     def pages(x: int) -> int:
         return max(page_size, -(-x // page_size) * page_size)
 
     if device_tokens is None:
-        unique = prefix_bound(trace, page_size).unique_tokens
+        unique = (bound or prefix_bound(trace, page_size)).unique_tokens
         device_tokens = pages(max(unique // DEVICE_SHARE, trace.max_input_length))
     if host_tokens is None:
         host_tokens = HOST_PER_DEVICE * device_tokens
@@ -54,11 +58,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     simulate_cluster.configure(parser)  # cluster replay: --instances, --router, ...
 
 
-def _sweep(text: str | None, options: TraceOptions, want_plot: bool) -> list[int] | None:
+def _sweep(text: str | None, options: TraceOptions, want_plot: bool, bound: PrefixBound) -> list[int] | None:
     if text is None and not want_plot:
         return None
     if text is None or text == "auto":
-        return sweep_capacities(options.trace, options.page_size, prefix_bound(options.trace, options.page_size))
+        return sweep_capacities(options.trace, options.page_size, bound)
     parts = text.split(",")
     if len(parts) > MAX_SWEEP_SIZES:
         raise ConfigError(f"--sweep takes at most {MAX_SWEEP_SIZES} sizes, got {len(parts)}")
@@ -214,11 +218,12 @@ def run(args: argparse.Namespace) -> int:
             if isinstance(tokens, int):
                 check_tokens(tokens, flag)
         trace = load_trace(args.trace, args.block_size)
+        bound = prefix_bound(trace, args.page_size)  # computed once: the pool sizes, the sweep and the check use it
         options = TraceOptions(
             trace,
-            *default_sizes(trace, args.page_size, args.device_tokens, args.host_tokens),
+            *default_sizes(trace, args.page_size, args.device_tokens, args.host_tokens, bound),
             args.storage_url, not args.no_storage, args.page_size, args.layout, args.device)
-        sweep = _sweep(args.sweep, options, bool(args.plot))
+        sweep = _sweep(args.sweep, options, bool(args.plot), bound)
     except (TraceError, ConfigError) as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 2
@@ -227,7 +232,7 @@ def run(args: argparse.Namespace) -> int:
     # progress only to a terminal: a log or a pipe gets the table, not a line every few seconds
     progress = ReplayProgress(stream=sys.stderr, enabled=not args.no_progress and sys.stderr.isatty())
     try:
-        sim = run_trace(options, progress, sweep)
+        sim = run_trace(options, progress, sweep, bound)
     except HiCacheError as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 1
