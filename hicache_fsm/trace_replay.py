@@ -63,6 +63,7 @@ from hicache_fsm.storage.keys import KeyNamespace
 from hicache_fsm.storage.keys_only import KeysOnlyBackend
 from hicache_fsm.storage.stepped import SteppedStorageTier
 from hicache_fsm.trace import BlockTokens, PrefixBound, Trace, prefix_bound
+from hicache_fsm.trace_workers import replay_in_workers
 
 METADATA_SHAPE = KVShape(1, 1, 1, torch.float16)  # one element of K and one of V per token
 DEFAULT_STORAGE_URL = "memory://"
@@ -514,10 +515,14 @@ class TraceSimulation:
 
 
 def run_trace(options: TraceOptions, progress: ReplayProgress | None = None,
-              sweep: Sequence[int] | None = None, bound: PrefixBound | None = None) -> TraceSimulation:
+              sweep: Sequence[int] | None = None, bound: PrefixBound | None = None,
+              jobs: int = 1) -> TraceSimulation:
     """Replay the trace through every configuration (and a device-only cache of each ``sweep`` size).
 
     ``bound``: the trace's ``prefix_bound`` at the options' page size when the caller has it (else computed here).
+    ``jobs`` > 1: the configurations replay in up to that many worker processes
+    (``hicache_fsm.trace_workers``), with the same figures; progress then moves
+    as each configuration finishes.
     """
     start = time.perf_counter()
     trace, ps = options.trace, options.page_size
@@ -540,8 +545,15 @@ def run_trace(options: TraceOptions, progress: ReplayProgress | None = None,
     tokens = BlockTokens(trace.block_size)
     points = None
     try:
-        progress.set_label(f"pass 1/{passes}: {len(tiers)} configurations")
-        replayed = replay_timed(tiers, trace, tokens, ps, options.layout, device, namespace, progress.step)
+        if jobs > 1 and len(tiers) > 1:
+            progress.set_label(f"pass 1/{passes}: {len(tiers)} configurations in {min(jobs, len(tiers))} processes")
+            share = n // len(tiers)
+            replayed = replay_in_workers(tiers, trace, ps, options.layout, device, namespace, jobs,
+                                         lambda: progress.step(share))
+            progress.step(n - share * len(tiers))
+        else:
+            progress.set_label(f"pass 1/{passes}: {len(tiers)} configurations")
+            replayed = replay_timed(tiers, trace, tokens, ps, options.layout, device, namespace, progress.step)
         if sweep:
             progress.set_label(f"pass 2/2: {len(sweep)} device sizes")
             swept = replay([device_only(f"sweep-{c}", c, ps) for c in sweep], trace, tokens, ps, options.layout,

@@ -17,6 +17,7 @@ from hicache_fsm.trace_replay import (
     TraceSimulation,
     sweep_capacities,
 )
+from hicache_fsm.trace_workers import usable_cores
 
 # Default pool sizes follow the trace, so that every configuration shows what it adds: the device
 # holds 1/32 of what an infinite cache would (at least the longest input), the host four times that.
@@ -55,7 +56,20 @@ def configure(parser: argparse.ArgumentParser) -> None:
                    help="also replay device-only caches of these sizes in tokens (bare: ten sizes from the longest "
                         "input to everything the trace caches, log-spaced); the JSON gets a 'sweep' entry; with "
                         "--instances: instance counts (bare: 1,2,4,8), each with every router policy")
+    t.add_argument("--jobs", type=_jobs, default=None, metavar="N",
+                   help="replay the configurations in up to N worker processes, one configuration each (default: "
+                        "the cores this process may use; 1: all in this process); the figures are the same")
     simulate_cluster.configure(parser)  # cluster replay: --instances, --router, ...
+
+
+def _jobs(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"wants a positive number of processes, got {text!r}") from None
+    if not 1 <= value <= 256:
+        raise argparse.ArgumentTypeError(f"wants 1..256 processes, got {value}")
+    return value
 
 
 def _sweep(text: str | None, options: TraceOptions, want_plot: bool, bound: PrefixBound) -> list[int] | None:
@@ -82,6 +96,7 @@ def _sweep(text: str | None, options: TraceOptions, want_plot: bool, bound: Pref
 def trace_only_options(args: argparse.Namespace) -> list[str]:
     """Trace options given without ``--trace`` (they mean nothing to the chat workload)."""
     given = ["--sweep"] if args.sweep is not None else []
+    given += ["--jobs"] if args.jobs is not None else []
     given += ["--instances"] if args.instances is not None else []  # cluster replay
     given += simulate_cluster.cluster_only_options(args)
     return given + (["--block-size"] if args.block_size != DEFAULT_BLOCK_SIZE else [])
@@ -232,7 +247,8 @@ def run(args: argparse.Namespace) -> int:
     # progress only to a terminal: a log or a pipe gets the table, not a line every few seconds
     progress = ReplayProgress(stream=sys.stderr, enabled=not args.no_progress and sys.stderr.isatty())
     try:
-        sim = run_trace(options, progress, sweep, bound)
+        jobs = args.jobs if args.jobs is not None else usable_cores()
+        sim = run_trace(options, progress, sweep, bound, jobs)
     except HiCacheError as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 1
