@@ -42,6 +42,8 @@ def default_sizes(trace, page_size: int, device_tokens: int | None, host_tokens:
     if host_tokens is None:
         host_tokens = HOST_PER_DEVICE * device_tokens
     return device_tokens, host_tokens
+# a worker process pays seconds of start-up (imports): worth it only when each configuration replays longer
+PARALLEL_FROM_REQUESTS = 2000
 MAX_SWEEP_SIZES = 64  # each size is one more replay of the whole trace
 _WORKLOAD_OPTIONS = ("clients", "rounds", "request_length", "output_length", "system_prompt_length", "arrival", "seed")
 
@@ -58,7 +60,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         "--instances: instance counts (bare: 1,2,4,8), each with every router policy")
     t.add_argument("--jobs", type=_jobs, default=None, metavar="N",
                    help="replay the configurations in up to N worker processes, one configuration each (default: "
-                        "the cores this process may use; 1: all in this process); the figures are the same")
+                        f"the cores this process may use for a trace of {PARALLEL_FROM_REQUESTS}+ requests, else 1: "
+                        "all in this process); the figures are the same")
     simulate_cluster.configure(parser)  # cluster replay: --instances, --router, ...
 
 
@@ -247,7 +250,8 @@ def run(args: argparse.Namespace) -> int:
     # progress only to a terminal: a log or a pipe gets the table, not a line every few seconds
     progress = ReplayProgress(stream=sys.stderr, enabled=not args.no_progress and sys.stderr.isatty())
     try:
-        jobs = args.jobs if args.jobs is not None else usable_cores()
+        jobs = args.jobs if args.jobs is not None else (
+            usable_cores() if len(trace.requests) >= PARALLEL_FROM_REQUESTS else 1)
         sim = run_trace(options, progress, sweep, bound, jobs)
     except HiCacheError as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
