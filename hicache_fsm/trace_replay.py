@@ -63,7 +63,6 @@ from hicache_fsm.storage.keys import KeyNamespace
 from hicache_fsm.storage.keys_only import KeysOnlyBackend
 from hicache_fsm.storage.stepped import SteppedStorageTier
 from hicache_fsm.trace import BlockTokens, PrefixBound, Trace, prefix_bound
-from hicache_fsm.trace_workers import replay_in_workers
 
 METADATA_SHAPE = KVShape(1, 1, 1, torch.float16)  # one element of K and one of V per token
 DEFAULT_STORAGE_URL = "memory://"
@@ -457,6 +456,12 @@ class ReplayProgress:
 # ====================================================================== the whole comparison
 
 
+# replays configurations elsewhere: (tiers, trace, page size, layout, device, storage namespace, after each
+# configuration) -> (result, latency) per configuration, in order
+ConfigReplayer = Callable[[Sequence[Tier], Trace, int, str, str, str, Callable[[], None]],
+                          list[tuple[TierResult, "Latency"]]]
+
+
 @attrs.define
 class TraceSimulation:
     """Every configuration's result on one trace, with the analytic bound and an optional sweep."""
@@ -516,13 +521,13 @@ class TraceSimulation:
 
 def run_trace(options: TraceOptions, progress: ReplayProgress | None = None,
               sweep: Sequence[int] | None = None, bound: PrefixBound | None = None,
-              jobs: int = 1) -> TraceSimulation:
+              elsewhere: ConfigReplayer | None = None) -> TraceSimulation:
     """Replay the trace through every configuration (and a device-only cache of each ``sweep`` size).
 
     ``bound``: the trace's ``prefix_bound`` at the options' page size when the caller has it (else computed here).
-    ``jobs`` > 1: the configurations replay in up to that many worker processes
-    (``hicache_fsm.trace_workers``), with the same figures; progress then moves
-    as each configuration finishes.
+    ``elsewhere``: replays the configurations outside this process (e.g.
+    ``hicache_fsm.trace_workers.in_workers(jobs)``), with the same figures;
+    progress then moves as each configuration finishes.
     """
     start = time.perf_counter()
     trace, ps = options.trace, options.page_size
@@ -545,11 +550,10 @@ def run_trace(options: TraceOptions, progress: ReplayProgress | None = None,
     tokens = BlockTokens(trace.block_size)
     points = None
     try:
-        if jobs > 1 and len(tiers) > 1:
-            progress.set_label(f"pass 1/{passes}: {len(tiers)} configurations in {min(jobs, len(tiers))} processes")
+        if elsewhere is not None and len(tiers) > 1:
+            progress.set_label(f"pass 1/{passes}: {len(tiers)} configurations in worker processes")
             share = n // len(tiers)
-            replayed = replay_in_workers(tiers, trace, ps, options.layout, device, namespace, jobs,
-                                         lambda: progress.step(share))
+            replayed = elsewhere(tiers, trace, ps, options.layout, device, namespace, lambda: progress.step(share))
             progress.step(n - share * len(tiers))
         else:
             progress.set_label(f"pass 1/{passes}: {len(tiers)} configurations")
@@ -580,6 +584,6 @@ def sweep_capacities(trace: Trace, page_size: int, bound: PrefixBound, points: i
 
 
 __all__ = [
-    "DEFAULT_STORAGE_URL", "METADATA_SHAPE", "CostModel", "Latency", "MetadataExecutor", "ReplayProgress", "TraceOptions",
+    "DEFAULT_STORAGE_URL", "METADATA_SHAPE", "ConfigReplayer", "CostModel", "Latency", "MetadataExecutor", "ReplayProgress", "TraceOptions",
     "TraceReplayer", "TraceSimulation", "metadata_backend", "metadata_executor", "replay", "replay_timed", "run_trace", "sweep_capacities",
 ]

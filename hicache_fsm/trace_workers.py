@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Callable, Sequence
 
 import attrs
@@ -26,6 +27,7 @@ import hicache_fsm
 from hicache_fsm.errors import HiCacheError
 from hicache_fsm.simulate import FULL, Tier, TierResult
 from hicache_fsm.trace import BlockTokens, Trace, TraceRequest
+from hicache_fsm.trace_replay import ConfigReplayer, Latency, replay_timed
 
 WORKER_MODULE = "hicache_fsm.trace_workers"
 
@@ -60,16 +62,14 @@ def _run_worker(payload: str) -> dict:
     return json.loads(done.stdout)
 
 
-def replay_in_workers(tiers: Sequence[Tier], trace: Trace, page_size: int, layout: str, device: str,
-                      namespace: str, jobs: int, on_tier: Callable[[], None] = lambda: None) -> list:
+def replay_in_workers(jobs: int, tiers: Sequence[Tier], trace: Trace, page_size: int, layout: str, device: str,
+                      namespace: str, on_tier: Callable[[], None] = lambda: None) -> list[tuple[TierResult, Latency]]:
     """``replay_timed`` of each configuration in its own worker process, at most ``jobs`` at once.
 
     Returns ``(TierResult, Latency)`` pairs in the order of ``tiers``. The
     storage configuration (the longest) starts first. ``on_tier()`` follows
     each finished configuration.
     """
-    from hicache_fsm.trace_replay import Latency
-
     order = sorted(range(len(tiers)), key=lambda i: tiers[i].name != FULL)
     payloads = {i: _job(tiers[i], trace, page_size, layout, device, namespace) for i in order}
     out: dict[int, tuple] = {}
@@ -82,10 +82,13 @@ def replay_in_workers(tiers: Sequence[Tier], trace: Trace, page_size: int, layou
     return [out[i] for i in range(len(tiers))]
 
 
+def in_workers(jobs: int) -> ConfigReplayer:
+    """What ``run_trace(..., elsewhere=...)`` takes: ``replay_in_workers`` with at most ``jobs`` at once."""
+    return partial(replay_in_workers, jobs)
+
+
 def main() -> int:
     """One worker: a JSON job on stdin, ``{"result": ..., "latency": ...}`` on stdout."""
-    from hicache_fsm.trace_replay import replay_timed
-
     job = json.loads(sys.stdin.read())
     t = job["trace"]
     requests = tuple(TraceRequest(ts, n_in, n_out, tuple(ids), line) for ts, n_in, n_out, ids, line in t["requests"])
@@ -100,4 +103,4 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-__all__ = ["replay_in_workers", "usable_cores"]
+__all__ = ["in_workers", "replay_in_workers", "usable_cores"]

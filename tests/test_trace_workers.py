@@ -10,6 +10,7 @@ import pytest
 from hicache_fsm.cli import main
 from hicache_fsm.trace import load_trace
 from hicache_fsm.trace_replay import TraceOptions, run_trace
+from hicache_fsm.trace_workers import in_workers
 
 SHIPPED = Path(__file__).resolve().parent.parent / "examples" / "traces" / "synthetic-chat.jsonl"
 TIMINGS = ("wall_s", "controller_s", "transfer_s", "controller_by_call", "prefetch_wait_s", "agreement_s",
@@ -28,7 +29,7 @@ def test_workers_give_the_in_process_figures():
     trace = load_trace(SHIPPED)
     options = TraceOptions(trace, device_tokens=16384, host_tokens=65536, storage_url="memory://", device="cpu")
     alone = run_trace(options)
-    parallel = run_trace(options, jobs=2)
+    parallel = run_trace(options, elsewhere=in_workers(2))
     assert [t.name for t in parallel.tiers] == [t.name for t in alone.tiers]
     assert figures(parallel) == figures(alone)
 

@@ -17,7 +17,7 @@ from hicache_fsm.trace_replay import (
     TraceSimulation,
     sweep_capacities,
 )
-from hicache_fsm.trace_workers import usable_cores
+from hicache_fsm.trace_workers import in_workers, usable_cores
 
 # Default pool sizes follow the trace, so that every configuration shows what it adds: the device
 # holds 1/32 of what an infinite cache would (at least the longest input), the host four times that.
@@ -252,7 +252,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         jobs = args.jobs if args.jobs is not None else (
             usable_cores() if len(trace.requests) >= PARALLEL_FROM_REQUESTS else 1)
-        sim = run_trace(options, progress, sweep, bound, jobs)
+        sim = run_trace(options, progress, sweep, bound, in_workers(jobs) if jobs > 1 else None)
     except HiCacheError as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 1
