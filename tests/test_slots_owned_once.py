@@ -52,8 +52,10 @@ owners_st = st.lists(st.lists(st.integers(0, 30), max_size=8), max_size=8)
 def test_sorted_check_matches_the_walk(owners, allocated, page_size):
     labels = [f"node {i}" for i in range(len(owners))]
     pairs = [(label, slots(pages, page_size)) for label, pages in zip(labels, owners)]
-    got = ownership_problems("host", labels, [np.array(p, dtype=np.int64) for p in owners], allocated)
-    assert got == walk_problems("host", pairs, page_size, allocated)
+    arrays = [np.array(p, dtype=np.int64) for p in owners]
+    expected = walk_problems("host", pairs, page_size, allocated)
+    assert ownership_problems("host", labels, arrays, allocated) == expected
+    assert ownership_problems("host", labels, arrays, np.array(sorted(allocated), dtype=np.int64)) == expected
 
 
 @settings(max_examples=60, deadline=None)

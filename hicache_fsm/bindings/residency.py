@@ -176,8 +176,19 @@ def _tier_owners(cache, tier: str) -> tuple[list[str], list[np.ndarray]]:
     return labels, pages
 
 
-def ownership_problems(tier: str, labels: list[str], pages: list[np.ndarray], allocated: set[int]) -> list[str]:
+def _within(values: np.ndarray, ascending: np.ndarray) -> np.ndarray:
+    """Which of ``values`` are in the ascending array ``ascending`` (a binary search each)."""
+    if not ascending.size:
+        return np.zeros(values.size, dtype=bool)
+    at = np.minimum(np.searchsorted(ascending, values), ascending.size - 1)
+    return ascending[at] == values
+
+
+def ownership_problems(tier: str, labels: list[str], pages: list[np.ndarray],
+                       allocated: "set[int] | np.ndarray") -> list[str]:
     """``slots_owned_once``'s findings for one tier: ``pages[i]`` held by ``labels[i]``, ``allocated`` by the allocator.
+
+    ``allocated``: a set of page ids, or an ascending array of them.
 
     Reads as a walk over the owners in order, page by page, remembering each
     page's latest owner: a page met again is reported against that owner; then
@@ -198,13 +209,18 @@ def ownership_problems(tier: str, labels: list[str], pages: list[np.ndarray], al
         for at, before in zip(repeats[by_walk].tolist(), previous[by_walk].tolist()):
             problems.append(f"{tier} page {int(every[at])} owned by both {labels[owner_of[before]]} "
                             f"and {labels[owner_of[at]]}")
-    owned = np.unique(ranked)
-    held = np.fromiter(allocated, dtype=np.int64, count=len(allocated))
-    held.sort()
-    leaked = np.setdiff1d(held, owned, assume_unique=True)
+    first = np.ones(ranked.size, dtype=bool)
+    first[1:] = ranked[1:] != ranked[:-1]
+    owned = ranked[first]  # ascending, each page once
+    if isinstance(allocated, np.ndarray):
+        held = allocated
+    else:
+        held = np.fromiter(allocated, dtype=np.int64, count=len(allocated))
+        held.sort()
+    leaked = held[~_within(held, owned)]
     if leaked.size:
         problems.append(f"{tier} pages allocated but owned by nobody (leak): {leaked[:8].tolist()}")
-    freed = np.setdiff1d(owned, held, assume_unique=True)
+    freed = owned[~_within(owned, held)]
     if freed.size:
         problems.append(f"{tier} pages owned but on the free list: {freed[:8].tolist()}")
     return problems
@@ -215,7 +231,8 @@ def slots_owned_once(cache) -> list[str]:
     """Every allocated device/host page is owned by exactly one node or in-flight holder."""
     problems = []
     for tier, allocator in (("device", cache.device_allocator), ("host", cache.host_allocator)):
-        problems += ownership_problems(tier, *_tier_owners(cache, tier), allocator.owned_pages())
+        held = getattr(allocator, "owned_page_array", None)  # the ascending array, where the allocator has one
+        problems += ownership_problems(tier, *_tier_owners(cache, tier), held() if held else allocator.owned_pages())
     return problems
 
 
@@ -236,13 +253,13 @@ def evicted_has_host_copy(cache) -> list[str]:
     for node in cache.tree.nodes():
         if node.parent is None:
             continue
-        if node.state in ON_HOST and node.host_indices is None:
+        if node.state in ON_HOST and node.host_slots is None:
             problems.append(f"node {node.id} in {node.state} has no host slots")
-        if node.state in ON_DEVICE | LOADING and node.device_indices is None:
+        if node.state in ON_DEVICE | LOADING and node.device_slots is None:
             problems.append(f"node {node.id} in {node.state} has no device slots")
-        if node.state not in ON_DEVICE | LOADING and node.device_indices is not None:
+        if node.state not in ON_DEVICE | LOADING and node.device_slots is not None:
             problems.append(f"node {node.id} in {node.state} still holds device slots")
-        if node.state not in ON_HOST | {"writing_host"} and node.host_indices is not None:
+        if node.state not in ON_HOST | {"writing_host"} and node.host_slots is not None:
             problems.append(f"node {node.id} in {node.state} still holds host slots")
     return problems
 
