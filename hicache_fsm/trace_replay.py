@@ -525,9 +525,9 @@ def run_trace(options: TraceOptions, progress: ReplayProgress | None = None,
     """Replay the trace through every configuration (and a device-only cache of each ``sweep`` size).
 
     ``bound``: the trace's ``prefix_bound`` at the options' page size when the caller has it (else computed here).
-    ``elsewhere``: replays the configurations outside this process (e.g.
-    ``hicache_fsm.trace_workers.in_workers(jobs)``), with the same figures;
-    progress then moves as each configuration finishes.
+    ``elsewhere``: replays the configurations (and the sweep's) outside this
+    process (e.g. ``hicache_fsm.trace_workers.in_workers(jobs)``), with the
+    same figures; progress then moves as each configuration finishes.
     """
     start = time.perf_counter()
     trace, ps = options.trace, options.page_size
@@ -550,18 +550,20 @@ def run_trace(options: TraceOptions, progress: ReplayProgress | None = None,
     tokens = BlockTokens(trace.block_size)
     points = None
     try:
-        if elsewhere is not None and len(tiers) > 1:
-            progress.set_label(f"pass 1/{passes}: {len(tiers)} configurations in worker processes")
-            share = n // len(tiers)
-            replayed = elsewhere(tiers, trace, ps, options.layout, device, namespace, lambda: progress.step(share))
-            progress.step(n - share * len(tiers))
-        else:
-            progress.set_label(f"pass 1/{passes}: {len(tiers)} configurations")
-            replayed = replay_timed(tiers, trace, tokens, ps, options.layout, device, namespace, progress.step)
+        def replay_pass(label: str, configs: list[Tier]) -> list[tuple[TierResult, Latency]]:
+            if elsewhere is None or len(configs) < 2:
+                progress.set_label(label)
+                return replay_timed(configs, trace, tokens, ps, options.layout, device, namespace, progress.step)
+            progress.set_label(f"{label} in worker processes")
+            share = n // len(configs)
+            out = elsewhere(configs, trace, ps, options.layout, device, namespace, lambda: progress.step(share))
+            progress.step(n - share * len(configs))
+            return out
+
+        replayed = replay_pass(f"pass 1/{passes}: {len(tiers)} configurations", tiers)
         if sweep:
-            progress.set_label(f"pass 2/2: {len(sweep)} device sizes")
-            swept = replay([device_only(f"sweep-{c}", c, ps) for c in sweep], trace, tokens, ps, options.layout,
-                           device, namespace, progress.step)
+            swept = [r for r, _ in replay_pass(f"pass 2/2: {len(sweep)} device sizes",
+                                               [device_only(f"sweep-{c}", c, ps) for c in sweep])]
             points = [(c, r.hit_rate) for c, r in zip(sweep, swept)]
     finally:
         progress.close()

@@ -1,4 +1,4 @@
-"""Configurations replayed in worker processes (``simulate --trace --jobs N``) give the in-process figures."""
+"""Configurations (and sweep sizes) replayed in worker processes (``simulate --trace --jobs N``) give the in-process figures."""
 
 from __future__ import annotations
 
@@ -28,10 +28,11 @@ def figures(sim) -> list[dict]:
 def test_workers_give_the_in_process_figures():
     trace = load_trace(SHIPPED)
     options = TraceOptions(trace, device_tokens=16384, host_tokens=65536, storage_url="memory://", device="cpu")
-    alone = run_trace(options)
-    parallel = run_trace(options, elsewhere=in_workers(2))
+    alone = run_trace(options, sweep=[4096, 32768])
+    parallel = run_trace(options, sweep=[4096, 32768], elsewhere=in_workers(2))
     assert [t.name for t in parallel.tiers] == [t.name for t in alone.tiers]
     assert figures(parallel) == figures(alone)
+    assert parallel.sweep == alone.sweep and len(alone.sweep) == 2
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "two", "1000"])

@@ -59,7 +59,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         "input to everything the trace caches, log-spaced); the JSON gets a 'sweep' entry; with "
                         "--instances: instance counts (bare: 1,2,4,8), each with every router policy")
     t.add_argument("--jobs", type=_jobs, default=None, metavar="N",
-                   help="replay the configurations in up to N worker processes, one configuration each (default: "
+                   help="replay the configurations (and --sweep's sizes) in up to N worker processes, one each (default: "
                         f"the cores this process may use for a trace of {PARALLEL_FROM_REQUESTS}+ requests, else 1: "
                         "all in this process); the figures are the same")
     simulate_cluster.configure(parser)  # cluster replay: --instances, --router, ...
