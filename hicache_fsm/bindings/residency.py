@@ -9,10 +9,13 @@ the cache builds and an executor runs.
 
 from __future__ import annotations
 
-import numpy as np
+from typing import TYPE_CHECKING
 
 from hicache_fsm.jobs import JobKind
 from hicache_fsm.registry import machine_registry
+
+if TYPE_CHECKING:
+    import numpy as np
 
 residency = machine_registry("residency")
 
@@ -142,6 +145,8 @@ def adopt_device(node, grant) -> None:
 
 def _page_array(indices, page_size: int) -> np.ndarray:
     """Page ids (int64) of slot indices: the first slot of each page, divided by the page size."""
+    import numpy as np  # here, not at the top: the spec commands load these bindings without numpy
+
     if indices is None:
         return np.empty(0, dtype=np.int64)
     first = np.asarray(indices.numpy() if hasattr(indices, "numpy") else indices, dtype=np.int64)[::page_size]
@@ -155,6 +160,8 @@ def _tier_owners(cache, tier: str) -> tuple[list[str], list[np.ndarray]]:
     expanding them to slot indices: at a million pages that expansion was
     most of a full invariant check.
     """
+    import numpy as np
+
     ps = cache.page_size
     labels: list[str] = []
     pages: list[np.ndarray] = []
@@ -178,6 +185,8 @@ def _tier_owners(cache, tier: str) -> tuple[list[str], list[np.ndarray]]:
 
 def _within(values: np.ndarray, ascending: np.ndarray) -> np.ndarray:
     """Which of ``values`` are in the ascending array ``ascending`` (a binary search each)."""
+    import numpy as np
+
     if not ascending.size:
         return np.zeros(values.size, dtype=bool)
     at = np.minimum(np.searchsorted(ascending, values), ascending.size - 1)
@@ -195,6 +204,8 @@ def ownership_problems(tier: str, labels: list[str], pages: list[np.ndarray],
     allocated pages nobody owns (leaks) and owned pages on the free list (the
     first 8 of each, ascending). Computed with one stable sort of all pages.
     """
+    import numpy as np
+
     problems = []
     sizes = [p.size for p in pages]
     every = np.concatenate(pages) if pages else np.empty(0, dtype=np.int64)
