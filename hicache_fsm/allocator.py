@@ -169,6 +169,10 @@ class PageAllocator:
         """Ids of the allocated pages (for invariant checks)."""
         return set(np.flatnonzero(self._allocated).tolist())
 
+    def owned_page_array(self) -> np.ndarray:
+        """``owned_pages`` as an ascending int64 array (invariant checks of a million pages)."""
+        return np.flatnonzero(self._allocated).astype(np.int64, copy=False)
+
     def hand_out_order(self) -> tuple[int, ...]:
         """The free pages in the order ``alloc`` will hand them out (read only: nothing is merged).
 

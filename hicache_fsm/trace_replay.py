@@ -456,6 +456,12 @@ class ReplayProgress:
 # ====================================================================== the whole comparison
 
 
+# replays configurations elsewhere: (tiers, trace, page size, layout, device, storage namespace, after each
+# configuration) -> (result, latency) per configuration, in order
+ConfigReplayer = Callable[[Sequence[Tier], Trace, int, str, str, str, Callable[[], None]],
+                          list[tuple[TierResult, "Latency"]]]
+
+
 @attrs.define
 class TraceSimulation:
     """Every configuration's result on one trace, with the analytic bound and an optional sweep."""
@@ -514,12 +520,20 @@ class TraceSimulation:
 
 
 def run_trace(options: TraceOptions, progress: ReplayProgress | None = None,
-              sweep: Sequence[int] | None = None) -> TraceSimulation:
-    """Replay the trace through every configuration (and a device-only cache of each ``sweep`` size)."""
+              sweep: Sequence[int] | None = None, bound: PrefixBound | None = None,
+              elsewhere: ConfigReplayer | None = None) -> TraceSimulation:
+    """Replay the trace through every configuration (and a device-only cache of each ``sweep`` size).
+
+    ``bound``: the trace's ``prefix_bound`` at the options' page size when the caller has it (else computed here).
+    ``elsewhere``: replays the configurations (and the sweep's) outside this
+    process (e.g. ``hicache_fsm.trace_workers.in_workers(jobs)``), with the
+    same figures; progress then moves as each configuration finishes.
+    """
     start = time.perf_counter()
     trace, ps = options.trace, options.page_size
     device = options.device or str(default_device())
-    bound = prefix_bound(trace, ps)
+    if bound is None:
+        bound = prefix_bound(trace, ps)
     storage_skipped = None
     storage_url = None
     if options.storage:
@@ -536,12 +550,20 @@ def run_trace(options: TraceOptions, progress: ReplayProgress | None = None,
     tokens = BlockTokens(trace.block_size)
     points = None
     try:
-        progress.set_label(f"pass 1/{passes}: {len(tiers)} configurations")
-        replayed = replay_timed(tiers, trace, tokens, ps, options.layout, device, namespace, progress.step)
+        def replay_pass(label: str, configs: list[Tier]) -> list[tuple[TierResult, Latency]]:
+            if elsewhere is None or len(configs) < 2:
+                progress.set_label(label)
+                return replay_timed(configs, trace, tokens, ps, options.layout, device, namespace, progress.step)
+            progress.set_label(f"{label} in worker processes")
+            share = n // len(configs)
+            out = elsewhere(configs, trace, ps, options.layout, device, namespace, lambda: progress.step(share))
+            progress.step(n - share * len(configs))
+            return out
+
+        replayed = replay_pass(f"pass 1/{passes}: {len(tiers)} configurations", tiers)
         if sweep:
-            progress.set_label(f"pass 2/2: {len(sweep)} device sizes")
-            swept = replay([device_only(f"sweep-{c}", c, ps) for c in sweep], trace, tokens, ps, options.layout,
-                           device, namespace, progress.step)
+            swept = [r for r, _ in replay_pass(f"pass 2/2: {len(sweep)} device sizes",
+                                               [device_only(f"sweep-{c}", c, ps) for c in sweep])]
             points = [(c, r.hit_rate) for c, r in zip(sweep, swept)]
     finally:
         progress.close()
@@ -564,6 +586,6 @@ def sweep_capacities(trace: Trace, page_size: int, bound: PrefixBound, points: i
 
 
 __all__ = [
-    "DEFAULT_STORAGE_URL", "METADATA_SHAPE", "CostModel", "Latency", "MetadataExecutor", "ReplayProgress", "TraceOptions",
+    "DEFAULT_STORAGE_URL", "METADATA_SHAPE", "ConfigReplayer", "CostModel", "Latency", "MetadataExecutor", "ReplayProgress", "TraceOptions",
     "TraceReplayer", "TraceSimulation", "metadata_backend", "metadata_executor", "replay", "replay_timed", "run_trace", "sweep_capacities",
 ]

@@ -9,8 +9,13 @@ the cache builds and an executor runs.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from hicache_fsm.jobs import JobKind
 from hicache_fsm.registry import machine_registry
+
+if TYPE_CHECKING:
+    import numpy as np
 
 residency = machine_registry("residency")
 
@@ -138,31 +143,107 @@ def adopt_device(node, grant) -> None:
 # --------------------------------------------------------------------------- invariants
 
 
-def _pages(indices, page_size: int) -> list[int]:
-    return [] if indices is None else (indices[::page_size] // page_size).tolist()
+def _page_array(indices, page_size: int) -> np.ndarray:
+    """Page ids (int64) of slot indices: the first slot of each page, divided by the page size."""
+    import numpy as np  # here, not at the top: the spec commands load these bindings without numpy
+
+    if indices is None:
+        return np.empty(0, dtype=np.int64)
+    first = np.asarray(indices.numpy() if hasattr(indices, "numpy") else indices, dtype=np.int64)[::page_size]
+    return first // page_size
+
+
+def _tier_owners(cache, tier: str) -> tuple[list[str], list[np.ndarray]]:
+    """Who holds pages of ``tier``, in ``cache.device_slot_owners()`` / ``host_slot_owners()``'s order.
+
+    A node's compact slots (page ids as bytes) are read as they are, without
+    expanding them to slot indices: at a million pages that expansion was
+    most of a full invariant check.
+    """
+    import numpy as np
+
+    ps = cache.page_size
+    labels: list[str] = []
+    pages: list[np.ndarray] = []
+    attr = f"{tier}_slots"
+    for node in cache.tree.nodes():
+        slots = getattr(node, attr)
+        if slots is None:
+            continue
+        labels.append(f"node {node.id}")
+        pages.append(np.frombuffer(slots, dtype=np.int64) if type(slots) is bytes else _page_array(slots, ps))
+    if tier == "device":
+        if cache.engine_pages:  # pages the engine holds (from ``alloc_device``), one owner
+            labels.append("engine")
+            pages.append(np.array(sorted(cache.engine_pages), dtype=np.int64))
+        return labels, pages
+    for owner, indices in cache.runtime_checks.host_owners():
+        labels.append(owner)
+        pages.append(_page_array(indices, ps))
+    return labels, pages
+
+
+def _within(values: np.ndarray, ascending: np.ndarray) -> np.ndarray:
+    """Which of ``values`` are in the ascending array ``ascending`` (a binary search each)."""
+    import numpy as np
+
+    if not ascending.size:
+        return np.zeros(values.size, dtype=bool)
+    at = np.minimum(np.searchsorted(ascending, values), ascending.size - 1)
+    return ascending[at] == values
+
+
+def ownership_problems(tier: str, labels: list[str], pages: list[np.ndarray],
+                       allocated: "set[int] | np.ndarray") -> list[str]:
+    """``slots_owned_once``'s findings for one tier: ``pages[i]`` held by ``labels[i]``, ``allocated`` by the allocator.
+
+    ``allocated``: a set of page ids, or an ascending array of them.
+
+    Reads as a walk over the owners in order, page by page, remembering each
+    page's latest owner: a page met again is reported against that owner; then
+    allocated pages nobody owns (leaks) and owned pages on the free list (the
+    first 8 of each, ascending). Computed with one stable sort of all pages.
+    """
+    import numpy as np
+
+    problems = []
+    sizes = [p.size for p in pages]
+    every = np.concatenate(pages) if pages else np.empty(0, dtype=np.int64)
+    order = np.argsort(every, kind="stable")  # equal pages keep their walk order
+    ranked = every[order]
+    again = np.flatnonzero(ranked[1:] == ranked[:-1]) + 1
+    if again.size:
+        owner_of = np.repeat(np.arange(len(pages)), sizes)
+        repeats = order[again]
+        previous = order[again - 1]  # the same page's occurrence just before, in walk order
+        by_walk = np.argsort(repeats, kind="stable")
+        for at, before in zip(repeats[by_walk].tolist(), previous[by_walk].tolist()):
+            problems.append(f"{tier} page {int(every[at])} owned by both {labels[owner_of[before]]} "
+                            f"and {labels[owner_of[at]]}")
+    first = np.ones(ranked.size, dtype=bool)
+    first[1:] = ranked[1:] != ranked[:-1]
+    owned = ranked[first]  # ascending, each page once
+    if isinstance(allocated, np.ndarray):
+        held = allocated
+    else:
+        held = np.fromiter(allocated, dtype=np.int64, count=len(allocated))
+        held.sort()
+    leaked = held[~_within(held, owned)]
+    if leaked.size:
+        problems.append(f"{tier} pages allocated but owned by nobody (leak): {leaked[:8].tolist()}")
+    freed = owned[~_within(owned, held)]
+    if freed.size:
+        problems.append(f"{tier} pages owned but on the free list: {freed[:8].tolist()}")
+    return problems
 
 
 @residency.invariant
 def slots_owned_once(cache) -> list[str]:
     """Every allocated device/host page is owned by exactly one node or in-flight holder."""
     problems = []
-    for tier, allocator, owners in (
-        ("device", cache.device_allocator, cache.device_slot_owners()),
-        ("host", cache.host_allocator, cache.host_slot_owners()),
-    ):
-        seen: dict[int, str] = {}
-        for owner, indices in owners:
-            for page in _pages(indices, cache.page_size):
-                if page in seen:
-                    problems.append(f"{tier} page {page} owned by both {seen[page]} and {owner}")
-                seen[page] = owner
-        allocated = allocator.owned_pages()
-        leaked = allocated - set(seen)
-        if leaked:
-            problems.append(f"{tier} pages allocated but owned by nobody (leak): {sorted(leaked)[:8]}")
-        freed = set(seen) - allocated
-        if freed:
-            problems.append(f"{tier} pages owned but on the free list: {sorted(freed)[:8]}")
+    for tier, allocator in (("device", cache.device_allocator), ("host", cache.host_allocator)):
+        held = getattr(allocator, "owned_page_array", None)  # the ascending array, where the allocator has one
+        problems += ownership_problems(tier, *_tier_owners(cache, tier), held() if held else allocator.owned_pages())
     return problems
 
 
@@ -183,13 +264,13 @@ def evicted_has_host_copy(cache) -> list[str]:
     for node in cache.tree.nodes():
         if node.parent is None:
             continue
-        if node.state in ON_HOST and node.host_indices is None:
+        if node.state in ON_HOST and node.host_slots is None:
             problems.append(f"node {node.id} in {node.state} has no host slots")
-        if node.state in ON_DEVICE | LOADING and node.device_indices is None:
+        if node.state in ON_DEVICE | LOADING and node.device_slots is None:
             problems.append(f"node {node.id} in {node.state} has no device slots")
-        if node.state not in ON_DEVICE | LOADING and node.device_indices is not None:
+        if node.state not in ON_DEVICE | LOADING and node.device_slots is not None:
             problems.append(f"node {node.id} in {node.state} still holds device slots")
-        if node.state not in ON_HOST | {"writing_host"} and node.host_indices is not None:
+        if node.state not in ON_HOST | {"writing_host"} and node.host_slots is not None:
             problems.append(f"node {node.id} in {node.state} still holds host slots")
     return problems
 

@@ -10,13 +10,14 @@ from hicache_fsm.commands import simulate_cluster
 from hicache_fsm.commands.table import columns
 from hicache_fsm.errors import ConfigError, HiCacheError, TraceError
 from hicache_fsm.simulate import INFINITE, TierResult, Workload
-from hicache_fsm.trace import DEFAULT_BLOCK_SIZE, check_tokens, load_trace, prefix_bound
+from hicache_fsm.trace import DEFAULT_BLOCK_SIZE, PrefixBound, check_tokens, load_trace, prefix_bound
 from hicache_fsm.trace_replay import (
     ReplayProgress,
     TraceOptions,
     TraceSimulation,
     sweep_capacities,
 )
+from hicache_fsm.trace_workers import in_workers, usable_cores
 
 # Default pool sizes follow the trace, so that every configuration shows what it adds: the device
 # holds 1/32 of what an infinite cache would (at least the longest input), the host four times that.
@@ -26,17 +27,23 @@ DEFAULT_SIZES = (f"1/{DEVICE_SHARE} of the trace's distinct cacheable tokens, at
                  f"{HOST_PER_DEVICE}x the device pool")
 
 
-def default_sizes(trace, page_size: int, device_tokens: int | None, host_tokens: int | None) -> tuple[int, int]:
-    """Device and host pool sizes: those given, else sized to the trace (``DEFAULT_SIZES``), in whole pages."""
+def default_sizes(trace, page_size: int, device_tokens: int | None, host_tokens: int | None,
+                  bound: PrefixBound | None = None) -> tuple[int, int]:
+    """Device and host pool sizes: those given, else sized to the trace (``DEFAULT_SIZES``), in whole pages.
+
+    ``bound``: the trace's ``prefix_bound`` at ``page_size`` when the caller has it (else computed here).
+    """
     def pages(x: int) -> int:
         return max(page_size, -(-x // page_size) * page_size)
 
     if device_tokens is None:
-        unique = prefix_bound(trace, page_size).unique_tokens
+        unique = (bound or prefix_bound(trace, page_size)).unique_tokens
         device_tokens = pages(max(unique // DEVICE_SHARE, trace.max_input_length))
     if host_tokens is None:
         host_tokens = HOST_PER_DEVICE * device_tokens
     return device_tokens, host_tokens
+# a worker process pays seconds of start-up (imports): worth it only when each configuration replays longer
+PARALLEL_FROM_REQUESTS = 2000
 MAX_SWEEP_SIZES = 64  # each size is one more replay of the whole trace
 _WORKLOAD_OPTIONS = ("clients", "rounds", "request_length", "output_length", "system_prompt_length", "arrival", "seed")
 
@@ -51,14 +58,28 @@ def configure(parser: argparse.ArgumentParser) -> None:
                    help="also replay device-only caches of these sizes in tokens (bare: ten sizes from the longest "
                         "input to everything the trace caches, log-spaced); the JSON gets a 'sweep' entry; with "
                         "--instances: instance counts (bare: 1,2,4,8), each with every router policy")
+    t.add_argument("--jobs", type=_jobs, default=None, metavar="N",
+                   help="replay the configurations (and --sweep's sizes) in up to N worker processes, one each (default: "
+                        f"the cores this process may use for a trace of {PARALLEL_FROM_REQUESTS}+ requests, else 1: "
+                        "all in this process); the figures are the same")
     simulate_cluster.configure(parser)  # cluster replay: --instances, --router, ...
 
 
-def _sweep(text: str | None, options: TraceOptions, want_plot: bool) -> list[int] | None:
+def _jobs(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"wants a positive number of processes, got {text!r}") from None
+    if not 1 <= value <= 256:
+        raise argparse.ArgumentTypeError(f"wants 1..256 processes, got {value}")
+    return value
+
+
+def _sweep(text: str | None, options: TraceOptions, want_plot: bool, bound: PrefixBound) -> list[int] | None:
     if text is None and not want_plot:
         return None
     if text is None or text == "auto":
-        return sweep_capacities(options.trace, options.page_size, prefix_bound(options.trace, options.page_size))
+        return sweep_capacities(options.trace, options.page_size, bound)
     parts = text.split(",")
     if len(parts) > MAX_SWEEP_SIZES:
         raise ConfigError(f"--sweep takes at most {MAX_SWEEP_SIZES} sizes, got {len(parts)}")
@@ -78,6 +99,7 @@ def _sweep(text: str | None, options: TraceOptions, want_plot: bool) -> list[int
 def trace_only_options(args: argparse.Namespace) -> list[str]:
     """Trace options given without ``--trace`` (they mean nothing to the chat workload)."""
     given = ["--sweep"] if args.sweep is not None else []
+    given += ["--jobs"] if args.jobs is not None else []
     given += ["--instances"] if args.instances is not None else []  # cluster replay
     given += simulate_cluster.cluster_only_options(args)
     return given + (["--block-size"] if args.block_size != DEFAULT_BLOCK_SIZE else [])
@@ -214,11 +236,12 @@ def run(args: argparse.Namespace) -> int:
             if isinstance(tokens, int):
                 check_tokens(tokens, flag)
         trace = load_trace(args.trace, args.block_size)
+        bound = prefix_bound(trace, args.page_size)  # computed once: the pool sizes, the sweep and the check use it
         options = TraceOptions(
             trace,
-            *default_sizes(trace, args.page_size, args.device_tokens, args.host_tokens),
+            *default_sizes(trace, args.page_size, args.device_tokens, args.host_tokens, bound),
             args.storage_url, not args.no_storage, args.page_size, args.layout, args.device)
-        sweep = _sweep(args.sweep, options, bool(args.plot))
+        sweep = _sweep(args.sweep, options, bool(args.plot), bound)
     except (TraceError, ConfigError) as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 2
@@ -227,7 +250,9 @@ def run(args: argparse.Namespace) -> int:
     # progress only to a terminal: a log or a pipe gets the table, not a line every few seconds
     progress = ReplayProgress(stream=sys.stderr, enabled=not args.no_progress and sys.stderr.isatty())
     try:
-        sim = run_trace(options, progress, sweep)
+        jobs = args.jobs if args.jobs is not None else (
+            usable_cores() if len(trace.requests) >= PARALLEL_FROM_REQUESTS else 1)
+        sim = run_trace(options, progress, sweep, bound, in_workers(jobs) if jobs > 1 else None)
     except HiCacheError as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 1

@@ -243,12 +243,13 @@ class PrefetchRuntime:
         if matched < len(full):
             parent = path[-1] if path else tree.root
             node = driver.add_child(parent, full, op.namespace, matched)
-            node.host_indices = slots[dup:]
+            fetched = slots[dup:]
+            node.host_indices = fetched
             first_page = dup // self.page_size
             node.storage_keys = tuple(op.hit_keys[first_page: done // self.page_size])
             driver.touch(node)
             driver.fire(node, "insert_prefetched")
-            op.inserted_pages.update(page_ids(node.host_indices, self.page_size))
+            op.inserted_pages.update(page_ids(fetched, self.page_size))  # the node's pages, not re-expanded
             self.occupied_tokens -= node.num_tokens
             op.inserted_tokens += node.num_tokens
             self.counters["prefetch_inserted_tokens"] += node.num_tokens
@@ -317,6 +318,10 @@ class PrefetchRuntime:
             self._check_done(op)
 
     def _check_done(self, op: PrefetchOp) -> None:
+        freed, inserted, reserved = op.freed_pages.keys(), op.inserted_pages, op.reserved_pages
+        # ``_free`` keeps freed pages reserved ones: disjoint reserved inserted pages that fill the rest account for all
+        if len(freed) + len(inserted) == len(reserved) and inserted <= reserved and inserted.isdisjoint(freed):
+            return
         accounted = set(op.freed_pages) | op.inserted_pages
         if accounted != op.reserved_pages:
             missing = sorted(op.reserved_pages - accounted)[:8]
