@@ -50,7 +50,7 @@ import math
 import re
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Hashable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -141,7 +141,7 @@ class StorageTier(PrefetchCalls, StorageThreads):
         self.retries = BackupRetries()  # unstored nodes, kept current by the driver's reports
         self.counters: Counter[str] = Counter()
         self._thread_counts: Counter[str] = Counter()  # written by storage threads under _cv
-        self._foreign_keys: dict[str, None] = {}  # keys stored in another page format, until the next attach
+        self._foreign_keys: OrderedDict[str, None] = OrderedDict()  # keys in another page format, until re-attach
         self.closed = False
         self.agreement: TierAgreement | None = None
         if not ctx.group.solo:  # tensor parallelism: ranks act on what every rank observed
@@ -725,7 +725,7 @@ class StorageTier(PrefetchCalls, StorageThreads):
         new.counters = Counter(self.counters)
         with self._cv:
             new._thread_counts = Counter(self._thread_counts)
-            new._foreign_keys = dict(self._foreign_keys)
+            new._foreign_keys = OrderedDict(self._foreign_keys)
         ctx.driver.add_listener(new.retries)
         new.evictions = self.evictions.fork(new.keys_for, new.link.backend, lambda n: memo[id(n)])
         ctx.driver.add_listener(new.evictions)
