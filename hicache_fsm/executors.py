@@ -156,6 +156,43 @@ class DoneWait:
         return True
 
 
+class AckExecutor:
+    """Completes each D2H or H2D batch at the next ``poll`` without moving a byte.
+
+    For runs where the KV bytes mean nothing: trace replay in metadata mode
+    (a pool's KV without a model) and the controller benchmarks (whose figure
+    is the controller's own time). Everything the cache decides and counts is
+    as with ``TorchExecutor`` on the CPU, which also reports a batch at the
+    next ``poll``.
+    """
+
+    manual = False
+
+    def __init__(self, layers: int = 1) -> None:
+        self.layers = layers
+        self._ready: list[Completion] = []
+        self._done = DoneWait(layers)  # stateless: one handle serves every batch
+        self._closed = False
+
+    def submit(self, batch: JobBatch) -> DoneWait:
+        if self._closed:
+            raise ConfigError("executor is closed")
+        if batch.kind not in (JobKind.D2H, JobKind.H2D):
+            raise ConfigError(f"{batch.kind.value} jobs are storage transfers; this executor runs only d2h and h2d")
+        self._ready.extend(completed_all(batch.jobs))
+        return self._done
+
+    def poll(self) -> list[Completion]:
+        out, self._ready = self._ready, []
+        return out
+
+    def synchronize(self) -> None:
+        return None
+
+    def close(self) -> None:
+        self._closed = True
+
+
 class _EventWait:
     """CUDA: wait for one finish event (a D2H batch)."""
 

@@ -4,7 +4,7 @@ Metadata mode: no model and one element of K and of V per token, so the pools
 are tiny, while every residency transition, transfer job, completion and
 storage call runs for real. KV bytes mean nothing without a model, so none is
 moved: the executor completes each device/host batch at the next poll without
-copying (:class:`MetadataExecutor`), and an in-process store keeps page keys
+copying (:class:`hicache_fsm.executors.AckExecutor`), and an in-process store keeps page keys
 only (see :func:`metadata_backend`). Each request is served as an
 engine's step loop would (see ``hicache_fsm.simulate``): ``match_prefix``;
 with storage, ``prefetch`` of the part beyond the in-memory hit, polled until
@@ -43,8 +43,7 @@ import torch
 
 from hicache_fsm.cache import HiCache
 from hicache_fsm.errors import ConfigError
-from hicache_fsm.executors import DoneWait
-from hicache_fsm.jobs import Completion, JobBatch, JobKind, completed_all
+from hicache_fsm.executors import AckExecutor
 from hicache_fsm.pools import LAYOUTS, DeviceKVPool, HostKVPool, KVShape, default_device
 from hicache_fsm.simulate import (
     DEVICE,
@@ -178,46 +177,9 @@ class Latency:
 # ====================================================================== one configuration
 
 
-class MetadataExecutor:
-    """Metadata mode's executor: a D2H or H2D batch completes at the next ``poll``, and no KV byte moves.
-
-    A pool's KV means nothing without a model, so copying it only costs time
-    (most of a replay's CPU, at trace scale). Everything the cache decides and
-    counts (jobs, completions, bytes moved, the storage tier's reads of host
-    pages) is as with ``TorchExecutor`` on the CPU, which also reports a batch
-    at the next ``poll``.
-    """
-
-    manual = False
-
-    def __init__(self, layers: int) -> None:
-        self.layers = layers
-        self._ready: list[Completion] = []
-        self._closed = False
-
-    def submit(self, batch: JobBatch) -> DoneWait:
-        if self._closed:
-            raise ConfigError("executor is closed")
-        if batch.kind not in (JobKind.D2H, JobKind.H2D):
-            raise ConfigError(f"{batch.kind.value} jobs are storage transfers; this executor runs only d2h and h2d")
-        self._ready.extend(completed_all(batch.jobs))
-        return DoneWait(self.layers)
-
-    def poll(self) -> list[Completion]:
-        out, self._ready = self._ready, []
-        return out
-
-    def synchronize(self) -> None:
-        return None
-
-    def close(self) -> None:
-        self._closed = True
-
-
-
-def metadata_executor(device_pool: DeviceKVPool, host_pool: HostKVPool) -> MetadataExecutor:
+def metadata_executor(device_pool: DeviceKVPool, host_pool: HostKVPool) -> AckExecutor:
     """The executor of a metadata-mode cache over these pools (no KV byte moves between them)."""
-    return MetadataExecutor(device_pool.layers)
+    return AckExecutor(device_pool.layers)
 
 
 def metadata_backend(storage_url: str, namespace: KeyNamespace) -> str | KeysOnlyBackend:
@@ -586,6 +548,6 @@ def sweep_capacities(trace: Trace, page_size: int, bound: PrefixBound, points: i
 
 
 __all__ = [
-    "DEFAULT_STORAGE_URL", "METADATA_SHAPE", "ConfigReplayer", "CostModel", "Latency", "MetadataExecutor", "ReplayProgress", "TraceOptions",
+    "DEFAULT_STORAGE_URL", "METADATA_SHAPE", "ConfigReplayer", "CostModel", "Latency", "ReplayProgress", "TraceOptions",
     "TraceReplayer", "TraceSimulation", "metadata_backend", "metadata_executor", "replay", "replay_timed", "run_trace", "sweep_capacities",
 ]

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from hicache_fsm import cli
 from hicache_fsm.bench import scale, sglang_peer
-from hicache_fsm.bench.controller import AckExecutor
+from hicache_fsm.executors import AckExecutor
 from hicache_fsm.cache import HiCache
 from hicache_fsm.config import CacheConfig
 from hicache_fsm.pools import DeviceKVPool, HostKVPool, KVShape

@@ -8,7 +8,7 @@ again (applies the acks). The figure is the time of match + insert (with its
 backup) + the two polls; ``alloc_device`` and building the index tensor are
 the engine's slot allocation and are left out of both variants.
 
-Copies are not measured: ``AckExecutor`` (defined here) acknowledges every
+Copies are not measured: ``executors.AckExecutor`` acknowledges every
 batch on the next poll without moving any bytes, and the pools use a
 one-element KV shape. Before timing, the tree holds ``--tree-nodes`` other
 backed-up prefixes (a serving cache holds tens of thousands of nodes; by
@@ -59,7 +59,7 @@ from hicache_fsm.bench.common import machine_description, report
 from hicache_fsm.cache import HiCache
 from hicache_fsm.commands.args import UsageError, non_negative_int, positive_int
 from hicache_fsm.config import CacheConfig
-from hicache_fsm.jobs import Completion, JobBatch, completed_all
+from hicache_fsm.executors import AckExecutor
 from hicache_fsm.pools import DeviceKVPool, HostKVPool, KVShape
 from hicache_fsm.spec import load_builtin
 from hicache_fsm.tp import RankGroup
@@ -73,42 +73,6 @@ VOCAB = 32000
 CHUNK = 100  # requests per timed chunk; chunks of the two variants alternate
 RAW_ALL_REDUCES = 200  # bare all-reduces timed per rank, the transport's floor
 _VOCAB_INTS = list(range(VOCAB))  # token ids as a tokenizer's vocabulary table hands them out
-
-
-class _Done:
-    def __init__(self, layers: int) -> None:
-        self.layers = layers
-
-    def wait(self, layer: int) -> None:
-        return None
-
-    def done(self) -> bool:
-        return True
-
-
-class AckExecutor:
-    """Acknowledges every submitted batch on the next ``poll`` without copying (controller-only timing)."""
-
-    manual = False
-
-    def __init__(self, layers: int = 1) -> None:
-        self.layers = layers
-        self._ready: list[Completion] = []
-        self._done = _Done(layers)  # stateless: one handle serves every batch
-
-    def submit(self, batch: JobBatch) -> _Done:
-        self._ready.extend(completed_all(batch.jobs))
-        return self._done
-
-    def poll(self) -> list[Completion]:
-        out, self._ready = self._ready, []
-        return out
-
-    def synchronize(self) -> None:
-        return None
-
-    def close(self) -> None:
-        return None
 
 
 def system_prompts(seed: int) -> list[tuple[int, ...]]:

@@ -77,7 +77,7 @@ import torch
 from hicache_fsm.bench import sglang_peer
 from hicache_fsm.bench.baselines import PlainPrefixCache, RadixLikeSGLang
 from hicache_fsm.bench.common import machine_description
-from hicache_fsm.bench.controller import AckExecutor
+from hicache_fsm.executors import AckExecutor
 from hicache_fsm.cache import HiCache
 from hicache_fsm.commands.args import UsageError
 from hicache_fsm.config import CacheConfig
