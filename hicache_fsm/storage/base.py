@@ -626,9 +626,14 @@ class StorageBackend(ABC):
     # -- helpers for subclasses -------------------------------------------
 
     def _enter(self, keys: Sequence[str]) -> list[str]:
+        """The storage keys of page ``keys`` (checked), once the backend is known open."""
+        return self._namespace.storage_keys(self._open_keys(keys))
+
+    def _open_keys(self, keys: Sequence[str]) -> list[str]:
+        """``keys`` as a list (a single str refused), once the backend is known open."""
         if self._closed:
             raise StorageUnavailable(f"{type(self).__name__} is closed")
-        return self._namespace.storage_keys(_check_keys(keys))
+        return _check_keys(keys)
 
     def _pool_format(self, host_pool: Any) -> bytes:
         """The header field of ``host_pool``'s page format (kept for the last pool asked about: a tier has one)."""

@@ -32,7 +32,7 @@ import threading
 from itertools import takewhile
 from typing import Any, Sequence
 
-from hicache_fsm.errors import StorageKeyError, StorageUnavailable
+from hicache_fsm.errors import StorageKeyError
 from hicache_fsm.storage.base import EXISTS, FAILED, WRITTEN, LRUIndex, SharedStore, StorageBackend
 from hicache_fsm.storage.keys import KeyNamespace, validate_page_keys
 from hicache_fsm.storage.page_format import PageFormat
@@ -92,11 +92,7 @@ class KeysOnlyBackend(StorageBackend):
 
     def _enter(self, keys: Sequence[str]) -> list[str]:
         """This namespace's page keys, checked (the base class would prefix them into storage keys)."""
-        if self._closed:
-            raise StorageUnavailable(f"{type(self).__name__} is closed")
-        if isinstance(keys, (str, bytes)):
-            raise StorageKeyError("keys must be a sequence of str, not a single str")
-        return validate_page_keys(keys)
+        return validate_page_keys(self._open_keys(keys))
 
     def _forget_recency(self, skeys: Sequence[str]) -> None:
         if self._lru is not None:
