@@ -57,10 +57,7 @@ from hicache_fsm.errors import (
     UnknownJob,
 )
 from hicache_fsm.insert_slots import own_pages, own_prefix
-from hicache_fsm.inspection import (
-    HostOwners, InvariantViolation, RuntimeChecks, engine_slot_owner, maintained_set_problems, node_slot_owners,
-    snapshot, stats,
-)
+from hicache_fsm.inspection import HostOwners, InvariantViolation, RuntimeChecks, maintained_set_problems, snapshot, stats
 from hicache_fsm.eviction import DEVICE_EVICTABLE, HOST_EVICTABLE, RESIDENT, REVIVABLE, Eviction, executor_can_block
 from hicache_fsm.interfaces import Attached
 from hicache_fsm.jobs import Completion, Executor, TransferJob
@@ -625,14 +622,6 @@ class HiCache(StorageCalls):
     def remove_observer(self, fn: Callable[[dict], None]) -> None:
         """Stop calling ``fn`` (added by ``add_observer``); ``ValueError`` if it was not added."""
         self.driver.remove_observer(fn)
-
-    def device_slot_owners(self) -> list[tuple[str, torch.Tensor]]:
-        """(owner, slot indices) for every device slot held by a node or the engine (invariant checks)."""
-        return node_slot_owners(self.tree, "device") + engine_slot_owner(self.engine_pages, self.page_size)
-
-    def host_slot_owners(self) -> list[tuple[str, torch.Tensor]]:
-        """(owner, slot indices) for every host slot held by a node or a registered runtime (invariant checks)."""
-        return node_slot_owners(self.tree, "host") + self.runtime_checks.host_owners()
 
     def register_host_owner(self, source: HostOwners) -> None:
         """Let a runtime (prefetch, CP writes) declare host slots it holds, for invariant checks."""

@@ -66,21 +66,6 @@ class RuntimeChecks:
         return out
 
 
-def node_slot_owners(tree: RadixTree, tier: str) -> list[tuple[str, torch.Tensor]]:
-    """(owner, slot indices) of every node holding slots of ``tier`` ("device" or "host")."""
-    attr = f"{tier}_indices"
-    return [(f"node {n.id}", getattr(n, attr)) for n in tree.nodes() if getattr(n, attr) is not None]
-
-
-def engine_slot_owner(engine_pages: set[int], page_size: int) -> list[tuple[str, torch.Tensor]]:
-    """The slots of the device pages the engine holds (from ``alloc_device``), as one owner."""
-    if not engine_pages:
-        return []
-    pages = torch.tensor(sorted(engine_pages), dtype=torch.int64)
-    offsets = torch.arange(page_size, dtype=torch.int64)
-    return [("engine", (pages[:, None] * page_size + offsets).flatten())]
-
-
 def maintained_set_problems(tree: RadixTree, eviction: Any, state_counts: dict[str, int]) -> list[str]:
     """Eviction's candidate sets and the driver's per-state counts against a recomputation (O(N))."""
     problems = [f"eviction_candidates: {p}" for p in eviction.violations()]
@@ -136,5 +121,4 @@ def stats(*, tree: RadixTree, page_size: int, device_allocator: Any, host_alloca
     return out
 
 
-__all__ = ["InvariantViolation", "RuntimeChecks", "engine_slot_owner", "maintained_set_problems", "node_slot_owners",
-           "snapshot", "stats"]
+__all__ = ["InvariantViolation", "RuntimeChecks", "maintained_set_problems", "snapshot", "stats"]

@@ -154,7 +154,8 @@ def _page_array(indices, page_size: int) -> np.ndarray:
 
 
 def _tier_owners(cache, tier: str) -> tuple[list[str], list[np.ndarray]]:
-    """Who holds pages of ``tier``, in ``cache.device_slot_owners()`` / ``host_slot_owners()``'s order.
+    """Who holds pages of ``tier``, and which: every node in tree order, then the engine (device) or each
+    registered runtime holder (host).
 
     A node's compact slots (page ids as bytes) are read as they are, without
     expanding them to slot indices: at a million pages that expansion was
