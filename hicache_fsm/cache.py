@@ -145,7 +145,7 @@ class HiCache(StorageCalls):
         if self.acks is not None:
             self.agreement.register(self.acks)
         self.engine_pages: set[int] = set()  # device pages handed out by alloc_device, not yet inserted or freed
-        self._checked_tokens: tuple = ()  # the last token tuple found good (see _token_ids)
+        self._checked_tokens: tuple = ()  # the last token tuple or list found good (see _token_ids)
         self.runtime_checks = RuntimeChecks()  # host slots and invariants of attached runtimes
         self.check_candidates = False  # also recompute the eviction candidate sets in invariant_violations
         self.closed = False
@@ -244,16 +244,30 @@ class HiCache(StorageCalls):
     def _token_ids(self, tokens: object) -> TokenIds:
         """``tokens`` checked and packed once (``BadTokenIds`` names the first bad one).
 
-        The last tuple packed is remembered (by identity: tuples are
-        immutable), so ``insert`` after ``match_prefix`` with the same tuple
-        packs nothing again; a ``TokenIds`` is already packed.
+        The last tuple or list packed is remembered, so ``insert`` after
+        ``match_prefix`` with the same object packs nothing again: a tuple by
+        identity (it is immutable), a list by identity and a snapshot of its
+        items (``==`` compares item pointers before values: a few us against
+        tens for packing 4,096 ids). A list changed since is packed again; an
+        item replaced by an equal value (``True`` for 1) keeps the packing of
+        the value it equals. A ``TokenIds`` is already packed.
         """
-        memo = self._checked_tokens  # () or (the tuple, its packing)
+        memo = self._checked_tokens  # () or (the tuple or list, a list's snapshot, its packing)
         if memo and tokens is memo[0]:
-            return memo[1]
+            if memo[1] is None:
+                return memo[2]
+            try:
+                same = tokens == memo[1]
+            except Exception:  # an item put in since whose ``==`` raises: packing names it below
+                same = False
+            if same:
+                return memo[2]
         ids = pack_token_ids(tokens)
-        if type(tokens) is tuple:
-            self._checked_tokens = (tokens, ids)
+        kind = type(tokens)
+        if kind is tuple:
+            self._checked_tokens = (tokens, None, ids)
+        elif kind is list:
+            self._checked_tokens = (tokens, tokens.copy(), ids)
         return ids
 
     def match_prefix(self, tokens: Sequence[int], namespace: Hashable = None) -> MatchResult:

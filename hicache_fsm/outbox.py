@@ -34,7 +34,7 @@ _BYTES_KEY = {k: f"bytes_{k.value}" for k in JobKind}
 _FAILED_KEY = {k: f"failed_{k.value}" for k in JobKind}
 
 
-@attrs.define
+@attrs.define(on_setattr=attrs.setters.NO_OP)  # counters bumped per job: no converter hook on every ``+= 1``
 class JobLedger:
     """How every emitted job ended, in memory that stays bounded on a long-running server.
 

@@ -680,3 +680,30 @@ def test_controller_bench_reports_both_figures():
     assert us > 0 and tus > 0 and speedup > 0
     half = 0.005  # each figure is rounded to 0.01
     assert (tus - half) / (us + half) - half <= speedup <= (tus + half) / max(us - half, 1e-9) + half
+
+
+@pytest.mark.parametrize("ids", ["list", "tensor", "packed"])
+def test_controller_bench_id_forms_do_the_tuple_forms_work(ids):
+    """``bench controller --ids``: each form leaves the tree the tuple form leaves (the same work is timed)."""
+    from hicache_fsm.bench import controller
+
+    requests = controller.make_requests(6, seed=3)
+    trees = []
+    for form in ("tuple", ids):
+        cache = controller.make_cache(8 * controller.REQUEST_TOKENS)
+        controller.serve(cache, [controller.ID_FORMS[form](t) for t in requests])
+        trees.append(sorted((tuple(n.key), n.state) for n in cache.tree.nodes() if not n.is_root))
+        cache.check_invariants()
+    assert trees[0] == trees[1] and len(trees[0]) >= len(requests)
+    result = _controller_run(["--requests", "4", "--repeats", "1", "--tree-nodes", "4", "--ids", ids])
+    assert result["ids"] == ids and result["speedup"] > 0
+
+
+def _controller_run(argv: list[str]) -> dict:
+    import argparse
+
+    from hicache_fsm.bench import controller
+
+    parser = argparse.ArgumentParser()
+    controller.configure(parser)
+    return controller.run(parser.parse_args(argv + ["--tp", ""]))

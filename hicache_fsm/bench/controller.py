@@ -8,6 +8,14 @@ again (applies the acks). The figure is the time of match + insert (with its
 backup) + the two polls; ``alloc_device`` and building the index tensor are
 the engine's slot allocation and are left out of both variants.
 
+``--ids`` sets the form the engine holds each request's ids in (``ids`` in
+the result): a tuple (default) or a list handed to every call, which checks
+and packs it (``insert`` right after ``match_prefix`` with the same object
+reuses that packing: a list only if it still holds the same ids), an int64
+tensor (packed by numpy on every call), or ``packed``: ``pack_token_ids`` once
+when the request arrives, timed with the request, then the ``TokenIds`` to
+every call. The forms are built before timing, as the engine holds them.
+
 Copies are not measured: ``executors.AckExecutor`` acknowledges every
 batch on the next poll without moving any bytes, and the pools use a
 one-element KV shape. Before timing, the tree holds ``--tree-nodes`` other
@@ -62,6 +70,7 @@ from hicache_fsm.config import CacheConfig
 from hicache_fsm.executors import AckExecutor
 from hicache_fsm.pools import DeviceKVPool, HostKVPool, KVShape
 from hicache_fsm.spec import load_builtin
+from hicache_fsm.tokens import pack_token_ids
 from hicache_fsm.tp import RankGroup
 from hicache_fsm.transitions_dispatch import TransitionsDispatcher
 
@@ -136,10 +145,15 @@ def _serve(cache: HiCache, requests: list[tuple[int, ...]], pc, after: Callable[
     return spent
 
 
-def serve_one(cache: HiCache, tokens: tuple[int, ...], pc=time.perf_counter,
+def serve_one(cache: HiCache, tokens, pc=time.perf_counter,
               after: Callable[[], None] | None = None) -> float:
-    """One request of the engine loop (see ``serve``, without its collector handling); seconds timed."""
+    """One request of the engine loop (see ``serve``, without its collector handling); seconds timed.
+
+    A ``ToPack`` request is packed first, inside the timed part (an engine that packs a request on arrival).
+    """
     t0 = pc()
+    if type(tokens) is ToPack:
+        tokens = pack_token_ids(tokens.ids)
     m = cache.match_prefix(tokens)
     t1 = pc()
     cached = m.device_hit_length
@@ -152,6 +166,35 @@ def serve_one(cache: HiCache, tokens: tuple[int, ...], pc=time.perf_counter,
     if after is not None:
         after()
     return (t1 - t0) + (pc() - t2)
+
+
+class ToPack:
+    """A request the engine packs (``pack_token_ids``) when it arrives: ``serve_one`` times that packing."""
+
+    __slots__ = ("ids",)
+
+    def __init__(self, ids: tuple[int, ...]) -> None:
+        self.ids = ids
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+# How the engine holds each request's ids (``--ids``); each form is built before timing.
+ID_FORMS: dict[str, Callable[[tuple[int, ...]], object]] = {
+    "tuple": lambda ids: ids,  # each call checks it; insert after match_prefix reuses the packing
+    "list": list,  # the same, the list compared item by item with what match_prefix packed
+    "tensor": lambda ids: torch.tensor(ids, dtype=torch.int64),  # each call packs it (numpy, no per-id Python)
+    "packed": ToPack,  # packed once on arrival, timed; every call takes the TokenIds as it is
+}
+
+
+_ID_ROWS = {
+    "tuple": "a tuple handed to every call (insert after match_prefix reuses its packing)",
+    "list": "a list handed to every call (insert after match_prefix reuses its packing if it is unchanged)",
+    "tensor": "an int64 tensor handed to every call (each packs it)",
+    "packed": "packed once on arrival (timed), a TokenIds to every call",
+}
 
 
 def scrape_cost_us(cache: HiCache, repeats: int = 5) -> float | None:
@@ -245,6 +288,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "shared with other work) or perf_counter (wall); the --tp figures use wall time")
     parser.add_argument("--tp-requests", type=positive_int, default=300,
                         help="timed requests per rank for the --tp figures (default 300)")
+    parser.add_argument("--ids", choices=tuple(ID_FORMS), default="tuple",
+                        help="the form the engine holds each request's ids in: a tuple (default) or a list handed "
+                             "to every call, an int64 tensor, or packed once on arrival (timed) into a TokenIds")
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -253,6 +299,8 @@ def run(args: argparse.Namespace) -> dict:
     tree_nodes = args.tree_nodes if getattr(args, "tree_nodes", None) is not None else 10 * n
     capacity = tree_nodes * PAGE_SIZE + (repeats * n + SYSTEM_PROMPTS) * REQUEST_TOKENS
     clock = CLOCKS[getattr(args, "clock", "cpu")]
+    ids = getattr(args, "ids", "tuple")
+    form = ID_FORMS[ids]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # index tensors are tiny: intra-op threads only add wake-up latency
     try:
@@ -264,7 +312,7 @@ def run(args: argparse.Namespace) -> dict:
         chunk = min(CHUNK, n)
         ours_us, theirs_us = [], []
         for r in range(repeats):
-            requests = make_requests(n, args.seed + 7919 * r, prompts)
+            requests = [form(t) for t in make_requests(n, args.seed + 7919 * r, prompts)]
             for start in range(0, n - chunk + 1, chunk):
                 part = requests[start : start + chunk]
                 ours_us.append(serve(ours, part, clock) / chunk * 1e6)
@@ -282,6 +330,7 @@ def run(args: argparse.Namespace) -> dict:
         "clock": getattr(args, "clock", "cpu"),
         "request_tokens": REQUEST_TOKENS,
         "page_size": PAGE_SIZE,
+        "ids": ids,
         "executor": "AckExecutor (acks without copying)",
         "timed": "match_prefix + insert (with its backup) + 2 x poll; best chunk of 100 requests",
         "us_per_request": round(us, 2),
@@ -300,6 +349,7 @@ def run(args: argparse.Namespace) -> dict:
         )
     rows = [
         ("requests", f"{repeats} x {n} x {REQUEST_TOKENS} tokens, page {PAGE_SIZE}, {tree_nodes} nodes already cached"),
+        ("ids", _ID_ROWS[ids]),
         ("compiled table", f"{us:.1f} us/request"),
         ("transitions", f"{tus:.1f} us/request"),
         ("speedup", f"{tus / us:.2f}x"),

@@ -1,0 +1,120 @@
+"""``insert`` after ``match_prefix`` with the same tuple or list reuses its packing, and never a stale one.
+
+A list may change between the two calls (an engine appends decoded ids to the
+list it matched): whatever it holds when ``insert`` runs is what is cached,
+checked as if it had never been seen.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cache_helpers import drain, make_cache
+from hicache_fsm.errors import BadTokenIds, TokenIdTypeError
+from hicache_fsm.tokens import pack_token_ids
+
+PAGE = 4
+
+
+def _insert_after_match(cache, matched, inserted_as) -> object:
+    """Match ``matched``, then insert it (after ``inserted_as`` changed it, if it did) on fresh slots."""
+    cache.match_prefix(matched)
+    tokens = inserted_as(matched)
+    return cache.insert(tokens, cache.alloc_device(len(tokens)))
+
+
+def _cached_ids(cache) -> set[tuple[int, ...]]:
+    """The ids from the root to each node of the tree."""
+    out = set()
+    for node in cache.tree.nodes():
+        ids: list[int] = []
+        while node is not None and not node.is_root:
+            ids[:0] = list(node.key)
+            node = node.parent
+        out.add(tuple(ids))
+    return out
+
+
+CHANGES = {
+    "none": lambda lst: None,
+    "append_page": lambda lst: lst.extend([7, 8, 9, 10]),
+    "drop_page": lambda lst: lst.__delitem__(slice(-PAGE, None)),
+    "set_first": lambda lst: lst.__setitem__(0, lst[0] + 1),
+    "set_last": lambda lst: lst.__setitem__(-1, lst[-1] + 1000),
+    "clear_then_refill": lambda lst: lst.__setitem__(slice(None), [5] * len(lst)),
+}
+
+
+@settings(max_examples=60, deadline=None)
+@given(ids=st.lists(st.integers(0, 50), min_size=PAGE, max_size=4 * PAGE), change=st.sampled_from(sorted(CHANGES)))
+def test_a_list_changed_between_match_and_insert_caches_what_it_holds_at_insert(ids, change):
+    ids = ids[: len(ids) - len(ids) % PAGE]
+    memo_cache, ex = make_cache(page=PAGE)
+    twin, twin_ex = make_cache(page=PAGE)
+
+    def changed(lst):
+        CHANGES[change](lst)
+        return lst
+
+    request = list(ids)
+    _insert_after_match(memo_cache, request, changed)  # the same list object at both calls
+    expected = list(ids)
+    CHANGES[change](expected)
+    twin.match_prefix(tuple(ids))
+    twin.insert(tuple(expected), twin.alloc_device(len(expected)))  # a fresh tuple: packed anew
+    drain(memo_cache, ex)
+    drain(twin, twin_ex)
+    assert _cached_ids(memo_cache) == _cached_ids(twin)
+    memo_cache.check_invariants()
+
+
+@pytest.mark.parametrize("bad,error", [(-1, BadTokenIds), (2**33, BadTokenIds), (0.5, TokenIdTypeError),
+                                       ("7", TokenIdTypeError), (None, TokenIdTypeError)])
+def test_a_bad_id_put_into_a_matched_list_is_refused_by_insert_and_changes_nothing(bad, error):
+    cache, ex = make_cache(page=PAGE)
+    request = [1, 2, 3, 4, 5, 6, 7, 8]
+    cache.match_prefix(request)
+    request[5] = bad
+    idx = cache.alloc_device(8)
+    before = cache.snapshot()
+    with pytest.raises(error) as info:
+        cache.insert(request, idx)
+    assert info.value.position == 5
+    assert cache.snapshot() == before
+    cache.free_device(idx)
+    cache.check_invariants()
+
+
+def test_an_item_whose_comparison_raises_is_named_by_packing_not_leaked():
+    """``==`` of a numpy array put into the list raises ValueError; insert still answers with the typed error."""
+    np = pytest.importorskip("numpy")
+    cache, _ = make_cache(page=PAGE)
+    request = [1, 2, 3, 4]
+    cache.match_prefix(request)
+    request[2] = np.array([3, 3])
+    idx = cache.alloc_device(4)
+    with pytest.raises(TokenIdTypeError) as info:
+        cache.insert(request, idx)
+    assert info.value.position == 2
+    cache.free_device(idx)
+
+
+def test_a_tuple_or_an_unchanged_list_is_packed_once_for_match_then_insert(monkeypatch):
+    import hicache_fsm.cache as cache_module
+
+    packed = []
+    real = cache_module.pack_token_ids
+    monkeypatch.setattr(cache_module, "pack_token_ids", lambda t: packed.append(type(t).__name__) or real(t))
+    cache, _ = make_cache(page=PAGE)
+    for form in (tuple, list):
+        request = form(range(10 * len(packed) + 1, 10 * len(packed) + 9))
+        cache.match_prefix(request)
+        cache.insert(request, cache.alloc_device(8))
+    assert packed == ["tuple", "list"]
+    tensor = torch.arange(100, 108)
+    cache.match_prefix(tensor)
+    cache.insert(tensor, cache.alloc_device(8))
+    assert packed[2:] == ["Tensor", "Tensor"]  # an array may change without a trace: packed by every call
