@@ -119,6 +119,31 @@ def fill(cache: HiCache, nodes: int) -> None:
     cache.poll()
 
 
+class ToPack:
+    """A request the engine packs (``pack_token_ids``) when it arrives: ``serve_one`` times that packing."""
+
+    __slots__ = ("ids",)
+
+    def __init__(self, ids: tuple[int, ...]) -> None:
+        self.ids = ids
+
+
+# How the engine holds each request's ids (``--ids``); each form is built before timing.
+ID_FORMS: dict[str, Callable[[tuple[int, ...]], object]] = {
+    "tuple": lambda ids: ids,  # each call checks it; insert after match_prefix reuses the packing
+    "list": list,  # the same, the list compared item by item with what match_prefix packed
+    "tensor": lambda ids: torch.tensor(ids, dtype=torch.int64),  # each call packs it (numpy, no per-id Python)
+    "packed": ToPack,  # packed once on arrival, timed; every call takes the TokenIds as it is
+}
+
+_ID_ROWS = {
+    "tuple": "a tuple handed to every call (insert after match_prefix reuses its packing)",
+    "list": "a list handed to every call (insert after match_prefix reuses its packing if it is unchanged)",
+    "tensor": "an int64 tensor handed to every call (each packs it)",
+    "packed": "packed once on arrival (timed), a TokenIds to every call",
+}
+
+
 CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
 
 
@@ -166,35 +191,6 @@ def serve_one(cache: HiCache, tokens, pc=time.perf_counter,
     if after is not None:
         after()
     return (t1 - t0) + (pc() - t2)
-
-
-class ToPack:
-    """A request the engine packs (``pack_token_ids``) when it arrives: ``serve_one`` times that packing."""
-
-    __slots__ = ("ids",)
-
-    def __init__(self, ids: tuple[int, ...]) -> None:
-        self.ids = ids
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-
-# How the engine holds each request's ids (``--ids``); each form is built before timing.
-ID_FORMS: dict[str, Callable[[tuple[int, ...]], object]] = {
-    "tuple": lambda ids: ids,  # each call checks it; insert after match_prefix reuses the packing
-    "list": list,  # the same, the list compared item by item with what match_prefix packed
-    "tensor": lambda ids: torch.tensor(ids, dtype=torch.int64),  # each call packs it (numpy, no per-id Python)
-    "packed": ToPack,  # packed once on arrival, timed; every call takes the TokenIds as it is
-}
-
-
-_ID_ROWS = {
-    "tuple": "a tuple handed to every call (insert after match_prefix reuses its packing)",
-    "list": "a list handed to every call (insert after match_prefix reuses its packing if it is unchanged)",
-    "tensor": "an int64 tensor handed to every call (each packs it)",
-    "packed": "packed once on arrival (timed), a TokenIds to every call",
-}
 
 
 def scrape_cost_us(cache: HiCache, repeats: int = 5) -> float | None:
