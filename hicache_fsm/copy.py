@@ -184,8 +184,20 @@ def _block_layer(block: torch.Tensor, layout: str, layer: int, page_size: int) -
 
 
 # From this many runs on, one gather + one scatter over token indices beats a copy per run on the CPU
-# (a view and a copy call cost microseconds each; small runs of small pages are mostly that).
+# (a view and a copy call cost microseconds each; small runs of small pages are mostly that) ...
 GATHER_MIN_RUNS = 16
+# ... as long as runs are small: measured with ``bench copy`` on a 2-core machine (both host layouts,
+# pages of 16 and 64), the gather wins up to 4 KiB a run and part and loses from 16 KiB (at 1 MiB
+# pages it moves 0.8 GB/s against 8-10 for a copy per run: it walks the strided token views element
+# by element).
+GATHER_MAX_RUN_BYTES = 8192
+
+
+def gather_pays(runs: list[Run], token_bytes: int) -> bool:
+    """Whether ``runs`` (of ``token_bytes`` per token and part) are many and small enough to gather."""
+    if len(runs) < GATHER_MIN_RUNS:
+        return False
+    return sum(n for _, _, n in runs) * token_bytes <= GATHER_MAX_RUN_BYTES * len(runs)
 
 
 def _token_views(dev: DeviceKVPool, host: HostKVPool, layer: int | None):
@@ -217,6 +229,8 @@ def _gathered(dev: DeviceKVPool, host: HostKVPool, runs: list[Run], layer: int |
     if views is None:
         return False
     dview, hview, dim = views
+    if not gather_pays(runs, dview[0].numel() // dview.shape[dim] * dview.element_size()):
+        return False
     d_idx, h_idx = _run_indices(runs)
     if to_host:
         hview.index_copy_(dim, h_idx, dview.index_select(dim, d_idx))

@@ -217,8 +217,8 @@ def test_gathered_copies_equal_copies_per_run(data, layout, ps, layer):
         host = HostKVPool(SHAPE, 16 * ps, ps, layout)
         fill(dev, gen)
         fill(host, gen)
-        old = copy_mod.GATHER_MIN_RUNS
-        copy_mod.GATHER_MIN_RUNS = threshold
+        old = copy_mod.GATHER_MIN_RUNS, copy_mod.GATHER_MAX_RUN_BYTES
+        copy_mod.GATHER_MIN_RUNS, copy_mod.GATHER_MAX_RUN_BYTES = threshold, 10**12 // threshold
         try:
             backup_to_host(dev, host, d_idx, h_idx, layer=layer)
             fill(dev, gen)
@@ -227,6 +227,18 @@ def test_gathered_copies_equal_copies_per_run(data, layout, ps, layer):
             else:
                 load_to_device(dev, host, h_idx, d_idx, layer)
         finally:
-            copy_mod.GATHER_MIN_RUNS = old
+            copy_mod.GATHER_MIN_RUNS, copy_mod.GATHER_MAX_RUN_BYTES = old
         finals.append((dev.kv.clone(), host.kv.clone()))
     assert torch.equal(finals[0][0], finals[1][0]) and torch.equal(finals[0][1], finals[1][1])
+
+
+def test_only_many_small_runs_are_gathered():
+    """The gather pays for many small runs; a copy per run for few runs, or for big pages (0.8 against 8 GB/s)."""
+    from hicache_fsm.copy import GATHER_MAX_RUN_BYTES, GATHER_MIN_RUNS, gather_pays
+
+    pages = [(64 * i, 64 * (i + 7), 64) for i in range(GATHER_MIN_RUNS)]
+    small = GATHER_MAX_RUN_BYTES // 64  # token bytes that make a 64-token run exactly the bound
+    assert gather_pays(pages, small)
+    assert not gather_pays(pages, small + 1)
+    assert not gather_pays(pages[:-1], 1)  # too few runs, however small
+    assert not gather_pays(pages, 8 * 8 * 64 * 4)  # 8 layers x 8 heads x 64 dims of float32: 1 MiB pages
