@@ -188,8 +188,7 @@ def _block_layer(block: torch.Tensor, layout: str, layer: int, page_size: int) -
 GATHER_MIN_RUNS = 16
 # ... as long as runs are small: measured with ``bench copy`` on a 2-core machine (both host layouts,
 # pages of 16 and 64), the gather wins up to 4 KiB a run and part and loses from 16 KiB (at 1 MiB
-# pages it moves 0.8 GB/s against 8-10 for a copy per run: it walks the strided token views element
-# by element).
+# pages it moved 0.8 GB/s against 8-10 for a copy per run).
 GATHER_MAX_RUN_BYTES = 8192
 
 

@@ -7,6 +7,7 @@ checked as if it had never been seen.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -90,7 +91,6 @@ def test_a_bad_id_put_into_a_matched_list_is_refused_by_insert_and_changes_nothi
 
 def test_an_item_whose_comparison_raises_is_named_by_packing_not_leaked():
     """``==`` of a numpy array put into the list raises ValueError; insert still answers with the typed error."""
-    np = pytest.importorskip("numpy")
     cache, _ = make_cache(page=PAGE)
     request = [1, 2, 3, 4]
     cache.match_prefix(request)
