@@ -35,7 +35,6 @@ the same slots, so the indices a reader already holds stay valid.
 from __future__ import annotations
 
 import logging
-import threading
 from collections import Counter
 from threading import get_ident
 from typing import Callable, Hashable, Sequence
@@ -350,7 +349,7 @@ class HiCache(StorageCalls):
         ``alloc_device``; an evicted part is revived with them. Nodes keep
         the page ids, not the tensor: the engine may reuse its buffer.
         """
-        if self.closed or threading.get_ident() != self.thread_owner.ident:  # ``check_open``, inline
+        if self.closed or get_ident() != self.thread_owner.ident:  # ``check_open``, inline
             self.check_open()
         tokens = self._token_ids(tokens)
         ps = self.page_size
@@ -587,7 +586,7 @@ class HiCache(StorageCalls):
         ``applied`` holds what this call would have returned). No node is left
         in flight without a job (``in_flight_has_job``).
         """
-        if self.closed or threading.get_ident() != self.thread_owner.ident:  # ``check_open``, inline
+        if self.closed or get_ident() != self.thread_owner.ident:  # ``check_open``, inline
             self.check_open()
         self.driver.count_poll()
         if self.config.write_policy == "write_behind":
@@ -747,7 +746,7 @@ class HiCache(StorageCalls):
         is the first thread that calls; it stays the owner until it ends or
         calls ``release_thread``. One integer comparison on the hot path.
         """
-        if self.closed or threading.get_ident() != self.thread_owner.ident:
+        if self.closed or get_ident() != self.thread_owner.ident:
             if self.closed:
                 raise HiCacheError("this cache is closed")
             self.thread_owner.adopt()

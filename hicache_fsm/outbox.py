@@ -268,11 +268,8 @@ class Outbox:
         self._deferred.extend(failures)
 
     def take_deferred(self) -> list[CompletionFailure]:
-        failures = self._deferred
-        if failures:
-            self._deferred = []
-            return failures
-        return []
+        failures, self._deferred = self._deferred, []
+        return failures
 
     def _finish(self, job: TransferJob, c: Completion, nodes: list[TreeNode], handle: LoadHandle | None) -> None:
         """The transitions a completion of ``job`` causes; every node is tried, the first error raised after."""

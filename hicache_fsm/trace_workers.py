@@ -99,8 +99,8 @@ def main() -> int:
     return 0
 
 
+__all__ = ["in_workers", "replay_in_workers", "usable_cores"]
+
+
 if __name__ == "__main__":
     sys.exit(main())
-
-
-__all__ = ["in_workers", "replay_in_workers", "usable_cores"]

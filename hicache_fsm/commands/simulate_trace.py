@@ -42,6 +42,8 @@ def default_sizes(trace, page_size: int, device_tokens: int | None, host_tokens:
     if host_tokens is None:
         host_tokens = HOST_PER_DEVICE * device_tokens
     return device_tokens, host_tokens
+
+
 # a worker process pays seconds of start-up (imports): worth it only when each configuration replays longer
 PARALLEL_FROM_REQUESTS = 2000
 MAX_SWEEP_SIZES = 64  # each size is one more replay of the whole trace

@@ -34,6 +34,7 @@ import torch
 from hicache_fsm.errors import HiCacheError
 from hicache_fsm.jobs import JobKind, TransferJob
 from hicache_fsm.machine import compile_machine
+from hicache_fsm.slots import page_ids as slot_page_ids
 from hicache_fsm.spec import load_builtin
 from hicache_fsm.storage.options import TierOptions
 from hicache_fsm.tokens import TokenIds
@@ -132,13 +133,8 @@ class PrefetchOp:
 
 
 def page_ids(indices: torch.Tensor | None, page_size: int) -> list[int]:
-    """Page ids of page-aligned slot indices (none for None)."""
-    if indices is None or not indices.numel():
-        return []
-    firsts = indices[::page_size]
-    if firsts.device.type == "cpu":  # through numpy: a torch division costs more than the pages it divides
-        return (firsts.numpy() // page_size).tolist()
-    return (firsts // page_size).tolist()
+    """Page ids of page-aligned host slot indices (none for None)."""
+    return [] if indices is None else slot_page_ids(indices, page_size)
 
 
 class PrefetchRuntime:
