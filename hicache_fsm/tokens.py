@@ -3,9 +3,10 @@
 A token id is an integer that storage keys can encode: every id is packed as a
 4-byte little-endian unsigned integer, so ids live in ``0 <= id < 2**32``.
 Python ints (int subclasses and ``__index__`` objects: numpy and torch integer
-scalars, 0-d integer tensors) and 1-D integer tensors/arrays are accepted;
-bools, floats, None and strings are not, even where Python would silently
-treat them as numbers. A padding id such as -1 must be stripped by the engine
+scalars, 0-d integer tensors), 1-D integer tensors/arrays and ``array.array``
+of an integer typecode (SGLang's scheduler holds ids as ``array("q")``) are
+accepted; bools, floats, None and strings are not, even where Python would
+silently treat them as numbers. A padding id such as -1 must be stripped by the engine
 before it reaches the cache.
 
 The packed form, :class:`TokenIds`, is what the radix tree compares (one
@@ -17,10 +18,11 @@ once, and whatever an element was (an int subclass, a 0-d tensor, an
 ``__index__`` object) the key holds the integer it equals, so it is found
 again. Only ids that pack as 0 or 1 (the values a bool can take, found by one
 vectorised minimum) have their type looked at. A 1-D integer array or tensor
-is range-checked and converted by numpy in one or two vectorised passes
-(int64: one maximum over the bits read as unsigned covers both ``< 0`` and
-``>= 2**32``; int32: one minimum; uint32: none): no per-id Python work. A bad
-sequence takes the element-by-element path that names the first bad position.
+(or an integer ``array.array``, read through its buffer) is range-checked
+and converted by numpy in one or two vectorised passes (int64: one maximum
+over the bits read as unsigned covers both ``< 0`` and ``>= 2**32``; int32:
+one minimum; uint32: none): no per-id Python work. A bad sequence takes the
+element-by-element path that names the first bad position.
 
 An engine packs a request's ids once, when the request arrives, keeps the
 ``TokenIds`` with the request, and grows it with :meth:`TokenIds.extended`
@@ -54,6 +56,7 @@ _SWAP = sys.byteorder != "little"
 _UINT64 = np.dtype(np.uint64)
 _smallest = np.minimum.reduce  # ``ndarray.min`` less its Python wrapper (this runs on every packing)
 _largest = np.maximum.reduce
+_ARRAY_INTEGER = frozenset("bBhHiIlLqQ")  # array.array typecodes of integers (numpy reads the same codes)
 _TORCH_INTEGER = frozenset({torch.int8, torch.int16, torch.int32, torch.int64,
                             torch.uint8, torch.uint16, torch.uint32, torch.uint64})
 
@@ -158,7 +161,11 @@ def unpack_token_ids(raw: bytes) -> tuple[int, ...]:
 def _packed(tokens: Any, offset: int = 0) -> bytes:
     """Check every id of ``tokens``; returns them packed, or raises naming the first bad position (+ ``offset``)."""
     if type(tokens) is not tuple and type(tokens) is not list:  # a tuple or a list goes straight to the packer
-        if isinstance(tokens, (np.ndarray, torch.Tensor)):
+        if isinstance(tokens, array):  # SGLang's scheduler holds ids as array("q"): read its buffer, no id objects
+            if tokens.typecode in _ARRAY_INTEGER:
+                return _array_bytes(np.frombuffer(tokens, dtype=tokens.typecode), offset)
+            tokens = tokens.tolist()  # floats, characters: refused by the element check below
+        elif isinstance(tokens, (np.ndarray, torch.Tensor)):
             arr = _integer_array(tokens)
             if arr is not None:
                 return _array_bytes(arr, offset)

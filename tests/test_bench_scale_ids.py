@@ -1,13 +1,19 @@
-"""``bench scale`` times ours with ids in both forms an engine may hand over, on one cache, and names each form."""
+"""``bench scale`` times ours with ids in two forms an engine may hand over, on one cache, and names each form."""
 
 from __future__ import annotations
+
+import argparse
+from array import array
+
+import pytest
 
 from hicache_fsm.bench import scale
 
 
-def test_ours_is_timed_with_a_tuple_per_call_and_with_ids_packed_once_per_request():
-    out = scale.measure(100, chunks=1, calls=2, headroom_pages=0, seed=0, warmup_cycles=2)
-    assert set(out["ids"]) == {"ours", "packed"}
+@pytest.mark.parametrize("ids", sorted(scale.ID_FORMS))
+def test_ours_is_timed_with_ids_in_the_named_form_per_call_and_with_ids_packed_once_per_request(ids):
+    out = scale.measure(100, chunks=1, calls=2, headroom_pages=0, seed=0, warmup_cycles=2, ids=ids)
+    assert out["ids"] == {"ours": scale.ID_FORMS[ids][1], "packed": "a TokenIds packed once per request"}
     for key in scale.ID_OPS:
         assert out[key] >= 0 and out[f"packed_{key}"] >= 0
         for name in scale.BASELINES:
@@ -15,3 +21,10 @@ def test_ours_is_timed_with_a_tuple_per_call_and_with_ids_packed_once_per_reques
     assert "packed_lock_us" not in out and "packed_evict_us" not in out  # they take no ids
     assert out["pack_us"] >= 0
 
+
+def test_the_default_form_is_the_array_sglangs_scheduler_holds_ids_in():
+    """The peer is handed ``array("q")``: by default ours gets the same form, so the ratio compares like inputs."""
+    parser = argparse.ArgumentParser()
+    scale.configure(parser)
+    form = scale.ID_FORMS[parser.parse_args([]).ids][0]((1, 2, 3))
+    assert type(form) is array and form == scale.sglang_peer.SGLangRadixPeer.engine_form((1, 2, 3))

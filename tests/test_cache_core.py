@@ -682,7 +682,7 @@ def test_controller_bench_reports_both_figures():
     assert (tus - half) / (us + half) - half <= speedup <= (tus + half) / max(us - half, 1e-9) + half
 
 
-@pytest.mark.parametrize("ids", ["list", "tensor", "packed"])
+@pytest.mark.parametrize("ids", ["list", "array", "tensor", "packed"])
 def test_controller_bench_id_forms_do_the_tuple_forms_work(ids):
     """``bench controller --ids``: each form leaves the tree the tuple form leaves (the same work is timed)."""
     from hicache_fsm.bench import controller

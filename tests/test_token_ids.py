@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from array import array
 
 import numpy as np
 import pytest
@@ -62,7 +63,7 @@ def test_integer_scalars_key_storage_like_the_ints_they_equal():
 
 
 @pytest.mark.parametrize("tokens", ["abcd", b"ab", 7, None, torch.zeros(2, 2, dtype=torch.long),
-                                    torch.zeros(4), np.array([0.5, 1.0])])
+                                    torch.zeros(4), np.array([0.5, 1.0]), array("d", [1.0]), array("u", "ab")])
 def test_containers_that_are_not_token_sequences(tokens):
     with pytest.raises(BadTokenIds):
         as_token_ids(tokens)
@@ -192,3 +193,32 @@ def test_lists_tuples_arrays_and_tensors_pack_to_the_same_bytes(values):
     assert pack_token_ids(torch.tensor(values, dtype=torch.int64)) == want
     assert len(want) == len(values) and want.tolist() == values
     assert token_id_bytes(want) == want.raw == b"".join(v.to_bytes(4, "little") for v in values)
+
+
+INTEGER_TYPECODES = "bBhHiIlLqQ"
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 127), max_size=40), st.sampled_from(INTEGER_TYPECODES))
+def test_an_array_of_any_integer_typecode_packs_like_the_list_of_its_ids(values, typecode):
+    """SGLang's scheduler holds ids as ``array("q")``: its buffer is read in one vectorised pass."""
+    assert pack_token_ids(array(typecode, values)) == pack_token_ids(values)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(-2**40, 2**40), max_size=20))
+def test_an_int64_array_is_refused_at_the_first_id_out_of_range(values):
+    ids = array("q", values)
+    if all(0 <= v < 2**32 for v in values):
+        assert as_token_ids(ids) == tuple(values)
+    else:
+        with pytest.raises(BadTokenIds) as info:
+            as_token_ids(ids)
+        first = next(i for i, v in enumerate(values) if not 0 <= v < 2**32)
+        assert info.value.position == first and info.value.value == values[first]
+
+
+def test_an_array_of_floats_names_the_first_float():
+    with pytest.raises(TokenIdTypeError) as info:
+        as_token_ids(array("d", [2.0, 0.5]))
+    assert info.value.position == 0

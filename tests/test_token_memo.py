@@ -1,11 +1,13 @@
-"""``insert`` after ``match_prefix`` with the same tuple or list reuses its packing, and never a stale one.
+"""``insert`` after ``match_prefix`` with the same tuple, list or array reuses its packing, and never a stale one.
 
-A list may change between the two calls (an engine appends decoded ids to the
-list it matched): whatever it holds when ``insert`` runs is what is cached,
-checked as if it had never been seen.
+A list or an ``array("q")`` may change between the two calls (an engine
+appends decoded ids to the ids it matched): whatever it holds when ``insert``
+runs is what is cached, checked as if it had never been seen.
 """
 
 from __future__ import annotations
+
+from array import array
 
 import numpy as np
 import pytest
@@ -39,19 +41,26 @@ def _cached_ids(cache) -> set[tuple[int, ...]]:
     return out
 
 
+def _same_kind(seq, items: list[int]):
+    """``items`` in the container kind of ``seq`` (slice assignment to an array takes an array)."""
+    return array(seq.typecode, items) if isinstance(seq, array) else items
+
+
 CHANGES = {
     "none": lambda lst: None,
     "append_page": lambda lst: lst.extend([7, 8, 9, 10]),
     "drop_page": lambda lst: lst.__delitem__(slice(-PAGE, None)),
     "set_first": lambda lst: lst.__setitem__(0, lst[0] + 1),
     "set_last": lambda lst: lst.__setitem__(-1, lst[-1] + 1000),
-    "clear_then_refill": lambda lst: lst.__setitem__(slice(None), [5] * len(lst)),
+    "clear_then_refill": lambda lst: lst.__setitem__(slice(None), _same_kind(lst, [5] * len(lst))),
 }
+MUTABLE_FORMS = {"list": list, "array": lambda ids: array("q", ids)}
 
 
 @settings(max_examples=60, deadline=None)
-@given(ids=st.lists(st.integers(0, 50), min_size=PAGE, max_size=4 * PAGE), change=st.sampled_from(sorted(CHANGES)))
-def test_a_list_changed_between_match_and_insert_caches_what_it_holds_at_insert(ids, change):
+@given(ids=st.lists(st.integers(0, 50), min_size=PAGE, max_size=4 * PAGE), change=st.sampled_from(sorted(CHANGES)),
+       form=st.sampled_from(sorted(MUTABLE_FORMS)))
+def test_a_list_or_array_changed_between_match_and_insert_caches_what_it_holds_at_insert(ids, change, form):
     ids = ids[: len(ids) - len(ids) % PAGE]
     memo_cache, ex = make_cache(page=PAGE)
     twin, twin_ex = make_cache(page=PAGE)
@@ -60,8 +69,8 @@ def test_a_list_changed_between_match_and_insert_caches_what_it_holds_at_insert(
         CHANGES[change](lst)
         return lst
 
-    request = list(ids)
-    _insert_after_match(memo_cache, request, changed)  # the same list object at both calls
+    request = MUTABLE_FORMS[form](ids)
+    _insert_after_match(memo_cache, request, changed)  # the same object at both calls
     expected = list(ids)
     CHANGES[change](expected)
     twin.match_prefix(tuple(ids))
@@ -89,6 +98,22 @@ def test_a_bad_id_put_into_a_matched_list_is_refused_by_insert_and_changes_nothi
     cache.check_invariants()
 
 
+@pytest.mark.parametrize("bad", [-1, 2**33])
+def test_an_id_out_of_range_put_into_a_matched_array_is_refused_by_insert_and_changes_nothing(bad):
+    cache, _ = make_cache(page=PAGE)
+    request = array("q", range(1, 9))
+    cache.match_prefix(request)
+    request[5] = bad
+    idx = cache.alloc_device(8)
+    before = cache.snapshot()
+    with pytest.raises(BadTokenIds) as info:
+        cache.insert(request, idx)
+    assert info.value.position == 5
+    assert cache.snapshot() == before
+    cache.free_device(idx)
+    cache.check_invariants()
+
+
 def test_an_item_whose_comparison_raises_is_named_by_packing_not_leaked():
     """``==`` of a numpy array put into the list raises ValueError; insert still answers with the typed error."""
     cache, _ = make_cache(page=PAGE)
@@ -102,19 +127,19 @@ def test_an_item_whose_comparison_raises_is_named_by_packing_not_leaked():
     cache.free_device(idx)
 
 
-def test_a_tuple_or_an_unchanged_list_is_packed_once_for_match_then_insert(monkeypatch):
+def test_a_tuple_or_an_unchanged_list_or_array_is_packed_once_for_match_then_insert(monkeypatch):
     import hicache_fsm.cache as cache_module
 
     packed = []
     real = cache_module.pack_token_ids
     monkeypatch.setattr(cache_module, "pack_token_ids", lambda t: packed.append(type(t).__name__) or real(t))
     cache, _ = make_cache(page=PAGE)
-    for form in (tuple, list):
+    for form in (tuple, list, lambda ids: array("q", ids)):
         request = form(range(10 * len(packed) + 1, 10 * len(packed) + 9))
         cache.match_prefix(request)
         cache.insert(request, cache.alloc_device(8))
-    assert packed == ["tuple", "list"]
+    assert packed == ["tuple", "list", "array"]
     tensor = torch.arange(100, 108)
     cache.match_prefix(tensor)
     cache.insert(tensor, cache.alloc_device(8))
-    assert packed[2:] == ["Tensor", "Tensor"]  # an array may change without a trace: packed by every call
+    assert packed[3:] == ["Tensor", "Tensor"]  # a tensor may change without a trace: packed by every call

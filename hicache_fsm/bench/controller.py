@@ -9,12 +9,14 @@ backup) + the two polls; ``alloc_device`` and building the index tensor are
 the engine's slot allocation and are left out of both variants.
 
 ``--ids`` sets the form the engine holds each request's ids in (``ids`` in
-the result): a tuple (default) or a list handed to every call, which checks
-and packs it (``insert`` right after ``match_prefix`` with the same object
-reuses that packing: a list only if it still holds the same ids), an int64
-tensor (packed by numpy on every call), or ``packed``: ``pack_token_ids`` once
-when the request arrives, timed with the request, then the ``TokenIds`` to
-every call. The forms are built before timing, as the engine holds them.
+the result): an ``array('q')`` (default: the form SGLang's scheduler holds a
+request's ids in; numpy reads it, no per-id Python work), a tuple or a list,
+handed to every call, which checks and packs it (``insert`` right after
+``match_prefix`` with the same object reuses that packing: a list or array
+only if it still holds the same ids); an int64 tensor (packed by numpy on
+every call); or ``packed``: ``pack_token_ids`` once when the request
+arrives, timed with the request, then the ``TokenIds`` to every call. The
+forms are built before timing, as the engine holds them.
 
 Copies are not measured: ``executors.AckExecutor`` acknowledges every
 batch on the next poll without moving any bytes, and the pools use a
@@ -59,6 +61,7 @@ import gc
 import math
 import random
 import time
+from array import array
 from collections.abc import Callable
 
 import torch
@@ -130,6 +133,7 @@ class ToPack:
 
 # How the engine holds each request's ids (``--ids``); each form is built before timing.
 ID_FORMS: dict[str, Callable[[tuple[int, ...]], object]] = {
+    "array": lambda ids: array("q", ids),  # as SGLang's scheduler holds them: numpy reads the buffer, memo as a list
     "tuple": lambda ids: ids,  # each call checks it; insert after match_prefix reuses the packing
     "list": list,  # the same, the list compared item by item with what match_prefix packed
     "tensor": lambda ids: torch.tensor(ids, dtype=torch.int64),  # each call packs it (numpy, no per-id Python)
@@ -137,6 +141,8 @@ ID_FORMS: dict[str, Callable[[tuple[int, ...]], object]] = {
 }
 
 _ID_ROWS = {
+    "array": "an array('q') handed to every call, as SGLang's scheduler holds ids (insert after match_prefix "
+             "reuses its packing if it is unchanged)",
     "tuple": "a tuple handed to every call (insert after match_prefix reuses its packing)",
     "list": "a list handed to every call (insert after match_prefix reuses its packing if it is unchanged)",
     "tensor": "an int64 tensor handed to every call (each packs it)",
@@ -284,9 +290,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "shared with other work) or perf_counter (wall); the --tp figures use wall time")
     parser.add_argument("--tp-requests", type=positive_int, default=300,
                         help="timed requests per rank for the --tp figures (default 300)")
-    parser.add_argument("--ids", choices=tuple(ID_FORMS), default="tuple",
-                        help="the form the engine holds each request's ids in: a tuple (default) or a list handed "
-                             "to every call, an int64 tensor, or packed once on arrival (timed) into a TokenIds")
+    parser.add_argument("--ids", choices=tuple(ID_FORMS), default="array",
+                        help="the form the engine holds each request's ids in: an array('q') (default, as SGLang's "
+                             "scheduler holds them), a tuple or a list handed to every call, an int64 tensor, or "
+                             "packed once on arrival (timed) into a TokenIds")
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -295,7 +302,7 @@ def run(args: argparse.Namespace) -> dict:
     tree_nodes = args.tree_nodes if getattr(args, "tree_nodes", None) is not None else 10 * n
     capacity = tree_nodes * PAGE_SIZE + (repeats * n + SYSTEM_PROMPTS) * REQUEST_TOKENS
     clock = CLOCKS[getattr(args, "clock", "cpu")]
-    ids = getattr(args, "ids", "tuple")
+    ids = getattr(args, "ids", "array")
     form = ID_FORMS[ids]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # index tensors are tiny: intra-op threads only add wake-up latency

@@ -39,12 +39,16 @@ baselines' beside it. Each size runs in its own interpreter so
 ``peak_rss_mb`` is that size's peak.
 
 Ours is timed with ids in two forms, interleaved on the same cache: ``ours``
-takes each request's 4,096 ids as a tuple on every call (the call packs them;
-``insert`` right after ``match_prefix`` with the same tuple reuses that), and
-``ours packed`` (``packed_*`` and ``vs_*_packed_*``) takes a ``TokenIds`` the
-engine packed once when the request arrived. That packing is timed apart as
-``pack_us`` (``pack_token_ids`` of a 4,096-id tuple): add it once per request
-to the packed figures. Ratios against the smallest size are printed: the targets are
+takes each request's 4,096 ids on every call in the form ``--ids`` names
+(the call checks and packs them), and ``ours packed`` (``packed_*`` and
+``vs_*_packed_*``) takes a ``TokenIds`` the engine packed once when the
+request arrived. ``--ids array`` (default) hands ours the ``array('q')``
+SGLang's scheduler holds a request's ids in, the very form the SGLang peer is
+handed, so ``vs_sglang_peer`` compares the same input; ``tuple`` and ``list``
+are the Python forms. ``insert`` right after ``match_prefix`` with the same
+object, unchanged, reuses that call's packing. The packing
+of a 4,096-id tuple is timed apart as ``pack_us``: add it once per request to
+the packed figures. Ratios against the smallest size are printed: the targets are
 ``evict_us`` and ``cycle_us`` within 2x and match / insert / lock within 1.5x
 from 1k to 1M nodes. ``--headroom-pages`` sets ``CacheConfig.eviction_headroom_tokens``
 (``alloc_device`` and ``load_back`` evict that many pages beyond the
@@ -71,6 +75,7 @@ import statistics
 import subprocess
 import sys
 import time
+from array import array
 
 import torch
 
@@ -91,6 +96,13 @@ VOCAB = 32000
 SIZES = (1_000, 10_000, 100_000, 1_000_000)
 QUICK_SIZES = (100, 1_000)
 KEYS = ("match_us", "insert_us", "lock_us", "evict_us", "cycle_us")
+# The forms an engine may hold a request's ids in (``--ids``), each built before timing, and how a row names it.
+ID_FORMS = {
+    "array": (lambda ids: array("q", ids), "an array('q') per call, as SGLang's scheduler holds ids (insert after "
+              "match_prefix with the same unchanged array reuses its packing)"),
+    "tuple": (lambda ids: ids, "a tuple per call (insert after match_prefix with the same tuple reuses its packing)"),
+    "list": (list, "a list per call (insert after match_prefix with the same unchanged list reuses its packing)"),
+}
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -106,6 +118,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--in-process", action="store_true",
                         help="run every size in this interpreter (peak RSS then accumulates)")
+    parser.add_argument("--ids", choices=tuple(ID_FORMS), default="array",
+                        help="the form ours is handed each request's ids in on every call: array (default: "
+                             "array('q'), as SGLang's scheduler holds them and the peer gets them), tuple or list")
     parser.add_argument("--peer", choices=("auto", "sglang", "none"), default="auto",
                         help="also time SGLang's own RadixCache in the same run: auto (default) when sglang is "
                              "importable, sglang to require it, none to skip it")
@@ -196,9 +211,9 @@ class _Ours:
     """``HiCache`` doing each operation of the benchmark, the engine handing it ids in one form (``ids``)."""
 
     name = "ours"
-    ids = "tuple"
 
-    def __init__(self, nodes: int, warm: int, headroom_pages: int) -> None:
+    def __init__(self, nodes: int, warm: int, headroom_pages: int, ids: str = "array") -> None:
+        self.ids = ids
         # room for the warm requests and a few more: inserts and cycles soon evict (older requests first)
         self.cache = _cache(nodes, device_requests=warm + 8, host_requests=3 * warm, headroom_pages=headroom_pages)
         # the clock timing the host backups ``insert`` starts, and the time spent in them (see ``insert_timed``)
@@ -237,9 +252,9 @@ class _Ours:
         return self.cache.match_prefix(tokens).last_device_node
 
     def engine_form(self, tokens: tuple):
-        """What the engine hands the cache (untimed): the request's tuple, packed by every call that takes it
-        (``insert`` right after ``match_prefix`` reuses the packing), or a ``TokenIds`` packed once per request."""
-        return tokens if self.ids == "tuple" else pack_token_ids(tokens)
+        """What the engine hands the cache (untimed): the request's ids in the form ``ids`` names (see
+        ``ID_FORMS``), packed by every call that takes them, or a ``TokenIds`` packed once per request."""
+        return pack_token_ids(tokens) if self.ids == "packed" else ID_FORMS[self.ids][0](tokens)
 
     def lock(self, node) -> None:
         self.cache.lock(node)
@@ -373,12 +388,12 @@ def _filled(variant, nodes: int) -> int:
 
 def measure(nodes: int, chunks: int, calls: int, headroom_pages: int, seed: int, warmup_cycles: int = 64,
             clock: str = "cpu", baselines: tuple[str, ...] = BASELINES,
-            peer: sglang_peer.SGLangRadix | None = None) -> dict:
+            peer: sglang_peer.SGLangRadix | None = None, ids: str = "array") -> dict:
     """Every figure at one tree size, ours and each baseline's (and SGLang's own with ``peer``), interleaved (see
     the module docstring)."""
     pc = _CLOCK[clock]
     warm = 16
-    ours = _Ours(nodes, warm, headroom_pages)
+    ours = _Ours(nodes, warm, headroom_pages, ids)
     variants = [ours] + [_Baseline(name, nodes, warm) for name in baselines]
     if peer is not None:
         variants.append(_Baseline(sglang_peer.NAME, nodes, warm, sglang_peer.SGLangRadixPeer(peer, PAGE)))
@@ -449,10 +464,11 @@ def measure(nodes: int, chunks: int, calls: int, headroom_pages: int, seed: int,
             v.put(r)
     partial = {v.name: [v.engine_form(tok[v.name].prompt + tok[v.name].fresh(REQUEST - PROMPT)) for _ in range(64)]
                for v in timed}
-    misses = {v.name: [v.engine_form(tok[v.name].fresh(REQUEST)) for _ in range(64)] for v in timed}
+    miss_ids = {v.name: [tok[v.name].fresh(REQUEST) for _ in range(64)] for v in timed}
+    misses = {v.name: [v.engine_form(t) for t in miss_ids[v.name]] for v in timed}
     leaves = {v.name: [v.leaf(r) for r in requests[v.name]] for v in variants}
     # an engine holding its ids in an integer tensor: packed by numpy, no per-id Python work
-    misses["ours_tensor"] = [torch.tensor(t, dtype=torch.int32) for t in misses["ours"]]
+    misses["ours_tensor"] = [torch.tensor(t, dtype=torch.int32) for t in miss_ids["ours"]]
 
     def timed_call(v, inputs, op):
         def fn(i, pc):
@@ -477,7 +493,7 @@ def measure(nodes: int, chunks: int, calls: int, headroom_pages: int, seed: int,
         {v.name: timed_call(v, partial, lambda v: v.match) for v in timed}, chunks, every, pc)
     miss_fns = {v.name: timed_call(v, misses, lambda v: v.match) for v in timed}
     miss_fns["ours_tensor"] = lambda i, pc: _timed(pc, ours.match, misses["ours_tensor"][i % 64])
-    miss_fns["pack"] = lambda i, pc: _timed(pc, pack_token_ids, misses["ours"][i % 64])  # once per request
+    miss_fns["pack"] = lambda i, pc: _timed(pc, pack_token_ids, miss_ids["ours"][i % 64])  # a tuple, once a request
     results["match_miss_us"] = _interleaved(miss_fns, chunks, every | {"ours_tensor": calls, "pack": calls}, pc)
     out["pack_us"] = round(results["match_miss_us"].pop("pack"), 2)
     tensor_miss = results["match_miss_us"].pop("ours_tensor")
@@ -517,7 +533,7 @@ def measure(nodes: int, chunks: int, calls: int, headroom_pages: int, seed: int,
     results["cycle_us"] = _interleaved(cycles, chunks, dict.fromkeys(("ours", packed.name), max(1, calls // 4))
                                        | {v.name: min(max(1, calls // 4), scan_calls) for v in variants[1:]}, pc)
     cache.poll()
-    out["ids"] = {"ours": "a tuple per call", "packed": "a TokenIds packed once per request"}
+    out["ids"] = {"ours": ID_FORMS[ids][1], "packed": "a TokenIds packed once per request"}
     for key, by_variant in results.items():
         out[key] = round(by_variant["ours"], 2)
         for v in variants[1:]:
@@ -567,7 +583,7 @@ def resolve_peer(choice: str) -> sglang_peer.SGLangRadix | None:
 def _one_size_in_subprocess(n: int, args: argparse.Namespace, peer: bool) -> dict:
     cmd = [sys.executable, "-m", "hicache_fsm.cli", "bench", "scale", "--in-process", "--json", "--sizes", str(n),
            "--headroom-pages", str(args.headroom_pages), "--seed", str(args.seed), "--clock", args.clock,
-           "--peer", "sglang" if peer else "none"]
+           "--peer", "sglang" if peer else "none", "--ids", args.ids]
     if args.chunks is not None:
         cmd += ["--chunks", str(args.chunks)]
     if args.quick:
@@ -590,8 +606,8 @@ def run(args: argparse.Namespace) -> dict:
     try:
         if args.in_process or len(sizes) == 1:
             warmup = 8 if args.quick else 64
-            per_size = [measure(n, chunks, calls, args.headroom_pages, args.seed, warmup, args.clock, peer=peer)
-                        for n in sizes]
+            per_size = [measure(n, chunks, calls, args.headroom_pages, args.seed, warmup, args.clock, peer=peer,
+                                 ids=args.ids) for n in sizes]
         else:
             per_size = [_one_size_in_subprocess(n, args, peer is not None) for n in sizes]
     finally:
@@ -634,9 +650,8 @@ def run(args: argparse.Namespace) -> dict:
         for name in r.get("baselines", BASELINES):
             row = [f"/ {name}"] + [f"{r[f'vs_{name}_packed_{c[:-3]}']}x" if c in ID_OPS else "-" for c in OPS]
             print("  " + "  ".join(c.rjust(16) for c in row), file=out)
-        print(f"  ids: ours takes a {REQUEST}-id tuple per call (each call packs it; insert after match_prefix with "
-              f"the same tuple reuses the packing); ours packed takes a TokenIds packed once per request, which "
-              f"took {r['pack_us']} us", file=out)
+        print(f"  ids ({REQUEST} a request): ours takes {r['ids']['ours']}; ours packed takes a TokenIds packed "
+              f"once per request (a tuple took {r['pack_us']} us to pack)", file=out)
         print(f"  insert without the host backup it starts: {r['insert_nobackup_us']} us ("
               + ", ".join(f"{r[f'vs_{name}_insert_nobackup']}x {name}" for name in names) + ")", file=out)
         if peer is not None:
