@@ -6,8 +6,8 @@ Python ints (int subclasses and ``__index__`` objects: numpy and torch integer
 scalars, 0-d integer tensors), 1-D integer tensors/arrays and ``array.array``
 of an integer typecode (SGLang's scheduler holds ids as ``array("q")``) are
 accepted; bools, floats, None and strings are not, even where Python would
-silently treat them as numbers. A padding id such as -1 must be stripped by the engine
-before it reaches the cache.
+silently treat them as numbers. A padding id such as -1 must be stripped by
+the engine before it reaches the cache.
 
 The packed form, :class:`TokenIds`, is what the radix tree compares (one
 ``memcmp`` per node instead of one comparison per id), what its child dicts

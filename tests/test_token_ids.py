@@ -218,6 +218,13 @@ def test_an_int64_array_is_refused_at_the_first_id_out_of_range(values):
         assert info.value.position == first and info.value.value == values[first]
 
 
+@pytest.mark.parametrize("typecode", "bhilq")
+def test_a_negative_id_in_a_signed_array_is_refused_at_its_position(typecode):
+    with pytest.raises(BadTokenIds) as info:
+        as_token_ids(array(typecode, [3, 2, -1, 4]))
+    assert info.value.position == 2 and info.value.value == -1
+
+
 def test_an_array_of_floats_names_the_first_float():
     with pytest.raises(TokenIdTypeError) as info:
         as_token_ids(array("d", [2.0, 0.5]))

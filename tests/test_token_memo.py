@@ -81,32 +81,20 @@ def test_a_list_or_array_changed_between_match_and_insert_caches_what_it_holds_a
     memo_cache.check_invariants()
 
 
-@pytest.mark.parametrize("bad,error", [(-1, BadTokenIds), (2**33, BadTokenIds), (0.5, TokenIdTypeError),
-                                       ("7", TokenIdTypeError), (None, TokenIdTypeError)])
-def test_a_bad_id_put_into_a_matched_list_is_refused_by_insert_and_changes_nothing(bad, error):
-    cache, ex = make_cache(page=PAGE)
-    request = [1, 2, 3, 4, 5, 6, 7, 8]
+BAD_INTO = [("list", -1, BadTokenIds), ("list", 2**33, BadTokenIds), ("list", 0.5, TokenIdTypeError),
+            ("list", "7", TokenIdTypeError), ("list", None, TokenIdTypeError),
+            ("array", -1, BadTokenIds), ("array", 2**33, BadTokenIds)]  # an array("q") holds ints only
+
+
+@pytest.mark.parametrize("form,bad,error", BAD_INTO)
+def test_a_bad_id_put_into_a_matched_list_or_array_is_refused_by_insert_and_changes_nothing(form, bad, error):
+    cache, _ = make_cache(page=PAGE)
+    request = MUTABLE_FORMS[form](range(1, 9))
     cache.match_prefix(request)
     request[5] = bad
     idx = cache.alloc_device(8)
     before = cache.snapshot()
     with pytest.raises(error) as info:
-        cache.insert(request, idx)
-    assert info.value.position == 5
-    assert cache.snapshot() == before
-    cache.free_device(idx)
-    cache.check_invariants()
-
-
-@pytest.mark.parametrize("bad", [-1, 2**33])
-def test_an_id_out_of_range_put_into_a_matched_array_is_refused_by_insert_and_changes_nothing(bad):
-    cache, _ = make_cache(page=PAGE)
-    request = array("q", range(1, 9))
-    cache.match_prefix(request)
-    request[5] = bad
-    idx = cache.alloc_device(8)
-    before = cache.snapshot()
-    with pytest.raises(BadTokenIds) as info:
         cache.insert(request, idx)
     assert info.value.position == 5
     assert cache.snapshot() == before

@@ -264,7 +264,7 @@ def render(results: dict, commands: dict[str, str], machine: dict, started: str,
         "(`hicache_fsm.bench.baselines`: `plain`, a dict of page tuples; `sglang`, a minimal",
         "re-implementation of SGLang RadixCache's match / insert / lock / evict loop, device only,",
         "no token checks), timed interleaved chunk by chunk; bytes/node is the resident memory the",
-        "fill took per node. Ours is handed each call's ids as "
+        "fill took per node. The ids ours is handed: "
         + sc.get("ids", {}).get("ours", "the run recorded no form") + ".",
         "",
         "- growth from the smallest to the largest tree: "
