@@ -63,7 +63,7 @@ def test_integer_scalars_key_storage_like_the_ints_they_equal():
 
 
 @pytest.mark.parametrize("tokens", ["abcd", b"ab", 7, None, torch.zeros(2, 2, dtype=torch.long),
-                                    torch.zeros(4), np.array([0.5, 1.0]), array("d", [1.0]), array("u", "ab")])
+                                    torch.zeros(4), np.array([0.5, 1.0]), array("d", [1.0]), array("f", [2.0])])
 def test_containers_that_are_not_token_sequences(tokens):
     with pytest.raises(BadTokenIds):
         as_token_ids(tokens)
