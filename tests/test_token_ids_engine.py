@@ -11,6 +11,7 @@ and for the list it packs, without turning it back into Python ints.
 from __future__ import annotations
 
 import functools
+from array import array
 
 import numpy as np
 import pytest
@@ -37,6 +38,7 @@ FORMS = {
     "torch int64": lambda v: torch.tensor(v, dtype=torch.int64),
     "numpy int32": lambda v: np.array(v, dtype=np.int32),
     "torch int32": lambda v: torch.tensor(v, dtype=torch.int32),
+    "array q": lambda v: array("q", v),  # as SGLang's scheduler holds a request's ids
 }
 
 
@@ -77,10 +79,10 @@ BAD_IDS = [(-1, BadTokenIds), (TOKEN_ID_LIMIT, BadTokenIds), (2**40, BadTokenIds
 
 @settings(max_examples=80, deadline=None)
 @given(good=ids_st, new=ids_st, at=st.integers(0, 24), bad=st.sampled_from(BAD_IDS),
-       form=st.sampled_from(["list", "tuple", "numpy int64", "torch int64"]))
+       form=st.sampled_from(["list", "tuple", "numpy int64", "torch int64", "array q"]))
 def test_a_bad_new_id_is_named_by_its_place_in_the_request_and_changes_nothing(good, new, at, bad, form):
     value, error = bad
-    if form.startswith(("numpy", "torch")) and error is TokenIdTypeError:
+    if form.startswith(("numpy", "torch", "array")) and error is TokenIdTypeError:
         form = "list"  # an integer array cannot hold a float, None or str: it is the list that does
     pos = min(at, len(new))
     new = new[:pos] + [value] + new[pos:]
