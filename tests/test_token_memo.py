@@ -102,6 +102,20 @@ def test_a_bad_id_put_into_a_matched_list_or_array_is_refused_by_insert_and_chan
     cache.check_invariants()
 
 
+def test_an_array_written_through_a_numpy_view_after_the_match_is_checked_again_by_insert():
+    """A view's write bumps no version: the memo compares the array's memory as it is at ``insert``."""
+    cache, _ = make_cache(page=PAGE)
+    request = array("q", range(1, 9))
+    cache.match_prefix(request)
+    np.frombuffer(request, dtype=np.int64)[5] = -1
+    idx = cache.alloc_device(8)
+    with pytest.raises(BadTokenIds) as info:
+        cache.insert(request, idx)
+    assert info.value.position == 5 and request[5] == -1
+    cache.free_device(idx)
+    cache.check_invariants()
+
+
 def test_an_item_whose_comparison_raises_is_named_by_packing_not_leaked():
     """``==`` of a numpy array put into the list raises ValueError; insert still answers with the typed error."""
     cache, _ = make_cache(page=PAGE)
