@@ -269,10 +269,8 @@ class HiCache(StorageCalls):
         kind = type(tokens)
         if kind is tuple:
             self._checked_tokens = (tokens, None, ids)
-        elif kind is list:
-            self._checked_tokens = (tokens, tokens.copy(), ids)
-        elif kind is array:
-            self._checked_tokens = (tokens, tokens.__copy__(), ids)
+        elif kind is list or kind is array:
+            self._checked_tokens = (tokens, tokens[:], ids)  # a copy of the same kind, compared at the next call
         return ids
 
     def match_prefix(self, tokens: Sequence[int], namespace: Hashable = None) -> MatchResult:

@@ -7,9 +7,19 @@ import platform
 import statistics
 import sys
 import time
+from array import array
 from typing import Callable
 
 import torch
+
+# How an engine may hold a request's ids, handed to every cache call (``--ids`` of ``bench controller`` and
+# ``bench scale``): a builder from the id tuple, built before timing, and how a report names the form.
+ID_FORMS: dict[str, tuple[Callable[[tuple[int, ...]], object], str]] = {
+    "array": (lambda ids: array("q", ids), "an array('q') per call, as SGLang's scheduler holds ids (insert after "
+              "match_prefix with the same unchanged array reuses its packing)"),
+    "tuple": (lambda ids: ids, "a tuple per call (insert after match_prefix with the same tuple reuses its packing)"),
+    "list": (list, "a list per call (insert after match_prefix with the same unchanged list reuses its packing)"),
+}
 
 
 def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int = 5, warmup: int = 1) -> dict[str, float]:

@@ -61,12 +61,11 @@ import gc
 import math
 import random
 import time
-from array import array
 from collections.abc import Callable
 
 import torch
 
-from hicache_fsm.bench.common import machine_description, report
+from hicache_fsm.bench.common import ID_FORMS as ENGINE_ID_FORMS, machine_description, report
 from hicache_fsm.cache import HiCache
 from hicache_fsm.commands.args import UsageError, non_negative_int, positive_int
 from hicache_fsm.config import CacheConfig
@@ -131,21 +130,12 @@ class ToPack:
         self.ids = ids
 
 
-# How the engine holds each request's ids (``--ids``); each form is built before timing.
-ID_FORMS: dict[str, Callable[[tuple[int, ...]], object]] = {
-    "array": lambda ids: array("q", ids),  # as SGLang's scheduler holds them: numpy reads the buffer, memo as a list
-    "tuple": lambda ids: ids,  # each call checks it; insert after match_prefix reuses the packing
-    "list": list,  # the same, the list compared item by item with what match_prefix packed
-    "tensor": lambda ids: torch.tensor(ids, dtype=torch.int64),  # each call packs it (numpy, no per-id Python)
-    "packed": ToPack,  # packed once on arrival, timed; every call takes the TokenIds as it is
-}
-
-_ID_ROWS = {
-    "array": "an array('q') handed to every call, as SGLang's scheduler holds ids (insert after match_prefix "
-             "reuses its packing if it is unchanged)",
-    "tuple": "a tuple handed to every call (insert after match_prefix reuses its packing)",
-    "list": "a list handed to every call (insert after match_prefix reuses its packing if it is unchanged)",
-    "tensor": "an int64 tensor handed to every call (each packs it)",
+# How the engine holds each request's ids (``--ids``): the forms handed to every call, plus two more.
+ID_FORMS: dict[str, Callable[[tuple[int, ...]], object]] = {name: build for name, (build, _) in ENGINE_ID_FORMS.items()}
+ID_FORMS["tensor"] = lambda ids: torch.tensor(ids, dtype=torch.int64)  # each call packs it (numpy, no per-id Python)
+ID_FORMS["packed"] = ToPack  # packed once on arrival, timed; every call takes the TokenIds as it is
+_ID_ROWS = {name: row for name, (_, row) in ENGINE_ID_FORMS.items()} | {
+    "tensor": "an int64 tensor per call (each packs it)",
     "packed": "packed once on arrival (timed), a TokenIds to every call",
 }
 

@@ -75,13 +75,12 @@ import statistics
 import subprocess
 import sys
 import time
-from array import array
 
 import torch
 
 from hicache_fsm.bench import sglang_peer
 from hicache_fsm.bench.baselines import PlainPrefixCache, RadixLikeSGLang
-from hicache_fsm.bench.common import machine_description
+from hicache_fsm.bench.common import ID_FORMS, machine_description
 from hicache_fsm.executors import AckExecutor
 from hicache_fsm.cache import HiCache
 from hicache_fsm.commands.args import UsageError
@@ -96,13 +95,6 @@ VOCAB = 32000
 SIZES = (1_000, 10_000, 100_000, 1_000_000)
 QUICK_SIZES = (100, 1_000)
 KEYS = ("match_us", "insert_us", "lock_us", "evict_us", "cycle_us")
-# The forms an engine may hold a request's ids in (``--ids``), each built before timing, and how a row names it.
-ID_FORMS = {
-    "array": (lambda ids: array("q", ids), "an array('q') per call, as SGLang's scheduler holds ids (insert after "
-              "match_prefix with the same unchanged array reuses its packing)"),
-    "tuple": (lambda ids: ids, "a tuple per call (insert after match_prefix with the same tuple reuses its packing)"),
-    "list": (list, "a list per call (insert after match_prefix with the same unchanged list reuses its packing)"),
-}
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
