@@ -35,7 +35,6 @@ the same slots, so the indices a reader already holds stay valid.
 from __future__ import annotations
 
 import logging
-from array import array
 from collections import Counter
 from threading import get_ident
 from typing import Callable, Hashable, Sequence
@@ -145,7 +144,7 @@ class HiCache(StorageCalls):
         if self.acks is not None:
             self.agreement.register(self.acks)
         self.engine_pages: set[int] = set()  # device pages handed out by alloc_device, not yet inserted or freed
-        self._checked_tokens: tuple = ()  # the last token tuple, list or array found good (see _token_ids)
+        self._checked_tokens: tuple = ()  # the last token tuple or list found good (see _token_ids)
         self.runtime_checks = RuntimeChecks()  # host slots and invariants of attached runtimes
         self.check_candidates = False  # also recompute the eviction candidate sets in invariant_violations
         self.closed = False
@@ -244,18 +243,21 @@ class HiCache(StorageCalls):
     def _token_ids(self, tokens: object) -> TokenIds:
         """``tokens`` checked and packed once (``BadTokenIds`` names the first bad one).
 
-        The last tuple, list or ``array.array`` packed is remembered, so
-        ``insert`` after ``match_prefix`` with the same object packs nothing
-        again: a tuple by identity (it is immutable), a list or an array by
-        identity and a snapshot of its items (a list's ``==`` compares item
-        pointers before values, an array's compares its machine ints in C:
-        1-3 us against 5-40 for packing 4,096 ids). One changed since is
-        packed again; a list item replaced by an equal value (``True`` for 1)
-        keeps the packing of the value it equals. A ``TokenIds`` is already
-        packed; a tensor or numpy array is packed by every call (it can
-        change without a trace, and packs in one vectorised pass).
+        The last tuple or list packed is remembered, so ``insert`` after
+        ``match_prefix`` with the same object packs nothing again: a tuple by
+        identity (it is immutable), a list by identity and a snapshot of its
+        items (its ``==`` compares item pointers before values: 2-3 us against
+        20-40 for packing 4,096 ids). One changed since is packed again; an
+        item replaced by an equal value (``True`` for 1) keeps the packing of
+        the value it equals. A ``TokenIds`` is already packed. An
+        ``array.array``, a numpy array or a tensor is packed by every call
+        (one vectorised pass, about 4 us for 4,096 ids): a snapshot would cost
+        every ``match_prefix`` a copy (1-2 us) to save about 3 us at an
+        ``insert`` of the same unchanged array, and SGLang's scheduler inserts
+        other arrays than it matched (a grown one, a slice). A numpy array or
+        tensor can also change through a view without a trace.
         """
-        memo = self._checked_tokens  # () or (the tuple, list or array, a snapshot unless a tuple, its packing)
+        memo = self._checked_tokens  # () or (the tuple or list, a snapshot of a list, its packing)
         if memo and tokens is memo[0]:
             if memo[1] is None:
                 return memo[2]
@@ -269,8 +271,8 @@ class HiCache(StorageCalls):
         kind = type(tokens)
         if kind is tuple:
             self._checked_tokens = (tokens, None, ids)
-        elif kind is list or kind is array:
-            self._checked_tokens = (tokens, tokens[:], ids)  # a copy of the same kind, compared at the next call
+        elif kind is list:
+            self._checked_tokens = (tokens, tokens[:], ids)  # compared at the next call
         return ids
 
     def match_prefix(self, tokens: Sequence[int], namespace: Hashable = None) -> MatchResult:

@@ -1,8 +1,9 @@
-"""``insert`` after ``match_prefix`` with the same tuple, list or array reuses its packing, and never a stale one.
+"""``insert`` after ``match_prefix`` with the same tuple or list reuses its packing, and never a stale one.
 
 A list or an ``array("q")`` may change between the two calls (an engine
 appends decoded ids to the ids it matched): whatever it holds when ``insert``
-runs is what is cached, checked as if it had never been seen.
+runs is what is cached, checked as if it had never been seen. (An array is
+packed by every call; the properties hold for it all the same.)
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ def test_a_bad_id_put_into_a_matched_list_or_array_is_refused_by_insert_and_chan
 
 
 def test_an_array_written_through_a_numpy_view_after_the_match_is_checked_again_by_insert():
-    """A view's write bumps no version: the memo compares the array's memory as it is at ``insert``."""
+    """A view's write leaves no trace on the array object: ``insert`` reads its memory as it is then."""
     cache, _ = make_cache(page=PAGE)
     request = array("q", range(1, 9))
     cache.match_prefix(request)
@@ -129,7 +130,7 @@ def test_an_item_whose_comparison_raises_is_named_by_packing_not_leaked():
     cache.free_device(idx)
 
 
-def test_a_tuple_or_an_unchanged_list_or_array_is_packed_once_for_match_then_insert(monkeypatch):
+def test_a_tuple_or_an_unchanged_list_is_packed_once_for_match_then_insert_an_array_or_tensor_by_each(monkeypatch):
     import hicache_fsm.cache as cache_module
 
     packed = []
@@ -140,8 +141,8 @@ def test_a_tuple_or_an_unchanged_list_or_array_is_packed_once_for_match_then_ins
         request = form(range(10 * len(packed) + 1, 10 * len(packed) + 9))
         cache.match_prefix(request)
         cache.insert(request, cache.alloc_device(8))
-    assert packed == ["tuple", "list", "array"]
+    assert packed == ["tuple", "list", "array", "array"]  # an array packs in one vectorised pass: no snapshot
     tensor = torch.arange(100, 108)
     cache.match_prefix(tensor)
     cache.insert(tensor, cache.alloc_device(8))
-    assert packed[3:] == ["Tensor", "Tensor"]  # a tensor may change without a trace: packed by every call
+    assert packed[4:] == ["Tensor", "Tensor"]  # a tensor may change without a trace: packed by every call
