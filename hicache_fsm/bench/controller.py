@@ -14,9 +14,9 @@ request's ids in; numpy reads it, no per-id Python work), a tuple or a list,
 handed to every call, which checks and packs it (``insert`` right after
 ``match_prefix`` with the same tuple, or the same list still holding the
 same ids, reuses that packing; an array is packed again); an int64 tensor
-(packed by numpy on every call); or ``packed``: ``pack_token_ids`` once when the request
-arrives, timed with the request, then the ``TokenIds`` to every call. The
-forms are built before timing, as the engine holds them.
+(packed by numpy on every call); or ``packed``: ``pack_token_ids`` once when
+the request arrives, timed with the request, then the ``TokenIds`` to every
+call. The forms are built before timing, as the engine holds them.
 
 Copies are not measured: ``executors.AckExecutor`` acknowledges every
 batch on the next poll without moving any bytes, and the pools use a
