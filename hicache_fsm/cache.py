@@ -73,7 +73,7 @@ from hicache_fsm.slots import (
 from hicache_fsm.spec import load_builtin
 from hicache_fsm.storage.ownership import check_completion_owner
 from hicache_fsm.storage.calls import StorageCalls, drain_seconds
-from hicache_fsm.tokens import TokenIds, pack_token_ids
+from hicache_fsm.tokens import TokenIds, checked_id_array, pack_id_array, pack_token_ids
 from hicache_fsm.tp import RankGroup, StepAgreement
 
 log = logging.getLogger("hicache_fsm.cache")
@@ -281,13 +281,25 @@ class HiCache(StorageCalls):
         Called when a request is scheduled, before deciding what to compute.
         A node that only partly matches is split so that the match ends on a
         node boundary. Under ``write_through_selective`` nodes whose hit count
-        reaches the threshold are backed up here.
+        reaches the threshold are backed up here. Every id is checked; ids in
+        an integer array or tensor are packed only as far as they are needed
+        (one page on a miss).
         """
         if self.closed or get_ident() != self.thread_owner.ident:  # ``check_open``, inline
             self.check_open()
-        tokens = self._token_ids(tokens)
         driver = self.driver
-        path, _ = driver.walk_splitting(tokens, namespace)  # a bad namespace fails before any split
+        kind = type(tokens)
+        ids = None if kind is TokenIds or kind is tuple or kind is list else checked_id_array(tokens)
+        if ids is None:
+            tokens = self._token_ids(tokens)
+            n_ids = len(tokens.raw) >> 2
+            path, _ = driver.walk_splitting(tokens, namespace)  # a bad namespace fails before any split
+        else:
+            n_ids = len(ids)
+            if driver.may_match(namespace, pack_id_array(ids[: self.page_size]).raw):
+                path, _ = driver.walk_splitting(pack_id_array(ids), namespace)
+            else:
+                path = []
         now = driver.tick()
         polls = driver.polls
         device_parts: list = []  # the nodes' compact device slots
@@ -313,7 +325,7 @@ class HiCache(StorageCalls):
         c["match_requests"] += 1
         c["device_hit_tokens"] += device_hit
         c["host_hit_tokens"] += host_hit
-        c["miss_tokens"] += (len(tokens.raw) >> 2) // self.page_size * self.page_size - device_hit - host_hit
+        c["miss_tokens"] += n_ids // self.page_size * self.page_size - device_hit - host_hit
         if self.config.write_policy == "write_through_selective":
             self._selective_backups(path)
         return MatchResult(device_indices, last_device, path[-1] if path else last_device, host_hit, tuple(loads))

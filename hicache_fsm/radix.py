@@ -286,6 +286,10 @@ class RadixTree:
         raw = pack_token_ids(tokens).raw
         return (namespace, raw[start * ID_BYTES : start * ID_BYTES + self.page_bytes])
 
+    def starts_a_prefix(self, namespace: Hashable, first_page: bytes) -> bool:
+        """Whether a cached prefix in ``namespace`` begins with ``first_page`` (a page of packed ids)."""
+        return (namespace, first_page) in self.root.children
+
     def aligned(self, tokens):
         """``tokens`` cut to whole pages (same type as given)."""
         n = len(tokens) - len(tokens) % self.page_size

@@ -256,6 +256,13 @@ class ResidencyDriver:
         self._memo = (tokens, namespace, tree, tree.version, result)
         return result
 
+    def may_match(self, namespace: Hashable, first_page: bytes) -> bool:
+        """False when no cached prefix begins with ``first_page``: a miss, known before the rest is packed."""
+        try:
+            return self.tree.starts_a_prefix(namespace, first_page)
+        except TypeError as exc:  # an unhashable namespace: the error ``walk`` gives
+            raise BadIndices(f"namespace and token ids must be hashable: {exc}") from None
+
     def walk_splitting(self, tokens: tuple, namespace: Hashable) -> tuple[list[TreeNode], int]:
         """``walk``, splitting a node that matches only in part so the match ends on a node boundary."""
         path, matched, partial = self.walk(tokens, namespace)

@@ -22,7 +22,10 @@ vectorised minimum) have their type looked at. A 1-D integer array or tensor
 and converted by numpy in one or two vectorised passes (int64: one maximum
 over the bits read as unsigned covers both ``< 0`` and ``>= 2**32``; int32:
 one minimum; uint32: none): no per-id Python work. A bad sequence takes the
-element-by-element path that names the first bad position.
+element-by-element path that names the first bad position. The check and the
+conversion are apart (:func:`checked_id_array`, :func:`pack_id_array`), so
+``match_prefix`` checks every id of such an array but packs only as far as
+it walks: one page on a miss.
 
 An engine packs a request's ids once, when the request arrives, keeps the
 ``TokenIds`` with the request, and grows it with :meth:`TokenIds.extended`
@@ -47,8 +50,8 @@ from hicache_fsm.errors import BadTokenIds, TokenIdTypeError
 TOKEN_ID_LIMIT = 1 << 32  # exclusive: ids are packed as 4-byte unsigned ints
 ID_BYTES = 4
 
-__all__ = ["ID_BYTES", "TOKEN_ID_LIMIT", "TokenIds", "as_token_ids", "pack_token_ids", "token_id_bytes",
-           "unpack_token_ids"]
+__all__ = ["ID_BYTES", "TOKEN_ID_LIMIT", "TokenIds", "as_token_ids", "checked_id_array", "pack_id_array",
+           "pack_token_ids", "token_id_bytes", "unpack_token_ids"]
 
 _LE_UINT32 = np.dtype("<u4")
 _CODE = next(c for c in "IL" if array(c).itemsize == ID_BYTES)  # 'I' on every platform CPython supports
@@ -158,17 +161,33 @@ def unpack_token_ids(raw: bytes) -> tuple[int, ...]:
     return tuple(ids)
 
 
+def checked_id_array(tokens: Any) -> np.ndarray | None:
+    """``tokens`` as a range-checked numpy array, not yet packed, when it is a vectorised form; else None.
+
+    The vectorised forms are a 1-D integer numpy array or tensor and an integer
+    ``array.array`` (a CPU tensor's or an array's own memory, no copy). Every
+    id is checked (``BadTokenIds`` names the first out of range), so a caller
+    may pack only the part it needs (:func:`pack_id_array`): a miss of
+    ``match_prefix`` packs one page. Every other form (a list, a tuple, a
+    ``TokenIds``, a float array) gives None: :func:`pack_token_ids` takes it.
+    """
+    return _checked_array(tokens, 0)
+
+
+def pack_id_array(ids: np.ndarray) -> TokenIds:
+    """The ids of an array from :func:`checked_id_array` (or a slice of it) packed, checking nothing again."""
+    return TokenIds(_array_raw(ids))
+
+
 def _packed(tokens: Any, offset: int = 0) -> bytes:
     """Check every id of ``tokens``; returns them packed, or raises naming the first bad position (+ ``offset``)."""
     if type(tokens) is not tuple and type(tokens) is not list:  # a tuple or a list goes straight to the packer
-        if isinstance(tokens, array):  # SGLang's scheduler holds ids as array("q"): read its buffer, no id objects
-            if tokens.typecode in _ARRAY_INTEGER:
-                return _array_bytes(np.frombuffer(tokens, dtype=tokens.typecode), offset)
+        arr = _checked_array(tokens, offset)
+        if arr is not None:  # SGLang's scheduler holds ids as array("q"): numpy reads its buffer, no id objects
+            return _array_raw(arr)
+        if isinstance(tokens, array):
             tokens = tokens.tolist()  # floats, characters: refused by the element check below
         elif isinstance(tokens, (np.ndarray, torch.Tensor)):
-            arr = _integer_array(tokens)
-            if arr is not None:
-                return _array_bytes(arr, offset)
             try:
                 tokens = tokens.tolist()  # bools, floats: refused by the element check below
             except Exception:  # a tensor whose values cannot be read here (e.g. on the meta device)
@@ -196,24 +215,47 @@ def _packed(tokens: Any, offset: int = 0) -> bytes:
     return packed
 
 
-def _array_bytes(arr: np.ndarray, offset: int) -> bytes:
-    """A 1-D integer array's ids range-checked and packed, in as few vectorised passes as its dtype allows."""
+def _checked_array(tokens: Any, offset: int) -> np.ndarray | None:
+    """``checked_id_array``, naming a bad id's position plus ``offset``."""
+    if isinstance(tokens, array):
+        if tokens.typecode not in _ARRAY_INTEGER:
+            return None
+        arr = np.frombuffer(tokens, dtype=tokens.typecode)
+    elif isinstance(tokens, (np.ndarray, torch.Tensor)):
+        arr = _integer_array(tokens)
+        if arr is None:
+            return None
+    else:
+        return None
+    _check_array(arr, offset)
+    return arr
+
+
+def _check_array(arr: np.ndarray, offset: int) -> None:
+    """Range-check a 1-D integer array in as few vectorised passes as its dtype allows."""
     if not arr.size:
-        return b""
+        return
     dtype = arr.dtype
     if dtype.isnative:
         size = dtype.itemsize
         if size == 8:  # read as uint64, a negative id is >= 2**63: one maximum covers both ends of the range
             if _largest(arr.view(_UINT64)) >= TOKEN_ID_LIMIT:
                 _refuse_first(arr, arr.view(_UINT64) >= TOKEN_ID_LIMIT, offset)
-            return arr.astype(_LE_UINT32).tobytes()
+            return
         if size == 4:  # int32 ids are below 2**31: only the sign is checked; uint32 holds exactly the range
             if dtype.kind == "i" and _smallest(arr) < 0:
                 _refuse_first(arr, arr < 0, offset)
-            return arr.tobytes() if not _SWAP else arr.astype(_LE_UINT32).tobytes()
+            return
     # narrower ints (always below 2**32) and byte-swapped arrays: the plain two-sided check
     if (dtype.kind == "i" and _smallest(arr) < 0) or (dtype.itemsize >= 8 and _largest(arr) >= TOKEN_ID_LIMIT):
         _refuse_first(arr, (arr < 0) | (arr >= TOKEN_ID_LIMIT), offset)
+
+
+def _array_raw(arr: np.ndarray) -> bytes:
+    """A checked integer array's ids as packed bytes (little-endian uint32)."""
+    dtype = arr.dtype
+    if dtype.itemsize == 4 and dtype.isnative and not _SWAP:  # int32 ids are >= 0: the same bytes as uint32
+        return arr.tobytes()
     return arr.astype(_LE_UINT32).tobytes()
 
 

@@ -130,19 +130,27 @@ def test_an_item_whose_comparison_raises_is_named_by_packing_not_leaked():
     cache.free_device(idx)
 
 
-def test_a_tuple_or_an_unchanged_list_is_packed_once_for_match_then_insert_an_array_or_tensor_by_each(monkeypatch):
+def test_a_tuple_or_an_unchanged_list_is_checked_once_for_match_then_insert_an_array_or_tensor_by_each(monkeypatch):
     import hicache_fsm.cache as cache_module
 
-    packed = []
-    real = cache_module.pack_token_ids
-    monkeypatch.setattr(cache_module, "pack_token_ids", lambda t: packed.append(type(t).__name__) or real(t))
+    checked = []  # the form of each check of a whole request
+    real_pack, real_array = cache_module.pack_token_ids, cache_module.checked_id_array
+
+    def check_array(tokens):
+        ids = real_array(tokens)
+        if ids is not None:
+            checked.append(type(tokens).__name__)
+        return ids
+
+    monkeypatch.setattr(cache_module, "pack_token_ids", lambda t: checked.append(type(t).__name__) or real_pack(t))
+    monkeypatch.setattr(cache_module, "checked_id_array", check_array)
     cache, _ = make_cache(page=PAGE)
     for form in (tuple, list, lambda ids: array("q", ids)):
-        request = form(range(10 * len(packed) + 1, 10 * len(packed) + 9))
+        request = form(range(10 * len(checked) + 1, 10 * len(checked) + 9))
         cache.match_prefix(request)
         cache.insert(request, cache.alloc_device(8))
-    assert packed == ["tuple", "list", "array", "array"]  # an array packs in one vectorised pass: no snapshot
+    assert checked == ["tuple", "list", "array", "array"]  # an array is checked in one vectorised pass: no snapshot
     tensor = torch.arange(100, 108)
     cache.match_prefix(tensor)
     cache.insert(tensor, cache.alloc_device(8))
-    assert packed[4:] == ["Tensor", "Tensor"]  # a tensor may change without a trace: packed by every call
+    assert checked[4:] == ["Tensor", "Tensor"]  # a tensor may change without a trace: checked by every call
