@@ -250,8 +250,9 @@ class HiCache(StorageCalls):
         20-40 for packing 4,096 ids). One changed since is packed again; an
         item replaced by an equal value (``True`` for 1) keeps the packing of
         the value it equals. A ``TokenIds`` is already packed. An
-        ``array.array``, a numpy array or a tensor is packed by every call
-        (one vectorised pass, about 4 us for 4,096 ids): a snapshot would cost
+        ``array.array``, a numpy array or a tensor is checked and packed by
+        every call (one vectorised pass each, about 4 us for 4,096 ids;
+        ``match_prefix`` packs only what it compares): a snapshot would cost
         every ``match_prefix`` a copy (1-2 us) to save about 3 us at an
         ``insert`` of the same unchanged array, and SGLang's scheduler inserts
         other arrays than it matched (a grown one, a slice). A numpy array or

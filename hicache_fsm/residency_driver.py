@@ -252,7 +252,7 @@ class ResidencyDriver:
         try:
             result = tree.walk(tokens, namespace)
         except TypeError as exc:  # an unhashable namespace or token
-            raise BadIndices(f"namespace and token ids must be hashable: {exc}") from None
+            raise _unhashable(exc) from None
         self._memo = (tokens, namespace, tree, tree.version, result)
         return result
 
@@ -261,7 +261,7 @@ class ResidencyDriver:
         try:
             return self.tree.starts_a_prefix(namespace, first_page)
         except TypeError as exc:  # an unhashable namespace: the error ``walk`` gives
-            raise BadIndices(f"namespace and token ids must be hashable: {exc}") from None
+            raise _unhashable(exc) from None
 
     def walk_splitting(self, tokens: tuple, namespace: Hashable) -> tuple[list[TreeNode], int]:
         """``walk``, splitting a node that matches only in part so the match ends on a node boundary."""
@@ -290,3 +290,8 @@ class ResidencyDriver:
         new.state_counts = dict(self.state_counts)
         new._observers = self._observers
         return new
+
+
+def _unhashable(exc: TypeError) -> BadIndices:
+    """The error for a namespace (or id) that cannot key the tree's child dicts."""
+    return BadIndices(f"namespace and token ids must be hashable: {exc}")

@@ -46,7 +46,8 @@ request arrived. ``--ids array`` (default) hands ours the ``array('q')``
 SGLang's scheduler holds a request's ids in, the very form the SGLang peer is
 handed, so ``vs_sglang_peer`` compares the same input; ``tuple`` and ``list``
 are the Python forms. ``insert`` right after ``match_prefix`` with the same
-object, unchanged, reuses that call's packing. The packing
+tuple, or the same unchanged list, reuses that call's packing; an array is
+checked by every call, and a miss packs its first page only. The packing
 of a 4,096-id tuple is timed apart as ``pack_us``: add it once per request to
 the packed figures. Ratios against the smallest size are printed: the targets are
 ``evict_us`` and ``cycle_us`` within 2x and match / insert / lock within 1.5x
