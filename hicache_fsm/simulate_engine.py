@@ -7,7 +7,10 @@ the part beyond the in-memory hit, polled until ready, then a second match;
 ``wait(layer)`` and then a read of that layer's KV from the device pool;
 ``alloc_device`` for the tokens to compute; the model's prefill over the rest
 with the cached KV as its past; decode; the new KV written into the slots;
-``insert``; ``unlock``; ``poll``.
+``insert``; ``unlock``; ``poll``. A request's ids are checked and packed once,
+when it arrives (``pack_token_ids``), and grown by its answer for ``insert``
+(only the answer's ids checked): every cache call takes the packed ids as they
+are, and the packing is timed as controller time of its own.
 
 KV check. Float kernels give results that depend on how a sequence is chunked
 (a prefix computed in one piece or in two differs in the last bits), so the
@@ -39,7 +42,7 @@ from hicache_fsm.cache import HiCache
 from hicache_fsm.executors import TorchExecutor
 from hicache_fsm.model import KVModel
 from hicache_fsm.pools import KVShape
-from hicache_fsm.tokens import as_token_ids
+from hicache_fsm.tokens import TokenIds, pack_token_ids
 from hicache_fsm.errors import ConfigError, StorageTimeout
 from hicache_fsm.simulate_config import STORAGE_OPTIONS, Tier
 from hicache_fsm.simulate_results import TierResult
@@ -54,9 +57,9 @@ Observer = Callable[[str, HiCache], None]
 
 
 class CallClock:
-    """Seconds inside HiCache calls and inside the executor (a subset of them).
+    """Seconds inside the calls it times (HiCache calls, the engine packing ids) and inside the executor (a subset).
 
-    ``by_call`` splits the controller time by HiCache method, executor time excluded.
+    ``by_call`` splits the controller time by the name of the function called, executor time excluded.
     """
 
     def __init__(self) -> None:
@@ -177,7 +180,7 @@ class Shard:
         return self.group.same(view_digest(rank_view(cache)))
 
 
-def prefetch_and_wait(clock, cache: HiCache, res: TierResult, rid: Hashable, tokens: tuple, m,
+def prefetch_and_wait(clock, cache: HiCache, res: TierResult, rid: Hashable, tokens: "tuple | TokenIds", m,
                       agreed: Callable[[bool], bool] = bool, poll_s: float = PREFETCH_POLL_S,
                       settle: bool = False):
     """Prefetch what storage adds to ``m``, wait for it, and return the new match.
@@ -209,7 +212,12 @@ def prefetch_and_wait(clock, cache: HiCache, res: TierResult, rid: Hashable, tok
     return call(cache.match_prefix, tokens)
 
 
-def fetch_prefix(call: Callable, cache: HiCache, tokens: tuple, cacheable: int,
+def grown_ids(ids: TokenIds, answer: Sequence[int], length: int) -> TokenIds:
+    """What ``insert`` gets: a request's packed ids and its answer's (only these checked), the first ``length``."""
+    return ids.extended(answer)[:length]
+
+
+def fetch_prefix(call: Callable, cache: HiCache, tokens: "tuple | TokenIds", cacheable: int,
                  prefetch: Callable | None, res: TierResult) -> tuple:
     """An engine step's first half: match, prefetch what storage may add, load back what the host holds.
 
@@ -279,13 +287,13 @@ class ChatEngine:
         call = self.clock.call
         cache, ps, res = self.cache, self.ps, self.result
         prompt = tuple(prompt)
-        self._time_token_checks(prompt)
         self._arrived = time.perf_counter()
+        ids = call(pack_token_ids, prompt)  # checked and packed once: every cache call takes them as they are
         res.requests += 1
         res.prompt_tokens += len(prompt)
         aligned_prompt = len(prompt) // ps * ps
 
-        m, lb, served = fetch_prefix(call, cache, prompt, aligned_prompt, self._prefetch if self.storage else None, res)
+        m, lb, served = fetch_prefix(call, cache, ids, aligned_prompt, self._prefetch if self.storage else None, res)
         node = lb.last_node if lb is not None else m.last_device_node
         call(cache.lock, node)
         try:
@@ -314,9 +322,7 @@ class ChatEngine:
                     self.oracle.record(prompt + tuple(answer), n_served, aligned, k, v)
             if new is not None:
                 indices = new if not n_served else torch.cat([served, new])
-                inserted = (prompt + tuple(answer))[:aligned]
-                self._time_token_checks(inserted)
-                call(cache.insert, inserted, indices)
+                call(cache.insert, call(grown_ids, ids, answer, aligned), indices)
         finally:
             call(cache.unlock, node)
         call(cache.poll)
@@ -352,7 +358,7 @@ class ChatEngine:
         """``flag`` on every rank (the engine's own decisions, such as giving up on a prefetch)."""
         return flag if self.shard is None else self.shard.group.all_true(flag)
 
-    def _prefetch(self, prompt: tuple, m):
+    def _prefetch(self, prompt: TokenIds, m):
         rid = f"req-{self._next_request}"
         self._next_request += 1
         a0 = self.cache.agreement.seconds
@@ -422,16 +428,6 @@ class ChatEngine:
             v_all = torch.cat([v_all, v], 1)
         res.decode_s += time.perf_counter() - first_token
         return k_all, v_all
-
-    def _time_token_checks(self, tokens: tuple) -> None:
-        """Time the token-id check ``match_prefix``/``insert`` run on ``tokens`` (the same call, timed apart).
-
-        The cache checks a new tuple once (``insert`` after ``match_prefix`` of the
-        same tuple checks nothing), so this is the validation share of the controller time.
-        """
-        start = time.perf_counter()
-        as_token_ids(tokens)
-        self.result.token_check_s += time.perf_counter() - start
 
     # ------------------------------------------------------------------ wrap up
 

@@ -41,7 +41,6 @@ class TierResult:
     transfer_s: float = 0.0
     prefill_s: float = 0.0  # model time up to each request's first token
     decode_s: float = 0.0  # model time of the rest of each answer (the same in every configuration)
-    token_check_s: float = 0.0  # of controller_s: checking token ids (match_prefix, insert), timed apart
     ttft_s: list = attrs.Factory(list)  # per request: arrival to the first token's logits (with a model)
     wall_s: float = 0.0
     bytes: dict = attrs.Factory(dict)
@@ -78,16 +77,18 @@ class TierResult:
         only applies acks; here poll also starts the backups to host and storage); ``alloc``:
         alloc_device (evicting to make room); ``locks``: lock + unlock; ``loads``:
         load_back + the per-layer waits; ``prefetch``: prefetch calls (their wait is
-        not in it); ``token_checks``: of all these, checking token ids. KV copies
-        (the executor) and the model are not controller time.
+        not in it); ``token_checks``: the engine checking and packing a request's
+        ids once (``pack_token_ids``) and its answer's for ``insert``
+        (``grown_ids``; ``simulate --trace`` packs outside the timed loop). The
+        parts add up to the controller time; KV copies (the executor) and the
+        model are not in it.
         """
         by = self.controller_by_call
         parts = {"loop": ("match_prefix", "insert"), "poll": ("poll",), "alloc": ("alloc_device",),
                  "locks": ("lock", "unlock"), "loads": ("load_back", "wait"),
-                 "prefetch": ("prefetch", "prefetch_ready", "abort_prefetch")}
-        out = {name: self.per_request_us(sum(by.get(c, 0.0) for c in calls)) for name, calls in parts.items()}
-        out["token_checks"] = self.per_request_us(self.token_check_s)
-        return out
+                 "prefetch": ("prefetch", "prefetch_ready", "abort_prefetch"),
+                 "token_checks": ("pack_token_ids", "grown_ids")}
+        return {name: self.per_request_us(sum(by.get(c, 0.0) for c in calls)) for name, calls in parts.items()}
 
     def ttft_ms(self, quantile: float | None = None) -> float:
         """Mean time to first token (``quantile`` None) or that quantile, in ms; 0 without a model."""

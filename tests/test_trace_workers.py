@@ -13,8 +13,7 @@ from hicache_fsm.trace_replay import TraceOptions, run_trace
 from hicache_fsm.trace_workers import in_workers
 
 SHIPPED = Path(__file__).resolve().parent.parent / "examples" / "traces" / "synthetic-chat.jsonl"
-TIMINGS = ("wall_s", "controller_s", "transfer_s", "controller_by_call", "prefetch_wait_s", "agreement_s",
-           "token_check_s")
+TIMINGS = ("wall_s", "controller_s", "transfer_s", "controller_by_call", "prefetch_wait_s", "agreement_s")
 
 
 def figures(sim) -> list[dict]:

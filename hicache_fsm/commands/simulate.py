@@ -148,7 +148,7 @@ _SPLIT = (  # TierResult.controller_split_us's parts, as the table names them
     ("locks", "lock+unlock"),
     ("loads", "load_back+wait"),
     ("prefetch", "prefetch calls"),
-    ("token_checks", "of all: token-id checks"),
+    ("token_checks", "token ids (packed once)"),
 )
 
 
@@ -225,7 +225,7 @@ def summary(sim: Simulation) -> str:
         f"{split['loop']:.0f} and poll {split['poll']:.0f} (the loop `bench controller` times, there on "
         f"4096-token requests, page 64, no copies, a poll that only applies acks; here poll starts the "
         f"backups), alloc_device {split['alloc']:.0f}, locks {split['locks']:.0f}, loads {split['loads']:.0f}, "
-        f"prefetch {split['prefetch']:.0f}; token-id checks {split['token_checks']:.0f} of it. "
+        f"prefetch {split['prefetch']:.0f}, token ids checked and packed once {split['token_checks']:.0f}. "
         f"Not in it: KV copies {full.per_request_us(full.transfer_s):.0f} us, model "
         f"{full.per_request_us(full.model_s) / 1e3:.1f} ms per request")
     ok = sim.kv_mismatches == 0 and sim.output_mismatches == 0
