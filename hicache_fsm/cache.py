@@ -65,6 +65,7 @@ from hicache_fsm.machine import CompiledMachine, compile_machine
 from hicache_fsm.outbox import JobLedger, Outbox
 from hicache_fsm.radix import RadixTree, TreeNode
 from hicache_fsm.registry import registry_for
+from hicache_fsm.request_ids import RequestIds
 from hicache_fsm.residency_driver import ResidencyDriver
 from hicache_fsm.results import DeviceGrant, InsertResult, LoadBack, LoadCancelled, LoadHandle, MatchResult
 from hicache_fsm.slots import (
@@ -73,7 +74,6 @@ from hicache_fsm.slots import (
 from hicache_fsm.spec import load_builtin
 from hicache_fsm.storage.ownership import check_completion_owner
 from hicache_fsm.storage.calls import StorageCalls, drain_seconds
-from hicache_fsm.tokens import TokenIds, checked_id_array, pack_id_array, pack_token_ids
 from hicache_fsm.tp import RankGroup, StepAgreement
 
 log = logging.getLogger("hicache_fsm.cache")
@@ -144,7 +144,6 @@ class HiCache(StorageCalls):
         if self.acks is not None:
             self.agreement.register(self.acks)
         self.engine_pages: set[int] = set()  # device pages handed out by alloc_device, not yet inserted or freed
-        self._checked_tokens: tuple = ()  # the last token tuple or list found good (see _token_ids)
         self.runtime_checks = RuntimeChecks()  # host slots and invariants of attached runtimes
         self.check_candidates = False  # also recompute the eviction candidate sets in invariant_violations
         self.closed = False
@@ -164,6 +163,7 @@ class HiCache(StorageCalls):
                           self.draft_host_pool is not None, counters, attached, CheckedFlush(self.check_open, outbox))
         self.attached, self.driver, self.outbox, self.eviction, self.loads = attached, driver, outbox, eviction, loads
         self.residency_ctx = ResidencyContext(self.device_allocator, self.host_allocator, attached)
+        self.request_ids = RequestIds(driver, self.page_size)
         self.acks = None if self.group.solo else AckAgreement(outbox)
         driver.connect(eviction, outbox, self.residency_ctx)
         outbox.connect(loads, self.acks)
@@ -240,67 +240,25 @@ class HiCache(StorageCalls):
 
     # ================================================================== match and insert
 
-    def _token_ids(self, tokens: object) -> TokenIds:
-        """``tokens`` checked and packed once (``BadTokenIds`` names the first bad one).
-
-        The last tuple or list packed is remembered, so ``insert`` after
-        ``match_prefix`` with the same object packs nothing again: a tuple by
-        identity (it is immutable), a list by identity and a snapshot of its
-        items (its ``==`` compares item pointers before values: 2-3 us against
-        20-40 for packing 4,096 ids). One changed since is packed again; an
-        item replaced by an equal value (``True`` for 1) keeps the packing of
-        the value it equals. A ``TokenIds`` is already packed. An
-        ``array.array``, a numpy array or a tensor is checked and packed by
-        every call (one vectorised pass each, about 4 us for 4,096 ids;
-        ``match_prefix`` packs only what it compares): a snapshot would cost
-        every ``match_prefix`` a copy (1-2 us) to save about 3 us at an
-        ``insert`` of the same unchanged array, and SGLang's scheduler inserts
-        other arrays than it matched (a grown one, a slice). A numpy array or
-        tensor can also change through a view without a trace.
-        """
-        memo = self._checked_tokens  # () or (the tuple or list, a snapshot of a list, its packing)
-        if memo and tokens is memo[0]:
-            if memo[1] is None:
-                return memo[2]
-            try:
-                same = tokens == memo[1]
-            except Exception:  # an item put in since whose ``==`` raises: packing names it below
-                same = False
-            if same:
-                return memo[2]
-        ids = pack_token_ids(tokens)
-        kind = type(tokens)
-        if kind is tuple:
-            self._checked_tokens = (tokens, None, ids)
-        elif kind is list:
-            self._checked_tokens = (tokens, tokens[:], ids)  # compared at the next call
-        return ids
-
     def match_prefix(self, tokens: Sequence[int], namespace: Hashable = None) -> MatchResult:
         """Longest cached prefix of ``tokens`` (whole pages), counted as a hit.
 
         Called when a request is scheduled, before deciding what to compute.
         A node that only partly matches is split so that the match ends on a
         node boundary. Under ``write_through_selective`` nodes whose hit count
-        reaches the threshold are backed up here. Every id is checked; ids in
-        an integer array or tensor are packed only as far as they are needed
-        (one page on a miss).
+        reaches the threshold are backed up here.
+
+        Every id the walk reads is checked first, and a miss reads one page.
+        A miss is known from the first page (no cached prefix begins with it):
+        that page is checked and packed, and nothing after it is read, so a
+        miss costs no per-id work for the rest of the request (``insert``
+        checks every id). Otherwise every id is checked and packed before the
+        walk (the first page twice: about 1 us for a tuple).
         """
         if self.closed or get_ident() != self.thread_owner.ident:  # ``check_open``, inline
             self.check_open()
         driver = self.driver
-        kind = type(tokens)
-        ids = None if kind is TokenIds or kind is tuple or kind is list else checked_id_array(tokens)
-        if ids is None:
-            tokens = self._token_ids(tokens)
-            n_ids = len(tokens.raw) >> 2
-            path, _ = driver.walk_splitting(tokens, namespace)  # a bad namespace fails before any split
-        else:
-            n_ids = len(ids)
-            if driver.may_match(namespace, pack_id_array(ids[: self.page_size]).raw):
-                path, _ = driver.walk_splitting(pack_id_array(ids), namespace)
-            else:
-                path = []
+        path, n_ids = self.request_ids.match_walk(tokens, namespace)
         now = driver.tick()
         polls = driver.polls
         device_parts: list = []  # the nodes' compact device slots
@@ -370,7 +328,7 @@ class HiCache(StorageCalls):
         """
         if self.closed or get_ident() != self.thread_owner.ident:  # ``check_open``, inline
             self.check_open()
-        tokens = self._token_ids(tokens)
+        tokens = self.request_ids.packed(tokens)
         ps = self.page_size
         n_tokens = len(tokens)
         if n_tokens % ps:

@@ -23,9 +23,9 @@ and converted by numpy in one or two vectorised passes (int64: one maximum
 over the bits read as unsigned covers both ``< 0`` and ``>= 2**32``; int32:
 one minimum; uint32: none): no per-id Python work. A bad sequence takes the
 element-by-element path that names the first bad position. The check and the
-conversion are apart (:func:`checked_id_array`, :func:`pack_id_array`), so
-``match_prefix`` checks every id of such an array but packs only as far as
-it walks: one page on a miss.
+conversion are apart (:func:`id_array`, :func:`check_id_array`,
+:func:`pack_id_array`), so ``match_prefix`` checks and packs only what it
+reads: one page on a miss (see ``HiCache.match_prefix``).
 
 An engine packs a request's ids once, when the request arrives, keeps the
 ``TokenIds`` with the request, and grows it with :meth:`TokenIds.extended`
@@ -50,8 +50,8 @@ from hicache_fsm.errors import BadTokenIds, TokenIdTypeError
 TOKEN_ID_LIMIT = 1 << 32  # exclusive: ids are packed as 4-byte unsigned ints
 ID_BYTES = 4
 
-__all__ = ["ID_BYTES", "TOKEN_ID_LIMIT", "TokenIds", "as_token_ids", "checked_id_array", "pack_id_array",
-           "pack_token_ids", "token_id_bytes", "unpack_token_ids"]
+__all__ = ["ID_BYTES", "TOKEN_ID_LIMIT", "TokenIds", "as_token_ids", "check_id_array", "checked_id_array", "id_array",
+           "pack_id_array", "pack_token_ids", "token_id_bytes", "unpack_token_ids"]
 
 _LE_UINT32 = np.dtype("<u4")
 _CODE = next(c for c in "IL" if array(c).itemsize == ID_BYTES)  # 'I' on every platform CPython supports
@@ -161,21 +161,42 @@ def unpack_token_ids(raw: bytes) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def checked_id_array(tokens: Any) -> np.ndarray | None:
-    """``tokens`` as a range-checked numpy array, not yet packed, when it is a vectorised form; else None.
+def id_array(tokens: Any) -> np.ndarray | None:
+    """``tokens`` as a numpy array, not yet checked, when it is a vectorised form; else None.
 
     The vectorised forms are a 1-D integer numpy array or tensor and an integer
     ``array.array`` (a CPU tensor's or an array's own memory, no copy). Every
-    id is checked (``BadTokenIds`` names the first out of range), so a caller
-    may pack only the part it needs (:func:`pack_id_array`): a miss of
-    ``match_prefix`` packs one page. Every other form (a list, a tuple, a
-    ``TokenIds``, a float array) gives None: :func:`pack_token_ids` takes it.
+    other form (a list, a tuple, a ``TokenIds``, a float array) gives None:
+    :func:`pack_token_ids` takes it. Check what is read with
+    :func:`check_id_array` (a slice at a time if need be: ``match_prefix``
+    checks the first page alone on a miss), then pack it with
+    :func:`pack_id_array`.
     """
+    if isinstance(tokens, array):
+        return np.frombuffer(tokens, dtype=tokens.typecode) if tokens.typecode in _ARRAY_INTEGER else None
+    if isinstance(tokens, (np.ndarray, torch.Tensor)):
+        return _integer_array(tokens)
+    return None
+
+
+def check_id_array(ids: np.ndarray) -> None:
+    """Range-check an array from :func:`id_array` (or a slice of it from its start), in vectorised passes.
+
+    ``BadTokenIds`` names the first id out of ``0..2**32-1`` by its position.
+    """
+    _check_array(ids, 0)
+
+
+def checked_id_array(tokens: Any) -> np.ndarray | None:
+    """:func:`id_array` with every id checked (:func:`check_id_array`); None for the forms it does not take."""
     return _checked_array(tokens, 0)
 
 
 def pack_id_array(ids: np.ndarray) -> TokenIds:
-    """The ids of an array from :func:`checked_id_array` (or a slice of it) packed, checking nothing again."""
+    """The ids of an array from :func:`id_array` (or a slice of it) packed, checking nothing.
+
+    Ids out of range wrap silently: check them (:func:`check_id_array`) before the bytes are kept anywhere.
+    """
     return TokenIds(_array_raw(ids))
 
 
@@ -217,17 +238,9 @@ def _packed(tokens: Any, offset: int = 0) -> bytes:
 
 def _checked_array(tokens: Any, offset: int) -> np.ndarray | None:
     """``checked_id_array``, naming a bad id's position plus ``offset``."""
-    if isinstance(tokens, array):
-        if tokens.typecode not in _ARRAY_INTEGER:
-            return None
-        arr = np.frombuffer(tokens, dtype=tokens.typecode)
-    elif isinstance(tokens, (np.ndarray, torch.Tensor)):
-        arr = _integer_array(tokens)
-        if arr is None:
-            return None
-    else:
-        return None
-    _check_array(arr, offset)
+    arr = id_array(tokens)
+    if arr is not None:
+        _check_array(arr, offset)
     return arr
 
 

@@ -16,7 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cache_helpers import drain, make_cache
+from cache_helpers import drain, make_cache, put
 from hicache_fsm.errors import BadTokenIds, TokenIdTypeError
 from hicache_fsm.tokens import pack_token_ids
 
@@ -131,26 +131,27 @@ def test_an_item_whose_comparison_raises_is_named_by_packing_not_leaked():
 
 
 def test_a_tuple_or_an_unchanged_list_is_checked_once_for_match_then_insert_an_array_or_tensor_by_each(monkeypatch):
-    import hicache_fsm.cache as cache_module
+    import hicache_fsm.request_ids as request_ids
 
-    checked = []  # the form of each check of a whole request
-    real_pack, real_array = cache_module.pack_token_ids, cache_module.checked_id_array
-
-    def check_array(tokens):
-        ids = real_array(tokens)
-        if ids is not None:
-            checked.append(type(tokens).__name__)
-        return ids
-
-    monkeypatch.setattr(cache_module, "pack_token_ids", lambda t: checked.append(type(t).__name__) or real_pack(t))
-    monkeypatch.setattr(cache_module, "checked_id_array", check_array)
     cache, _ = make_cache(page=PAGE)
-    for form in (tuple, list, lambda ids: array("q", ids)):
-        request = form(range(10 * len(checked) + 1, 10 * len(checked) + 9))
+    put(cache, range(1, 1 + PAGE))  # every request below begins with this page: match_prefix reads it whole
+    checked = []  # the form and length of each check
+    real_pack, real_check = request_ids.pack_token_ids, request_ids.check_id_array
+    monkeypatch.setattr(request_ids, "pack_token_ids",
+                        lambda t: checked.append((type(t).__name__, len(t))) or real_pack(t))
+    monkeypatch.setattr(request_ids, "check_id_array",
+                        lambda ids: checked.append(("array", len(ids))) or real_check(ids))
+    for i, form in enumerate((tuple, list, lambda ids: array("q", ids))):
+        request = form(list(range(1, 1 + PAGE)) + list(range(10 * i + 10, 10 * i + 10 + PAGE)))
         cache.match_prefix(request)
-        cache.insert(request, cache.alloc_device(8))
-    assert checked == ["tuple", "list", "array", "array"]  # an array is checked in one vectorised pass: no snapshot
+        cache.insert(request, cache.alloc_device(2 * PAGE))
+    # a tuple or list has its first page checked to ask for a miss, then the whole request once;
+    # an array (vectorised passes, its first page looked up first) is checked whole by each call: no snapshot
+    assert checked == [("tuple", PAGE), ("tuple", 2 * PAGE), ("list", PAGE), ("list", 2 * PAGE),
+                       ("array", 2 * PAGE), ("array", 2 * PAGE)]
+    checked.clear()
     tensor = torch.arange(100, 108)
     cache.match_prefix(tensor)
     cache.insert(tensor, cache.alloc_device(8))
-    assert checked[4:] == ["Tensor", "Tensor"]  # a tensor may change without a trace: checked by every call
+    # a miss checks its first page; insert checks the whole tensor again (it may change without a trace)
+    assert checked == [("array", PAGE), ("Tensor", 8)]

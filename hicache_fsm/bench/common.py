@@ -15,10 +15,12 @@ import torch
 # How an engine may hold a request's ids, handed to every cache call (``--ids`` of ``bench controller`` and
 # ``bench scale``): a builder from the id tuple, built before timing, and how a report names the form.
 ID_FORMS: dict[str, tuple[Callable[[tuple[int, ...]], object], str]] = {
-    "array": (lambda ids: array("q", ids), "an array('q') per call, as SGLang's scheduler holds ids (checked by "
-              "every call in one vectorised pass; a miss packs its first page only)"),
-    "tuple": (lambda ids: ids, "a tuple per call (insert after match_prefix with the same tuple reuses its packing)"),
-    "list": (list, "a list per call (insert after match_prefix with the same unchanged list reuses its packing)"),
+    "array": (lambda ids: array("q", ids), "an array('q') per call, as SGLang's scheduler holds ids (checked and "
+              "packed by every call in vectorised passes; a miss reads its first page only)"),
+    "tuple": (lambda ids: ids, "a tuple per call (a miss reads its first page only; insert after match_prefix "
+              "with the same tuple reuses its packing)"),
+    "list": (list, "a list per call (a miss reads its first page only; insert after match_prefix with the same "
+             "unchanged list reuses its packing)"),
 }
 
 

@@ -47,7 +47,8 @@ SGLang's scheduler holds a request's ids in, the very form the SGLang peer is
 handed, so ``vs_sglang_peer`` compares the same input; ``tuple`` and ``list``
 are the Python forms. ``insert`` right after ``match_prefix`` with the same
 tuple, or the same unchanged list, reuses that call's packing; an array is
-checked by every call, and a miss packs its first page only. The packing
+checked and packed by every call; a miss checks and packs its first page
+only, whatever the form. The packing
 of a 4,096-id tuple is timed apart as ``pack_us``: add it once per request to
 the packed figures. Ratios against the smallest size are printed: the targets are
 ``evict_us`` and ``cycle_us`` within 2x and match / insert / lock within 1.5x
