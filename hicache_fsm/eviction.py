@@ -79,7 +79,9 @@ class CandidateSet:
     smallest current key (it stays a member: the caller evicts it, or hands
     it back with ``restore`` when it skips it). Stale heap entries (left
     members, outdated keys) are skipped or re-pushed when popped, and the heap
-    is rebuilt when they outnumber the members.
+    is rebuilt when they outnumber the members. An entry is one flat tuple,
+    the key's fields then a push counter and the node (a nested key tuple
+    would cost 64 bytes more a node).
 
     ``blocked`` (optional) excludes members lazily: a member for which it is
     true does not count (``len``, ``in``, ``ids``, ``nodes``) and is dropped
@@ -136,14 +138,14 @@ class CandidateSet:
         """The member with the smallest key, or None when there is none."""
         members, key, blocked = self._members, self.key, self.blocked
         while self._heap:  # re-read: a push below may rebuild the heap
-            k, _, node = heapq.heappop(self._heap)
+            entry = heapq.heappop(self._heap)
+            node = entry[-1]
             if members.get(node.id) is not node:
                 continue  # left the set since it was pushed
             if blocked is not None and blocked(node):
                 del members[node.id]  # blocked now: out until re-added (an unlock adds it back)
                 continue
-            current = key(node)
-            if current != k:  # its key grew: put it back where it belongs now
+            if key(node) != entry[:-2]:  # its key grew: put it back where it belongs now
                 self._push(node)
                 continue
             return node
@@ -155,20 +157,21 @@ class CandidateSet:
 
     def _push(self, node: TreeNode) -> None:
         self._seq += 1
-        heapq.heappush(self._heap, (self.key(node), self._seq, node))
+        heapq.heappush(self._heap, (*self.key(node), self._seq, node))
         if len(self._heap) > 2 * len(self._members) + 64:
             self._compact()
 
     def _compact(self) -> None:
         key = self.key
-        self._heap = [(key(n), i, n) for i, n in enumerate(self._members.values())]
+        self._heap = [(*key(n), i, n) for i, n in enumerate(self._members.values())]
         self._seq = len(self._heap)
         heapq.heapify(self._heap)
 
     def order_violations(self, name: str) -> list[str]:
         """Members without a heap entry at or below their current key (the lazy heap's invariant)."""
         best: dict[int, tuple] = {}
-        for k, _, node in self._heap:
+        for entry in self._heap:
+            k, node = entry[:-2], entry[-1]
             if self._members.get(node.id) is node and (node.id not in best or k < best[node.id]):
                 best[node.id] = k
         return [f"{name} candidate {nid} has no heap entry at or below its key"

@@ -235,13 +235,24 @@ def _split_slots(slots, at: int, pages: int) -> tuple:
     return slots[:at], slots[at:]
 
 
+def page_key(namespace: Hashable, first_page: bytes) -> "bytes | tuple":
+    """A child's key in its parent's ``children``: the first page's packed ids, with the namespace unless None.
+
+    The two forms never collide (bytes never equal a tuple); a namespace that
+    cannot be hashed raises ``TypeError`` here, as in any lookup.
+    """
+    return first_page if namespace is None else (namespace, first_page)
+
+
 class RadixTree:
     """Prefix match, insert and split over page-aligned runs of packed token ids.
 
     Methods take token ids as a ``TokenIds`` (what the cache passes: packed
     once at its boundary) or as any sequence ``pack_token_ids`` accepts
     (packed, and so checked, on the way in). A child is found in its parent's
-    ``children`` under ``child_key``: (namespace, packed first page).
+    ``children`` under ``child_key``: its packed first page, paired with its
+    namespace when that is not None (a pair costs 72 bytes a node, and most
+    caches use no namespace).
     """
 
     def __init__(self, page_size: int) -> None:
@@ -281,14 +292,14 @@ class RadixTree:
     def __len__(self) -> int:
         return len(self._nodes) - 1
 
-    def child_key(self, namespace: Hashable, tokens, start: int) -> tuple:
-        """The key of the child holding ``tokens[start:]`` in its parent's ``children`` (namespace, first page)."""
+    def child_key(self, namespace: Hashable, tokens, start: int) -> "bytes | tuple":
+        """The key of the child holding ``tokens[start:]`` in its parent's ``children`` (see ``page_key``)."""
         raw = pack_token_ids(tokens).raw
-        return (namespace, raw[start * ID_BYTES : start * ID_BYTES + self.page_bytes])
+        return page_key(namespace, raw[start * ID_BYTES : start * ID_BYTES + self.page_bytes])
 
     def starts_a_prefix(self, namespace: Hashable, first_page: bytes) -> bool:
         """Whether a cached prefix in ``namespace`` begins with ``first_page`` (a page of packed ids)."""
-        return (namespace, first_page) in self.root.children
+        return (first_page if namespace is None else (namespace, first_page)) in self.root.children
 
     def aligned(self, tokens):
         """``tokens`` cut to whole pages (same type as given)."""
@@ -312,7 +323,8 @@ class RadixTree:
         path: list[TreeNode] = []
         pos = 0
         while pos < n:
-            child = children.get((namespace, raw[pos : pos + pb]))
+            page = raw[pos : pos + pb]
+            child = children.get(page if namespace is None else (namespace, page))
             if child is None:
                 break
             key = child.raw
@@ -362,10 +374,10 @@ class RadixTree:
         if node.storage_keys is not None:
             upper.storage_keys, node.storage_keys = node.storage_keys[:pages], node.storage_keys[pages:]
         pb = self.page_bytes
-        parent.children[(node.namespace, node.raw[:pb])] = upper
+        parent.children[page_key(node.namespace, node.raw[:pb])] = upper
         node.raw = node.raw[cut:]
         node.parent = upper
-        upper.children = {(node.namespace, node.raw[:pb]): node}
+        upper.children = {page_key(node.namespace, node.raw[:pb]): node}
         self._nodes[upper.id] = upper
         self.version += 1
         return upper
@@ -382,7 +394,7 @@ class RadixTree:
         if children is NO_CHILDREN:
             children = parent.children = {}
         # one hash of the first page, not two (a lookup, then a store)
-        if children.setdefault((namespace, key[: self.page_bytes]), child) is not child:
+        if children.setdefault(page_key(namespace, key[: self.page_bytes]), child) is not child:
             raise ValueError("a child with that first page already exists")
         self._nodes[child.id] = child
         self.version += 1
@@ -392,7 +404,7 @@ class RadixTree:
         if node.children:
             raise ValueError(f"node {node.id} has children; only leaves leave the tree")
         parent = node.parent
-        del parent.children[(node.namespace, node.raw[: self.page_bytes])]
+        del parent.children[page_key(node.namespace, node.raw[: self.page_bytes])]
         if not parent.children:
             parent.children = NO_CHILDREN
         del self._nodes[node.id]
