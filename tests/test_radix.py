@@ -73,6 +73,23 @@ def test_match_is_longest_page_aligned_common_prefix(seqs, probe):
 
 
 @settings(max_examples=100, deadline=None)
+@given(seqs=token_seqs, other=st.sampled_from(["a", b"", 0, ("t", 1)]))
+def test_no_namespace_and_a_namespace_keep_separate_subtrees(seqs, other):
+    """A child without a namespace is keyed by its first page alone, one with a namespace by the pair: no mix-up."""
+    tree = RadixTree(PAGE)
+    for s in seqs:
+        tree_insert(tree, s, namespace=None)
+        tree_insert(tree, s, namespace=other)
+    check_shape(tree)
+    for s in seqs:
+        for ns in (None, other):
+            path, matched, partial = tree.walk(s, ns)
+            assert (matched, partial) == (len(tree.aligned(s)), 0)
+            assert all(node.namespace == ns for node in path)
+    assert len(tree) == 2 * sum(1 for n in tree.nodes() if not n.is_root and n.namespace is None)
+
+
+@settings(max_examples=100, deadline=None)
 @given(seqs=token_seqs, ns=st.sampled_from(["a", "b", None]))
 def test_namespaces_never_match_each_other(seqs, ns):
     tree = RadixTree(PAGE)
