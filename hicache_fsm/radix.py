@@ -299,7 +299,7 @@ class RadixTree:
 
     def starts_a_prefix(self, namespace: Hashable, first_page: bytes) -> bool:
         """Whether a cached prefix in ``namespace`` begins with ``first_page`` (a page of packed ids)."""
-        return (first_page if namespace is None else (namespace, first_page)) in self.root.children
+        return page_key(namespace, first_page) in self.root.children
 
     def aligned(self, tokens):
         """``tokens`` cut to whole pages (same type as given)."""
@@ -324,7 +324,7 @@ class RadixTree:
         pos = 0
         while pos < n:
             page = raw[pos : pos + pb]
-            child = children.get(page if namespace is None else (namespace, page))
+            child = children.get(page if namespace is None else (namespace, page))  # ``page_key``, inline: per node
             if child is None:
                 break
             key = child.raw

@@ -15,7 +15,10 @@ from cache_helpers import drain, make_cache, pages, put
 from hicache_fsm.errors import BadIndices, BadTokenIds, HiCacheError, TokenIdTypeError, UnknownJob
 from hicache_fsm.jobs import Completion
 from hicache_fsm.storage.memory import MemoryBackend
-from hicache_fsm.tokens import TOKEN_ID_LIMIT, as_token_ids, pack_token_ids, token_id_bytes
+from hicache_fsm.tokens import (
+    TOKEN_ID_LIMIT, as_token_ids, check_id_array, checked_id_array, id_array, pack_id_array, pack_token_ids,
+    token_id_bytes,
+)
 
 BAD = [
     (-1, BadTokenIds, "outside"),
@@ -229,3 +232,18 @@ def test_an_array_of_floats_names_the_first_float():
     with pytest.raises(TokenIdTypeError) as info:
         as_token_ids(array("d", [2.0, 0.5]))
     assert info.value.position == 0
+
+
+@pytest.mark.parametrize("form", [lambda v: array("q", v), lambda v: np.array(v, dtype=np.int64),
+                                  lambda v: torch.tensor(v, dtype=torch.int32)], ids=["array_q", "numpy", "tensor"])
+def test_an_engine_checks_an_id_array_once_and_packs_slices_of_it(form):
+    """The public pieces ``match_prefix`` uses: ``id_array`` reads, ``check_id_array`` checks, ``pack_id_array`` packs."""
+    ids = checked_id_array(form([5, 6, 7, 8]))
+    assert pack_id_array(ids[:2]) == pack_token_ids([5, 6]) and pack_id_array(ids) == pack_token_ids([5, 6, 7, 8])
+    bad = form([5, 6, 7, -1])
+    check_id_array(id_array(bad)[:3])  # the good part passes alone
+    for check in (lambda: check_id_array(id_array(bad)), lambda: checked_id_array(bad)):
+        with pytest.raises(BadTokenIds) as info:
+            check()
+        assert info.value.position == 3
+    assert id_array((5, 6)) is None and checked_id_array([5, 6]) is None and id_array(np.array([0.5])) is None
