@@ -236,18 +236,19 @@ class ResidencyDriver:
             self.notify({"event": "removed", "node": node.id})
 
     def walk(self, tokens: tuple, namespace: Hashable) -> tuple[list[TreeNode], int, int]:
-        """``tree.walk``, remembered for the same token tuple while the tree keeps its shape.
+        """``tree.walk``, remembered for the same ids while the tree keeps its shape.
 
         An engine calls ``match_prefix(tokens)`` and then ``insert(tokens, ...)``
-        with the same prefix; comparing thousands of token ids twice is the
-        largest cost of a request, so the second walk reuses the first when
-        nothing was split, added or removed in between (tuples are immutable).
+        with the same prefix; the second walk reuses the first when nothing
+        was split, added or removed in between. The same ids are the same
+        object (a tuple or list ``RequestIds`` remembered) or, for an array
+        packed again by each call, equal packed ids: one ``memcmp`` of their
+        bytes (``TokenIds`` are immutable), where the walk looks up a page at a time.
         """
         memo = self._memo
         tree = self.tree
-        if memo is not None and memo[0] is tokens and memo[2] is tree and memo[3] == tree.version and (
-            memo[1] is namespace or memo[1] == namespace
-        ):
+        if memo is not None and (memo[0] is tokens or memo[0] == tokens) and memo[2] is tree \
+                and memo[3] == tree.version and (memo[1] is namespace or memo[1] == namespace):
             return memo[4]
         try:
             result = tree.walk(tokens, namespace)

@@ -155,3 +155,21 @@ def test_a_tuple_or_an_unchanged_list_is_checked_once_for_match_then_insert_an_a
     cache.insert(tensor, cache.alloc_device(8))
     # a miss checks its first page; insert checks the whole tensor again (it may change without a trace)
     assert checked == [("array", PAGE), ("Tensor", 8)]
+
+
+@pytest.mark.parametrize("change", ["none", "set_last", "append_page"])
+def test_insert_of_an_array_reuses_the_walk_of_its_match_only_while_its_ids_are_equal(monkeypatch, change):
+    from hicache_fsm.radix import RadixTree
+
+    cache, _ = make_cache(page=PAGE)
+    put(cache, range(1, 1 + 2 * PAGE))
+    walks = []
+    real_walk = RadixTree.walk
+    monkeypatch.setattr(RadixTree, "walk", lambda self, *a: walks.append(1) or real_walk(self, *a))
+    request = array("q", list(range(1, 1 + 2 * PAGE)) + [40, 41, 42, 43])
+    cache.match_prefix(request)  # packed into one TokenIds ...
+    CHANGES[change](request)
+    result = cache.insert(request, cache.alloc_device(len(request)))  # ... and into another, equal unless changed
+    assert len(walks) == (1 if change == "none" else 2)
+    assert tuple(request) in _cached_ids(cache)
+    assert result.cached_tokens == 2 * PAGE
