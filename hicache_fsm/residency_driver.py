@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
     from hicache_fsm.interfaces import Attached, Jobs, StructureHooks
     from hicache_fsm.machine import CompiledMachine, CompiledTransition
+    from hicache_fsm.tokens import TokenIds
 
 
 def _slots(slots: "bytes | torch.Tensor | None", allocator: object) -> "PageSlots | torch.Tensor | None":
@@ -235,7 +236,7 @@ class ResidencyDriver:
         if self._observers:
             self.notify({"event": "removed", "node": node.id})
 
-    def walk(self, tokens: tuple, namespace: Hashable) -> tuple[list[TreeNode], int, int]:
+    def walk(self, tokens: "TokenIds", namespace: Hashable) -> tuple[list[TreeNode], int, int]:
         """``tree.walk``, remembered for the same ids while the tree keeps its shape.
 
         An engine calls ``match_prefix(tokens)`` and then ``insert(tokens, ...)``
@@ -264,7 +265,7 @@ class ResidencyDriver:
         except TypeError as exc:  # an unhashable namespace: the error ``walk`` gives
             raise _unhashable(exc) from None
 
-    def walk_splitting(self, tokens: tuple, namespace: Hashable) -> tuple[list[TreeNode], int]:
+    def walk_splitting(self, tokens: "TokenIds", namespace: Hashable) -> tuple[list[TreeNode], int]:
         """``walk``, splitting a node that matches only in part so the match ends on a node boundary."""
         path, matched, partial = self.walk(tokens, namespace)
         if partial:
