@@ -11,9 +11,10 @@ only the first page of a request that no cached prefix begins with.
 
 from __future__ import annotations
 
+from array import array
 from typing import TYPE_CHECKING, Hashable
 
-from hicache_fsm.tokens import TokenIds, check_id_array, id_array, pack_id_array, pack_token_ids
+from hicache_fsm.tokens import TokenIds, array_head_bytes, check_id_array, id_array, pack_id_array, pack_token_ids
 
 if TYPE_CHECKING:
     from hicache_fsm.radix import TreeNode
@@ -69,9 +70,12 @@ class RequestIds:
         A miss is known from the first page (no cached prefix begins with it):
         that page is checked and packed, and nothing after it is read.
         Otherwise every id is checked and packed before the walk: a tuple or
-        a list has its first page packed twice (about 1 us); an integer array
-        or tensor has its first page looked up before it is checked (the
-        lookup changes nothing), then every id checked in one vectorised pass.
+        a list has its first page packed twice (about 1 us); an integer
+        ``array.array`` (SGLang's scheduler form) has its first page checked
+        and packed by ``struct`` (``array_head_bytes``); another integer
+        array or tensor has its first page looked up before it is checked
+        (the lookup changes nothing); then every id is checked in one
+        vectorised pass.
         """
         driver = self.driver
         kind = type(tokens)
@@ -84,12 +88,16 @@ class RequestIds:
             ):
                 return [], len(tokens)
         else:
+            head = array_head_bytes(tokens, self.page_size) if kind is array else None  # SGLang's form
+            if head is not None and not driver.may_match(namespace, head):
+                return [], len(tokens)
             ids = id_array(tokens)
             if ids is not None:  # an integer array or tensor: checked and packed by vectorised passes
-                first_page = ids[: self.page_size]
-                if not driver.may_match(namespace, pack_id_array(first_page).raw):
-                    check_id_array(first_page)
-                    return [], len(ids)
+                if head is None:
+                    first_page = ids[: self.page_size]
+                    if not driver.may_match(namespace, pack_id_array(first_page).raw):
+                        check_id_array(first_page)
+                        return [], len(ids)
                 check_id_array(ids)
                 return driver.walk_splitting(pack_id_array(ids), namespace)[0], len(ids)
         packed = self.packed(tokens)

@@ -26,5 +26,14 @@ def test_the_default_form_is_the_array_sglangs_scheduler_holds_ids_in():
     """The peer is handed ``array("q")``: by default ours gets the same form, so the ratio compares like inputs."""
     parser = argparse.ArgumentParser()
     scale.configure(parser)
-    form = scale.ID_FORMS[parser.parse_args([]).ids][0]((1, 2, 3))
-    assert type(form) is array and form == scale.sglang_peer.SGLangRadixPeer.engine_form((1, 2, 3))
+    default = parser.parse_args([]).ids
+    form = scale.ID_FORMS[default][0]((1, 2, 3))
+    peer = scale.sglang_peer.PEER_FORMS[scale.sglang_peer.peer_form(default)][0]((1, 2, 3))
+    assert type(form) is array and type(peer) is array and form == peer
+
+
+@pytest.mark.parametrize("ids", ["tuple", "list"])
+def test_with_python_ids_the_peer_is_handed_python_ids_too(ids):
+    """Ours timed on a tuple or list is compared with SGLang handed a list (it keeps no tuples), never an array."""
+    peer = scale.sglang_peer.PEER_FORMS[scale.sglang_peer.peer_form(ids)][0]((1, 2, 3))
+    assert type(peer) is list and peer == [1, 2, 3]

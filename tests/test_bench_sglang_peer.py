@@ -92,9 +92,10 @@ pages = st.lists(st.integers(0, 2), min_size=1, max_size=5)
 
 @settings(max_examples=25, deadline=None)
 @given(inserted=st.lists(pages, min_size=1, max_size=6), probes=st.lists(pages, max_size=6),
-       tail=st.integers(0, PAGE - 1))
-def test_peer_matches_and_inserts_what_ours_does(sgl, inserted, probes, tail):
-    ours, peer = _ours(64 * PAGE), sglang_peer.SGLangRadixPeer(sgl, PAGE)
+       tail=st.integers(0, PAGE - 1), form=st.sampled_from(sorted(sglang_peer.PEER_FORMS)))
+def test_peer_matches_and_inserts_what_ours_does(sgl, inserted, probes, tail, form):
+    """In either form the peer can be handed (an array or a list), it caches what ours caches."""
+    ours, peer = _ours(64 * PAGE), sglang_peer.SGLangRadixPeer(sgl, PAGE, form)
     for seq in inserted:
         tokens = sum((_page(s) for s in seq), ())
         assert _put_peer(peer, tokens) == _put_ours(ours, tokens)
@@ -150,3 +151,11 @@ def test_bench_all_keeps_the_hand_written_tail_of_the_page(tmp_path):
     assert bench_all.kept_tail(page) == "\n" + bench_all.KEPT + "\n\n## By hand\n"
     page.write_text("# generated, no hand-written part\n", encoding="utf-8")
     assert bench_all.kept_tail(page) == ""
+
+
+@pytest.mark.parametrize("ids", ["array", "list"])
+def test_the_peer_is_timed_on_the_form_the_result_names(sgl, ids):
+    """With ours on Python ids the peer gets a list, with an array an array; ``ids`` says which."""
+    out = scale.measure(100, chunks=1, calls=2, headroom_pages=0, seed=0, warmup_cycles=2, peer=sgl, ids=ids)
+    assert out["ids"][sglang_peer.NAME] == sglang_peer.PEER_FORMS[ids][1]
+    assert out["vs_sglang_peer_match"] > 0

@@ -67,17 +67,22 @@ def test_an_id_array_matches_as_the_tuple_of_its_ids(cached, asked, form):
     as_array.check_invariants()
 
 
-def test_a_miss_packs_the_first_page_only_and_a_hit_packs_the_rest(monkeypatch):
+@pytest.mark.parametrize("form", ["array_q", "numpy_int64"])
+def test_a_miss_packs_the_first_page_only_and_a_hit_packs_the_rest(monkeypatch, form):
+    """An ``array.array``'s first page is packed by ``struct``, another array's by numpy; a hit then packs it all."""
     import hicache_fsm.request_ids as request_ids
 
     packed: list[int] = []
-    real = request_ids.pack_id_array
-    monkeypatch.setattr(request_ids, "pack_id_array", lambda ids: packed.append(len(ids)) or real(ids))
+    real_pack, real_head = request_ids.pack_id_array, request_ids.array_head_bytes
+    monkeypatch.setattr(request_ids, "pack_id_array", lambda ids: packed.append(len(ids)) or real_pack(ids))
+    monkeypatch.setattr(request_ids, "array_head_bytes",
+                        lambda ids, n: packed.append(min(n, len(ids))) or real_head(ids, n))
+    build = FORMS[form]
     cache, _ = make_cache(page=PAGE)
     cache.insert((1, 2, 3, 4), cache.alloc_device(PAGE))
-    miss = cache.match_prefix(array("q", range(5, 5 + 4 * PAGE)))
+    miss = cache.match_prefix(build(list(range(5, 5 + 4 * PAGE))))
     assert packed == [PAGE] and miss.device_hit_length == 0
-    hit = cache.match_prefix(array("q", [1, 2, 3, 4] + list(range(20, 20 + 3 * PAGE))))
+    hit = cache.match_prefix(build([1, 2, 3, 4] + list(range(20, 20 + 3 * PAGE))))
     assert packed == [PAGE, PAGE, 4 * PAGE] and hit.device_hit_length == PAGE
     assert cache.counters["miss_tokens"] == 4 * PAGE + 3 * PAGE
 

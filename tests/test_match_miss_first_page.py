@@ -99,17 +99,24 @@ def test_a_miss_reads_only_the_first_page():
         cache.match_prefix([1, 2, 3, 4] + [Unreadable()] * 4)
 
 
-def test_a_miss_checks_one_page_of_an_array_and_a_hit_all_of_it(monkeypatch):
+@pytest.mark.parametrize("form", ["array_q", "numpy_int64"])
+def test_a_miss_checks_one_page_of_an_array_and_a_hit_all_of_it(monkeypatch, form):
+    """A miss checks the first page alone (an ``array.array``'s in its ``struct`` packing, ``array_head_bytes``;
+    another array's by ``check_id_array``); a hit checks every id once more, in one vectorised pass."""
     import hicache_fsm.request_ids as request_ids
 
     checked: list[int] = []
-    real = request_ids.check_id_array
-    monkeypatch.setattr(request_ids, "check_id_array", lambda ids: checked.append(len(ids)) or real(ids))
+    real_check, real_head = request_ids.check_id_array, request_ids.array_head_bytes
+    monkeypatch.setattr(request_ids, "check_id_array", lambda ids: checked.append(len(ids)) or real_check(ids))
+    monkeypatch.setattr(request_ids, "array_head_bytes",
+                        lambda ids, n: checked.append(min(n, len(ids))) or real_head(ids, n))
+    build = FORMS[form][0]
     cache = _cached([[1, 2, 3, 4]])
-    assert cache.match_prefix(array("q", range(5, 5 + 4 * PAGE))).device_hit_length == 0
+    assert cache.match_prefix(build(list(range(5, 5 + 4 * PAGE)))).device_hit_length == 0
     assert checked == [PAGE]
-    assert cache.match_prefix(array("q", [1, 2, 3, 4] + list(range(20, 20 + 3 * PAGE)))).device_hit_length == PAGE
-    assert checked == [PAGE, 4 * PAGE]  # a hit: the first page looked up, then every id checked once
+    assert cache.match_prefix(build([1, 2, 3, 4] + list(range(20, 20 + 3 * PAGE)))).device_hit_length == PAGE
+    # a hit: the first page looked up (an array.array's checked as it is packed), then every id checked once
+    assert checked == ([PAGE, PAGE, 4 * PAGE] if form == "array_q" else [PAGE, 4 * PAGE])
 
 
 def test_insert_after_a_miss_packs_the_whole_request_once():

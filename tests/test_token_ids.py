@@ -16,8 +16,8 @@ from hicache_fsm.errors import BadIndices, BadTokenIds, HiCacheError, TokenIdTyp
 from hicache_fsm.jobs import Completion
 from hicache_fsm.storage.memory import MemoryBackend
 from hicache_fsm.tokens import (
-    TOKEN_ID_LIMIT, as_token_ids, check_id_array, checked_id_array, id_array, pack_id_array, pack_token_ids,
-    token_id_bytes,
+    TOKEN_ID_LIMIT, array_head_bytes, as_token_ids, check_id_array, checked_id_array, id_array, pack_id_array,
+    pack_token_ids, token_id_bytes,
 )
 
 BAD = [
@@ -247,3 +247,30 @@ def test_an_engine_checks_an_id_array_once_and_packs_slices_of_it(form):
             check()
         assert info.value.position == 3
     assert id_array((5, 6)) is None and checked_id_array([5, 6]) is None and id_array(np.array([0.5])) is None
+
+
+def _typecode_range(code: str) -> tuple[int, int]:
+    """The values an ``array.array`` of integer typecode ``code`` holds: [low, high)."""
+    bits = 8 * array(code).itemsize
+    return (-(1 << (bits - 1)), 1 << (bits - 1)) if code.islower() else (0, 1 << bits)
+
+
+_TYPECODE_RANGES = {code: _typecode_range(code) for code in "bBhHiIlLqQ"}
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data(), code=st.sampled_from(sorted(_TYPECODE_RANGES)), n=st.integers(0, 12))
+def test_an_arrays_head_is_packed_as_its_ids_are_or_left_to_the_vectorised_check(data, code, n):
+    """``array_head_bytes``: the first ``n`` ids packed exactly as ``pack_token_ids`` packs them, or None when one
+    of them is out of range (the vectorised check then names it); an array of floats gives None."""
+    low, high = _TYPECODE_RANGES[code]
+    values = data.draw(st.lists(st.integers(low, high - 1), max_size=16))
+    head = values[:n]
+    got = array_head_bytes(array(code, values), n)
+    if all(0 <= v < TOKEN_ID_LIMIT for v in head):
+        assert got == pack_token_ids(head).raw
+    else:
+        assert got is None
+        with pytest.raises(BadTokenIds):
+            check_id_array(id_array(array(code, head)))
+    assert array_head_bytes(array("d", [1.0, 2.0]), n) is None

@@ -45,10 +45,12 @@ takes each request's 4,096 ids on every call in the form ``--ids`` names
 request arrived. ``--ids array`` (default) hands ours the ``array('q')``
 SGLang's scheduler holds a request's ids in, the very form the SGLang peer is
 handed, so ``vs_sglang_peer`` compares the same input; ``tuple`` and ``list``
-are the Python forms. ``insert`` right after ``match_prefix`` with the same
-tuple, or the same unchanged list, reuses that call's packing; an array is
-checked and packed by every call; a miss checks and packs its first page
-only, whatever the form. The packing
+are the Python forms, and with either the peer is handed lists (its
+``RadixKey`` takes them; SGLang keeps no tuples), so it too pays for Python
+ids (``ids`` in the result names each variant's form). ``insert`` right
+after ``match_prefix`` with the same tuple, or the same unchanged list,
+reuses that call's packing; an array is checked and packed by every call; a
+miss checks and packs its first page only, whatever the form. The packing
 of a 4,096-id tuple is timed apart as ``pack_us``: add it once per request to
 the packed figures. Ratios against the smallest size are printed: the targets are
 ``evict_us`` and ``cycle_us`` within 2x and match / insert / lock within 1.5x
@@ -114,7 +116,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="run every size in this interpreter (peak RSS then accumulates)")
     parser.add_argument("--ids", choices=tuple(ID_FORMS), default="array",
                         help="the form ours is handed each request's ids in on every call: array (default: "
-                             "array('q'), as SGLang's scheduler holds them and the peer gets them), tuple or list")
+                             "array('q'), as SGLang's scheduler holds them), tuple or list (the SGLang peer then "
+                             "gets lists)")
     parser.add_argument("--peer", choices=("auto", "sglang", "none"), default="auto",
                         help="also time SGLang's own RadixCache in the same run: auto (default) when sglang is "
                              "importable, sglang to require it, none to skip it")
@@ -390,7 +393,8 @@ def measure(nodes: int, chunks: int, calls: int, headroom_pages: int, seed: int,
     ours = _Ours(nodes, warm, headroom_pages, ids)
     variants = [ours] + [_Baseline(name, nodes, warm) for name in baselines]
     if peer is not None:
-        variants.append(_Baseline(sglang_peer.NAME, nodes, warm, sglang_peer.SGLangRadixPeer(peer, PAGE)))
+        peer_cache = sglang_peer.SGLangRadixPeer(peer, PAGE, sglang_peer.peer_form(ids))
+        variants.append(_Baseline(sglang_peer.NAME, nodes, warm, peer_cache))
     out: dict = {"nodes": nodes, "baselines": [v.name for v in variants[1:]], "bytes_per_node": _filled(ours, nodes)}
     if peer is not None:
         out["sglang_peer_version"] = peer.version
@@ -528,6 +532,8 @@ def measure(nodes: int, chunks: int, calls: int, headroom_pages: int, seed: int,
                                        | {v.name: min(max(1, calls // 4), scan_calls) for v in variants[1:]}, pc)
     cache.poll()
     out["ids"] = {"ours": ID_FORMS[ids][1], "packed": "a TokenIds packed once per request"}
+    if peer is not None:
+        out["ids"][sglang_peer.NAME] = sglang_peer.PEER_FORMS[sglang_peer.peer_form(ids)][1]
     for key, by_variant in results.items():
         out[key] = round(by_variant["ours"], 2)
         for v in variants[1:]:
@@ -645,7 +651,9 @@ def run(args: argparse.Namespace) -> dict:
             row = [f"/ {name}"] + [f"{r[f'vs_{name}_packed_{c[:-3]}']}x" if c in ID_OPS else "-" for c in OPS]
             print("  " + "  ".join(c.rjust(16) for c in row), file=out)
         print(f"  ids ({REQUEST} a request): ours takes {r['ids']['ours']}; ours packed takes a TokenIds packed "
-              f"once per request (a tuple took {r['pack_us']} us to pack)", file=out)
+              f"once per request (a tuple took {r['pack_us']} us to pack)"
+              + (f"; the SGLang peer takes {r['ids'][sglang_peer.NAME]}" if sglang_peer.NAME in r["ids"] else ""),
+              file=out)
         print(f"  insert without the host backup it starts: {r['insert_nobackup_us']} us ("
               + ", ".join(f"{r[f'vs_{name}_insert_nobackup']}x {name}" for name in names) + ")", file=out)
         if peer is not None:

@@ -6,10 +6,11 @@ modelled. It is built the way SGLang's unit tests build it
 (``RadixCache.create_simulated`` with a mock allocator): CPU, no memory pools,
 LRU eviction (SGLang's default), KV events and metrics off. Each call does
 what SGLang's scheduler does around it: the request's ids are held as an
-``array('q')`` (``engine_form``, untimed) and wrapped in a ``RadixKey`` per
-call; a match also reads the prefix's device slots with
-``path_device_indices`` (our ``match_prefix`` hands them back; ``match_length``
-skips them); eviction frees each victim's slots through the allocator.
+``array('q')`` (``engine_form``, untimed; or a list, ``PEER_FORMS``, where
+ours is timed on Python ids) and wrapped in a ``RadixKey`` per call; a match
+also reads the prefix's device slots with ``path_device_indices`` (our
+``match_prefix`` hands them back; ``match_length`` skips them); eviction
+frees each victim's slots through the allocator.
 
 SGLang's package imports torchvision through model configs that
 ``RadixCache`` never uses. Where torchvision cannot be imported (its wheels
@@ -27,11 +28,23 @@ from array import array
 from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib import metadata
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
 NAME = "sglang_peer"
+# How the peer is handed a request's ids (untimed), and how ``bench scale`` names that form.
+PEER_FORMS: dict[str, tuple[Callable[[Sequence[int]], Any], str]] = {
+    "array": (lambda ids: array("q", ids), "an array('q'), as SGLang's scheduler holds ids"),
+    "list": (list, "a list (SGLang's RadixKey takes lists, as its unit tests hand them; it keeps no tuples)"),
+}
+
+
+def peer_form(ours: str) -> str:
+    """The ``PEER_FORMS`` entry matching the form ours is handed: the same array, or Python ids as a list."""
+    return "array" if ours == "array" else "list"
+
+
 _TORCHVISION = ("torchvision", "torchvision.transforms", "torchvision.transforms.functional")
 
 
@@ -123,28 +136,29 @@ class _CountingAllocator:
 class SGLangRadixPeer:
     """SGLang's ``RadixCache`` behind ``RadixLikeSGLang``'s interface (match / insert / lock refs / evict)."""
 
-    def __init__(self, sgl: SGLangRadix, page_size: int) -> None:
+    def __init__(self, sgl: SGLangRadix, page_size: int, ids: str = "array") -> None:
         self._sgl = sgl
         self.allocator = _CountingAllocator()
         self.cache = sgl.radix_cache.create_simulated(mock_allocator=self.allocator, page_size=page_size)
+        self.ids = ids
+        self._form = PEER_FORMS[ids][0]
 
-    @staticmethod
-    def engine_form(tokens: Sequence[int]) -> array:
-        """What SGLang's scheduler holds for a request's ids."""
-        return array("q", tokens)
+    def engine_form(self, tokens: Sequence[int]) -> Sequence[int]:
+        """What the engine holds for a request's ids: an ``array('q')`` (SGLang's scheduler) or a list (``ids``)."""
+        return self._form(tokens)
 
-    def match_prefix(self, key: array) -> tuple[torch.Tensor, Any]:
+    def match_prefix(self, key: Sequence[int]) -> tuple[torch.Tensor, Any]:
         """The cached prefix's device slots and its last node, as the scheduler reads them."""
         sgl = self._sgl
         node = self.cache.match_prefix(sgl.match_params(key=sgl.radix_key(key))).last_device_node
         return self.cache.path_device_indices(node), node
 
-    def match_length(self, key: array) -> int:
+    def match_length(self, key: Sequence[int]) -> int:
         """``match_prefix`` alone: the cached prefix's length, no slots read."""
         sgl = self._sgl
         return self.cache.match_prefix(sgl.match_params(key=sgl.radix_key(key))).device_prefix_len
 
-    def insert(self, key: array, value: torch.Tensor) -> int:
+    def insert(self, key: Sequence[int], value: torch.Tensor) -> int:
         """Insert ``key`` with its slots; the length that was already cached."""
         sgl = self._sgl
         return self.cache.insert(sgl.insert_params(key=sgl.radix_key(key), value=value)).prefix_len
