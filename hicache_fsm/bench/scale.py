@@ -392,9 +392,9 @@ def measure(nodes: int, chunks: int, calls: int, headroom_pages: int, seed: int,
     warm = 16
     ours = _Ours(nodes, warm, headroom_pages, ids)
     variants = [ours] + [_Baseline(name, nodes, warm) for name in baselines]
+    peer_ids = sglang_peer.peer_form(ids)  # the form the peer is handed
     if peer is not None:
-        peer_cache = sglang_peer.SGLangRadixPeer(peer, PAGE, sglang_peer.peer_form(ids))
-        variants.append(_Baseline(sglang_peer.NAME, nodes, warm, peer_cache))
+        variants.append(_Baseline(sglang_peer.NAME, nodes, warm, sglang_peer.SGLangRadixPeer(peer, PAGE, peer_ids)))
     out: dict = {"nodes": nodes, "baselines": [v.name for v in variants[1:]], "bytes_per_node": _filled(ours, nodes)}
     if peer is not None:
         out["sglang_peer_version"] = peer.version
@@ -533,7 +533,7 @@ def measure(nodes: int, chunks: int, calls: int, headroom_pages: int, seed: int,
     cache.poll()
     out["ids"] = {"ours": ID_FORMS[ids][1], "packed": "a TokenIds packed once per request"}
     if peer is not None:
-        out["ids"][sglang_peer.NAME] = sglang_peer.PEER_FORMS[sglang_peer.peer_form(ids)][1]
+        out["ids"][sglang_peer.NAME] = sglang_peer.PEER_FORMS[peer_ids][1]
     for key, by_variant in results.items():
         out[key] = round(by_variant["ours"], 2)
         for v in variants[1:]:

@@ -140,7 +140,6 @@ class SGLangRadixPeer:
         self._sgl = sgl
         self.allocator = _CountingAllocator()
         self.cache = sgl.radix_cache.create_simulated(mock_allocator=self.allocator, page_size=page_size)
-        self.ids = ids
         self._form = PEER_FORMS[ids][0]
 
     def engine_form(self, tokens: Sequence[int]) -> Sequence[int]:
