@@ -14,7 +14,15 @@ from __future__ import annotations
 from array import array
 from typing import TYPE_CHECKING, Hashable
 
-from hicache_fsm.tokens import TokenIds, array_head_bytes, check_id_array, id_array, pack_id_array, pack_token_ids
+from hicache_fsm.tokens import (
+    TokenIds,
+    array_head_bytes,
+    check_id_array,
+    id_array,
+    id_array_head_bytes,
+    pack_id_array,
+    pack_token_ids,
+)
 
 if TYPE_CHECKING:
     from hicache_fsm.radix import TreeNode
@@ -73,9 +81,9 @@ class RequestIds:
         a list has its first page packed twice (about 1 us); an integer
         ``array.array`` (SGLang's scheduler form) has its first page checked
         and packed by ``struct`` (``array_head_bytes``); another integer
-        array or tensor has its first page looked up before it is checked
-        (the lookup changes nothing); then every id is checked in one
-        vectorised pass.
+        array or tensor has it checked on its raw bytes where its dtype
+        allows (``id_array_head_bytes``: 4- and 8-byte native ids), else by
+        ``check_id_array``; then every id is checked in one vectorised pass.
         """
         driver = self.driver
         kind = type(tokens)
@@ -94,9 +102,12 @@ class RequestIds:
             ids = id_array(tokens)
             if ids is not None:  # an integer array or tensor: checked and packed by vectorised passes
                 if head is None:
-                    first_page = ids[: self.page_size]
-                    if not driver.may_match(namespace, pack_id_array(first_page).raw):
+                    head = id_array_head_bytes(ids, self.page_size)
+                    if head is None:  # another dtype, or a bad id in the first page: named here
+                        first_page = ids[: self.page_size]
                         check_id_array(first_page)
+                        head = pack_id_array(first_page).raw
+                    if not driver.may_match(namespace, head):
                         return [], len(ids)
                 check_id_array(ids)
                 return driver.walk_splitting(pack_id_array(ids), namespace)[0], len(ids)

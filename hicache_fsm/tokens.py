@@ -51,7 +51,8 @@ TOKEN_ID_LIMIT = 1 << 32  # exclusive: ids are packed as 4-byte unsigned ints
 ID_BYTES = 4
 
 __all__ = ["ID_BYTES", "TOKEN_ID_LIMIT", "TokenIds", "array_head_bytes", "as_token_ids", "check_id_array",
-           "checked_id_array", "id_array", "pack_id_array", "pack_token_ids", "token_id_bytes", "unpack_token_ids"]
+           "checked_id_array", "id_array", "id_array_head_bytes", "pack_id_array", "pack_token_ids", "token_id_bytes",
+           "unpack_token_ids"]
 
 _LE_UINT32 = np.dtype("<u4")
 _CODE = next(c for c in "IL" if array(c).itemsize == ID_BYTES)  # 'I' on every platform CPython supports
@@ -195,6 +196,29 @@ def array_head_bytes(tokens: array, n: int) -> bytes | None:
         return _packer(len(head)).pack(*head)
     except struct.error:
         return None
+
+
+def id_array_head_bytes(ids: np.ndarray, n: int) -> bytes | None:
+    """The first ``n`` ids of an array from :func:`id_array`, checked and packed by byte operations; else None.
+
+    A ``match_prefix`` miss of a tensor reads one page: for native 4- and
+    8-byte ids the range check is a test on the page's raw bytes (int32: no
+    sign byte has its top bit set; 8-byte ids: every high word is zero), a
+    tenth of what a vectorised minimum costs on 64 ids. None for other
+    dtypes, a byte-swapped or big-endian array, and a page with an id out of
+    range: :func:`check_id_array` takes those (and names the bad id).
+    """
+    dtype = ids.dtype
+    if _SWAP or not dtype.isnative:
+        return None
+    size = dtype.itemsize
+    if size == 4:
+        raw = ids[:n].tobytes()
+        return raw if dtype.kind == "u" or raw[3::4].isascii() else None  # byte 3 of 4 holds an int32's sign
+    if size == 8:
+        words = memoryview(ids[:n].tobytes()).cast("I")  # low word, high word, low word, ...
+        return None if words[1::2].tobytes().strip(b"\0") else words[::2].tobytes()
+    return None
 
 
 def check_id_array(ids: np.ndarray) -> None:

@@ -29,6 +29,8 @@ FORMS = {  # form -> (builder, the bad values it can hold)
     "array_q": (lambda ids: array("q", ids), OUT_OF_RANGE),
     "numpy_int64": (lambda ids: np.array(ids, dtype=np.int64), OUT_OF_RANGE),
     "tensor_int64": (lambda ids: torch.tensor(ids, dtype=torch.int64), OUT_OF_RANGE),
+    "tensor_int32": (lambda ids: torch.tensor(ids, dtype=torch.int32), [-1, -(2**31)]),
+    "numpy_uint64": (lambda ids: np.array(ids, dtype=np.uint64), [2**32, 2**63]),
 }
 
 
@@ -99,24 +101,28 @@ def test_a_miss_reads_only_the_first_page():
         cache.match_prefix([1, 2, 3, 4] + [Unreadable()] * 4)
 
 
-@pytest.mark.parametrize("form", ["array_q", "numpy_int64"])
+@pytest.mark.parametrize("form", ["array_q", "numpy_int64", "tensor_int32"])
 def test_a_miss_checks_one_page_of_an_array_and_a_hit_all_of_it(monkeypatch, form):
     """A miss checks the first page alone (an ``array.array``'s in its ``struct`` packing, ``array_head_bytes``;
-    another array's by ``check_id_array``); a hit checks every id once more, in one vectorised pass."""
+    another array's on its raw bytes, ``id_array_head_bytes``); a hit checks every id once more, in one
+    vectorised pass."""
     import hicache_fsm.request_ids as request_ids
 
     checked: list[int] = []
-    real_check, real_head = request_ids.check_id_array, request_ids.array_head_bytes
+    real_check, real_head, real_raw = (request_ids.check_id_array, request_ids.array_head_bytes,
+                                       request_ids.id_array_head_bytes)
     monkeypatch.setattr(request_ids, "check_id_array", lambda ids: checked.append(len(ids)) or real_check(ids))
     monkeypatch.setattr(request_ids, "array_head_bytes",
                         lambda ids, n: checked.append(min(n, len(ids))) or real_head(ids, n))
+    monkeypatch.setattr(request_ids, "id_array_head_bytes",
+                        lambda ids, n: checked.append(min(n, len(ids))) or real_raw(ids, n))
     build = FORMS[form][0]
     cache = _cached([[1, 2, 3, 4]])
     assert cache.match_prefix(build(list(range(5, 5 + 4 * PAGE)))).device_hit_length == 0
     assert checked == [PAGE]
     assert cache.match_prefix(build([1, 2, 3, 4] + list(range(20, 20 + 3 * PAGE)))).device_hit_length == PAGE
     # a hit: the first page looked up (an array.array's checked as it is packed), then every id checked once
-    assert checked == ([PAGE, PAGE, 4 * PAGE] if form == "array_q" else [PAGE, 4 * PAGE])
+    assert checked == [PAGE, PAGE, 4 * PAGE]
 
 
 def test_insert_after_a_miss_packs_the_whole_request_once():

@@ -16,8 +16,8 @@ from hicache_fsm.errors import BadIndices, BadTokenIds, HiCacheError, TokenIdTyp
 from hicache_fsm.jobs import Completion
 from hicache_fsm.storage.memory import MemoryBackend
 from hicache_fsm.tokens import (
-    TOKEN_ID_LIMIT, array_head_bytes, as_token_ids, check_id_array, checked_id_array, id_array, pack_id_array,
-    pack_token_ids, token_id_bytes,
+    TOKEN_ID_LIMIT, array_head_bytes, as_token_ids, check_id_array, checked_id_array, id_array, id_array_head_bytes,
+    pack_id_array, pack_token_ids, token_id_bytes,
 )
 
 BAD = [
@@ -274,3 +274,33 @@ def test_an_arrays_head_is_packed_as_its_ids_are_or_left_to_the_vectorised_check
         with pytest.raises(BadTokenIds):
             check_id_array(id_array(array(code, head)))
     assert array_head_bytes(array("d", [1.0, 2.0]), n) is None
+
+
+_DTYPES = ["<i4", "<u4", "<i8", "<u8", ">i4", ">i8", "<i2", "<u2", "i1", "u1"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), dtype=st.sampled_from(_DTYPES), n=st.integers(0, 12))
+def test_an_id_arrays_head_is_packed_from_its_bytes_as_its_ids_are_or_left_to_the_vectorised_check(data, dtype, n):
+    """``id_array_head_bytes``: the first ``n`` ids of a numpy array packed exactly as ``pack_token_ids`` packs
+    them, or None when one is out of range or the dtype has no byte check (byte-swapped, narrower than 4 bytes);
+    None never hides a bad id from ``check_id_array``."""
+    info = np.iinfo(np.dtype(dtype))
+    values = data.draw(st.lists(st.integers(int(info.min), int(info.max)), max_size=16))
+    ids = np.array(values, dtype=dtype)
+    got = id_array_head_bytes(ids, n)
+    head = values[:n]
+    in_range = all(0 <= v < TOKEN_ID_LIMIT for v in head)
+    if got is not None:
+        assert in_range and got == pack_token_ids(head).raw
+    elif in_range:
+        assert not np.dtype(dtype).isnative or np.dtype(dtype).itemsize < 4
+    else:
+        with pytest.raises(BadTokenIds):
+            check_id_array(ids[:n])
+
+
+def test_an_int32_tensors_head_is_packed_from_its_bytes():
+    ids = torch.tensor([7, 2**31 - 1, 0, 5], dtype=torch.int32)
+    assert id_array_head_bytes(id_array(ids), 3) == pack_token_ids([7, 2**31 - 1, 0]).raw
+    assert id_array_head_bytes(id_array(torch.tensor([7, -1], dtype=torch.int32)), 2) is None

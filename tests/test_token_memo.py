@@ -141,6 +141,9 @@ def test_a_tuple_or_an_unchanged_list_is_checked_once_for_match_then_insert_an_a
                         lambda t: checked.append((type(t).__name__, len(t))) or real_pack(t))
     monkeypatch.setattr(request_ids, "check_id_array",
                         lambda ids: checked.append(("array", len(ids))) or real_check(ids))
+    real_head = request_ids.id_array_head_bytes  # a tensor's first page, checked on its bytes
+    monkeypatch.setattr(request_ids, "id_array_head_bytes",
+                        lambda ids, n: checked.append(("array", min(n, len(ids)))) or real_head(ids, n))
     for i, form in enumerate((tuple, list, lambda ids: array("q", ids))):
         request = form(list(range(1, 1 + PAGE)) + list(range(10 * i + 10, 10 * i + 10 + PAGE)))
         cache.match_prefix(request)
