@@ -148,9 +148,9 @@ def test_a_tuple_or_an_unchanged_list_is_checked_once_for_match_then_insert_an_a
         request = form(list(range(1, 1 + PAGE)) + list(range(10 * i + 10, 10 * i + 10 + PAGE)))
         cache.match_prefix(request)
         cache.insert(request, cache.alloc_device(2 * PAGE))
-    # a tuple or list has its first page checked to ask for a miss, then the whole request once;
-    # an array (vectorised passes, its first page looked up first) is checked whole by each call: no snapshot
-    assert checked == [("tuple", PAGE), ("tuple", 2 * PAGE), ("list", PAGE), ("list", 2 * PAGE),
+    # a tuple or list has its first page checked to ask for a miss, then the whole request once (a list as the
+    # tuple snapshot it is compared with later); an array is checked whole by each call: no snapshot
+    assert checked == [("tuple", PAGE), ("tuple", 2 * PAGE), ("list", PAGE), ("tuple", 2 * PAGE),
                        ("array", 2 * PAGE), ("array", 2 * PAGE)]
     checked.clear()
     tensor = torch.arange(100, 108)
