@@ -43,13 +43,14 @@ class RequestIds:
         The last tuple or list packed is remembered, so ``insert`` after
         ``match_prefix`` with the same object packs nothing again: a tuple by
         identity (it is immutable), a list by identity and a snapshot of its
-        items, a tuple (a list's ``==`` against it, made a list again,
-        compares item pointers before values: about 5 us against 15-40 for
-        packing 4,096 ids). The snapshot costs the packing nothing:
-        ``struct`` takes a tuple's items as they are, where a list handed to
-        it is first copied into a tuple. One changed since is packed again;
-        an item replaced by an equal value (``True`` for 1) keeps the
-        packing of the value it equals. A ``TokenIds`` is already packed. An
+        items: a tuple, compared at the next call as a list again (a list's
+        ``==`` looks at item pointers before values: about 5 us with that
+        copy, against 15-40 us to pack 4,096 ids). The snapshot costs the
+        packing nothing: ``struct`` takes a tuple's items as they are, where
+        a list handed to it is first copied into a tuple. One changed since
+        is packed again; an item replaced by an equal value (``True`` for 1)
+        keeps the packing of the value it equals. A ``TokenIds`` is already
+        packed. An
         ``array.array``, a numpy array or a tensor is checked and packed by
         every call (one vectorised pass each, about 4 us for 4,096 ids): a
         snapshot would cost every ``match_prefix`` a copy (1-2 us) to save

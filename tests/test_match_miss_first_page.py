@@ -121,7 +121,8 @@ def test_a_miss_checks_one_page_of_an_array_and_a_hit_all_of_it(monkeypatch, for
     assert cache.match_prefix(build(list(range(5, 5 + 4 * PAGE)))).device_hit_length == 0
     assert checked == [PAGE]
     assert cache.match_prefix(build([1, 2, 3, 4] + list(range(20, 20 + 3 * PAGE)))).device_hit_length == PAGE
-    # a hit: the first page looked up (an array.array's checked as it is packed), then every id checked once
+    # a hit: the first page checked and looked up (by struct for an array.array, on its bytes for another
+    # array), then every id checked once
     assert checked == [PAGE, PAGE, 4 * PAGE]
 
 
