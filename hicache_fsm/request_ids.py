@@ -25,6 +25,8 @@ from hicache_fsm.tokens import (
 )
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from hicache_fsm.radix import TreeNode
     from hicache_fsm.residency_driver import ResidencyDriver
 
@@ -50,13 +52,13 @@ class RequestIds:
         a list handed to it is first copied into a tuple. One changed since
         is packed again; an item replaced by an equal value (``True`` for 1)
         keeps the packing of the value it equals. A ``TokenIds`` is already
-        packed. An
-        ``array.array``, a numpy array or a tensor is checked and packed by
-        every call (one vectorised pass each, about 4 us for 4,096 ids): a
-        snapshot would cost every ``match_prefix`` a copy (1-2 us) to save
-        about 3 us at an ``insert`` of the same unchanged array, and SGLang's
-        scheduler inserts other arrays than it matched (a grown one, a slice).
-        A numpy array or tensor can also change through a view without a trace.
+        packed. An ``array.array``, a numpy array or a tensor is checked and
+        packed by every call (one vectorised pass each, about 4 us for 4,096
+        ids): a snapshot would cost every ``match_prefix`` a copy (1-2 us) to
+        save about 3 us at an ``insert`` of the same unchanged array, and
+        SGLang's scheduler inserts other arrays than it matched (a grown one,
+        a slice). A numpy array or tensor can also change through a view
+        without a trace.
         """
         memo = self._memo
         if memo and tokens is memo[0]:
@@ -108,15 +110,19 @@ class RequestIds:
                 return [], len(tokens)
             ids = id_array(tokens)
             if ids is not None:  # an integer array or tensor: checked and packed by vectorised passes
-                if head is None:
-                    head = id_array_head_bytes(ids, self.page_size)
-                    if head is None:  # another dtype, or a bad id in the first page: named here
-                        first_page = ids[: self.page_size]
-                        check_id_array(first_page)
-                        head = pack_id_array(first_page).raw
-                    if not driver.may_match(namespace, head):
-                        return [], len(ids)
+                if head is None and not driver.may_match(namespace, self._first_page(ids)):
+                    return [], len(ids)
                 check_id_array(ids)
                 return driver.walk_splitting(pack_id_array(ids), namespace)[0], len(ids)
         packed = self.packed(tokens)
         return driver.walk_splitting(packed, namespace)[0], len(packed.raw) >> 2  # a bad namespace fails first
+
+    def _first_page(self, ids: "np.ndarray") -> bytes:
+        """The first page of an array from ``id_array``, checked and packed: on its raw bytes where its dtype
+        allows, else by the vectorised check, which names a bad id."""
+        head = id_array_head_bytes(ids, self.page_size)
+        if head is None:  # another dtype, or a bad id in the first page
+            first_page = ids[: self.page_size]
+            check_id_array(first_page)
+            head = pack_id_array(first_page).raw
+        return head

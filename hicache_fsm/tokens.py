@@ -204,9 +204,9 @@ def id_array_head_bytes(ids: np.ndarray, n: int) -> bytes | None:
     A ``match_prefix`` miss of a tensor reads one page: for native 4- and
     8-byte ids the range check is a test on the page's raw bytes (int32: no
     sign byte has its top bit set, a tenth of a vectorised minimum over 64
-    ids; 8-byte ids: every high word is zero). None for other
-    dtypes, a byte-swapped or big-endian array, and a page with an id out of
-    range: :func:`check_id_array` takes those (and names the bad id).
+    ids; 8-byte ids: every high word is zero). None for other dtypes, a
+    byte-swapped or big-endian array, and a page with an id out of range:
+    :func:`check_id_array` takes those (and names the bad id).
     """
     dtype = ids.dtype
     if _SWAP or not dtype.isnative:

@@ -119,3 +119,18 @@ def in_thread(fn: Callable[[], object]) -> dict[str, object]:
     t.start()
     t.join()
     return out
+
+
+def log_id_reads(monkeypatch, log: list[int], names: tuple[str, ...]) -> None:
+    """Wrap the functions ``names`` of ``hicache_fsm.request_ids`` so each call appends to ``log`` how many ids it
+    reads: all it is handed, or ``min(n, len(ids))`` for a first-page reader called as ``(ids, n)``."""
+    import hicache_fsm.request_ids as request_ids
+
+    for name in names:
+        real = getattr(request_ids, name)
+
+        def logged(ids, *n, real=real):
+            log.append(min((len(ids), *n)))
+            return real(ids, *n)
+
+        monkeypatch.setattr(request_ids, name, logged)

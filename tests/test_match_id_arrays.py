@@ -17,7 +17,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cache_helpers import make_cache
+from cache_helpers import log_id_reads, make_cache
 from hicache_fsm.errors import BadIndices
 
 PAGE = 4
@@ -71,16 +71,8 @@ def test_an_id_array_matches_as_the_tuple_of_its_ids(cached, asked, form):
 def test_a_miss_packs_the_first_page_only_and_a_hit_packs_the_rest(monkeypatch, form):
     """An ``array.array``'s first page is packed by ``struct``, another array's from its raw bytes; a hit then
     packs it all."""
-    import hicache_fsm.request_ids as request_ids
-
     packed: list[int] = []
-    real_pack, real_head, real_raw = (request_ids.pack_id_array, request_ids.array_head_bytes,
-                                      request_ids.id_array_head_bytes)
-    monkeypatch.setattr(request_ids, "pack_id_array", lambda ids: packed.append(len(ids)) or real_pack(ids))
-    monkeypatch.setattr(request_ids, "array_head_bytes",
-                        lambda ids, n: packed.append(min(n, len(ids))) or real_head(ids, n))
-    monkeypatch.setattr(request_ids, "id_array_head_bytes",
-                        lambda ids, n: packed.append(min(n, len(ids))) or real_raw(ids, n))
+    log_id_reads(monkeypatch, packed, ("pack_id_array", "array_head_bytes", "id_array_head_bytes"))
     build = FORMS[form]
     cache, _ = make_cache(page=PAGE)
     cache.insert((1, 2, 3, 4), cache.alloc_device(PAGE))

@@ -17,7 +17,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cache_helpers import drain, make_cache, put
+from cache_helpers import drain, log_id_reads, make_cache, put
 from hicache_fsm.errors import BadTokenIds
 
 PAGE = 4
@@ -106,16 +106,8 @@ def test_a_miss_checks_one_page_of_an_array_and_a_hit_all_of_it(monkeypatch, for
     """A miss checks the first page alone (an ``array.array``'s in its ``struct`` packing, ``array_head_bytes``;
     another array's on its raw bytes, ``id_array_head_bytes``); a hit checks every id once more, in one
     vectorised pass."""
-    import hicache_fsm.request_ids as request_ids
-
     checked: list[int] = []
-    real_check, real_head, real_raw = (request_ids.check_id_array, request_ids.array_head_bytes,
-                                       request_ids.id_array_head_bytes)
-    monkeypatch.setattr(request_ids, "check_id_array", lambda ids: checked.append(len(ids)) or real_check(ids))
-    monkeypatch.setattr(request_ids, "array_head_bytes",
-                        lambda ids, n: checked.append(min(n, len(ids))) or real_head(ids, n))
-    monkeypatch.setattr(request_ids, "id_array_head_bytes",
-                        lambda ids, n: checked.append(min(n, len(ids))) or real_raw(ids, n))
+    log_id_reads(monkeypatch, checked, ("check_id_array", "array_head_bytes", "id_array_head_bytes"))
     build = FORMS[form][0]
     cache = _cached([[1, 2, 3, 4]])
     assert cache.match_prefix(build(list(range(5, 5 + 4 * PAGE)))).device_hit_length == 0
