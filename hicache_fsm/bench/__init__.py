@@ -11,6 +11,7 @@ BENCHMARKS = {
     "controller": "hicache_fsm.bench.controller",
     "storage": "hicache_fsm.bench.storage",
     "scale": "hicache_fsm.bench.scale",
+    "insert": "hicache_fsm.bench.insert",
     "events": "hicache_fsm.bench.events",
     "all": "hicache_fsm.bench.all",
 }

@@ -24,6 +24,10 @@ ID_FORMS: dict[str, tuple[Callable[[tuple[int, ...]], object], str]] = {
 }
 
 
+# The clocks a benchmark may time with (``--clock``): process CPU time is steadier on a machine shared with other work.
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
 def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int = 5, warmup: int = 1) -> dict[str, float]:
     """Median seconds of each function, timing them round-robin in the same run."""
     for fn in fns.values():

@@ -78,13 +78,12 @@ import resource
 import statistics
 import subprocess
 import sys
-import time
 
 import torch
 
 from hicache_fsm.bench import sglang_peer
 from hicache_fsm.bench.baselines import PlainPrefixCache, RadixLikeSGLang
-from hicache_fsm.bench.common import ID_FORMS, machine_description
+from hicache_fsm.bench.common import CLOCKS, ID_FORMS, machine_description
 from hicache_fsm.executors import AckExecutor
 from hicache_fsm.cache import HiCache
 from hicache_fsm.commands.args import UsageError
@@ -108,7 +107,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunks", type=int, default=None, help="timed chunks per operation (default 7; quick 3)")
     parser.add_argument("--headroom-pages", type=int, default=0,
                         help="CacheConfig.eviction_headroom_tokens in pages: evicted beyond the shortfall (default 0)")
-    parser.add_argument("--clock", choices=("wall", "cpu"), default="cpu",
+    parser.add_argument("--clock", choices=tuple(CLOCKS), default="cpu",
                         help="time with process CPU time (cpu, default: steadier on a machine shared with other "
                              "work) or perf_counter (wall)")
     parser.add_argument("--seed", type=int, default=0)
@@ -123,7 +122,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "importable, sglang to require it, none to skip it")
 
 
-class _Tokens:
+class RequestTokens:
     """Deterministic token tuples: fillers, a system prompt, requests."""
 
     def __init__(self, seed: int) -> None:
@@ -169,7 +168,6 @@ def _put(cache: HiCache, tokens: tuple[int, ...]) -> None:
     cache.poll()
 
 
-_CLOCK = {"wall": time.perf_counter, "cpu": time.process_time}
 OPS = ("match_us", "match_partial_us", "match_miss_us", "insert_us", "lock_us", "evict_us", "cycle_us")
 ID_OPS = ("match_us", "match_partial_us", "match_miss_us", "insert_us", "cycle_us")  # the ops that take ids
 BASELINES = ("plain", "sglang")
@@ -204,7 +202,7 @@ def _interleaved(fns: dict, chunks: int, calls: dict, pc) -> dict[str, float]:
     return {name: statistics.median(v) for name, v in per_call.items()}
 
 
-class _Ours:
+class OursVariant:
     """``HiCache`` doing each operation of the benchmark, the engine handing it ids in one form (``ids``)."""
 
     name = "ours"
@@ -230,7 +228,7 @@ class _Ours:
 
         eviction.try_backup = timed_backup
 
-    def packed_twin(self) -> "_Ours":
+    def packed_twin(self) -> "OursVariant":
         """The same cache driven with each request's ids packed once as a ``TokenIds`` (``ours_packed``)."""
         twin = copy.copy(self)
         twin.name, twin.ids = "ours_packed", "packed"
@@ -271,10 +269,15 @@ class _Ours:
         cache.poll()
         return spent
 
-    def insert_without_backup_timed(self, tokens: tuple, pc) -> float:
-        """``insert_timed`` less the time of the host backup it starts (work the baselines do not do)."""
+    def insert_parts_timed(self, tokens: tuple, pc) -> tuple[float, float]:
+        """``insert_timed``, and the part of it spent starting the host backup (work the baselines do not do)."""
         spent = self.insert_timed(tokens, pc)
-        return spent - self._backups["spent"]
+        return spent, self._backups["spent"]
+
+    def insert_without_backup_timed(self, tokens: tuple, pc) -> float:
+        """``insert_timed`` less the time of the host backup it starts."""
+        spent, backup = self.insert_parts_timed(tokens, pc)
+        return spent - backup
 
     def cycle(self, t: tuple) -> None:
         cache = self.cache
@@ -291,7 +294,7 @@ class _Ours:
         cache.poll()
 
 
-class _Baseline:
+class BaselineVariant:
     """A baseline prefix cache (``bench.baselines``, or the SGLang peer) behind the same operations, with a device
     budget in tokens."""
 
@@ -388,13 +391,14 @@ def measure(nodes: int, chunks: int, calls: int, headroom_pages: int, seed: int,
             peer: sglang_peer.SGLangRadix | None = None, ids: str = "array") -> dict:
     """Every figure at one tree size, ours and each baseline's (and SGLang's own with ``peer``), interleaved (see
     the module docstring)."""
-    pc = _CLOCK[clock]
+    pc = CLOCKS[clock]
     warm = 16
-    ours = _Ours(nodes, warm, headroom_pages, ids)
-    variants = [ours] + [_Baseline(name, nodes, warm) for name in baselines]
+    ours = OursVariant(nodes, warm, headroom_pages, ids)
+    variants = [ours] + [BaselineVariant(name, nodes, warm) for name in baselines]
     peer_ids = sglang_peer.peer_form(ids)  # the form the peer is handed
     if peer is not None:
-        variants.append(_Baseline(sglang_peer.NAME, nodes, warm, sglang_peer.SGLangRadixPeer(peer, PAGE, peer_ids)))
+        peer_cache = sglang_peer.SGLangRadixPeer(peer, PAGE, peer_ids)
+        variants.append(BaselineVariant(sglang_peer.NAME, nodes, warm, peer_cache))
     out: dict = {"nodes": nodes, "baselines": [v.name for v in variants[1:]], "bytes_per_node": _filled(ours, nodes)}
     if peer is not None:
         out["sglang_peer_version"] = peer.version
@@ -454,7 +458,7 @@ def measure(nodes: int, chunks: int, calls: int, headroom_pages: int, seed: int,
 
     packed = ours.packed_twin()  # ours again, each request's ids packed once as a TokenIds: same cache
     timed = variants + [packed]  # the variants of every operation that takes ids
-    tok = {v.name: _Tokens(seed) for v in variants}  # every variant sees the same token stream
+    tok = {v.name: RequestTokens(seed) for v in variants}  # every variant sees the same token stream
     tok[packed.name] = tok[ours.name]  # one cache, one stream: neither form meets a request the other inserted
     requests = {v.name: [v.engine_form(tok[v.name].request()) for _ in range(warm)] for v in timed}
     for v in timed:
@@ -526,7 +530,7 @@ def measure(nodes: int, chunks: int, calls: int, headroom_pages: int, seed: int,
 
     cycles = {v.name: cycle_fn(v) for v in timed}
     for v in timed:  # reach the steady state: device full (ours: host full too)
-        for _ in range(warmup_cycles if isinstance(v, _Ours) else min(warmup_cycles, 4 * scan_calls)):
+        for _ in range(warmup_cycles if isinstance(v, OursVariant) else min(warmup_cycles, 4 * scan_calls)):
             cycles[v.name](-1, pc)
     results["cycle_us"] = _interleaved(cycles, chunks, dict.fromkeys(("ours", packed.name), max(1, calls // 4))
                                        | {v.name: min(max(1, calls // 4), scan_calls) for v in variants[1:]}, pc)
@@ -565,9 +569,9 @@ def _sizes(args: argparse.Namespace) -> list[int]:
     return list(QUICK_SIZES if args.quick else SIZES)
 
 
-def resolve_peer(choice: str) -> sglang_peer.SGLangRadix | None:
+def resolve_peer(choice: str, bench: str = "scale") -> sglang_peer.SGLangRadix | None:
     """SGLang's ``RadixCache`` when ``--peer`` asks for it and it imports; ``--peer sglang`` without it is a usage
-    error, ``auto`` says in one line that it runs without it."""
+    error, ``auto`` says in one line (naming ``bench``) that it runs without it."""
     if choice == "none":
         return None
     try:
@@ -575,7 +579,7 @@ def resolve_peer(choice: str) -> sglang_peer.SGLangRadix | None:
     except sglang_peer.PeerUnavailable as exc:
         if choice == "sglang":
             raise UsageError(f"--peer sglang: {exc}") from None
-        print(f"bench scale: no SGLang peer: {exc}; the baselines run without it (--peer none to skip the check)",
+        print(f"bench {bench}: no SGLang peer: {exc}; the baselines run without it (--peer none to skip the check)",
               file=sys.stderr)
         return None
 

@@ -1,0 +1,142 @@
+"""Insert, call by call after a collection: ours, with and without its host backup, against same-run baselines.
+
+``bench scale`` times ``insert`` as the mean of a chunk of calls between
+chunks of five other variants, so its insert ratio moves from run to run
+(docs/performance.md). Here insert runs alone: on trees of ``--nodes``
+one-page prefixes (page 64), the variants take turns in blocks of
+``--block`` inserts of new 4,096-id requests under a cached 1,024-id prompt,
+``gc.collect()`` before each block (as ``bench scale`` does before each
+chunk) and the collector off inside it, for ``--blocks`` rounds. Each
+position in a block gets its median over the rounds, so the first insert
+after a collection (cold caches) and a warm one read apart.
+
+Each insert of ours is timed once and split: ``ours`` is the whole call,
+``ours_nobackup`` the same call less the time spent starting the host backup
+that ``write_through`` asks of it (host KV evicted for room, host pages
+claimed, the D2H job built and queued), work the baselines do not do. The
+baselines are ``plain`` and ``sglang`` (``bench.baselines``) and, with
+``--peer``, SGLang's own ``RadixCache`` (``sglang_peer``). Ratios are ours /
+baseline of the mean over every call (``insert``, ``insert_nobackup``), of
+the first position and of the last (``first``, ``warm``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+
+import torch
+
+from hicache_fsm.bench import scale, sglang_peer
+from hicache_fsm.bench.common import CLOCKS, ID_FORMS, machine_description, report
+from hicache_fsm.commands.args import positive_int
+from hicache_fsm.jobs import JobKind
+
+SHOWN_POSITIONS = (1, 2, 3, 4, 8, 16, 32, 64)  # the columns of the printed table (those within a block)
+BACKUP_JOBS = f"jobs_{JobKind.D2H.value}"  # the cache counter of D2H jobs emitted: one per backup started
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nodes", type=positive_int, default=10_000,
+                        help="one-page prefixes in every tree (default 10000)")
+    parser.add_argument("--blocks", type=positive_int, default=40, help="rounds of blocks per variant (default 40)")
+    parser.add_argument("--block", type=positive_int, default=16,
+                        help="inserts in a block, after one collection (default 16)")
+    parser.add_argument("--warmup", type=positive_int, default=200,
+                        help="untimed inserts per variant before timing (default 200)")
+    parser.add_argument("--ids", choices=tuple(ID_FORMS), default="array",
+                        help="the form ours is handed each request's ids in (see bench scale --ids)")
+    parser.add_argument("--clock", choices=tuple(CLOCKS), default="cpu",
+                        help="process CPU time (cpu, default) or perf_counter (wall)")
+    parser.add_argument("--peer", choices=("auto", "sglang", "none"), default="auto",
+                        help="also time SGLang's own RadixCache: auto (default) when importable, sglang to require "
+                             "it, none to skip it")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def measure(nodes: int, blocks: int, block: int, warmup: int, ids: str = "array", clock: str = "cpu",
+            peer: sglang_peer.SGLangRadix | None = None, seed: int = 0) -> dict:
+    """Per-position medians of every variant's insert (see the module docstring)."""
+    pc = CLOCKS[clock]
+    warm = 16  # room for this many requests beyond the prefixes, as in ``bench scale``: later inserts evict
+    ours = scale.OursVariant(nodes, warm, 0, ids)
+    variants = [ours] + [scale.BaselineVariant(name, nodes, warm) for name in scale.BASELINES]
+    if peer is not None:
+        peer_cache = sglang_peer.SGLangRadixPeer(peer, scale.PAGE, sglang_peer.peer_form(ids))
+        variants.append(scale.BaselineVariant(sglang_peer.NAME, nodes, warm, peer_cache))
+    streams = {v.name: scale.RequestTokens(seed) for v in variants}  # every variant inserts the same requests
+    for v in variants:
+        v.fill(nodes)
+        for _ in range(warmup):
+            v.insert_timed(streams[v.name].request(), pc)
+    samples: dict[str, list[list[float]]] = {name: [[] for _ in range(block)]
+                                             for name in ["ours", "ours_nobackup"] + [v.name for v in variants[1:]]}
+    counters = ours.cache.counters
+    backup_jobs = counters[BACKUP_JOBS]
+    for _ in range(blocks):
+        for v in variants:
+            stream = streams[v.name]
+            gc.collect()
+            gc.disable()
+            try:
+                for position in range(block):
+                    if v is ours:
+                        spent, backup = ours.insert_parts_timed(stream.request(), pc)
+                        samples["ours_nobackup"][position].append((spent - backup) * 1e6)
+                    else:
+                        spent = v.insert_timed(stream.request(), pc)
+                    samples[v.name][position].append(spent * 1e6)
+            finally:
+                gc.enable()
+    positions = {name: [round(statistics.median(s), 2) for s in by_position] for name, by_position in samples.items()}
+    mean = {name: round(statistics.fmean(x for s in by_position for x in s), 2) for name, by_position in samples.items()}
+    out: dict = {"nodes": nodes, "blocks": blocks, "block": block, "clock": clock,
+                 "baselines": [v.name for v in variants[1:]], "positions": positions, "mean_us": mean,
+                 "timed_inserts": blocks * block, "ours_backups_started": counters[BACKUP_JOBS] - backup_jobs,
+                 "ids": {"ours": ID_FORMS[ids][1]}}
+    if peer is not None:
+        out["sglang_peer_version"] = peer.version
+        out["ids"][sglang_peer.NAME] = sglang_peer.PEER_FORMS[sglang_peer.peer_form(ids)][1]
+    for name in out["baselines"]:
+        base, at = mean[name], positions[name]
+        out[f"vs_{name}"] = {
+            "insert": _ratio(mean["ours"], base),
+            "insert_nobackup": _ratio(mean["ours_nobackup"], base),
+            "first": _ratio(positions["ours"][0], at[0]),
+            "first_nobackup": _ratio(positions["ours_nobackup"][0], at[0]),
+            "warm": _ratio(positions["ours"][-1], at[-1]),
+            "warm_nobackup": _ratio(positions["ours_nobackup"][-1], at[-1]),
+        }
+    return out
+
+
+def _ratio(ours: float, base: float) -> float | None:
+    return round(ours / base, 3) if base else None
+
+
+def run(args: argparse.Namespace) -> dict:
+    peer = scale.resolve_peer(args.peer, "insert")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        result = measure(args.nodes, args.blocks, args.block, args.warmup, args.ids, args.clock, peer, args.seed)
+    finally:
+        torch.set_num_threads(threads)
+    result["machine"] = machine_description()
+    shown = [p for p in SHOWN_POSITIONS if p <= args.block]
+    rows = [("position after the collection", "  ".join(f"{p:>8}" for p in shown) + f"  {'mean':>8}")]
+    for name, by_position in result["positions"].items():
+        rows.append((name, "  ".join(f"{by_position[p - 1]:>8}" for p in shown)
+                     + f"  {result['mean_us'][name]:>8}"))
+    for name in result["baselines"]:
+        r = result[f"vs_{name}"]
+        rows.append((f"ours / {name}",
+                     f"mean {r['insert']}x (without the backup {r['insert_nobackup']}x), first {r['first']}x "
+                     f"({r['first_nobackup']}x), warm {r['warm']}x ({r['warm_nobackup']}x)"))
+    rows.append(("backups", f"{result['ours_backups_started']} started by {result['timed_inserts']} timed inserts "
+                            "of ours"))
+    report(f"insert after a collection: median us at each position of blocks of {args.block}, {args.blocks} rounds, "
+           f"{args.nodes} prefixes, {scale.REQUEST}-id requests, {args.clock} clock", rows, result,
+           getattr(args, "json", False))
+    return result

@@ -1,0 +1,62 @@
+"""``bench insert``: every variant's insert by position after a collection, ours split into with and without its backup.
+
+Nothing here reads a figure as fast or slow (the machine is shared); the tests
+check what the figures are made of: one sample per position and round, the
+backup part taken out of the same calls, one backup started by every timed
+insert of ours, and bad arguments refused in one line.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from hicache_fsm import cli
+from hicache_fsm.bench import insert, scale
+
+
+def test_each_position_has_a_median_for_every_variant_and_ours_without_its_backup_is_never_above_ours():
+    out = insert.measure(nodes=64, blocks=3, block=5, warmup=4)
+    names = ["ours", "ours_nobackup", *scale.BASELINES]
+    assert list(out["positions"]) == names and out["baselines"] == list(scale.BASELINES)
+    for name in names:
+        assert len(out["positions"][name]) == 5 and all(us >= 0 for us in out["positions"][name])
+    # the same calls less a non-negative part: every order statistic, and so every median, is no larger
+    for with_backup, without in zip(out["positions"]["ours"], out["positions"]["ours_nobackup"]):
+        assert without <= with_backup
+    assert out["mean_us"]["ours_nobackup"] <= out["mean_us"]["ours"]
+    for name in scale.BASELINES:
+        assert set(out[f"vs_{name}"]) == {"insert", "insert_nobackup", "first", "first_nobackup", "warm",
+                                          "warm_nobackup"}
+
+
+def test_every_timed_insert_of_ours_starts_one_host_backup():
+    """The figure it splits off is real: write_through backs up each new request (host full: evicting for room)."""
+    out = insert.measure(nodes=32, blocks=4, block=3, warmup=60)
+    assert out["timed_inserts"] == 12
+    assert out["ours_backups_started"] == 12
+
+
+def test_the_command_prints_one_json_object_and_names_each_id_form(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "sglang", None)  # no peer, whatever this machine has
+    argv = ["bench", "insert", "--json", "--nodes", "32", "--blocks", "2", "--block", "2", "--warmup", "2",
+            "--ids", "list"]
+    assert cli.main(argv) == 0
+    captured = capsys.readouterr()
+    lines = captured.out.splitlines()
+    assert len(lines) == 1
+    result = json.loads(lines[0])
+    assert result["ids"] == {"ours": scale.ID_FORMS["list"][1]} and "sglang_peer" not in result["baselines"]
+    assert "position after the collection" in captured.err
+    assert "bench insert: no SGLang peer" in captured.err
+
+
+@pytest.mark.parametrize("argv", [["--blocks", "0"], ["--block", "-1"], ["--nodes", "x"], ["--clock", "sun"]])
+def test_a_bad_argument_is_one_line_and_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as done:  # argparse refuses it before the benchmark starts
+        cli.main(["bench", "insert", *argv])
+    assert done.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and len(captured.err.splitlines()) == 1
