@@ -33,7 +33,7 @@ from hicache_fsm.bench.common import CLOCKS, ID_FORMS, machine_description, repo
 from hicache_fsm.commands.args import positive_int
 from hicache_fsm.jobs import JobKind
 
-SHOWN_POSITIONS = (1, 2, 3, 4, 8, 16, 32, 64)  # the columns of the printed table (those within a block)
+SHOWN_POSITIONS = (1, 2, 3, 4, 8, 16, 32, 64)  # columns of the printed table: those within a block, and its last
 BACKUP_JOBS = f"jobs_{JobKind.D2H.value}"  # the cache counter of D2H jobs emitted: one per backup started
 
 
@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> dict:
     finally:
         torch.set_num_threads(threads)
     result["machine"] = machine_description()
-    shown = [p for p in SHOWN_POSITIONS if p <= args.block]
+    shown = sorted({p for p in SHOWN_POSITIONS if p <= args.block} | {args.block})  # the last: the warm figure
     rows = [("position after the collection", "  ".join(f"{p:>8}" for p in shown) + f"  {'mean':>8}")]
     for name, by_position in result["positions"].items():
         rows.append((name, "  ".join(f"{by_position[p - 1]:>8}" for p in shown)
