@@ -90,7 +90,8 @@ def measure(nodes: int, blocks: int, block: int, warmup: int, ids: str = "array"
             finally:
                 gc.enable()
     positions = {name: [round(statistics.median(s), 2) for s in by_position] for name, by_position in samples.items()}
-    mean = {name: round(statistics.fmean(x for s in by_position for x in s), 2) for name, by_position in samples.items()}
+    mean = {name: round(statistics.fmean(x for s in by_position for x in s), 2)
+            for name, by_position in samples.items()}
     out: dict = {"nodes": nodes, "blocks": blocks, "block": block, "clock": clock,
                  "baselines": [v.name for v in variants[1:]], "positions": positions, "mean_us": mean,
                  "timed_inserts": blocks * block, "ours_backups_started": counters[BACKUP_JOBS] - backup_jobs,
