@@ -29,7 +29,7 @@ log = logging.getLogger("hicache_fsm.cache")
 STORAGE_KINDS = frozenset({JobKind.H2S, JobKind.S2H})  # run by the storage tier, not the executor
 _DONE_TRIGGER = {JobKind.D2H: "write_done", JobKind.H2D: "load_done", JobKind.H2S: "store_done"}
 _FAIL_TRIGGER = {JobKind.D2H: "write_failed", JobKind.H2D: "load_failed", JobKind.H2S: "store_failed"}
-_JOBS_KEY = {k: f"jobs_{k.value}" for k in JobKind}
+JOBS_KEY = {k: f"jobs_{k.value}" for k in JobKind}  # the counter of jobs emitted, by kind
 _BYTES_KEY = {k: f"bytes_{k.value}" for k in JobKind}
 _FAILED_KEY = {k: f"failed_{k.value}" for k in JobKind}
 
@@ -166,7 +166,7 @@ class Outbox:
             self.attached.storage.submit(job)
         else:
             self._queued.append(job)
-        self.counters[_JOBS_KEY[kind]] += 1
+        self.counters[JOBS_KEY[kind]] += 1
         driver = self.driver
         if driver.observed:
             event = {"event": "job", "job": job_id, "kind": kind.value, "nodes": list(job.node_ids),

@@ -1,8 +1,8 @@
 """Insert, call by call after a collection: ours, with and without its host backup, against same-run baselines.
 
-``bench scale`` times ``insert`` as the mean of a chunk of calls between
-chunks of five other variants, so its insert ratio moves from run to run
-(docs/performance.md). Here insert runs alone: on trees of ``--nodes``
+``bench scale`` reports ``insert`` as the median of 7 chunk means, each
+chunk between chunks of five other variants, and its insert ratio moves from
+run to run (docs/performance.md). Here insert runs alone: on trees of ``--nodes``
 one-page prefixes (page 64), the variants take turns in blocks of
 ``--block`` inserts of new 4,096-id requests under a cached 1,024-id prompt,
 ``gc.collect()`` before each block (as ``bench scale`` does before each
@@ -32,9 +32,10 @@ from hicache_fsm.bench import scale, sglang_peer
 from hicache_fsm.bench.common import CLOCKS, ID_FORMS, machine_description, report
 from hicache_fsm.commands.args import positive_int
 from hicache_fsm.jobs import JobKind
+from hicache_fsm.outbox import JOBS_KEY
 
 SHOWN_POSITIONS = (1, 2, 3, 4, 8, 16, 32, 64)  # columns of the printed table: those within a block, and its last
-BACKUP_JOBS = f"jobs_{JobKind.D2H.value}"  # the cache counter of D2H jobs emitted: one per backup started
+BACKUP_JOBS = JOBS_KEY[JobKind.D2H]  # the cache counter of D2H jobs emitted: one per backup started
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -100,15 +101,11 @@ def measure(nodes: int, blocks: int, block: int, warmup: int, ids: str = "array"
         out["sglang_peer_version"] = peer.version
         out["ids"][sglang_peer.NAME] = sglang_peer.PEER_FORMS[sglang_peer.peer_form(ids)][1]
     for name in out["baselines"]:
-        base, at = mean[name], positions[name]
-        out[f"vs_{name}"] = {
-            "insert": _ratio(mean["ours"], base),
-            "insert_nobackup": _ratio(mean["ours_nobackup"], base),
-            "first": _ratio(positions["ours"][0], at[0]),
-            "first_nobackup": _ratio(positions["ours_nobackup"][0], at[0]),
-            "warm": _ratio(positions["ours"][-1], at[-1]),
-            "warm_nobackup": _ratio(positions["ours_nobackup"][-1], at[-1]),
-        }
+        ratios = out[f"vs_{name}"] = {}
+        for mine, suffix in (("ours", ""), ("ours_nobackup", "_nobackup")):
+            ratios[f"insert{suffix}"] = _ratio(mean[mine], mean[name])
+            ratios[f"first{suffix}"] = _ratio(positions[mine][0], positions[name][0])
+            ratios[f"warm{suffix}"] = _ratio(positions[mine][-1], positions[name][-1])
     return out
 
 
