@@ -242,8 +242,8 @@ class ResidencyDriver:
         An engine calls ``match_prefix(tokens)`` and then ``insert(tokens, ...)``
         with the same prefix; the second walk reuses the first when nothing
         was split, added or removed in between. The same ids are the same
-        object (a tuple or list ``RequestIds`` remembered) or, for an array
-        packed again by each call, equal packed ids: one ``memcmp`` of their
+        object (the packing ``RequestIds`` remembered, for a tuple, a list or
+        an array of the same ids) or equal packed ids: one ``memcmp`` of their
         bytes (``TokenIds`` are immutable), where the walk looks up a page at a time.
         """
         memo = self._memo

@@ -1,9 +1,9 @@
-"""``insert`` after ``match_prefix`` with the same tuple or list reuses its packing, and never a stale one.
+"""``insert`` after ``match_prefix`` of the same ids reuses their packing, and never a stale one.
 
 A list or an ``array("q")`` may change between the two calls (an engine
 appends decoded ids to the ids it matched): whatever it holds when ``insert``
-runs is what is cached, checked as if it had never been seen. (An array is
-packed by every call; the properties hold for it all the same.)
+runs is what is cached, checked as if it had never been seen. A tuple or a
+list is remembered by identity, an integer array or tensor by its bytes.
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ def test_an_item_whose_comparison_raises_is_named_by_packing_not_leaked():
     cache.free_device(idx)
 
 
-def test_a_tuple_or_an_unchanged_list_is_checked_once_for_match_then_insert_an_array_or_tensor_by_each(monkeypatch):
+def test_match_then_insert_of_the_same_ids_checks_them_once_in_every_form(monkeypatch):
     import hicache_fsm.request_ids as request_ids
 
     cache, _ = make_cache(page=PAGE)
@@ -149,15 +149,20 @@ def test_a_tuple_or_an_unchanged_list_is_checked_once_for_match_then_insert_an_a
         cache.match_prefix(request)
         cache.insert(request, cache.alloc_device(2 * PAGE))
     # a tuple or list has its first page checked to ask for a miss, then the whole request once (a list as the
-    # tuple snapshot it is compared with later); an array is checked whole by each call: no snapshot
+    # tuple snapshot it is compared with later); an array is checked whole once, and found equal by insert
     assert checked == [("tuple", PAGE), ("tuple", 2 * PAGE), ("list", PAGE), ("tuple", 2 * PAGE),
-                       ("array", 2 * PAGE), ("array", 2 * PAGE)]
+                       ("array", 2 * PAGE)]
     checked.clear()
-    tensor = torch.arange(100, 108)
-    cache.match_prefix(tensor)
-    cache.insert(tensor, cache.alloc_device(8))
-    # a miss checks its first page; insert checks the whole tensor again (it may change without a trace)
-    assert checked == [("array", PAGE), ("Tensor", 8)]
+    hit = torch.tensor(list(range(1, 1 + PAGE)) + [70, 71, 72, 73])
+    cache.match_prefix(hit)
+    cache.insert(hit.clone(), cache.alloc_device(2 * PAGE))  # another tensor of the same ids
+    assert checked == [("array", PAGE), ("array", 2 * PAGE)]  # its first page on its bytes, then the whole once
+    checked.clear()
+    miss = torch.arange(100, 108)
+    cache.match_prefix(miss)
+    cache.insert(miss, cache.alloc_device(8))
+    # a miss checks its first page alone; insert then checks the whole tensor (ids never packed before)
+    assert checked == [("array", PAGE), ("array", 8)]
 
 
 @pytest.mark.parametrize("change", ["none", "set_last", "append_page"])
@@ -176,3 +181,69 @@ def test_insert_of_an_array_reuses_the_walk_of_its_match_only_while_its_ids_are_
     assert len(walks) == (1 if change == "none" else 2)
     assert tuple(request) in _cached_ids(cache)
     assert result.cached_tokens == 2 * PAGE
+
+
+ARRAY_FORMS = {  # integer arrays and tensors ``RequestIds`` compares by their bytes
+    "array q": lambda ids: array("q", ids),
+    "array i": lambda ids: array("i", ids),
+    "array I": lambda ids: array("I", ids),
+    "numpy int64": lambda ids: np.array(ids, dtype=np.int64),
+    "numpy uint32": lambda ids: np.array(ids, dtype=np.uint32),
+    "numpy big-endian int64": lambda ids: np.array(ids, dtype=">i8"),
+    "numpy strided": lambda ids: np.repeat(np.array(ids, dtype=np.int64), 2)[::2],
+    "tensor int64": lambda ids: torch.tensor(ids, dtype=torch.int64),
+    "tensor int32": lambda ids: torch.tensor(ids, dtype=torch.int32),
+}
+STEPS = {  # the next request's ids from the last one's
+    "same": lambda last, new: list(last),
+    "slice": lambda last, new: last[: len(last) // 2],
+    "extend": lambda last, new: list(last) + new,
+    "change one": lambda last, new: [new[0]] + list(last[1:]) if last else new,
+    "fresh": lambda last, new: new,
+}
+ID = st.one_of(st.integers(0, 60), st.sampled_from([-1, 2**31, 2**32 - 1, 2**32, 2**40]))
+
+
+def _outcome(pack, form, ids):
+    """What packing ``form(ids)`` gives: the packed bytes, or the typed error and the position it names."""
+    try:
+        return pack(form(ids)).raw
+    except (BadTokenIds, TokenIdTypeError) as e:
+        return type(e), e.position
+
+
+@settings(max_examples=200, deadline=None)
+@given(steps=st.lists(st.tuples(st.sampled_from(sorted(STEPS)), st.sampled_from(sorted(ARRAY_FORMS)),
+                                st.lists(ID, min_size=1, max_size=12)), min_size=1, max_size=8))
+def test_arrays_packed_in_turn_give_what_packing_each_alone_gives(steps):
+    """The array memo reuses a packing only for the same ids: any order of equal, sliced, extended, changed and
+    fresh arrays of any dtype packs (or is refused, naming the same position) as a fresh packing of each."""
+    from hicache_fsm.request_ids import RequestIds
+
+    ids_of = RequestIds(driver=None, page_size=PAGE)
+    last: list[int] = []
+    for step, form_name, new in steps:
+        ids = STEPS[step](last, new)
+        form = ARRAY_FORMS[form_name]
+        try:
+            form(ids)
+        except (OverflowError, ValueError, RuntimeError):  # an id this dtype cannot hold: not a request of it
+            continue
+        assert _outcome(ids_of.packed, form, ids) == _outcome(pack_token_ids, form, ids)
+        last = ids
+
+
+def test_an_array_memo_never_answers_for_the_same_bytes_read_as_another_dtype():
+    from hicache_fsm.request_ids import RequestIds
+
+    ids_of = RequestIds(driver=None, page_size=PAGE)
+    wide = array("q", [1, 2, 3, 4])
+    assert ids_of.packed(wide).tolist() == [1, 2, 3, 4]
+    grown = array("q", [1, 2, 3, 4, 2**32])
+    with pytest.raises(BadTokenIds) as info:  # the known ids reused, the new one checked and named in the whole
+        ids_of.packed(grown)
+    assert info.value.position == 4
+    narrow = array("i")
+    narrow.frombytes(wide.tobytes())  # the same bytes: 1, 0, 2, 0, ... as int32
+    assert ids_of.packed(narrow).tolist() == [1, 0, 2, 0, 3, 0, 4, 0]
+    assert ids_of.packed(wide[:2]).tolist() == [1, 2]  # the memo now holds the int32 ids: packed anew

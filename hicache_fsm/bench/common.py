@@ -16,7 +16,8 @@ import torch
 # ``bench scale``): a builder from the id tuple, built before timing, and how a report names the form.
 ID_FORMS: dict[str, tuple[Callable[[tuple[int, ...]], object], str]] = {
     "array": (lambda ids: array("q", ids), "an array('q') per call, as SGLang's scheduler holds ids (checked and "
-              "packed by every call in vectorised passes; a miss reads its first page only)"),
+              "packed in vectorised passes; insert after match_prefix of the same ids reuses the packing; a miss "
+              "reads its first page only)"),
     "tuple": (lambda ids: ids, "a tuple per call (a miss reads its first page only; insert after match_prefix "
               "with the same tuple reuses its packing)"),
     "list": (list, "a list per call (a miss reads its first page only; insert after match_prefix with the same "

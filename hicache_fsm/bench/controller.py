@@ -12,9 +12,9 @@ the engine's slot allocation and are left out of both variants.
 the result): an ``array('q')`` (default: the form SGLang's scheduler holds a
 request's ids in; numpy reads it, no per-id Python work), a tuple or a list,
 handed to every call, which checks and packs it (``insert`` right after
-``match_prefix`` with the same tuple, or the same list still holding the
-same ids, reuses that packing; an array is packed again); an int64 tensor
-(packed by numpy on every call); or ``packed``: ``pack_token_ids`` once when
+``match_prefix`` with the same tuple, the same list still holding the
+same ids, or an array of the same ids, reuses that packing); an int64 tensor
+(packed by numpy, reused as an array's is); or ``packed``: ``pack_token_ids`` once when
 the request arrives, timed with the request, then the ``TokenIds`` to every
 call. The forms are built before timing, as the engine holds them.
 
@@ -132,10 +132,10 @@ class ToPack:
 
 # How the engine holds each request's ids (``--ids``): the forms handed to every call, plus two more.
 ID_FORMS: dict[str, Callable[[tuple[int, ...]], object]] = {name: build for name, (build, _) in ENGINE_ID_FORMS.items()}
-ID_FORMS["tensor"] = lambda ids: torch.tensor(ids, dtype=torch.int64)  # each call packs it (numpy, no per-id Python)
+ID_FORMS["tensor"] = lambda ids: torch.tensor(ids, dtype=torch.int64)  # packed by numpy, no per-id Python
 ID_FORMS["packed"] = ToPack  # packed once on arrival, timed; every call takes the TokenIds as it is
 _ID_ROWS = {name: row for name, (_, row) in ENGINE_ID_FORMS.items()} | {
-    "tensor": "an int64 tensor per call (each packs it)",
+    "tensor": "an int64 tensor per call (packed by numpy)",
     "packed": "packed once on arrival (timed), a TokenIds to every call",
 }
 
