@@ -32,11 +32,15 @@ def test_each_position_has_a_median_for_every_variant_and_ours_without_its_backu
                                           "warm_nobackup"}
 
 
-def test_every_timed_insert_of_ours_starts_one_host_backup():
-    """The figure it splits off is real: write_through backs up each new request (host full: evicting for room)."""
-    out = insert.measure(nodes=32, blocks=4, block=3, warmup=60)
-    assert out["timed_inserts"] == 12
-    assert out["ours_backups_started"] == 12
+@pytest.mark.parametrize("request_kind,backups", [("new", 12), ("finished", 12), ("cached", 0)])
+def test_every_timed_insert_of_ours_that_adds_ids_starts_one_host_backup(request_kind, backups):
+    """The figure it splits off is real: write_through backs up the node each insert adds (host full: evicting for
+    room), and an insert of a request cached just before adds nothing, so it backs up nothing."""
+    out = insert.measure(nodes=32, blocks=4, block=3, warmup=60, request=request_kind)
+    assert out["timed_inserts"] == 12 and out["request"] == request_kind
+    assert out["ours_backups_started"] == backups
+    if not backups:
+        assert out["positions"]["ours_nobackup"] == out["positions"]["ours"]
 
 
 def test_the_command_prints_one_json_object_and_names_each_id_form(capsys, monkeypatch):
@@ -53,7 +57,8 @@ def test_the_command_prints_one_json_object_and_names_each_id_form(capsys, monke
     assert "bench insert: no SGLang peer" in captured.err
 
 
-@pytest.mark.parametrize("argv", [["--blocks", "0"], ["--block", "-1"], ["--nodes", "x"], ["--clock", "sun"]])
+@pytest.mark.parametrize("argv", [["--blocks", "0"], ["--block", "-1"], ["--nodes", "x"], ["--clock", "sun"],
+                                  ["--request", "old"]])
 def test_a_bad_argument_is_one_line_and_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as done:  # argparse refuses it before the benchmark starts
         cli.main(["bench", "insert", *argv])

@@ -4,11 +4,19 @@
 chunk between chunks of five other variants, and its insert ratio moves from
 run to run (docs/performance.md). Here insert runs alone: on trees of ``--nodes``
 one-page prefixes (page 64), the variants take turns in blocks of
-``--block`` inserts of new 4,096-id requests under a cached 1,024-id prompt,
+``--block`` inserts of 4,096-id requests under a cached 1,024-id prompt,
 ``gc.collect()`` before each block (as ``bench scale`` does before each
 chunk) and the collector off inside it, for ``--blocks`` rounds. Each
 position in a block gets its median over the rounds, so the first insert
 after a collection (cold caches) and a warm one read apart.
+
+``--request`` sets what each timed insert adds (``REQUESTS``): ``new``
+(default), the 3,072 ids after the prompt, as an engine inserts a request
+after its prefill; ``finished``, the last 512 ids of a request whose first
+3,584 were inserted just before (untimed), as it inserts a request that has
+finished decoding; ``cached``, nothing, the whole request having been
+inserted just before (untimed). Each insert is handed the ids as the
+engine holds them, right after a ``match_prefix`` of them (untimed).
 
 Each insert of ours is timed once and split: ``ours`` is the whole call,
 ``ours_nobackup`` the same call less the time spent starting the host backup
@@ -34,6 +42,13 @@ from hicache_fsm.commands.args import positive_int
 from hicache_fsm.jobs import JobKind
 from hicache_fsm.outbox import JOBS_KEY
 
+# What a timed insert adds (``--request``): the ids inserted just before it, untimed (None: only the prompt), and
+# the words the report uses.
+REQUESTS: dict[str, tuple[int | None, str]] = {
+    "new": (None, "new requests (3072 new ids under the cached prompt)"),
+    "finished": (scale.REQUEST - 512, "finished requests (the first 3584 ids inserted before, then 512 more)"),
+    "cached": (scale.REQUEST, "cached requests (all 4096 ids inserted before, then again)"),
+}
 SHOWN_POSITIONS = (1, 2, 3, 4, 8, 16, 32, 64)  # columns of the printed table: those within a block, and its last
 BACKUP_JOBS = JOBS_KEY[JobKind.D2H]  # the cache counter of D2H jobs emitted: one per backup started
 
@@ -46,6 +61,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="inserts in a block, after one collection (default 16)")
     parser.add_argument("--warmup", type=positive_int, default=200,
                         help="untimed inserts per variant before timing (default 200)")
+    parser.add_argument("--request", choices=tuple(REQUESTS), default="new",
+                        help="what each timed insert adds: new (default: a request after its prefill), finished "
+                             "(the last 512 ids of a request inserted before) or cached (nothing: the request was "
+                             "inserted before)")
     parser.add_argument("--ids", choices=tuple(ID_FORMS), default="array",
                         help="the form ours is handed each request's ids in (see bench scale --ids)")
     parser.add_argument("--clock", choices=tuple(CLOCKS), default="cpu",
@@ -57,9 +76,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def measure(nodes: int, blocks: int, block: int, warmup: int, ids: str = "array", clock: str = "cpu",
-            peer: sglang_peer.SGLangRadix | None = None, seed: int = 0) -> dict:
+            peer: sglang_peer.SGLangRadix | None = None, seed: int = 0, request: str = "new") -> dict:
     """Per-position medians of every variant's insert (see the module docstring)."""
     pc = CLOCKS[clock]
+    inserted_before = REQUESTS[request][0]
     warm = 16  # room for this many requests beyond the prefixes, as in ``bench scale``: later inserts evict
     ours = scale.OursVariant(nodes, warm, 0, ids)
     variants = [ours] + [scale.BaselineVariant(name, nodes, warm) for name in scale.BASELINES]
@@ -70,11 +90,13 @@ def measure(nodes: int, blocks: int, block: int, warmup: int, ids: str = "array"
     for v in variants:
         v.fill(nodes)
         for _ in range(warmup):
-            v.insert_timed(streams[v.name].request(), pc)
+            tokens = streams[v.name].request()
+            _insert_earlier(v, tokens, inserted_before, pc)
+            v.insert_timed(tokens, pc)
     samples: dict[str, list[list[float]]] = {name: [[] for _ in range(block)]
                                              for name in ["ours", "ours_nobackup"] + [v.name for v in variants[1:]]}
     counters = ours.cache.counters
-    backup_jobs = counters[BACKUP_JOBS]
+    backups = 0  # started by the timed inserts of ours
     for _ in range(blocks):
         for v in variants:
             stream = streams[v.name]
@@ -82,20 +104,24 @@ def measure(nodes: int, blocks: int, block: int, warmup: int, ids: str = "array"
             gc.disable()
             try:
                 for position in range(block):
+                    tokens = stream.request()
+                    _insert_earlier(v, tokens, inserted_before, pc)
                     if v is ours:
-                        spent, backup = ours.insert_parts_timed(stream.request(), pc)
+                        jobs = counters[BACKUP_JOBS]
+                        spent, backup = ours.insert_parts_timed(tokens, pc)
+                        backups += counters[BACKUP_JOBS] - jobs
                         samples["ours_nobackup"][position].append((spent - backup) * 1e6)
                     else:
-                        spent = v.insert_timed(stream.request(), pc)
+                        spent = v.insert_timed(tokens, pc)
                     samples[v.name][position].append(spent * 1e6)
             finally:
                 gc.enable()
     positions = {name: [round(statistics.median(s), 2) for s in by_position] for name, by_position in samples.items()}
     mean = {name: round(statistics.fmean(x for s in by_position for x in s), 2)
             for name, by_position in samples.items()}
-    out: dict = {"nodes": nodes, "blocks": blocks, "block": block, "clock": clock,
+    out: dict = {"nodes": nodes, "blocks": blocks, "block": block, "clock": clock, "request": request,
                  "baselines": [v.name for v in variants[1:]], "positions": positions, "mean_us": mean,
-                 "timed_inserts": blocks * block, "ours_backups_started": counters[BACKUP_JOBS] - backup_jobs,
+                 "timed_inserts": blocks * block, "ours_backups_started": backups,
                  "ids": {"ours": ID_FORMS[ids][1]}}
     if peer is not None:
         out["sglang_peer_version"] = peer.version
@@ -109,6 +135,12 @@ def measure(nodes: int, blocks: int, block: int, warmup: int, ids: str = "array"
     return out
 
 
+def _insert_earlier(variant, tokens: tuple, inserted_before: int | None, pc) -> None:
+    """The request's earlier insert, untimed: its first ``inserted_before`` ids (``REQUESTS``), when there is one."""
+    if inserted_before is not None:
+        variant.insert_timed(tokens[:inserted_before], pc)
+
+
 def _ratio(ours: float, base: float) -> float | None:
     return round(ours / base, 3) if base else None
 
@@ -118,7 +150,8 @@ def run(args: argparse.Namespace) -> dict:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        result = measure(args.nodes, args.blocks, args.block, args.warmup, args.ids, args.clock, peer, args.seed)
+        result = measure(args.nodes, args.blocks, args.block, args.warmup, args.ids, args.clock, peer, args.seed,
+                         args.request)
     finally:
         torch.set_num_threads(threads)
     result["machine"] = machine_description()
@@ -135,6 +168,6 @@ def run(args: argparse.Namespace) -> dict:
     rows.append(("backups", f"{result['ours_backups_started']} started by {result['timed_inserts']} timed inserts "
                             "of ours"))
     report(f"insert after a collection: median us at each position of blocks of {args.block}, {args.blocks} rounds, "
-           f"{args.nodes} prefixes, {scale.REQUEST}-id requests, {args.clock} clock", rows, result,
+           f"{args.nodes} prefixes, {REQUESTS[args.request][1]}, {args.clock} clock", rows, result,
            getattr(args, "json", False))
     return result

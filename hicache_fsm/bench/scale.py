@@ -49,8 +49,9 @@ are the Python forms, and with either the peer is handed lists (its
 ``RadixKey`` takes them; SGLang keeps no tuples), so it too pays for Python
 ids (``ids`` in the result names each variant's form). ``insert`` right
 after ``match_prefix`` with the same tuple, or the same unchanged list,
-reuses that call's packing; an array is checked and packed by every call; a
-miss checks and packs its first page only, whatever the form. The packing
+reuses that call's packing, and so does an array holding the same ids (its
+bytes compared with those last packed); a miss checks and packs its first
+page only, whatever the form. The packing
 of a 4,096-id tuple is timed apart as ``pack_us``: add it once per request to
 the packed figures. Ratios against the smallest size are printed: the targets are
 ``evict_us`` and ``cycle_us`` within 2x and match / insert / lock within 1.5x
@@ -248,7 +249,7 @@ class OursVariant:
 
     def engine_form(self, tokens: tuple):
         """What the engine hands the cache (untimed): the request's ids in the form ``ids`` names (see
-        ``ID_FORMS``), packed by every call that takes them, or a ``TokenIds`` packed once per request."""
+        ``ID_FORMS``), packed by the calls that take them, or a ``TokenIds`` packed once per request."""
         return pack_token_ids(tokens) if self.ids == "packed" else ID_FORMS[self.ids][0](tokens)
 
     def lock(self, node) -> None:
@@ -259,7 +260,7 @@ class OursVariant:
         cache = self.cache
         tokens = self.engine_form(tokens)
         m = cache.match_prefix(tokens)
-        idx = torch.cat([m.device_indices, cache.alloc_device(REQUEST - m.device_hit_length)])
+        idx = torch.cat([m.device_indices, cache.alloc_device(len(tokens) - m.device_hit_length)])
         self._backups.update(clock=pc, spent=0.0)
         t0 = pc()
         cache.insert(tokens, idx)
@@ -347,11 +348,12 @@ class BaselineVariant:
     def insert_timed(self, tokens: tuple, pc) -> float:
         tokens = self.engine_form(tokens)
         indices, _ = self.cache.match_prefix(tokens)
-        idx = torch.cat([indices, self._alloc(REQUEST - indices.numel())])
+        new = len(tokens) - indices.numel()
+        idx = torch.cat([indices, self._alloc(new)])
         t0 = pc()
         self.cache.insert(tokens, idx)
         spent = pc() - t0
-        self.used += REQUEST - indices.numel()
+        self.used += new
         return spent
 
     def cycle(self, t: tuple) -> None:
