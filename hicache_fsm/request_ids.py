@@ -137,7 +137,8 @@ class RequestIds:
         memory as it is now, so no change can go unseen.
         """
         memo = self._array_memo
-        if memo and ids.dtype == memo[0] and ids.flags.c_contiguous:
+        contiguous = ids.flags.c_contiguous  # a strided view has no one run of bytes to compare or copy
+        if memo and contiguous and ids.dtype == memo[0]:
             seen, packed = memo[1], memo[2]
             if seen.startswith(ids):  # the same ids, or the first of them
                 n = ids.size
@@ -147,7 +148,7 @@ class RequestIds:
                 return packed.extended(ids[known:])  # a bad new id is named by its place in the whole
         check_id_array(ids)
         packed = pack_id_array(ids)
-        if ids.flags.c_contiguous:
+        if contiguous:
             self._array_memo = (ids.dtype, ids.tobytes(), packed)
         return packed
 

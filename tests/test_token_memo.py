@@ -233,17 +233,21 @@ def test_arrays_packed_in_turn_give_what_packing_each_alone_gives(steps):
         last = ids
 
 
-def test_an_array_memo_never_answers_for_the_same_bytes_read_as_another_dtype():
-    from hicache_fsm.request_ids import RequestIds
+def test_an_array_memo_checks_only_new_ids_and_never_answers_for_the_same_bytes_read_as_another_dtype(monkeypatch):
+    import hicache_fsm.request_ids as request_ids
 
-    ids_of = RequestIds(driver=None, page_size=PAGE)
+    checked = []  # the lengths of the whole arrays checked
+    real_check = request_ids.check_id_array
+    monkeypatch.setattr(request_ids, "check_id_array", lambda ids: checked.append(len(ids)) or real_check(ids))
+    ids_of = request_ids.RequestIds(driver=None, page_size=PAGE)
     wide = array("q", [1, 2, 3, 4])
     assert ids_of.packed(wide).tolist() == [1, 2, 3, 4]
     grown = array("q", [1, 2, 3, 4, 2**32])
-    with pytest.raises(BadTokenIds) as info:  # the known ids reused, the new one checked and named in the whole
+    with pytest.raises(BadTokenIds) as info:  # the new id alone is checked, and named by its place in the whole
         ids_of.packed(grown)
     assert info.value.position == 4
+    assert checked == [4]  # the known ids were not checked again
     narrow = array("i")
     narrow.frombytes(wide.tobytes())  # the same bytes: 1, 0, 2, 0, ... as int32
     assert ids_of.packed(narrow).tolist() == [1, 0, 2, 0, 3, 0, 4, 0]
-    assert ids_of.packed(wide[:2]).tolist() == [1, 2]  # the memo now holds the int32 ids: packed anew
+    assert checked == [4, 8]

@@ -44,10 +44,12 @@ from hicache_fsm.outbox import JOBS_KEY
 
 # What a timed insert adds (``--request``): the ids inserted just before it, untimed (None: only the prompt), and
 # the words the report uses.
+DECODED = 512  # the ids a ``finished`` request adds to those inserted after its prefill
 REQUESTS: dict[str, tuple[int | None, str]] = {
-    "new": (None, "new requests (3072 new ids under the cached prompt)"),
-    "finished": (scale.REQUEST - 512, "finished requests (the first 3584 ids inserted before, then 512 more)"),
-    "cached": (scale.REQUEST, "cached requests (all 4096 ids inserted before, then again)"),
+    "new": (None, f"new requests ({scale.REQUEST - scale.PROMPT} new ids under the cached prompt)"),
+    "finished": (scale.REQUEST - DECODED, f"finished requests (the first {scale.REQUEST - DECODED} ids inserted "
+                                          f"before, then {DECODED} more)"),
+    "cached": (scale.REQUEST, f"cached requests (all {scale.REQUEST} ids inserted before, then again)"),
 }
 SHOWN_POSITIONS = (1, 2, 3, 4, 8, 16, 32, 64)  # columns of the printed table: those within a block, and its last
 BACKUP_JOBS = JOBS_KEY[JobKind.D2H]  # the cache counter of D2H jobs emitted: one per backup started
