@@ -74,7 +74,8 @@ def read_events(path: str | os.PathLike) -> list[dict]:
     with open(name, "rb") as f:
         for n, raw in enumerate(f, 1):
             try:
-                line = raw.decode("utf-8").strip()
+                # a leading byte-order mark (some editors and Windows tools write one) is skipped
+                line = raw.decode("utf-8-sig" if n == 1 else "utf-8").strip()
             except UnicodeDecodeError:
                 raise TraceError(name, n, "not a JSONL trace: the file is not UTF-8 text (an image or binary file?)") from None
             if not line:

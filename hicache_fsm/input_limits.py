@@ -88,6 +88,8 @@ def _refuse_special(mode: int) -> None:
 def open_regular_text(path: str | os.PathLike, max_bytes: int | None = None) -> IO[str]:
     """Open a regular file for reading text (UTF-8), refusing anything else before it could block.
 
+    A leading byte-order mark, as some editors and Windows tools write, is skipped.
+
     ``stat`` first, so a FIFO is never opened; then open without blocking and
     check the opened file again (it may have been swapped in between).
     ``max_bytes``: refuse larger files. OSError as ``open`` raises it.
@@ -102,7 +104,7 @@ def open_regular_text(path: str | os.PathLike, max_bytes: int | None = None) -> 
         if max_bytes is not None and info.st_size > max_bytes:
             raise InputRefused(f"file is {info.st_size} bytes (limit {max_bytes})")
         os.set_blocking(fd, True)
-        return os.fdopen(fd, encoding="utf-8")
+        return os.fdopen(fd, encoding="utf-8-sig")
     except BaseException:
         os.close(fd)
         raise

@@ -55,6 +55,19 @@ def test_nested_json_png_fifo_and_missing_files_are_one_line_exit_2(tmp_path, ca
     assert "no such trace file" in _one_error_line(tmp_path / "none.jsonl", capsys)
 
 
+def test_a_leading_byte_order_mark_is_skipped_and_one_further_on_is_refused_by_line(tmp_path):
+    text = json.dumps({"event": "header", "recorded_by": "test"}) + "\r\n" + json.dumps(GOOD) + "\r\n"
+    plain, marked = tmp_path / "plain.jsonl", tmp_path / "marked.jsonl"
+    plain.write_text(text, encoding="utf-8")
+    marked.write_text(text, encoding="utf-8-sig")  # as Notepad saves it
+    assert marked.read_bytes().startswith(b"\xef\xbb\xbf")
+    assert read_events(marked) == read_events(plain)
+    inner = tmp_path / "inner.jsonl"
+    inner.write_bytes(plain.read_bytes().replace(b"\r\n", b"\r\n\xef\xbb\xbf", 1))
+    with pytest.raises(TraceError, match=f"{inner}:2: not JSON"):
+        read_events(inner)
+
+
 def test_counts_imports_neither_torch_nor_hypothesis(tmp_path):
     trace = tmp_path / "run.jsonl"
     trace.write_text(json.dumps({"event": "header", "recorded_by": "test"}) + "\n" + json.dumps(GOOD) + "\n",

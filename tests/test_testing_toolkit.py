@@ -21,6 +21,7 @@ from hicache_fsm.testing import (
     explore,
     fault_schedules,
     hicache_machine,
+    load_trace,
     multi_turn_workloads,
     perform,
     record,
@@ -213,6 +214,10 @@ def test_trace_round_trip(tmp_path):
     assert result.ok, result.divergence.format()
     assert result.transitions > 10 and result.completions == result.jobs
     assert main(["replay", str(path)]) == 0
+    marked = tmp_path / "marked.jsonl"  # saved by an editor that starts UTF-8 with a byte-order mark
+    marked.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    assert load_trace(marked) == load_trace(path)
+    assert main(["replay", str(marked)]) == 0
 
 
 @pytest.mark.parametrize("tamper", ["dest", "double_completion", "skipped_transition"])

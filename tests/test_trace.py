@@ -91,6 +91,19 @@ def test_load_trace_files(tmp_path):
         load_trace(p, block_size=2)
 
 
+def test_a_leading_byte_order_mark_is_skipped(tmp_path):
+    text = line(20, ids=(1, 2)) + "\r\n" + line(10, ids=(1, 3)) + "\r\n"
+    plain, marked = tmp_path / "plain.jsonl", tmp_path / "marked.jsonl"
+    plain.write_text(text, encoding="utf-8")
+    marked.write_text(text, encoding="utf-8-sig")  # as Notepad saves it
+    assert marked.read_bytes().startswith(b"\xef\xbb\xbf")
+    assert load_trace(marked).requests == load_trace(plain).requests
+    inner = tmp_path / "inner.jsonl"
+    inner.write_bytes(plain.read_bytes().replace(b"\r\n", b"\r\n\xef\xbb\xbf", 1))
+    with pytest.raises(TraceError, match=f"{inner}:2: not valid JSON"):
+        load_trace(inner)
+
+
 # ====================================================================== tokens
 
 

@@ -115,7 +115,7 @@ def load_trace(source: str | Path | IO[str] | Iterable[str] | Iterable[dict]) ->
     """
     if isinstance(source, Path) or (isinstance(source, str) and "\n" not in source
                                     and source.strip() and not source.lstrip().startswith("{")):
-        with open(source, encoding="utf-8") as f:
+        with open(source, encoding="utf-8-sig") as f:  # a leading byte-order mark is skipped
             return _parse(f)
     if isinstance(source, str):
         return _parse(io.StringIO(source))
