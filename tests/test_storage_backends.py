@@ -164,7 +164,7 @@ def test_corrupt_value_is_a_counted_logged_miss(make_backend, caplog):
     src = FakeHostPool(2, 256)
     src.fill_random(2)
     b.batch_set_from(KEYS[:2], src, [0, 1])
-    assert b._debug_corrupt(KEYS[0])
+    assert b.debug_corrupt(KEYS[0])
     with caplog.at_level(logging.WARNING, logger="hicache_fsm.storage"):
         assert b.batch_get([KEYS[0], KEYS[1]]) == [None, src.read_page(1).numpy().tobytes()]
         assert b.batch_get_into(KEYS[:2], FakeHostPool(2, 256), [0, 1]) == [False, True]

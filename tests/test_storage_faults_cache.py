@@ -146,7 +146,7 @@ def test_corrupt_page(cache, caplog):
     cache.attach_storage(backend, **{**OPTS, "batch_pages": 4})
     t = prompt(48, seed=6)
     seed(cache, t)
-    assert backend._debug_corrupt(page_keys(t, PAGE)[3])
+    assert backend.debug_corrupt(page_keys(t, PAGE)[3])
     assert prefetch_and_proceed(cache, t) == 3 * PAGE  # never the corrupt page or anything after it
     assert cache.stats()["storage"]["backend_stats"]["corrupt"] == 1
     assert logged(caplog, "corrupt")

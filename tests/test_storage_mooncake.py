@@ -89,7 +89,7 @@ def test_a_checksummed_store_turns_a_damaged_page_into_a_miss(mooncake_master):
         src, dst = pool(seed=2), pool(seed=None)
         keys = page_keys(prompt(3 * PAGE, seed=5), PAGE)
         assert b.batch_set_from(keys, src, [0, 1, 2]) == [True] * 3
-        assert b._debug_corrupt(keys[1])
+        assert b.debug_corrupt(keys[1])
         assert b.batch_get_into(keys, dst, [4, 5, 6]) == [True, False, True]
         assert b.stats()["corrupt"] == 1
         assert torch.equal(dst.read_page(4), src.read_page(0)) and torch.equal(dst.read_page(6), src.read_page(2))

@@ -737,7 +737,7 @@ class StorageBackend(ABC):
     def _close(self) -> None:
         pass
 
-    def _debug_corrupt(self, key: str) -> bool:
+    def debug_corrupt(self, key: str) -> bool:
         """Test hook: damage the stored copy of page key ``key``; False if it is not stored."""
         raise NotImplementedError(f"{type(self).__name__} cannot corrupt pages for tests")
 

@@ -25,7 +25,7 @@ Kinds:
     sets give False and store nothing).
 ``corrupt``
     damage the stored copy of the keys at ``positions`` (default: all) through
-    ``inner._debug_corrupt`` -- before a get, so ``inner``'s checksum check turns
+    ``inner.debug_corrupt`` -- before a get, so ``inner``'s checksum check turns
     them into counted misses; after a set, so the next read does. This never
     makes a backend return unverified bytes.
 
@@ -206,10 +206,10 @@ class FaultyBackend(StorageBackend):
             if method in ("batch_set", "batch_set_from"):
                 result = call(keys)
                 for key in targets:
-                    self.inner._debug_corrupt(key)
+                    self.inner.debug_corrupt(key)
                 return result
             for key in targets:
-                self.inner._debug_corrupt(key)
+                self.inner.debug_corrupt(key)
         return call(keys)
 
     # -- the interface ----------------------------------------------------
@@ -264,8 +264,8 @@ class FaultyBackend(StorageBackend):
     def _close(self) -> None:
         self.inner.close()
 
-    def _debug_corrupt(self, key: str) -> bool:
-        return self.inner._debug_corrupt(key)
+    def debug_corrupt(self, key: str) -> bool:
+        return self.inner.debug_corrupt(key)
 
     # Hooks are never reached: every public method delegates to ``inner``.
     def _exists(self, skeys: list[str]) -> int:  # pragma: no cover

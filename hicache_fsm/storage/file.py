@@ -352,7 +352,7 @@ class FileBackend(StorageBackend):
         if self._pool is not None:
             self._pool.shutdown(wait=True)
 
-    def _debug_corrupt(self, key: str) -> bool:
+    def debug_corrupt(self, key: str) -> bool:
         path = self.path_for(key)
         try:
             with open(path, "r+b") as f:

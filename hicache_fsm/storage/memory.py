@@ -184,7 +184,7 @@ class MemoryBackend(StorageBackend):
         if not self.store_name:
             self._mem.data.clear()
 
-    def _debug_corrupt(self, key: str) -> bool:
+    def debug_corrupt(self, key: str) -> bool:
         skey = self.namespace.storage_key(key)
         with self._mem.lock:
             blob = self._mem.data.get(skey)

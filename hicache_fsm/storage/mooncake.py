@@ -462,7 +462,7 @@ class MooncakeBackend(StorageBackend):
             self._registered.clear()
             self._regions.clear()
 
-    def _debug_corrupt(self, key: str) -> bool:
+    def debug_corrupt(self, key: str) -> bool:
         skey = self.namespace.storage_key(key)
         with self._lock:
             blob = self._mc.get(skey)

@@ -260,7 +260,7 @@ class RedisBackend(StorageBackend):
     def _close(self) -> None:
         self._pool.disconnect()
 
-    def _debug_corrupt(self, key: str) -> bool:
+    def debug_corrupt(self, key: str) -> bool:
         skey = self.namespace.storage_key(key)
         with _mapped("corrupt"):
             length = self._client.strlen(skey)

@@ -222,7 +222,7 @@ def _orphan(p: Patcher) -> None:
                 continue
             self.driver.fire(n, "evict_host")
             del n.parent.children[tree.child_key(n.namespace, n.token_ids, 0)]
-            del tree._nodes[n.id]  # the bug: unlinked without RadixTree.remove_leaf's check
+            del tree.by_id[n.id]  # the bug: unlinked without RadixTree.remove_leaf's check
             freed += n.num_tokens
         return freed
 
