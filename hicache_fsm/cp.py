@@ -73,9 +73,6 @@ class CPLayout:
     def physical_tokens(self) -> int:
         return self.physical_pages * self.page_size
 
-    def for_rank(self, rank: int) -> "CPLayout":
-        return attrs.evolve(self, rank=rank)
-
     # ------------------------------------------------------------------ owner function
 
     def owner_for_logical_pages(self, pages: torch.Tensor) -> torch.Tensor:

@@ -149,11 +149,6 @@ def svg_digest(text: str) -> str | None:
     return m.group(1) if m else None
 
 
-def expected_pages(spec_dir: Path = SPEC_DIR) -> dict[str, str]:
-    """File name (``residency.md``) -> page text, for every spec in ``spec_dir``."""
-    return {f"{spec.name}.md": render_machine_page(spec) for spec in _specs(spec_dir)}
-
-
 def _specs(spec_dir: Path) -> list[Spec]:
     return [load_spec(path) for path in spec_paths(spec_dir)]
 

@@ -40,7 +40,7 @@ import struct
 import sys
 from array import array
 from functools import lru_cache
-from typing import Any, Iterable, Iterator, overload
+from typing import Any, Iterator, overload
 
 import numpy as np
 import torch
@@ -123,11 +123,6 @@ class TokenIds:
         return TokenIds(self.raw + _packed(new_ids, len(self.raw) >> 2))
 
     __add__ = extended
-
-    @classmethod
-    def concat(cls, parts: "Iterable[TokenIds]") -> "TokenIds":
-        """Checked ids one after another (no id is looked at again: each part was checked when packed)."""
-        return cls(b"".join(p.raw for p in parts))
 
     def tolist(self) -> list[int]:
         return list(unpack_token_ids(self.raw))

@@ -12,7 +12,6 @@ reach (and catch bugs in) what they are there for.
 
 from __future__ import annotations
 
-import attrs
 import pytest
 
 from hicache_fsm.testing.checks import Step

@@ -217,7 +217,7 @@ def test_random_walks_agree(spec, data):
     registry = outcome_registry(spec)
     compiled = CompiledMachine(spec, registry)
     model = ReferenceModel()
-    reference = reference_machine(spec, model, registry)
+    reference_machine(spec, model, registry)  # gives ``model`` its triggers and state
     obj = SimpleNamespace(state=spec.initial)
     guards = list(spec.guard_names())
     for _ in range(data.draw(st.integers(1, 25), label="steps")):

@@ -52,8 +52,5 @@ class StorageCalls:
             return self.outbox.count(STORAGE_KINDS)
         return self.storage.transfers_in_flight()
 
-    def storage_link_violations(self) -> list[str]:
-        return [] if self.storage is None else self.storage.link_violations()
-
 
 __all__ = ["StorageCalls", "drain_seconds"]

@@ -80,10 +80,6 @@ class Step:
     def to_json(self) -> list:
         return [self.op, *[list(a) if isinstance(a, tuple) else a for a in self.args]]
 
-    @classmethod
-    def from_json(cls, data: Sequence) -> Step:
-        return cls(data[0], tuple(tuple(a) if isinstance(a, list) else a for a in data[1:]))
-
 
 @attrs.define
 class Outcome:

@@ -182,11 +182,6 @@ class FaultPlan:
 # =========================================================================== forking (the explorer)
 
 
-def fork_backend(backend: Any, memo: dict) -> Any:
-    """Copy a ``memory://`` backend (its pages included), possibly behind a ``FaultyBackend``."""
-    return None if backend is None else backend.fork(memo)
-
-
 def fork_tier(tier: ManualStorageTier, memo: dict, cache: Any) -> ManualStorageTier:
     """Copy a manual storage tier onto the forked ``cache`` (whose nodes and jobs are in ``memo``)."""
     if not isinstance(tier, ManualStorageTier):
@@ -194,30 +189,3 @@ def fork_tier(tier: ManualStorageTier, memo: dict, cache: Any) -> ManualStorageT
     new = tier.fork(cache, memo)
     new.use_manual_clock()
     return new
-
-
-def tier_state_key(tier: ManualStorageTier, prefix_of: Any, requests: Sequence[Any]) -> tuple:
-    """What the tier's future depends on, for the explorer's visited set (``prefix_of(node)`` names nodes)."""
-    backend = tier.link.backend
-    inner = getattr(backend, "inner", backend)
-    stored = tuple(inner.stored_keys()) if inner is not None else ()
-    plan = getattr(backend, "chooser", None)
-    faults = (tuple((f, skip, left) for f, skip, left in plan.armed), tuple(sorted(plan.corrupted))) \
-        if isinstance(plan, FaultPlan) else ()
-
-    def op_key(op):
-        return (op.tokens, op.state, prefix_of(op.anchor), op.anchor_pin, op.anchor_pinned, op.hit_tokens,
-                op.completed_tokens, op.landed_tokens, op.io_active, op.held_tokens(), len(op.deferred),
-                op.terminated)
-
-    rt = tier.runtime
-    active = tuple(op_key(rt.active[r]) if r in rt.active else None for r in requests)
-    others = tuple(sorted(op_key(op) for r, op in rt.active.items() if r not in requests))
-    draining = tuple(sorted(op_key(op) for op in rt.draining.values()))
-    work = tier.queued_work()
-    queues = (tuple(op.tokens for op in work["query"]),
-              tuple((op.tokens, job.num_tokens) for job, op in work["s2h"]),
-              tuple(tuple(job.keys) for job in work["h2s"]))
-    events, completions = tier.unapplied()
-    return (tier.link.state, tier.healthy, tier.sweep_due, stored, faults, active, others, draining, queues,
-            rt.occupied_tokens, rt.violation_count, events, completions)
