@@ -220,6 +220,20 @@ def test_trace_round_trip(tmp_path):
     assert main(["replay", str(marked)]) == 0
 
 
+def test_a_trace_that_is_not_utf8_is_refused_by_its_line(tmp_path, capsys):
+    """Past the first 8 KiB, which text mode decodes as one chunk: the error still names the line."""
+    lines = _workload_trace().lines() * 4  # never replayed: the file is refused before
+    assert len("\n".join(lines)) > 8192
+    bad = len(lines) + 1
+    path = tmp_path / "damaged.jsonl"
+    path.write_bytes("".join(line + "\n" for line in lines).encode() + b'{"event": "\xff"}\n' + b"{}\n")
+    with pytest.raises(ValueError, match=f"^trace line {bad}: not UTF-8 text \\(byte 0xff"):
+        load_trace(path)
+    assert main(["replay", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == [f"hicache-fsm replay: trace line {bad}: not UTF-8 text (byte 0xff; a binary file?)"]
+
+
 @pytest.mark.parametrize("tamper", ["dest", "double_completion", "skipped_transition"])
 def test_tampered_trace_is_rejected(tmp_path, tamper, capsys):
     events = [json.loads(line) for line in _workload_trace().lines()]

@@ -115,8 +115,11 @@ def load_trace(source: str | Path | IO[str] | Iterable[str] | Iterable[dict]) ->
     """
     if isinstance(source, Path) or (isinstance(source, str) and "\n" not in source
                                     and source.strip() and not source.lstrip().startswith("{")):
-        with open(source, encoding="utf-8-sig") as f:  # a leading byte-order mark is skipped
-            return _parse(f)
+        try:
+            with open(source, encoding="utf-8-sig") as f:  # a leading byte-order mark is skipped
+                return _parse(f)
+        except UnicodeDecodeError:
+            raise ValueError(_not_utf8(source)) from None
     if isinstance(source, str):
         return _parse(io.StringIO(source))
     if hasattr(source, "read"):
@@ -125,6 +128,17 @@ def load_trace(source: str | Path | IO[str] | Iterable[str] | Iterable[dict]) ->
     if items and isinstance(items[0], dict):
         return [dict(e) for e in items]
     return _parse(items)
+
+
+def _not_utf8(path: str | Path) -> str:
+    """Which line of ``path`` is not UTF-8 (text mode decodes ahead in chunks, so its error cannot say)."""
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                raw.decode("utf-8-sig" if n == 1 else "utf-8")
+            except UnicodeDecodeError as exc:
+                return f"trace line {n}: not UTF-8 text (byte 0x{raw[exc.start]:02x}; a binary file?)"
+    return "trace: not UTF-8 text"
 
 
 def _parse(lines: Iterable[str]) -> list[dict]:
