@@ -44,6 +44,7 @@ def closed_port() -> int:
 
 
 MISSING_DIR = "/nonexistent-hicache-fsm-dir"
+TINY = ROOT / "examples" / "tiny_lru_cache.py"  # its make_adapter is for fuzz, explorer_factory for check
 # name -> (argv, exit status, fragments of the one stderr line)
 CASES: dict[str, tuple[list[str], int, tuple[str, ...]]] = {
     "check_negative_pages": (["check", "--device-pages", "-1"], 2, ("--device-pages", "positive")),
@@ -53,6 +54,12 @@ CASES: dict[str, tuple[list[str], int, tuple[str, ...]]] = {
     "fuzz_negative_examples": (["fuzz", "--examples", "-1"], 2, ("--examples",)),
     "fuzz_zero_steps": (["fuzz", "--steps", "0"], 2, ("--steps",)),
     "fuzz_adapter_format": (["fuzz", "--adapter", "badformat"], 2, ("MODULE:CALLABLE",)),
+    # a factory that cannot make an adapter the way the command calls it is a usage error, not a finding
+    "check_given_a_fuzz_factory": (["check", "--adapter", f"{TINY}:make_adapter", "--nodes", "2"], 2,
+                                   ("make_adapter raised TypeError", "with the explorer's Bounds")),
+    "fuzz_given_an_explorer_factory": (["fuzz", "--adapter", f"{TINY}:explorer_factory", "--examples", "3"], 2,
+                                       ("explorer_factory raised TypeError", "keywords of a --variant")),
+    "fuzz_given_no_factory": (["fuzz", "--adapter", "os:system"], 2, ("os:system raised TypeError",)),
     "bench_copy_negative_tokens": (["bench", "copy", "--tokens", "-1"], 2, ("--tokens",)),
     "simulate_host_not_larger": (["simulate", "--device-tokens", "3584", "--host-tokens", "3072"], 2,
                                  ("host_tokens 3072 must be larger than device_tokens 3584",)),

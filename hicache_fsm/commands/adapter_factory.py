@@ -7,7 +7,7 @@ import importlib
 import importlib.util
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +83,29 @@ def make_block_store(factory: Callable[..., Any], variant: dict, ref: str) -> An
         return None
     raise UsageError(f"--adapter {ref}{_with(variant)} returned {type(made).__name__}, "
                      "not a BlockStoreAdapter or CacheAdapter")
+
+
+def check_prefix_cache_factory(factory: Callable[..., Any], ref: str, calls: Sequence[tuple[tuple, dict]],
+                               how: str) -> None:
+    """Make (and close) one adapter per ``(args, kwargs)`` in ``calls``, as the command will call ``factory``.
+
+    A factory that raises there, or makes something other than a ``CacheAdapter``,
+    is a mistake in ``--adapter`` (often a fuzz factory given to ``check`` or the
+    reverse), not a finding of the run: ``UsageError``, saying how the command
+    calls it (``how``), before anything runs.
+    """
+    from hicache_fsm.testing.adapter import CacheAdapter
+
+    for args, kwargs in calls:
+        try:
+            made = factory(*args, **kwargs)
+        except Exception as exc:  # the user's factory: any failure to make an adapter is a bad --adapter
+            raise UsageError(f"--adapter {ref}{_with(kwargs)} raised {type(exc).__name__}: {exc} ({how})") from None
+        if not isinstance(made, CacheAdapter):
+            _close(made)
+            raise UsageError(f"--adapter {ref}{_with(kwargs)} returned {type(made).__name__}, not a CacheAdapter "
+                             f"({how})")
+        _close(made)
 
 
 def _probe(factory: Callable[..., Any]) -> Any:

@@ -228,23 +228,28 @@ def _check_prefix_cache(args: argparse.Namespace) -> int:
 
     _check_bounds_are_small(args)
 
-    factory = hicache_factory
-    if args.adapter:
-        from hicache_fsm.commands.adapter_factory import load_factory
-
-        factory = load_factory(args.adapter)
-    policies = list(WRITE_POLICIES) if args.write_policy == "all" else [args.write_policy]
-    runs = []
-    status = 0
-    writer = recording_writer(args.record)
-    for policy in policies:
-        bounds = Bounds(
+    def bounds_for(policy: str) -> Bounds:
+        return Bounds(
             nodes=args.nodes, device_pages=args.device_pages, host_pages=args.host_pages, layers=args.layers,
             page_size=args.page_size, alphabet=args.alphabet, max_len=args.max_len, max_locks=args.locks,
             max_pins=args.pins, write_policy=policy, eviction_policy=args.eviction_policy,
             track_hits=args.track_hits, redeliver=not args.no_redeliver, max_depth=args.max_depth,
             max_states=args.max_states, max_seconds=args.max_seconds,
         )
+
+    policies = list(WRITE_POLICIES) if args.write_policy == "all" else [args.write_policy]
+    factory = hicache_factory
+    if args.adapter:
+        from hicache_fsm.commands.adapter_factory import check_prefix_cache_factory, load_factory
+
+        factory = load_factory(args.adapter)
+        check_prefix_cache_factory(factory, args.adapter, [((bounds_for(policies[0]),), {})],
+                                   "check calls a prefix-cache factory with the explorer's Bounds")
+    runs = []
+    status = 0
+    writer = recording_writer(args.record)
+    for policy in policies:
+        bounds = bounds_for(policy)
         cov = CoverageTracker() if args.coverage or args.json else None
         if writer is not None:
             cov = RecordingCoverage(writer, recorded_by="check", objects=False, write_policy=policy)
