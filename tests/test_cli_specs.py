@@ -92,6 +92,14 @@ def test_list_json_and_bad_file(capsys):
     assert PROBLEM_LINE.match(err.splitlines()[0])
 
 
+def test_list_of_no_spec_is_a_usage_error_and_of_only_bad_ones_prints_no_table(tmp_path, capsys):
+    assert main(["list", str(tmp_path)]) == 2
+    assert capsys.readouterr() == ("", "no spec files found\n")
+    assert main(["list", str(BAD)]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and PROBLEM_LINE.match(err.splitlines()[0])
+
+
 @pytest.mark.parametrize("name", BUILTIN)
 def test_diagram_mermaid_by_name(capsys, name):
     assert main(["diagram", name]) == 0

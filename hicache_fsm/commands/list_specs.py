@@ -22,6 +22,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     paths = expand_paths(args.paths) if args.paths else spec_paths(SPEC_DIR)
+    if not paths:  # as ``validate``: an empty listing would read as a success
+        print("no spec files found", file=sys.stderr)
+        return 2
     rows = []
     status = 0
     for path in paths:
@@ -38,6 +41,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         for row in rows:
             print(json.dumps(row, sort_keys=True))
+        return status
+    if not rows:  # every spec failed to load: its problems are on stderr, no table to show
         return status
     header = ("name", "states", "transitions", "spec entries", "file")
     table = [header] + [(r["name"], str(r["states"]), str(r["transitions"]), str(r["entries"]), r["file"])
