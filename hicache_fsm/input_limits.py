@@ -110,7 +110,23 @@ def open_regular_text(path: str | os.PathLike, max_bytes: int | None = None) -> 
         raise
 
 
+def undecodable_line(path: str | os.PathLike) -> tuple[int, int] | None:
+    """The first line (1-based) of ``path`` that is not UTF-8, and its first bad byte; None if none is.
+
+    Text mode decodes ahead in chunks, so its ``UnicodeDecodeError`` cannot say
+    which line is bad: a reader that met one asks this, reading the bytes again.
+    A line ends at a newline, never inside a UTF-8 sequence, so lines decode alone.
+    """
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                raw.decode("utf-8-sig" if n == 1 else "utf-8")
+            except UnicodeDecodeError as exc:
+                return n, raw[exc.start]
+    return None
+
+
 __all__ = [
     "InputRefused", "MAX_JSON_DEPTH", "available_memory_bytes", "check_count",
-    "check_json_depth", "json_depth", "max_items", "memory_budget_bytes", "open_regular_text",
+    "check_json_depth", "json_depth", "max_items", "memory_budget_bytes", "open_regular_text", "undecodable_line",
 ]

@@ -35,6 +35,7 @@ import numpy as np
 from hicache_fsm.errors import ConfigError, TraceError
 from hicache_fsm.input_limits import (
     MAX_JSON_DEPTH, InputRefused, check_count, check_json_depth, max_items, memory_budget_bytes, open_regular_text,
+    undecodable_line,
 )
 from hicache_fsm.tokens import ID_BYTES, TokenIds
 
@@ -220,7 +221,10 @@ def load_trace(path: str | Path, block_size: int = DEFAULT_BLOCK_SIZE) -> Trace:
     except IsADirectoryError:
         raise TraceError(where, None, "is a directory, not a trace file") from None
     except UnicodeDecodeError as exc:
-        raise TraceError(where, None, f"not UTF-8 text: {exc.reason}") from None
+        bad = undecodable_line(path)
+        if bad is None:
+            raise TraceError(where, None, f"not UTF-8 text: {exc.reason}") from None
+        raise TraceError(where, bad[0], f"not UTF-8 text (byte 0x{bad[1]:02x}; a binary file?)") from None
     except OSError as exc:
         raise TraceError(where, None, exc.strerror or str(exc)) from None
 

@@ -85,8 +85,13 @@ def test_load_trace_files(tmp_path):
     with pytest.raises(TraceError, match="empty.jsonl: no requests"):
         load_trace(tmp_path / "empty.jsonl")
     (tmp_path / "bin.jsonl").write_bytes(b"\xff\xfe\x00")
-    with pytest.raises(TraceError, match="not UTF-8"):
+    with pytest.raises(TraceError, match=r"bin.jsonl:1: not UTF-8 text \(byte 0xff"):
         load_trace(tmp_path / "bin.jsonl")
+    late = (line(1) + "\n") * 400 + '{"bad": "\udcff"}\n'  # past the chunk text mode decodes first
+    (tmp_path / "late.jsonl").write_bytes(late.encode("utf-8", "surrogateescape"))
+    assert len(late) > 8192
+    with pytest.raises(TraceError, match=r"late.jsonl:401: not UTF-8 text \(byte 0xff"):
+        load_trace(tmp_path / "late.jsonl")
     with pytest.raises(ConfigError, match="block size"):
         load_trace(p, block_size=2)
 

@@ -40,6 +40,7 @@ from typing import IO
 
 import attrs
 
+from hicache_fsm.input_limits import undecodable_line
 from hicache_fsm.spec import Spec, load_builtin
 
 __all__ = ["TRACE_VERSION", "Divergence", "ReplayResult", "TraceRecorder", "load_trace", "record", "replay"]
@@ -118,8 +119,11 @@ def load_trace(source: str | Path | IO[str] | Iterable[str] | Iterable[dict]) ->
         try:
             with open(source, encoding="utf-8-sig") as f:  # a leading byte-order mark is skipped
                 return _parse(f)
-        except UnicodeDecodeError:
-            raise ValueError(_not_utf8(source)) from None
+        except UnicodeDecodeError as exc:
+            bad = undecodable_line(source)
+            if bad is None:
+                raise ValueError(f"trace: not UTF-8 text: {exc.reason}") from None
+            raise ValueError(f"trace line {bad[0]}: not UTF-8 text (byte 0x{bad[1]:02x}; a binary file?)") from None
     if isinstance(source, str):
         return _parse(io.StringIO(source))
     if hasattr(source, "read"):
@@ -128,17 +132,6 @@ def load_trace(source: str | Path | IO[str] | Iterable[str] | Iterable[dict]) ->
     if items and isinstance(items[0], dict):
         return [dict(e) for e in items]
     return _parse(items)
-
-
-def _not_utf8(path: str | Path) -> str:
-    """Which line of ``path`` is not UTF-8 (text mode decodes ahead in chunks, so its error cannot say)."""
-    with open(path, "rb") as f:
-        for n, raw in enumerate(f, 1):
-            try:
-                raw.decode("utf-8-sig" if n == 1 else "utf-8")
-            except UnicodeDecodeError as exc:
-                return f"trace line {n}: not UTF-8 text (byte 0x{raw[exc.start]:02x}; a binary file?)"
-    return "trace: not UTF-8 text"
 
 
 def _parse(lines: Iterable[str]) -> list[dict]:
