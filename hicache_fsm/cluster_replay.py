@@ -34,7 +34,7 @@ from hicache_fsm.events.hook import KVEventHook, enable_kv_events
 from hicache_fsm.pools import default_device
 from hicache_fsm.router.index import PrefixIndex
 from hicache_fsm.router.names import DEFAULT_LOAD_CAP, POLICIES
-from hicache_fsm.router.policies import Router
+from hicache_fsm.router.policies import Router, check_load_cap
 from hicache_fsm.simulate import Tier, TierResult, storage_available
 from hicache_fsm.trace import BlockTokens, Trace
 from hicache_fsm.trace_replay import ReplayProgress, TraceReplayer
@@ -70,6 +70,7 @@ class ClusterOptions:
             raise ConfigError(f"event-lag must be a non-negative int, got {lag!r}")
         if self.policy not in POLICIES:
             raise ConfigError(f"router policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        check_load_cap(self.load_cap)  # refused here, before a replay starts (the router checks it again)
         ps = self.page_size
         if isinstance(ps, bool) or not isinstance(ps, int) or ps < 1 or self.trace.block_size % ps:
             raise ConfigError(f"page size must divide the trace's block size {self.trace.block_size}, got {ps!r}")

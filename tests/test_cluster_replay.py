@@ -84,9 +84,10 @@ def test_cli_cluster_replay_json(trace_file):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--router", "round_robin"], "--router need --instances"),
+    (["--router", "round_robin"], "--router needs --instances"),
     (["--instances", "0"], "instances must be a positive int"),
     (["--instances", "2", "--sweep", "x"], "instance counts"),
+    (["--instances", "2", "--router", "prefix_aware_capped", "--load-cap", "0.5"], "load cap must be a number >= 1"),
 ])
 def test_cli_cluster_usage_errors_are_one_line_and_exit_2(trace_file, args, message):
     proc = _simulate("--trace", str(trace_file), "--block-size", "64", "--no-progress", *args)

@@ -186,6 +186,21 @@ def test_cli_plot(small_trace, tmp_path, capsys):
     assert main(cli(small_trace, "--no-storage", "--plot", str(png))) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "device-only sweep:" in capsys.readouterr().out
+    bare = tmp_path / "sweep"  # no suffix: a PNG, written under the very name the report gives
+    assert main(cli(small_trace, "--no-storage", "--plot", str(bare))) == 0
+    assert bare.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not (tmp_path / "sweep.png.png").exists()
+    assert f"plot written to {bare}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("target, message", [
+    ("{dir}", "is a directory"), ("{dir}/sweep.xyz", "matplotlib cannot write .xyz files"),
+    ("{dir}/missing/sweep.png", "no directory"),
+])
+def test_cli_plot_target_refused_before_the_replay(small_trace, tmp_path, capsys, target, message):
+    pytest.importorskip("matplotlib")
+    assert main(cli(small_trace, "--no-storage", "--plot", target.format(dir=tmp_path))) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and message in err and err.count("\n") == 1
 
 
 @pytest.mark.parametrize("args, message", [
@@ -193,11 +208,13 @@ def test_cli_plot(small_trace, tmp_path, capsys):
     (["--trace", "{bad}"], "bad.jsonl:2: input_length must be an int >= 1"),
     (["--trace", "{good}", "--block-size", "3"], "block size must be an int >= 4"),
     (["--trace", "{good}", "--page-size", "24"], "page size must divide"),
-    (["--trace", "{good}", "--clients", "3"], "--clients describe the chat workload"),
+    (["--trace", "{good}", "--clients", "3"], "--clients describes the chat workload"),
+    (["--trace", "{good}", "--clients", "3", "--rounds", "2"], "--clients, --rounds describe the chat workload"),
     (["--trace", "{good}", "--sweep", "10,x"], "--sweep wants comma-separated token counts"),
     (["--trace", "{good}", "--sweep", "100"], "--sweep sizes must be positive multiples of page size 16"),
-    (["--sweep"], "--sweep need --trace"),
-    (["--block-size", "64"], "--block-size need --trace"),
+    (["--sweep"], "--sweep needs --trace"),
+    (["--block-size", "64"], "--block-size needs --trace"),
+    (["--sweep", "--block-size", "64"], "--sweep, --block-size need --trace"),
 ])
 def test_cli_usage_errors(args, message, tmp_path, capsys):
     good = tmp_path / "good.jsonl"

@@ -44,4 +44,4 @@ def test_cli_refuses_a_bad_job_count(value, capsys):
 
 def test_jobs_needs_a_trace(capsys):
     assert main(["simulate", "--jobs", "2", "--no-progress"]) == 2
-    assert "--jobs need --trace" in capsys.readouterr().err
+    assert "--jobs needs --trace" in capsys.readouterr().err

@@ -11,6 +11,7 @@ import torch
 
 from hicache_fsm.commands.args import UsageError, positive_int
 from hicache_fsm.commands import simulate_trace
+from hicache_fsm.commands.plot_file import check_plot_path, save_plot
 from hicache_fsm.commands.table import columns
 from hicache_fsm.errors import HiCacheError, MissingExtra
 from hicache_fsm.pools import LAYOUTS
@@ -276,7 +277,7 @@ def plot(sim: Simulation, options: Options, path: str) -> None:
     fig.suptitle(f"{w.clients} clients x {w.rounds} rounds ({w.arrival}), system prompt {w.system_prompt_length}, "
                  f"turn {w.request_length}, answer {w.output_length}, page {options.page_size}", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_plot(fig, path)
     plt.close(fig)
     if sweep["skipped"]:
         print(f"plot: left out {len(sweep['skipped'])} capacities whose host pool is not larger than "
@@ -289,11 +290,14 @@ def run(args: argparse.Namespace) -> int:
             import matplotlib  # noqa: F401
         except ImportError:  # like --model llama without transformers: cli.main prints it, exit 1
             raise MissingExtra("--plot", "matplotlib", "plot") from None
+        check_plot_path(args.plot)
     torch.set_num_threads(args.threads)
     if args.trace is not None:
         return simulate_trace.run(args)
-    if simulate_trace.trace_only_options(args):
-        print(f"hicache-fsm simulate: {', '.join(simulate_trace.trace_only_options(args))} need --trace", file=sys.stderr)
+    trace_only = simulate_trace.trace_only_options(args)
+    if trace_only:
+        print(f"hicache-fsm simulate: {', '.join(trace_only)} {'needs' if len(trace_only) == 1 else 'need'} --trace",
+              file=sys.stderr)
         return 2
     device_tokens = _DEFAULTS.device_tokens if args.device_tokens is None else args.device_tokens
     host_tokens = _DEFAULTS.host_tokens if args.host_tokens is None else args.host_tokens

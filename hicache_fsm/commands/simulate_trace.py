@@ -7,6 +7,7 @@ import json
 import sys
 
 from hicache_fsm.commands import simulate_cluster
+from hicache_fsm.commands.plot_file import save_plot
 from hicache_fsm.commands.table import columns
 from hicache_fsm.errors import ConfigError, HiCacheError, TraceError
 from hicache_fsm.simulate import INFINITE, TierResult, Workload
@@ -214,7 +215,7 @@ def plot(sim: TraceSimulation, path: str) -> None:
     ax.set_title(f"{s['path'].rsplit('/', 1)[-1]}: {s['requests']} requests, mean input "
                  f"{s['mean_input_length']:.0f} tokens, block {s['block_size']}, page {sim.page_size}", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_plot(fig, path)
     plt.close(fig)
 
 
@@ -223,15 +224,18 @@ def run(args: argparse.Namespace) -> int:
     prog = "hicache-fsm simulate"
     unused = _unused_workload_options(args)
     if unused:
-        print(f"{prog}: {', '.join(unused)} describe the chat workload; a trace brings its own requests",
+        print(f"{prog}: {', '.join(unused)} {'describes' if len(unused) == 1 else 'describe'} the chat workload; "
+              "a trace brings its own requests",
               file=sys.stderr)
         return 2
     # cluster replay (hicache_fsm.cluster_replay): its own report
     if args.instances is not None:
         return simulate_cluster.run(
             args, lambda trace: default_sizes(trace, args.page_size, args.device_tokens, args.host_tokens))
-    if simulate_cluster.cluster_only_options(args):
-        print(f"{prog}: {', '.join(simulate_cluster.cluster_only_options(args))} need --instances", file=sys.stderr)
+    cluster_only = simulate_cluster.cluster_only_options(args)
+    if cluster_only:
+        print(f"{prog}: {', '.join(cluster_only)} {'needs' if len(cluster_only) == 1 else 'need'} --instances",
+              file=sys.stderr)
         return 2
     try:
         for flag, tokens in (("--device-tokens", args.device_tokens), ("--host-tokens", args.host_tokens)):

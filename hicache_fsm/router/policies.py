@@ -20,6 +20,13 @@ from hicache_fsm.router.names import DEFAULT_LOAD_CAP, POLICIES
 WINDOW_PER_INSTANCE = 8  # recent placements remembered per instance for the load cap
 
 
+def check_load_cap(load_cap: object) -> float:
+    """``load_cap`` as a float, or ``ConfigError`` unless it is a number >= 1 (inf: no cap)."""
+    if not isinstance(load_cap, (int, float)) or isinstance(load_cap, bool) or not load_cap >= 1.0:
+        raise ConfigError(f"load cap must be a number >= 1, got {load_cap!r}")
+    return float(load_cap)
+
+
 class Router:
     """Places requests on ``instances`` (numbered 0..N-1) with one of :data:`POLICIES`."""
 
@@ -28,12 +35,10 @@ class Router:
             raise ConfigError(f"instances must be a positive int, got {instances!r}")
         if policy not in POLICIES:
             raise ConfigError(f"router policy must be one of {', '.join(POLICIES)}, got {policy!r}")
-        if not isinstance(load_cap, (int, float)) or isinstance(load_cap, bool) or not load_cap >= 1.0:
-            raise ConfigError(f"load cap must be a number >= 1, got {load_cap!r}")
         self.instances = instances
         self.policy = policy
         self.index = index
-        self.load_cap = float(load_cap)
+        self.load_cap = check_load_cap(load_cap)
         self.window = WINDOW_PER_INSTANCE * instances
         self._recent: deque[int] = deque(maxlen=self.window)
         self._load = [0] * instances  # placements per instance within the window
