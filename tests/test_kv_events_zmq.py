@@ -146,6 +146,50 @@ def test_dropped_batches_are_seen_as_gaps_and_recovered_by_replay():
     cache.close()
 
 
+def test_messages_that_are_not_batches_are_counted_and_skipped_and_their_batch_is_a_gap():
+    """A router's receive loop survives a peer that sends garbage: nothing raises, the count says what happened."""
+    import zmq
+
+    from hicache_fsm.events.schema import encode
+
+    def seq(n: int) -> bytes:
+        return n.to_bytes(8, "big")
+
+    batch = KVEventBatch(0.0, [BlockRemoved([7], "GPU")])
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        with ZmqEventSubscriber(f"tcp://127.0.0.1:{port}") as sub:
+            got = []
+            for _ in range(200):  # until the subscription has reached the PUB socket (no replay socket here)
+                pub.send_multipart([b"", seq(0), encode(batch)])
+                got = sub.receive(timeout_ms=50)
+                if got:
+                    break
+            assert got and got[0][0] == 0 and sub.next_seq == 1
+            sub.receive(timeout_ms=50)  # any repeats of the probe: already had
+            pub.send_multipart([b"", seq(1), b"\x01not msgpack of a batch"])  # payload: the batch of seq 1 is lost
+            pub.send_multipart([b"one frame"])
+            pub.send_multipart([b"", b"\x00\x00\x00\x02", encode(batch)])  # a 4-byte sequence number
+            pub.send_multipart([b"", seq(2), encode(batch)])
+            later = []
+            for _ in range(200):
+                later += sub.receive(timeout_ms=50)
+                if later:
+                    break
+            assert later == [(2, batch)]
+            assert (sub.malformed, sub.gaps, sub.lost, sub.next_seq) == (3, 1, 1, 3)
+    finally:
+        pub.close(linger=0)
+        ctx.term()
+
+
+def test_an_endpoint_zmq_cannot_connect_to_is_a_config_error():
+    with pytest.raises(ConfigError, match="cannot connect to 'not an endpoint'"):
+        ZmqEventSubscriber("not an endpoint")
+
+
 def test_publish_after_close_is_refused_and_close_is_idempotent():
     pub = ZmqEventPublisher()
     pub.close()

@@ -13,16 +13,19 @@ from __future__ import annotations
 from typing import Callable
 
 try:
+    import msgspec
     import zmq
 except ModuleNotFoundError as exc:  # an optional dependency: say which extra brings it
     from hicache_fsm.errors import MissingExtra
 
     raise MissingExtra("KV events", "pyzmq", "events") from exc
 
-from hicache_fsm.errors import HiCacheError
+from hicache_fsm.errors import ConfigError, HiCacheError
 from hicache_fsm.events.schema import KVEventBatch, decode
 
 Batch = tuple[int, KVEventBatch]
+SEQ_BYTES = 8  # a sequence number frame: 8 bytes, big-endian
+UNREADABLE = (msgspec.MsgspecError, ValueError, TypeError)  # what a decoder raises on bytes that are not a batch
 
 
 class ReplayUnanswered(HiCacheError):
@@ -38,16 +41,22 @@ class ZmqEventSubscriber:
         self.replay_timeout_ms = replay_timeout_ms
         self._ctx = zmq.Context()
         self._sub = self._ctx.socket(zmq.SUB)
-        self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode("utf-8"))
-        self._sub.connect(endpoint)
         self._replay = None
-        if replay_endpoint is not None:
-            self._replay = self._ctx.socket(zmq.DEALER)
-            self._replay.connect(replay_endpoint)
+        try:
+            self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode("utf-8"))
+            self._sub.connect(endpoint)
+            if replay_endpoint is not None:
+                self._replay = self._ctx.socket(zmq.DEALER)
+                self._replay.connect(replay_endpoint)
+        except zmq.ZMQError as exc:
+            self.close()
+            raise ConfigError(f"KV event subscriber: cannot connect to {endpoint!r} / {replay_endpoint!r}: "
+                              f"{exc}") from None
         self.next_seq = 0  # the first batch expected: from the start of the publisher's history
         self.gaps = 0  # times a jump in sequence numbers was seen
         self.replayed = 0  # batches fetched by replay
         self.lost = 0  # batches neither received nor replayable
+        self.malformed = 0  # messages dropped as not a batch (frames or payload): their batches count as gaps
 
     def receive(self, timeout_ms: int = 0) -> list[Batch]:
         """Every batch that arrived (waiting up to ``timeout_ms`` for the first), in order, gaps filled."""
@@ -55,20 +64,23 @@ class ZmqEventSubscriber:
         wait = timeout_ms
         while self._sub.poll(wait):
             wait = 0
-            _topic, seq_bytes, payload = self._sub.recv_multipart()
-            seq = int.from_bytes(seq_bytes, "big")
+            frames = self._sub.recv_multipart()
+            if len(frames) != 3 or len(frames[1]) != SEQ_BYTES:
+                self.malformed += 1
+                continue
+            seq = int.from_bytes(frames[1], "big")
             if seq < self.next_seq:
                 continue  # already had it by replay
+            batch = self._decoded(frames[2])
+            if batch is None:
+                continue  # the next batch shows the gap; replay fills it if it can
             if seq > self.next_seq:
                 self.gaps += 1
                 out += self.catch_up(seq)
-            if seq == self.next_seq:
-                out.append((seq, self._decode(payload)))
-                self.next_seq = seq + 1
-            else:  # the replay buffer no longer covers next_seq .. seq - 1
+            if seq > self.next_seq:  # the replay buffer no longer covers next_seq .. seq - 1
                 self.lost += seq - self.next_seq
-                out.append((seq, self._decode(payload)))
-                self.next_seq = seq + 1
+            out.append((seq, batch))
+            self.next_seq = seq + 1
         return out
 
     def catch_up(self, until: int | None = None) -> list[Batch]:
@@ -81,13 +93,27 @@ class ZmqEventSubscriber:
             if not self._replay.poll(self.replay_timeout_ms):
                 raise ReplayUnanswered(f"no replay answer within {self.replay_timeout_ms} ms")
             frames = self._replay.recv_multipart()
+            if len(frames) < 2 or len(frames[-2]) != SEQ_BYTES:
+                self.malformed += 1
+                continue
             seq = int.from_bytes(frames[-2], "big", signed=True)
             if seq == -1:
                 return out
             if seq == self.next_seq and (until is None or seq < until):
-                out.append((seq, self._decode(frames[-1])))
+                batch = self._decoded(frames[-1])
+                if batch is None:
+                    continue  # later ones no longer follow on: left to receive, which counts them
+                out.append((seq, batch))
                 self.next_seq = seq + 1
                 self.replayed += 1
+
+    def _decoded(self, payload: bytes) -> KVEventBatch | None:
+        """The batch in ``payload``, or None (counted in ``malformed``) when it is not one."""
+        try:
+            return self._decode(payload)
+        except UNREADABLE:
+            self.malformed += 1
+            return None
 
     def close(self) -> None:
         for sock in (self._sub, self._replay):
