@@ -373,6 +373,16 @@ def test_removed_and_cleared_take_blocks_out_of_the_index():
     assert index.blocks(0, "device") == frozenset()
 
 
+def test_questions_about_an_instance_change_nothing_and_an_unknown_tier_is_refused():
+    index = _index_with({0: [1, 2, 3]})
+    assert index.prefix_pages(9, [1, 2]) == 0 and index.blocks(9, "host") == frozenset()
+    assert index.longest_prefixes([1, 2], [0, 9]) == {0: 2, 9: 0}
+    assert index.instances == [0]  # a router asking about instance 9 does not make it one
+    for ask in (lambda: index.prefix_pages(0, [1], ("gpu",)), lambda: index.blocks(0, "L2")):
+        with pytest.raises(ConfigError, match="unknown tier .*; tiers are device, host, storage"):
+            ask()
+
+
 def test_block_hashes_are_the_storage_tiers_page_keys():
     from hicache_fsm.storage.keys import page_keys
     from hicache_fsm.storage.tier import namespace_seed

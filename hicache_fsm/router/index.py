@@ -13,8 +13,11 @@ from __future__ import annotations
 
 from typing import Hashable, Iterable, Sequence
 
+from hicache_fsm.errors import ConfigError
 from hicache_fsm.events.names import TIER_OF_MEDIUM, TIERS
 from hicache_fsm.events.schema import AllBlocksCleared, BlockStored, KVEventBatch
+
+_NOTHING: dict[str, frozenset[int]] = {tier: frozenset() for tier in TIERS}  # an instance that announced nothing
 
 
 class PrefixIndex:
@@ -31,6 +34,14 @@ class PrefixIndex:
             tiers = self._blocks[instance] = {tier: set() for tier in TIERS}
         return tiers
 
+    def _sets(self, instance: Hashable, tiers: Iterable[str]) -> list:
+        """``instance``'s sets of ``tiers``, read only: a query about an unknown instance adds none."""
+        held = self._blocks.get(instance, _NOTHING)
+        try:
+            return [held[t] for t in tiers]
+        except KeyError as exc:
+            raise ConfigError(f"unknown tier {exc.args[0]!r}; tiers are {', '.join(TIERS)}") from None
+
     @property
     def instances(self) -> list[Hashable]:
         return list(self._blocks)
@@ -40,8 +51,8 @@ class PrefixIndex:
         tiers = self._tiers(instance)
         for event in batch.events:
             if isinstance(event, AllBlocksCleared):
-                for hashes in tiers["storage"]:
-                    self._forget_storage(hashes)
+                for h in tiers["storage"]:
+                    self._forget_storage(h)
                 for blocks in tiers.values():
                     blocks.clear()
                 continue
@@ -77,12 +88,12 @@ class PrefixIndex:
 
     def blocks(self, instance: Hashable, tier: str) -> frozenset[int]:
         """The hashes ``instance`` announced as readable in ``tier``."""
-        return frozenset(self._tiers(instance)[tier])
+        return frozenset(self._sets(instance, (tier,))[0])
 
     def prefix_pages(self, instance: Hashable, hashes: Sequence[int], tiers: Iterable[str] = ("device", "host"),
                      shared_storage: bool = False) -> int:
         """How many of ``hashes``, from the first, ``instance`` holds in any of ``tiers`` (or in shared L3)."""
-        sets = [self._tiers(instance)[t] for t in tiers]
+        sets = self._sets(instance, tiers)
         if shared_storage:
             sets.append(self._shared_storage)  # type: ignore[arg-type]  (membership only)
         n = 0
