@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hicache_fsm.cli import main
+from hicache_fsm.errors import ConfigError
 from hicache_fsm.spec import load_all
 from hicache_fsm.testing import (
     Bounds,
@@ -143,6 +144,29 @@ def test_explorer_finds_no_violation_on_the_real_cache(policy, depth):
     rep = cov.report(["residency"])["residency"]
     assert all("stor" in s for s in rep["missing_states"]), rep["missing_states"]
     assert all("stor" in t or "prefetched" in t for t in rep["missing_transitions"]), rep["missing_transitions"]
+
+
+@given(field=st.sampled_from(["nodes", "device_pages", "host_pages", "layers", "page_size", "alphabet",
+                               "max_prefetches", "max_len", "max_depth", "max_states", "max_locks", "max_pins"]),
+       value=st.one_of(st.integers(-3, 0), st.just("2"), st.just(2.0), st.just(True)))
+def test_bounds_that_would_explore_nothing_meaningful_are_refused(field, value):
+    """A run over such bounds would report a complete, clean exploration of next to nothing."""
+    if field in ("max_locks", "max_pins") and isinstance(value, int) and not isinstance(value, bool) and value == 0:
+        Bounds(**{field: value})  # no locks / pins held at once: a narrower but meaningful action set
+        return
+    with pytest.raises(ConfigError, match=f"Bounds.{field} must be an int >= "):
+        Bounds(**{field: value})
+
+
+@pytest.mark.parametrize("kwargs", [{"max_len": 0}, {"alphabet": -1}, {"max_jobs": 0}, {"max_depth": 0},
+                                    {"max_states": 0}, {"max_entries": -1}, {"max_len": "3"}])
+def test_store_bounds_that_would_explore_nothing_meaningful_are_refused(kwargs):
+    from hicache_fsm.testing.blockstore import StoreBounds
+
+    (field, _), = kwargs.items()
+    with pytest.raises(ConfigError, match=f"StoreBounds.{field} must be an int >= "):
+        StoreBounds(**kwargs)
+    assert StoreBounds(max_entries=0).max_entries == 0  # nothing held: the admission path alone, still meaningful
 
 
 def test_explorer_write_through_selective():

@@ -71,7 +71,9 @@ from typing import TextIO
 import attrs
 import torch
 
+from hicache_fsm.errors import ConfigError
 from hicache_fsm.testing.adapter import CacheAdapter
+from hicache_fsm.testing.bound_values import check_bound
 from hicache_fsm.testing.checks import Step, catalogue, kv_check, perform, replay_steps
 from hicache_fsm.testing.paths import CoverageTracker
 
@@ -123,6 +125,23 @@ class Bounds:
     max_seconds: float | None = None
     omit: tuple[str, ...] = ()
     start: tuple[Step, ...] = ()
+
+    def __attrs_post_init__(self) -> None:
+        """Refuse bounds that explore nothing meaningful (a run over them would pass, having checked nothing)."""
+        for least, names in ((1, ("nodes", "device_pages", "host_pages", "layers", "page_size", "alphabet",
+                                  "max_prefetches")), (0, ("max_locks", "max_pins"))):
+            for name in names:
+                check_bound("Bounds", name, getattr(self, name), least)
+        for name in ("max_len", "max_depth", "max_states"):
+            if getattr(self, name) is not None:
+                check_bound("Bounds", name, getattr(self, name), 1)
+        seconds = self.max_seconds
+        if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
+                                    or not seconds > 0):
+            raise ConfigError(f"Bounds.max_seconds must be a number > 0 or None, got {seconds!r}")
+        for name in ("track_hits", "redeliver", "storage"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"Bounds.{name} must be True or False, got {getattr(self, name)!r}")
 
     @property
     def prompt_pages(self) -> int:
