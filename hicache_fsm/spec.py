@@ -581,6 +581,9 @@ def spec_paths(directory: str | Path = SPEC_DIR) -> list[Path]:
     return sorted(Path(directory).glob("*.yaml"))
 
 
+_MACHINE_NAME = re.compile(r"[A-Za-z0-9_]+")  # the library's spec files are NAME.yaml
+
+
 def load_builtin(name: str) -> Spec:
     """Load one of the library's own specs by machine name.
 
@@ -588,10 +591,10 @@ def load_builtin(name: str) -> Spec:
     every ``HiCache`` compiles its machines from these and parsing YAML
     dominates building one.
     """
-    path = SPEC_DIR / f"{name}.yaml"
-    if not path.is_file():
+    path = SPEC_DIR / f"{name}.yaml" if isinstance(name, str) and _MACHINE_NAME.fullmatch(name) else None
+    if path is None or not path.is_file():  # a bare name only: a trace's "../x" never leaves the specs
         known = ", ".join(p.stem for p in spec_paths())
-        raise SpecError(str(path), None, f"no spec named {name!r}; known: {known}")
+        raise SpecError(str(SPEC_DIR), None, f"no spec named {name!r}; known: {known}")
     stat = path.stat()
     return _load_cached(str(path), stat.st_mtime_ns, stat.st_size)
 

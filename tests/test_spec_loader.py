@@ -137,6 +137,13 @@ def test_unknown_builtin_name_lists_the_known_ones():
         load_builtin("nope")
 
 
+@pytest.mark.parametrize("name", ["../specs/residency", "/etc/passwd", "residency.yaml", "", 3])
+def test_a_builtin_name_is_a_bare_name_never_a_path(name):
+    """A recorded trace names its machines, and ``replay`` loads them by name: a path there reads nothing."""
+    with pytest.raises(SpecError, match="no spec named"):
+        load_builtin(name)
+
+
 # --------------------------------------------------------------------------- the library's own specs
 
 

@@ -258,6 +258,31 @@ def test_a_trace_that_is_not_utf8_is_refused_by_its_line(tmp_path, capsys):
     assert err.splitlines() == [f"hicache-fsm replay: trace line {bad}: not UTF-8 text (byte 0xff; a binary file?)"]
 
 
+@pytest.mark.parametrize("event, reason", [
+    ({"event": "job", "job": [1, 2], "kind": "d2h"}, "job event: 'job' must be an integer or a string, got [1, 2]"),
+    ({"event": "job", "job": 9, "kind": "d2h", "nodes": [{}]}, "'nodes' must be an integer or a string, got {}"),
+    ({"event": "transition", "machine": ["x"], "node": 1, "trigger": "insert", "source": "absent", "dest": "device"},
+     "'machine' must be a string"),
+    ({"event": "transition", "node": 1, "source": "absent", "dest": "device"}, "transition event without 'trigger'"),
+    ({"event": "transition", "trigger": "insert", "source": "absent", "dest": "device"},
+     "without 'node' or 'object'"),
+    ({"event": "completion", "job": 0, "ok": "yes"}, "'ok' must be true or false"),
+    ({"event": "split", "node": True, "upper": 2}, "'node' must be an integer or a string, got true"),
+    ({"event": "transition", "machine": "../specs/residency", "node": 1, "trigger": "insert", "source": "absent",
+      "dest": "device"}, "unknown machine '../specs/residency'"),
+])
+def test_an_event_of_the_wrong_shape_is_a_divergence_naming_its_field(tmp_path, capsys, event, reason):
+    """A trace is untrusted input: a field of the wrong JSON type is reported at its line, never a traceback."""
+    lines = _workload_trace().lines()
+    path = tmp_path / "odd.jsonl"
+    path.write_text("".join(line + "\n" for line in lines[:3]) + json.dumps(event) + "\n")
+    result = replay(path)
+    assert not result.ok and result.divergence.line == 4 and reason in result.divergence.reason
+    assert main(["replay", str(path)]) == 1
+    out, err = capsys.readouterr()
+    assert reason in out and "Traceback" not in out + err
+
+
 @pytest.mark.parametrize("tamper", ["dest", "double_completion", "skipped_transition"])
 def test_tampered_trace_is_rejected(tmp_path, tamper, capsys):
     events = [json.loads(line) for line in _workload_trace().lines()]

@@ -199,6 +199,44 @@ class _Diverged(Exception):
         self.reason = reason
 
 
+# What each event type must carry, checked before the event is replayed (a trace is untrusted input):
+# field -> (the JSON types it may have, whether it must be there). Ids are ints or strings.
+_ID = (int, str)
+_SHAPES: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
+    "transition": {"machine": ((str,), False), "trigger": ((str,), True), "source": ((str,), True),
+                   "dest": ((str,), True)},
+    "job": {"job": (_ID, True), "kind": ((str,), True), "nodes": ((list,), False)},
+    "completion": {"job": (_ID, True), "ok": ((bool,), False)},
+    "split": {"node": (_ID, True), "upper": (_ID, True)},
+    "removed": {"node": (_ID, True)},
+}
+_JSON_NAMES = {bool: "true or false", int: "an integer", str: "a string", list: "a list"}
+
+
+def _check_shape(ev: dict) -> None:
+    """``_Diverged`` naming the first field of ``ev`` that is missing or of the wrong JSON type."""
+    kind = ev.get("event")
+    for field, (types, required) in _SHAPES.get(kind, {}).items():
+        if field not in ev:
+            if required:
+                raise _Diverged(f"{kind} event without {field!r}")
+            continue
+        _check_type(kind, field, ev[field], types)
+    if kind == "transition":
+        field = "node" if "node" in ev else "object"
+        if field not in ev:
+            raise _Diverged("transition event without 'node' or 'object'")
+        _check_type(kind, field, ev[field], _ID)
+    for n in ev.get("nodes", ()) if kind == "job" else ():
+        _check_type(kind, "nodes", n, _ID)
+
+
+def _check_type(kind: str, field: str, value: object, types: tuple[type, ...]) -> None:
+    if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+        want = " or ".join(_JSON_NAMES[t] for t in types)
+        raise _Diverged(f"{kind} event: {field!r} must be {want}, got {json.dumps(value)}")
+
+
 @attrs.define
 class _Job:
     kind: str
@@ -355,6 +393,7 @@ def replay(trace, specs: Iterable[Spec] | None = None, *, require_quiescent: boo
         try:
             if handler is None:
                 raise _Diverged(f"unknown event type {ev.get('event')!r}")
+            _check_shape(ev)
             handler(ev)
         except _Diverged as d:
             r.result.divergence = Divergence(i, ev.get("_line", i + 1), ev, d.reason, tuple(recent))
