@@ -101,6 +101,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (HiCacheError, OSError) as exc:  # MissingExtra too: it names the extra to install
         print(f"{name}: {_one_line(exc)}", file=sys.stderr)
         return 1
+    except MemoryError as exc:  # sizes the machine cannot hold (numpy says how much it wanted)
+        print(f"{name}: not enough memory: {_one_line(exc)}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"{name}: interrupted", file=sys.stderr)
         return 130

@@ -699,6 +699,19 @@ def test_controller_bench_id_forms_do_the_tuple_forms_work(ids):
     assert result["ids"] == ids and result["speedup"] > 0
 
 
+@pytest.mark.parametrize("tp", ["abc", "0", "65"])
+def test_bench_controller_refuses_a_bad_tp_before_timing_anything(monkeypatch, capsys, tp):
+    from hicache_fsm.bench import controller
+    from hicache_fsm.cli import main
+
+    def timed(*_args, **_kwargs):
+        raise AssertionError("the timed runs started before --tp was read")
+
+    monkeypatch.setattr(controller, "make_cache", timed)
+    assert main(["bench", "controller", "--tp", tp]) == 2
+    assert "--tp wants" in capsys.readouterr().err
+
+
 def _controller_run(argv: list[str]) -> dict:
     import argparse
 

@@ -301,6 +301,8 @@ def run(args: argparse.Namespace) -> dict:
         out = Path(args.output) if args.output else Path("docs") / "performance.md"
         if not out.parent.is_dir():
             raise SystemExit(f"bench all: {out.parent}/ does not exist; run from the repository root or pass --output")
+        if out.is_dir():  # found now, not after the whole run
+            raise SystemExit(f"bench all: {out} is a directory; pass --output FILE.md")
     started = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     machine = _machine()
     t0 = time.perf_counter()

@@ -253,6 +253,9 @@ def tp_figures(worlds: list[int], n: int, tree_nodes: int, seed: int) -> dict[in
     return out
 
 
+MAX_TP = 64  # rank processes one --tp figure may start
+
+
 def _worlds(text: str) -> list[int]:
     try:
         worlds = [int(x) for x in text.split(",") if x.strip()]
@@ -260,6 +263,8 @@ def _worlds(text: str) -> list[int]:
         raise UsageError(f"--tp wants comma-separated rank counts, got {text!r}") from None
     if any(w < 1 for w in worlds):
         raise UsageError(f"--tp wants rank counts >= 1, got {text!r}")
+    if any(w > MAX_TP for w in worlds):  # each rank is a process importing torch
+        raise UsageError(f"--tp wants at most {MAX_TP} ranks, got {text!r}")
     return worlds
 
 
@@ -287,6 +292,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
+    worlds = _worlds(getattr(args, "tp", "") or "")  # a bad --tp is refused before the timed runs, not after
     n = args.requests
     repeats = args.repeats
     tree_nodes = args.tree_nodes if getattr(args, "tree_nodes", None) is not None else 10 * n
@@ -351,7 +357,6 @@ def run(args: argparse.Namespace) -> dict:
         rows.append(("metrics scrape", f"{scrape_us:.0f} us at {len(ours.tree)} nodes = "
                      f"{result['metrics_overhead_pct']:.2f}% of the controller's time over {result['metrics_scrape_every']} "
                      f"requests (1% at {result['metrics_breakeven_requests']})"))
-    worlds = _worlds(getattr(args, "tp", "") or "")
     if worlds:
         tp_n = max(1, getattr(args, "tp_requests", 300))
         tp = tp_figures(worlds, tp_n, min(tree_nodes, 10 * tp_n), args.seed)

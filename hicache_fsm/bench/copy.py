@@ -20,6 +20,7 @@ from hicache_fsm.bench.common import interleaved_medians, machine_description, r
 from hicache_fsm.commands.args import UsageError, positive_int
 from hicache_fsm.engine_kv import adopt_sglang_mha, adopt_vllm
 from hicache_fsm.executors import TorchExecutor
+from hicache_fsm.input_limits import InputRefused, check_count
 from hicache_fsm.jobs import JobBatch, JobKind
 from hicache_fsm.pools import LAYOUTS, DeviceKVPool, HostKVPool, KVShape, default_device
 
@@ -65,6 +66,12 @@ def run(args: argparse.Namespace) -> dict:
     if tokens <= 0:
         raise UsageError(f"--tokens must be at least one page ({ps})")
     shape = KVShape(args.layers, args.heads, args.head_dim, DTYPES[args.dtype])
+    # in host memory: the host pool, and on the CPU also the device pool and a contiguous copy of it
+    copies = 1 if torch.cuda.is_available() else 3
+    try:
+        check_count(tokens, shape.token_bytes * copies, "--tokens")
+    except InputRefused as exc:
+        raise UsageError(f"{exc} (KV of {shape.token_bytes} bytes a token, {copies} copies)") from None
     device = _device_pool(args.engine, shape, tokens, ps)
     host = HostKVPool(shape, tokens, ps, args.layout)
     for buffer in device.buffers:
