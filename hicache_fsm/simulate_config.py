@@ -13,11 +13,11 @@ import attrs
 import torch
 
 from hicache_fsm.cache import HiCache
-from hicache_fsm.config import CacheConfig
+from hicache_fsm.config import CacheConfig, check_positive_int
 from hicache_fsm.errors import ConfigError, MissingExtra
 from hicache_fsm.model import KVModel, TinyModel
 from hicache_fsm.pools import LAYOUTS, DeviceKVPool, HostKVPool, KVShape, PoolConfig, build_pools
-from hicache_fsm.simulate_workload import Workload, check_positive_int
+from hicache_fsm.simulate_workload import Workload
 
 MODELS = ("tiny", "llama")
 NEVER = 1 << 62  # a write_through_selective threshold no node reaches: nothing is backed up

@@ -15,17 +15,11 @@ from typing import Callable, Sequence
 
 import attrs
 
+from hicache_fsm.config import check_positive_int
 from hicache_fsm.errors import ConfigError
 from hicache_fsm.model import KVModel
 
 ARRIVALS = ("round-robin", "random")
-
-
-def check_positive_int(name: str, value: object, minimum: int = 1) -> int:
-    """``value`` if it is an int (not a bool) >= ``minimum``; else ConfigError naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return value
 
 
 @attrs.frozen

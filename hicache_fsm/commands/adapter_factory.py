@@ -7,7 +7,7 @@ import importlib
 import importlib.util
 import json
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -60,10 +60,15 @@ def import_lines(ref: str, name: str) -> str:
     return f"from {where} import {attr} as {name}"
 
 
-def make_block_store(factory: Callable[..., Any], variant: dict, ref: str) -> Any:
+FUZZ_CALLS = "fuzz calls the factory with the keywords of a --variant, none by default"
+CHECK_CALLS = "check calls a prefix-cache factory with the explorer's Bounds"
+
+
+def make_block_store(factory: Callable[..., Any], variant: dict, ref: str, takes_bounds: bool = True) -> Any:
     """``factory(**variant)`` when ``factory`` makes ``BlockStoreAdapter``s; None when it makes prefix caches
-    (``CacheAdapter``s, or it wants the explorer's ``Bounds``). ``UsageError`` when the variant does not fit a
-    block-store factory, the factory fails, or it makes something else (None included)."""
+    (``CacheAdapter``s, or, where ``takes_bounds`` (``check``), it wants the explorer's ``Bounds``).
+    ``UsageError`` when the variant does not fit a block-store factory, the factory fails, or it makes
+    something else (None included)."""
     from hicache_fsm.testing.adapter import CacheAdapter
     from hicache_fsm.testing.blockstore import BlockStoreAdapter
 
@@ -73,6 +78,8 @@ def make_block_store(factory: Callable[..., Any], variant: dict, ref: str) -> An
         probe = _probe(factory)  # a block-store factory without the variant? then the variant is what is wrong
         if isinstance(probe, BlockStoreAdapter) or (variant and isinstance(probe, CacheAdapter)):
             raise UsageError(f"--variant {_short(variant)} does not fit {ref}: {exc}") from None
+        if not takes_bounds:  # fuzz: a factory wanting other arguments (the explorer's Bounds) cannot be run
+            raise UsageError(f"--adapter {ref}{_with(variant)} raised TypeError: {exc} ({FUZZ_CALLS})") from None
         return None  # a prefix-cache factory taking the Bounds
     except Exception as exc:  # the user's factory: any failure is a bad --adapter / --variant
         raise UsageError(f"--adapter {ref}{_with(variant)} raised {type(exc).__name__}: {exc}") from None
@@ -85,27 +92,19 @@ def make_block_store(factory: Callable[..., Any], variant: dict, ref: str) -> An
                      "not a BlockStoreAdapter or CacheAdapter")
 
 
-def check_prefix_cache_factory(factory: Callable[..., Any], ref: str, calls: Sequence[tuple[tuple, dict]],
-                               how: str) -> None:
-    """Make (and close) one adapter per ``(args, kwargs)`` in ``calls``, as the command will call ``factory``.
-
-    A factory that raises there, or makes something other than a ``CacheAdapter``,
-    is a mistake in ``--adapter`` (often a fuzz factory given to ``check`` or the
-    reverse), not a finding of the run: ``UsageError``, saying how the command
-    calls it (``how``), before anything runs.
-    """
+def check_explorer_factory(factory: Callable[..., Any], ref: str, bounds: Any) -> None:
+    """Make (and close) one adapter as ``check`` will, ``factory(bounds)``: ``UsageError`` before anything runs
+    when it raises or makes something other than a ``CacheAdapter`` (``fuzz``'s factory, say), a mistake in
+    ``--adapter``, not a finding of the run."""
     from hicache_fsm.testing.adapter import CacheAdapter
 
-    for args, kwargs in calls:
-        try:
-            made = factory(*args, **kwargs)
-        except Exception as exc:  # the user's factory: any failure to make an adapter is a bad --adapter
-            raise UsageError(f"--adapter {ref}{_with(kwargs)} raised {type(exc).__name__}: {exc} ({how})") from None
-        if not isinstance(made, CacheAdapter):
-            _close(made)
-            raise UsageError(f"--adapter {ref}{_with(kwargs)} returned {type(made).__name__}, not a CacheAdapter "
-                             f"({how})")
-        _close(made)
+    try:
+        made = factory(bounds)
+    except Exception as exc:  # the user's factory: any failure to make an adapter is a bad --adapter
+        raise UsageError(f"--adapter {ref} raised {type(exc).__name__}: {exc} ({CHECK_CALLS})") from None
+    _close(made)
+    if not isinstance(made, CacheAdapter):
+        raise UsageError(f"--adapter {ref} returned {type(made).__name__}, not a CacheAdapter ({CHECK_CALLS})")
 
 
 def _probe(factory: Callable[..., Any]) -> Any:

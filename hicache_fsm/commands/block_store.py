@@ -73,7 +73,7 @@ def fuzz_block_store(args: argparse.Namespace, variants: list[dict],
     """Fuzz a block store; None when ``--adapter`` makes prefix caches. Every ``--variant`` is tried first;
     ``report`` prints the outcome as the fuzz command does."""
     factory = load_factory(args.adapter)
-    made = [make_block_store(factory, v, args.adapter) for v in variants]
+    made = [make_block_store(factory, v, args.adapter, takes_bounds=False) for v in variants]
     if all(m is None for m in made):
         return None
     if any(m is None for m in made):

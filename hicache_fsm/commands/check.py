@@ -240,11 +240,10 @@ def _check_prefix_cache(args: argparse.Namespace) -> int:
     policies = list(WRITE_POLICIES) if args.write_policy == "all" else [args.write_policy]
     factory = hicache_factory
     if args.adapter:
-        from hicache_fsm.commands.adapter_factory import check_prefix_cache_factory, load_factory
+        from hicache_fsm.commands.adapter_factory import check_explorer_factory, load_factory
 
         factory = load_factory(args.adapter)
-        check_prefix_cache_factory(factory, args.adapter, [((bounds_for(policies[0]),), {})],
-                                   "check calls a prefix-cache factory with the explorer's Bounds")
+        check_explorer_factory(factory, args.adapter, bounds_for(policies[0]))
     runs = []
     status = 0
     writer = recording_writer(args.record)

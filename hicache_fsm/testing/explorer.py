@@ -71,9 +71,9 @@ from typing import TextIO
 import attrs
 import torch
 
+from hicache_fsm.config import check_positive_int
 from hicache_fsm.errors import ConfigError
 from hicache_fsm.testing.adapter import CacheAdapter
-from hicache_fsm.testing.bound_values import check_bound
 from hicache_fsm.testing.checks import Step, catalogue, kv_check, perform, replay_steps
 from hicache_fsm.testing.paths import CoverageTracker
 
@@ -131,10 +131,10 @@ class Bounds:
         for least, names in ((1, ("nodes", "device_pages", "host_pages", "layers", "page_size", "alphabet",
                                   "max_prefetches")), (0, ("max_locks", "max_pins"))):
             for name in names:
-                check_bound("Bounds", name, getattr(self, name), least)
+                check_positive_int(f"Bounds.{name}", getattr(self, name), least)
         for name in ("max_len", "max_depth", "max_states"):
             if getattr(self, name) is not None:
-                check_bound("Bounds", name, getattr(self, name), 1)
+                check_positive_int(f"Bounds.{name}", getattr(self, name), 1)
         seconds = self.max_seconds
         if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
                                     or not seconds > 0):

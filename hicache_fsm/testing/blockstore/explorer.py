@@ -17,10 +17,10 @@ from typing import TextIO
 
 import attrs
 
+from hicache_fsm.config import check_positive_int
 from hicache_fsm.testing.blockstore.adapter import BlockStoreAdapter, Key, chain
 from hicache_fsm.testing.blockstore.symmetry import Asymmetric, ReducedKeys, Symmetry
 from hicache_fsm.testing.blockstore.world import StoreWorld, format_step
-from hicache_fsm.testing.bound_values import check_bound
 
 PROGRESS_EVERY_S = 1.0
 DEFAULT_DEPTH = 7  # steps from the empty store: the examples' planted bugs need at most 4; vLLM-sized ARC grows ~3x a step
@@ -46,10 +46,10 @@ class StoreBounds:
     def __attrs_post_init__(self) -> None:
         """Refuse bounds under which a run would pass having explored next to nothing."""
         for name in ("alphabet", "max_len", "max_jobs"):
-            check_bound("StoreBounds", name, getattr(self, name), 1)
+            check_positive_int(f"StoreBounds.{name}", getattr(self, name), 1)
         for name, least in (("max_entries", 0), ("max_states", 1), ("max_depth", 1)):
             if getattr(self, name) is not None:
-                check_bound("StoreBounds", name, getattr(self, name), least)
+                check_positive_int(f"StoreBounds.{name}", getattr(self, name), least)
 
 
 def prompts_for(bounds: StoreBounds) -> list[tuple[Key, ...]]:
