@@ -10,10 +10,10 @@ WRITE_POLICIES = ("write_through", "write_through_selective", "write_back", "wri
 EVICTION_POLICIES = ("lru", "lfu", "priority")
 
 
-def check_positive_int(name: str, value: object, minimum: int = 1) -> int:
-    """``value`` if it is an int (not a bool) >= ``minimum``; else ConfigError naming ``name``."""
+def check_positive_int(name: str, value: object, minimum: int = 1, error: type[ConfigError] = ConfigError) -> int:
+    """``value`` if it is an int (not a bool) >= ``minimum``; else ``error`` (a ConfigError) naming ``name``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{name} must be an int >= {minimum}, got {value!r}")
+        raise error(f"{name} must be an int >= {minimum}, got {value!r}")
     return value
 
 

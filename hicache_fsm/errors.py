@@ -132,7 +132,7 @@ class StorageKeyError(StorageError, ValueError):
 
 
 class StorageURLError(StorageError, ConfigError):
-    """A storage URL names an unknown scheme or has an impossible form."""
+    """A storage URL names an unknown scheme or has an impossible form, or a backend option is unusable."""
 
 
 class TraceError(HiCacheError):

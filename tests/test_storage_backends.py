@@ -355,6 +355,49 @@ def test_open_backend_rejects_unknown_urls(tmp_path):
     assert isinstance(open_backend("memory://"), MemoryBackend)
 
 
+NO_SERVER = "redis://127.0.0.1:1/0"  # nothing listens: a refusal below comes before any connect
+
+
+@pytest.mark.parametrize("url, options, named", [
+    ("file", {"bogus": 1}, "bogus"),
+    ("file", {"fsync": "yes"}, "fsync"),
+    ("file", {"io_threads": 2.0}, "io_threads"),
+    ("memory://", {"max_entries": 3}, "max_entries"),
+    (NO_SERVER, {"socket_timeout": -1}, "socket_timeout"),
+    (NO_SERVER, {"socket_timeout": "5"}, "socket_timeout"),
+    (NO_SERVER, {"connect_timeout": float("nan")}, "connect_timeout"),
+    (NO_SERVER, {"max_connections": "4"}, "max_connections"),
+    (NO_SERVER, {"chunk_pages": 1.5}, "chunk_pages"),
+    (NO_SERVER, {"retries": True}, "retries"),
+    (NO_SERVER, {"ttl": True}, "ttl"),
+    (NO_SERVER, {"check": "no"}, "check"),
+    (NO_SERVER, {"root": "/tmp"}, "root"),
+    ("redis://127.0.0.1:1/abc", {}, "database"),
+    ("redis://127.0.0.1:1/0?bogus=1", {}, "bogus"),
+    ("mooncake://127.0.0.1:1", {"socket_timeout": 1.0}, "socket_timeout"),
+    ("mooncake://127.0.0.1:1", {"connect_timeout": 0}, "connect_timeout"),
+])
+def test_an_option_a_backend_cannot_use_is_refused_by_name_before_anything_is_opened(tmp_path, url, options, named):
+    """Not a TypeError from a constructor or redis-py, not a value taken as another (``"no"`` read as true)."""
+    store = tmp_path / "store"
+    with pytest.raises(StorageURLError, match=named):
+        open_backend(f"file://{store}" if url == "file" else url, **options)
+    assert not store.exists()
+
+
+@settings(max_examples=60, deadline=None)
+@given(value=st.one_of(st.integers(-3, 10), st.floats(allow_nan=True, allow_infinity=True), st.booleans(),
+                       st.text(max_size=3), st.none()))
+def test_a_redis_timeout_is_taken_exactly_when_it_is_a_positive_finite_number(value):
+    try:
+        backend = open_backend(NO_SERVER, socket_timeout=value, check=False)
+    except StorageURLError:
+        assert isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf")
+    else:
+        assert not isinstance(value, bool) and 0 < value < float("inf")
+        backend.close()
+
+
 # ---------------------------------------------------------------- redis specifics
 
 

@@ -11,7 +11,8 @@
 ``options`` go to the backend's constructor (``namespace=KeyNamespace(...)`` for
 all of them; ``max_bytes``, ``fsync``, ``io_threads`` for files;
 ``socket_timeout``, ``connect_timeout``, ``max_connections``, ``retries``,
-``ttl`` for Redis; ``connect_timeout`` for Mooncake). An unknown scheme raises
+``ttl`` for Redis; ``connect_timeout`` for Mooncake). An unknown scheme, an
+option the backend does not take or a value it cannot use raises
 :class:`~hicache_fsm.errors.StorageURLError`.
 """
 
@@ -21,6 +22,7 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from hicache_fsm.errors import MissingExtra, StorageURLError
+from hicache_fsm.storage.backend_checks import check_option_names
 from hicache_fsm.storage.base import HostPoolLike, StorageBackend
 from hicache_fsm.storage.keys import KeyNamespace, page_hash, page_keys
 
@@ -51,16 +53,19 @@ def open_backend(url: str, **options: Any) -> StorageBackend:
             raise StorageURLError(f"file URLs look like file:///absolute/dir, got {url!r}")
         from hicache_fsm.storage.file import FileBackend
 
+        check_option_names(FileBackend, scheme, options, taken=("root",))
         return FileBackend(unquote(parts.path), **options)
     if scheme == "memory":
         if parts.path not in ("", "/") or parts.query:
             raise StorageURLError(f"memory URLs look like memory:// or memory://NAME, got {url!r}")
         from hicache_fsm.storage.memory import MemoryBackend
 
+        check_option_names(MemoryBackend, scheme, options, taken=("store",))
         return MemoryBackend(store=parts.netloc or None, **options)
     if scheme == "mooncake":
         from hicache_fsm.storage.mooncake import MooncakeBackend
 
+        check_option_names(MooncakeBackend, scheme, options, taken=("url",))
         return MooncakeBackend(url, **options)
     if scheme in ("redis", "rediss", "unix"):
         try:
@@ -69,5 +74,6 @@ def open_backend(url: str, **options: Any) -> StorageBackend:
             if exc.name != "redis":
                 raise
             raise MissingExtra("the redis:// storage backend", "redis", "redis") from None
+        check_option_names(RedisBackend, scheme, options, taken=("url",))
         return RedisBackend(url, **options)
     raise StorageURLError(f"unknown storage scheme {parts.scheme!r} in {url!r}; known: {', '.join(SCHEMES)}")

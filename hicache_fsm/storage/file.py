@@ -45,7 +45,8 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence, TypeVar
 
-from hicache_fsm.errors import StorageError, StorageFull, StorageTimeout, StorageUnavailable, StorageURLError
+from hicache_fsm.errors import StorageError, StorageFull, StorageTimeout, StorageUnavailable
+from hicache_fsm.storage.backend_checks import check_count, check_flag
 from hicache_fsm.storage.base import (
     EXISTS,
     FAILED,
@@ -143,10 +144,9 @@ class FileBackend(StorageBackend):
         page_format: PageFormat | None = None,
     ) -> None:
         super().__init__(namespace, checksum=checksum, page_format=page_format)
-        if isinstance(io_threads, bool) or not isinstance(io_threads, int) or io_threads < 1:
-            raise StorageURLError(f"io_threads must be a positive int, got {io_threads!r}")
+        check_count("io_threads", io_threads)
         self.root = os.path.abspath(os.fspath(root))
-        self.fsync = bool(fsync)
+        self.fsync = check_flag("fsync", fsync)
         self._lru = LRUIndex(max_bytes)
         self._lock = threading.Lock()
         self._tmp_counter = itertools.count()

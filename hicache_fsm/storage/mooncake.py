@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-import math
 import os
 import re
 import socket
@@ -67,6 +66,7 @@ import torch
 
 from hicache_fsm.errors import StorageError, StorageUnavailable, StorageURLError
 from hicache_fsm.input_limits import available_memory_bytes
+from hicache_fsm.storage.backend_checks import check_seconds
 from hicache_fsm.storage.base import (
     EXISTS,
     FAILED,
@@ -149,13 +149,6 @@ def _check_memory(segment: int, buffer: int) -> None:
                               f"{available >> 20} MiB of memory available")
 
 
-def _check_timeout(connect_timeout: object) -> float:
-    if isinstance(connect_timeout, bool) or not isinstance(connect_timeout, (int, float)) \
-            or not math.isfinite(connect_timeout) or connect_timeout <= 0:
-        raise StorageURLError(f"connect_timeout must be a positive number of seconds, got {connect_timeout!r}")
-    return float(connect_timeout)
-
-
 def _is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -202,7 +195,7 @@ class MooncakeBackend(StorageBackend):
         listen = query.get("listen", "local")
         if listen not in ("local", "any"):
             raise StorageURLError(f"listen must be 'local' or 'any', got {listen[:40]!r}")
-        timeout = _check_timeout(connect_timeout)
+        timeout = check_seconds("connect_timeout", connect_timeout)
         _check_memory(segment, buffer)
         missing = mooncake_available()
         if missing:

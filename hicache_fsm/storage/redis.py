@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import re
 from typing import Iterator
+from urllib.parse import urlsplit
 
 import redis as redis_py
 from redis.backoff import NoBackoff
@@ -45,6 +46,7 @@ from hicache_fsm.errors import (
     StorageUnavailable,
     StorageURLError,
 )
+from hicache_fsm.storage.backend_checks import check_count, check_flag, check_seconds
 from hicache_fsm.storage.base import (
     EXISTS,
     WRITTEN,
@@ -82,6 +84,21 @@ def _mapped(what: str) -> Iterator[None]:
         raise StorageError(f"redis {what}: {exc}") from exc
 
 
+def _connection_pool(url: str, **options: object) -> redis_py.BlockingConnectionPool:
+    """redis-py's pool for ``url``, with what redis-py would take silently or refuse only at the first connect
+    refused now: a database that is not a number (redis-py falls back to 0) and an unknown URL parameter."""
+    parts = urlsplit(url)
+    if parts.scheme.lower() in ("redis", "rediss") and not re.fullmatch(r"/?([0-9]+)?", parts.path):
+        raise StorageURLError(f"bad redis URL {url!r}: the path names a database by its number, "
+                              f"got {parts.path[:40]!r}")
+    try:
+        pool = redis_py.BlockingConnectionPool.from_url(url, **options)
+        pool.connection_class(**pool.connection_kwargs)  # no I/O: the parameters' names and types
+    except (TypeError, ValueError) as exc:
+        raise StorageURLError(f"bad redis URL {url!r}: {exc}") from exc
+    return pool
+
+
 class RedisBackend(StorageBackend):
     """Pages as Redis string values under ``namespace.prefix + key``."""
 
@@ -103,28 +120,25 @@ class RedisBackend(StorageBackend):
         page_format: PageFormat | None = None,
     ) -> None:
         super().__init__(namespace, checksum=checksum, page_format=page_format)
-        if ttl is not None and (not isinstance(ttl, int) or ttl < 1):
-            raise StorageURLError(f"ttl must be a positive number of seconds, got {ttl!r}")
-        if chunk_pages < 1 or max_connections < 1 or retries < 0:
-            raise StorageURLError("chunk_pages and max_connections must be >= 1, retries >= 0")
+        if ttl is not None:
+            check_count("ttl (seconds)", ttl)  # an int: Redis's EX takes whole seconds
+        socket_timeout = check_seconds("socket_timeout", socket_timeout)
+        connect_timeout = check_seconds("connect_timeout", connect_timeout)
         self.url = url
         self.ttl = ttl
-        self.chunk_pages = int(chunk_pages)
-        retry = Retry(NoBackoff(), int(retries), supported_errors=(RedisConnectionError,))
-        try:
-            self._pool = redis_py.BlockingConnectionPool.from_url(
-                url,
-                max_connections=max_connections,
-                timeout=connect_timeout + socket_timeout,
-                socket_timeout=socket_timeout,
-                socket_connect_timeout=connect_timeout,
-                retry=retry,
-                health_check_interval=0,
-            )
-        except ValueError as exc:
-            raise StorageURLError(f"bad redis URL {url!r}: {exc}") from exc
+        self.chunk_pages = check_count("chunk_pages", chunk_pages)
+        retry = Retry(NoBackoff(), check_count("retries", retries, minimum=0), supported_errors=(RedisConnectionError,))
+        self._pool = _connection_pool(
+            url,
+            max_connections=check_count("max_connections", max_connections),
+            timeout=connect_timeout + socket_timeout,
+            socket_timeout=socket_timeout,
+            socket_connect_timeout=connect_timeout,
+            retry=retry,
+            health_check_interval=0,
+        )
         self._client = redis_py.Redis(connection_pool=self._pool)
-        if check:
+        if check_flag("check", check):
             try:
                 with _mapped(f"PING {self._safe_url()}"):
                     self._client.ping()
