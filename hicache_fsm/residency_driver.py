@@ -136,6 +136,10 @@ class ResidencyDriver:
         """Stop reporting to ``listener``; ``ValueError`` if it was not added."""
         self._listeners.remove(listener)
 
+    def listening(self, listener: ResidencyListener) -> bool:
+        """Whether ``listener`` was added and not removed since."""
+        return any(added is listener for added in self._listeners)
+
     # ------------------------------------------------------------------ transitions
 
     def fire(self, node: TreeNode, trigger: str, ctx: object = None, emit: bool = True) -> "CompiledTransition":

@@ -7,10 +7,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cache_helpers import drain, make_cache, pages, put
+from cache_helpers import drain, in_thread, make_cache, pages, put
 from hicache_fsm.config import CacheConfig
 from hicache_fsm.diagrams import edge_label
-from hicache_fsm.errors import ConfigError, SpecError, StorageKeyError
+from hicache_fsm.errors import ConfigError, HiCacheError, SpecError, StorageKeyError, WrongThread
 from hicache_fsm.events.contents import MEMORY_TIERS, cache_contents
 from hicache_fsm.events.hashes import PageChain, chained_digests, int64_hash, request_hashes
 from hicache_fsm.events.hook import TIER_TAGS, disable_kv_events, enable_kv_events, reset_with_events
@@ -409,3 +409,36 @@ def test_enabling_on_a_running_cache_starts_with_a_snapshot_of_it():
         assert index.blocks("a", tier) == actual[tier]
     disable_kv_events(cache, hook)
     cache.close()
+
+
+@pytest.mark.parametrize("arguments, named", [
+    ({"sink": None}, "sink"),
+    ({"sink": "publish"}, "sink"),
+    ({"data_parallel_rank": -1}, "data_parallel_rank"),
+    ({"data_parallel_rank": "0"}, "data_parallel_rank"),
+    ({"max_batch_events": "256"}, "max_batch_events"),
+    ({"max_batch_events": 0}, "max_batch_events"),
+])
+def test_bad_event_arguments_are_refused_and_nothing_listens(arguments, named):
+    cache, _ = make_cache()
+    with pytest.raises(ConfigError, match=named):
+        enable_kv_events(cache, **{"sink": [].append, **arguments})
+    put(cache, pages(1))  # a listener left behind would hear this and fail
+    cache.close()
+
+
+def test_events_are_enabled_only_on_an_open_cache_from_its_thread_and_disabling_twice_is_harmless():
+    cache, ex = make_cache()
+    put(cache, pages(1))
+    batches: list = []
+    refused = in_thread(lambda: enable_kv_events(cache, batches.append))
+    assert isinstance(refused["error"], WrongThread)
+    hook = enable_kv_events(cache, batches.append)
+    disable_kv_events(cache, hook)
+    sent = len(batches)
+    disable_kv_events(cache, hook)  # shutdown paths may stop twice: nothing more is sent, nothing raised
+    put(cache, pages(1, start=100))
+    assert len(batches) == sent == 1  # the snapshot only
+    cache.close()
+    with pytest.raises(HiCacheError, match="closed"):
+        enable_kv_events(cache, batches.append)

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 
@@ -188,6 +189,44 @@ def test_messages_that_are_not_batches_are_counted_and_skipped_and_their_batch_i
 def test_an_endpoint_zmq_cannot_connect_to_is_a_config_error():
     with pytest.raises(ConfigError, match="cannot connect to 'not an endpoint'"):
         ZmqEventSubscriber("not an endpoint")
+
+
+@pytest.mark.parametrize("arguments, named", [
+    ({"endpoint": 5}, "endpoint"),
+    ({"replay_endpoint": b"tcp://127.0.0.1:*"}, "replay_endpoint"),
+    ({"topic": None}, "topic"),
+    ({"decoder": "msgpack"}, "decoder"),
+    ({"replay_timeout_ms": -1}, "replay_timeout_ms"),
+    ({"replay_timeout_ms": 1.5}, "replay_timeout_ms"),
+])
+def test_bad_subscriber_arguments_are_config_errors(arguments, named):
+    with pytest.raises(ConfigError, match=named):
+        ZmqEventSubscriber(**{"endpoint": "tcp://127.0.0.1:1", **arguments})
+
+
+def test_a_negative_receive_wait_is_refused_not_a_wait_forever():
+    with ZmqEventSubscriber("tcp://127.0.0.1:1") as sub:
+        with pytest.raises(ConfigError, match="timeout_ms"):
+            sub.receive(timeout_ms=-1)  # zmq's poll reads a negative wait as no limit
+        assert sub.receive(timeout_ms=0) == []
+
+
+@pytest.mark.parametrize("arguments, named", [
+    ({"endpoint": 5}, "endpoint"),
+    ({"replay_endpoint": 5}, "replay_endpoint"),
+    ({"topic": b"kv"}, "topic"),
+    ({"data_parallel_rank": -1}, "data_parallel_rank"),
+    ({"data_parallel_rank": "0"}, "data_parallel_rank"),
+])
+def test_bad_publisher_arguments_are_config_errors_before_any_thread_starts(arguments, named):
+    threads = threading.active_count()
+    try:
+        ZmqEventPublisher(**arguments).close()  # closed if taken: its sender thread would outlive the test
+    except ConfigError as exc:
+        assert named in str(exc)
+    else:
+        pytest.fail(f"{arguments} was taken")
+    assert threading.active_count() == threads
 
 
 def test_publish_after_close_is_refused_and_close_is_idempotent():

@@ -24,11 +24,13 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Callable, Hashable
 
+from hicache_fsm.config import check_positive_int
 from hicache_fsm.errors import ConfigError
 from hicache_fsm.events.hashes import NodeChains, RecentTokens
 from hicache_fsm.events.names import MEDIUMS, parse_event
 from hicache_fsm.events.pending import CLEARED_RECORD, REMOVED, STORED, PendingBatch, takes_pending
 from hicache_fsm.events.schema import KVEventBatch
+from hicache_fsm.events.settings import check_rank
 from hicache_fsm.radix import TreeNode
 from hicache_fsm.spec import Spec
 
@@ -73,8 +75,10 @@ class KVEventHook:
 
     def __init__(self, spec: Spec, page_size: int, sink: Sink, *, data_parallel_rank: int | None = None,
                  max_batch_events: int = 256) -> None:
-        if max_batch_events < 1:
-            raise ConfigError(f"max_batch_events must be positive, got {max_batch_events!r}")
+        check_positive_int("max_batch_events", max_batch_events)
+        check_rank(data_parallel_rank)
+        if not callable(sink):
+            raise ConfigError(f"sink must be callable (a publisher's publish, a list's append), got {sink!r}")
         self.sink = sink
         self._sink_renders = takes_pending(sink)
         self.page_size = page_size
@@ -162,8 +166,10 @@ def enable_kv_events(cache: "HiCache", sink: Sink, *, data_parallel_rank: int | 
     """Publish ``cache``'s KV events to ``sink``; starts with a snapshot of what it holds.
 
     Returns the hook: call ``flush()`` once per engine step, and
-    :func:`disable_kv_events` to stop.
+    :func:`disable_kv_events` to stop. Refused (nothing changes) on a closed
+    cache or from a thread other than the one driving it.
     """
+    cache.check_open()
     hook = KVEventHook(cache.driver.machine.spec, cache.page_size, sink, data_parallel_rank=data_parallel_rank,
                        max_batch_events=max_batch_events)
     hook.snapshot(_top_down(cache))
@@ -172,9 +178,10 @@ def enable_kv_events(cache: "HiCache", sink: Sink, *, data_parallel_rank: int | 
 
 
 def disable_kv_events(cache: "HiCache", hook: KVEventHook) -> None:
-    """Flush what ``hook`` queued and stop listening."""
+    """Flush what ``hook`` queued and stop listening; a hook that stopped already is only flushed."""
     hook.flush()
-    cache.driver.remove_listener(hook)
+    if cache.driver.listening(hook):
+        cache.driver.remove_listener(hook)
 
 
 def reset_with_events(cache: "HiCache", hook: KVEventHook) -> None:

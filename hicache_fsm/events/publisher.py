@@ -40,6 +40,7 @@ except ModuleNotFoundError as exc:  # an optional dependency: say which extra br
 from hicache_fsm.errors import ConfigError, HiCacheError
 from hicache_fsm.events.pending import PendingBatch, accepts_pending
 from hicache_fsm.events.schema import KVEventBatch, encode
+from hicache_fsm.events.settings import check_rank, check_text
 
 Batch = KVEventBatch | PendingBatch
 
@@ -105,6 +106,10 @@ class ZmqEventPublisher:
         for name, value in (("busy_pause_s", busy_pause_s), ("busy_window_s", busy_window_s)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
                 raise ConfigError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
+        check_text("endpoint", endpoint)
+        check_text("replay_endpoint", replay_endpoint, optional=True)
+        check_text("topic", topic)
+        check_rank(data_parallel_rank)
         self.pacing = Pacing(float(busy_pause_s), float(busy_window_s), max_lag)
         self.topic = topic.encode("utf-8")
         self.data_parallel_rank = data_parallel_rank

@@ -22,6 +22,7 @@ except ModuleNotFoundError as exc:  # an optional dependency: say which extra br
 
 from hicache_fsm.errors import ConfigError, HiCacheError
 from hicache_fsm.events.schema import KVEventBatch, decode
+from hicache_fsm.events.settings import check_text, check_wait_ms
 
 Batch = tuple[int, KVEventBatch]
 SEQ_BYTES = 8  # a sequence number frame: 8 bytes, big-endian
@@ -37,8 +38,13 @@ class ZmqEventSubscriber:
 
     def __init__(self, endpoint: str, replay_endpoint: str | None = None, *, topic: str = "",
                  decoder: Callable[[bytes], KVEventBatch] = decode, replay_timeout_ms: int = 10_000) -> None:
+        check_text("endpoint", endpoint)
+        check_text("replay_endpoint", replay_endpoint, optional=True)
+        check_text("topic", topic)
+        if not callable(decoder):
+            raise ConfigError(f"decoder must be callable, got {decoder!r}")
         self._decode = decoder
-        self.replay_timeout_ms = replay_timeout_ms
+        self.replay_timeout_ms = check_wait_ms("replay_timeout_ms", replay_timeout_ms)
         self._ctx = zmq.Context()
         self._sub = self._ctx.socket(zmq.SUB)
         self._replay = None
@@ -61,7 +67,7 @@ class ZmqEventSubscriber:
     def receive(self, timeout_ms: int = 0) -> list[Batch]:
         """Every batch that arrived (waiting up to ``timeout_ms`` for the first), in order, gaps filled."""
         out: list[Batch] = []
-        wait = timeout_ms
+        wait = check_wait_ms("timeout_ms", timeout_ms)
         while self._sub.poll(wait):
             wait = 0
             frames = self._sub.recv_multipart()

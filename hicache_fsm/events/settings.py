@@ -1,0 +1,28 @@
+"""Checks of the arguments the KV event parts are built with, made before any socket or thread exists.
+
+A wrong one (an endpoint that is not a string, a rank of ``-1``, a negative
+wait) is a ``ConfigError`` naming it, not an ``AttributeError`` from deep in
+``zmq``, a value published to every router, or a ``poll`` that never returns.
+"""
+
+from __future__ import annotations
+
+from hicache_fsm.config import check_positive_int
+from hicache_fsm.errors import ConfigError
+
+
+def check_text(name: str, value: object, *, optional: bool = False) -> None:
+    """``value`` is a str (or None when ``optional``): an endpoint or a topic."""
+    if not isinstance(value, str) and not (optional and value is None):
+        raise ConfigError(f"{name} must be a str{' or None' if optional else ''}, got {value!r}")
+
+
+def check_rank(value: object) -> None:
+    """A data-parallel rank is None or an int >= 0: batches carry it to every router."""
+    if value is not None:
+        check_positive_int("data_parallel_rank", value, minimum=0)
+
+
+def check_wait_ms(name: str, value: object) -> int:
+    """A wait in milliseconds is an int >= 0 (``zmq`` reads a negative one as forever)."""
+    return check_positive_int(name, value, minimum=0)
