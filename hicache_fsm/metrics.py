@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import re
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 try:
@@ -41,6 +41,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     raise ImportError(
         "hicache_fsm.metrics needs prometheus_client: pip install 'hicache_fsm[metrics]'") from exc
 
+from hicache_fsm.cache import HiCache
+from hicache_fsm.errors import ConfigError
 from hicache_fsm.jobs import JobKind
 from hicache_fsm.spec import load_builtin
 
@@ -96,6 +98,11 @@ STORAGE_GAUGE_KEYS = frozenset({"link", "healthy", "last_error", "backend", "bac
                                 "transfers_in_flight"})
 _REJECTED = re.compile(r"^prefetch_rejected_(\w+)$")
 _NAME = re.compile(r"^[a-z_][a-z0-9_]*$")
+_METRIC_PREFIX = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")  # Prometheus's metric name syntax
+_LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")  # and its label name syntax (``__`` first is reserved)
+# the labels the collector sets itself: a constant label of the same name would repeat it in a sample
+OWN_LABELS = frozenset({label for *_, label, _ in (*COUNTERS, *STORAGE_COUNTERS) if label}
+                       | {"reason", "state", "tier", "use"})
 READ_ATTEMPTS = 3
 
 
@@ -112,6 +119,24 @@ def _is_count(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _check_names(labels: object, prefix: object) -> None:
+    """Refuse, when the collector is made, names and values every scrape would fail on or expose as invalid."""
+    if not isinstance(prefix, str) or not _METRIC_PREFIX.fullmatch(prefix):
+        raise ConfigError(f"prefix must be a Prometheus metric name ([a-zA-Z_:][a-zA-Z0-9_:]*), got {prefix!r}")
+    if labels is None:
+        return
+    if not isinstance(labels, Mapping):
+        raise ConfigError(f"labels must be a mapping of label name to value, got {type(labels).__name__}")
+    for name, value in labels.items():
+        if not isinstance(name, str) or not _LABEL_NAME.fullmatch(name) or name.startswith("__"):
+            raise ConfigError(f"label name {name!r} is not a Prometheus label name "
+                              "([a-zA-Z_][a-zA-Z0-9_]*, not starting with __)")
+        if name in OWN_LABELS:
+            raise ConfigError(f"label {name!r} is one the collector sets itself ({', '.join(sorted(OWN_LABELS))})")
+        if not isinstance(value, str):
+            raise ConfigError(f"label {name!r} must have a str value, got {value!r}")
+
+
 class HiCacheCollector:
     """A Prometheus collector over one cache; register it with a ``CollectorRegistry`` (see the module docstring).
 
@@ -119,8 +144,13 @@ class HiCacheCollector:
     engine runs several caches); ``prefix`` replaces ``hicache``.
     """
 
-    def __init__(self, cache, *, labels: dict[str, str] | None = None, prefix: str = "hicache",
+    def __init__(self, cache: HiCache, *, labels: Mapping[str, str] | None = None, prefix: str = "hicache",
                  lock: contextlib.AbstractContextManager | None = None) -> None:
+        if not isinstance(cache, HiCache):
+            raise ConfigError(f"HiCacheCollector reads a HiCache, got {type(cache).__name__}")
+        _check_names(labels, prefix)
+        if lock is not None and not (hasattr(lock, "__enter__") and hasattr(lock, "__exit__")):
+            raise ConfigError(f"lock must be a context manager (a threading.Lock) or None, got {lock!r}")
         self.cache = cache
         self.prefix = prefix
         self.lock = lock

@@ -10,10 +10,13 @@ import pytest
 
 prometheus_client = pytest.importorskip("prometheus_client", reason="the metrics extra (prometheus_client) is not installed")
 
-from prometheus_client import CollectorRegistry, start_http_server  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from prometheus_client import CollectorRegistry, generate_latest, start_http_server  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from hicache_fsm.metrics import HiCacheCollector  # noqa: E402
+from hicache_fsm.errors import ConfigError  # noqa: E402
+from hicache_fsm.metrics import OWN_LABELS, HiCacheCollector  # noqa: E402
 from hicache_fsm.simulate import FULL, Options, Workload, run_simulation  # noqa: E402
 from hicache_fsm.spec import load_builtin  # noqa: E402
 
@@ -153,3 +156,47 @@ def test_scraping_while_the_engine_runs_does_not_fail():
         t.join()
         cache.close()
     assert not errors
+
+
+@pytest.mark.parametrize("arguments, named", [
+    ({"labels": {"model": 7}}, "'model' must have a str value"),  # every scrape failed in the text format
+    ({"labels": {"model name": "tiny"}}, "label name"),  # exposed, then refused by Prometheus
+    ({"labels": {"__name__": "x"}}, "label name"),
+    ({"labels": {"tier": "gpu"}}, "sets itself"),  # a sample with two tier labels
+    ({"labels": [("model", "tiny")]}, "mapping"),
+    ({"prefix": "engine cache"}, "prefix"),
+    ({"prefix": ""}, "prefix"),
+    ({"prefix": 3}, "prefix"),
+    ({"lock": "mutex"}, "lock"),
+])
+def test_names_and_values_a_scrape_could_not_expose_are_refused_when_the_collector_is_made(arguments, named):
+    from cache_helpers import make_cache
+
+    cache, _ = make_cache()
+    with pytest.raises(ConfigError, match=named):
+        HiCacheCollector(cache, **arguments)
+    with pytest.raises(ConfigError, match="reads a HiCache"):
+        HiCacheCollector(cache.stats())
+    cache.close()
+
+
+LABEL_NAMES = st.from_regex(r"[a-zA-Z_][a-zA-Z0-9_]{0,8}", fullmatch=True).filter(
+    lambda name: not name.startswith("__") and name not in OWN_LABELS)
+
+
+@settings(max_examples=25, deadline=None)
+@given(labels=st.dictionaries(LABEL_NAMES, st.text(max_size=6), max_size=3),
+       prefix=st.from_regex(r"[a-zA-Z_:][a-zA-Z0-9_:]{0,8}", fullmatch=True))
+def test_every_accepted_name_and_value_reads_back_from_the_text_format(labels, prefix):
+    """Whatever the collector accepts, Prometheus's parser reads back: quotes, newlines and all."""
+    from cache_helpers import make_cache, put
+
+    cache, _ = make_cache()
+    put(cache, range(8))
+    registry = CollectorRegistry()
+    registry.register(HiCacheCollector(cache, labels=labels, prefix=prefix))
+    families = list(text_string_to_metric_families(generate_latest(registry).decode("utf-8")))
+    cache.close()
+    samples = [sample for family in families for sample in family.samples]
+    assert samples and all(sample.name.startswith(prefix + "_") for sample in samples)
+    assert all(sample.labels.items() >= labels.items() for sample in samples)
