@@ -46,6 +46,23 @@ def check_device(name: object) -> None:
             raise ConfigError(f"device {name!r} requested but only {torch.cuda.device_count()} GPUs are visible")
 
 
+def check_pools(device_tokens: object, host_tokens: object, page_size: int, layout: object,
+                device: object) -> None:
+    """The pool options every run shares: whole pages, a host larger than the device, a known layout and device."""
+    for name, value in (("device_tokens", device_tokens), ("host_tokens", host_tokens)):
+        if check_positive_int(name, value) % page_size:
+            raise ConfigError(f"{name} {value} is not a multiple of page_size {page_size}")
+    if host_tokens <= device_tokens:  # type: ignore[operator]  (both ints now)
+        raise ConfigError(
+            f"host_tokens {host_tokens} must be larger than device_tokens {device_tokens}: "
+            "the host tier keeps a copy of everything on the device, so a host pool no larger "
+            "than the device loses hits instead of adding them")
+    if device is not None:
+        check_device(device)
+    if layout not in LAYOUTS:
+        raise ConfigError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+
+
 @attrs.frozen
 class Tier:
     """One cache configuration of the comparison."""
@@ -108,19 +125,7 @@ class Options:
         if self.tp > 1 and self.model_heads % self.tp:
             raise ConfigError(f"--tp {self.tp} needs a head count it divides; the model has {self.model_heads} "
                               f"heads (raise --model-heads)")
-        for name in ("device_tokens", "host_tokens"):
-            value = check_positive_int(name, getattr(self, name))
-            if value % ps:
-                raise ConfigError(f"{name} {value} is not a multiple of page_size {ps}")
-        if self.host_tokens <= self.device_tokens:
-            raise ConfigError(
-                f"host_tokens {self.host_tokens} must be larger than device_tokens {self.device_tokens}: "
-                "the host tier keeps a copy of everything on the device, so a host pool no larger "
-                "than the device loses hits instead of adding them")
-        if self.device is not None:
-            check_device(self.device)
-        if self.layout not in LAYOUTS:
-            raise ConfigError(f"layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
+        check_pools(self.device_tokens, self.host_tokens, ps, self.layout, self.device)
         per_request = self.workload.system_prompt_length + self.workload.rounds * (
             self.workload.request_length + self.workload.output_length)
         if self.device_tokens < per_request:
@@ -166,4 +171,4 @@ def build_model(options: Options, device: str) -> KVModel:
 
 
 __all__ = ["DEVICE", "DEVICE_HOST", "FULL", "INFINITE", "MODELS", "NEVER", "STORAGE_OPTIONS", "Options", "Tier",
-           "build_model", "check_device", "device_only", "storage_available"]
+           "build_model", "check_device", "check_pools", "device_only", "storage_available"]

@@ -44,7 +44,8 @@ import torch
 from hicache_fsm.cache import HiCache
 from hicache_fsm.errors import ConfigError
 from hicache_fsm.executors import AckExecutor
-from hicache_fsm.pools import LAYOUTS, DeviceKVPool, HostKVPool, KVShape, default_device
+from hicache_fsm.pools import DeviceKVPool, HostKVPool, KVShape, default_device
+from hicache_fsm.simulate_config import check_pools
 from hicache_fsm.simulate import (
     DEVICE,
     DEVICE_HOST,
@@ -87,15 +88,7 @@ class TraceOptions:
         ps = self.page_size
         if isinstance(ps, bool) or not isinstance(ps, int) or ps < 1 or self.trace.block_size % ps:
             raise ConfigError(f"page size must divide the trace's block size {self.trace.block_size}, got {ps!r}")
-        for name in ("device_tokens", "host_tokens"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < ps or value % ps:
-                raise ConfigError(f"{name} must be a positive multiple of page size {ps}, got {value!r}")
-        if self.host_tokens <= self.device_tokens:
-            raise ConfigError(f"host_tokens {self.host_tokens} must be larger than device_tokens {self.device_tokens}: "
-                              f"the host keeps a copy of everything on the device")
-        if self.layout not in LAYOUTS:
-            raise ConfigError(f"layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
+        check_pools(self.device_tokens, self.host_tokens, ps, self.layout, self.device)
 
     def tiers(self, storage_url: str | None, bound: PrefixBound) -> list[Tier]:
         """The four configurations; the infinite one holds every page the trace caches, on the device."""

@@ -61,10 +61,16 @@ def test_a_lagging_view_shows_up_as_stale_predictions(trace_file):
     assert lagging.index_checks == 0  # the index is compared only when it is meant to be current
 
 
-@pytest.mark.parametrize("kw", [dict(instances=0), dict(policy="random"), dict(event_lag=-1),
-                                dict(storage_url="memory://")])
-def test_bad_cluster_options_are_config_errors(trace_file, kw):
-    with pytest.raises(ConfigError):
+@pytest.mark.parametrize("kw, named", [
+    (dict(instances=0), "instances"), (dict(policy="random"), "policy"), (dict(event_lag=-1), "event-lag"),
+    (dict(storage_url="memory://"), "memory://NAME"), (dict(storage_url=5), "storage URL 5"),
+    # pool options are refused with the options, not when the replay builds the first cache
+    (dict(device_tokens=0), "device_tokens"), (dict(device_tokens=100), "not a multiple of page_size"),
+    (dict(host_tokens=64, device_tokens=128), "must be larger than device_tokens"),
+    (dict(layout="sideways"), "layout"), (dict(device="tpu"), "device must be"),
+])
+def test_bad_cluster_options_are_config_errors(trace_file, kw, named):
+    with pytest.raises(ConfigError, match=named):
         _options(trace_file, **kw)
 
 

@@ -127,10 +127,12 @@ def test_bad_options(small_trace):
     trace = load_trace(small_trace, 32)
     with pytest.raises(ConfigError, match="divide the trace's block size"):
         TraceOptions(trace, page_size=6)
-    with pytest.raises(ConfigError, match="device_tokens must be a positive multiple"):
+    with pytest.raises(ConfigError, match="device_tokens 100 is not a multiple of page_size 8"):
         TraceOptions(trace, device_tokens=100, page_size=8)
     with pytest.raises(ConfigError, match="layout"):
         TraceOptions(trace, layout="sideways", page_size=8)
+    with pytest.raises(ConfigError, match="device must be cpu, cuda or cuda:N"):  # was torch's RuntimeError, later
+        TraceOptions(trace, device="tpu", page_size=8)
 
 
 class _Stream(io.StringIO):
