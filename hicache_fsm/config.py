@@ -25,9 +25,14 @@ def _one_of(options: tuple[str, ...]):
     return check
 
 
-def _non_negative(instance, attribute, value):
-    if value is not None and value < 0:
-        raise ConfigError(f"{attribute.name} must be >= 0; got {value!r}")
+def _count(instance, attribute, value):
+    """An int >= 0: a float, a bool or a str compared fine here and misbehaved later."""
+    check_positive_int(attribute.name, value, minimum=0)
+
+
+def _optional_count(instance, attribute, value):
+    if value is not None:
+        _count(instance, attribute, value)
 
 
 @attrs.frozen
@@ -59,10 +64,10 @@ class CacheConfig:
     """
 
     write_policy: str = attrs.field(default="write_through", validator=_one_of(WRITE_POLICIES))
-    write_through_threshold: int = attrs.field(default=2, validator=_non_negative)
+    write_through_threshold: int = attrs.field(default=2, validator=_count)
     eviction_policy: str = attrs.field(default="lru", validator=_one_of(EVICTION_POLICIES))
-    load_back_threshold: int = attrs.field(default=0, validator=_non_negative)
-    load_back_max_tokens: int | None = attrs.field(default=None, validator=_non_negative)
-    write_behind_idle_steps: int = attrs.field(default=2, validator=_non_negative)
-    write_behind_batch_tokens: int = attrs.field(default=1 << 20, validator=_non_negative)
-    eviction_headroom_tokens: int = attrs.field(default=0, validator=_non_negative)
+    load_back_threshold: int = attrs.field(default=0, validator=_count)
+    load_back_max_tokens: int | None = attrs.field(default=None, validator=_optional_count)
+    write_behind_idle_steps: int = attrs.field(default=2, validator=_count)
+    write_behind_batch_tokens: int = attrs.field(default=1 << 20, validator=_count)
+    eviction_headroom_tokens: int = attrs.field(default=0, validator=_count)

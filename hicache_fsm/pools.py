@@ -92,6 +92,33 @@ def default_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
+def check_pin_memory(pin_memory: object) -> bool:
+    """Whether a host pool is pinned: as asked, or (None) when CUDA is present; "no" would read as True."""
+    if pin_memory is None:
+        return torch.cuda.is_available()
+    if not isinstance(pin_memory, bool):
+        raise ConfigError(f"pin_memory must be True, False or None (pinned when CUDA is present), got {pin_memory!r}")
+    if pin_memory and not torch.cuda.is_available():
+        raise ConfigError("pin_memory=True needs CUDA (page-locked memory speeds host-device copies only)")
+    return pin_memory
+
+
+def check_device(name: object) -> torch.device:
+    """``name`` as a device this machine has (cpu, cuda, cuda:N: the executors' two kinds); else ConfigError."""
+    try:
+        dev = torch.device(name)  # type: ignore[arg-type]
+    except (RuntimeError, TypeError):  # a bad string; an int index with no accelerator
+        raise ConfigError(f"device must be cpu, cuda or cuda:N, got {name!r}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device must be cpu, cuda or cuda:N, got {name!r}")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device {name!r} requested but CUDA is not available (this torch has no usable GPU)")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ConfigError(f"device {name!r} requested but only {torch.cuda.device_count()} GPUs are visible")
+    return dev
+
+
 class DeviceKVPool:
     """The L1 pool: K and V (MLA: the latent) of every layer for ``size_tokens`` token slots.
 
@@ -107,7 +134,7 @@ class DeviceKVPool:
     def __init__(self, shape: KVShape, size_tokens: int, page_size: int,
                  device: torch.device | str | None = None,
                  allocator: PageAllocator | None = None) -> None:
-        device = torch.device(device) if device is not None else default_device()
+        device = check_device(device) if device is not None else default_device()
         self._setup(shape, size_tokens, page_size, device, allocator)
         kv = torch.zeros((shape.parts, shape.layers, size_tokens, shape.heads, shape.head_dim),
                          dtype=shape.dtype, device=device)
@@ -282,9 +309,7 @@ class HostKVPool:
         self.size_tokens = size_tokens
         self.layout = layout
         self.allocator = PageAllocator(size_tokens, page_size, views=True)  # host slots never leave the cache
-        if pin_memory is None:
-            pin_memory = torch.cuda.is_available()
-        self.pinned = bool(pin_memory)
+        self.pinned = check_pin_memory(pin_memory)
         P, L, H, D = shape.parts, shape.layers, shape.heads, shape.head_dim
         if layout == "layer_first":
             dims = (P, L, size_tokens, H, D)
@@ -515,9 +540,8 @@ class PoolConfig:
                 "one loses hits instead of adding them")
         shapes = [self.shape] + ([self.draft_shape] if self.draft_shape else [])
         host_bytes = sum(host_tokens * s.token_bytes for s in shapes)
-        dev = torch.device(self.device) if self.device is not None else default_device()
-        if dev.type == "cuda" and not torch.cuda.is_available():
-            raise ConfigError("device 'cuda' requested but CUDA is not available")
+        dev = check_device(self.device) if self.device is not None else default_device()
+        check_pin_memory(self.pin_memory)
         need = host_bytes + (sum(self.device_tokens * s.token_bytes for s in shapes) if dev.type == "cpu" else 0)
         phys = physical_memory_bytes()
         if phys is not None and need > phys:

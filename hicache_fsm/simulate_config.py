@@ -16,7 +16,7 @@ from hicache_fsm.cache import HiCache
 from hicache_fsm.config import CacheConfig, check_positive_int
 from hicache_fsm.errors import ConfigError, MissingExtra
 from hicache_fsm.model import KVModel, TinyModel
-from hicache_fsm.pools import LAYOUTS, DeviceKVPool, HostKVPool, KVShape, PoolConfig, build_pools
+from hicache_fsm.pools import LAYOUTS, DeviceKVPool, HostKVPool, KVShape, PoolConfig, build_pools, check_device
 from hicache_fsm.simulate_workload import Workload
 
 MODELS = ("tiny", "llama")
@@ -29,21 +29,6 @@ DEVICE = "device"
 DEVICE_HOST = "device+host"
 FULL = "device+host+storage"
 INFINITE = "infinite"
-
-
-def check_device(name: object) -> None:
-    """ConfigError unless ``name`` is a torch device this machine has (cpu, cuda, cuda:N)."""
-    try:
-        dev = torch.device(name)  # type: ignore[arg-type]
-    except (RuntimeError, TypeError):
-        raise ConfigError(f"device must be cpu, cuda or cuda:N, got {name!r}") from None
-    if dev.type not in ("cpu", "cuda"):
-        raise ConfigError(f"device must be cpu, cuda or cuda:N, got {name!r}")
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError(f"device {name!r} requested but CUDA is not available (this torch has no usable GPU)")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise ConfigError(f"device {name!r} requested but only {torch.cuda.device_count()} GPUs are visible")
 
 
 def check_pools(device_tokens: object, host_tokens: object, page_size: int, layout: object,
@@ -171,4 +156,4 @@ def build_model(options: Options, device: str) -> KVModel:
 
 
 __all__ = ["DEVICE", "DEVICE_HOST", "FULL", "INFINITE", "MODELS", "NEVER", "STORAGE_OPTIONS", "Options", "Tier",
-           "build_model", "check_device", "check_pools", "device_only", "storage_available"]
+           "build_model", "check_pools", "device_only", "storage_available"]

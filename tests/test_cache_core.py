@@ -479,6 +479,16 @@ def test_config_rejects_unknown_policies():
         CacheConfig(load_back_threshold=-1)
 
 
+@pytest.mark.parametrize("field", ["write_through_threshold", "load_back_threshold", "load_back_max_tokens",
+                                   "write_behind_idle_steps", "write_behind_batch_tokens", "eviction_headroom_tokens"])
+@pytest.mark.parametrize("value", ["2", 2.5, True, float("nan"), -1])
+def test_config_counts_are_ints(field, value):
+    """A str failed later with a TypeError; 2.5, True and nan compared as numbers and changed behaviour silently."""
+    with pytest.raises(ConfigError, match=f"{field} must be an int >= 0"):
+        CacheConfig(**{field: value})
+    assert CacheConfig(**{field: 3}) != CacheConfig(**{field: 4})
+
+
 # ------------------------------------------------------------------ failure paths
 
 

@@ -258,6 +258,19 @@ def test_unknown_layout():
         HostKVPool(SHAPE, 16, 4, "head_first")
 
 
+@pytest.mark.parametrize("device", ["tpu", "cuda:x", 3, ["cpu"]])
+def test_a_device_the_executors_cannot_use_is_refused_by_name(device):
+    with pytest.raises(ConfigError, match="device must be cpu, cuda or cuda:N"):
+        DeviceKVPool(SHAPE, 16, 4, device)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="pinning works where CUDA is present")
+def test_pinning_without_cuda_is_refused_and_none_means_unpinned():
+    with pytest.raises(ConfigError, match="pin_memory=True needs CUDA"):  # was torch's RuntimeError
+        HostKVPool(SHAPE, 16, 4, pin_memory=True)
+    assert not HostKVPool(SHAPE, 16, 4).pinned
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_page_bytes_round_trip(layout):
     pool = HostKVPool(SHAPE, 16, 4, layout)
@@ -348,6 +361,9 @@ def test_build_pools_draft():
     (dict(host_tokens=16), "must be larger than the device pool"),
     (dict(host_ratio=1.0), "must be larger than the device pool"),
     (dict(host_gb=1e7), "GiB of host memory"),
+    (dict(device="tpu"), "device must be cpu, cuda or cuda:N"),  # was torch's RuntimeError
+    (dict(device=5), "device must be cpu, cuda or cuda:N"),  # an accelerator index, none present here
+    (dict(pin_memory="no"), "pin_memory must be True, False or None"),  # read as True before
 ])
 def test_config_errors(kwargs, match):
     base = dict(shape=SHAPE, device_tokens=32, page_size=4, device="cpu")
