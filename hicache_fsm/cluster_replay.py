@@ -36,7 +36,7 @@ from hicache_fsm.router.index import PrefixIndex
 from hicache_fsm.router.names import DEFAULT_LOAD_CAP, POLICIES
 from hicache_fsm.router.policies import Router, check_load_cap
 from hicache_fsm.simulate import Tier, TierResult, storage_available
-from hicache_fsm.simulate_config import check_pools
+from hicache_fsm.simulate_config import check_pool_options
 from hicache_fsm.trace import BlockTokens, Trace
 from hicache_fsm.trace_replay import ReplayProgress, TraceReplayer
 
@@ -75,7 +75,7 @@ class ClusterOptions:
         ps = self.page_size
         if isinstance(ps, bool) or not isinstance(ps, int) or ps < 1 or self.trace.block_size % ps:
             raise ConfigError(f"page size must divide the trace's block size {self.trace.block_size}, got {ps!r}")
-        check_pools(self.device_tokens, self.host_tokens, ps, self.layout, self.device)
+        check_pool_options(self.device_tokens, self.host_tokens, ps, self.layout, self.device)
         if self.storage_url is not None and not (isinstance(self.storage_url, str) and self.storage_url.startswith(
                 ("memory://", "file://", "redis://", "mooncake://"))):
             raise ConfigError(f"storage URL {self.storage_url!r}: a cluster shares one L3, so it needs a shared "

@@ -31,7 +31,7 @@ FULL = "device+host+storage"
 INFINITE = "infinite"
 
 
-def check_pools(device_tokens: object, host_tokens: object, page_size: int, layout: object,
+def check_pool_options(device_tokens: object, host_tokens: object, page_size: int, layout: object,
                 device: object) -> None:
     """The pool options every run shares: whole pages, a host larger than the device, a known layout and device."""
     for name, value in (("device_tokens", device_tokens), ("host_tokens", host_tokens)):
@@ -110,7 +110,7 @@ class Options:
         if self.tp > 1 and self.model_heads % self.tp:
             raise ConfigError(f"--tp {self.tp} needs a head count it divides; the model has {self.model_heads} "
                               f"heads (raise --model-heads)")
-        check_pools(self.device_tokens, self.host_tokens, ps, self.layout, self.device)
+        check_pool_options(self.device_tokens, self.host_tokens, ps, self.layout, self.device)
         per_request = self.workload.system_prompt_length + self.workload.rounds * (
             self.workload.request_length + self.workload.output_length)
         if self.device_tokens < per_request:
@@ -156,4 +156,4 @@ def build_model(options: Options, device: str) -> KVModel:
 
 
 __all__ = ["DEVICE", "DEVICE_HOST", "FULL", "INFINITE", "MODELS", "NEVER", "STORAGE_OPTIONS", "Options", "Tier",
-           "build_model", "check_pools", "device_only", "storage_available"]
+           "build_model", "check_pool_options", "device_only", "storage_available"]

@@ -45,7 +45,7 @@ from hicache_fsm.cache import HiCache
 from hicache_fsm.errors import ConfigError
 from hicache_fsm.executors import AckExecutor
 from hicache_fsm.pools import DeviceKVPool, HostKVPool, KVShape, default_device
-from hicache_fsm.simulate_config import check_pools
+from hicache_fsm.simulate_config import check_pool_options
 from hicache_fsm.simulate import (
     DEVICE,
     DEVICE_HOST,
@@ -88,7 +88,7 @@ class TraceOptions:
         ps = self.page_size
         if isinstance(ps, bool) or not isinstance(ps, int) or ps < 1 or self.trace.block_size % ps:
             raise ConfigError(f"page size must divide the trace's block size {self.trace.block_size}, got {ps!r}")
-        check_pools(self.device_tokens, self.host_tokens, ps, self.layout, self.device)
+        check_pool_options(self.device_tokens, self.host_tokens, ps, self.layout, self.device)
 
     def tiers(self, storage_url: str | None, bound: PrefixBound) -> list[Tier]:
         """The four configurations; the infinite one holds every page the trace caches, on the device."""
