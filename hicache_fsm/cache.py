@@ -59,7 +59,7 @@ from hicache_fsm.insert_slots import own_pages, own_prefix
 from hicache_fsm.inspection import HostOwners, InvariantViolation, RuntimeChecks, maintained_set_problems, snapshot, stats
 from hicache_fsm.eviction import DEVICE_EVICTABLE, HOST_EVICTABLE, RESIDENT, REVIVABLE, Eviction, executor_can_block
 from hicache_fsm.interfaces import Attached
-from hicache_fsm.jobs import Completion, Executor, TransferJob
+from hicache_fsm.jobs import EXECUTOR_METHODS, Completion, Executor, TransferJob
 from hicache_fsm.load_back import CheckedFlush, LoadBacks
 from hicache_fsm.machine import CompiledMachine, compile_machine
 from hicache_fsm.outbox import JobLedger, Outbox
@@ -69,7 +69,8 @@ from hicache_fsm.request_ids import RequestIds
 from hicache_fsm.residency_driver import ResidencyDriver
 from hicache_fsm.results import DeviceGrant, InsertResult, LoadBack, LoadCancelled, LoadHandle, MatchResult
 from hicache_fsm.slots import (
-    check_engine_pages, check_index_pages, check_index_tensor, check_pools, device_slot_tensor, page_ids,
+    bind_pools, check_engine_pages, check_index_pages, check_index_tensor, check_pools, device_slot_tensor, page_ids,
+    unbind_pools,
 )
 from hicache_fsm.spec import load_builtin
 from hicache_fsm.storage.ownership import check_completion_owner
@@ -121,6 +122,18 @@ class HiCache(StorageCalls):
         check_pools(device_pool, host_pool, draft_device_pool, draft_host_pool)
         if config is not None and not isinstance(config, CacheConfig):
             raise ConfigError(f"config must be a CacheConfig, got {type(config).__name__}")
+        if executor is not None and not all(callable(getattr(executor, m, None)) for m in EXECUTOR_METHODS):
+            raise ConfigError(f"executor must have {', '.join(EXECUTOR_METHODS)} (a jobs.Executor), "
+                              f"got {type(executor).__name__}")
+        self.bound_allocators = bind_pools(self, (device_pool, host_pool, draft_device_pool, draft_host_pool))
+        try:
+            self._build(device_pool, host_pool, config, executor, draft_device_pool, draft_host_pool, dispatcher, group)
+        except BaseException:  # refused (a bad group, ...): the pools may serve another cache
+            unbind_pools(self, self.bound_allocators)
+            raise
+
+    def _build(self, device_pool, host_pool, config: CacheConfig | None, executor: Executor | None,
+               draft_device_pool, draft_host_pool, dispatcher: CompiledMachine | None, group) -> None:
         self.config = config or CacheConfig()
         self.device_pool = device_pool
         self.host_pool = host_pool
@@ -713,6 +726,7 @@ class HiCache(StorageCalls):
         finally:  # the executor's resources go whatever the storage tier's close ran into
             self.executor.close()
             self.closed = True
+            unbind_pools(self, self.bound_allocators)
 
     def check_open(self) -> None:
         """Refuse a call unless the cache is open and the calling thread drives it.

@@ -185,6 +185,9 @@ class LayerWait(Protocol):
     def done(self) -> bool: ...
 
 
+EXECUTOR_METHODS = ("submit", "poll", "synchronize", "close")  # what the cache calls on its executor
+
+
 class Executor(Protocol):
     """Runs job batches and reports completions; never decides anything."""
 

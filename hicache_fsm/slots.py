@@ -103,3 +103,28 @@ __all__ = [
     "check_engine_pages", "check_index_pages", "check_index_tensor", "check_pools", "device_slot_tensor",
     "node_page_ids", "page_ids",
 ]
+
+
+def bind_pools(cache: object, pools: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Bind the allocators of ``pools`` (None skipped; a shared one once) to ``cache``: all of them or none.
+
+    Returns the allocators, for ``unbind_pools`` when the cache closes.
+    """
+    allocators: list[Any] = []
+    for pool in pools:
+        if pool is not None and all(pool.allocator is not a for a in allocators):
+            allocators.append(pool.allocator)
+    bound: list[Any] = []
+    try:
+        for allocator in allocators:
+            allocator.bind_cache(cache)
+            bound.append(allocator)
+    except ConfigError:
+        unbind_pools(cache, tuple(bound))
+        raise
+    return tuple(allocators)
+
+
+def unbind_pools(cache: object, allocators: tuple[Any, ...]) -> None:
+    for allocator in allocators:
+        allocator.unbind_cache(cache)

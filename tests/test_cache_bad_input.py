@@ -281,3 +281,50 @@ def test_pool_combinations_that_cannot_work_are_refused_with_the_reason():
                 draft_host_pool=HostKVPool(shape, 64, 8, pin_memory=False))
     with pytest.raises(ConfigError, match="CacheConfig"):
         HiCache(dev, host, config={"write_policy": "write_back"})
+
+
+# ------------------------------------------------------------------ pools and executor
+
+
+def test_pools_serve_one_open_cache_at_a_time(loaded):
+    """A second cache over the same slots would free the first's (``reset``) and hand them out again."""
+    from hicache_fsm.cache import HiCache
+    from hicache_fsm.errors import ConfigError
+    from hicache_fsm.executors import ManualExecutor
+
+    cache, ex, a, b = loaded
+    pools = (cache.device_pool, cache.host_pool)
+    before = cache.snapshot()
+    with pytest.raises(ConfigError, match="already serve another HiCache"):
+        HiCache(*pools, executor=ManualExecutor(*pools))
+    with pytest.raises(ConfigError, match="already serve another HiCache"):  # either pool is enough
+        HiCache(make_cache()[0].device_pool, cache.host_pool)
+    assert cache.snapshot() == before
+    cache.close()
+    after = HiCache(*pools, executor=ManualExecutor(*pools))  # closed: the pools may serve a new cache
+    after.close()
+
+
+def test_a_cache_refused_after_binding_its_pools_leaves_them_free():
+    from hicache_fsm.cache import HiCache
+    from hicache_fsm.errors import ConfigError
+
+    first, _ = make_cache()
+    pools = (first.device_pool, first.host_pool)
+    first.close()
+    with pytest.raises(ConfigError, match="process group"):
+        HiCache(*pools, group="not a group")
+    HiCache(*pools).close()
+
+
+@pytest.mark.parametrize("executor", ["torch", object(), (lambda batch: None)])
+def test_an_executor_without_the_executor_methods_is_refused(executor):
+    from hicache_fsm.cache import HiCache
+    from hicache_fsm.errors import ConfigError
+
+    first, _ = make_cache()
+    pools = (first.device_pool, first.host_pool)
+    first.close()
+    with pytest.raises(ConfigError, match="executor must have submit, poll, synchronize, close"):
+        HiCache(*pools, executor=executor)
+    HiCache(*pools).close()  # the refusal bound nothing
