@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from hicache_fsm.errors import StorageError, StorageTimeout, StorageUnavailable
+from hicache_fsm.errors import ConfigError, StorageError, StorageTimeout, StorageUnavailable
 from hicache_fsm.storage import KeyNamespace, StorageBackend, page_keys
 from hicache_fsm.storage.faults import Fault, FaultyBackend
 from hicache_fsm.storage.file import FileBackend
@@ -155,11 +155,32 @@ def test_callable_schedule_and_add(inner):
         g.batch_set([KEYS[0]], [b"x"])
 
 
-def test_bad_fault_rejected():
-    with pytest.raises(ValueError):
-        Fault("explode")
-    with pytest.raises(ValueError):
-        Fault("error", method="batch_frobnicate")
+@pytest.mark.parametrize("fields, named", [
+    (dict(kind="explode"), "kind"), (dict(kind="error", method="batch_frobnicate"), "method"),
+    (dict(kind="error", probability=2), "probability"),  # these were taken and behaved as another value
+    (dict(kind="error", probability=float("nan")), "probability"), (dict(kind="error", times=-1), "times"),
+    (dict(kind="error", times=0), "times"), (dict(kind="slow", delay=-1), "delay"),
+    (dict(kind="slow", delay=float("inf")), "delay"), (dict(kind="error", calls="x"), "calls"),
+    (dict(kind="error", calls=[-1]), "calls"), (dict(kind="partial", keep=-1), "keep"),
+    (dict(kind="corrupt", positions=["a"]), "positions"), (dict(kind="error", after="yes"), "after"),
+])
+def test_bad_fault_rejected(fields, named):
+    with pytest.raises(ConfigError, match=named):
+        Fault(**fields)
+
+
+@pytest.mark.parametrize("inner, schedule, seed, named", [
+    ("memory://", (), 0, "wraps a StorageBackend"), (None, 5, 0, "schedule"), (None, ["error"], 0, "schedule"),
+    (None, "error", 0, "schedule"), (None, (), "7", "seed"),
+])
+def test_a_faulty_backend_is_refused_what_it_cannot_run(inner, schedule, seed, named):
+    with pytest.raises(ConfigError, match=named):
+        FaultyBackend(MemoryBackend() if inner is None else inner, schedule, seed=seed)
+    f = FaultyBackend(MemoryBackend(), (Fault("error", method="batch_get") for _ in range(1)))  # read once
+    with pytest.raises(ConfigError, match="add takes a Fault"):
+        f.add("error")
+    with pytest.raises(StorageError):  # the generator's rule was kept, not used up by the check
+        f.batch_get([KEYS[0]])
 
 
 def test_close_closes_inner(inner):

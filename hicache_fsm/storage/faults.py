@@ -36,14 +36,16 @@ added to ``errors``).
 
 from __future__ import annotations
 
+import math
 import random
 import threading
 import time
-from typing import Any, Callable, Iterable, Sequence, Union
+from collections.abc import Iterable
+from typing import Any, Callable, Sequence, Union
 
 import attrs
 
-from hicache_fsm.errors import StorageError, StorageKeyError, StorageTimeout, StorageUnavailable
+from hicache_fsm.errors import ConfigError, StorageError, StorageKeyError, StorageTimeout, StorageUnavailable
 from hicache_fsm.storage.base import StorageBackend
 from hicache_fsm.storage.page_format import PageFormat
 
@@ -59,15 +61,21 @@ def _calls(value: int | Iterable[int] | None) -> frozenset[int] | None:
         return None
     if isinstance(value, int):
         return frozenset({value})
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise ConfigError(f"Fault.calls must be a call index or indices, got {value!r}")
     return frozenset(value)
+
+
+def _is_index(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 @attrs.frozen
 class Fault:
-    """One rule of a fault schedule (see the module docstring)."""
+    """One rule of a fault schedule (see the module docstring); a field no schedule can use is a ConfigError."""
 
-    kind: str = attrs.field(validator=attrs.validators.in_(FAULT_KINDS))
-    method: str | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.in_(METHODS)))
+    kind: str
+    method: str | None = None
     calls: frozenset[int] | None = attrs.field(default=None, converter=_calls)
     times: int | None = None
     probability: float = 1.0
@@ -79,6 +87,29 @@ class Fault:
     after: bool = False
     message: str = "injected fault"
 
+    def __attrs_post_init__(self) -> None:
+        problems = [
+            (self.kind not in FAULT_KINDS, f"kind must be one of {', '.join(FAULT_KINDS)}"),
+            (self.method is not None and self.method not in METHODS, f"method must be None or one of {', '.join(METHODS)}"),
+            (self.calls is not None and not all(_is_index(c) for c in self.calls), "calls must be indices >= 0"),
+            (self.times is not None and not (_is_index(self.times) and self.times >= 1), "times must be None or an int >= 1"),
+            (not _number_within(self.probability, 0.0, 1.0), "probability must be a number in [0, 1]"),
+            (not _is_index(self.keep), "keep must be an int >= 0"),
+            (self.positions is not None and not all(_is_index(p) for p in self.positions), "positions must be indices >= 0"),
+            (not _number_within(self.delay, 0.0, math.inf), "delay must be a finite number of seconds >= 0"),
+            (not isinstance(self.after, bool), "after must be True or False"),
+            (not isinstance(self.message, str), "message must be a str"),
+        ]
+        for bad, what in problems:
+            if bad:
+                raise ConfigError(f"Fault: {what}, got {self!r}")
+
+
+def _number_within(value: object, low: float, high: float) -> bool:
+    """A real number (not a bool) in ``[low, high]``; infinity never."""
+    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            and low <= value <= high)
+
 
 Schedule = Union[Sequence[Fault], Callable[[str, int, Sequence[str]], Union[Fault, None]]]
 
@@ -87,10 +118,19 @@ class FaultyBackend(StorageBackend):
     """Wraps ``inner`` and injects the faults that ``schedule`` selects."""
 
     def __init__(self, inner: StorageBackend, schedule: Schedule = (), *, seed: int = 0) -> None:
+        if not isinstance(inner, StorageBackend):
+            raise ConfigError(f"FaultyBackend wraps a StorageBackend, got {type(inner).__name__}")
+        rules = None if callable(schedule) or not isinstance(schedule, Iterable) else list(schedule)
+        if not callable(schedule) and (rules is None or isinstance(schedule, (str, bytes))
+                                       or not all(isinstance(rule, Fault) for rule in rules)):
+            raise ConfigError(f"schedule must be Fault rules or a callable (method, call, keys) -> Fault | None, "
+                              f"got {schedule!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ConfigError(f"seed must be an int, got {seed!r}")
         super().__init__(inner.namespace)
         self.inner = inner
         self.scheme = inner.scheme
-        self._rules: list[Fault] | None = None if callable(schedule) else list(schedule)
+        self._rules: list[Fault] | None = rules
         self._chooser = schedule if callable(schedule) else None
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
@@ -108,6 +148,8 @@ class FaultyBackend(StorageBackend):
         """Append a rule to a list schedule."""
         if self._rules is None:
             raise StorageKeyError("this FaultyBackend uses a callable schedule")
+        if not isinstance(fault, Fault):
+            raise ConfigError(f"add takes a Fault, got {fault!r}")
         with self._lock:
             self._rules.append(fault)
 
