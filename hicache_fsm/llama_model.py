@@ -29,7 +29,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from hicache_fsm.errors import BadIndices, ConfigError
 from hicache_fsm.model import check_past, check_tokens, decoder_flops, generation_past, intra_op_threads
-from hicache_fsm.pools import KVShape
+from hicache_fsm.pools import KVShape, check_device
 
 
 def _positive(name: str, value: object) -> int:
@@ -62,7 +62,7 @@ class LlamaModel:
             raise ConfigError(f"dtype must be a floating dtype, got {dtype!r}")
         self.layers, self.heads, self.kv_heads, self.head_dim, self.vocab = layers, heads, kv_heads, head_dim, vocab
         self.seed, self.dtype, self.threads = seed, dtype, threads
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.device = check_device(device) if device is not None else torch.device("cpu")
         hidden = heads * head_dim
         self.config = LlamaConfig(
             vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import math
+import operator
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
 from hicache_fsm.errors import BadIndices, ConfigError
-from hicache_fsm.pools import KVShape
+from hicache_fsm.pools import KVShape, check_device
 
 
 class KVModel(Protocol):
@@ -63,8 +64,13 @@ def decoder_flops(n_new: int, n_past: int, macs_per_token: int, attention_width:
 
 
 def check_tokens(tokens, vocab: int) -> list[int]:
-    """``tokens`` as a list of ints, each in [0, vocab)."""
-    ids = [int(t) for t in tokens]
+    """``tokens`` as a list of ints, each in [0, vocab); a float (``1.5`` was read as 1) or a str is refused."""
+    if isinstance(tokens, (str, bytes)):
+        raise BadIndices(f"token ids must be integers, got {type(tokens).__name__}")
+    try:
+        ids = [operator.index(t) for t in tokens]
+    except TypeError:
+        raise BadIndices("token ids must be integers (int, numpy or torch integer scalars)") from None
     if ids and (min(ids) < 0 or max(ids) >= vocab):
         raise BadIndices(f"token ids must be in [0, {vocab})")
     return ids
@@ -148,7 +154,7 @@ class TinyModel:
         self.threads = threads
         self.seed = seed
         self.dtype = dtype
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.device = check_device(device) if device is not None else torch.device("cpu")
         d = heads * head_dim
         self.d_model = d
         g = torch.Generator().manual_seed(seed)
@@ -212,12 +218,10 @@ class TinyModel:
             return self._prefill(tokens, past_k, past_v)
 
     def _prefill(self, tokens, past_k, past_v) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        ids = torch.as_tensor(list(tokens), dtype=torch.int64)
+        ids = torch.as_tensor(check_tokens(tokens, self.vocab), dtype=torch.int64)
         n = ids.numel()
         if n == 0:
             raise BadIndices("prefill needs at least one new token")
-        if int(ids.min()) < 0 or int(ids.max()) >= self.vocab:
-            raise BadIndices(f"token ids must be in [0, {self.vocab})")
         n_past = check_past(self.kv_shape, past_k, past_v)
         H, D = self.heads, self.head_dim
         x = self.embed[ids.to(self.device)]

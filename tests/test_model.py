@@ -98,3 +98,22 @@ def test_errors():
         TinyModel(layers=0)
 
 
+
+@pytest.mark.parametrize("tokens", [[1.5], [1, 2.0], "abc", [torch.tensor(1.0)], [None]])
+def test_token_ids_that_are_not_integers_are_refused_not_truncated(tokens):
+    with pytest.raises(BadIndices, match="integers"):
+        TinyModel(vocab=16).prefill(tokens)
+
+
+def test_integer_scalars_of_numpy_and_torch_are_token_ids():
+    import numpy as np
+
+    m = TinyModel(vocab=16)
+    expected = m.prefill([3, 4])[1]
+    assert torch.equal(m.prefill(np.array([3, 4]))[1], expected)
+    assert torch.equal(m.prefill(torch.tensor([3, 4]))[1], expected)
+
+
+def test_a_device_the_model_cannot_run_on_is_refused():
+    with pytest.raises(ConfigError, match="device must be cpu, cuda or cuda:N"):
+        TinyModel(device="tpu")
