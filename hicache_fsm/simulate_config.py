@@ -18,6 +18,7 @@ from hicache_fsm.errors import ConfigError, MissingExtra
 from hicache_fsm.model import KVModel, TinyModel
 from hicache_fsm.pools import LAYOUTS, DeviceKVPool, HostKVPool, KVShape, PoolConfig, build_pools, check_device
 from hicache_fsm.simulate_workload import Workload
+from hicache_fsm.tp import MAX_RANKS
 
 MODELS = ("tiny", "llama")
 NEVER = 1 << 62  # a write_through_selective threshold no node reaches: nothing is backed up
@@ -105,7 +106,9 @@ class Options:
             raise ConfigError(f"model must be one of {', '.join(MODELS)}, got {self.model!r}")
         ps = check_positive_int("page_size", self.page_size)
         check_positive_int("model_heads", self.model_heads)
-        if check_positive_int("tp", self.tp) > 1 and self.model != "tiny":
+        if check_positive_int("tp", self.tp) > MAX_RANKS:
+            raise ConfigError(f"--tp {self.tp}: at most {MAX_RANKS} rank processes")
+        if self.tp > 1 and self.model != "tiny":
             raise ConfigError(f"--tp {self.tp} runs the tiny model only; --model {self.model} is not sharded across ranks")
         if self.tp > 1 and self.model_heads % self.tp:
             raise ConfigError(f"--tp {self.tp} needs a head count it divides; the model has {self.model_heads} "

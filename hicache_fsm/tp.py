@@ -47,6 +47,7 @@ import torch
 from hicache_fsm.errors import ConfigError, GroupError, RanksDiverged, RankTimeout
 
 DEFAULT_TIMEOUT_S = 30.0
+MAX_RANKS = 64  # rank processes one run may start: each imports torch (seconds and hundreds of MB apiece)
 MIN_WINDOW = 16  # items per section a step always has room for
 PURPOSE_STEP = 1  # what a collective is for (``RankGroup.min``): a step's agreement
 PURPOSE_ATTACH = 2  # every rank is attaching storage now
@@ -297,4 +298,5 @@ def view_digest(view: tuple) -> int:
     return zlib.crc32(repr(view).encode()) & 0x7FFFFFFF
 
 
-__all__ = ["DEFAULT_TIMEOUT_S", "PURPOSE_ATTACH", "PURPOSE_STEP", "RankGroup", "Section", "StepAgreement", "digest", "rank_view", "view_digest"]
+__all__ = ["DEFAULT_TIMEOUT_S", "MAX_RANKS", "PURPOSE_ATTACH", "PURPOSE_STEP", "RankGroup", "Section", "StepAgreement",
+           "digest", "rank_view", "view_digest"]

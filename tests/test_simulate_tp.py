@@ -57,3 +57,10 @@ def test_tp_must_divide_the_heads(capsys):
         Options(SMALL, device_tokens=160, host_tokens=256, page_size=8, tp=3)
     assert main(["simulate", "--tp", "3", "--no-progress"]) == 2
     assert "--model-heads" in capsys.readouterr().err
+
+
+def test_tp_is_at_most_the_rank_processes_one_run_may_start(capsys):
+    with pytest.raises(ConfigError, match="at most 64 rank processes"):  # checked before the head count
+        Options(SMALL, device_tokens=160, host_tokens=256, page_size=8, tp=65, model_heads=130)
+    assert main(["simulate", "--tp", "1000", "--no-progress"]) == 2
+    assert "at most 64" in capsys.readouterr().err

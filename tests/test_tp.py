@@ -12,6 +12,18 @@ def _values(outcomes):
     return [o.unwrap() for o in outcomes]
 
 
+@pytest.mark.parametrize("args, kw, named", [
+    ((0,), {}, "world"),  # was [], a run of no rank that a test took for a pass
+    ((65,), {}, "at most 64"), (("2",), {}, "world"), ((2,), {"timeout_s": 0}, "timeout_s"),
+    ((2,), {"group_timeout_s": float("inf")}, "group_timeout_s"),
+])
+def test_run_ranks_refuses_what_it_cannot_run_before_any_process_starts(args, kw, named):
+    from hicache_fsm.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=named):
+        run_ranks(tp_scenarios.rank_dies, *args, **kw)
+
+
 @pytest.mark.parametrize("world,policy", [
     (2, "write_through"), (2, "write_back"), pytest.param(4, "write_through", marks=pytest.mark.slow)])
 def test_ranks_agree_on_acks_whatever_order_each_rank_sees(world, policy):

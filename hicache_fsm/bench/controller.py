@@ -73,7 +73,7 @@ from hicache_fsm.executors import AckExecutor
 from hicache_fsm.pools import DeviceKVPool, HostKVPool, KVShape
 from hicache_fsm.spec import load_builtin
 from hicache_fsm.tokens import pack_token_ids
-from hicache_fsm.tp import RankGroup
+from hicache_fsm.tp import MAX_RANKS, RankGroup
 from hicache_fsm.transitions_dispatch import TransitionsDispatcher
 
 REQUEST_TOKENS = 4096
@@ -253,9 +253,6 @@ def tp_figures(worlds: list[int], n: int, tree_nodes: int, seed: int) -> dict[in
     return out
 
 
-MAX_TP = 64  # rank processes one --tp figure may start
-
-
 def _worlds(text: str) -> list[int]:
     try:
         worlds = [int(x) for x in text.split(",") if x.strip()]
@@ -263,8 +260,8 @@ def _worlds(text: str) -> list[int]:
         raise UsageError(f"--tp wants comma-separated rank counts, got {text!r}") from None
     if any(w < 1 for w in worlds):
         raise UsageError(f"--tp wants rank counts >= 1, got {text!r}")
-    if any(w > MAX_TP for w in worlds):  # each rank is a process importing torch
-        raise UsageError(f"--tp wants at most {MAX_TP} ranks, got {text!r}")
+    if any(w > MAX_RANKS for w in worlds):  # each rank is a process importing torch
+        raise UsageError(f"--tp wants at most {MAX_RANKS} ranks, got {text!r}")
     return worlds
 
 

@@ -13,6 +13,7 @@ start costs seconds (it imports torch).
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import queue as queue_mod
 import socket
@@ -21,6 +22,10 @@ import traceback
 from typing import Any, Callable
 
 import attrs
+
+from hicache_fsm.config import check_positive_int
+from hicache_fsm.errors import ConfigError
+from hicache_fsm.tp import MAX_RANKS
 
 __all__ = ["RankOutcome", "free_port", "run_ranks"]
 
@@ -71,7 +76,19 @@ def _entry(rank: int, world: int, port: int, group_timeout_s: float, fn: Callabl
 
 def run_ranks(fn: Callable, world: int, *args: Any, timeout_s: float = 300.0,
               group_timeout_s: float = 30.0) -> list[RankOutcome]:
-    """Run ``fn(rank, world, group, *args)`` on ``world`` processes; one outcome per rank, by rank."""
+    """Run ``fn(rank, world, group, *args)`` on ``world`` processes; one outcome per rank, by rank.
+
+    ``world`` (1 .. ``MAX_RANKS``), the timeouts (seconds > 0) and ``fn`` are checked before any process
+    starts: ``ConfigError``.
+    """
+    check_positive_int("world", world)
+    if world > MAX_RANKS:
+        raise ConfigError(f"world must be at most {MAX_RANKS} rank processes, got {world}")
+    for name, seconds in (("timeout_s", timeout_s), ("group_timeout_s", group_timeout_s)):
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < math.inf:
+            raise ConfigError(f"{name} must be a positive number of seconds, got {seconds!r}")
+    if not callable(fn):
+        raise ConfigError(f"fn must be a module-level function, got {fn!r}")
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
