@@ -344,3 +344,15 @@ def test_fuzz_failure_becomes_a_runnable_test():
 def test_logging_is_restored():
     logger = logging.getLogger("hicache_fsm")
     assert logger.level == logging.ERROR  # inside the autouse fixture
+
+
+@pytest.mark.parametrize("options, named", [
+    ({"write_polcy": "write_back"}, "unknown option"),  # a misspelt CacheConfig field was a TypeError
+    ({"storage": "yes"}, "storage must be True or False"),  # was taken as storage on
+    ({"page_size": -1}, "page_size must be an int >= 1"),  # the pools named only the product, size_tokens -4
+    ({"device_pages": 0}, "device_pages"),
+    ({"host_pages": 2.0}, "host_pages"),
+])
+def test_the_adapter_names_an_option_it_cannot_use(options, named):
+    with pytest.raises(ConfigError, match=named):
+        HiCacheAdapter(**options)

@@ -14,8 +14,11 @@ from collections import Counter
 from collections.abc import Hashable, Iterable, Sequence
 from typing import Any
 
+import attrs
 import torch
 
+from hicache_fsm.config import CacheConfig, check_positive_int
+from hicache_fsm.errors import ConfigError
 from hicache_fsm.testing.fork import fork_cache, own_kv
 from hicache_fsm.testing.interface import (
     OPTIONAL_OPS,
@@ -80,11 +83,18 @@ class HiCacheAdapter(CacheAdapter):
                  host_layout: str = "layer_first", dispatcher=None, storage: bool = False,
                  stop_policy: str = "best_effort", batch_pages: int = 2, **config: Any) -> None:
         from hicache_fsm.cache import HiCache
-        from hicache_fsm.config import CacheConfig
         from hicache_fsm.executors import ManualExecutor
         from hicache_fsm.machine import compile_machine
         from hicache_fsm.pools import DeviceKVPool, HostKVPool, KVShape
 
+        unknown = sorted(set(config) - set(attrs.fields_dict(CacheConfig)))
+        if unknown:
+            raise ConfigError(f"HiCacheAdapter: unknown option(s) {', '.join(unknown)}; besides its own, it takes "
+                              f"CacheConfig's: {', '.join(attrs.fields_dict(CacheConfig))}")
+        if not isinstance(storage, bool):
+            raise ConfigError(f"HiCacheAdapter: storage must be True or False, got {storage!r}")
+        for name, value in (("device_pages", device_pages), ("host_pages", host_pages), ("page_size", page_size)):
+            check_positive_int(name, value)  # named here: the pools would report only their product
         shape = KVShape(layers, 1, 1)
         self.page_size = page_size
         self.layers = layers
