@@ -8,12 +8,11 @@ the cache's slot checks use; ``pages_of`` turns slot indices into page ids.
 
 from __future__ import annotations
 
-import weakref
-
 import numpy as np
 import torch
 
 from hicache_fsm.errors import AllocationError, BadIndices, ConfigError
+from hicache_fsm.sole_user import SoleUser
 
 
 def as_index_tensor(indices, what: str = "indices") -> torch.Tensor:
@@ -119,7 +118,7 @@ class PageAllocator:
         self.page_size = page_size
         self._total_pages = size_tokens // page_size
         self.views = views
-        self._bound_cache: weakref.ref | None = None  # the one cache whose slots these are (bind_cache)
+        self.serving = SoleUser()  # the one open cache whose slots these are (bind_cache)
         # Slot ids of every page, a row each (8 bytes a token): gathering rows
         # builds and checks index tensors ~3x faster than broadcasting arithmetic.
         # The numpy table and the torch one (sliced by ``views``) share memory;
@@ -161,7 +160,7 @@ class PageAllocator:
         new.__dict__.update(self.__dict__)
         new._allocated = self._allocated.copy()
         new._released = list(self._released)
-        new._bound_cache = None  # the fork's slots are its own: no cache serves them yet
+        new.serving = SoleUser()  # the fork's slots are its own: no cache serves them yet
         return new
 
     def bind_cache(self, cache: object) -> None:
@@ -169,19 +168,14 @@ class PageAllocator:
 
         Two open caches over one allocator would each free the other's slots
         (``reset`` frees them all) and hand them out again: KV served from a
-        slot another request is writing. A cache that closed, or was dropped,
-        no longer holds the slots.
+        slot another request is writing.
         """
-        bound = self._bound_cache() if self._bound_cache is not None else None
-        if bound is not None and bound is not cache:
-            raise ConfigError("these pools already serve another HiCache: close it first, or give each cache "
-                              "pools of its own")
-        self._bound_cache = weakref.ref(cache)
+        self.serving.take(cache, ConfigError("these pools already serve another HiCache: close it first, or give "
+                                             "each cache pools of its own"))
 
     def unbind_cache(self, cache: object) -> None:
         """``cache`` closed: the slots may serve another cache (another cache's binding is left as it is)."""
-        if self._bound_cache is not None and self._bound_cache() is cache:
-            self._bound_cache = None
+        self.serving.give_up(cache)
 
     def is_allocated(self, page: int) -> bool:
         if not 0 <= int(page) < self._total_pages:

@@ -202,3 +202,24 @@ def test_orphan_temp_files_are_removed_when_a_file_store_opens(tmp_path):
     assert again.get(key) == b"page"
     b.close()
     again.close()
+
+
+def test_one_backend_object_serves_one_cache_and_a_refusal_leaves_it_open():
+    """A tier closes its backend when it detaches: shared, one cache's detach broke the other's storage."""
+    from hicache_fsm.errors import StorageLinkError
+    from hicache_fsm.storage.memory import MemoryBackend
+
+    backend = MemoryBackend()
+    first, second = make_cache(), make_cache()
+    first.attach_storage(backend)
+    with pytest.raises(StorageLinkError, match="attached to another cache's storage"):
+        second.attach_storage(backend)
+    assert not backend.closed and second.storage_transfers_in_flight() == 0  # the refusal closed nothing
+    second.attach_storage(MemoryBackend())  # a backend of its own is fine
+    put(first, prompt(2 * PAGE))
+    settle(first)
+    assert first.stats()["storage"]["backups_stored"] == 1
+    first.detach_storage()
+    assert backend.closed
+    first.close()
+    second.close()

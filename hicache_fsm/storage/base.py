@@ -63,6 +63,7 @@ import numpy as np
 import torch
 
 from hicache_fsm.errors import StorageError, StorageKeyError, StorageUnavailable
+from hicache_fsm.sole_user import SoleUser
 from hicache_fsm.storage.keys import KeyNamespace
 from hicache_fsm.storage.page_format import UNTYPED, PageFormat, describe, format_bytes, page_format_of
 
@@ -475,6 +476,7 @@ class StorageBackend(ABC):
         self._namespace = namespace if namespace is not None else DEFAULT_NAMESPACE
         self._stats = StorageStats()
         self._closed = False
+        self.attached_to = SoleUser()  # the one storage link that owns this object (attach_storage of a backend)
         self._eviction_listeners: tuple[EvictionListener, ...] = ()  # replaced, never mutated: read lock-free
         self._last_pool_format: tuple[Any, bytes] | None = None  # (host pool, its format field), replaced whole
 

@@ -17,6 +17,8 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
+from hicache_fsm.storage.base import StorageBackend
+
 log = logging.getLogger("hicache_fsm.storage.tier")
 
 THREAD_PREFIX = "hicache-storage"
@@ -111,6 +113,9 @@ class StorageLink:
             backend.close()
         except Exception:
             log.exception("closing storage backend %r failed", backend)
+        finally:
+            if isinstance(backend, StorageBackend):
+                backend.attached_to.give_up(self)
 
 
 def is_count(value: object) -> bool:

@@ -196,6 +196,10 @@ class StorageTier(PrefetchCalls, StorageThreads):
             if isinstance(url_or_backend, str):
                 self.link.backend = open_backend(url_or_backend, namespace=namespace, **backend_options)
             else:
+                if isinstance(url_or_backend, StorageBackend):  # a tier closes its backend when it detaches
+                    url_or_backend.attached_to.take(self.link, StorageLinkError(
+                        "this backend object is attached to another cache's storage: open one per cache "
+                        "(they may share a store: memory://NAME, one directory, one server)"))
                 self.link.backend = url_or_backend
             self.options = tier_options
             self.link.join_timeout = tier_options.join_timeout

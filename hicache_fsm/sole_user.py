@@ -1,0 +1,37 @@
+"""One user at a time for a resource two users would corrupt: a pool's slots, a storage backend.
+
+Two open caches over one allocator each free the other's slots (``reset``)
+and hand them out again; two storage tiers over one backend object each close
+it when they detach, under the other. The resource keeps a weak reference to
+its user, so a user dropped without closing frees it too.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+from hicache_fsm.errors import HiCacheError
+
+
+class SoleUser:
+    """Who uses a resource now: ``take`` refuses a second user until the first ``give_up``."""
+
+    __slots__ = ("_user",)
+
+    def __init__(self) -> None:
+        self._user: weakref.ref | None = None
+
+    def take(self, user: object, refusal: HiCacheError) -> None:
+        """Make ``user`` the resource's user; raise ``refusal`` while another is (taking it again is fine)."""
+        current = self._user() if self._user is not None else None
+        if current is not None and current is not user:
+            raise refusal
+        self._user = weakref.ref(user)
+
+    def give_up(self, user: object) -> None:
+        """``user`` is done with the resource; another user's hold is left as it is."""
+        if self._user is not None and self._user() is user:
+            self._user = None
+
+
+__all__ = ["SoleUser"]
