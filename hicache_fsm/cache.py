@@ -59,6 +59,7 @@ from hicache_fsm.insert_slots import own_pages, own_prefix
 from hicache_fsm.inspection import HostOwners, InvariantViolation, RuntimeChecks, maintained_set_problems, snapshot, stats
 from hicache_fsm.eviction import DEVICE_EVICTABLE, HOST_EVICTABLE, RESIDENT, REVIVABLE, Eviction, executor_can_block
 from hicache_fsm.interfaces import Attached
+from hicache_fsm.executors import ServesOneCache, TorchExecutor
 from hicache_fsm.jobs import EXECUTOR_METHODS, Completion, Executor, TransferJob
 from hicache_fsm.load_back import CheckedFlush, LoadBacks
 from hicache_fsm.machine import CompiledMachine, compile_machine
@@ -125,11 +126,16 @@ class HiCache(StorageCalls):
         if executor is not None and not all(callable(getattr(executor, m, None)) for m in EXECUTOR_METHODS):
             raise ConfigError(f"executor must have {', '.join(EXECUTOR_METHODS)} (a jobs.Executor), "
                               f"got {type(executor).__name__}")
-        self.bound_allocators = bind_pools(self, (device_pool, host_pool, draft_device_pool, draft_host_pool))
+        pools = (device_pool, host_pool, draft_device_pool, draft_host_pool)
+        self.bound_allocators = bind_pools(self, pools)
         try:
+            if isinstance(executor, ServesOneCache):  # ours: over these very pools, for this cache alone
+                executor.bind_cache(self, pools)
             self._build(device_pool, host_pool, config, executor, draft_device_pool, draft_host_pool, dispatcher, group)
-        except BaseException:  # refused (a bad group, ...): the pools may serve another cache
+        except BaseException:  # refused (a bad group, ...): the pools and the executor may serve another cache
             unbind_pools(self, self.bound_allocators)
+            if isinstance(executor, ServesOneCache):
+                executor.unbind_cache(self)
             raise
 
     def _build(self, device_pool, host_pool, config: CacheConfig | None, executor: Executor | None,
@@ -141,8 +147,6 @@ class HiCache(StorageCalls):
         self.draft_host_pool = draft_host_pool
         self.page_size = device_pool.page_size
         if executor is None:
-            from hicache_fsm.executors import TorchExecutor
-
             executor = TorchExecutor(device_pool, host_pool, draft_device_pool, draft_host_pool)
         self.executor = executor
         machine = dispatcher or compile_machine(load_builtin("residency"))

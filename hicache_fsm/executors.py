@@ -28,6 +28,7 @@ from hicache_fsm.copy import Run, backup_to_host, load_all_layers, load_to_devic
 from hicache_fsm.errors import BadIndices, ConfigError, HiCacheError, UnknownJob
 from hicache_fsm.jobs import Completion, JobBatch, JobKind, TransferJob, completed_all
 from hicache_fsm.pools import DeviceKVPool, HostKVPool
+from hicache_fsm.sole_user import SoleUser
 
 
 class LoadNotFinished(HiCacheError):
@@ -65,6 +66,13 @@ class _PoolSet:
         self.host = host_pool
         self.draft_device = draft_device_pool
         self.draft_host = draft_host_pool
+
+    def check_same(self, pools: tuple) -> None:
+        """Refuse a cache over other pools (device, host, draft device, draft host): its copies would miss them."""
+        mine = (self.device, self.host, self.draft_device, self.draft_host)
+        if any(a is not b for a, b in zip(mine, pools)):
+            raise ConfigError("the executor copies between other pools than the cache's: build it over the "
+                              "cache's pools (or let HiCache build it)")
 
     def _runs(self, device_pool, host_pool, device_indices, host_indices, what: str) -> list[Run]:
         if device_indices is None:
@@ -156,7 +164,24 @@ class DoneWait:
         return True
 
 
-class AckExecutor:
+class ServesOneCache:
+    """An executor's completions go to one cache (``poll`` hands them out once), over the executor's own pools."""
+
+    pools: _PoolSet | None = None  # an executor that copies nothing has none
+    serving: SoleUser
+
+    def bind_cache(self, cache: object, pools: tuple) -> None:
+        """Serve ``cache`` alone; ``pools`` are its device, host, draft device and draft host pools."""
+        if self.pools is not None:
+            self.pools.check_same(pools)
+        self.serving.take(cache, ConfigError("this executor already serves another HiCache: give each cache its "
+                                             "own (a poll hands each completion to one cache)"))
+
+    def unbind_cache(self, cache: object) -> None:
+        self.serving.give_up(cache)
+
+
+class AckExecutor(ServesOneCache):
     """Completes each D2H or H2D batch at the next ``poll`` without moving a byte.
 
     For runs where the KV bytes mean nothing: trace replay in metadata mode
@@ -169,6 +194,7 @@ class AckExecutor:
     manual = False
 
     def __init__(self, layers: int = 1) -> None:
+        self.serving = SoleUser()
         self.layers = layers
         self._ready: list[Completion] = []
         self._done = DoneWait(layers)  # stateless: one handle serves every batch
@@ -252,7 +278,7 @@ class _InFlight:
     keep: tuple = ()
 
 
-class TorchExecutor:
+class TorchExecutor(ServesOneCache):
     """Runs D2H and H2D batches with torch copies (streams and events on CUDA)."""
 
     def __init__(self, device_pool: DeviceKVPool, host_pool: HostKVPool,
@@ -261,6 +287,7 @@ class TorchExecutor:
         if isinstance(producer_slots, bool) or not isinstance(producer_slots, int) or producer_slots < 1:
             raise ConfigError(f"producer_slots must be a positive int, got {producer_slots!r}")
         self.pools = _PoolSet(device_pool, host_pool, draft_device_pool, draft_host_pool)
+        self.serving = SoleUser()
         self.cuda = device_pool.device.type == "cuda"
         self._ready: list[Completion] = []
         self._inflight: list[_InFlight] = []
@@ -392,12 +419,13 @@ class ManualWait:
             raise LoadNotFinished(f"layer {layer} waited on before jobs {left} were completed or failed")
 
 
-class ManualExecutor:
+class ManualExecutor(ServesOneCache):
     """Holds submitted jobs until ``complete(job_id)`` (real copy, ok) or ``fail(job_id)``."""
 
     def __init__(self, device_pool: DeviceKVPool, host_pool: HostKVPool,
                  draft_device_pool: DeviceKVPool | None = None, draft_host_pool: HostKVPool | None = None) -> None:
         self.pools = _PoolSet(device_pool, host_pool, draft_device_pool, draft_host_pool)
+        self.serving = SoleUser()
         self._pending: dict[int, tuple[TransferJob, list[_Copy]]] = {}
         self._queue: list[Completion] = []
         self._closed = False

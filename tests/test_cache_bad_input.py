@@ -328,3 +328,25 @@ def test_an_executor_without_the_executor_methods_is_refused(executor):
     with pytest.raises(ConfigError, match="executor must have submit, poll, synchronize, close"):
         HiCache(*pools, executor=executor)
     HiCache(*pools).close()  # the refusal bound nothing
+
+
+def test_an_executor_serves_one_cache_over_that_cache_s_pools():
+    """Copies over other pools miss the cache's slots; a shared executor hands completions to one cache only."""
+    from hicache_fsm.cache import HiCache
+    from hicache_fsm.errors import ConfigError
+    from hicache_fsm.executors import AckExecutor, ManualExecutor, TorchExecutor
+
+    first, second = make_cache()[0], make_cache()[0]
+    mine = (first.device_pool, first.host_pool)
+    theirs = (second.device_pool, second.host_pool)
+    first.close()
+    second.close()
+    for executor in (ManualExecutor(*theirs), TorchExecutor(*theirs)):
+        with pytest.raises(ConfigError, match="copies between other pools"):
+            HiCache(*mine, executor=executor)
+    shared = AckExecutor(layers=mine[0].layers)  # copies nothing, so it has no pools to compare
+    one = HiCache(*mine, executor=shared)
+    with pytest.raises(ConfigError, match="already serves another HiCache"):
+        HiCache(*theirs, executor=shared)
+    HiCache(*theirs).close()  # that refusal left the other pools free
+    one.close()
