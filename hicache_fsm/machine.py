@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterable
 import attrs
 import transitions
 
-from hicache_fsm.errors import BindingError, GuardRejected, InvalidTransition
+from hicache_fsm.errors import BindingError, ConfigError, GuardRejected, InvalidTransition
 from hicache_fsm.jobs import JobKind
 from hicache_fsm.registry import Effect, Guard, MachineRegistry, registry_for
 from hicache_fsm.spec import Spec, TransitionSpec
@@ -82,6 +82,9 @@ class CompiledMachine:
     """Fast dispatch of one spec over many objects that each carry ``state``."""
 
     def __init__(self, spec: Spec, registry: MachineRegistry | None = None) -> None:
+        if not isinstance(spec, Spec):
+            raise ConfigError(f"a machine compiles a Spec (load_builtin(name), load_spec(path)), "
+                              f"got {type(spec).__name__}")
         self.spec = spec
         self.name = spec.name
         self.initial = spec.initial

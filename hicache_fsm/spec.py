@@ -605,4 +605,8 @@ def _load_cached(path: str, mtime_ns: int, size: int) -> Spec:
 
 
 def load_all(paths: Iterable[str | Path] | None = None) -> list[Spec]:
+    """Every spec of ``paths`` (default: the library's own); one path is refused, not read letter by letter."""
+    if isinstance(paths, (str, Path)):
+        raise SpecError(str(paths), None, "load_all takes a list of spec paths: spec_paths(DIR) lists a "
+                                          "directory's, load_spec(PATH) reads one file")
     return [load_spec(p) for p in (paths if paths is not None else spec_paths())]

@@ -271,3 +271,18 @@ def test_textually_mutated_real_specs_fail_cleanly(name, seed, rounds):
     for _ in range(rounds):
         text = _mutate_text(text, rnd) or "\n"
     _assert_clean_outcome(text, f"specs/{name}.yaml")
+
+
+def test_one_path_given_to_load_all_is_refused_not_read_letter_by_letter(tmp_path):
+    with pytest.raises(SpecError, match="load_all takes a list of spec paths") as info:
+        load_all(str(tmp_path))  # was "/: cannot read spec: not a regular file", the path's first letter
+    assert str(tmp_path) in str(info.value)
+
+
+@pytest.mark.parametrize("spec", ["residency", None, {"name": "residency"}])
+def test_a_machine_compiles_a_spec_object_only(spec):
+    from hicache_fsm.errors import ConfigError
+    from hicache_fsm.machine import compile_machine
+
+    with pytest.raises(ConfigError, match="a machine compiles a Spec"):
+        compile_machine(spec)
