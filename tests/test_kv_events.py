@@ -393,6 +393,9 @@ def test_block_hashes_are_the_storage_tiers_page_keys():
         assert request_hashes(tokens, 16, namespace) == [int64_hash(k) for k in keys]
     with pytest.raises(StorageKeyError):  # page keys encode 4-byte ids, here as in storage
         request_hashes((1 << 40,) * 16, 16)
+    for page_size in (0, -16, 16.0, True):  # 0 was a ZeroDivisionError
+        with pytest.raises(StorageKeyError, match="page_size must be a positive int"):
+            request_hashes(tokens, page_size)
 
 
 def test_enabling_on_a_running_cache_starts_with_a_snapshot_of_it():

@@ -23,7 +23,7 @@ from typing import Hashable, Sequence
 
 from hicache_fsm.events.wire import DIGEST_BYTES, int64_array, int64_list, token_array, uint32_list
 from hicache_fsm.radix import TreeNode
-from hicache_fsm.storage.keys import key_token_bytes, page_digests
+from hicache_fsm.storage.keys import check_page_size, key_token_bytes, page_digests
 from hicache_fsm.storage.tier import namespace_seed
 
 
@@ -44,7 +44,7 @@ def chained_digests(tokens: Sequence[int], page_size: int, prior: bytes) -> list
 
     ``tokens`` are checked and packed once (a ``TokenIds`` is used as it is).
     """
-    return page_digests(key_token_bytes(tokens), page_size, prior)
+    return page_digests(key_token_bytes(tokens), check_page_size(page_size), prior)
 
 
 def request_hashes(tokens: Sequence[int], page_size: int, namespace: Hashable = None) -> list[int]:

@@ -38,6 +38,7 @@ __all__ = [
     "MAX_PAGE_KEY_LEN",
     "KeyNamespace",
     "PageKeyChain",
+    "check_page_size",
     "page_hash",
     "page_keys",
     "validate_page_key",
@@ -82,14 +83,20 @@ def page_hash(tokens: Sequence[int], prior: str | None = None) -> str:
     return hasher.hexdigest()
 
 
+def check_page_size(page_size: object) -> int:
+    """``page_size`` if it is an int >= 1 (a key covers one whole page)."""
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+        raise StorageKeyError(f"page_size must be a positive int, got {page_size!r}")
+    return page_size
+
+
 def page_keys(tokens: Sequence[int] | TokenIds, page_size: int, prior: str | None = None) -> list[str]:
     """Chained page hashes of every full page of ``tokens``; a partial tail page gets none.
 
     A ``TokenIds`` (what the cache and its tree hold) is hashed from its packed
     bytes as they are: the same bytes the tree compares, nothing converted.
     """
-    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
-        raise StorageKeyError(f"page_size must be a positive int, got {page_size!r}")
+    check_page_size(page_size)
     raw = memoryview(key_token_bytes(tokens))
     keys: list[str] = []
     _chain_into(keys, raw, page_size, 0, len(raw) // (ID_BYTES * page_size), _prior_bytes(prior))
