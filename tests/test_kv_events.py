@@ -363,6 +363,24 @@ def test_router_rejects_bad_settings():
         Router(2, "random", PrefixIndex())
     with pytest.raises(ConfigError):
         Router(2, "prefix_aware_capped", PrefixIndex(), load_cap=0.5)
+    with pytest.raises(ConfigError, match="index must be a PrefixIndex"):  # failed at the first placement
+        Router(2, "prefix_aware", "index")
+    for policy in ("round_robin", "prefix_aware"):
+        with pytest.raises(ConfigError, match="block hashes"):
+            Router(2, policy, PrefixIndex()).place("1,2")  # prefix_aware read the letters as hashes: no match
+
+
+def test_index_questions_with_the_wrong_shapes_are_refused_or_read_as_meant():
+    index = _index_with({0: [1, 2, 3]})
+    assert index.prefix_pages(0, [1, 2], "device") == index.prefix_pages(0, [1, 2], ("device",)) == 2  # one tier
+    assert index.longest_prefixes([1, 2], [0], "device") == {0: 2}  # was "unknown tier 'd'"
+    for hashes in ("12", None, b"\x01"):
+        with pytest.raises(ConfigError, match="block hashes"):
+            index.prefix_pages(0, hashes)
+    for batch in (None, "BlockStored", [BlockRemoved([3], "GPU")]):  # an AttributeError before
+        with pytest.raises(ConfigError, match="apply takes a KVEventBatch"):
+            index.apply(0, batch)
+    assert index.prefix_pages(0, [1, 2, 3]) == 3  # nothing applied
 
 
 def test_removed_and_cleared_take_blocks_out_of_the_index():

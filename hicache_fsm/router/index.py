@@ -38,7 +38,7 @@ class PrefixIndex:
         """``instance``'s sets of ``tiers``, read only: a query about an unknown instance adds none."""
         held = self._blocks.get(instance, _NOTHING)
         try:
-            return [held[t] for t in tiers]
+            return [held[t] for t in tier_names(tiers)]
         except KeyError as exc:
             raise ConfigError(f"unknown tier {exc.args[0]!r}; tiers are {', '.join(TIERS)}") from None
 
@@ -48,6 +48,8 @@ class PrefixIndex:
 
     def apply(self, instance: Hashable, batch: KVEventBatch) -> None:
         """Fold one batch from ``instance`` into the view (batches must come in sequence order)."""
+        if not isinstance(batch, KVEventBatch):
+            raise ConfigError(f"apply takes a KVEventBatch (a subscriber's or a hook's), got {type(batch).__name__}")
         tiers = self._tiers(instance)
         for event in batch.events:
             if isinstance(event, AllBlocksCleared):
@@ -93,6 +95,7 @@ class PrefixIndex:
     def prefix_pages(self, instance: Hashable, hashes: Sequence[int], tiers: Iterable[str] = ("device", "host"),
                      shared_storage: bool = False) -> int:
         """How many of ``hashes``, from the first, ``instance`` holds in any of ``tiers`` (or in shared L3)."""
+        check_hashes(hashes)
         sets = self._sets(instance, tiers)
         if shared_storage:
             sets.append(self._shared_storage)  # type: ignore[arg-type]  (membership only)
@@ -106,5 +109,17 @@ class PrefixIndex:
     def longest_prefixes(self, hashes: Sequence[int], instances: Iterable[Hashable],
                          tiers: Iterable[str] = ("device", "host")) -> dict[Hashable, int]:
         """Instance -> the pages of ``hashes`` it holds from the start (the router's question)."""
-        tiers = tuple(tiers)
+        tiers = tier_names(tiers)
         return {i: self.prefix_pages(i, hashes, tiers) for i in instances}
+
+
+def tier_names(tiers: Iterable[str]) -> tuple[str, ...]:
+    """``tiers`` as a tuple; one name alone (``"device"``) is that tier, not its letters."""
+    return (tiers,) if isinstance(tiers, str) else tuple(tiers)
+
+
+def check_hashes(hashes: object) -> None:
+    """A request's block hashes are a sequence of ints (``events.hashes.request_hashes``), not a str or None."""
+    if isinstance(hashes, (str, bytes)) or not isinstance(hashes, Iterable):
+        raise ConfigError(f"hashes must be a request's block hashes (ints, from request_hashes), "
+                          f"got {type(hashes).__name__}")

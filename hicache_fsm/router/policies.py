@@ -15,7 +15,7 @@ from collections import deque
 from typing import Sequence
 
 from hicache_fsm.errors import ConfigError
-from hicache_fsm.router.index import PrefixIndex
+from hicache_fsm.router.index import PrefixIndex, check_hashes
 from hicache_fsm.router.names import DEFAULT_LOAD_CAP, POLICIES
 WINDOW_PER_INSTANCE = 8  # recent placements remembered per instance for the load cap
 
@@ -35,6 +35,8 @@ class Router:
             raise ConfigError(f"instances must be a positive int, got {instances!r}")
         if policy not in POLICIES:
             raise ConfigError(f"router policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+        if not isinstance(index, PrefixIndex):
+            raise ConfigError(f"index must be a PrefixIndex, got {type(index).__name__}")
         self.instances = instances
         self.policy = policy
         self.index = index
@@ -46,6 +48,7 @@ class Router:
 
     def place(self, hashes: Sequence[int]) -> int:
         """The instance for a request whose page hashes are ``hashes``; records the placement."""
+        check_hashes(hashes)  # under every policy: round robin reads no hash, but a caller's mistake is one
         n = self.instances
         if self.policy == "round_robin":
             choice = self._count % n
