@@ -76,7 +76,10 @@ class TokenIds:
     __slots__ = ("raw",)
 
     def __init__(self, raw: bytes) -> None:
-        self.raw = raw  # trusted: only pack_token_ids and the tree build one
+        if type(raw) is not bytes or len(raw) & 3:  # TokenIds([1, 2]) held a list and counted 0 ids
+            raise TokenIdTypeError(f"TokenIds holds packed ids (bytes, 4 per id): build one with pack_token_ids, "
+                                   f"got {type(raw).__name__}")
+        self.raw = raw
 
     def __len__(self) -> int:
         return len(self.raw) >> 2
@@ -253,6 +256,8 @@ def _packed(tokens: Any, offset: int = 0) -> bytes:
                                        f"of {tokens.dtype}") from None
         elif isinstance(tokens, (str, bytes, bytearray, memoryview)):
             raise TokenIdTypeError(f"token ids must be a sequence of ints, got {type(tokens).__name__}")
+        elif isinstance(tokens, (set, frozenset, dict)):  # no order: the prefix would be whatever it iterates
+            raise TokenIdTypeError(f"token ids must be in order (a sequence), got a {type(tokens).__name__}")
         else:
             try:
                 tokens = tuple(tokens)

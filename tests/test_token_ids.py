@@ -66,10 +66,21 @@ def test_integer_scalars_key_storage_like_the_ints_they_equal():
 
 
 @pytest.mark.parametrize("tokens", ["abcd", b"ab", 7, None, torch.zeros(2, 2, dtype=torch.long),
-                                    torch.zeros(4), np.array([0.5, 1.0]), array("d", [1.0]), array("f", [2.0])])
+                                    torch.zeros(4), np.array([0.5, 1.0]), array("d", [1.0]), array("f", [2.0]),
+                                    {1, 2}, frozenset({3}), {1: 2}])  # unordered: the prefix would be arbitrary
 def test_containers_that_are_not_token_sequences(tokens):
     with pytest.raises(BadTokenIds):
         as_token_ids(tokens)
+
+
+@pytest.mark.parametrize("raw", [[1, 2], b"\x00\x01", bytearray(8), "abcd"])
+def test_token_ids_are_built_from_packed_bytes_only(raw):
+    """``TokenIds([1, 2])`` held a list and counted 0 ids; a misaligned buffer dropped its tail."""
+    from hicache_fsm.tokens import TokenIds
+
+    with pytest.raises(TokenIdTypeError, match="pack_token_ids"):
+        TokenIds(raw)
+    assert list(TokenIds(bytes(8))) == [0, 0]
 
 
 @settings(max_examples=60, deadline=None)
