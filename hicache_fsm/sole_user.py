@@ -8,6 +8,7 @@ its user, so a user dropped without closing frees it too.
 
 from __future__ import annotations
 
+import threading
 import weakref
 
 from hicache_fsm.errors import HiCacheError
@@ -16,22 +17,29 @@ from hicache_fsm.errors import HiCacheError
 class SoleUser:
     """Who uses a resource now: ``take`` refuses a second user until the first ``give_up``."""
 
-    __slots__ = ("_user",)
+    __slots__ = ("_user", "_lock")
 
     def __init__(self) -> None:
         self._user: weakref.ref | None = None
+        self._lock = threading.Lock()  # two caches built at once on two threads: one of them is refused
+
+    def __deepcopy__(self, memo: dict) -> "SoleUser":
+        """A copied resource (the explorer forks caches) is another resource: nobody uses it yet."""
+        return SoleUser()
 
     def take(self, user: object, refusal: HiCacheError) -> None:
         """Make ``user`` the resource's user; raise ``refusal`` while another is (taking it again is fine)."""
-        current = self._user() if self._user is not None else None
-        if current is not None and current is not user:
-            raise refusal
-        self._user = weakref.ref(user)
+        with self._lock:
+            current = self._user() if self._user is not None else None
+            if current is not None and current is not user:
+                raise refusal
+            self._user = weakref.ref(user)
 
     def give_up(self, user: object) -> None:
         """``user`` is done with the resource; another user's hold is left as it is."""
-        if self._user is not None and self._user() is user:
-            self._user = None
+        with self._lock:
+            if self._user is not None and self._user() is user:
+                self._user = None
 
 
 __all__ = ["SoleUser"]

@@ -350,3 +350,27 @@ def test_an_executor_serves_one_cache_over_that_cache_s_pools():
         HiCache(*theirs, executor=shared)
     HiCache(*theirs).close()  # that refusal left the other pools free
     one.close()
+
+
+def test_a_resource_has_one_user_until_it_gives_up_or_is_dropped():
+    import copy
+    import gc
+
+    from hicache_fsm.errors import ConfigError
+    from hicache_fsm.sole_user import SoleUser
+
+    class User:
+        pass
+
+    held, first, second = SoleUser(), User(), User()
+    held.take(first, ConfigError("taken"))
+    held.take(first, ConfigError("taken"))  # the same user again: fine
+    with pytest.raises(ConfigError, match="taken"):
+        held.take(second, ConfigError("taken"))
+    copy.deepcopy(held).take(second, ConfigError("taken"))  # a copy is another resource, used by nobody
+    held.give_up(second)  # not its user: nothing changes
+    with pytest.raises(ConfigError):
+        held.take(second, ConfigError("taken"))
+    del first
+    gc.collect()
+    held.take(second, ConfigError("taken"))  # a user dropped without giving up frees it
