@@ -90,12 +90,15 @@ class Fault:
     def __attrs_post_init__(self) -> None:
         problems = [
             (self.kind not in FAULT_KINDS, f"kind must be one of {', '.join(FAULT_KINDS)}"),
-            (self.method is not None and self.method not in METHODS, f"method must be None or one of {', '.join(METHODS)}"),
+            (self.method is not None and self.method not in METHODS,
+             f"method must be None or one of {', '.join(METHODS)}"),
             (self.calls is not None and not all(_is_index(c) for c in self.calls), "calls must be indices >= 0"),
-            (self.times is not None and not (_is_index(self.times) and self.times >= 1), "times must be None or an int >= 1"),
+            (self.times is not None and not (_is_index(self.times) and self.times >= 1),
+             "times must be None or an int >= 1"),
             (not _number_within(self.probability, 0.0, 1.0), "probability must be a number in [0, 1]"),
             (not _is_index(self.keep), "keep must be an int >= 0"),
-            (self.positions is not None and not all(_is_index(p) for p in self.positions), "positions must be indices >= 0"),
+            (self.positions is not None and not all(_is_index(p) for p in self.positions),
+             "positions must be indices >= 0"),
             (not _number_within(self.delay, 0.0, math.inf), "delay must be a finite number of seconds >= 0"),
             (not isinstance(self.after, bool), "after must be True or False"),
             (not isinstance(self.message, str), "message must be a str"),
