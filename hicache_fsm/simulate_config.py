@@ -33,7 +33,7 @@ INFINITE = "infinite"
 
 
 def check_pool_options(device_tokens: object, host_tokens: object, page_size: int, layout: object,
-                device: object) -> None:
+                       device: object) -> None:
     """The pool options every run shares: whole pages, a host larger than the device, a known layout and device."""
     for name, value in (("device_tokens", device_tokens), ("host_tokens", host_tokens)):
         if check_positive_int(name, value) % page_size:

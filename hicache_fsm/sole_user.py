@@ -1,7 +1,8 @@
-"""One user at a time for a resource two users would corrupt: a pool's slots, a storage backend.
+"""One user at a time for a resource two users would corrupt: a pool's slots, an executor, a storage backend.
 
 Two open caches over one allocator each free the other's slots (``reset``)
-and hand them out again; two storage tiers over one backend object each close
+and hand them out again; two caches over one executor each take completions
+the other is waiting for; two storage tiers over one backend object each close
 it when they detach, under the other. The resource keeps a weak reference to
 its user, so a user dropped without closing frees it too.
 """
