@@ -356,3 +356,31 @@ def test_logging_is_restored():
 def test_the_adapter_names_an_option_it_cannot_use(options, named):
     with pytest.raises(ConfigError, match=named):
         HiCacheAdapter(**options)
+
+
+def test_a_closed_recording_records_nothing_more(tmp_path):
+    """close() left the recorder observing: a long-running engine kept appending events (and paying for them)."""
+    from hicache_fsm.testing import record
+
+    adapter = HiCacheAdapter(device_pages=3, host_pages=3)
+    path = tmp_path / "run.jsonl"
+    with record(adapter.cache, path) as recording:
+        adapter.insert((1, 2))
+    seen = len(recording.events)
+    adapter.insert((3, 4))
+    for job in adapter.pending_jobs():
+        adapter.complete_job(job.id)
+    assert len(recording.events) == seen and len(path.read_text().splitlines()) == seen
+    assert not adapter.cache.driver.observed
+    recording.close()  # idempotent
+
+
+@pytest.mark.parametrize("meta, named", [({"event": "run"}, "header's own fields"), ({"version": 2}, "version"),
+                                         ({"when": object()}, "meta must be JSON")])
+def test_meta_that_would_spoil_the_header_is_refused_before_a_file_is_written(tmp_path, meta, named):
+    from hicache_fsm.testing import record
+
+    adapter = HiCacheAdapter()
+    with pytest.raises(ConfigError, match=named):
+        record(adapter.cache, tmp_path / "run.jsonl", **meta)
+    assert not (tmp_path / "run.jsonl").exists() and not adapter.cache.driver.observed

@@ -40,6 +40,7 @@ from typing import IO
 
 import attrs
 
+from hicache_fsm.errors import ConfigError
 from hicache_fsm.input_limits import undecodable_line
 from hicache_fsm.spec import Spec, load_builtin
 
@@ -62,10 +63,22 @@ WAITING = {
 }
 
 
+HEADER_FIELDS = ("seq", "event", "version", "machines")  # the recorder's own: ``meta`` cannot replace them
+
+
 class TraceRecorder:
-    """Collect (and optionally write) a cache's events as JSONL."""
+    """Collect (and optionally write) a cache's events as JSONL, until ``close`` (or the end of a ``with``)."""
 
     def __init__(self, cache, out: str | Path | IO[str] | None = None, *, meta: dict | None = None) -> None:
+        header = {"event": "header", "version": TRACE_VERSION, "machines": ["residency"]}
+        clash = sorted(set(meta or {}) & set(HEADER_FIELDS))
+        if clash:  # a recording whose header says another event or version could not be replayed
+            raise ConfigError(f"meta cannot set the header's own fields {', '.join(clash)}")
+        try:
+            json.dumps(meta or {})
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"meta must be JSON: {exc}") from None
+        header.update(meta or {})
         self.events: list[dict] = []
         self._seq = 0
         self._file: IO[str] | None = None
@@ -75,10 +88,20 @@ class TraceRecorder:
             self._owns_file = True
         elif out is not None:
             self._file = out
-        header = {"event": "header", "version": TRACE_VERSION, "machines": ["residency"]}
-        header.update(meta or {})
+        self._cache = cache
+        try:
+            cache.add_observer(self._add)
+        except BaseException:
+            self._cache = None
+            self.close()
+            raise
         self._add(header)
-        cache.add_observer(self._add)
+
+    def __enter__(self) -> "TraceRecorder":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _add(self, event: dict) -> None:
         rec = {"seq": self._seq, **event}
@@ -98,9 +121,13 @@ class TraceRecorder:
         Path(path).write_text(self.text(), encoding="utf-8")
 
     def close(self) -> None:
+        """Stop recording (the cache no longer calls the recorder) and close a file it opened; idempotent."""
+        if self._cache is not None:
+            self._cache.remove_observer(self._add)
+            self._cache = None
         if self._owns_file and self._file is not None:
             self._file.close()
-            self._file = None
+        self._file = None
 
 
 def record(cache, out: str | Path | IO[str] | None = None, **meta) -> TraceRecorder:
