@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from hicache_fsm.cli import main
 from hicache_fsm.errors import ConfigError
-from hicache_fsm.spec import load_all
+from hicache_fsm.spec import load_all, load_builtin
 from hicache_fsm.testing import (
     Bounds,
     CoverageTracker,
@@ -384,3 +384,21 @@ def test_meta_that_would_spoil_the_header_is_refused_before_a_file_is_written(tm
     with pytest.raises(ConfigError, match=named):
         record(adapter.cache, tmp_path / "run.jsonl", **meta)
     assert not (tmp_path / "run.jsonl").exists() and not adapter.cache.driver.observed
+
+
+@pytest.mark.parametrize("options, named", [
+    ({"context": -1}, "context"),  # deque's ValueError before
+    ({"context": "4"}, "context"),
+    ({"specs": "residency"}, "Spec objects"),  # its letters were taken as specs: AttributeError
+    ({"specs": ["residency"]}, "Spec objects"),
+    ({"require_quiescent": "yes"}, "require_quiescent"),
+])
+def test_replay_names_an_option_it_cannot_use(options, named):
+    from hicache_fsm.testing import record, replay
+
+    adapter = HiCacheAdapter()
+    with record(adapter.cache) as recording:
+        adapter.insert((1, 2))
+    with pytest.raises(ConfigError, match=named):
+        replay(recording.text(), **options)
+    assert replay(recording.text(), specs=load_builtin("residency")).ok  # one Spec alone is fine

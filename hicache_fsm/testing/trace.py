@@ -40,6 +40,7 @@ from typing import IO
 
 import attrs
 
+from hicache_fsm.config import check_positive_int
 from hicache_fsm.errors import ConfigError
 from hicache_fsm.input_limits import undecodable_line
 from hicache_fsm.spec import Spec, load_builtin
@@ -408,7 +409,19 @@ class _Replayer:
 
 def replay(trace, specs: Iterable[Spec] | None = None, *, require_quiescent: bool = False,
            context: int = 4) -> ReplayResult:
-    """Check a recorded trace against the specs; ``result.divergence`` names the first problem."""
+    """Check a recorded trace against the specs; ``result.divergence`` names the first problem.
+
+    ``specs``: the machines to check against (default: the library's own; one ``Spec`` alone is fine).
+    """
+    check_positive_int("context", context, minimum=0)
+    if not isinstance(require_quiescent, bool):
+        raise ConfigError(f"require_quiescent must be True or False, got {require_quiescent!r}")
+    if isinstance(specs, Spec):
+        specs = (specs,)
+    elif specs is not None:
+        specs = tuple(specs) if not isinstance(specs, (str, bytes)) else (specs,)
+        if not all(isinstance(spec, Spec) for spec in specs):
+            raise ConfigError("specs must be Spec objects (load_builtin(name), load_spec(path)), not names or paths")
     events = load_trace(trace)
     r = _Replayer({s.name: s for s in specs} if specs is not None else None)
     recent: deque[dict] = deque(maxlen=context)
