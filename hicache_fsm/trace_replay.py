@@ -32,6 +32,7 @@ caches of several sizes for a hit-rate-against-capacity curve.
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 import uuid
@@ -141,6 +142,12 @@ class CostModel:
     prefill_s: float = 50e-6
     load_s: float = 2e-6
     storage_s: float = 10e-6
+
+    def __attrs_post_init__(self) -> None:
+        for name in ("prefill_s", "load_s", "storage_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+                raise ConfigError(f"CostModel.{name} must be a finite number of seconds >= 0, got {value!r}")
 
     def ttft(self, computed: int, host: int, storage: int) -> float:
         return computed * self.prefill_s + (host + storage) * self.load_s + storage * self.storage_s

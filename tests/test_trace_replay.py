@@ -16,7 +16,7 @@ from hicache_fsm.errors import ConfigError
 from hicache_fsm.simulate import DEVICE, DEVICE_HOST, FULL, INFINITE, device_only, storage_available
 from hicache_fsm.trace import BlockTokens, load_trace, parse_lines, prefix_bound
 from hicache_fsm.trace_gen import TraceShape, write
-from hicache_fsm.trace_replay import ReplayProgress, TraceOptions, replay, run_trace, sweep_capacities
+from hicache_fsm.trace_replay import CostModel, ReplayProgress, TraceOptions, replay, run_trace, sweep_capacities
 from redis_fixture import redis_server  # noqa: F401  (fixture)
 
 SHIPPED = Path(__file__).resolve().parent.parent / "examples" / "traces" / "synthetic-chat.jsonl"
@@ -133,6 +133,15 @@ def test_bad_options(small_trace):
         TraceOptions(trace, layout="sideways", page_size=8)
     with pytest.raises(ConfigError, match="device must be cpu, cuda or cuda:N"):  # was torch's RuntimeError, later
         TraceOptions(trace, device="tpu", page_size=8)
+
+
+@pytest.mark.parametrize("field, value", [("prefill_s", -1e-6), ("load_s", float("nan")), ("storage_s", "10us"),
+                                          ("prefill_s", True), ("load_s", float("inf"))])
+def test_a_cost_model_takes_finite_seconds_only(field, value):
+    """A negative cost made times to first token negative; a str failed at the first request."""
+    with pytest.raises(ConfigError, match=f"CostModel.{field}"):
+        CostModel(**{field: value})
+    assert CostModel(**{field: 0}).ttft(1, 1, 1) >= 0
 
 
 class _Stream(io.StringIO):
