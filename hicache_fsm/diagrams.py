@@ -280,6 +280,8 @@ RENDERERS = {"mermaid": to_mermaid, "dot": to_dot, "svg": to_svg}
 
 def render(spec: Spec, fmt: str) -> str:
     """The diagram of ``spec`` in ``fmt`` (mermaid, dot or svg)."""
+    if not isinstance(spec, Spec):
+        raise DiagramError(f"render draws a Spec (load_builtin(name), load_spec(path)), got {type(spec).__name__}")
     try:
         renderer = RENDERERS[fmt]
     except KeyError:

@@ -193,6 +193,12 @@ def test_render_rejects_unknown_format():
         diagrams.render(SPECS[0], "png")
 
 
+@pytest.mark.parametrize("spec", ["residency", None])
+def test_render_draws_a_spec_object_only(spec):
+    with pytest.raises(DiagramError, match="render draws a Spec"):  # an AttributeError before
+        diagrams.render(spec, "mermaid")
+
+
 def test_output_is_deterministic():
     for spec in SPECS:
         assert to_mermaid(spec) == to_mermaid(spec) and to_dot(spec) == to_dot(spec)
