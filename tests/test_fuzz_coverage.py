@@ -97,3 +97,16 @@ def test_a_failed_load_reported_done_is_caught():
             found = explore(bounds, factory, stop_on_first=True)
     assert problems and "after step 6 fail_job(#0): failed_load_not_done" in problems[0]
     assert found.violations and any(p.startswith("failed_load_not_done") for p in found.violations[0].problems)
+
+
+@pytest.mark.parametrize("machine, options, named", [
+    (object, {}, "CacheProtocolMachine class"),  # an AttributeError inside hypothesis before
+    (None, {"examples": 0}, "examples"),  # hypothesis's InvalidArgument before
+    (None, {"steps": 0}, "steps"),
+    (None, {"examples": "5"}, "examples"),
+])
+def test_run_fuzz_names_what_it_cannot_run(machine, options, named):
+    from hicache_fsm.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=named):
+        run_fuzz(machine if machine is not None else hicache_machine(examples=1, steps=2), **options)

@@ -49,6 +49,8 @@ from hypothesis.stateful import (
     rule,
 )
 
+from hicache_fsm.config import check_positive_int
+from hicache_fsm.errors import ConfigError
 from hicache_fsm.testing.adapter import CacheAdapter, StorageFault
 from hicache_fsm.testing.checks import Step, catalogue, perform
 from hicache_fsm.testing.fixed_draws import without_local_constants
@@ -564,6 +566,11 @@ def run_fuzz(machine: type[CacheProtocolMachine], *, examples: int = 100, steps:
     (``fixed_draws``). On failure, ``steps`` holds the shrunk falsifying
     program and ``test_code`` a pytest test that replays it.
     """
+    if not (isinstance(machine, type) and issubclass(machine, CacheProtocolMachine)):
+        raise ConfigError(f"run_fuzz runs a CacheProtocolMachine class (hicache_machine(), cp_machine(), "
+                          f"CacheProtocolMachine.bind(...)), got {machine!r}")
+    check_positive_int("examples", examples)
+    check_positive_int("steps", steps)
     count = [0]
     t0 = time.perf_counter()
     last = [t0]
