@@ -402,3 +402,15 @@ def test_replay_names_an_option_it_cannot_use(options, named):
     with pytest.raises(ConfigError, match=named):
         replay(recording.text(), **options)
     assert replay(recording.text(), specs=load_builtin("residency")).ok  # one Spec alone is fine
+
+
+@pytest.mark.parametrize("options, named", [
+    ({"world_size": 0}, "world_size"),  # no rank: every run passed, checking nothing
+    ({"world_size": "2"}, "world_size"),
+    ({"bogus": 1}, "CPAdapter: unknown option"),
+])
+def test_the_cp_adapter_names_an_option_it_cannot_use(options, named):
+    from hicache_fsm.testing.cp import CPAdapter
+
+    with pytest.raises(ConfigError, match=named):
+        CPAdapter(**options)

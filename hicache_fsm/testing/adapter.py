@@ -44,6 +44,7 @@ __all__ = [
     "Occupancy",
     "Rejected",
     "StorageFault",
+    "adapter_config",
     "decode_kv_lists",
     "encode_kv",
     "fingerprints",
@@ -60,6 +61,15 @@ def _residency_spec():
 
     return load_builtin("residency")
 
+
+
+def adapter_config(adapter: str, options: dict[str, Any]) -> CacheConfig:
+    """``CacheConfig(**options)``, an unknown option named with the ones there are (not a TypeError)."""
+    unknown = sorted(set(options) - set(attrs.fields_dict(CacheConfig)))
+    if unknown:
+        raise ConfigError(f"{adapter}: unknown option(s) {', '.join(unknown)}; besides its own, it takes "
+                          f"CacheConfig's: {', '.join(attrs.fields_dict(CacheConfig))}")
+    return CacheConfig(**options)
 
 
 class HiCacheAdapter(CacheAdapter):
@@ -87,10 +97,7 @@ class HiCacheAdapter(CacheAdapter):
         from hicache_fsm.machine import compile_machine
         from hicache_fsm.pools import DeviceKVPool, HostKVPool, KVShape
 
-        unknown = sorted(set(config) - set(attrs.fields_dict(CacheConfig)))
-        if unknown:
-            raise ConfigError(f"HiCacheAdapter: unknown option(s) {', '.join(unknown)}; besides its own, it takes "
-                              f"CacheConfig's: {', '.join(attrs.fields_dict(CacheConfig))}")
+        self.config = adapter_config("HiCacheAdapter", config)
         if not isinstance(storage, bool):
             raise ConfigError(f"HiCacheAdapter: storage must be True or False, got {storage!r}")
         for name, value in (("device_pages", device_pages), ("host_pages", host_pages), ("page_size", page_size)):
@@ -102,7 +109,6 @@ class HiCacheAdapter(CacheAdapter):
         self.host_pool = HostKVPool(shape, host_pages * page_size, page_size, host_layout, pin_memory=False)
         self.executor = ManualExecutor(self.device_pool, self.host_pool)
         machine = dispatcher if dispatcher is not None else compile_machine(_residency_spec())
-        self.config = CacheConfig(**config)
         self.cache = HiCache(self.device_pool, self.host_pool, self.config, self.executor, dispatcher=machine)
         self._locks: dict[int, Any] = {}
         self._pins: dict[int, tuple[Any, tuple[int, ...], int]] = {}

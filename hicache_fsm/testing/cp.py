@@ -25,11 +25,13 @@ from typing import Any
 
 import torch
 
+from hicache_fsm.config import check_positive_int
 from hicache_fsm.testing.adapter import (
     CacheAdapter,
     JobInfo,
     MatchInfo,
     Rejected,
+    adapter_config,
     decode_kv_lists,
     encode_kv,
     fingerprints,
@@ -47,15 +49,15 @@ class CPAdapter(CacheAdapter):
 
     def __init__(self, *, world_size: int = 2, device_pages: int = 2, host_pages: int = 3, layers: int = 2,
                  draft_layers: int = 1, write_policy: str = "write_back", **config: Any) -> None:
-        from hicache_fsm.config import CacheConfig
         from hicache_fsm.executors import ManualExecutor
         from hicache_fsm.cp_world import build_cp_rank
         from hicache_fsm.pools import KVShape, PoolConfig
 
+        check_positive_int("world_size", world_size)  # 0 ranks: a run that checks nothing
         self.world_size, self.layers, self.draft_layers = world_size, layers, draft_layers
         pools = PoolConfig(shape=KVShape(layers, 1, 1), device_tokens=device_pages, page_size=1,
                            host_tokens=host_pages, draft_shape=KVShape(draft_layers, 1, 1) if draft_layers else None)
-        cfg = CacheConfig(write_policy=write_policy, **config)
+        cfg = adapter_config("CPAdapter", {"write_policy": write_policy, **config})
         self.ranks = [build_cp_rank(pools, world_size, r, cache_config=cfg,
                                     executor_factory=lambda p: ManualExecutor(p.device, p.host, p.draft_device,
                                                                               p.draft_host))
