@@ -28,6 +28,7 @@ import tempfile
 import time
 from typing import TextIO
 
+from hicache_fsm.errors import ConfigError
 from hicache_fsm.pools import default_device
 from hicache_fsm.simulate_config import (
     DEVICE, DEVICE_HOST, FULL, INFINITE, MODELS, NEVER, STORAGE_OPTIONS, Options, Tier, build_model, device_only,
@@ -84,6 +85,8 @@ def run_simulation(options: Options = Options(), progress: Progress | None = Non
     ``settle_storage``: storage hits that depend on the workload only, not on the
     storage threads' speed (see ``simulate_engine``; the CLI leaves it off).
     """
+    if observe is not None and not callable(observe):
+        raise ConfigError(f"observe must be callable as observe(tier_name, cache), got {observe!r}")
     start = time.perf_counter()
     w = options.workload
     device = options.device or str(default_device())

@@ -185,8 +185,13 @@ def parse_request(text: str, block_size: int, where: str = "<trace>", line: int 
 
 
 def parse_lines(lines: Iterable[str], block_size: int = DEFAULT_BLOCK_SIZE, where: str = "<trace>") -> Trace:
-    """Requests from JSON lines (blank lines skipped), sorted by timestamp; at least one required."""
+    """Requests from JSON lines (blank lines skipped), sorted by timestamp; at least one required.
+
+    ``lines`` is any iterable of lines, or the whole text in one str (read line by line, not letter by letter).
+    """
     check_block_size(block_size)
+    if isinstance(lines, str):
+        lines = lines.splitlines()
     requests, tokens = [], 0
     limit = max_items(TOKEN_BYTES)  # check_tokens's bound, read once: counts past it are checked afresh
     for i, text in enumerate(lines, 1):

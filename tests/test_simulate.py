@@ -252,3 +252,8 @@ def test_settled_storage_hits_do_not_depend_on_the_storage_speed():
     slow = served(FaultyBackend(MemoryBackend(), [Fault("slow", method="batch_set_from", delay=0.05)]))
     assert fast == slow
     assert fast[2] > 0 and fast[4] == 0  # storage served something, and no prefetch was given up
+
+
+def test_an_observer_that_cannot_be_called_is_refused_before_the_run():
+    with pytest.raises(ConfigError, match="observe must be callable"):  # a TypeError at the first tier before
+        run_simulation(Options(SMALL, device="cpu", storage=False), observe="record")

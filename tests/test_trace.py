@@ -245,3 +245,9 @@ def test_prefix_bound_equals_the_longest_cached_prefix(requests, page):
     b = prefix_bound(t, page)
     assert b.hit_tokens == hit
     assert b.unique_tokens == len({c[:n] for c in cached for n in range(page, len(c) + 1, page)}) * page
+
+
+def test_a_whole_trace_text_is_read_line_by_line_not_letter_by_letter():
+    lines = [json.dumps({"timestamp": i, "input_length": 600, "output_length": 5, "hash_ids": [i, i + 1]})
+             for i in range(3)]
+    assert parse_lines("\n".join(lines), 512) == parse_lines(lines, 512)  # a str was iterated char by char
