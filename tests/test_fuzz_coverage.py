@@ -100,7 +100,7 @@ def test_a_failed_load_reported_done_is_caught():
 
 
 @pytest.mark.parametrize("machine, options, named", [
-    (object, {}, "CacheProtocolMachine class"),  # an AttributeError inside hypothesis before
+    (object, {}, "state machine class"),  # an AttributeError inside hypothesis before
     (None, {"examples": 0}, "examples"),  # hypothesis's InvalidArgument before
     (None, {"steps": 0}, "steps"),
     (None, {"examples": "5"}, "examples"),
@@ -110,3 +110,23 @@ def test_run_fuzz_names_what_it_cannot_run(machine, options, named):
 
     with pytest.raises(ConfigError, match=named):
         run_fuzz(machine if machine is not None else hicache_machine(examples=1, steps=2), **options)
+
+
+@pytest.mark.parametrize("variants, named", [
+    ({"write_policy": "write_back"}, "non-empty list of dicts"),  # a dict, not a list of them
+    (["write_back"], "non-empty list of dicts"),
+    ([], "non-empty list of dicts"),  # a ZeroDivisionError inside the run before
+])
+def test_variants_of_the_wrong_shape_are_refused_when_the_machine_is_made(variants, named):
+    from hicache_fsm.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=named):
+        hicache_machine(variants=variants)
+
+
+def test_a_variant_the_adapter_refuses_is_a_usage_error_not_a_found_bug():
+    """run_fuzz reported it as a failing run, with a regression test, as if the protocol were wrong."""
+    from hicache_fsm.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="variant {'bogus': 1}: HiCacheAdapter: unknown option"):
+        run_fuzz(hicache_machine(variants=[{"bogus": 1}], examples=1, steps=2), examples=1, steps=2)

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TextIO
 
 import attrs
@@ -50,7 +50,7 @@ from hypothesis.stateful import (
 )
 
 from hicache_fsm.config import check_positive_int
-from hicache_fsm.errors import ConfigError
+from hicache_fsm.errors import ConfigError, HiCacheError
 from hicache_fsm.testing.adapter import CacheAdapter, StorageFault
 from hicache_fsm.testing.checks import Step, catalogue, perform
 from hicache_fsm.testing.fixed_draws import without_local_constants
@@ -98,7 +98,13 @@ class CacheProtocolMachine(RuleBasedStateMachine):
     def bind(cls, factory: Callable[..., CacheAdapter], *, variants: Sequence[dict] = ({},), name: str | None = None,
              coverage: CoverageTracker | None = None, settings: Settings | None = None,
              respect_applicable: bool = False) -> type[CacheProtocolMachine]:
-        """A subclass driving ``factory``; its ``TestCase`` runs it under unittest / pytest."""
+        """A subclass driving ``factory``; its ``TestCase`` runs it under unittest / pytest.
+
+        ``variants``: one or more dicts of ``factory``'s keywords (a run picks one per example).
+        """
+        if isinstance(variants, (str, bytes, Mapping)) or not isinstance(variants, Sequence) or not variants \
+                or not all(isinstance(v, Mapping) for v in variants):
+            raise ConfigError(f"variants must be a non-empty list of dicts of the factory's keywords, got {variants!r}")
         attrs_ = {"adapter_factory": staticmethod(factory), "variants": tuple(variants), "coverage": coverage,
                   "respect_applicable": respect_applicable}
         sub = type(name or f"{cls.__name__}Bound", (cls,), attrs_)
@@ -566,11 +572,17 @@ def run_fuzz(machine: type[CacheProtocolMachine], *, examples: int = 100, steps:
     (``fixed_draws``). On failure, ``steps`` holds the shrunk falsifying
     program and ``test_code`` a pytest test that replays it.
     """
-    if not (isinstance(machine, type) and issubclass(machine, CacheProtocolMachine)):
-        raise ConfigError(f"run_fuzz runs a CacheProtocolMachine class (hicache_machine(), cp_machine(), "
-                          f"CacheProtocolMachine.bind(...)), got {machine!r}")
+    if not (isinstance(machine, type) and issubclass(machine, RuleBasedStateMachine)):
+        raise ConfigError(f"run_fuzz runs a state machine class (hicache_machine(), cp_machine(), "
+                          f"CacheProtocolMachine.bind(...), blockstore's store_machine(...)), got {machine!r}")
     check_positive_int("examples", examples)
     check_positive_int("steps", steps)
+    if issubclass(machine, CacheProtocolMachine):
+        for variant in machine.variants:  # a variant the factory refuses is a mistake in the call, not a found bug
+            try:
+                machine.adapter_factory(**variant).close()
+            except HiCacheError as exc:
+                raise ConfigError(f"variant {variant!r}: {exc}") from None
     count = [0]
     t0 = time.perf_counter()
     last = [t0]
