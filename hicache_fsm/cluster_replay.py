@@ -253,7 +253,12 @@ def run_cluster(options: ClusterOptions, progress: ReplayProgress | None = None)
 
 def sweep_cluster(options: ClusterOptions, counts: Sequence[int], policies: Sequence[str] = POLICIES,
                   progress: ReplayProgress | None = None) -> list[ClusterResult]:
-    """One cluster replay per (instance count, policy), each with a fresh shared L3."""
+    """One cluster replay per (instance count, policy), each with a fresh shared L3.
+
+    One count or one policy alone (``4``, ``"round_robin"``) is a list of one, not its letters.
+    """
+    counts = (counts,) if isinstance(counts, int) else tuple(counts)
+    policies = (policies,) if isinstance(policies, str) else tuple(policies)
     out = []
     for count in counts:
         for policy in policies:

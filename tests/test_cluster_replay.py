@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from hicache_fsm.cluster_replay import ClusterOptions, run_cluster
+from hicache_fsm.cluster_replay import ClusterOptions, run_cluster, sweep_cluster
 from hicache_fsm.errors import ConfigError
 from hicache_fsm.trace import load_trace
 
@@ -99,3 +99,9 @@ def test_cli_cluster_usage_errors_are_one_line_and_exit_2(trace_file, args, mess
     proc = _simulate("--trace", str(trace_file), "--block-size", "64", "--no-progress", *args)
     assert proc.returncode == 2
     assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_sweep_of_one_count_and_one_policy_is_one_replay(trace_file):
+    """A policy given alone was read letter by letter ('router policy ... got 'r'')."""
+    [result] = sweep_cluster(_options(trace_file, storage=False), 2, "round_robin")
+    assert (result.instances, result.policy) == (2, "round_robin")
