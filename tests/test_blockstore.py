@@ -108,3 +108,12 @@ def test_cli_check_and_fuzz_take_the_adapter_and_a_variant(offload, capsys):
         main(["fuzz", "--adapter", ref, "--variant", "[1]"])
     assert exc.value.code == 2
     assert main(["fuzz", "--variant", "{}"]) == 2 and main(["check", "--variant", "{}"]) == 2
+
+
+@pytest.mark.parametrize("variants", [{"num_blocks": 2}, ["num_blocks"], []])
+def test_store_variants_of_the_wrong_shape_are_refused(variants):
+    from hicache_fsm.errors import ConfigError
+    from hicache_fsm.testing.blockstore.machine import store_machine
+
+    with pytest.raises(ConfigError, match="non-empty list of dicts"):  # each failed inside a run before
+        store_machine(lambda **kw: None, variants=variants)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 from collections import Counter
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -45,6 +45,7 @@ __all__ = [
     "Rejected",
     "StorageFault",
     "adapter_config",
+    "check_variants",
     "decode_kv_lists",
     "encode_kv",
     "fingerprints",
@@ -61,6 +62,14 @@ def _residency_spec():
 
     return load_builtin("residency")
 
+
+
+def check_variants(variants: object) -> tuple[dict, ...]:
+    """A machine's variants: one or more dicts of its factory's keywords (a run picks one per example)."""
+    if isinstance(variants, (str, bytes, Mapping)) or not isinstance(variants, Sequence) or not variants \
+            or not all(isinstance(v, Mapping) for v in variants):
+        raise ConfigError(f"variants must be a non-empty list of dicts of the factory's keywords, got {variants!r}")
+    return tuple(variants)
 
 
 def adapter_config(adapter: str, options: dict[str, Any]) -> CacheConfig:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
 import attrs
@@ -51,7 +51,7 @@ from hypothesis.stateful import (
 
 from hicache_fsm.config import check_positive_int
 from hicache_fsm.errors import ConfigError, HiCacheError
-from hicache_fsm.testing.adapter import CacheAdapter, StorageFault
+from hicache_fsm.testing.adapter import CacheAdapter, StorageFault, check_variants
 from hicache_fsm.testing.checks import Step, catalogue, perform
 from hicache_fsm.testing.fixed_draws import without_local_constants
 from hicache_fsm.testing.paths import CoverageTracker
@@ -102,10 +102,7 @@ class CacheProtocolMachine(RuleBasedStateMachine):
 
         ``variants``: one or more dicts of ``factory``'s keywords (a run picks one per example).
         """
-        if isinstance(variants, (str, bytes, Mapping)) or not isinstance(variants, Sequence) or not variants \
-                or not all(isinstance(v, Mapping) for v in variants):
-            raise ConfigError(f"variants must be a non-empty list of dicts of the factory's keywords, got {variants!r}")
-        attrs_ = {"adapter_factory": staticmethod(factory), "variants": tuple(variants), "coverage": coverage,
+        attrs_ = {"adapter_factory": staticmethod(factory), "variants": check_variants(variants), "coverage": coverage,
                   "respect_applicable": respect_applicable}
         sub = type(name or f"{cls.__name__}Bound", (cls,), attrs_)
         sub.__module__ = cls.__module__

@@ -9,6 +9,7 @@ from typing import Any, TextIO
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from hicache_fsm.testing.adapter import check_variants
 from hicache_fsm.testing.blockstore.adapter import BlockStoreAdapter, chain
 from hicache_fsm.testing.blockstore.world import StoreWorld, format_step
 
@@ -77,7 +78,7 @@ class BlockStoreMachine(RuleBasedStateMachine):
 def store_machine(factory: Callable[..., BlockStoreAdapter], *, variants: Sequence[dict] = ({},),
                   name: str = "BlockStoreMachine") -> type[BlockStoreMachine]:
     """A machine class bound to ``factory(**variant)``; its ``TestCase`` runs under pytest."""
-    sub = type(name, (BlockStoreMachine,), {"factory": staticmethod(factory), "variants": tuple(variants)})
+    sub = type(name, (BlockStoreMachine,), {"factory": staticmethod(factory), "variants": check_variants(variants)})
     sub.__module__ = BlockStoreMachine.__module__
     return sub
 
