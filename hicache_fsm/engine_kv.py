@@ -54,7 +54,8 @@ def _token_pages(t: torch.Tensor, page_size: int, what: str) -> torch.Tensor:
     if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
         raise ConfigError(f"page_size must be a positive int, got {page_size!r}")
     if t.shape[0] == 0 or t.shape[0] % page_size:
-        raise ConfigError(f"{what}: {t.shape[0]} token slots is not a positive multiple of page_size {page_size}")
+        raise ConfigError(f"{what}: {t.shape[0]} token slots (dim 0 of a (tokens, heads, head_dim) buffer, here "
+                          f"{tuple(t.shape)}) is not a positive multiple of page_size {page_size}")
     return t.unflatten(0, (t.shape[0] // page_size, page_size))
 
 

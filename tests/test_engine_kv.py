@@ -280,3 +280,12 @@ def test_copy_bench_runs_on_adopted_buffers(engine, capsys):
     assert main(argv) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["engine"] == engine and result["d2h_gbps"] > 0 and result["h2d_gbps"] > 0
+
+
+def test_a_buffer_in_another_layout_is_refused_with_the_layout_expected():
+    """A (heads, tokens, dim) view read as 2 token slots; the message now says which dim is tokens, and its shape."""
+    from hicache_fsm.engine_kv import adopt_sglang_mha
+
+    k = [torch.zeros(64 * 4, 2, 8).transpose(0, 1) for _ in range(2)]
+    with pytest.raises(ConfigError, match=r"dim 0 of a \(tokens, heads, head_dim\) buffer, here \(2, 256, 8\)"):
+        adopt_sglang_mha(k, k, 64)
