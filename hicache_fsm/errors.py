@@ -135,6 +135,16 @@ class StorageURLError(StorageError, ConfigError):
     """A storage URL names an unknown scheme or has an impossible form, or a backend option is unusable."""
 
 
+class UnknownStorageOption(StorageURLError):
+    """Options the backend has no keyword for: ``names``, beside the ones it has, ``known``."""
+
+    def __init__(self, scheme: str, names: list[str], known: list[str]) -> None:
+        super().__init__(f"unknown {scheme}:// storage option(s) {', '.join(names)}; known: {', '.join(known)}")
+        self.scheme = scheme
+        self.names = names
+        self.known = known
+
+
 class TraceError(HiCacheError):
     """A trace file is missing or malformed; carries the file and line of the problem."""
 

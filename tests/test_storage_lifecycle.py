@@ -223,3 +223,16 @@ def test_one_backend_object_serves_one_cache_and_a_refusal_leaves_it_open():
     assert backend.closed
     first.close()
     second.close()
+
+
+def test_a_misspelt_option_names_the_tier_s_options_and_the_backend_s():
+    """It named the backend's options only, though a tier option (prefetch_threshold) was the one misspelt."""
+    from hicache_fsm.errors import StorageLinkError
+
+    cache = make_cache()
+    with pytest.raises(StorageLinkError, match="unknown option.s. prefetch_thresold; attach_storage takes the tier's "
+                                               "prefetch_threshold, .* and the memory:// backend's namespace, max_bytes"):
+        cache.attach_storage("memory://", prefetch_thresold=1)
+    assert cache.storage_transfers_in_flight() == 0
+    cache.attach_storage("memory://", prefetch_threshold=1)  # the refused attach left nothing behind
+    cache.close()

@@ -14,7 +14,7 @@ import math
 from collections.abc import Callable, Iterable
 
 from hicache_fsm.config import check_positive_int
-from hicache_fsm.errors import StorageURLError
+from hicache_fsm.errors import StorageURLError, UnknownStorageOption
 
 
 def check_seconds(name: str, value: object) -> float:
@@ -45,5 +45,4 @@ def check_option_names(constructor: Callable[..., object], scheme: str, options:
     ]
     unknown = sorted(set(options) - set(keywords))
     if unknown:
-        raise StorageURLError(f"unknown {scheme}:// storage option(s) {', '.join(unknown)}; "
-                              f"known: {', '.join(keywords)}")
+        raise UnknownStorageOption(scheme, unknown, keywords)

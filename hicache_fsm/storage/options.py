@@ -101,10 +101,15 @@ class TierOptions:
     @classmethod
     def split(cls, options: dict[str, Any]) -> tuple[TierOptions, dict[str, Any]]:
         """(tier options, backend options) from ``attach_storage``'s keywords."""
-        names = {f.name for f in attrs.fields(cls)}
+        names = set(cls.names())
         mine = {k: v for k, v in options.items() if k in names}
         rest = {k: v for k, v in options.items() if k not in names}
         return cls(**mine), rest
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        """The tier's option names (``attach_storage`` hands the other keywords to the backend)."""
+        return tuple(f.name for f in attrs.fields(cls))
 
     def key_namespace(self) -> KeyNamespace:
         if self.namespace is not None:

@@ -54,7 +54,9 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Hashable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from hicache_fsm.errors import ConfigError, GroupError, GuardRejected, HiCacheError, InvalidTransition, StorageLinkError
+from hicache_fsm.errors import (
+    ConfigError, GroupError, GuardRejected, HiCacheError, InvalidTransition, StorageLinkError, UnknownStorageOption,
+)
 from hicache_fsm.interfaces import TierContext
 from hicache_fsm.jobs import Completion, JobKind, TransferJob
 from hicache_fsm.machine import compile_machine
@@ -225,6 +227,11 @@ class StorageTier(PrefetchCalls, StorageThreads):
             self._skip_writes = old_options.skip_writes
             self.counters["attach_failures"] += 1
             log.info("attaching storage %s failed: %s; rolled back", self._describe(url_or_backend), exc)
+            if isinstance(exc, UnknownStorageOption):  # a misspelt tier option lands here too: name both lists
+                raise StorageLinkError(
+                    f"attaching storage failed: unknown option(s) {', '.join(exc.names)}; attach_storage takes the "
+                    f"tier's {', '.join(TierOptions.names())} and the {exc.scheme}:// "
+                    f"backend's {', '.join(exc.known)}") from exc
             if isinstance(exc, (HiCacheError, OSError, ValueError, TypeError)):
                 raise StorageLinkError(f"attaching storage failed: {exc}") from exc
             raise
