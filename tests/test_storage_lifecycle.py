@@ -230,8 +230,9 @@ def test_a_misspelt_option_names_the_tier_s_options_and_the_backend_s():
     from hicache_fsm.errors import StorageLinkError
 
     cache = make_cache()
-    with pytest.raises(StorageLinkError, match="unknown option.s. prefetch_thresold; attach_storage takes the tier's "
-                                               "prefetch_threshold, .* and the memory:// backend's namespace, max_bytes"):
+    expected = ("unknown option.s. prefetch_thresold; attach_storage takes the tier's prefetch_threshold, .* "
+                "and the memory:// backend's namespace, max_bytes")
+    with pytest.raises(StorageLinkError, match=expected):
         cache.attach_storage("memory://", prefetch_thresold=1)
     assert cache.storage_transfers_in_flight() == 0
     cache.attach_storage("memory://", prefetch_threshold=1)  # the refused attach left nothing behind
