@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import attrs
 
 from hicache_fsm.errors import ConfigError
@@ -15,6 +17,14 @@ def check_positive_int(name: str, value: object, minimum: int = 1, error: type[C
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise error(f"{name} must be an int >= {minimum}, got {value!r}")
     return value
+
+
+def check_seconds(name: str, value: object, *, zero_ok: bool = False, error: type[ConfigError] = ConfigError) -> float:
+    """``value`` as seconds: a finite number (not a bool) > 0, or >= 0 with ``zero_ok``; else ``error`` naming it."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or value < 0 or (value == 0 and not zero_ok):
+        raise error(f"{name} must be a finite number of seconds {'>=' if zero_ok else '>'} 0, got {value!r}")
+    return float(value)
 
 
 def _one_of(options: tuple[str, ...]):

@@ -32,7 +32,6 @@ caches of several sizes for a hit-rate-against-capacity curve.
 
 from __future__ import annotations
 
-import math
 import sys
 import time
 import uuid
@@ -43,6 +42,7 @@ import attrs
 import torch
 
 from hicache_fsm.cache import HiCache
+from hicache_fsm.config import check_seconds
 from hicache_fsm.errors import ConfigError
 from hicache_fsm.executors import AckExecutor
 from hicache_fsm.pools import DeviceKVPool, HostKVPool, KVShape, default_device
@@ -145,9 +145,7 @@ class CostModel:
 
     def __attrs_post_init__(self) -> None:
         for name in ("prefill_s", "load_s", "storage_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
-                raise ConfigError(f"CostModel.{name} must be a finite number of seconds >= 0, got {value!r}")
+            check_seconds(f"CostModel.{name}", getattr(self, name), zero_ok=True)
 
     def ttft(self, computed: int, host: int, storage: int) -> float:
         return computed * self.prefill_s + (host + storage) * self.load_s + storage * self.storage_s

@@ -37,6 +37,7 @@ except ModuleNotFoundError as exc:  # an optional dependency: say which extra br
 
     raise MissingExtra("KV events", "pyzmq", "events") from exc
 
+from hicache_fsm.config import check_positive_int, check_seconds
 from hicache_fsm.errors import ConfigError, HiCacheError
 from hicache_fsm.events.pending import PendingBatch, accepts_pending
 from hicache_fsm.events.schema import KVEventBatch, encode
@@ -101,11 +102,9 @@ class ZmqEventPublisher:
                  busy_window_s: float = BUSY_WINDOW_S, max_lag: int = MAX_LAG) -> None:
         for name, value in (("buffer_steps", buffer_steps), ("hwm", hwm), ("max_queue_size", max_queue_size),
                             ("max_lag", max_lag)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{name} must be a positive int, got {value!r}")
+            check_positive_int(name, value)
         for name, value in (("busy_pause_s", busy_pause_s), ("busy_window_s", busy_window_s)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
-                raise ConfigError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
+            check_seconds(name, value, zero_ok=True)
         check_text("endpoint", endpoint)
         check_text("replay_endpoint", replay_endpoint, optional=True)
         check_text("topic", topic)

@@ -10,23 +10,20 @@ client library, or worse, being taken as some other value.
 from __future__ import annotations
 
 import inspect
-import math
 from collections.abc import Callable, Iterable
 
-from hicache_fsm.config import check_positive_int
+from hicache_fsm import config
 from hicache_fsm.errors import StorageURLError, UnknownStorageOption
 
 
 def check_seconds(name: str, value: object) -> float:
     """``value`` as seconds if it is a finite number > 0 (not a bool)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise StorageURLError(f"{name} must be a positive number of seconds, got {value!r}")
-    return float(value)
+    return config.check_seconds(name, value, error=StorageURLError)
 
 
 def check_count(name: str, value: object, minimum: int = 1) -> int:
     """``value`` if it is an int (not a bool) >= ``minimum``."""
-    return check_positive_int(name, value, minimum, error=StorageURLError)
+    return config.check_positive_int(name, value, minimum, error=StorageURLError)
 
 
 def check_flag(name: str, value: object) -> bool:

@@ -13,7 +13,6 @@ start costs seconds (it imports torch).
 from __future__ import annotations
 
 import datetime
-import math
 import os
 import queue as queue_mod
 import socket
@@ -23,7 +22,7 @@ from typing import Any, Callable
 
 import attrs
 
-from hicache_fsm.config import check_positive_int
+from hicache_fsm.config import check_positive_int, check_seconds
 from hicache_fsm.errors import ConfigError
 from hicache_fsm.tp import MAX_RANKS
 
@@ -84,9 +83,8 @@ def run_ranks(fn: Callable, world: int, *args: Any, timeout_s: float = 300.0,
     check_positive_int("world", world)
     if world > MAX_RANKS:
         raise ConfigError(f"world must be at most {MAX_RANKS} rank processes, got {world}")
-    for name, seconds in (("timeout_s", timeout_s), ("group_timeout_s", group_timeout_s)):
-        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < math.inf:
-            raise ConfigError(f"{name} must be a positive number of seconds, got {seconds!r}")
+    check_seconds("timeout_s", timeout_s)
+    check_seconds("group_timeout_s", group_timeout_s)
     if not callable(fn):
         raise ConfigError(f"fn must be a module-level function, got {fn!r}")
     import torch.multiprocessing as mp

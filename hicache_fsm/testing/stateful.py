@@ -58,8 +58,8 @@ from hicache_fsm.testing.paths import CoverageTracker
 from hicache_fsm.testing.strategies import pages_to_tokens, prompt_pages, storage_faults
 
 __all__ = [
-    "CP_VARIANTS", "HICACHE_VARIANTS", "CacheProtocolMachine", "FuzzResult", "cp_machine", "hicache_machine", "protocol_test_case", "regression_test",
-    "run_fuzz",
+    "CP_VARIANTS", "HICACHE_VARIANTS", "CacheProtocolMachine", "FuzzResult", "VariantRefused", "cp_machine",
+    "hicache_machine", "protocol_test_case", "regression_test", "run_fuzz",
 ]
 
 ALPHABET = 3
@@ -69,6 +69,10 @@ REQUEST_ACTIONS = ("step", "step", "step", "fail", "partial", "ready", "abort")
 
 def _supports(op: str) -> Callable[[Any], bool]:
     return lambda self: self.adapter is not None and self.adapter.supports(op)
+
+
+class VariantRefused(ConfigError):
+    """The adapter factory refused a variant: ``run_fuzz`` raises it instead of reporting a failing run."""
 
 
 class CacheProtocolMachine(RuleBasedStateMachine):
@@ -136,7 +140,10 @@ class CacheProtocolMachine(RuleBasedStateMachine):
     def setup(self, variant: int, pages: list[int]) -> tuple[int, ...]:
         """Build the cache (one of ``variants``) and insert a first prompt."""
         kw = self.variants[variant % len(self.variants)]
-        self.adapter = type(self).adapter_factory(**kw)
+        try:
+            self.adapter = type(self).adapter_factory(**kw)
+        except HiCacheError as exc:  # the adapter refuses this variant: a mistake in the call, not a found bug
+            raise VariantRefused(f"variant {kw!r}: {exc}") from None
         if self.coverage is not None:
             self.coverage.attach_all(self.adapter.machines())
         return self.insert(pages)
@@ -574,12 +581,6 @@ def run_fuzz(machine: type[CacheProtocolMachine], *, examples: int = 100, steps:
                           f"CacheProtocolMachine.bind(...), blockstore's store_machine(...)), got {machine!r}")
     check_positive_int("examples", examples)
     check_positive_int("steps", steps)
-    if issubclass(machine, CacheProtocolMachine):
-        for variant in machine.variants:  # a variant the factory refuses is a mistake in the call, not a found bug
-            try:
-                machine.adapter_factory(**variant).close()
-            except HiCacheError as exc:
-                raise ConfigError(f"variant {variant!r}: {exc}") from None
     count = [0]
     t0 = time.perf_counter()
     last = [t0]
@@ -612,7 +613,7 @@ def run_fuzz(machine: type[CacheProtocolMachine], *, examples: int = 100, steps:
         try:
             test()
         except BaseException as exc:
-            if isinstance(exc, KeyboardInterrupt):
+            if isinstance(exc, (KeyboardInterrupt, VariantRefused)):
                 raise
             result.ok = False
             result.failure = f"{type(exc).__name__}: {exc}"
