@@ -168,10 +168,13 @@ class PageAllocator:
 
         Two open caches over one allocator would each free the other's slots
         (``reset`` frees them all) and hand them out again: KV served from a
-        slot another request is writing.
+        slot another request is writing. Slots an earlier cache held (closed,
+        or dropped) are free again for the next: it starts with every page.
         """
-        self.serving.take(cache, ConfigError("these pools already serve another HiCache: close it first, or give "
-                                             "each cache pools of its own"))
+        if self.serving.take(cache, ConfigError(
+                "these pools already serve another HiCache (an open one, or a closed one whose storage thread "
+                "is still inside a backend call): close it first, or give each cache pools of its own")):
+            self.reset()
 
     def unbind_cache(self, cache: object) -> None:
         """``cache`` closed: the slots may serve another cache (another cache's binding is left as it is)."""

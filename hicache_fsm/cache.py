@@ -730,7 +730,10 @@ class HiCache(StorageCalls):
         finally:  # the executor's resources go whatever the storage tier's close ran into
             self.executor.close()
             self.closed = True
-            unbind_pools(self, self.bound_allocators)
+            if self.storage is None:
+                unbind_pools(self, self.bound_allocators)
+            else:  # a storage thread past its join may still write the host pool: the pools wait for it
+                self.storage.when_threads_stopped(lambda: unbind_pools(self, self.bound_allocators))
 
     def check_open(self) -> None:
         """Refuse a call unless the cache is open and the calling thread drives it.

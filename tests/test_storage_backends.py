@@ -10,7 +10,7 @@ import uuid
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from hicache_fsm.errors import (
@@ -23,7 +23,7 @@ from hicache_fsm.errors import (
     StorageURLError,
 )
 from hicache_fsm.storage import KeyNamespace, StorageBackend, open_backend, page_keys
-from hicache_fsm.storage.base import payload_checksum
+from hicache_fsm.storage.base import CHECKSUMS, payload_checksum
 from hicache_fsm.storage.file import FileBackend
 from hicache_fsm.storage.memory import MemoryBackend
 from hicache_fsm.storage.page_format import PageFormat
@@ -335,12 +335,34 @@ def test_file_round_trips_random_bytes(tmp_path_factory, values, checksum):
 def test_checksum_independent_of_split_and_catches_bit_flips(data, cuts, flip):
     bounds = sorted({min(c, len(data)) for c in cuts} | {0, len(data)})
     parts = [data[i:j] for i, j in zip(bounds, bounds[1:])]
-    for algo in (1, 2):
+    for algo in (CHECKSUMS["wsum64"], CHECKSUMS["crc32"]):
         whole = payload_checksum([data], algo)
         assert payload_checksum(parts, algo) == whole
         damaged = bytearray(data)
         damaged[flip % len(data)] ^= 1 << (flip % 8)
         assert payload_checksum([bytes(damaged)], algo) != whole
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.binary(min_size=16, max_size=4096), first=st.integers(0, 10**6), second=st.integers(0, 10**6),
+       high=st.booleans())
+def test_wsum64_catches_every_pair_of_bit_flips(data, first, second, high):
+    """Two flips cancel in a one-lane sum mod 2**64 when both sit at bit 47 or above of their words
+    (a pair of top bits always did): ``high`` draws such pairs, at one bit position, most of the time."""
+    bits = len(data) * 8
+    i = first % bits
+    if high:  # the same high bit of two different 64-bit words
+        words = len(data) // 8
+        bit = 47 + first % 17
+        i, j = (first % words) * 64 + bit, ((first + 1 + second % (words - 1 or 1)) % words) * 64 + bit
+    else:
+        j = second % bits
+    assume(i != j)
+    algo = CHECKSUMS["wsum64"]
+    damaged = bytearray(data)
+    for b in (i, j):
+        damaged[b // 8] ^= 1 << (b % 8)
+    assert payload_checksum([bytes(damaged)], algo) != payload_checksum([data], algo)
 
 
 # ---------------------------------------------------------------- open_backend

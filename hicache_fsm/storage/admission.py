@@ -95,10 +95,7 @@ class PrefetchCalls:
         tokens = pack_token_ids(tokens)  # checked once; compared and hashed packed
         if not isinstance(match, MatchResult):
             raise BadIndices(f"prefetch wants the MatchResult of match_prefix, got {type(match).__name__}")
-        try:
-            hash(request_id)
-        except TypeError:
-            raise BadIndices(f"request ids must be hashable, got {type(request_id).__name__}") from None
+        check_request_id(request_id)
         rt = self.runtime
         if request_id in rt.active:
             raise PrefetchError(f"request {request_id!r} already has a prefetch running")
@@ -168,6 +165,7 @@ class PrefetchCalls:
     def prefetch_ready(self, request_id: Hashable) -> bool:
         """Scheduler's per-step check: True once the request may proceed (the prefetch ended and was released)."""
         self._check_open()
+        check_request_id(request_id)
         self._drain()
         rt = self.runtime
         op = rt.active.get(request_id)
@@ -194,6 +192,7 @@ class PrefetchCalls:
     def abort_prefetch(self, request_id: Hashable) -> bool:
         """The request was aborted: end its prefetch and release everything; False if it had none."""
         self._check_open()
+        check_request_id(request_id)
         self._drain()
         rt = self.runtime
         op = rt.active.get(request_id)
@@ -203,6 +202,14 @@ class PrefetchCalls:
         self.counters["prefetch_aborted"] += 1
         rt.release(op)
         return True
+
+
+def check_request_id(request_id: object) -> None:
+    """A prefetch's request id must be hashable (it keys the running prefetches): ``BadIndices`` otherwise."""
+    try:
+        hash(request_id)
+    except TypeError:
+        raise BadIndices(f"request ids must be hashable, got {type(request_id).__name__}") from None
 
 
 __all__ = ["PrefetchCalls"]

@@ -97,7 +97,8 @@ HEADER = struct.Struct("<4sBBHQQ64sI")
 _HEADER_CRC_SPAN = HEADER.size - 4
 
 # Payload checksum algorithms (the header records which one wrote a value; readers accept both).
-CHECKSUMS = {"wsum64": 1, "crc32": 2, "none": 3}
+# 1 was a one-lane wsum64 blind to a pair of top-bit flips: a page stored with it reads as corrupt (a miss)
+CHECKSUMS = {"wsum64": 4, "crc32": 2, "none": 3}
 _CHECKSUM_NAMES = {v: k for k, v in CHECKSUMS.items()}
 
 DEFAULT_NAMESPACE = KeyNamespace("default")
@@ -185,6 +186,7 @@ _MASK64 = (1 << 64) - 1
 _WSUM_MULT = 0x9E3779B97F4A7C15  # odd: chains chunk sums so chunk order matters
 _WSUM_CHUNK = 1 << 16  # words per chunk
 _WSUM_WEIGHTS = np.arange(_WSUM_CHUNK, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
+_HIGH_HALF = np.uint64(32)
 
 
 class _WSum64:
@@ -192,18 +194,23 @@ class _WSum64:
 
     The payload is read as little-endian 64-bit words (the last one zero-padded).
     Within each chunk of 65536 words, word k is multiplied by the odd weight 2k+1
-    and the products summed mod 2**64; chunk sums are chained as
-    ``h = h * M + chunk_sum`` (M odd). Every single-bit flip and every change
-    confined to one word is detected, word swaps and zeroed blocks almost surely
-    are; it runs near memory speed with numpy (typically 2-4x zlib.crc32), which
-    is what keeps reads near raw file speed. Not a cryptographic hash.
+    and the products summed mod 2**64, in two lanes: the words, and their high
+    halves shifted down (in the first lane a flip of bit 47 or above in two
+    words can cancel, 2**i times the sum of two weights being 0 mod 2**64; in
+    the second those bits sit below bit 32, where no pair cancels). Each lane
+    chains its chunk sums as ``h = h * M + chunk_sum`` (M odd), and the digest
+    is the first lane's XOR the second's rotated. A flip of one or two bits
+    within a chunk, or any change confined to one word, always changes a lane
+    (and so, but for a 2**-64 coincidence of both lanes, the digest); word
+    swaps and zeroed blocks almost surely change it. It runs near memory speed
+    with numpy (about twice zlib.crc32), which keeps reads near raw file
+    speed. Not a cryptographic hash.
     """
 
-    __slots__ = ("h", "acc", "pos", "carry")
+    __slots__ = ("h", "acc", "h_high", "acc_high", "pos", "carry")
 
     def __init__(self) -> None:
-        self.h = 0
-        self.acc = 0
+        self.h = self.acc = self.h_high = self.acc_high = 0
         self.pos = 0
         self.carry = b""
 
@@ -229,22 +236,26 @@ class _WSum64:
         i, n = 0, words.size
         while i < n:
             take = min(_WSUM_CHUNK - self.pos, n - i)
-            dot = int(np.dot(words[i : i + take], _WSUM_WEIGHTS[self.pos : self.pos + take]))
-            self.acc = (self.acc + dot) & _MASK64
+            chunk, weights = words[i : i + take], _WSUM_WEIGHTS[self.pos : self.pos + take]
+            self.acc = (self.acc + int(np.dot(chunk, weights))) & _MASK64
+            self.acc_high = (self.acc_high + int(np.dot(chunk >> _HIGH_HALF, weights))) & _MASK64
             self.pos += take
             i += take
             if self.pos == _WSUM_CHUNK:
                 self.h = (self.h * _WSUM_MULT + self.acc) & _MASK64
-                self.acc = 0
+                self.h_high = (self.h_high * _WSUM_MULT + self.acc_high) & _MASK64
+                self.acc = self.acc_high = 0
                 self.pos = 0
 
     def digest(self) -> int:
         if self.carry:
             self._words(np.frombuffer(self.carry.ljust(8, b"\0"), dtype="<u8"))
             self.carry = b""
+        h, high = self.h, self.h_high
         if self.pos:
-            return (self.h * _WSUM_MULT + self.acc) & _MASK64
-        return self.h
+            h = (h * _WSUM_MULT + self.acc) & _MASK64
+            high = (high * _WSUM_MULT + self.acc_high) & _MASK64
+        return h ^ ((high << 1 | high >> 63) & _MASK64)
 
 
 def payload_checksum(parts: Iterable[memoryview | bytes], algo: int) -> int:

@@ -36,6 +36,9 @@ class StorageLink:
         self._wake = wake
         self.last_backend_stats: dict = {}
         self.closed_totals: Counter[str] = Counter()  # counters of every backend closed so far, summed
+        self._exits = threading.Lock()  # guards the two below: a thread leaves while the cache closes
+        self._running = 0  # threads still in their loop (one past ``join`` may still touch the host pool)
+        self._after_stop: list[Callable[[], None]] = []
 
     def totals(self) -> dict[str, float]:
         """Every backend counter summed over all backends this link attached, the open one included.
@@ -69,10 +72,47 @@ class StorageLink:
         self.stop_event = threading.Event()
         for name, fn in targets.items():
             thread = threading.Thread(
-                target=fn, args=(self.stop_event, self.backend), name=f"{THREAD_PREFIX}-{name}", daemon=True
+                target=self._run, args=(fn, self.stop_event, self.backend), name=f"{THREAD_PREFIX}-{name}",
+                daemon=True,
             )
+            with self._exits:
+                self._running += 1
             self.threads.append(thread)
-            thread.start()
+            try:
+                thread.start()
+            except BaseException:
+                self._left()
+                raise
+
+    def _run(self, fn: Callable[[threading.Event, object], None], stop: threading.Event, backend: object) -> None:
+        try:
+            fn(stop, backend)
+        finally:
+            self._left()
+
+    def _left(self) -> None:
+        """A thread left its loop; the last one out runs what waited for every thread to stop."""
+        with self._exits:
+            self._running -= 1
+            callbacks, self._after_stop = (self._after_stop, []) if self._running == 0 else ([], self._after_stop)
+        for fn in callbacks:
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - a thread's exit must not fail on a callback
+                log.exception("storage: a callback after the threads stopped failed")
+
+    def when_stopped(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` once no thread of this link runs: now, or when the last one that outlived ``join`` leaves.
+
+        A thread still inside a backend call after ``join_timeout`` may yet
+        write into the host pool (a prefetch) or read it (a backup): what
+        frees that pool for another user waits for it.
+        """
+        with self._exits:
+            if self._running:
+                self._after_stop.append(fn)
+                return
+        fn()
 
     def join(self, timeout: float | None = None) -> bool:
         """Wait (bounded) for every thread to exit; True when none is alive."""

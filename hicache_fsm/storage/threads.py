@@ -179,7 +179,7 @@ class StorageThreads:
                     self._post(gen, "query_failed", op, "cancelled")
                     return
                 keys = list(op.keys[start: start + step])
-                n = self._readable(keys, backend.batch_exists(keys))
+                n = self._readable(keys, leading_hits(backend.batch_exists(keys), len(keys)))
                 hits.extend(keys[:n])
                 if n < len(keys):
                     break
@@ -241,7 +241,8 @@ class StorageThreads:
             mismatches = _format_mismatches(backend)
             try:
                 if hasattr(backend, "batch_get_into"):
-                    results = backend.batch_get_into(batch_keys, pool, batch_pages)
+                    results = one_per_page(backend.batch_get_into(batch_keys, pool, batch_pages), len(batch_keys),
+                                           "batch_get_into")
                 else:  # a duck-typed backend without the zero-copy call
                     results = []
                     for data, page in zip(backend.batch_get(batch_keys), batch_pages):
@@ -289,8 +290,9 @@ class StorageThreads:
                 ok, error = False, "storage is detaching"
                 break
             try:
-                stored = backend.batch_set_from(list(keys[start: start + step]), self.host_pool,
-                                                pages[start: start + step])
+                batch_keys = list(keys[start: start + step])
+                stored = one_per_page(backend.batch_set_from(batch_keys, self.host_pool, pages[start: start + step]),
+                                      len(batch_keys), "batch_set_from")
             except Exception as exc:  # noqa: BLE001 - the backup failed; retried later
                 ok, error = False, self._failed(gen, exc)
                 break
@@ -335,6 +337,27 @@ class StorageThreads:
             return {"query": tuple(op for _, op in self._query_q),
                     "s2h": tuple((job, op) for _, job, op in self._transfer_q),
                     "h2s": tuple(job for _, job in self._backup_q)}
+
+
+def one_per_page(results: object, asked: int, call: str) -> list:
+    """A backend's answers to a batch call, checked to be one per page asked.
+
+    A backend that answers for more or fewer pages than it was asked about
+    cannot be trusted with any of them: an extra ``True`` would count a page
+    that never landed, a short list of ``True`` a backup that stored part of
+    its pages. ``StorageError`` (the batch failed) otherwise.
+    """
+    if not isinstance(results, list) or len(results) != asked:
+        got = f"{len(results)} answers" if isinstance(results, list) else f"a {type(results).__name__}"
+        raise StorageError(f"the backend's {call} gave {got} for {asked} pages")
+    return results
+
+
+def leading_hits(found: object, asked: int) -> int:
+    """A backend's ``batch_exists`` answer, checked: an int from 0 to the keys asked (else ``StorageError``)."""
+    if type(found) is not int or not 0 <= found <= asked:
+        raise StorageError(f"the backend's batch_exists gave {found!r} for {asked} keys")
+    return found
 
 
 def _format_mismatches(backend: StorageBackend) -> int:

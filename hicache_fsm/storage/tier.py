@@ -46,16 +46,16 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import math
 import re
 import threading
 import time
 from collections import Counter, OrderedDict, deque
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any
 
+from hicache_fsm.config import check_seconds
 from hicache_fsm.errors import (
-    ConfigError, GroupError, GuardRejected, HiCacheError, InvalidTransition, StorageLinkError, UnknownStorageOption,
+    GroupError, GuardRejected, HiCacheError, InvalidTransition, StorageLinkError, UnknownStorageOption,
 )
 from hicache_fsm.interfaces import TierContext
 from hicache_fsm.jobs import Completion, JobKind, TransferJob
@@ -69,6 +69,7 @@ from hicache_fsm.storage.agreement import TierAgreement
 from hicache_fsm.storage.base import STAT_FIELDS, StorageBackend
 from hicache_fsm.storage.keys import PageKeyChain, page_keys
 from hicache_fsm.storage.link import StorageLink
+from hicache_fsm.storage.lost_pages import LostPages
 from hicache_fsm.storage.options import TierOptions
 from hicache_fsm.storage.prefetch import PrefetchOp, PrefetchRuntime
 from hicache_fsm.storage.retry import UNSTORED, BackupRetries
@@ -107,7 +108,7 @@ def namespace_seed(namespace: Hashable) -> str | None:
     return hashlib.sha256(b"hicache-fsm-namespace\0" + repr(namespace).encode()).hexdigest()
 
 
-class StorageTier(PrefetchCalls, StorageThreads):
+class StorageTier(PrefetchCalls, StorageThreads, LostPages):
     """``cache.storage``: backend link, storage threads, backups and prefetches (see module docstring).
 
     Built with a ``TierContext`` (``TierContext.of(cache)``): the tree, the
@@ -317,7 +318,7 @@ class StorageTier(PrefetchCalls, StorageThreads):
         unhealthy queued backups fail at once, so this returns quickly then too.
         """
         self._check_open()
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + drain_seconds(timeout, "drain(timeout)")
         while True:
             self._apply_finished()
             if not self.ctx.outbox.has_pending(JobKind.H2S):
@@ -412,84 +413,6 @@ class StorageTier(PrefetchCalls, StorageThreads):
         self._maybe_sweep()
         done, self._completions = self._completions, []
         return done
-
-    def _data_epoch(self) -> object:
-        read = getattr(self.link.backend, "data_epoch", None)  # a duck-typed backend may not have one
-        try:
-            return read() if callable(read) else None
-        except Exception as exc:  # noqa: BLE001 - an epoch that cannot be read tells nothing
-            log.debug("storage data epoch unavailable: %s", exc)
-            return None
-
-    def _check_epoch(self) -> None:
-        """Every ``retry_interval``: if the backend's data epoch changed, its pages were lost (see ``storage_lost``).
-
-        A rank group leaves this out: one rank's backend losing pages must not split the trees.
-        """
-        if self.agreement is not None or self.link.state != "attached" or not self.healthy:
-            return
-        now = self.now()
-        if now - self._epoch_checked < self.options.retry_interval:
-            return
-        self._epoch_checked = now
-        epoch = self._data_epoch()
-        if epoch is None or epoch == self._epoch:
-            return
-        self._epoch = epoch
-        self.counters["data_epoch_changes"] += 1
-        self.storage_lost(self.ctx.tree.nodes())
-
-    def _apply_evictions(self) -> None:
-        """Stored nodes whose pages the backend evicted go back to "not stored" (see ``storage.evictions``).
-
-        A rank group leaves this out, as it does the epoch: one rank's evictions must not split the trees.
-        """
-        lost = self.evictions.take_lost()
-        if lost and self.agreement is None:
-            self.storage_lost(lost)
-
-    def verify_stored(self, nodes: Iterable[TreeNode] | None = None) -> int:
-        """Ask the backend whether stored nodes (default: every one) still have all their pages; a node
-        whose keys are found missing goes back to "not stored" and is backed up again. Returns how many.
-
-        A blocking backend call on this thread, for an engine's maintenance step; refused
-        (StorageLinkError) unless attached and healthy, and with a rank group.
-        """
-        self._check_open()
-        backend = self.link.backend
-        if self.link.state != "attached" or backend is None or not self.healthy:
-            raise StorageLinkError(f"cannot verify stored pages: the link is {self.link.state}"
-                                   + ("" if self.healthy else f", storage unhealthy ({self.last_error})"))
-        if self.agreement is not None:
-            raise StorageLinkError("verify_stored is not agreed across a rank group; it would split the trees")
-        stored = [n for n in (self.ctx.tree.nodes() if nodes is None else nodes)
-                  if n.parent is not None and n.state.endswith("_stored")]
-        missing = []
-        for node in stored:
-            keys = list(self.keys_for(node))
-            if backend.batch_exists(keys) < len(keys):
-                missing.append(node)
-        return self.storage_lost(missing)
-
-    def storage_lost(self, nodes: Iterable[TreeNode]) -> int:
-        """Storage lost these nodes' pages: each stored one goes back to "not stored" and is backed up again.
-
-        For a backend that reports lost data (``data_epoch``) or a check that found
-        a node's keys missing. Returns how many nodes moved back.
-        """
-        self._confine()
-        driver = self.ctx.driver
-        moved = 0
-        for node in list(nodes):
-            if node.parent is not None and driver.can_fire(node, "storage_lost"):
-                driver.fire(node, "storage_lost")
-                moved += 1
-        if moved:
-            self.counters["storage_lost_nodes"] += moved
-            self._sweep_due = True
-            self._last_sweep = float("-inf")  # store them again at this poll
-            log.warning("storage lost the pages of %d stored nodes; they will be stored again", moved)
-        return moved
 
     def _drain(self) -> None:
         events = self._events
@@ -643,8 +566,21 @@ class StorageTier(PrefetchCalls, StorageThreads):
     # ================================================================== lifecycle
 
     def reset(self) -> None:
-        """The cache is dropping everything: cancel queued work, wait for running I/O, forget all prefetches."""
+        """The cache is dropping everything: end every storage transfer (as a detach does), forget all prefetches.
+
+        A transfer still running after ``join_timeout`` (a backend call that
+        has not returned) would later write into host slots the cache frees
+        now, or store what they hold next under this transfer's keys. The
+        reset is refused then (``StorageLinkError``): prefetches are aborted
+        and queued backups failed, as ``wind_down`` does, and the cached KV
+        is kept; call ``reset`` again once the backend answers.
+        """
         self._confine()
+        self.wind_down("the cache is resetting")
+        if self.ctx.outbox.count(STORAGE_KINDS):
+            raise StorageLinkError(f"cannot reset the cache: a storage transfer still runs after "
+                                   f"{self.options.join_timeout:g}s (join_timeout); nothing was dropped, "
+                                   f"reset again once the backend answers")
         with self._cv:
             self._gen += 1
             self._query_q.clear()
@@ -695,6 +631,11 @@ class StorageTier(PrefetchCalls, StorageThreads):
                 self.link.join()
                 self.link.close_backend()
             self.closed = True
+
+    def when_threads_stopped(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` once none of this tier's threads runs: at once, unless one outlived ``close``'s join
+        (a backend call that has not returned), which may still touch the host pool."""
+        self.link.when_stopped(fn)
 
     # ================================================================== forks and observation (the explorer)
 
@@ -762,13 +703,9 @@ class StorageTier(PrefetchCalls, StorageThreads):
         self.ctx.check_open()
 
 
-def drain_seconds(drain: object) -> float:
-    """``close(drain=...)``'s seconds, checked before anything changes: a finite number >= 0, else ``ConfigError``."""
-    if isinstance(drain, bool) or not isinstance(drain, (int, float)):
-        raise ConfigError(f"close(drain=...) wants seconds as a number >= 0, got {type(drain).__name__}; nothing changed")
-    if not math.isfinite(drain) or drain < 0:
-        raise ConfigError(f"close(drain=...) wants a finite number of seconds >= 0, got {drain!r}; nothing changed")
-    return float(drain)
+def drain_seconds(drain: object, name: str = "close(drain=...)") -> float:
+    """Seconds to drain backups, checked before anything changes: a finite number >= 0, else ``ConfigError``."""
+    return check_seconds(name, drain, zero_ok=True)
 
 
 def attach_storage(cache: TierHost, url_or_backend: str | StorageBackend, **options: Any) -> StorageTier:

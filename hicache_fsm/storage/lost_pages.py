@@ -1,0 +1,140 @@
+"""Stored pages the backend lost: a node marked stored goes back to "not stored" and is backed up again.
+
+Seam of ``StorageTier`` (which inherits this class): a backend reports lost
+data by a new data epoch or by eviction reports; an engine asks with
+``verify_stored``, or tells with ``storage_lost``. Every way ends in the
+residency machine's ``storage_lost`` trigger on the scheduler's thread.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, Callable
+
+from hicache_fsm.errors import StorageLinkError, UnknownNode
+from hicache_fsm.interfaces import TierContext
+from hicache_fsm.storage.evictions import EvictionTracker
+from hicache_fsm.storage.link import StorageLink
+from hicache_fsm.storage.options import TierOptions
+from hicache_fsm.storage.threads import leading_hits
+
+if TYPE_CHECKING:
+    from hicache_fsm.radix import TreeNode
+
+log = logging.getLogger("hicache_fsm.storage.tier")
+
+
+class LostPages:
+    """The lost-pages side of ``StorageTier``: the data epoch, eviction reports, ``verify_stored``, ``storage_lost``."""
+
+    ctx: TierContext
+    options: TierOptions
+    link: StorageLink
+    agreement: Any  # a rank group's agreement, or None
+    evictions: EvictionTracker
+    counters: Counter[str]
+    healthy: bool
+    last_error: str
+    _epoch: object
+    _epoch_checked: float
+    _sweep_due: bool
+    _last_sweep: float
+    now: Callable[[], float]  # the tier's clock
+    keys_for: Callable[["TreeNode"], tuple[str, ...]]
+    _check_open: Callable[[], None]  # refuses a closed tier
+    _confine: Callable[[], None]  # refuses a thread that does not drive the cache
+
+    def _data_epoch(self) -> object:
+        read = getattr(self.link.backend, "data_epoch", None)  # a duck-typed backend may not have one
+        try:
+            return read() if callable(read) else None
+        except Exception as exc:  # noqa: BLE001 - an epoch that cannot be read tells nothing
+            log.debug("storage data epoch unavailable: %s", exc)
+            return None
+
+    def _check_epoch(self) -> None:
+        """Every ``retry_interval``: if the backend's data epoch changed, its pages were lost (see ``storage_lost``).
+
+        A rank group leaves this out: one rank's backend losing pages must not split the trees.
+        """
+        if self.agreement is not None or self.link.state != "attached" or not self.healthy:
+            return
+        now = self.now()
+        if now - self._epoch_checked < self.options.retry_interval:
+            return
+        self._epoch_checked = now
+        epoch = self._data_epoch()
+        if epoch is None or epoch == self._epoch:
+            return
+        self._epoch = epoch
+        self.counters["data_epoch_changes"] += 1
+        self._mark_lost(self.ctx.tree.nodes())
+
+    def _apply_evictions(self) -> None:
+        """Stored nodes whose pages the backend evicted go back to "not stored" (see ``storage.evictions``).
+
+        A rank group leaves this out, as it does the epoch: one rank's evictions must not split the trees.
+        """
+        lost = self.evictions.take_lost()
+        if lost and self.agreement is None:
+            self._mark_lost(lost)
+
+    def verify_stored(self, nodes: Iterable[TreeNode] | None = None) -> int:
+        """Ask the backend whether stored nodes (default: every one) still have all their pages; a node
+        whose keys are found missing goes back to "not stored" and is backed up again. Returns how many.
+
+        A blocking backend call on this thread, for an engine's maintenance step; refused
+        (StorageLinkError) unless attached and healthy, and with a rank group.
+        """
+        self._check_open()
+        backend = self.link.backend
+        if self.link.state != "attached" or backend is None or not self.healthy:
+            raise StorageLinkError(f"cannot verify stored pages: the link is {self.link.state}"
+                                   + ("" if self.healthy else f", storage unhealthy ({self.last_error})"))
+        if self.agreement is not None:
+            raise StorageLinkError("verify_stored is not agreed across a rank group; it would split the trees")
+        stored = [n for n in (self.ctx.tree.nodes() if nodes is None else self._own_nodes(nodes))
+                  if n.parent is not None and n.state.endswith("_stored")]
+        missing = []
+        for node in stored:
+            keys = list(self.keys_for(node))
+            if leading_hits(backend.batch_exists(keys), len(keys)) < len(keys):
+                missing.append(node)
+        return self._mark_lost(missing)
+
+    def storage_lost(self, nodes: Iterable[TreeNode]) -> int:
+        """Storage lost these nodes' pages: each stored one goes back to "not stored" and is backed up again.
+
+        For a backend that reports lost data (``data_epoch``) or a check that found
+        a node's keys missing. Returns how many nodes moved back. ``UnknownNode``,
+        nothing changed, for anything but this cache's live nodes.
+        """
+        self._confine()
+        return self._mark_lost(self._own_nodes(nodes))
+
+    def _mark_lost(self, nodes: Iterable[TreeNode]) -> int:
+        driver = self.ctx.driver
+        moved = 0
+        for node in nodes:
+            if node.parent is not None and driver.can_fire(node, "storage_lost"):
+                driver.fire(node, "storage_lost")
+                moved += 1
+        if moved:
+            self.counters["storage_lost_nodes"] += moved
+            self._sweep_due = True
+            self._last_sweep = float("-inf")  # store them again at this poll
+            log.warning("storage lost the pages of %d stored nodes; they will be stored again", moved)
+        return moved
+
+    def _own_nodes(self, nodes: Iterable[TreeNode]) -> list[TreeNode]:
+        """``nodes`` as a list of this cache's live nodes; ``UnknownNode`` names the first that is not one.
+
+        Another cache's node moved here would be backed up from this cache's
+        host pool at that cache's slots: other KV stored under its keys.
+        """
+        if not isinstance(nodes, Iterable):
+            raise UnknownNode(f"expected an iterable of this cache's nodes, got {type(nodes).__name__}")
+        require = self.ctx.driver.require_node
+        return [require(node) for node in nodes]
