@@ -31,6 +31,7 @@ from hicache_fsm.registry import MachineRegistry, registry_for
 SPEC_DIR = Path(importlib.resources.files("hicache_fsm") / "specs").resolve()
 
 NAME_RE = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
+PLAIN_COLLECTIONS = {"tag:yaml.org,2002:map", "tag:yaml.org,2002:seq"}
 # Trigger names become attributes of models in ``transitions``; these would clash.
 RESERVED_TRIGGERS = frozenset({"trigger", "state", "machine", "to_state", "may_trigger"})
 RESERVED_PREFIXES = ("to_", "may_", "is_", "on_enter", "on_exit", "_")
@@ -225,6 +226,9 @@ def _convert(node: yaml.Node, loader: yaml.SafeLoader, path: str, _walk: dict | 
         raise SpecError(path, line, "recursive YAML alias: a node contains itself")
     if len(walk["path"]) >= MAX_DEPTH and isinstance(node, yaml.CollectionNode):
         raise SpecError(path, line, f"spec nested deeper than {MAX_DEPTH} levels (through aliases)")
+    if isinstance(node, yaml.CollectionNode) and node.tag not in PLAIN_COLLECTIONS:
+        # a scalar's unknown tag fails construction below; a collection's would be dropped unseen
+        raise SpecError(path, line, f"tag {node.tag!r} is not allowed: a spec holds plain mappings and lists")
     if isinstance(node, yaml.MappingNode):
         walk["path"].add(id(node))
         out = _Lined()
@@ -360,6 +364,8 @@ def parse_spec(text: str, path: str = "<string>", registry: MachineRegistry | No
     states = _parse_states(raw["states"], problems)
     transitions = _parse_transitions(raw["transitions"], problems)
     invariants = _str_list(raw.get("invariants", []), "invariants", raw.key_lines.get("invariants"), problems)
+    for inv in invariants:
+        _check_name(inv, "invariant", raw.key_lines.get("invariants"), problems)
     # no raise here: the graph, bindings and job kinds of what did parse are checked too (one pass)
 
     spec = Spec(
@@ -431,6 +437,9 @@ def _parse_transitions(raw: _LinedList, problems: _Problems) -> tuple[Transition
             key: _str_list(item.get(key, []), key, item.key_lines.get(key, item.line), problems)
             for key in ("source", "guards", "unless", "effects", "emits", "events")
         }
+        for key, what in (("guards", "guard"), ("unless", "guard"), ("effects", "effect")):
+            for name in lists[key]:  # a binding's name, never a dotted path: nothing is imported by name
+                _check_name(name, what, item.key_lines.get(key, item.line), problems)
         out.append(
             TransitionSpec(
                 trigger=trigger,
