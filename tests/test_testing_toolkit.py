@@ -295,6 +295,8 @@ def test_tampered_trace_is_rejected(tmp_path, tamper, capsys):
     else:
         i = next(i for i, e in enumerate(events) if e.get("trigger") == "backup")
         del events[i]
+    for seq, e in enumerate(events):  # renumbered, as a careful tamperer would: the check below still catches it
+        e["seq"] = seq
     path = tmp_path / "bad.jsonl"
     path.write_text("".join(json.dumps(e) + "\n" for e in events))
     result = replay(path)

@@ -10,6 +10,9 @@ writes the lines as they happen.
 Replay: ``replay(trace)`` re-checks the recording against the specs alone,
 without the cache:
 
+- the trace is one recording: its header first and only there, and each
+  event's ``seq``, where it has one, is its position (the recorder numbers
+  every event from the header's 0), so a moved, repeated or lost line shows;
 - every transition is legal: the object is known (or a new object leaving the
   spec's initial state), its recorded state equals the transition's source,
   and the spec has that (trigger, source -> dest);
@@ -18,21 +21,30 @@ without the cache:
   (nodes split off while a job was in flight are enrolled in it); a CP
   write's per-layer copies (jobs with a ``layer``) justify its one ack once
   they have landed;
-- job ids are never reused; a completion names a pending job (a second
-  completion of the same job is a divergence) and, when ``ok``, every live
-  node of the job went through the matching ``*_done`` transition;
+- job ids are never reused and are of one JSON type (so are each machine's
+  object ids); a job's kind is one the cache emits (``d2h``, ``h2d``, ``h2s``,
+  ``s2h``); a completion names a pending job (a second completion of the same
+  job is a divergence) and agrees with the acks its nodes went through before
+  it: when ``ok``, every live node went through the matching ``*_done``
+  transition and none through ``*_failed``; when not, none through ``*_done``;
 - a removed node is in a terminal state and never appears again;
 - with ``require_quiescent``, no job is left pending and no node is left in a
   copy-in-flight state at the end.
 
 The first violation is reported as a ``Divergence``: the 1-based line, the
-event, what was expected, and the few events before it.
+event, what was expected, and the few events before it. An empty trace is a
+divergence too: it shows nothing was recorded, not that a run was valid.
+A trace file must be a regular file (a FIFO or device is refused, never
+read) no larger than ``diagram --counts`` reads (1 GiB); a line that is not
+JSON, nests deeper than 32 levels or holds a number too long to read is a
+``ValueError`` naming its line.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import sys
 from collections import deque
 from collections.abc import Iterable
 from pathlib import Path
@@ -42,7 +54,11 @@ import attrs
 
 from hicache_fsm.config import check_positive_int
 from hicache_fsm.errors import ConfigError
-from hicache_fsm.input_limits import undecodable_line
+from hicache_fsm.event_trace import MAX_TRACE_BYTES
+from hicache_fsm.input_limits import (
+    MAX_JSON_DEPTH, InputRefused, check_json_depth, open_regular_text, undecodable_line,
+)
+from hicache_fsm.jobs import JOB_KIND_NAMES
 from hicache_fsm.spec import Spec, load_builtin
 
 __all__ = ["TRACE_VERSION", "Divergence", "ReplayResult", "TraceRecorder", "load_trace", "record", "replay"]
@@ -56,6 +72,7 @@ ACK_KIND = {
     "store_done": "h2s", "store_failed": "h2s",
 }
 DONE_TRIGGERS = {"d2h": "write_done", "h2d": "load_done", "h2s": "store_done"}
+FAILED_TRIGGERS = {"d2h": "write_failed", "h2d": "load_failed", "h2s": "store_failed"}
 # job kind -> residency states that wait for such a job
 WAITING = {
     "d2h": {"writing_host"},
@@ -140,13 +157,16 @@ def load_trace(source: str | Path | IO[str] | Iterable[str] | Iterable[dict]) ->
     """Events from a JSONL file / path / text lines / already-parsed dicts.
 
     A ``Path``, or a one-line string that is not a JSON object, names a file:
-    a missing one raises ``FileNotFoundError`` (not a parse error about its name).
+    a missing one raises ``FileNotFoundError`` (not a parse error about its name);
+    one that is not a regular file, or is larger than ``MAX_TRACE_BYTES``, a ``ValueError``.
     """
     if isinstance(source, Path) or (isinstance(source, str) and "\n" not in source
                                     and source.strip() and not source.lstrip().startswith("{")):
         try:
-            with open(source, encoding="utf-8-sig") as f:  # a leading byte-order mark is skipped
+            with open_regular_text(source, MAX_TRACE_BYTES) as f:  # a leading byte-order mark is skipped
                 return _parse(f)
+        except InputRefused as exc:  # a FIFO would block, /dev/zero would fill memory
+            raise ValueError(f"trace {source}: {exc}") from None
         except UnicodeDecodeError as exc:
             bad = undecodable_line(source)
             if bad is None:
@@ -168,15 +188,26 @@ def _parse(lines: Iterable[str]) -> list[dict]:
         line = line.strip()
         if not line:
             continue
-        try:
-            ev = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"trace line {n}: not JSON: {exc}") from None
+        ev = _decode(line, n)
         if not isinstance(ev, dict) or "event" not in ev:
             raise ValueError(f"trace line {n}: not an event object")
         ev["_line"] = n
         out.append(ev)
     return out
+
+
+def _decode(line: str, n: int) -> object:
+    """Line ``n``'s JSON, or a ``ValueError`` naming the line (json's RecursionError and digit limit do not)."""
+    try:
+        if line.count("[") + line.count("{") > MAX_JSON_DEPTH:  # fewer openers cannot nest deeper
+            check_json_depth(line)
+        return json.loads(line)
+    except InputRefused as exc:
+        raise ValueError(f"trace line {n}: {exc}") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"trace line {n}: not JSON: {exc}") from None
+    except ValueError:  # json.loads refuses an integer longer than Python converts
+        raise ValueError(f"trace line {n}: a number longer than {sys.get_int_max_str_digits()} digits") from None
 
 
 @attrs.frozen
@@ -259,6 +290,28 @@ def _check_shape(ev: dict) -> None:
         _check_type(kind, "nodes", n, _ID)
 
 
+def _check_order(index: int, ev: dict) -> None:
+    """``_Diverged`` unless ``ev`` sits where the recorder puts it: the header first and only there, ``seq`` its index.
+
+    The recorder numbers every event from the header's 0, so a line moved, repeated or
+    lost shows; ``seq`` may be left out (a hand-written trace), never wrong.
+    """
+    kind = ev.get("event")
+    if not isinstance(kind, str):
+        raise _Diverged(f"'event' must be a string, got {json.dumps(kind)}")
+    if index == 0 and kind != "header":
+        raise _Diverged(f"the trace starts with a {kind!r} event, not with its header")
+    if index > 0 and kind == "header":
+        raise _Diverged("a second header: a trace is one recording (fuzz and check --record files hold many runs, "
+                        "for diagram --counts)")
+    seq = ev.get("seq", index)
+    if isinstance(seq, bool) or not isinstance(seq, int):
+        raise _Diverged(f"'seq' must be an integer, got {json.dumps(seq)}")
+    if seq != index:
+        raise _Diverged(f"seq {seq} where {index} was due: the recorder numbers events 0, 1, 2, ... "
+                        "(a line moved, repeated or lost?)")
+
+
 def _check_type(kind: str, field: str, value: object, types: tuple[type, ...]) -> None:
     if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
         want = " or ".join(_JSON_NAMES[t] for t in types)
@@ -269,7 +322,7 @@ def _check_type(kind: str, field: str, value: object, types: tuple[type, ...]) -
 class _Job:
     kind: str
     nodes: set
-    acked: set = attrs.Factory(set)  # nodes that went through an ack transition for this job
+    acked: dict = attrs.Factory(dict)  # node -> the ack trigger it went through for this job
     layer: bool = False  # a CP per-layer copy: its write is acked once, after every layer landed
 
 
@@ -281,6 +334,7 @@ class _Replayer:
         self.jobs: dict[int, _Job] = {}
         self.finished: dict[int, bool] = {}
         self.landed: dict[int, _Job] = {}  # completed CP layer jobs whose write was not acked yet
+        self.id_types: dict[str, type] = {}  # "job" / a machine -> the JSON type of its ids
         self.result = ReplayResult()
 
     def spec(self, machine: str) -> Spec:
@@ -290,6 +344,13 @@ class _Replayer:
             except Exception as exc:  # noqa: BLE001
                 raise _Diverged(f"unknown machine {machine!r}: {exc}") from None
         return self.specs[machine]
+
+    def check_id(self, space: str, ident: object, what: str) -> None:
+        """Ids of one space share a JSON type: 1 and "1" would be two jobs (or nodes) and cannot be ordered."""
+        first = self.id_types.setdefault(space, type(ident))
+        if type(ident) is not first:
+            raise _Diverged(f"{what} {json.dumps(ident)} is {_JSON_NAMES[type(ident)]}, but the trace's first {what} "
+                            f"was {_JSON_NAMES[first]}: one trace names them all alike")
 
     def node_state(self, node) -> str:
         key = ("residency", node)
@@ -318,6 +379,7 @@ class _Replayer:
             if source != spec.initial:
                 raise _Diverged(f"{machine} object {obj} appears in state {source!r}; a new object starts in "
                                 f"{spec.initial!r}")
+            self.check_id(machine, obj, f"{machine} object id")
             current = spec.initial
             self.result.objects += 1
         if current != source:
@@ -330,24 +392,32 @@ class _Replayer:
             raise _Diverged(f"{machine}: {source!r} --{trigger}--> goes to {', '.join(allowed)}, not {dest!r}")
         kind = ACK_KIND.get(trigger) if machine == "residency" else None
         if kind is not None:
-            covering = [j for j, job in self.jobs.items() if job.kind == kind and obj in job.nodes and obj not in job.acked]
-            if covering:
-                self.jobs[covering[0]].acked.add(obj)
-            else:  # a CP write is acked once for all its landed layer copies
-                layers = [j for j, job in self.landed.items() if job.kind == kind and obj in job.nodes]
-                if not layers:
-                    raise _Diverged(f"{trigger!r} on node {obj} without a pending {kind} job covering it")
-                for j in layers:
-                    self.landed[j].acked.add(obj)
-                    if self.landed[j].nodes <= self.landed[j].acked | self.gone():
-                        del self.landed[j]
+            self.ack(obj, trigger, kind)
         self.state[key] = dest
         self.result.transitions += 1
+
+    def ack(self, node, trigger: str, kind: str) -> None:
+        """Record ``trigger`` on the pending ``kind`` job covering ``node``, for its completion to agree with."""
+        covering = [j for j, job in self.jobs.items()
+                    if job.kind == kind and node in job.nodes and node not in job.acked]
+        if covering:
+            self.jobs[covering[0]].acked[node] = trigger
+            return
+        layers = [j for j, job in self.landed.items() if job.kind == kind and node in job.nodes]
+        if not layers:  # a CP write is acked once for all its landed layer copies
+            raise _Diverged(f"{trigger!r} on node {node} without a pending {kind} job covering it")
+        for j in layers:
+            self.landed[j].acked[node] = trigger
+            if self.landed[j].nodes <= self.landed[j].acked.keys() | self.gone():
+                del self.landed[j]
 
     def on_job(self, ev: dict) -> None:
         job_id = ev.get("job")
         if job_id in self.jobs or job_id in self.finished:
             raise _Diverged(f"job id {job_id} was used before")
+        self.check_id("job", job_id, "job id")
+        if ev["kind"] not in JOB_KIND_NAMES:
+            raise _Diverged(f"job {job_id} of unknown kind {ev['kind']!r} (kinds: {', '.join(sorted(JOB_KIND_NAMES))})")
         nodes = set(ev.get("nodes", ()))
         for n in nodes:
             self.node_state(n)
@@ -361,29 +431,41 @@ class _Replayer:
         job = self.jobs.pop(job_id, None)
         if job is None:
             raise _Diverged(f"completion of job {job_id}, which was never emitted")
-        self.finished[job_id] = bool(ev.get("ok"))
+        ok = ev.get("ok") is True
+        self.finished[job_id] = ok
         if job.layer:  # the CP write's ack comes once every layer landed
             self.landed[job_id] = job
-        elif ev.get("ok") and job.kind in DONE_TRIGGERS:
+        elif job.kind in DONE_TRIGGERS:
+            self.check_acks(job_id, job, ok)
+        self.result.completions += 1
+
+    def check_acks(self, job_id, job: _Job, ok: bool) -> None:
+        """The cache acks a job's nodes before reporting its completion: ``ok`` must say what those acks said."""
+        done = DONE_TRIGGERS[job.kind]
+        wrong = sorted(n for n, trigger in job.acked.items() if (trigger == done) != ok)
+        if wrong:
+            raise _Diverged(f"job {job_id} ({job.kind}) completed with ok={json.dumps(ok)} but nodes {wrong} went "
+                            f"through {FAILED_TRIGGERS[job.kind] if ok else done!r}")
+        if ok:
             live = {n for n in job.nodes if ("residency", n) not in self.removed and ("residency", n) in self.state}
-            missing = sorted(live - job.acked)
+            missing = sorted(live - job.acked.keys())
             if missing:
                 raise _Diverged(f"job {job_id} ({job.kind}) completed but nodes {missing} never went through "
-                                f"{DONE_TRIGGERS[job.kind]!r}")
-        self.result.completions += 1
+                                f"{done!r}")
 
     def on_split(self, ev: dict) -> None:
         node, upper = ev.get("node"), ev.get("upper")
         state = self.node_state(node)
         if ("residency", upper) in self.state or ("residency", upper) in self.removed:
             raise _Diverged(f"split created node {upper}, an id already used")
+        self.check_id("residency", upper, "residency object id")
         self.state[("residency", upper)] = state
         self.result.objects += 1
         for job in [*self.jobs.values(), *self.landed.values()]:
             if node in job.nodes:
                 job.nodes.add(upper)
                 if node in job.acked:
-                    job.acked.add(upper)
+                    job.acked[upper] = job.acked[node]
 
     def gone(self) -> set:
         return {o for (m, o) in self.removed if m == "residency"}
@@ -402,7 +484,8 @@ class _Replayer:
         if require_quiescent:
             if self.jobs:
                 raise _Diverged(f"the trace ends with jobs still pending: {sorted(self.jobs)}")
-            busy = sorted(o for (m, o), s in self.state.items() if any(s in w for w in WAITING.values()))
+            busy = sorted(o for (m, o), s in self.state.items()
+                          if m == "residency" and any(s in w for w in WAITING.values()))
             if busy:
                 raise _Diverged(f"the trace ends with nodes {busy} waiting for copies")
 
@@ -424,13 +507,17 @@ def replay(trace, specs: Iterable[Spec] | None = None, *, require_quiescent: boo
             raise ConfigError("specs must be Spec objects (load_builtin(name), load_spec(path)), not names or paths")
     events = load_trace(trace)
     r = _Replayer({s.name: s for s in specs} if specs is not None else None)
+    if not events:  # nothing was recorded: no run to call valid
+        r.result.divergence = Divergence(0, 1, {}, "the trace is empty: a recording starts with its header")
+        return r.result
     recent: deque[dict] = deque(maxlen=context)
     handlers = {"header": r.on_header, "transition": r.on_transition, "job": r.on_job,
                 "completion": r.on_completion, "split": r.on_split, "removed": r.on_removed}
     for i, ev in enumerate(events):
         r.result.events += 1
-        handler = handlers.get(ev.get("event"))
         try:
+            _check_order(i, ev)
+            handler = handlers.get(ev["event"])
             if handler is None:
                 raise _Diverged(f"unknown event type {ev.get('event')!r}")
             _check_shape(ev)
