@@ -215,7 +215,7 @@ class HiCacheCollector:
         family = self._family(CounterMetricFamily, "prefetches_rejected",
                               "Prefetches refused at admission, by reason.", "reason")
         for key in sorted(storage):
-            m = _REJECTED.match(key)
+            m = _REJECTED.fullmatch(key)
             if m:
                 self._add(family, m.group(1), storage[key])
         yield family
@@ -261,11 +261,11 @@ class HiCacheCollector:
         named = {p for _, _, _, paths in (*COUNTERS, *STORAGE_COUNTERS) for p in paths.values()}
         sources = [((key,), f"{key}", value) for key, value in stats.items() if key not in GAUGE_KEYS]
         sources += [((S, key), f"storage_{key}", value) for key, value in storage.items()
-                    if key not in STORAGE_GAUGE_KEYS and not _REJECTED.match(key)]
+                    if key not in STORAGE_GAUGE_KEYS and not _REJECTED.fullmatch(key)]
         sources += [((*BACKEND, key), f"storage_backend_{key}", value)
                     for key, value in (storage.get("backend_stats") or {}).items()]
         for path, name, value in sorted(sources):
-            if path in named or not _is_count(value) or not _NAME.match(name):
+            if path in named or not _is_count(value) or not _NAME.fullmatch(name):
                 continue
             family = self._family(CounterMetricFamily, name, f"The cache's {'.'.join(path)} counter.", None)
             self._add(family, None, value)

@@ -333,7 +333,7 @@ def _str_list(value: Any, what: str, line: int | None, problems: _Problems) -> t
 
 
 def _check_name(name: str, what: str, line: int | None, problems: _Problems) -> None:
-    if not NAME_RE.match(name):
+    if not NAME_RE.fullmatch(name):  # fullmatch: "$" alone also matches before a final newline
         problems.add(line, f"{what} name {name!r} must match {NAME_RE.pattern}")
 
 

@@ -23,7 +23,6 @@ with.
 from __future__ import annotations
 
 import json
-import math
 import struct
 from functools import lru_cache
 from pathlib import Path
@@ -49,6 +48,7 @@ BLOCK_CACHE = 8192  # derived blocks kept per BlockTokens
 _LE_UINT32 = np.dtype("<u4")
 _HEAD = struct.Struct("<4I")  # a block's first four ids: its hash id in base VOCAB
 FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
+MAX_TIMESTAMP_MS = 10**15  # about 31,700 years: a float holds every millisecond below it
 # Bounds on untrusted traces, checked before the work they would size.
 MAX_BLOCK_SIZE = 4096  # the token table is 1024 rows of a block, and up to BLOCK_CACHE derived blocks are kept
 MAX_LINE_CHARS = 1 << 24  # one request's JSON; 4096-token blocks make that over 10**10 tokens of hash ids
@@ -159,8 +159,9 @@ def parse_request(text: str, block_size: int, where: str = "<trace>", line: int 
     if missing:
         raise bad(f"missing field{'s' if len(missing) > 1 else ''} {', '.join(missing)}")
     ts = obj["timestamp"]
-    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts) or ts < 0:
-        raise bad(f"timestamp must be a number of milliseconds >= 0, got {ts!r}")
+    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not 0 <= ts <= MAX_TIMESTAMP_MS:  # NaN fails too
+        shown = repr(ts) if len(repr(ts)) <= 40 else repr(ts)[:40] + "..."
+        raise bad(f"timestamp must be a number of milliseconds from 0 to {MAX_TIMESTAMP_MS:.0e}, got {shown}")
     n_in, n_out = obj["input_length"], obj["output_length"]
     if not _is_int(n_in) or n_in < 1:
         raise bad(f"input_length must be an int >= 1, got {n_in!r}")

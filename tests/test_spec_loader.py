@@ -289,3 +289,14 @@ def test_a_machine_compiles_a_spec_object_only(spec):
 
     with pytest.raises(ConfigError, match="a machine compiles a Spec"):
         compile_machine(spec)
+
+
+@pytest.mark.parametrize("text", [
+    'name: "mach\\n"\ninitial: a\nstates: {a: {tags: [terminal]}}\ntransitions: []\n',
+    'name: m\ninitial: a\nstates: {a: {}, "b\\n": {tags: [terminal]}}\ntransitions: [{trigger: go, source: a, dest: "b\\n"}]\n',
+    'name: m\ninitial: a\nstates: {a: {}, b: {tags: [terminal]}}\ntransitions: [{trigger: "go\\n", source: a, dest: b}]\n',
+])
+def test_a_name_ending_in_a_newline_is_refused(text):
+    """``$`` alone matches before a final newline: a state "b\\n" would validate and draw as a second "b"."""
+    with pytest.raises(SpecError, match="must match"):
+        parse_spec(text)

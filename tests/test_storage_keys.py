@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hicache_fsm.errors import HiCacheError, StorageKeyError
-from hicache_fsm.storage.keys import KeyNamespace, page_hash, page_keys
+from hicache_fsm.storage.keys import KeyNamespace, page_hash, page_keys, validate_page_keys
 
 TOKENS = st.lists(st.integers(min_value=0, max_value=2**32 - 1), max_size=40)
 
@@ -59,7 +59,7 @@ def test_bad_token_ids_rejected(bad):
         page_keys(bad * 4, 4)
 
 
-@pytest.mark.parametrize("prior", ["zz", "ab" * 31, 42])
+@pytest.mark.parametrize("prior", ["zz", "ab" * 31, 42, "ab" * 32 + "\n"])
 def test_bad_prior_rejected(prior):
     with pytest.raises(StorageKeyError):
         page_hash([1], prior)
@@ -195,3 +195,11 @@ def test_page_key_chain_keys_following(ids, ps, cut, length, other):
     if other and len(other) % ps == 0:
         foreign = chain.keys_following(prior, pack_token_ids(other))
         assert foreign is None or foreign == tuple(page_keys(other, ps, prior))
+
+
+@pytest.mark.parametrize("make", [lambda: validate_page_keys(["abc\n"]), lambda: KeyNamespace("llama\n"),
+                                  lambda: KeyNamespace("llama", tenant="a\n")])
+def test_a_name_or_key_ending_in_a_newline_is_refused(make):
+    """A pattern ending in "$" also matches before a final newline: keys and names are matched whole."""
+    with pytest.raises(StorageKeyError):
+        make()

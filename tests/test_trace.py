@@ -50,6 +50,8 @@ def test_parse_a_good_line():
     (line(ts=-1), "timestamp must be"),
     (line(ts=True), "timestamp must be"),
     (line(ts="0"), "timestamp must be"),
+    (line(ts=10**400), "timestamp must be"),  # was an OverflowError from math.isfinite
+    (line(ts=10**16), "timestamp must be"),
     (line(n_in=0, ids=()), "input_length must be an int >= 1"),
     (line(n_in=1.5), "input_length must be an int >= 1"),
     (line(n_out=-1), "output_length must be an int >= 0"),

@@ -70,7 +70,7 @@ def key_token_bytes(tokens: Sequence[int] | TokenIds) -> bytes:
 def _prior_bytes(prior: str | None) -> bytes:
     if prior is None or prior == "":
         return b""
-    if not isinstance(prior, str) or not _HEX_RE.match(prior):
+    if not isinstance(prior, str) or not _HEX_RE.fullmatch(prior):
         raise StorageKeyError(f"prior page hash must be {HASH_HEX_LEN} hex digits, got {prior!r}")
     return bytes.fromhex(prior)
 
@@ -226,7 +226,7 @@ def _check_name(kind: str, value: object) -> str:
         raise StorageKeyError(f"{kind} must be a str, got {type(value).__name__}")
     if not 1 <= len(value) <= MAX_NAME_LEN:
         raise StorageKeyError(f"{kind} must have 1..{MAX_NAME_LEN} characters, got {len(value)}")
-    if not _NAME_RE.match(value):
+    if not _NAME_RE.fullmatch(value):
         raise StorageKeyError(
             f"{kind} {value!r} may only hold printable ASCII without whitespace, '/', '\\' "
             "or glob characters (replace '/' in model ids with '--')"
@@ -240,7 +240,7 @@ def validate_page_key(key: object) -> str:
     """Check one page-level key (normally a page hash); returns it unchanged."""
     if not isinstance(key, str):
         raise StorageKeyError(f"storage keys must be str, got {type(key).__name__}: {key!r}")
-    if not 1 <= len(key) <= MAX_PAGE_KEY_LEN or not _PAGE_KEY_RE.match(key):
+    if not 1 <= len(key) <= MAX_PAGE_KEY_LEN or not _PAGE_KEY_RE.fullmatch(key):
         raise StorageKeyError(
             f"storage key {key!r} must be 1..{MAX_PAGE_KEY_LEN} printable ASCII characters "
             "without whitespace, '/', '\\' or glob characters"
