@@ -94,9 +94,10 @@ def make_block_store(factory: Callable[..., Any], variant: dict, ref: str, takes
 
 def check_explorer_factory(factory: Callable[..., Any], ref: str, bounds: Any) -> None:
     """Make (and close) one adapter as ``check`` will, ``factory(bounds)``: ``UsageError`` before anything runs
-    when it raises or makes something other than a ``CacheAdapter`` (``fuzz``'s factory, say), a mistake in
-    ``--adapter``, not a finding of the run."""
+    when it raises, makes something other than a ``CacheAdapter`` (``fuzz``'s factory, say), or makes one
+    without the operations the explorer needs: a mistake in ``--adapter``, not a finding of the run."""
     from hicache_fsm.testing.adapter import CacheAdapter
+    from hicache_fsm.testing.explorer import missing_ops
 
     try:
         made = factory(bounds)
@@ -105,6 +106,10 @@ def check_explorer_factory(factory: Callable[..., Any], ref: str, bounds: Any) -
     _close(made)
     if not isinstance(made, CacheAdapter):
         raise UsageError(f"--adapter {ref} returned {type(made).__name__}, not a CacheAdapter ({CHECK_CALLS})")
+    missing = missing_ops(made)
+    if missing:
+        raise UsageError(f"--adapter {ref} makes {type(made).__name__}, which lacks {' and '.join(missing)}: "
+                         f"check needs them (the explorer's visited set and node bound)")
 
 
 def _probe(factory: Callable[..., Any]) -> Any:

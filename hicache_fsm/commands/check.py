@@ -13,9 +13,11 @@ radix nodes on ``--device-pages`` / ``--host-pages`` pages: every engine step
 (insert, match, lock, load back, back up, pin, evict) and every completion or
 failure of every pending job, in every order. Progress goes to stderr; the
 summary (states, transitions, violations with a shortest counterexample each,
-how far it went) to stdout, the time taken to stderr; with ``--json`` stdout is one JSON object
-that does not depend on the machine. Exit status 1 when a violation was found or when the
-``--max-seconds`` safety stop cut a run short (an incomplete run never passes by the clock).
+how far it went: ``complete``, ``complete to depth N`` when ``--max-depth`` left states unexpanded,
+``INCOMPLETE``, or ``CHECKED NOTHING`` when no step led to a second state or the adapter accepted no
+insert) to stdout, the time taken to stderr; with ``--json`` stdout is one JSON object that does not
+depend on the machine. Exit status 1 when a violation was found, when a run checked nothing, or when
+the ``--max-seconds`` safety stop cut a run short (an incomplete run never passes by the clock).
 """
 
 from __future__ import annotations
@@ -57,8 +59,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                    help="tell hit from never-hit nodes in the state key")
     g.add_argument("--no-redeliver", action="store_true", default=None, help="do not try re-delivering finished acks")
     g.add_argument("--max-depth", type=positive_int,
-                   help="explore every state within this many steps (a model bound: the run stays complete; "
-                        "block stores: default 7)")
+                   help="explore every state within this many steps (a model bound: the run is reported "
+                        "'complete to depth N' when deeper states may exist; block stores: default 7)")
     g.add_argument("--max-states", type=positive_int, help="stop after this many states (the run is incomplete)")
     g.add_argument("--max-seconds", type=positive_float,
                    help="safety stop: a run it stops is reported INCOMPLETE and check exits 1")
@@ -82,8 +84,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def how_far(result) -> str:
     """How far a run went, in the words the summary line uses."""
+    if not result.violations and result.checked_nothing():
+        return f"CHECKED NOTHING ({result.checked_nothing()})"
     if result.complete:
-        return "complete"
+        return f"complete to depth {result.bounds.max_depth}" if result.depth_bounded else "complete"
     if result.stopped_by == "violation":
         return "stopped at a violation"
     if result.stopped_by == "max_states":
@@ -107,8 +111,9 @@ def reduced(result) -> str:
 
 
 def _status(results) -> int:
-    """1 when a violation was found or a safety stop cut a run short (never a pass by the clock)."""
-    return 1 if any(r.violations or r.stopped_by == "max_seconds" for r in results) else 0
+    """1 when a violation was found, a run checked nothing, or a safety stop cut a run short (never a pass by
+    the clock)."""
+    return 1 if any(not r.ok or r.stopped_by == "max_seconds" for r in results) else 0
 
 
 # The search is exhaustive: each state tries every prompt and every eviction, so bounds must stay small.
@@ -192,6 +197,7 @@ def _check_portfolio(args: argparse.Namespace) -> int:
             "transitions": sum(r.transitions for _, r in runs),
             "violations": sum(len(r.violations) for _, r in runs),
             "complete": all(r.complete for _, r in runs),
+            "depth_bounded": any(r.depth_bounded for _, r in runs),
             "reductions": {"token_renaming": {"states": sum(r.states for _, r in runs),
                                               "without": sum(r.reductions()["token_renaming"]["without"]
                                                              for _, r in runs)}},
@@ -277,6 +283,7 @@ def _check_prefix_cache(args: argparse.Namespace) -> int:
                 "transitions": sum(r.transitions for r in runs),
                 "violations": sum(len(r.violations) for r in runs),
                 "complete": all(r.complete for r in runs),
+                "depth_bounded": any(r.depth_bounded for r in runs),
                 "runs": [r.to_json() for r in runs],
             }
         print(json.dumps(summary, sort_keys=True))

@@ -4,7 +4,9 @@ Runs ``CacheProtocolMachine`` (engine and executor steps in random orders,
 every invariant checked after every step) for ``--examples`` runs of up to
 ``--steps`` steps from ``--seed``. Progress on stderr. On failure it prints the
 shrunk failing program and a runnable pytest test replaying it (also written
-to ``--test-out``), and exits 1. With ``--json`` stdout is one JSON object.
+to ``--test-out``), and exits 1. A run in which the adapter accepted no insert
+checked nothing: it fails too (exit 1), with no program to show. With ``--json``
+stdout is one JSON object.
 """
 
 from __future__ import annotations
@@ -103,6 +105,8 @@ def _report(result, args: argparse.Namespace, out) -> None:
         return
     print(f"fuzz: FAILED after {result.examples} runs (seed {args.seed}, {result.seconds:.1f}s): "
           f"{failure_line(result)}", file=out)
+    if result.checked_nothing:  # no bug found, so no failing program or regression test to show
+        return
     print("\n".join(["", "failing steps:", *(f"  {line}" for line in result.steps), "", "regression test:", "",
                      result.test_code]), file=out)
     if args.test_out:

@@ -54,7 +54,12 @@ Checks in every new state: the adapter's invariant catalogue, KV read-back of
 every prompt of the alphabet, and per step the contract of ``checks.perform``
 (refusals change nothing, evictions report what they freed, a second ack is
 refused, no unexpected exception). A successor larger than ``nodes`` is
-checked but not expanded.
+checked but not expanded. An adapter method that raises anywhere else (``invariant_violations``,
+``state_key``, ...) is reported like a violation, with the trace that led to it; an adapter without
+``state_key`` or ``size`` is a ``ConfigError`` before anything runs.
+
+A run that checked nothing is no pass (``ExploreResult.ok`` is False, ``checked_nothing()`` says
+why): no step led to a second state, or the adapter accepted none of the inserts it was offered.
 """
 
 from __future__ import annotations
@@ -64,8 +69,9 @@ import gc
 import itertools
 import logging
 import time
+import traceback
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from typing import TextIO
 
 import attrs
@@ -75,9 +81,13 @@ from hicache_fsm.config import check_positive_int
 from hicache_fsm.errors import ConfigError
 from hicache_fsm.testing.adapter import CacheAdapter
 from hicache_fsm.testing.checks import Step, catalogue, kv_check, perform, replay_steps
+from hicache_fsm.testing.interface import REQUIRED_OPS
 from hicache_fsm.testing.paths import CoverageTracker
 
-__all__ = ["Bounds", "ExploreResult", "Explorer", "Violation", "explore", "hicache_factory", "prompts_for"]
+__all__ = ["EXPLORER_OPS", "Bounds", "ExploreResult", "Explorer", "Violation", "explore", "hicache_factory",
+           "missing_ops", "prompts_for"]
+
+EXPLORER_OPS = ("state_key", "size")  # what the search needs beyond the operations every adapter has
 
 
 @attrs.frozen
@@ -91,8 +101,9 @@ class Bounds:
     keeps "was this node ever hit" in the state key even when the policy does
     not read hit counts (LRU, not selective), to explore hit-count bookkeeping.
     ``max_depth``: every state within this many steps of the empty cache is reached and checked,
-    those at the bound are not expanded (a model bound: the run is still *complete* when the
-    frontier within it ran dry). ``max_states`` stops the search early (then it is incomplete).
+    those at the bound are not expanded (a model bound: the run is *complete to depth N*, and
+    ``ExploreResult.depth_bounded`` says that states at the bound were left, so deeper ones may
+    exist). ``max_states`` stops the search early (then it is incomplete).
     ``max_seconds`` is a safety stop only: a run it stops is incomplete and ``check`` fails, so no
     verdict depends on the clock.
     ``storage`` attaches an L3 tier run step by step (``ManualStorageTier`` over ``memory://``):
@@ -207,15 +218,27 @@ class ExploreResult:
     skipped: int = 0
     max_depth: int = 0
     raw_states: int = 0  # states counted once per distinct token renaming (what the renaming merged)
+    inserts: int = 0  # inserts the adapter accepted (a run with none changed no cache: it checked nothing)
     seconds: float = 0.0
-    complete: bool = False
+    complete: bool = False  # every state within the bounds (the depth bound included) was reached and checked
+    depth_bounded: bool = False  # states at ``max_depth`` were left unexpanded: deeper states may exist
     stopped_by: str = ""  # "", "max_states", "max_seconds" or "violation": why the frontier was left
     violations: list[Violation] = attrs.Factory(list)
     coverage: dict = attrs.Factory(dict)
 
     @property
     def ok(self) -> bool:
-        return not self.violations
+        """No violation, and the run checked something (a search that found no new state proves nothing)."""
+        return not self.violations and not self.checked_nothing()
+
+    def checked_nothing(self) -> str:
+        """Why this run is no evidence although it found nothing ("" when it checked something): no step led
+        to a second state, or the adapter refused every insert it was offered."""
+        if self.states <= 1:
+            return "no step led to a second state"
+        if not self.inserts and "insert" not in self.bounds.omit:
+            return "the adapter accepted no insert"
+        return ""
 
     def reductions(self) -> dict:
         """What the search left out, per reduction: token renaming (states kept, and counted once per
@@ -234,11 +257,35 @@ class ExploreResult:
             "max_depth": self.max_depth,
             "reductions": self.reductions(),
             "complete": self.complete,
+            "depth_bounded": self.depth_bounded,
+            "checked_nothing": self.checked_nothing(),
             "stopped_by": self.stopped_by,
             "violations": len(self.violations),
             "counterexamples": [v.to_json() for v in self.violations],
             "coverage": self.coverage,
         }
+
+
+def missing_ops(adapter: CacheAdapter) -> list[str]:
+    """The operations the explorer needs that ``adapter`` lacks: ``state_key`` (its visited set), ``size``
+    (its node bound)."""
+    return [op for op in EXPLORER_OPS if not adapter.supports(op)]
+
+
+def adapter_error(where: str, exc: Exception) -> str:
+    """An adapter method that raised outside a step's own call, as a problem: the adapter's failure, reported
+    with the trace that led to it (kind ``adapter_error``, so a method that always raises is reported once)."""
+    tb = traceback.extract_tb(exc.__traceback__)
+    at = f" at {tb[-1].name}:{tb[-1].lineno}" if tb and tb[-1].filename != __file__ else ""
+    return f"adapter_error: {where}: raised {type(exc).__name__}: {exc}{at}"
+
+
+def guarded(where: str, check: Callable[[], list[str]]) -> list[str]:
+    """``check()``'s problems, or the exception an adapter method raised in it as one problem."""
+    try:
+        return check()
+    except Exception as exc:  # noqa: BLE001 - the user's adapter: any exception is its failure, not ours
+        return [adapter_error(where, exc)]
 
 
 class Explorer:
@@ -313,15 +360,6 @@ class Explorer:
             out.append(Step("redeliver", (len(adapter.finished_jobs()) - 1,)))
         return [s for s in out if s.op not in b.omit] if b.omit else out
 
-    def _trace(self, parents: dict, key) -> tuple[Step, ...]:
-        steps = []
-        while True:
-            parent, step = parents[key]
-            if parent is None:
-                return self.bounds.start + tuple(reversed(steps))
-            steps.append(step)
-            key = parent
-
     def run(self) -> ExploreResult:
         """Explore; torch runs single-threaded and the cyclic GC runs rarely meanwhile (tiny tensors,
         many short-lived object graphs), both restored afterwards."""
@@ -336,102 +374,64 @@ class Explorer:
             torch.set_num_threads(threads)
             gc.set_threshold(*gc_threshold)
 
+    def _root(self) -> CacheAdapter:
+        """``factory(bounds)``; ``ConfigError`` when it lacks what the search needs (not a traceback mid-run)."""
+        root = self.factory(self.bounds)
+        missing = missing_ops(root)
+        if missing:
+            root.close()
+            raise ConfigError(f"{root.describe()}: the explorer needs the adapter's {' and '.join(missing)} "
+                              f"(its visited set and node bound); it lacks them")
+        return root
+
     def _run(self) -> ExploreResult:
         b = self.bounds
         t0 = time.perf_counter()
-        root = self.factory(b)
+        root = self._root()
         result = ExploreResult(b, adapter=root.describe())
-        for n, step in enumerate(b.start):
-            out = perform(root, step)
-            problems = out.problems or catalogue(root, self.prompts)
-            if out.skipped or out.rejected is not None:
-                problems = problems or [f"start: step {n + 1} {step} was {'skipped' if out.skipped else 'refused'}"]
-            if problems:
-                result.violations.append(Violation(tuple(problems), b.start[: n + 1]))
-                result.stopped_by = "violation"
-                return self._finish(result, t0, 0, False)
-        self._node_kv = root.supports("kv_violations")
+        if not self._start(root, result):
+            return self._finish(result, t0, 0, False)
         if self.coverage is not None:
             self.coverage.attach_all(root.machines())
-        keyed = getattr(root, "state_key_orbit", None)
-        key_orbit = (lambda w: w.state_key_orbit()) if keyed is not None else (lambda w: (w.state_key(), 1))
-        key0, orbit = key_orbit(root)
-        result.raw_states = orbit
-        parents: dict = {key0: (None, None)}
-        outside: set = set()
-        seen_problems: set[str] = set()
-
-        def report(problems: list[str], trace: tuple[Step, ...]) -> bool:
-            kinds = {p.split(":")[0] for p in problems}
-            if not self.stop_on_first and kinds <= seen_problems:
-                return False
-            seen_problems.update(kinds)
-            result.violations.append(Violation(tuple(problems), trace))
-            return self.stop_on_first or len(result.violations) >= self.max_violations
-
-        problems = catalogue(root, self.prompts)
-        if problems and report(problems, ()):
-            return self._finish(result, t0, len(parents), False)
-        queue = deque([(root, key0, 0)])
+        search = _Search(self, root, result)
+        problems = guarded("the start state", lambda: search.begin(root))
+        if problems and (search.report(problems, ()) or not search.queue):  # no key: nothing to search from
+            result.stopped_by = "violation"
+            return self._finish(result, t0, len(search.parents), False)
         last = t0
-        stop = False
-        while queue and not stop:
-            world, key, depth = queue.popleft()
-            for step in self.steps(world):
-                if not world.applicable(step.op, step.args):
-                    result.skipped += 1
-                    continue
-                child = world.clone()
-                out = perform(child, step, before=world.snapshot)
-                if out.skipped:
-                    result.skipped += 1
-                    continue
-                result.transitions += 1
-                if out.problems:
-                    if report(out.problems, self._trace(parents, key) + (step,)):
-                        stop = True
-                        break
-                    continue
-                ckey, orbit = key_orbit(child)
-                if ckey in parents or ckey in outside:
-                    # KV contents are not in the key: a step that corrupts a copy can land on a key
-                    # first reached with good data, so read-back is checked after every step
-                    bad = kv_check(child, () if self._node_kv else self.prompts)
-                    if bad and report(bad, self._trace(parents, key) + (step,)):
-                        stop = True
-                        break
-                    continue
-                too_big = b.nodes is not None and child.size() > b.nodes
-                if too_big:
-                    outside.add(ckey)
-                    result.pruned += 1
-                else:
-                    parents[ckey] = (key, step)
-                    result.raw_states += orbit
-                problems = catalogue(child, () if self._node_kv else self.prompts)
-                if problems:
-                    trace = (self._trace(parents, key) + (step,))
-                    if report(problems, trace):
-                        stop = True
-                        break
-                    continue
-                result.max_depth = max(result.max_depth, depth + 1)
-                if not too_big and (b.max_depth is None or depth + 1 < b.max_depth):
-                    queue.append((child, ckey, depth + 1))
+        while search.queue and not search.stop:
+            world, key, depth = search.queue.popleft()
+            search.expand(world, key, depth)
             now = time.perf_counter()
             if self.progress is not None and now - last >= self.progress_every:
                 last = now
-                print(f"explore: {len(parents)} states, {result.transitions} transitions, frontier {len(queue)}, "
-                      f"depth {depth}, {now - t0:.1f}s", file=self.progress, flush=True)
-            if b.max_states is not None and len(parents) >= b.max_states:
+                print(f"explore: {len(search.parents)} states, {result.transitions} transitions, frontier "
+                      f"{len(search.queue)}, depth {depth}, {now - t0:.1f}s", file=self.progress, flush=True)
+            if b.max_states is not None and len(search.parents) >= b.max_states:
                 result.stopped_by = "max_states"
                 break
             if b.max_seconds is not None and now - t0 >= b.max_seconds:
                 result.stopped_by = "max_seconds"
                 break
-        if stop:
+        if search.stop:
             result.stopped_by = "violation"
-        return self._finish(result, t0, len(parents), not queue and not stop)
+        return self._finish(result, t0, len(search.parents), not search.queue and not search.stop)
+
+    def _start(self, root: CacheAdapter, result: ExploreResult) -> bool:
+        """Run ``Bounds.start`` on ``root``, each step checked; False (its violation recorded) when one fails."""
+        for n, step in enumerate(self.bounds.start):
+            out = perform(root, step)
+            if step.op == "insert" and out.result:
+                result.inserts += 1
+            problems = out.problems or guarded(f"after start step {n + 1} {step}",
+                                               lambda: catalogue(root, self.prompts))
+            if out.skipped or out.rejected is not None:
+                problems = problems or [f"start: step {n + 1} {step} was {'skipped' if out.skipped else 'refused'}"]
+            if problems:
+                result.violations.append(Violation(tuple(problems), self.bounds.start[: n + 1]))
+                result.stopped_by = "violation"
+                return False
+        return True
 
     def _finish(self, result: ExploreResult, t0: float, states: int, complete: bool) -> ExploreResult:
         result.states = states
@@ -447,6 +447,114 @@ class Explorer:
     def replay(self, trace: Iterable[Step]) -> list[str]:
         """Re-run a counterexample on a fresh adapter; the problems it ends with."""
         return replay_steps(self.factory(self.bounds), trace, self.prompts)
+
+
+class _Search:
+    """One breadth-first run: the states seen (``parents``: key -> (parent key, step), each new state's first
+    way in), those larger than ``Bounds.nodes`` (``outside``), the frontier, and what was reported."""
+
+    def __init__(self, explorer: Explorer, root: CacheAdapter, result: ExploreResult) -> None:
+        self.explorer, self.bounds, self.result = explorer, explorer.bounds, result
+        # an adapter that checks every entry's KV at once needs no prompt read back
+        self.kv_prompts = () if root.supports("kv_violations") else explorer.prompts
+        keyed = getattr(root, "state_key_orbit", None) is not None
+        self.key_orbit = (lambda w: w.state_key_orbit()) if keyed else (lambda w: (w.state_key(), 1))
+        self.parents: dict = {}
+        self.outside: set = set()
+        self.queue: deque = deque()
+        self.seen_problems: set[str] = set()
+        self.stop = False
+
+    def begin(self, root: CacheAdapter) -> list[str]:
+        """Key, queue and check the start state; its problems."""
+        key, orbit = self.key(root)
+        self.parents[key] = (None, None)
+        self.result.raw_states = orbit
+        self.queue.append((root, key, 0))
+        return catalogue(root, self.explorer.prompts)
+
+    def key(self, world: CacheAdapter) -> tuple[Hashable, int]:
+        """The state's key and orbit size; a key that cannot be hashed is the adapter's failure, named."""
+        key, orbit = self.key_orbit(world)
+        try:
+            hash(key)
+        except TypeError:
+            raise TypeError(f"state_key() returned {key!r:.80}, which is not hashable") from None
+        return key, orbit
+
+    def trace(self, key) -> tuple[Step, ...]:
+        """The steps from the empty cache (``Bounds.start`` first) to the state ``key``."""
+        steps = []
+        while True:
+            parent, step = self.parents[key]
+            if parent is None:
+                return self.bounds.start + tuple(reversed(steps))
+            steps.append(step)
+            key = parent
+
+    def report(self, problems: list[str], trace: tuple[Step, ...]) -> bool:
+        """Record a violation (one per set of problem kinds unless stopping on the first); True: stop."""
+        kinds = {p.split(":")[0] for p in problems}
+        if not self.explorer.stop_on_first and kinds <= self.seen_problems:
+            return False
+        self.seen_problems.update(kinds)
+        self.result.violations.append(Violation(tuple(problems), trace))
+        self.stop = self.explorer.stop_on_first or len(self.result.violations) >= self.explorer.max_violations
+        return self.stop
+
+    def expand(self, world: CacheAdapter, key, depth: int) -> None:
+        """Try every step of ``world``; an adapter method that raises is reported like a violation."""
+        try:
+            steps = self.explorer.steps(world)
+        except Exception as exc:  # noqa: BLE001 - the user's adapter listing what it holds: its failure
+            self.report([adapter_error("listing the next steps", exc)], self.trace(key))
+            return
+        for step in steps:
+            problems = guarded(f"after {step}", lambda: self.visit(world, key, depth, step))
+            if problems and self.report(problems, self.trace(key) + (step,)):
+                return
+
+    def visit(self, world: CacheAdapter, key, depth: int, step: Step) -> list[str]:
+        """Run ``step`` on a fork of ``world``; keep, check and queue the state it reaches; its problems."""
+        r, b = self.result, self.bounds
+        if not world.applicable(step.op, step.args):
+            r.skipped += 1
+            return []
+        child = world.clone()
+        out = perform(child, step, before=world.snapshot)
+        if out.skipped and step.op in REQUIRED_OPS:
+            return [f"required_op: {step}: raised NotSupported, but every adapter implements {step.op}"]
+        if out.skipped:
+            r.skipped += 1
+            return []
+        r.transitions += 1
+        if out.problems:
+            return out.problems
+        if step.op == "insert" and out.result:
+            r.inserts += 1
+        ckey, orbit = self.key(child)
+        if ckey in self.parents or ckey in self.outside:
+            # KV contents are not in the key: a step that corrupts a copy can land on a key
+            # first reached with good data, so read-back is checked after every step
+            return kv_check(child, self.kv_prompts)
+        too_big = child.size() > b.nodes
+        if too_big:
+            self.outside.add(ckey)
+            r.pruned += 1
+        else:
+            self.parents[ckey] = (key, step)
+            r.raw_states += orbit
+        problems = catalogue(child, self.kv_prompts)
+        if problems:
+            return problems
+        r.max_depth = max(r.max_depth, depth + 1)
+        if too_big:
+            return []
+        if b.max_depth is not None and depth + 1 >= b.max_depth:
+            r.depth_bounded = True  # a state at the bound, left unexpanded: deeper ones may exist
+        else:
+            self.queue.append((child, ckey, depth + 1))
+        return []
 
 
 def explore(bounds: Bounds = Bounds(), factory: Callable[[Bounds], CacheAdapter] = hicache_factory, **kw) -> ExploreResult:

@@ -52,8 +52,8 @@ from typing import Any
 
 import attrs
 
-__all__ = ["OPTIONAL_OPS", "CacheAdapter", "JobInfo", "MatchInfo", "NotSupported", "Occupancy", "Rejected",
-           "StorageFault"]
+__all__ = ["OPTIONAL_OPS", "REQUIRED_OPS", "CacheAdapter", "JobInfo", "MatchInfo", "NotSupported", "Occupancy",
+           "Rejected", "StorageFault"]
 
 
 class NotSupported(Exception):
@@ -108,7 +108,8 @@ class StorageFault:
     count: int = 1
 
 
-
+# every adapter implements these: one raising ``NotSupported`` is an adapter bug, not an operation to skip
+REQUIRED_OPS = ("insert", "match", "read_kv", "invariant_violations")
 OPTIONAL_OPS = (
     "lock", "unlock", "held_locks", "pin_host", "unpin_host", "held_pins", "evict", "evict_host",
     "load_back", "backup", "complete_job", "fail_job", "redeliver", "prefetch", "prefetching", "prefetch_ready",

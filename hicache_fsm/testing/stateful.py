@@ -23,7 +23,12 @@ adapter's invariants and KV read back from every valid copy of every prompt
 seen so far. Each step's own contract is checked by ``checks.perform``.
 
 ``run_fuzz`` runs a machine outside pytest with a seed, a progress line and a
-failing example turned into a runnable pytest test (``regression_test``).
+failing example turned into a runnable pytest test (``regression_test``). It builds
+one adapter per variant first: a factory that refuses a variant (a ``HiCacheError``)
+raises ``VariantRefused``, one that fails otherwise (a ``TypeError`` for a misspelt
+keyword, say) ``BrokenFactory``: mistakes in the call or the factory, not found bugs,
+whichever variants the runs draw. A run in which the adapter accepted no insert
+changed no cache and checked nothing: it fails (``FuzzResult.checked_nothing``).
 """
 
 from __future__ import annotations
@@ -54,12 +59,13 @@ from hicache_fsm.errors import ConfigError, HiCacheError
 from hicache_fsm.testing.adapter import CacheAdapter, StorageFault, check_variants
 from hicache_fsm.testing.checks import Step, catalogue, perform
 from hicache_fsm.testing.fixed_draws import without_local_constants
+from hicache_fsm.testing.interface import REQUIRED_OPS
 from hicache_fsm.testing.paths import CoverageTracker
 from hicache_fsm.testing.strategies import pages_to_tokens, prompt_pages, storage_faults
 
 __all__ = [
-    "CP_VARIANTS", "HICACHE_VARIANTS", "CacheProtocolMachine", "FuzzResult", "VariantRefused", "cp_machine",
-    "hicache_machine", "protocol_test_case", "regression_test", "run_fuzz",
+    "CP_VARIANTS", "HICACHE_VARIANTS", "BrokenFactory", "CacheProtocolMachine", "FuzzResult", "Tally",
+    "VariantRefused", "cp_machine", "hicache_machine", "protocol_test_case", "regression_test", "run_fuzz",
 ]
 
 ALPHABET = 3
@@ -73,6 +79,19 @@ def _supports(op: str) -> Callable[[Any], bool]:
 
 class VariantRefused(ConfigError):
     """The adapter factory refused a variant: ``run_fuzz`` raises it instead of reporting a failing run."""
+
+
+class BrokenFactory(ConfigError):
+    """The adapter factory failed with an error of its own (not a ``HiCacheError`` refusal) or made no
+    ``CacheAdapter``: a bug in the factory or its call, so ``run_fuzz`` raises it instead of reporting a found bug."""
+
+
+@attrs.define
+class Tally:
+    """What the adapters accepted over a whole run (``run_fuzz`` shares one among its machines): with no
+    insert accepted, no step changed a cache and the run checked nothing."""
+
+    inserts: int = 0
 
 
 class CacheProtocolMachine(RuleBasedStateMachine):
@@ -95,6 +114,7 @@ class CacheProtocolMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.adapter: CacheAdapter | None = None
+        self.tally = Tally()
         self.seen: list[tuple[int, ...]] = []
         self.remote: list[tuple[int, ...]] = []  # prompts only other instances stored
 
@@ -128,6 +148,9 @@ class CacheProtocolMachine(RuleBasedStateMachine):
             return None
         out = perform(self.adapter, Step(op, args), catch=False)
         assert not out.problems, "\n".join(out.problems)
+        assert not (out.skipped and op in REQUIRED_OPS), f"{op}: raised NotSupported, but every adapter implements it"
+        if op == "insert" and out.result:
+            self.tally.inserts += 1
         return out.result
 
     def _remember(self, tokens: tuple[int, ...]) -> None:
@@ -136,14 +159,33 @@ class CacheProtocolMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ setup / teardown
 
+    @classmethod
+    def build(cls, variant: dict) -> CacheAdapter:
+        """``adapter_factory(**variant)``. Its refusal (``VariantRefused``) or failure (``BrokenFactory``) is a
+        mistake in the call or the factory, not a bug the run found."""
+        try:
+            made = cls.adapter_factory(**variant)
+        except HiCacheError as exc:  # the adapter refuses this variant: a mistake in the call, not a found bug
+            raise VariantRefused(f"variant {variant!r}: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - the user's factory failing to build is a broken factory
+            raise BrokenFactory(f"the adapter factory raised {type(exc).__name__} building variant {variant!r}: "
+                                f"{exc}") from None
+        if not isinstance(made, CacheAdapter):
+            raise BrokenFactory(f"the adapter factory returned {type(made).__name__} for variant {variant!r}, "
+                                f"not a CacheAdapter")
+        return made
+
+    @classmethod
+    def build_each_variant(cls) -> None:
+        """Build (and close) one adapter per variant, so that a refused or broken variant is found whichever
+        variants a run draws."""
+        for variant in cls.variants:
+            cls.build(variant).close()
+
     @initialize(target=prompts, variant=st.integers(0, 63), pages=prompt_pages(ALPHABET, 1, MAX_PAGES))
     def setup(self, variant: int, pages: list[int]) -> tuple[int, ...]:
         """Build the cache (one of ``variants``) and insert a first prompt."""
-        kw = self.variants[variant % len(self.variants)]
-        try:
-            self.adapter = type(self).adapter_factory(**kw)
-        except HiCacheError as exc:  # the adapter refuses this variant: a mistake in the call, not a found bug
-            raise VariantRefused(f"variant {kw!r}: {exc}") from None
+        self.adapter = self.build(self.variants[variant % len(self.variants)])
         if self.coverage is not None:
             self.coverage.attach_all(self.adapter.machines())
         return self.insert(pages)
@@ -538,10 +580,12 @@ class FuzzResult:
     steps: list[str] = attrs.Factory(list)
     test_code: str = ""
     coverage: dict = attrs.Factory(dict)
+    checked_nothing: str = ""  # why a run that found no failure is no evidence ("" when it checked something)
 
     def to_json(self) -> dict:
         return {"ok": self.ok, "examples": self.examples, "seconds": round(self.seconds, 3), "seed": self.seed,
-                "failure": self.failure, "steps": self.steps, "test": self.test_code, "coverage": self.coverage}
+                "failure": self.failure, "steps": self.steps, "test": self.test_code, "coverage": self.coverage,
+                "checked_nothing": self.checked_nothing}
 
 
 _STEP_LINE = re.compile(r"^(state\b|[a-z_]+_\d+ = state\.|state\.)")
@@ -574,13 +618,19 @@ def run_fuzz(machine: type[CacheProtocolMachine], *, examples: int = 100, steps:
 
     Deterministic for a given ``seed``, whatever the process imported before
     (``fixed_draws``). On failure, ``steps`` holds the shrunk falsifying
-    program and ``test_code`` a pytest test that replays it.
+    program and ``test_code`` a pytest test that replays it. A protocol machine
+    first builds each variant (``VariantRefused`` / ``BrokenFactory``), and a run
+    whose adapters accepted no insert fails as having checked nothing.
     """
     if not (isinstance(machine, type) and issubclass(machine, RuleBasedStateMachine)):
         raise ConfigError(f"run_fuzz runs a state machine class (hicache_machine(), cp_machine(), "
                           f"CacheProtocolMachine.bind(...), blockstore's store_machine(...)), got {machine!r}")
     check_positive_int("examples", examples)
     check_positive_int("steps", steps)
+    protocol = issubclass(machine, CacheProtocolMachine)
+    if protocol:
+        machine.build_each_variant()
+    tally = Tally()
     count = [0]
     t0 = time.perf_counter()
     last = [t0]
@@ -600,7 +650,10 @@ def run_fuzz(machine: type[CacheProtocolMachine], *, examples: int = 100, steps:
                       flush=True)
             else:
                 print(f"fuzz: {done}/{examples} examples, {now - t0:.1f}s", file=progress, flush=True)
-        return machine()
+        made = machine()
+        if protocol:
+            made.tally = tally
+        return made
 
     phases = [Phase.explicit, Phase.reuse, Phase.generate] + ([Phase.shrink] if shrink else [])
     settings = Settings(max_examples=examples, stateful_step_count=steps, deadline=None, database=None,
@@ -613,7 +666,7 @@ def run_fuzz(machine: type[CacheProtocolMachine], *, examples: int = 100, steps:
         try:
             test()
         except BaseException as exc:
-            if isinstance(exc, (KeyboardInterrupt, VariantRefused)):
+            if isinstance(exc, (KeyboardInterrupt, VariantRefused, BrokenFactory)):
                 raise
             result.ok = False
             result.failure = f"{type(exc).__name__}: {exc}"
@@ -625,7 +678,11 @@ def run_fuzz(machine: type[CacheProtocolMachine], *, examples: int = 100, steps:
     result.seconds = time.perf_counter() - t0
     if machine.coverage is not None:
         result.coverage = machine.coverage.report()
-    if not result.ok:
+    if result.ok and protocol and not tally.inserts:  # no failing program to show: nothing was checked
+        result.ok = False
+        result.checked_nothing = f"in {result.examples} runs the adapter accepted no insert, so no step changed a cache"
+        result.failure = f"checked nothing: {result.checked_nothing}"
+    elif not result.ok:
         result.steps = [l for text in lines for l in text.splitlines() if _STEP_LINE.match(l)]
         name = machine.__name__
         imp = machine_import or (f"from hicache_fsm.testing.stateful import hicache_machine\n"
