@@ -222,3 +222,26 @@ def test_a_refused_variant_stays_variant_refused(examples):
     machine = CacheProtocolMachine.bind(HiCacheAdapter, variants=[{}, {"devce_pages": 3}])
     with pytest.raises(VariantRefused, match="devce_pages"):
         run_fuzz(machine, examples=examples, steps=5, seed=0, shrink=False)
+
+
+@pytest.mark.parametrize("command", ["check", "fuzz"])
+def test_an_adapter_module_that_exits_at_import_is_a_usage_error_not_a_pass(tmp_path, command, capsys):
+    """``sys.exit(0)`` while importing the adapter ended the command with status 0 and no output: a CI pass."""
+    module = tmp_path / "exits.py"
+    module.write_text("import sys\nsys.exit(0)\n")
+    assert main([command, "--quiet", "--adapter", f"{module}:make"]) == 2
+    assert "cannot import" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--max-jobs", "3"], ["--max-entries", "1"], ["--no-symmetry"]])
+def test_block_store_flags_without_a_block_store_adapter_are_refused(argv, capsys):
+    """``--max-jobs`` and ``--max-entries`` were taken and ignored (``--no-symmetry`` was refused)."""
+    assert main(["check", "--quiet", "--max-depth", "1", *argv]) == 2
+    assert "is for a block-store --adapter" in capsys.readouterr().err
+
+
+def test_a_block_store_alphabet_beyond_the_prompt_bound_is_refused(capsys):
+    """The prefix cache's bound on prompts per state now holds for block stores (10**30 overflowed)."""
+    adapter = f"{Path(__file__).resolve().parents[1] / 'examples' / 'block_offload_manager.py'}:make_adapter"
+    assert main(["check", "--quiet", "--adapter", adapter, "--max-depth", "1", "--alphabet", str(10**30)]) == 2
+    assert "prompts to try in every state" in capsys.readouterr().err

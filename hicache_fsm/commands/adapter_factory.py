@@ -23,7 +23,7 @@ def load_factory(ref: str) -> Callable[..., Any]:
         raise UsageError(f"--adapter: no such file {where}")
     try:
         module = _import(where)
-    except Exception as exc:  # the user's module: any failure to import it is a bad --adapter
+    except (Exception, SystemExit) as exc:  # the user's module: any failure (a sys.exit too) is a bad --adapter
         raise UsageError(f"--adapter: cannot import {where}: {type(exc).__name__}: {exc}") from None
     factory = getattr(module, attr, None)
     if not callable(factory):
@@ -81,7 +81,7 @@ def make_block_store(factory: Callable[..., Any], variant: dict, ref: str, takes
         if not takes_bounds:  # fuzz: a factory wanting other arguments (the explorer's Bounds) cannot be run
             raise UsageError(f"--adapter {ref}{_with(variant)} raised TypeError: {exc} ({FUZZ_CALLS})") from None
         return None  # a prefix-cache factory taking the Bounds
-    except Exception as exc:  # the user's factory: any failure is a bad --adapter / --variant
+    except (Exception, SystemExit) as exc:  # the user's factory: any failure is a bad --adapter / --variant
         raise UsageError(f"--adapter {ref}{_with(variant)} raised {type(exc).__name__}: {exc}") from None
     if isinstance(made, BlockStoreAdapter):
         return made
@@ -101,7 +101,7 @@ def check_explorer_factory(factory: Callable[..., Any], ref: str, bounds: Any) -
 
     try:
         made = factory(bounds)
-    except Exception as exc:  # the user's factory: any failure to make an adapter is a bad --adapter
+    except (Exception, SystemExit) as exc:  # the user's factory: any failure to make one is a bad --adapter
         raise UsageError(f"--adapter {ref} raised {type(exc).__name__}: {exc} ({CHECK_CALLS})") from None
     _close(made)
     if not isinstance(made, CacheAdapter):
@@ -115,7 +115,7 @@ def check_explorer_factory(factory: Callable[..., Any], ref: str, bounds: Any) -
 def _probe(factory: Callable[..., Any]) -> Any:
     try:
         made = factory()
-    except Exception:  # noqa: BLE001 - only asking whether it makes a block store without arguments
+    except (Exception, SystemExit):  # noqa: BLE001 - only asking whether it makes a block store without arguments
         return None
     _close(made)
     return made

@@ -22,6 +22,19 @@ from hicache_fsm.commands.adapter_factory import import_lines, load_factory, mak
 from hicache_fsm.commands.args import UsageError
 
 INTERRUPTED = 130  # 128 + SIGINT, as shells report it
+# The search is exhaustive: each state tries every prompt, so the prompts must stay few.
+MAX_PROMPTS = 4096
+
+
+def refuse_many_prompts(alphabet: int, pages: int) -> None:
+    """``UsageError`` when prompts of 1..``pages`` pages over ``alphabet`` contents number more than MAX_PROMPTS."""
+    prompts, per_length = 0, 1
+    for _ in range(pages):  # stops as soon as the count is too big, however long --max-len is
+        per_length *= alphabet
+        prompts += per_length
+        if prompts > MAX_PROMPTS:
+            raise UsageError(f"--alphabet {alphabet} with prompts of up to {pages} pages gives more than "
+                             f"{MAX_PROMPTS} prompts to try in every state (lower --alphabet or --max-len)")
 # check flags a block store has no use for, with the value meaning "not given"
 CHECK_ONLY_FOR_PREFIX_CACHES = ("nodes", "device_pages", "host_pages", "layers", "page_size", "locks", "pins",
                                 "write_policy", "eviction_policy", "track_hits", "max_seconds", "coverage", "record")
@@ -39,15 +52,18 @@ def check_block_store(args: argparse.Namespace, defaults: dict) -> int | None:
             raise UsageError(f"--variant is for block-store factories; {args.adapter} makes prefix caches")
         return None
     _refuse_flags(args, CHECK_ONLY_FOR_PREFIX_CACHES, defaults)
-    if args.max_jobs < 1:
-        raise UsageError(f"--max-jobs {args.max_jobs} is not a positive integer")
+    max_jobs = 2 if args.max_jobs is None else args.max_jobs
+    if max_jobs < 1:
+        raise UsageError(f"--max-jobs {max_jobs} is not a positive integer")
     if args.max_entries is not None and args.max_entries < 0:
         raise UsageError(f"--max-entries {args.max_entries} is not a non-negative integer")
+    alphabet, max_len = args.alphabet or 2, args.max_len or 3
+    refuse_many_prompts(alphabet, max_len)
     from hicache_fsm.testing.blockstore import StoreBounds, StoreWorld, explore_store
 
     _check_world(StoreWorld, first, args.adapter)
     depth = getattr(args, "max_depth", None)
-    bounds = StoreBounds(alphabet=args.alphabet or 2, max_len=args.max_len or 3, max_jobs=args.max_jobs,
+    bounds = StoreBounds(alphabet=alphabet, max_len=max_len, max_jobs=max_jobs,
                          max_entries=args.max_entries, max_states=args.max_states,
                          max_depth=StoreBounds().max_depth if depth is None else depth,
                          redeliver=not args.no_redeliver, symmetry=not getattr(args, "no_symmetry", False))

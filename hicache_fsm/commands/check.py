@@ -70,7 +70,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="explore your own cache: a callable taking the Bounds and returning a CacheAdapter")
     parser.add_argument("--variant", metavar="JSON", type=json_kwargs,
                         help="keyword arguments for a block-store --adapter factory, as a JSON object")
-    g.add_argument("--max-jobs", type=int, default=2, help="block stores: jobs in flight at once (default 2)")
+    g.add_argument("--max-jobs", type=int, default=None, help="block stores: jobs in flight at once (default 2)")
     g.add_argument("--max-entries", type=int, default=None, help="block stores: keys held in a state to expand")
     g.add_argument("--no-symmetry", action="store_true",
                    help="block stores: do not merge states that differ only by the names of block keys")
@@ -117,19 +117,14 @@ def _status(results) -> int:
 
 
 # The search is exhaustive: each state tries every prompt and every eviction, so bounds must stay small.
-MAX_PROMPTS = 4096
 MAX_POOL_TOKENS = 1 << 20
 
 
 def _check_bounds_are_small(args: argparse.Namespace) -> None:
-    pages = args.max_len if args.max_len is not None else max(1, min(args.nodes, args.device_pages))
-    prompts, per_length = 0, 1
-    for _ in range(pages):  # stops as soon as the count is too big, however long --max-len is
-        per_length *= args.alphabet
-        prompts += per_length
-        if prompts > MAX_PROMPTS:
-            raise UsageError(f"--alphabet {args.alphabet} with prompts of up to {pages} pages gives more than "
-                             f"{MAX_PROMPTS} prompts to try in every state (lower --alphabet or --max-len)")
+    from hicache_fsm.commands.block_store import refuse_many_prompts
+
+    refuse_many_prompts(args.alphabet, args.max_len if args.max_len is not None
+                        else max(1, min(args.nodes, args.device_pages)))
     tokens = (args.device_pages + args.host_pages) * args.page_size * args.layers
     if tokens > MAX_POOL_TOKENS:
         raise UsageError(f"pools of {tokens} token-layers are far beyond what an exhaustive search can cover; "
@@ -145,8 +140,10 @@ def run(args: argparse.Namespace) -> int:
             return status
     elif args.variant is not None:
         raise UsageError("--variant needs --adapter")
-    if args.no_symmetry:
-        raise UsageError("--no-symmetry is for a block-store --adapter")
+    for flag, given in (("--no-symmetry", args.no_symmetry), ("--max-jobs", args.max_jobs is not None),
+                        ("--max-entries", args.max_entries is not None)):
+        if given:
+            raise UsageError(f"{flag} is for a block-store --adapter")
     return _check_prefix_cache(args)
 
 
