@@ -653,26 +653,42 @@ def run_fuzz(machine: type[CacheProtocolMachine], *, examples: int = 100, steps:
             made.tally = tally
         return made
 
-    phases = [Phase.explicit, Phase.reuse, Phase.generate] + ([Phase.shrink] if shrink else [])
-    settings = Settings(max_examples=examples, stateful_step_count=steps, deadline=None, database=None,
-                        suppress_health_check=list(HealthCheck), phases=phases, print_blob=False,
-                        verbosity=Verbosity.normal, report_multiple_bugs=False)
-    test = hypothesis_seed(seed)(get_state_machine_test(factory, settings=settings))
+    def attempt(phases: list[Phase], lines: list[str]) -> BaseException | None:
+        """One hypothesis run over ``phases`` from ``seed``; the failure it ends with, its report in ``lines``."""
+        settings = Settings(max_examples=examples, stateful_step_count=steps, deadline=None, database=None,
+                            suppress_health_check=list(HealthCheck), phases=phases, print_blob=False,
+                            verbosity=Verbosity.normal, report_multiple_bugs=False)
+        test = hypothesis_seed(seed)(get_state_machine_test(factory, settings=settings))
+        with with_reporter(lines.append):
+            try:
+                test()
+            except BaseException as exc:
+                if isinstance(exc, (KeyboardInterrupt, VariantRefused, BrokenFactory)):
+                    raise
+                lines.extend(getattr(exc, "__notes__", ()))
+                return exc
+        return None
+
+    # Runs to the first failure are counted without shrinking (whose tries are runs too); the same seed
+    # then finds that failure again and shrinks it.
+    finding = [Phase.explicit, Phase.reuse, Phase.generate]
     lines: list[str] = []
     result = FuzzResult(True, 0, 0.0, seed)
-    with with_reporter(lines.append), without_local_constants():
-        try:
-            test()
-        except BaseException as exc:
-            if isinstance(exc, (KeyboardInterrupt, VariantRefused, BrokenFactory)):
-                raise
-            result.ok = False
-            result.failure = f"{type(exc).__name__}: {exc}"
-            lines.extend(getattr(exc, "__notes__", ()))
+    with without_local_constants():
+        failure = attempt(finding, lines)
+        runs = count[0]
+        if failure is not None and shrink:
+            shrunk: list[str] = []
+            again = attempt([*finding, Phase.shrink], shrunk)
+            if again is not None:
+                failure, lines = again, shrunk
+    if failure is not None:
+        result.ok = False
+        result.failure = f"{type(failure).__name__}: {failure}"
     if live:
         print(file=progress)
-    # hypothesis builds a few machines it then discards (overruns): a passing run ran ``examples`` runs
-    result.examples = min(count[0], examples) if result.ok else count[0]
+    # hypothesis builds a few machines it then discards (overruns): never count more runs than were asked
+    result.examples = min(runs, examples)
     result.seconds = time.perf_counter() - t0
     if machine.coverage is not None:
         result.coverage = machine.coverage.report()
