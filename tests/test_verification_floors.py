@@ -253,3 +253,17 @@ def test_replaying_steps_reports_a_required_op_that_raises_not_supported():
 
     problems = replay_steps(InsertNotSupported(), [Step("insert", ((0, 1),))])
     assert problems and "NotSupported" in problems[0]
+
+
+def test_a_failing_fuzz_counts_the_runs_to_its_failure_not_shrinkings_tries():
+    """``examples`` counted every machine hypothesis built, the shrinker's included: 242 "runs" of 5."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("tiny_lru_cache", HERE.parents[1] / "examples" / "tiny_lru_cache.py")
+    tiny = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tiny)
+    shrunk = run_fuzz(CacheProtocolMachine.bind(tiny.buggy_adapter), examples=5, steps=10, seed=0)
+    found = run_fuzz(CacheProtocolMachine.bind(tiny.buggy_adapter), examples=5, steps=10, seed=0, shrink=False)
+    assert not shrunk.ok and not found.ok
+    assert shrunk.examples == found.examples <= 5
+    assert len(shrunk.steps) <= len(found.steps)
