@@ -91,9 +91,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if any("\0" in str(arg) for arg in argv):  # a real command line cannot carry one; paths would raise ValueError
         print("hicache-fsm: error: arguments cannot contain NUL characters", file=sys.stderr)
         return 2
-    args = build_parser(only=_command_in(argv)).parse_args(argv)
-    name = "hicache-fsm " + args.command + (f" {args.benchmark}" if args.command == BENCH else "")
-    try:
+    command = _command_in(argv)
+    name = f"hicache-fsm {command}" if command else "hicache-fsm"
+    try:  # building the parser imports the command's module (torch, seconds): Ctrl-C there is handled too
+        args = build_parser(only=command).parse_args(argv)
+        name = "hicache-fsm " + args.command + (f" {args.benchmark}" if args.command == BENCH else "")
         return int(args._run(args) or 0)
     except UsageError as exc:
         print(f"{name}: error: {_one_line(exc)}", file=sys.stderr)

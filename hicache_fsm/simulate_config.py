@@ -7,20 +7,21 @@ checked once, and ``build_model`` the model it names.
 
 from __future__ import annotations
 
-import math
-
 import attrs
 import torch
 
 from hicache_fsm.cache import HiCache
 from hicache_fsm.config import CacheConfig, check_positive_int
 from hicache_fsm.errors import ConfigError, MissingExtra
+from hicache_fsm.input_limits import InputRefused, check_count
 from hicache_fsm.model import KVModel, TinyModel
 from hicache_fsm.pools import LAYOUTS, DeviceKVPool, HostKVPool, KVShape, PoolConfig, build_pools, check_device
 from hicache_fsm.simulate_workload import Workload
 from hicache_fsm.tp import MAX_RANKS
 
 MODELS = ("tiny", "llama")
+MAX_MODEL_HEADS = 64  # the tiny model's width grows with its heads: 64 heads of 16 make ~200 MB of weights
+TOKEN_TUPLE_BYTES = 8  # a token id in the prompts the reference run keeps (a pointer to a shared small int)
 NEVER = 1 << 62  # a write_through_selective threshold no node reaches: nothing is backed up
 # A sequential engine waits for its prefetch; any full page is worth fetching (recompute is the alternative).
 STORAGE_OPTIONS = {"stop_policy": "wait_complete"}
@@ -108,6 +109,8 @@ class Options:
         check_positive_int("model_heads", self.model_heads)
         if check_positive_int("tp", self.tp) > MAX_RANKS:
             raise ConfigError(f"--tp {self.tp}: at most {MAX_RANKS} rank processes")
+        if self.model_heads > MAX_MODEL_HEADS:
+            raise ConfigError(f"model_heads {self.model_heads}: at most {MAX_MODEL_HEADS}")
         if self.tp > 1 and self.model != "tiny":
             raise ConfigError(f"--tp {self.tp} runs the tiny model only; --model {self.model} is not sharded across ranks")
         if self.tp > 1 and self.model_heads % self.tp:
@@ -120,10 +123,25 @@ class Options:
             raise ConfigError(
                 f"device_tokens {self.device_tokens} cannot hold one conversation "
                 f"({per_request} tokens); raise --device-tokens or shorten the workload")
+        self._check_workload_memory(per_request)
+
+    def _check_workload_memory(self, per_request: int) -> None:
+        """Refuse a workload the machine cannot hold before it runs (it would grow until the machine gives out).
+
+        Per token the infinite cache holds: its KV in that cache's device and host pools, and its share of the
+        prompts the reference run keeps (at most ``per_request`` tokens a request).
+        """
+        tokens = self.infinite_tokens()
+        kv = KVShape(self.model_layers, self.model_heads, self.model_head_dim, torch.float32).token_bytes
+        prompt_ids_per_token = -(-self.workload.requests * per_request // tokens)
+        try:
+            check_count(tokens, 2 * kv + TOKEN_TUPLE_BYTES * prompt_ids_per_token, "the workload's tokens")
+        except InputRefused as exc:
+            raise ConfigError(f"{exc}; lower --clients, --rounds or the lengths") from None
 
     def infinite_tokens(self) -> int:
         n = self.workload.max_tokens() + self.workload.requests * self.page_size
-        return math.ceil(n / self.page_size) * self.page_size
+        return -(-n // self.page_size) * self.page_size  # in ints: a float would round a huge workload
 
     def tiers(self, storage_url: str | None) -> list[Tier]:
         ps = self.page_size
@@ -158,5 +176,5 @@ def build_model(options: Options, device: str) -> KVModel:
                       vocab=w.vocab, seed=w.seed, dtype=torch.float64, device=device)
 
 
-__all__ = ["DEVICE", "DEVICE_HOST", "FULL", "INFINITE", "MODELS", "NEVER", "STORAGE_OPTIONS", "Options", "Tier",
-           "build_model", "check_pool_options", "device_only", "storage_available"]
+__all__ = ["DEVICE", "DEVICE_HOST", "FULL", "INFINITE", "MAX_MODEL_HEADS", "MODELS", "NEVER", "STORAGE_OPTIONS",
+           "Options", "Tier", "build_model", "check_pool_options", "device_only", "storage_available"]

@@ -31,14 +31,23 @@ from typing import Iterator, TextIO
 import attrs
 
 from hicache_fsm.errors import ConfigError
-from hicache_fsm.trace import DEFAULT_BLOCK_SIZE, check_block_size
+from hicache_fsm.trace import DEFAULT_BLOCK_SIZE, check_block_size, check_tokens
+
+MAX_OPEN = 1 << 16  # sessions open at once, and distinct system prompts: all are made before the first request
 
 
-def _at_least(minimum: int):
+def _at_least(minimum: int, maximum: int | None = None):
     def check(instance, attribute, value) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             raise ConfigError(f"{attribute.name} must be an int >= {minimum}, got {value!r}")
+        if maximum is not None and value > maximum:
+            raise ConfigError(f"{attribute.name} must be at most {maximum}, got {value}")
     return check
+
+
+def _loadable_tokens(instance, attribute, value) -> None:
+    """A length no trace reader could hold (``load_trace`` refuses it) is refused before it is written."""
+    check_tokens(value, attribute.name)
 
 
 def _positive_rate(instance, attribute, value) -> None:
@@ -51,16 +60,23 @@ class TraceShape:
     """What the generated trace looks like (means of the drawn lengths, in tokens)."""
 
     requests: int = attrs.field(default=300, validator=_at_least(1))
-    sessions: int = attrs.field(default=24, validator=_at_least(1))
+    sessions: int = attrs.field(default=24, validator=_at_least(1, MAX_OPEN))
     turns: int = attrs.field(default=5, validator=_at_least(1))
-    system_prompts: int = attrs.field(default=4, validator=_at_least(1))
+    system_prompts: int = attrs.field(default=4, validator=_at_least(1, MAX_OPEN))
     system_length: int = attrs.field(default=1024, validator=_at_least(0))
     user_length: int = attrs.field(default=384, validator=_at_least(2))
-    output_length: int = attrs.field(default=192, validator=_at_least(2))
-    max_input_length: int = attrs.field(default=131072, validator=_at_least(1))
+    output_length: int = attrs.field(default=192, validator=[_at_least(2), _loadable_tokens])
+    max_input_length: int = attrs.field(default=131072, validator=[_at_least(1), _loadable_tokens])
     rate: float = attrs.field(default=2.0, validator=_positive_rate)
     block_size: int = attrs.field(default=DEFAULT_BLOCK_SIZE, validator=lambda i, a, v: check_block_size(v))
     seed: int = attrs.field(default=0, validator=_at_least(0))
+
+    def __attrs_post_init__(self) -> None:
+        longest_system = self.system_length + self.system_length // 2  # lengths are drawn up to 1.5 x the mean
+        if longest_system >= self.max_input_length:
+            raise ConfigError(f"max_input_length {self.max_input_length} cannot hold a system prompt of up to "
+                              f"{longest_system} tokens (1.5 x system_length) and a user turn; raise it or lower "
+                              "system_length")
 
 
 class _Conversation:
@@ -170,13 +186,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", required=True, metavar="FILE.jsonl", help="where to write the trace ('-': stdout)")
     for name, help_ in (
         ("requests", "requests in the trace"),
-        ("sessions", "conversations open at once"),
+        ("sessions", f"conversations open at once, at most {MAX_OPEN}"),
         ("turns", "mean turns per conversation"),
-        ("system-prompts", "distinct shared system prompts (Zipf-popular)"),
+        ("system-prompts", f"distinct shared system prompts (Zipf-popular), at most {MAX_OPEN}"),
         ("system-length", "mean tokens of a system prompt"),
         ("user-length", "mean tokens of a user turn"),
         ("output-length", "mean tokens of an answer"),
-        ("max-input-length", "longest input; a conversation that would exceed it starts afresh"),
+        ("max-input-length", "longest input; a conversation that would exceed it starts afresh (it must exceed "
+                             "1.5 x --system-length)"),
         ("block-size", "tokens per hash id"),
         ("seed", "random seed"),
     ):

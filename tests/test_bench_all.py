@@ -24,11 +24,10 @@ def test_bench_all_quick_writes_the_page(tmp_path, capsys):
     assert "n/a" not in page.split("## Machine")[0]  # every summary figure was found in its result
 
 
-def test_bench_all_refuses_a_missing_directory(tmp_path, monkeypatch):
+def test_bench_all_refuses_a_missing_directory(tmp_path, monkeypatch, capsys):
+    """A usage error (exit 2, the usual one line), refused before any benchmark runs."""
     monkeypatch.chdir(tmp_path)  # no docs/ here
-    try:
-        main(["bench", "all", "--quick"])
-    except SystemExit as exc:
-        assert "--output" in str(exc)
-    else:
-        raise AssertionError("bench all wrote outside a docs/ directory")
+    assert main(["bench", "all", "--quick"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hicache-fsm bench all: error: docs/ does not exist") and "--output" in err
+    assert list(tmp_path.iterdir()) == []

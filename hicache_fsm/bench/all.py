@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from hicache_fsm.bench.common import machine_description
+from hicache_fsm.commands.args import UsageError
 
 # (key, benchmark, arguments): the arguments are exactly what the reproduce command passes.
 STEPS: list[tuple[str, str, list[str]]] = [
@@ -300,9 +301,9 @@ def run(args: argparse.Namespace) -> dict:
     if not args.no_write:
         out = Path(args.output) if args.output else Path("docs") / "performance.md"
         if not out.parent.is_dir():
-            raise SystemExit(f"bench all: {out.parent}/ does not exist; run from the repository root or pass --output")
+            raise UsageError(f"{out.parent}/ does not exist; run from the repository root or pass --output")
         if out.is_dir():  # found now, not after the whole run
-            raise SystemExit(f"bench all: {out} is a directory; pass --output FILE.md")
+            raise UsageError(f"{out} is a directory; pass --output FILE.md")
     started = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     machine = _machine()
     t0 = time.perf_counter()

@@ -67,7 +67,7 @@ import torch
 
 from hicache_fsm.bench.common import ID_FORMS as ENGINE_ID_FORMS, machine_description, report
 from hicache_fsm.cache import HiCache
-from hicache_fsm.commands.args import UsageError, non_negative_int, positive_int
+from hicache_fsm.commands.args import UsageError, check_fits, non_negative_int, positive_int, seed_int
 from hicache_fsm.config import CacheConfig
 from hicache_fsm.executors import AckExecutor
 from hicache_fsm.pools import DeviceKVPool, HostKVPool, KVShape
@@ -83,6 +83,8 @@ SYSTEM_PROMPTS = 8
 VOCAB = 32000
 CHUNK = 100  # requests per timed chunk; chunks of the two variants alternate
 RAW_ALL_REDUCES = 200  # bare all-reduces timed per rank, the transport's floor
+CACHE_TOKEN_BYTES = 64  # a token of make_cache's pools and allocator tables (measured 32, with room)
+REQUEST_BYTES = 2 * 8 * REQUEST_TOKENS  # a request's ids: its tuple, and the form the engine holds them in
 _VOCAB_INTS = list(range(VOCAB))  # token ids as a tokenizer's vocabulary table hands them out
 
 
@@ -99,6 +101,17 @@ def make_requests(n: int, seed: int = 0, prompts: list[tuple[int, ...]] | None =
         rng.choice(prompts) + tuple(vocab[rng.randrange(1, VOCAB)] for _ in range(REQUEST_TOKENS - PREFIX_TOKENS))
         for _ in range(n)
     ]
+
+
+def check_sizes(requests: int, repeats: int, tree_nodes: int, caches: int, request_lists: int = 1,
+                flag: str = "--requests") -> int:
+    """Tokens each cache needs, or ``UsageError`` when ``caches`` such caches and ``request_lists`` lists of
+    ``requests`` requests would not fit in memory (checked before the first is built)."""
+    check_fits(requests, request_lists * REQUEST_BYTES, flag, f"{REQUEST_TOKENS} ids a request, held twice")
+    capacity = tree_nodes * PAGE_SIZE + (repeats * requests + SYSTEM_PROMPTS) * REQUEST_TOKENS
+    check_fits(capacity, caches * CACHE_TOKEN_BYTES, "tokens a cache holds",
+               f"--tree-nodes x {PAGE_SIZE} + --repeats x {flag} x {REQUEST_TOKENS}, in each of {caches} caches")
+    return capacity
 
 
 def make_cache(capacity_tokens: int, dispatcher=None, group=None) -> HiCache:
@@ -271,7 +284,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="runs of --requests new requests per variant (default 3)")
     parser.add_argument("--tree-nodes", type=non_negative_int, default=None,
                         help="nodes in the tree before timing (default 10 x --requests)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=seed_int, default=0)
     parser.add_argument("--scrape-every", type=positive_int, default=1000,
                         help="requests between two Prometheus scrapes, for the metrics overhead (default 1000)")
     parser.add_argument("--tp", default="1,2,4",
@@ -293,7 +306,11 @@ def run(args: argparse.Namespace) -> dict:
     n = args.requests
     repeats = args.repeats
     tree_nodes = args.tree_nodes if getattr(args, "tree_nodes", None) is not None else 10 * n
-    capacity = tree_nodes * PAGE_SIZE + (repeats * n + SYSTEM_PROMPTS) * REQUEST_TOKENS
+    capacity = check_sizes(n, repeats, tree_nodes, caches=2)
+    tp_n = max(1, getattr(args, "tp_requests", 300))
+    if worlds:  # each rank process holds its own cache and requests
+        check_sizes(tp_n, 1, min(tree_nodes, 10 * tp_n), caches=max(worlds), request_lists=max(worlds),
+                    flag="--tp-requests")
     clock = CLOCKS[getattr(args, "clock", "cpu")]
     ids = getattr(args, "ids", "array")
     form = ID_FORMS[ids]
@@ -355,7 +372,6 @@ def run(args: argparse.Namespace) -> dict:
                      f"{result['metrics_overhead_pct']:.2f}% of the controller's time over {result['metrics_scrape_every']} "
                      f"requests (1% at {result['metrics_breakeven_requests']})"))
     if worlds:
-        tp_n = max(1, getattr(args, "tp_requests", 300))
         tp = tp_figures(worlds, tp_n, min(tree_nodes, 10 * tp_n), args.seed)
         result["tp"] = {str(w): f for w, f in tp.items()}
         for w, f in tp.items():

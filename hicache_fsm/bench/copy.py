@@ -17,10 +17,9 @@ import argparse
 import torch
 
 from hicache_fsm.bench.common import interleaved_medians, machine_description, report
-from hicache_fsm.commands.args import UsageError, positive_int
+from hicache_fsm.commands.args import UsageError, check_fits, positive_int, seed_int
 from hicache_fsm.engine_kv import adopt_sglang_mha, adopt_vllm
 from hicache_fsm.executors import TorchExecutor
-from hicache_fsm.input_limits import InputRefused, check_count
 from hicache_fsm.jobs import JobBatch, JobKind
 from hicache_fsm.pools import LAYOUTS, DeviceKVPool, HostKVPool, KVShape, default_device
 
@@ -39,7 +38,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--head-dim", type=positive_int, default=64)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     parser.add_argument("--repeats", type=positive_int, default=7)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=seed_int, default=0)
 
 
 def _shuffled_indices(pages: int, page_size: int, gen: torch.Generator) -> torch.Tensor:
@@ -68,10 +67,8 @@ def run(args: argparse.Namespace) -> dict:
     shape = KVShape(args.layers, args.heads, args.head_dim, DTYPES[args.dtype])
     # in host memory: the host pool, and on the CPU also the device pool and a contiguous copy of it
     copies = 1 if torch.cuda.is_available() else 3
-    try:
-        check_count(tokens, shape.token_bytes * copies, "--tokens")
-    except InputRefused as exc:
-        raise UsageError(f"{exc} (KV of {shape.token_bytes} bytes a token, {copies} copies)") from None
+    check_fits(tokens, shape.token_bytes * copies, "--tokens",
+               f"KV of {shape.token_bytes} bytes a token, {copies} copies")
     device = _device_pool(args.engine, shape, tokens, ps)
     host = HostKVPool(shape, tokens, ps, args.layout)
     for buffer in device.buffers:

@@ -31,7 +31,7 @@ import time
 from typing import Callable
 
 from hicache_fsm.bench.common import machine_description, report
-from hicache_fsm.commands.args import positive_int
+from hicache_fsm.commands.args import check_fits, positive_int
 from hicache_fsm.machine import CompiledMachine, ReferenceModel, reference_machine
 from hicache_fsm.registry import MachineRegistry
 from hicache_fsm.spec import Spec, parse_spec
@@ -61,6 +61,7 @@ transitions:
 
 TRIGGERS = ("start", "finish")
 CHUNK = 250  # objects per timed sample
+OBJECT_BYTES = 4096  # an object of each variant, with its transitions model (measured 2.6 KB, with room)
 
 
 def bench_registry() -> MachineRegistry:
@@ -127,7 +128,9 @@ def _timed_interleaved(
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--objects", type=positive_int, default=10_000, help="objects driven through the cycle (default 10000)")
+    parser.add_argument("--objects", type=positive_int, default=10_000,
+                        help=f"objects driven through the cycle, within what memory holds at {OBJECT_BYTES} bytes an "
+                             "object (default 10000)")
     parser.add_argument("--repeats", type=positive_int, default=7, help="timed rounds over all objects (default 7)")
     parser.add_argument("--chunk", type=positive_int, default=CHUNK, help=f"objects per timed sample (default {CHUNK})")
 
@@ -200,6 +203,7 @@ def measure(objects: int = 10_000, repeats: int = 7, chunk: int = CHUNK) -> dict
 
 
 def run(args: argparse.Namespace) -> dict:
+    check_fits(args.objects, OBJECT_BYTES, "--objects", f"{OBJECT_BYTES} bytes an object")
     result = measure(args.objects, args.repeats, args.chunk)
     ok_speed = result["speedup_vs_transitions"] >= 8.0
     ok_ratio = result["ratio_vs_dict"] <= 5.0

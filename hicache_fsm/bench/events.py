@@ -51,8 +51,8 @@ import torch
 
 from hicache_fsm.bench.common import machine_description, report
 from hicache_fsm.bench.controller import (
-    CHUNK, PAGE_SIZE, REQUEST_TOKENS, SYSTEM_PROMPTS, fill, make_cache, make_requests, serve_one, system_prompts)
-from hicache_fsm.commands.args import non_negative_int, positive_int
+    CHUNK, PAGE_SIZE, REQUEST_TOKENS, check_sizes, fill, make_cache, make_requests, serve_one, system_prompts)
+from hicache_fsm.commands.args import non_negative_int, positive_int, seed_int
 from hicache_fsm.events.hook import enable_kv_events
 from hicache_fsm.events.pending import PendingBatch, accepts_pending
 from hicache_fsm.events.publisher import ZmqEventPublisher
@@ -85,7 +85,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=positive_int, default=3, help="runs of --requests new requests (default 3)")
     parser.add_argument("--tree-nodes", type=non_negative_int, default=None,
                         help="nodes in the tree before timing (default 10 x --requests)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=seed_int, default=0)
     parser.add_argument("--clock", choices=tuple(CLOCKS), default="thread",
                         help="thread: the serving thread's CPU time (default; steady on a shared machine, and the "
                              "publisher thread's work is counted beside it); wall: perf_counter")
@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> dict:
     clock_name = getattr(args, "clock", "thread")
     pc = CLOCKS[clock_name]
     tree_nodes = args.tree_nodes if args.tree_nodes is not None else 10 * n
-    capacity = tree_nodes * PAGE_SIZE + (repeats * n + SYSTEM_PROMPTS) * REQUEST_TOKENS
+    capacity = check_sizes(n, repeats, tree_nodes, caches=len(VARIANTS))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     kept = PendingLog()

@@ -38,7 +38,7 @@ import torch
 
 from hicache_fsm.bench import scale, sglang_peer
 from hicache_fsm.bench.common import CLOCKS, ID_FORMS, machine_description, report
-from hicache_fsm.commands.args import positive_int
+from hicache_fsm.commands.args import positive_int, seed_int
 from hicache_fsm.jobs import JobKind
 from hicache_fsm.outbox import JOBS_KEY
 
@@ -57,7 +57,8 @@ BACKUP_JOBS = JOBS_KEY[JobKind.D2H]  # the cache counter of D2H jobs emitted: on
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nodes", type=positive_int, default=10_000,
-                        help="one-page prefixes in every tree (default 10000)")
+                        help=f"one-page prefixes in every tree, within what memory holds at {scale.NODE_BYTES} bytes "
+                             "a node (default 10000)")
     parser.add_argument("--blocks", type=positive_int, default=40, help="rounds of blocks per variant (default 40)")
     parser.add_argument("--block", type=positive_int, default=16,
                         help="inserts in a block, after one collection (default 16)")
@@ -74,7 +75,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peer", choices=("auto", "sglang", "none"), default="auto",
                         help="also time SGLang's own RadixCache: auto (default) when importable, sglang to require "
                              "it, none to skip it")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=seed_int, default=0)
 
 
 def measure(nodes: int, blocks: int, block: int, warmup: int, ids: str = "array", clock: str = "cpu",
@@ -148,6 +149,7 @@ def _ratio(ours: float, base: float) -> float | None:
 
 
 def run(args: argparse.Namespace) -> dict:
+    scale.check_nodes(args.nodes, "--nodes")
     peer = scale.resolve_peer(args.peer, "insert")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -87,7 +87,7 @@ from hicache_fsm.bench.baselines import PlainPrefixCache, RadixLikeSGLang
 from hicache_fsm.bench.common import CLOCKS, ID_FORMS, machine_description
 from hicache_fsm.executors import AckExecutor
 from hicache_fsm.cache import HiCache
-from hicache_fsm.commands.args import UsageError
+from hicache_fsm.commands.args import UsageError, check_fits, non_negative_int, positive_int, seed_int
 from hicache_fsm.config import CacheConfig
 from hicache_fsm.pools import DeviceKVPool, HostKVPool, KVShape
 from hicache_fsm.tokens import pack_token_ids
@@ -99,19 +99,23 @@ VOCAB = 32000
 SIZES = (1_000, 10_000, 100_000, 1_000_000)
 QUICK_SIZES = (100, 1_000)
 KEYS = ("match_us", "insert_us", "lock_us", "evict_us", "cycle_us")
+MIN_NODES = 16
+NODE_BYTES = 4096  # a node of the tree in ours and the baselines together (their bytes_per_node, measured, with room)
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes", default=None,
-                        help="comma-separated node counts (default 1000,10000,100000,1000000)")
+                        help=f"comma-separated node counts, each at least {MIN_NODES} and within what memory holds "
+                             f"at {NODE_BYTES} bytes a node (default 1000,10000,100000,1000000)")
     parser.add_argument("--quick", action="store_true", help="small sizes and few repeats, for a smoke test")
-    parser.add_argument("--chunks", type=int, default=None, help="timed chunks per operation (default 7; quick 3)")
-    parser.add_argument("--headroom-pages", type=int, default=0,
+    parser.add_argument("--chunks", type=positive_int, default=None,
+                        help="timed chunks per operation (default 7; quick 3)")
+    parser.add_argument("--headroom-pages", type=non_negative_int, default=0,
                         help="CacheConfig.eviction_headroom_tokens in pages: evicted beyond the shortfall (default 0)")
     parser.add_argument("--clock", choices=tuple(CLOCKS), default="cpu",
                         help="time with process CPU time (cpu, default: steadier on a machine shared with other "
                              "work) or perf_counter (wall)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=seed_int, default=0)
     parser.add_argument("--in-process", action="store_true",
                         help="run every size in this interpreter (peak RSS then accumulates)")
     parser.add_argument("--ids", choices=tuple(ID_FORMS), default="array",
@@ -559,14 +563,20 @@ def measure(nodes: int, chunks: int, calls: int, headroom_pages: int, seed: int,
     return out
 
 
+def check_nodes(nodes: int, flag: str) -> int:
+    """``nodes``, or ``UsageError`` when trees of that many nodes (ours and each baseline's) would not fit in memory."""
+    return check_fits(nodes, NODE_BYTES, flag, f"{NODE_BYTES} bytes a node for ours and the baselines")
+
+
 def _sizes(args: argparse.Namespace) -> list[int]:
     if args.sizes:
         try:
             sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
         except ValueError:
-            raise SystemExit(f"--sizes wants comma-separated integers; got {args.sizes!r}") from None
-        if not sizes or min(sizes) < 16:
-            raise SystemExit("--sizes wants node counts of at least 16")
+            raise UsageError(f"--sizes wants comma-separated integers; got {args.sizes[:80]!r}") from None
+        if not sizes or min(sizes) < MIN_NODES:
+            raise UsageError(f"--sizes wants node counts of at least {MIN_NODES}")
+        check_nodes(max(sizes), "--sizes node count")
         return sizes
     return list(QUICK_SIZES if args.quick else SIZES)
 
@@ -603,8 +613,6 @@ def _one_size_in_subprocess(n: int, args: argparse.Namespace, peer: bool) -> dic
 def run(args: argparse.Namespace) -> dict:
     sizes = _sizes(args)
     chunks = args.chunks if args.chunks is not None else (3 if args.quick else 7)
-    if chunks <= 0 or args.headroom_pages < 0:
-        raise SystemExit("--chunks must be positive and --headroom-pages non-negative")
     calls = 16 if args.quick else 64
     peer = resolve_peer(getattr(args, "peer", "auto"))
     threads = torch.get_num_threads()

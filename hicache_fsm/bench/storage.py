@@ -42,7 +42,7 @@ from urllib.parse import parse_qs, unquote, urlencode, urlsplit, urlunsplit
 import torch
 
 from hicache_fsm.bench.common import machine_description, report
-from hicache_fsm.commands.args import UsageError, positive_int
+from hicache_fsm.commands.args import UsageError, check_fits, positive_int
 from hicache_fsm.errors import StorageError
 from hicache_fsm.storage import KeyNamespace, open_backend, page_keys
 
@@ -151,6 +151,8 @@ def _redis_baseline(url: str, n: int, src: _BenchPool):
 
 SEGMENT_ROOM = 1.5  # the master evicts past 90% full; headers, checksums and allocator slack take the rest
 MIN_SEGMENT_MB = 64  # Mooncake's client fails to mount much smaller segments
+POOLS = 3  # pages held in memory: the source, ours read back, the raw baseline's read back
+TOKEN_ID_BYTES = 40  # a page's token ids, as a list of Python ints, per token
 
 
 def mooncake_segment_mb(pages: int, page_nbytes: int) -> int:
@@ -203,6 +205,8 @@ def _mooncake_baseline(backend, n: int, src: _BenchPool, dst: _BenchPool):
 def run(args: argparse.Namespace) -> dict:
     page_nbytes = 2 * args.page_tokens * args.layers * args.kv_heads * args.head_dim * args.dtype_bytes
     n = args.pages
+    check_fits(n, POOLS * page_nbytes + TOKEN_ID_BYTES * args.page_tokens, "--pages",
+               f"{page_nbytes} bytes a page in each of {POOLS} pools, and its token ids")
     tmpdir = None
     url = args.url
     if url is None:

@@ -1,8 +1,9 @@
 """What every subcommand shares: argument types that refuse impossible values, and the usage error.
 
-Ranges are checked by argparse (``type=positive_int``), so a bad value is a usage
-error (exit status 2, one line) before the command starts; ``UsageError`` is for
-what a type cannot see (an adapter that does not import, a missing input file).
+Ranges are checked by argparse (``type=positive_int``, ``bounded_int(1, N)``), so a
+bad value is a usage error (exit status 2, one line) before the command starts;
+``UsageError`` is for what a type cannot see (an adapter that does not import, a
+missing input file, a count whose memory depends on other options: ``check_fits``).
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import argparse
 import json
 from typing import NoReturn
+
+from hicache_fsm.input_limits import InputRefused, check_count, memory_budget_bytes
 
 
 class UsageError(Exception):
@@ -23,22 +26,49 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def _int_at_least(minimum: int, what: str):
+def _int_within(minimum: int, maximum: int | None, what: str):
     def check(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"{text} is not {what} (must be >= {minimum})")
+        if value < minimum or (maximum is not None and value > maximum):
+            bound = f">= {minimum}" if maximum is None else f"{minimum}..{maximum}"
+            raise argparse.ArgumentTypeError(f"{text} is not {what} (must be {bound})")
         return value
 
     check.__name__ = what.replace(" ", "_")  # argparse names the type in its messages
     return check
 
 
-positive_int = _int_at_least(1, "a positive integer")
-non_negative_int = _int_at_least(0, "a non-negative integer")
+positive_int = _int_within(1, None, "a positive integer")
+non_negative_int = _int_within(0, None, "a non-negative integer")
+
+
+def bounded_int(minimum: int, maximum: int):
+    """An argparse type for integers in ``minimum..maximum``: a value past what the code can size (a deque length,
+    a C long, a thread count) is a usage error naming the bound, not an OverflowError later."""
+    return _int_within(minimum, maximum, "in range")
+
+
+MAX_SEED = 2**63 - 1
+seed_int = bounded_int(-MAX_SEED - 1, MAX_SEED)  # torch's generators take a 64-bit seed
+
+
+def check_fits(value: int, bytes_each: int, what: str, detail: str = "") -> int:
+    """``value`` itself, or ``UsageError`` when ``value`` items of ``bytes_each`` bytes would not fit in memory.
+
+    Checked before the work, so a huge count is one line naming the limit, not a traceback or a machine
+    swapping until it dies; ``detail`` says what each item holds.
+    """
+    try:
+        check_count(value, bytes_each, what)
+        if value and bytes_each > memory_budget_bytes():  # check_count's limit is never below one item
+            raise InputRefused(f"{what} {value} is more than this machine could hold (one item is {bytes_each} "
+                               "bytes, more than half the memory available)")
+    except InputRefused as exc:
+        raise UsageError(f"{exc} ({detail})" if detail else str(exc)) from None
+    return value
 
 
 def positive_float(text: str) -> float:
@@ -91,3 +121,11 @@ def _depth(value: object) -> int:
         elif isinstance(item, list):
             stack += [(v, depth + 1) for v in item]
     return deepest
+
+
+def printable(text: str) -> str:
+    """``text`` with what UTF-8 cannot encode (a lone surrogate from a JSON ``"\\ud800"``) as a backslash escape.
+
+    stdout is strict UTF-8: printing such text raised UnicodeEncodeError midway through a report.
+    """
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")

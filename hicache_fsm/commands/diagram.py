@@ -13,12 +13,18 @@ import argparse
 import difflib
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from hicache_fsm.commands.args import UsageError
+import attrs
+
+from hicache_fsm.commands.args import UsageError, printable
 from hicache_fsm.commands.validate import add_bindings_flag, problem_lines
 from hicache_fsm.diagrams import RENDERERS, render
 from hicache_fsm.errors import DiagramError, SpecError, TraceError
 from hicache_fsm.spec import Spec, load_all, load_builtin, load_spec, spec_paths
+
+if TYPE_CHECKING:  # heatmap loads with --counts only
+    from hicache_fsm.heatmap import Heat
 
 EXTENSIONS = {"mermaid": "mmd", "dot": "dot", "svg": "svg"}
 
@@ -65,7 +71,12 @@ def _heat_maps(specs: list[Spec], trace: str, fmt: str, all_specs: bool) -> list
         has = ", ".join(recorded) or "none"
         raise DiagramError(f"{trace} records no transitions of {', '.join(missing) or 'any library machine'} "
                            f"(it has transitions of: {has})")
-    return [(spec, render_heat(spec, tally(events, spec), fmt)) for spec in specs]
+    return [(spec, render_heat(spec, _printable_heat(tally(events, spec)), fmt)) for spec in specs]
+
+
+def _printable_heat(heat: Heat) -> Heat:
+    """``heat`` with the trace's own words escaped where UTF-8 cannot hold them: Graphviz is fed UTF-8 too."""
+    return attrs.evolve(heat, recorded_by=printable(heat.recorded_by))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
-from hicache_fsm.commands.args import non_negative_int
+from hicache_fsm.commands.args import bounded_int, printable
+
+MAX_CONTEXT = 10_000  # events kept to show before a divergence
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -21,7 +24,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiescent", action="store_true", help="also require no job or copy left in flight at the end")
     parser.add_argument("--spec", action="append", default=[], metavar="FILE",
                         help="also check against this spec file (a machine of your own cache); repeatable")
-    parser.add_argument("--context", type=non_negative_int, default=4, help="events shown before a divergence (default 4)")
+    parser.add_argument("--context", type=bounded_int(0, MAX_CONTEXT), default=4,
+                        help=f"events shown before a divergence, at most {MAX_CONTEXT} (default 4)")
     parser.add_argument("--json", action="store_true", help="print only one JSON object on stdout (the report goes to stderr)")
 
 
@@ -45,8 +49,20 @@ def run(args: argparse.Namespace) -> int:
         print(f"ok: {result.events} events, {result.transitions} transitions, {result.jobs} jobs, "
               f"{result.completions} completions, {len(result.pending_jobs)} jobs still pending", file=out)
     else:
-        print(f"divergence in {args.trace}:", file=out)
-        print(result.divergence.format(), file=out)
+        print(printable(f"divergence in {args.trace}:"), file=out)
+        print(printable(result.divergence.format()), file=out)
     if args.json:
-        print(json.dumps(result.to_json(), sort_keys=True))
+        print(json.dumps(strict_json(result.to_json()), sort_keys=True, allow_nan=False))
     return 0 if result.ok else 1
+
+
+def strict_json(value: object) -> object:
+    """``value`` with every non-finite float as a string ("inf", "nan"): a trace's ``1e999`` must not make
+    stdout ``Infinity``, which strict JSON readers refuse. (The trace's nesting is bounded when it is read.)"""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {key: strict_json(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(item) for item in value]
+    return value

@@ -9,7 +9,7 @@ from collections import Counter
 
 import torch
 
-from hicache_fsm.commands.args import UsageError, positive_int
+from hicache_fsm.commands.args import UsageError, bounded_int, positive_int, seed_int
 from hicache_fsm.commands import simulate_trace
 from hicache_fsm.commands.plot_file import check_plot_path, save_plot
 from hicache_fsm.commands.table import columns
@@ -29,9 +29,11 @@ from hicache_fsm.simulate import (
     Workload,
     hit_rate_sweep,
 )
+from hicache_fsm.simulate_config import MAX_MODEL_HEADS
 
 _DEFAULTS = Options()
 _W = _DEFAULTS.workload
+MAX_THREADS = 256  # torch intra-op threads; more than the cores only adds barriers
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -53,7 +55,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     w.add_argument("--arrival", choices=ARRIVALS, default=_W.arrival,
                    help="round-robin: every client's round r before any round r+1; random: a random client "
                         "with turns left each time (default round-robin)")
-    w.add_argument("--seed", type=int, default=_W.seed, help="seeds the model weights and the tokens (default 0)")
+    w.add_argument("--seed", type=seed_int, default=_W.seed,
+                   help="seeds the model weights and the tokens (a 64-bit integer; default 0)")
     w.add_argument("--model", choices=MODELS, default=_DEFAULTS.model,
                    help="tiny: the hand-written TinyModel (fastest); llama: a Hugging Face LlamaForCausalLM with "
                         "grouped-query attention and rotary positions, random weights, float64 (needs the "
@@ -79,23 +82,25 @@ def configure(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--tp", type=positive_int, default=1,
                    help="tensor-parallel ranks: run every configuration on this many processes (gloo over "
                         "127.0.0.1), each caching its shard of the KV heads; the ranks must agree (default 1)")
-    c.add_argument("--model-heads", type=positive_int, default=_DEFAULTS.model_heads,
-                   help=f"attention heads of the tiny model; --tp must divide it (default {_DEFAULTS.model_heads})")
+    c.add_argument("--model-heads", type=bounded_int(1, MAX_MODEL_HEADS), default=_DEFAULTS.model_heads,
+                   help=f"attention heads of the tiny model, at most {MAX_MODEL_HEADS}; --tp must divide it "
+                        f"(default {_DEFAULTS.model_heads})")
     simulate_trace.configure(parser)
     o = parser.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print only one JSON object on stdout (hit_rate, hit_rate_bound, ...); the table goes to stderr")
     o.add_argument("--plot", metavar="FILE.png",
                    help="also draw hit rate against device and host capacity (with --trace: device-only hit rate against "
                         "capacity); needs the `plot` extra: matplotlib")
-    o.add_argument("--threads", type=positive_int, default=1,
-                   help="torch CPU threads (default 1: the tiny model is latency-bound)")
+    o.add_argument("--threads", type=bounded_int(1, MAX_THREADS), default=1,
+                   help=f"torch CPU threads, at most {MAX_THREADS} (default 1: the tiny model is latency-bound)")
     o.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     o.add_argument("--record", metavar="FILE.jsonl",
                    help="record one configuration's cache events as a JSONL trace (`hicache-fsm replay` checks it, "
-                        "`hicache-fsm diagram residency --counts FILE` draws its heat map)")
+                        "`hicache-fsm diagram residency --counts FILE` draws its heat map); the chat workload "
+                        "with --tp 1 only (not with --trace)")
     o.add_argument("--record-tier", choices=(DEVICE, DEVICE_HOST, FULL, INFINITE), default=None,
                    help="the configuration --record records (default: device+host+storage, "
-                        "or device+host with --no-storage)")
+                        "or device+host with --no-storage); needs --record")
 
 
 class Recording:
@@ -284,7 +289,22 @@ def plot(sim: Simulation, options: Options, path: str) -> None:
               f"the device pool (e.g. {sweep['skipped'][0].split(':')[0]})", file=sys.stderr)
 
 
+def check_record(args: argparse.Namespace) -> None:
+    """Refuse a ``--record``/``--record-tier`` that would record nothing: exit 0 and no file would look like success."""
+    if args.record is None:
+        if args.record_tier is not None:
+            raise UsageError("--record-tier needs --record FILE.jsonl")
+        return
+    if args.trace is not None:
+        raise UsageError("--record records the chat workload's cache; a --trace replay cannot record")
+    if args.tp > 1:
+        raise UsageError(f"--record needs --tp 1: with --tp {args.tp} every cache lives in a rank process")
+    if args.record_tier == FULL and args.no_storage:
+        raise UsageError(f"--record-tier {FULL} does not run with --no-storage")
+
+
 def run(args: argparse.Namespace) -> int:
+    check_record(args)
     if args.plot:
         try:
             import matplotlib  # noqa: F401
@@ -296,9 +316,7 @@ def run(args: argparse.Namespace) -> int:
         return simulate_trace.run(args)
     trace_only = simulate_trace.trace_only_options(args)
     if trace_only:
-        print(f"hicache-fsm simulate: {', '.join(trace_only)} {'needs' if len(trace_only) == 1 else 'need'} --trace",
-              file=sys.stderr)
-        return 2
+        raise UsageError(f"{', '.join(trace_only)} {'needs' if len(trace_only) == 1 else 'need'} --trace")
     device_tokens = _DEFAULTS.device_tokens if args.device_tokens is None else args.device_tokens
     host_tokens = _DEFAULTS.host_tokens if args.host_tokens is None else args.host_tokens
     try:

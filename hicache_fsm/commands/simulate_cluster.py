@@ -9,16 +9,18 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from hicache_fsm.commands.args import UsageError
 from hicache_fsm.commands.plot_file import save_plot
 from hicache_fsm.commands.table import columns
 from hicache_fsm.errors import ConfigError, HiCacheError, TraceError
-from hicache_fsm.router.names import DEFAULT_LOAD_CAP, POLICIES
-from hicache_fsm.trace import Trace, load_trace
+from hicache_fsm.router.names import DEFAULT_LOAD_CAP, MAX_INSTANCES, POLICIES
+from hicache_fsm.trace import Trace, check_tokens, load_trace
 
 if TYPE_CHECKING:  # the cluster replay needs the events extra: imported when --instances is given
     from hicache_fsm.cluster_replay import ClusterResult
 
 DEFAULT_INSTANCES_SWEEP = (1, 2, 4, 8)
+MAX_SWEEP_COUNTS = 16  # each count is one replay of the whole trace per router policy
 
 PROG = "hicache-fsm simulate"
 
@@ -26,7 +28,8 @@ PROG = "hicache-fsm simulate"
 def configure(parser: argparse.ArgumentParser) -> None:
     c = parser.add_argument_group("cluster replay (with --trace; see docs/cluster.md)")
     c.add_argument("--instances", type=int, default=None, metavar="N",
-                   help="replay the trace on N caches behind a KV-aware router, sharing one L3")
+                   help=f"replay the trace on N caches behind a KV-aware router, sharing one L3 (at most "
+                        f"{MAX_INSTANCES})")
     c.add_argument("--router", choices=POLICIES, default="prefix_aware",
                    help="placement policy with --instances (default prefix_aware)")
     c.add_argument("--load-cap", type=float, default=DEFAULT_LOAD_CAP,
@@ -130,8 +133,22 @@ def _counts(text: str | None) -> list[int]:
     except ValueError:
         counts = []
     if not counts or counts[0] < 1:
-        raise ConfigError(f"with --instances, --sweep wants comma-separated instance counts, got {text!r}")
+        raise ConfigError(f"with --instances, --sweep wants comma-separated instance counts, got {text[:80]!r}")
+    if len(counts) > MAX_SWEEP_COUNTS:
+        raise ConfigError(f"with --instances, --sweep takes at most {MAX_SWEEP_COUNTS} counts, got {len(counts)}")
+    return _at_most_max_instances(counts, "--sweep")
+
+
+def _at_most_max_instances(counts: list[int], flag: str) -> list[int]:
+    """``counts``, or ConfigError past ``MAX_INSTANCES``: no router window, nor memory, is sized for more."""
+    if max(counts) > MAX_INSTANCES:
+        raise ConfigError(f"{flag} {max(counts)}: a cluster has at most {MAX_INSTANCES} instances")
     return counts
+
+
+def _check_pool_memory(instances: int, device_tokens: int, host_tokens: int) -> None:
+    """Refuse pools the machine cannot hold before the first cache is built: every instance has its own."""
+    check_tokens(instances * (device_tokens + host_tokens), f"{instances} instances' device and host tokens")
 
 
 def run(args: argparse.Namespace, pool_sizes: Callable[[Trace], tuple[int, int]]) -> int:
@@ -143,15 +160,16 @@ def run(args: argparse.Namespace, pool_sizes: Callable[[Trace], tuple[int, int]]
         print(f"{PROG}: --instances needs {exc.name}: pip install 'hicache_fsm[events]'", file=sys.stderr)
         return 1
     try:
+        _at_most_max_instances([args.instances], "--instances")  # before the trace is read
+        counts = _counts(args.sweep) if args.sweep is not None or args.plot else None
         trace = load_trace(args.trace, args.block_size)
         device_tokens, host_tokens = pool_sizes(trace)
+        _check_pool_memory(max(counts or [args.instances]), device_tokens, host_tokens)
         options = ClusterOptions(trace, args.instances, args.router, device_tokens, host_tokens, args.storage_url,
                                  not args.no_storage, args.page_size, args.layout, args.device, args.load_cap,
                                  args.event_lag)
-        counts = _counts(args.sweep) if args.sweep is not None or args.plot else None
-    except (TraceError, ConfigError) as exc:
-        print(f"{PROG}: {exc}", file=sys.stderr)
-        return 2
+    except (TraceError, ConfigError) as exc:  # cli.main prints it as a usage error
+        raise UsageError(str(exc)) from None
     progress = ReplayProgress(stream=sys.stderr, enabled=not args.no_progress)
     out = sys.stderr if args.json else sys.stdout
     try:

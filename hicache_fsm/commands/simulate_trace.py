@@ -7,6 +7,7 @@ import json
 import sys
 
 from hicache_fsm.commands import simulate_cluster
+from hicache_fsm.commands.args import UsageError
 from hicache_fsm.commands.plot_file import save_plot
 from hicache_fsm.commands.table import columns
 from hicache_fsm.errors import ConfigError, HiCacheError, TraceError
@@ -224,19 +225,15 @@ def run(args: argparse.Namespace) -> int:
     prog = "hicache-fsm simulate"
     unused = _unused_workload_options(args)
     if unused:
-        print(f"{prog}: {', '.join(unused)} {'describes' if len(unused) == 1 else 'describe'} the chat workload; "
-              "a trace brings its own requests",
-              file=sys.stderr)
-        return 2
+        raise UsageError(f"{', '.join(unused)} {'describes' if len(unused) == 1 else 'describe'} the chat workload; "
+                         "a trace brings its own requests")
     # cluster replay (hicache_fsm.cluster_replay): its own report
     if args.instances is not None:
         return simulate_cluster.run(
             args, lambda trace: default_sizes(trace, args.page_size, args.device_tokens, args.host_tokens))
     cluster_only = simulate_cluster.cluster_only_options(args)
     if cluster_only:
-        print(f"{prog}: {', '.join(cluster_only)} {'needs' if len(cluster_only) == 1 else 'need'} --instances",
-              file=sys.stderr)
-        return 2
+        raise UsageError(f"{', '.join(cluster_only)} {'needs' if len(cluster_only) == 1 else 'need'} --instances")
     try:
         for flag, tokens in (("--device-tokens", args.device_tokens), ("--host-tokens", args.host_tokens)):
             if isinstance(tokens, int):
@@ -248,9 +245,8 @@ def run(args: argparse.Namespace) -> int:
             *default_sizes(trace, args.page_size, args.device_tokens, args.host_tokens, bound),
             args.storage_url, not args.no_storage, args.page_size, args.layout, args.device)
         sweep = _sweep(args.sweep, options, bool(args.plot), bound)
-    except (TraceError, ConfigError) as exc:
-        print(f"{prog}: {exc}", file=sys.stderr)
-        return 2
+    except (TraceError, ConfigError) as exc:  # cli.main prints it as a usage error
+        raise UsageError(str(exc)) from None
     from hicache_fsm.trace_replay import run_trace
 
     # progress only to a terminal: a log or a pipe gets the table, not a line every few seconds

@@ -16,7 +16,8 @@ from typing import Sequence
 
 from hicache_fsm.errors import ConfigError
 from hicache_fsm.router.index import PrefixIndex, check_hashes
-from hicache_fsm.router.names import DEFAULT_LOAD_CAP, POLICIES
+from hicache_fsm.router.names import DEFAULT_LOAD_CAP, MAX_INSTANCES, POLICIES
+
 WINDOW_PER_INSTANCE = 8  # recent placements remembered per instance for the load cap
 
 
@@ -31,8 +32,8 @@ class Router:
     """Places requests on ``instances`` (numbered 0..N-1) with one of :data:`POLICIES`."""
 
     def __init__(self, instances: int, policy: str, index: PrefixIndex, load_cap: float = DEFAULT_LOAD_CAP) -> None:
-        if isinstance(instances, bool) or not isinstance(instances, int) or instances < 1:
-            raise ConfigError(f"instances must be a positive int, got {instances!r}")
+        if isinstance(instances, bool) or not isinstance(instances, int) or not 1 <= instances <= MAX_INSTANCES:
+            raise ConfigError(f"instances must be an int from 1 to {MAX_INSTANCES}, got {instances!r}")
         if policy not in POLICIES:
             raise ConfigError(f"router policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         if not isinstance(index, PrefixIndex):
