@@ -15,10 +15,8 @@ from hicache_fsm.testing.stateful import BrokenFactory, VariantRefused
 HERE = Path(__file__).resolve()
 
 
-class Noop(CacheAdapter):
-    """Refuses every insert ("no room"): nothing is ever cached, and there is one state."""
-
-    name = "noop"
+class NoStateKey(CacheAdapter):
+    """Refuses every insert ("no room"), and has neither ``state_key`` nor ``size``: the explorer cannot run it."""
 
     def insert(self, tokens):
         return False
@@ -31,6 +29,12 @@ class Noop(CacheAdapter):
 
     def invariant_violations(self):
         return []
+
+
+class Noop(NoStateKey):
+    """Refuses every insert: nothing is ever cached, and there is one state."""
+
+    name = "noop"
 
     def state_key(self):
         return 0
@@ -56,20 +60,6 @@ class CountsMatches(Noop):
 class InsertNotSupported(Noop):
     def insert(self, tokens):
         raise NotSupported("insert")
-
-
-class NoStateKey(CacheAdapter):
-    def insert(self, tokens):
-        return False
-
-    def match(self, tokens):
-        return MatchInfo(0)
-
-    def read_kv(self, tokens):
-        return []
-
-    def invariant_violations(self):
-        return []
 
 
 class Unhashable(Noop):
