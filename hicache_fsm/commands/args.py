@@ -12,8 +12,6 @@ import argparse
 import json
 from typing import NoReturn
 
-from hicache_fsm.input_limits import InputRefused, check_count, memory_budget_bytes
-
 
 class UsageError(Exception):
     """The command line names something that cannot be used; ``cli.main`` exits 2 with the message."""
@@ -61,6 +59,8 @@ def check_fits(value: int, bytes_each: int, what: str, detail: str = "") -> int:
     Checked before the work, so a huge count is one line naming the limit, not a traceback or a machine
     swapping until it dies; ``detail`` says what each item holds.
     """
+    from hicache_fsm.input_limits import InputRefused, check_count, memory_budget_bytes  # numpy: not for spec commands
+
     try:
         check_count(value, bytes_each, what)
         if value and bytes_each > memory_budget_bytes():  # check_count's limit is never below one item
