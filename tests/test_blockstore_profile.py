@@ -330,3 +330,18 @@ def test_check_json_reports_the_bound_it_stopped_at(capsys, monkeypatch):
     assert main(["check", "--adapter", EXAMPLE, "--max-states", "30", "--json", "--quiet"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["states"] == 30 and summary["complete"] is False and summary["stopped"] == "max_states"
+
+
+class DeclinesEverything(DictStore):
+    """Declines every key it is asked to store: no step ever changes it, so every check passes vacuously."""
+
+    def store(self, keys):
+        self.calls.append("store")
+        return StoreJob.nothing(declined=list(keys))
+
+
+def test_a_store_no_step_changes_checked_nothing_and_does_not_pass():
+    result = explore_store(DeclinesEverything, StoreBounds(max_len=2))
+    assert not result.ok and not result.violations and result.states == 1
+    assert "CHECKED NOTHING" in result.summary() and result.to_json()["checked_nothing"]
+    assert explore_store(DictStore, StoreBounds(max_len=2)).ok

@@ -79,9 +79,9 @@ def check_block_store(args: argparse.Namespace, defaults: dict) -> int | None:
         print(result.format_violation(i), file=out)
     if args.json:
         print(json.dumps(result.to_json(), sort_keys=True))
-    if result.violations:
-        return 1
-    return INTERRUPTED if result.stopped == "interrupted" else 0
+    if result.stopped == "interrupted" and not result.violations:
+        return INTERRUPTED
+    return 0 if result.ok else 1
 
 
 def fuzz_block_store(args: argparse.Namespace, variants: list[dict],

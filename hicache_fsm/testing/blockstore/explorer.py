@@ -71,8 +71,21 @@ class StoreExploreResult:
     symmetry: str = "off"  # "on", "off", or "off: why"
     violations: list[tuple[tuple[str, ...], tuple[tuple, ...]]] = attrs.Factory(list)
 
+    def checked_nothing(self) -> str:
+        """Why a run without violations is no evidence ("" when it checked something): a store no step changed
+        (one that declines every store, say) passes every check vacuously."""
+        return "no step led to a second state" if self.states <= 1 and not self.violations else ""
+
+    @property
+    def ok(self) -> bool:
+        """No violation, and the run checked something."""
+        return not self.violations and not self.checked_nothing()
+
     def verdict(self) -> str:
-        """How far the run went: ``complete``, ``complete to depth N`` (deeper states left), or why it stopped."""
+        """How far the run went: ``complete``, ``complete to depth N`` (deeper states left), or why it stopped;
+        ``CHECKED NOTHING`` before any of them when no step changed the store."""
+        if self.checked_nothing():
+            return f"CHECKED NOTHING ({self.checked_nothing()})"
         if self.complete:
             return f"complete to depth {self.max_depth}" if self.depth_bounded else "complete"
         return {"violation": "stopped at a violation", "interrupted": "INTERRUPTED",
@@ -94,7 +107,8 @@ class StoreExploreResult:
         return {"adapter": self.adapter, "states": self.states, "transitions": self.transitions,
                 "max_depth": self.max_depth, "complete": self.complete, "stopped": self.stopped,
                 "seconds": round(self.seconds, 3), "violations": len(self.violations),
-                "depth_bounded": self.depth_bounded, "symmetry": self.symmetry,
+                "depth_bounded": self.depth_bounded, "checked_nothing": self.checked_nothing(),
+                "symmetry": self.symmetry,
                 "states_before_symmetry": self.states_before_symmetry,
                 "counterexamples": [{"problems": list(p), "steps": [format_step(s) for s in t]}
                                     for p, t in self.violations]}
