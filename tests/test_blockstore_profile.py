@@ -20,6 +20,7 @@ from hicache_fsm.testing.blockstore import (
     canonical,
     chain,
     explore_store,
+    run_store_fuzz,
     value_of,
 )
 from hicache_fsm.testing.blockstore import explorer as explorer_module
@@ -345,3 +346,10 @@ def test_a_store_no_step_changes_checked_nothing_and_does_not_pass():
     assert not result.ok and not result.violations and result.states == 1
     assert "CHECKED NOTHING" in result.summary() and result.to_json()["checked_nothing"]
     assert explore_store(DictStore, StoreBounds(max_len=2)).ok
+
+
+def test_random_runs_over_a_store_no_step_changes_checked_nothing():
+    """``run_store_fuzz`` passed such a store: the floor ``run_fuzz`` keeps for caches holds for block stores."""
+    result = run_store_fuzz(DeclinesEverything, examples=5, steps=8, seed=0)
+    assert not result.ok and "the store took no key" in result.checked_nothing and not result.test_code
+    assert run_store_fuzz(DictStore, examples=5, steps=8, seed=0).ok
