@@ -52,8 +52,9 @@ def max_items(bytes_each: int) -> int:
 
 
 def check_count(value: int, bytes_each: int, what: str) -> int:
-    """``value`` itself, or InputRefused when ``value`` items of ``bytes_each`` bytes exceed the budget."""
-    limit = max_items(bytes_each)
+    """``value`` itself, or InputRefused when ``value`` items of ``bytes_each`` bytes exceed the budget (so does
+    one item larger than the whole budget)."""
+    limit = memory_budget_bytes() // bytes_each
     if value > limit:
         raise InputRefused(f"{what} {value} is more than this machine could hold (limit {limit}: "
                            f"{bytes_each} bytes each within half of the {available_memory_bytes() >> 20} MiB "

@@ -257,3 +257,11 @@ def test_a_failing_fuzz_counts_the_runs_to_its_failure_not_shrinkings_tries():
     assert not shrunk.ok and not found.ok
     assert shrunk.examples == found.examples <= 5
     assert len(shrunk.steps) <= len(found.steps)
+
+
+def test_fuzz_refuses_a_later_variant_the_factory_cannot_build(capsys):
+    """Only the first --variant is built to tell a block store from a cache; run_fuzz builds the others once."""
+    argv = ["fuzz", "--quiet", "--examples", "2", "--adapter", "hicache_fsm.testing:HiCacheAdapter",
+            "--variant", "{}", "--variant", '{"devce_pages": 3}']
+    assert main(argv) == 2
+    assert "devce_pages" in capsys.readouterr().err

@@ -59,13 +59,10 @@ def check_fits(value: int, bytes_each: int, what: str, detail: str = "") -> int:
     Checked before the work, so a huge count is one line naming the limit, not a traceback or a machine
     swapping until it dies; ``detail`` says what each item holds.
     """
-    from hicache_fsm.input_limits import InputRefused, check_count, memory_budget_bytes  # numpy: not for spec commands
+    from hicache_fsm.input_limits import InputRefused, check_count  # numpy: not for the spec commands
 
     try:
         check_count(value, bytes_each, what)
-        if value and bytes_each > memory_budget_bytes():  # check_count's limit is never below one item
-            raise InputRefused(f"{what} {value} is more than this machine could hold (one item is {bytes_each} "
-                               "bytes, more than half the memory available)")
     except InputRefused as exc:
         raise UsageError(f"{exc} ({detail})" if detail else str(exc)) from None
     return value

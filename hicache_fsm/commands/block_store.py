@@ -86,12 +86,14 @@ def check_block_store(args: argparse.Namespace, defaults: dict) -> int | None:
 
 def fuzz_block_store(args: argparse.Namespace, variants: list[dict],
                      report: Callable[[Any, argparse.Namespace, Any], None]) -> int | None:
-    """Fuzz a block store; None when ``--adapter`` makes prefix caches. Every ``--variant`` is tried first;
+    """Fuzz a block store; None when ``--adapter`` makes prefix caches (the first ``--variant`` tells: ``run_fuzz``
+    then builds each of them once, so none is built twice). Every ``--variant`` of a block store is tried first;
     ``report`` prints the outcome as the fuzz command does."""
     factory = load_factory(args.adapter)
-    made = [make_block_store(factory, v, args.adapter, takes_bounds=False) for v in variants]
-    if all(m is None for m in made):
+    first = make_block_store(factory, variants[0], args.adapter, takes_bounds=False)
+    if first is None:
         return None
+    made = [first] + [make_block_store(factory, v, args.adapter, takes_bounds=False) for v in variants[1:]]
     if any(m is None for m in made):
         raise UsageError(f"--adapter {args.adapter}: some --variant make block stores, others not")
     _refuse_flags(args, FUZZ_ONLY_FOR_PREFIX_CACHES, {})

@@ -48,7 +48,9 @@ def run(args: argparse.Namespace) -> int:
     from hicache_fsm.testing.paths import CoverageTracker
     from hicache_fsm.testing.transition_log import RecordingCoverage, recording_writer
     from hicache_fsm.testing.stateful import (
+        BrokenFactory,
         CacheProtocolMachine,
+        VariantRefused,
         cp_machine,
         hicache_machine,
         run_fuzz,
@@ -83,9 +85,12 @@ def run(args: argparse.Namespace) -> int:
         machine = hicache_machine(coverage=cov)
         machine_import = None
     with quiet_cache_logs():
-        result = run_fuzz(machine, examples=args.examples, steps=args.steps, seed=args.seed,
-                          progress=None if args.quiet else sys.stderr, shrink=not args.no_shrink,
-                          machine_import=machine_import)
+        try:
+            result = run_fuzz(machine, examples=args.examples, steps=args.steps, seed=args.seed,
+                              progress=None if args.quiet else sys.stderr, shrink=not args.no_shrink,
+                              machine_import=machine_import)
+        except (VariantRefused, BrokenFactory) as exc:  # a --variant the factory cannot build: the call's mistake
+            raise UsageError(f"--adapter {args.adapter}: {exc}") from None
     if writer is not None:
         writer.close()
     out = sys.stderr if args.json else sys.stdout

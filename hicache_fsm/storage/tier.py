@@ -581,11 +581,8 @@ class StorageTier(PrefetchCalls, StorageThreads, LostPages):
             raise StorageLinkError(f"cannot reset the cache: a storage transfer still runs after "
                                    f"{self.options.join_timeout:g}s (join_timeout); nothing was dropped, "
                                    f"reset again once the backend answers")
-        with self._cv:
+        with self._cv:  # wind_down emptied the queues: what a thread still posts is stale from here
             self._gen += 1
-            self._query_q.clear()
-            self._transfer_q.clear()
-            self._backup_q.clear()
             self._cv.notify_all()
         for op in self.runtime.ops():
             op.mark_terminated()
