@@ -76,7 +76,7 @@ from hicache_fsm.slots import (
 from hicache_fsm.spec import load_builtin
 from hicache_fsm.storage.ownership import check_completion_owner
 from hicache_fsm.storage.calls import StorageCalls, drain_seconds
-from hicache_fsm.tp import RankGroup, StepAgreement
+from hicache_fsm.tp import PURPOSE_BUILD, PoolState, RankGroup, StepAgreement, cache_fingerprint
 
 log = logging.getLogger("hicache_fsm.cache")
 
@@ -156,10 +156,16 @@ class HiCache(StorageCalls):
         self.counters: Counter[str] = Counter()
         # tensor parallelism (hicache_fsm.tp): what one rank observes alone is agreed on before it acts
         self.group = RankGroup.of(group)
+        differ = self.group.differing(cache_fingerprint(self.config, device_pool, host_pool, draft_device_pool,
+                                                        draft_host_pool), PURPOSE_BUILD)
+        if differ:
+            raise ConfigError(f"rank {self.group.rank} of {self.group.size}: the ranks' caches differ in "
+                              f"{', '.join(differ)}; every rank needs the same configuration and pool sizes")
         self.agreement = StepAgreement(self.group)
         self.compose(ResidencyDriver(self.tree, machine, Attached(), draft_host_pool is not None))
         if self.acks is not None:
             self.agreement.register(self.acks)
+            self.agreement.register(PoolState(self.tree, device_pool, host_pool))
         self.engine_pages: set[int] = set()  # device pages handed out by alloc_device, not yet inserted or freed
         self.runtime_checks = RuntimeChecks()  # host slots and invariants of attached runtimes
         self.check_candidates = False  # also recompute the eviction candidate sets in invariant_violations

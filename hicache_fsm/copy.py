@@ -42,6 +42,10 @@ from hicache_fsm.pools import DeviceKVPool, HostKVPool
 Run = tuple[int, int, int]
 
 
+class PlannedRuns(list):
+    """Runs that ``coalesce_runs`` built from checked indices: the copy functions take them unchecked."""
+
+
 def coalesce_runs(src_idx, dst_idx, page_size: int) -> list[Run]:
     """Maximal runs where src and dst pages are both consecutive.
 
@@ -54,16 +58,16 @@ def coalesce_runs(src_idx, dst_idx, page_size: int) -> list[Run]:
         raise BadIndices(f"src and dst lengths differ: {src_pages.size * page_size} vs {dst_pages.size * page_size}")
     n = src_pages.size
     if n == 0:
-        return []
+        return PlannedRuns()
     if n == 1:
-        return [(int(src_pages[0]) * page_size, int(dst_pages[0]) * page_size, page_size)]
+        return PlannedRuns([(int(src_pages[0]) * page_size, int(dst_pages[0]) * page_size, page_size)])
     breaks = np.flatnonzero((np.diff(src_pages) != 1) | (np.diff(dst_pages) != 1)) + 1
     starts = np.concatenate(([0], breaks))
     ends = np.concatenate((breaks, [n]))
     src_starts = (src_pages[starts] * page_size).tolist()
     dst_starts = (dst_pages[starts] * page_size).tolist()
     lengths = ((ends - starts) * page_size).tolist()
-    return list(zip(src_starts, dst_starts, lengths))
+    return PlannedRuns(zip(src_starts, dst_starts, lengths))
 
 
 def plan_runs(device_indices, host_indices, page_size: int) -> list[Run]:
@@ -89,8 +93,26 @@ def _check(device_pool: DeviceKVPool, host_pool: HostKVPool, runs: list[Run], la
 
 def _runs_for(device_pool, host_pool, device_indices, host_indices, runs):
     if runs is None:
-        runs = plan_runs(device_indices, host_indices, device_pool.page_size)
+        return plan_runs(device_indices, host_indices, device_pool.page_size)
+    if type(runs) is not PlannedRuns:
+        _check_runs(runs, device_pool.page_size)
     return runs
+
+
+def _check_runs(runs, page_size: int) -> None:
+    """Refuse runs given by hand that are not (start, start, length) triples of whole pages.
+
+    ``narrow`` would take a negative start from the end of the pool, and a
+    partial page would copy half of one: wrong KV bytes, no error.
+    """
+    try:
+        arr = np.asarray(runs)
+    except (TypeError, ValueError):
+        arr = None
+    if arr is None or (arr.size and (arr.ndim != 2 or arr.shape[1] != 3 or arr.dtype.kind not in "iu")):
+        raise BadIndices("runs must be (device_start, host_start, length) triples of ints")
+    if arr.size and ((arr < 0).any() or (arr[:, 2] == 0).any() or (arr % page_size).any()):
+        raise BadIndices(f"runs must cover whole pages of {page_size} tokens from starts >= 0 with lengths > 0")
 
 
 # ---------------------------------------------------------------- device -> host

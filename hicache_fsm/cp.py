@@ -30,6 +30,7 @@ import attrs
 import numpy as np
 import torch
 
+from hicache_fsm.allocator import as_index_tensor
 from hicache_fsm.errors import BadIndices, ConfigError
 from hicache_fsm.pools import DeviceKVPool, HostKVPool, KVPools, PageAllocator, PoolConfig, pages_of
 
@@ -85,18 +86,27 @@ class CPLayout:
         pages = pages_of(indices, self.page_size, self.logical_tokens, "logical indices")
         return self.owner_for_logical_pages(pages).to(torch.int8)
 
+    def _logical(self, indices) -> torch.Tensor:
+        """``indices`` as int64 logical token slots (on their device), refused unless in ``[0, logical_tokens)``.
+
+        Every rank must refuse the same slot: an unchecked one would be
+        "owned elsewhere" on some ranks and silently skipped there.
+        """
+        checked = as_index_tensor(indices, "logical indices")
+        if checked.numel() and (int(checked.min()) < 0 or int(checked.max()) >= self.logical_tokens):
+            raise BadIndices(f"logical indices out of range [0, {self.logical_tokens})")
+        return indices.to(torch.int64) if isinstance(indices, torch.Tensor) else checked
+
     def owned_by_this_rank(self, indices: torch.Tensor) -> torch.Tensor:
         """Bool per logical token index: does this rank store it?"""
-        idx = torch.as_tensor(indices, dtype=torch.int64)
+        idx = self._logical(indices)
         return self.owner_for_logical_pages(idx // self.page_size) == self.rank
 
     def logical_locs_to_physical(self, indices: torch.Tensor) -> torch.Tensor:
         """Physical slots (in this rank's pool) of logical token indices this rank owns."""
-        idx = torch.as_tensor(indices, dtype=torch.int64)
+        idx = self._logical(indices)
         if idx.numel() == 0:
             return idx.new_empty(0)
-        if int(idx.min()) < 0 or int(idx.max()) >= self.logical_tokens:
-            raise BadIndices(f"logical indices out of range [0, {self.logical_tokens})")
         pages = idx // self.page_size
         if not bool((self.owner_for_logical_pages(pages) == self.rank).all()):
             raise BadIndices(f"rank {self.rank} was asked for the physical slots of pages it does not own")
@@ -113,15 +123,20 @@ class CPLayout:
         ``k``/``v`` cover every token of ``logical``: (layers, n, heads, head_dim),
         or (n, heads, head_dim) for one ``layer``.
         """
+        logical = self._logical(logical)
         mask = self.owned_by_this_rank(logical)
+        dim = 1 if layer is None else 0  # the token dimension of k and v
+        for t in (k, v):
+            if t is not None and (not isinstance(t, torch.Tensor) or t.dim() <= dim or t.shape[dim] != mask.numel()):
+                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise BadIndices(f"k/v must have {mask.numel()} tokens in dimension {dim}, got {got}")
         phys = self.logical_locs_to_physical(logical[mask])
-        if layer is None:
-            pool.write(phys, None, k[:, mask], v[:, mask])
-        else:
-            pool.write(phys, layer, k[mask], v[mask])
+        owned = [None if t is None else (t[:, mask] if layer is None else t[mask]) for t in (k, v)]
+        pool.write(phys, layer, *owned)
 
     def gather_kv(self, pool: DeviceKVPool, logical: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V (layers, owned, heads, head_dim) of the owned tokens of ``logical``."""
+        logical = self._logical(logical)
         mask = self.owned_by_this_rank(logical)
         return pool.read(self.logical_locs_to_physical(logical[mask]))
 

@@ -115,6 +115,8 @@ class _PoolSet:
         return copies
 
     def plan_batch(self, batch: JobBatch) -> list[_Copy]:
+        if len({j.id for j in batch.jobs}) != len(batch.jobs):  # each would be reported, the second an unknown job
+            raise BadIndices(f"a job appears twice in one batch: {list(batch.job_ids)}")
         flags = {j.draft for j in batch.jobs}
         if len(flags) <= 1:
             return self.plan(batch.kind, batch.host_indices, batch.device_indices, batch.draft_host_indices,
@@ -475,17 +477,23 @@ class ManualExecutor(ServesOneCache):
     def pending_jobs(self) -> list[TransferJob]:
         return [job for job, _ in self._pending.values()]
 
-    def _take(self, job_id: int) -> tuple[TransferJob, list[_Copy]]:
+    def _lookup(self, job_id: int) -> tuple[TransferJob, list[_Copy]]:
+        """The pending job and its copies; ``UnknownJob`` for anything else (an unhashable id included)."""
         try:
-            return self._pending.pop(job_id)
+            if isinstance(job_id, bool):  # True would name job 1
+                raise TypeError
+            return self._pending[job_id]
         except (KeyError, TypeError):
             raise UnknownJob(f"job {job_id!r} is not pending (unknown, or already completed/failed)") from None
 
+    def _take(self, job_id: int) -> tuple[TransferJob, list[_Copy]]:
+        entry = self._lookup(job_id)
+        del self._pending[job_id]
+        return entry
+
     def complete(self, job_id: int) -> Completion:
         """Perform this job's copy now and queue an ok completion."""
-        if job_id not in self._pending:
-            self._take(job_id)
-        job, copies = self._pending[job_id]
+        job, copies = self._lookup(job_id)
         _run_copies_sync(job.kind, copies)  # raises before the job leaves pending
         del self._pending[job_id]
         done = Completion(job_id, True)

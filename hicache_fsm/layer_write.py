@@ -138,8 +138,14 @@ class LayerWriteRuntime:
         allocator = cache.device_allocator
         if not isinstance(allocator, CPPageAllocator):
             raise ConfigError("a CP layer-write runtime needs a cache whose device allocator is a CPPageAllocator")
+        if isinstance(history, bool) or not isinstance(history, int) or history < 0:
+            raise ConfigError(f"history must be an int >= 0, got {history!r}")
         if getattr(cache, "cp", None) is not None:
             raise ConfigError("this cache already has a CP runtime attached")
+        hosted = [n.id for n in cache.tree.nodes() if not n.is_root and n.state != "device"]
+        if hosted:  # their host copies have no owner pattern: a CP load of them could not place their pages
+            raise ConfigError(f"attach the CP runtime before any node is backed up (nodes {hosted[:8]} are not "
+                              "device-only); build the rank with it, or reset the cache first")
         # the collaborators it uses, read off the cache once, at attach (never the cache itself)
         self.check_open = cache.check_open  # refuses a closed cache or a foreign thread
         self.flush = cache.flush  # what a CP load's LoadHandle flushes before its first wait
@@ -388,6 +394,8 @@ class LayerWriteRuntime:
         on every rank or on none. A rank short of room still records its refused reservation first.
         """
         node = self.driver.require_node(node)
+        if node.state != "device":  # before the room checks, which read the node's device slots
+            raise GuardRejected("residency", node.state, "backup", "only a device-only node can be backed up")
         if self.host_room() < self._owned_tokens(node, self.rank):
             write = self.reserve(node)  # refused (``failed``): nothing held, the tree unchanged
             if write.state != "failed":
@@ -521,6 +529,8 @@ class LayerWriteRuntime:
         from hicache_fsm.results import LoadBack, LoadHandle
 
         self.check_open()
+        if not isinstance(nodes, Iterable):
+            raise LayerWriteError(f"load_cp wants an iterable of nodes (top-down), got {type(nodes).__name__}")
         nodes = [self.driver.require_node(n) for n in nodes]
         if not nodes:
             return None

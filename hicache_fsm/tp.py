@@ -44,13 +44,28 @@ from typing import Any, Protocol, Sequence
 import numpy as np
 import torch
 
+from hicache_fsm.config import check_seconds
 from hicache_fsm.errors import ConfigError, GroupError, RanksDiverged, RankTimeout
 
 DEFAULT_TIMEOUT_S = 30.0
+MAX_TIMEOUT_S = 7 * 86400.0  # a failure guard, not a wait (far larger ones overflow timedelta and gloo's clock)
 MAX_RANKS = 64  # rank processes one run may start: each imports torch (seconds and hundreds of MB apiece)
 MIN_WINDOW = 16  # items per section a step always has room for
 PURPOSE_STEP = 1  # what a collective is for (``RankGroup.min``): a step's agreement
 PURPOSE_ATTACH = 2  # every rank is attaching storage now
+PURPOSE_GATHER = 3  # every rank gathers a tensor of the same shape and dtype
+PURPOSE_BUILD = 4  # every rank is building its cache: the configurations must match
+
+
+def _int64s(values: Sequence[int]) -> np.ndarray:
+    """``values`` as int64, or ``ConfigError``: a float, a str or an int past int64 is never truncated or parsed."""
+    try:
+        arr = np.asarray(values)
+    except (TypeError, ValueError, OverflowError):
+        arr = None
+    if arr is None or arr.ndim != 1 or (arr.size and arr.dtype.kind not in "ib"):
+        raise ConfigError("a group reduction takes a flat sequence of ints within int64")
+    return arr.astype(np.int64, copy=False)
 
 
 class RankGroup:
@@ -64,9 +79,9 @@ class RankGroup:
     """
 
     def __init__(self, group: Any = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
-            raise ConfigError(f"timeout_s must be a number > 0, got {timeout_s!r}")
-        self.timeout_s = float(timeout_s)
+        self.timeout_s = check_seconds("timeout_s", timeout_s)
+        if self.timeout_s > MAX_TIMEOUT_S:
+            raise ConfigError(f"timeout_s must be at most {MAX_TIMEOUT_S:g} s (it bounds a failure), got {timeout_s!r}")
         self._timeout = datetime.timedelta(seconds=self.timeout_s)
         self.failed: str | None = None
         self.collectives = 0
@@ -78,8 +93,13 @@ class RankGroup:
 
         if not dist.is_available() or not dist.is_initialized():
             raise ConfigError("a process group needs torch.distributed initialised (init_process_group)")
+        if not isinstance(group, dist.ProcessGroup):
+            raise ConfigError(f"group must be a torch.distributed ProcessGroup, a RankGroup or None, got "
+                              f"{type(group).__name__}")
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
+        if self.rank < 0 or self.size < 1:  # torch answers -1 for a group this process is not in
+            raise ConfigError("this process is not a member of the group it was given")
         if self.size > 1 and dist.get_backend(group) != "gloo":
             ranks = dist.get_process_group_ranks(group)
             group = dist.new_group(ranks=ranks, backend="gloo", timeout=self._timeout)
@@ -103,19 +123,20 @@ class RankGroup:
         another polls) get ``RanksDiverged`` on every rank instead, with nothing
         exchanged and the group still usable.
         """
+        arr = _int64s(values)
         if self.size == 1:
-            return list(values)
+            return arr.tolist()
         self._check_alive()
-        n = len(values)
+        n = len(arr)
         head = self._min([purpose, -purpose, n, -n])
         if head[0] != -head[1] or head[2] != -head[3]:
             raise RanksDiverged(
                 f"rank {self.rank} of {self.size}: ranks entered different collectives (here purpose {purpose}, "
                 f"{n} values; the group saw purposes {head[0]}..{-head[1]}, lengths {head[2]}..{-head[3]}); "
                 "nothing was exchanged")
-        return self._min(values)
+        return self._min(arr)
 
-    def _min(self, values: Sequence[int]) -> list[int]:
+    def _min(self, values: Sequence[int] | np.ndarray) -> list[int]:
         import torch.distributed as dist
 
         t = torch.from_numpy(np.array(values, dtype=np.int64))  # twice as fast as torch.tensor(list)
@@ -146,12 +167,24 @@ class RankGroup:
             raise GroupError(f"the rank group failed earlier ({self.failed}); the caches cannot agree any more")
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        """Every rank's ``tensor`` (same shape everywhere), by rank; an engine's helper, not the cache's."""
+        """Every rank's ``tensor`` (same shape everywhere), by rank; an engine's helper, not the cache's.
+
+        The ranks first agree that shapes and dtypes match (gloo aborts the
+        process, or reinterprets the bytes, when they do not): ``RanksDiverged``
+        on every rank otherwise, with nothing gathered and the group still usable.
+        """
+        if not isinstance(tensor, torch.Tensor):
+            raise ConfigError(f"all_gather wants a tensor, got {type(tensor).__name__}")
         if self.size == 1:
             return [tensor]
         self._check_alive()
         import torch.distributed as dist
 
+        form = digest((str(tensor.dtype), tuple(tensor.shape)))
+        lo, neg_hi = self.min([form, -form], PURPOSE_GATHER)
+        if lo != -neg_hi:
+            raise RanksDiverged(f"rank {self.rank} of {self.size}: all_gather of tensors whose shapes or dtypes "
+                                f"differ between ranks (here {tuple(tensor.shape)} {tensor.dtype}); nothing gathered")
         tensor = tensor.contiguous()
         out = [torch.empty_like(tensor) for _ in range(self.size)]
         self.collectives += 1
@@ -171,6 +204,18 @@ class RankGroup:
         """Whether every rank passed the same int (one collective)."""
         lo, neg_hi = self.min([value, -value])
         return lo == -neg_hi
+
+    def differing(self, parts: dict[str, object], purpose: int = 0) -> list[str]:
+        """The names in ``parts`` whose values are not the same on every rank (one collective; none when solo).
+
+        Every rank must pass the same names in the same order; the values are
+        compared by ``digest`` (plain values whose ``repr`` is stable).
+        """
+        if self.size == 1:
+            return []
+        digests = [digest((name, value)) for name, value in parts.items()]
+        out = self.min([x for d in digests for x in (d, -d)], purpose)
+        return [name for i, name in enumerate(parts) if out[2 * i] != -out[2 * i + 1]]
 
 
 class Section(Protocol):
@@ -293,10 +338,56 @@ def rank_view(cache: Any) -> tuple:
     return (tuple(nodes), jobs, cache.device_allocator.free_pages, cache.host_allocator.free_pages)
 
 
+def cache_fingerprint(config: Any, device_pool: Any, host_pool: Any, draft_device_pool: Any = None,
+                      draft_host_pool: Any = None) -> dict[str, object]:
+    """What every rank's cache must be built with alike: pools of other sizes evict at other times.
+
+    Such ranks drift apart without a job to tell (a device eviction of
+    backed-up KV emits none), so it is checked once, when the caches are built.
+    The KV shape is left out: a rank's pools hold its own shard of the heads.
+    """
+    def tokens(pool: Any) -> int | None:
+        return None if pool is None else pool.allocator.size_tokens
+
+    return {
+        "config": repr(config),
+        "page_size": device_pool.page_size,
+        "device tokens": tokens(device_pool),
+        "host tokens": tokens(host_pool),
+        "draft device tokens": tokens(draft_device_pool),
+        "draft host tokens": tokens(draft_host_pool),
+    }
+
+
+class PoolState:
+    """A step section with no items: the tree's node count and the pools' free pages, compared across ranks.
+
+    The acks compare only pending jobs; this catches the ranks whose trees
+    went apart without one (other requests on one rank, an eviction one rank
+    had to make), at the next ``poll`` instead of at a hung model collective.
+    """
+
+    name = "pool state"
+    width = 0
+
+    def __init__(self, tree: Any, device_pool: Any, host_pool: Any) -> None:
+        self.tree = tree
+        self.device_pool = device_pool
+        self.host_pool = host_pool
+
+    def collect(self) -> tuple[list[Sequence[int]], int]:
+        state = (len(self.tree.by_id), self.device_pool.allocator.free_pages, self.host_pool.allocator.free_pages)
+        return [], digest(state)
+
+    def apply(self, items: list[list[int]]) -> None:
+        """Nothing to act on: the comparison is the header's."""
+
+
 def view_digest(view: tuple) -> int:
     """``rank_view`` as one int, to compare across ranks with ``RankGroup.same``."""
     return zlib.crc32(repr(view).encode()) & 0x7FFFFFFF
 
 
-__all__ = ["DEFAULT_TIMEOUT_S", "MAX_RANKS", "PURPOSE_ATTACH", "PURPOSE_STEP", "RankGroup", "Section", "StepAgreement",
-           "digest", "rank_view", "view_digest"]
+__all__ = ["DEFAULT_TIMEOUT_S", "MAX_RANKS", "MAX_TIMEOUT_S", "PURPOSE_ATTACH", "PURPOSE_BUILD", "PURPOSE_GATHER",
+           "PURPOSE_STEP", "PoolState", "RankGroup", "Section", "StepAgreement", "cache_fingerprint", "digest",
+           "rank_view", "view_digest"]
