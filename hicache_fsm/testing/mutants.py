@@ -718,3 +718,14 @@ def _anchor_leak_host_full(p: Patcher) -> None:
     from hicache_fsm.bindings.residency import ON_HOST as ON_HOST_STATES
 
     p.setattr(StorageTier, "prefetch", prefetch)
+
+
+def _register_more() -> None:
+    """The second set (``testing.mutants_more``), in the same registry."""
+    from hicache_fsm.testing.mutants_more import MORE
+
+    for name, bug, apply, variant in MORE:
+        MUTANTS[name] = Mutant(name, bug, apply, variant)
+
+
+_register_more()

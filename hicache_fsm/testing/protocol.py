@@ -14,7 +14,13 @@ invariants cannot see, checked after every step:
   was written for those tokens;
 - **attach / detach** of the storage tier as engine actions (a detach with
   transfers in flight must be refused), and storage steps whose batch comes
-  back **partial** (one page missing: a per-key result).
+  back **partial** (one page missing: a per-key result);
+- **eviction order** (``testing.recency``): the adapter counts how the engine
+  used each node, and an eviction never takes a node used later (LFU: more
+  often) than a candidate it left; those records, in the cache's own eviction
+  order, are part of the state key;
+- **write_through**: an insert leaves no node of its path device-only unless
+  a backup was refused for host room.
 
 The ``prefetch`` and ``storage_link`` spec invariants (pages inserted only as
 they arrived, ``no_transfer_while_detached``) come from the cache itself.
@@ -28,6 +34,7 @@ from typing import Any
 import torch
 
 from hicache_fsm.testing.adapter import HiCacheAdapter, Rejected, StorageFault, fingerprints
+from hicache_fsm.testing.recency import UseLog
 
 __all__ = ["ProtocolAdapter"]
 
@@ -39,6 +46,7 @@ class ProtocolAdapter(HiCacheAdapter):
         super().__init__(**kw)
         self._step_problems: list[str] = []
         self._loads: list[tuple[torch.Tensor, tuple[int, ...], int]] = []  # (slots, prefix tokens, chain tokens)
+        self.uses = UseLog(self.config.eviction_policy)
 
     def supports(self, op: str) -> bool:
         if op in ("attach_storage", "detach_storage", "partial_storage") and self.backend is None:
@@ -61,11 +69,95 @@ class ProtocolAdapter(HiCacheAdapter):
             new = super().clone()
         new._step_problems = []
         new._loads = list(self._loads)
+        new.uses = self.uses.copy()
         return new
+
+    # ------------------------------------------------------------------ how the engine used each node
+
+    def _looked_up(self, tokens: Sequence[int], step, *args: Any) -> Any:
+        """Run ``step``, a lookup of ``tokens`` (``match_prefix`` first): the nodes it matched count a hit."""
+        tokens = self._aligned(tokens)
+        tree = self.cache.tree
+        _, matched, partial = tree.walk(tokens)
+        result = step(*args)
+        self.uses.sync(tree.nodes())
+        path, _, _ = tree.walk(tokens[: matched + partial])
+        self.uses.used(path, hit=True)
+        return result
+
+    def insert(self, tokens: Sequence[int]) -> bool:
+        """Insert; the prompt's whole path is used, and under write_through nothing on it stays device-only
+        unless a backup was refused for host room."""
+        tree = self.cache.tree
+        before = {n.id for n in tree.nodes()}
+        refused = self.cache.counters["backup_host_full"]
+        ok = super().insert(tokens)
+        if not ok:
+            return ok
+        self.uses.sync(tree.nodes())
+        path, _, _ = tree.walk(self._aligned(tokens))
+        new = {n.id for n in path if n.id not in before and self.uses.uses.get(n.id) is None}
+        self.uses.used(path, hit=False, new=new)
+        if self.config.write_policy == "write_through" and self.cache.storage is None:
+            left = [n.id for n in path if n.state == "device"]
+            if len(left) > self.cache.counters["backup_host_full"] - refused:
+                self._step_problems.append(f"policy_write_through: insert left node(s) {left} device-only without "
+                                           f"a refused backup")
+        return ok
+
+    def lock(self, tokens: Sequence[int]) -> int | None:
+        return self._looked_up(tokens, super().lock, tokens)
+
+    def prefetch(self, tokens: Sequence[int]):
+        return self._looked_up(tokens, super().prefetch, tokens)
+
+    def evict_host(self, num_tokens: int) -> int:
+        from hicache_fsm.eviction import Eviction
+
+        tree = self.cache.tree
+        self.uses.sync(tree.nodes())
+        candidates = [n for n in tree.nodes() if Eviction.is_host_candidate(n)]
+        freed = super().evict_host(num_tokens)
+        gone = [n for n in candidates if not tree.owns(n)]
+        self._step_problems += self.uses.order_problems("host", gone, [n for n in candidates if tree.owns(n)],
+                                                        self._describe)
+        return freed
+
+    def _device_evicted(self, num_tokens: int) -> int:
+        """Device eviction, its victims judged against the candidates it left in place."""
+        from hicache_fsm.bindings.residency import ON_DEVICE
+        from hicache_fsm.eviction import Eviction
+
+        tree = self.cache.tree
+        self.uses.sync(tree.nodes())
+        candidates = [(n, n.state) for n in tree.nodes() if Eviction.is_device_candidate(n)]
+        freed = super().evict(num_tokens)
+        keeps_unbacked = self.config.write_policy in ("write_back", "write_behind")
+        gone = [n for n, _ in candidates if not tree.owns(n) or n.state not in ON_DEVICE]
+        # a device-only node may stay for its backup (write_back, or host-only children): not a choice of order
+        stayed = [n for n, state in candidates if tree.owns(n) and n.state == state
+                  and not (state == "device" and (keeps_unbacked or n.children))]
+        self._step_problems += self.uses.order_problems("device", gone, stayed, self._describe)
+        return freed
+
+    def _describe(self, node: Any) -> str:
+        prefix = self.cache.tree.prefix_tokens(node) if self.cache.tree.owns(node) else "(removed)"
+        return f"node {node.id} {prefix}"
+
+    def state_key_orbit(self):
+        """The cache's key, plus the use records ranked along the cache's eviction order."""
+        key, orbit = super().state_key_orbit()
+        tree = self.cache.tree
+        self.uses.sync(tree.nodes())
+        ranked = sorted((n for n in tree.nodes() if n.parent is not None), key=self.cache.eviction.sort_key)
+        return (key, self.uses.rank_key(ranked)), orbit
 
     # ------------------------------------------------------------------ policy obligations
 
     def match(self, tokens: Sequence[int]):
+        return self._looked_up(tokens, self._match, tokens)
+
+    def _match(self, tokens: Sequence[int]):
         if self.config.write_policy != "write_through_selective":
             return super().match(tokens)
         before = {n.id: n.state for n in self.cache.tree.nodes()}
@@ -85,10 +177,10 @@ class ProtocolAdapter(HiCacheAdapter):
 
     def evict(self, num_tokens: int) -> int:
         if self.config.write_policy not in ("write_back", "write_behind"):
-            return super().evict(num_tokens)
+            return self._device_evicted(num_tokens)
         device_only = {n.id for n in self.cache.tree.nodes() if n.state == "device"}
         refused = self.cache.counters["backup_host_full"]
-        freed = super().evict(num_tokens)
+        freed = self._device_evicted(num_tokens)
         dropped = [i for i in device_only if self.cache.tree.get(i) is None]
         if len(dropped) > self.cache.counters["backup_host_full"] - refused:
             self._step_problems.append(f"policy_keeps_only_copy: {self.config.write_policy} dropped device-only "
@@ -98,6 +190,9 @@ class ProtocolAdapter(HiCacheAdapter):
     # ------------------------------------------------------------------ load-back indices
 
     def load_back(self, tokens: Sequence[int]) -> int:
+        return self._looked_up(tokens, self._load_back, tokens)
+
+    def _load_back(self, tokens: Sequence[int]) -> int:
         tokens = self._aligned(tokens)
         m = self.cache.match_prefix(tokens)
         if m.host_hit_length == 0:
@@ -312,6 +407,7 @@ class ProtocolAdapter(HiCacheAdapter):
     def kv_violations(self) -> list[str]:
         """KV read-back (also run after steps that land on a known state), plus this step's obligations."""
         problems, self._step_problems = self._step_problems, []
+        self.uses.sync(self.cache.tree.nodes())  # nodes the cache made or dropped by itself
         return problems + super().kv_violations() + self._load_violations()
 
 
@@ -387,7 +483,21 @@ def default_families() -> list[tuple[str, Any, Any]]:
     cp = [(f"cp/{n}_ranks", Bounds(nodes=2, device_pages=2, host_pages=h, alphabet=1, max_len=2, redeliver=False,
                                    write_policy="write_back", max_depth=depth), cp_factory(n))
           for n, h, depth in ((1, 3, 6), (2, 3, 5))]  # a rank's host pool outgrows its device share
-    return memory + [pressure_family()] + storage + cp
+    return memory + [order_family(), pressure_family()] + storage + cp
+
+
+def order_family() -> tuple[str, Any, Any]:
+    """Three one-page prompts over a two-page device and host: which node each tier's eviction takes.
+
+    Deep enough (seven steps) for both tiers to hold two candidates after uses in different orders, so the
+    eviction-order check (``testing.recency``) judges real choices; backups are write_through's own, and
+    explicit backup, load-back, failed jobs, locks and pins are left out (the other families explore those).
+    """
+    from hicache_fsm.testing.explorer import Bounds
+
+    return ("memory/eviction_order",
+            Bounds(nodes=3, device_pages=2, host_pages=2, alphabet=3, max_len=1, max_locks=0, max_pins=0,
+                   redeliver=False, omit=("backup", "fail_job", "load_back"), max_depth=7), protocol_factory)
 
 
 # The start of ``memory/load_back_pressure``: a two-page chain backed up, then evicted (host-only).

@@ -1,0 +1,90 @@
+"""An independent record of how each cached node was used, to judge the eviction order by.
+
+Why. The eviction policy (LRU, LFU; priority ties fall back to recency) is the
+cache's promise about *which* entries go first, and the cache's own candidate
+sets are checked only against its own keys (``last_access``, ``hit_count``): a
+match that forgets to refresh recency, a split whose new half starts cold, an
+insert counted as a hit all keep those sets consistent and evict the wrong
+entry. ``UseLog`` keeps the engine's view instead: per live node, how many
+lookups covered it since it entered the tree and which operation used it last,
+counted by the adapter from the operations it ran (``insert`` uses a prompt's
+whole path; ``match``, ``lock``, ``load_back`` and ``prefetch`` look it up,
+which also counts a hit). A node split in two gives its record to both halves;
+a node the cache made by itself (a prefetch's insertion) has no record and is
+never judged.
+
+``order_problems`` compares an eviction's victims with the candidates it left:
+no victim may have been used more recently (LFU: more often, then more
+recently) than a candidate that stayed. ``rank_key`` lists where the records
+disagree with the cache's own eviction order, for the explorer's state key: a
+cache whose order went wrong must not be merged into one where it is right.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+__all__ = ["UseLog"]
+
+Use = tuple[int, int]  # (hits since the node entered the tree, the operation that used it last)
+
+
+class UseLog:
+    """Per live node id, its ``Use`` as the engine's operations imply it (``None``: made by the cache itself)."""
+
+    def __init__(self, policy: str) -> None:
+        self.policy = policy
+        self.clock = 0
+        self.uses: dict[int, Use | None] = {}
+
+    def copy(self) -> UseLog:
+        new = UseLog(self.policy)
+        new.clock, new.uses = self.clock, dict(self.uses)
+        return new
+
+    def order(self, use: Use) -> tuple[int, ...]:
+        """What the policy ranks by: hits then recency under LFU, recency otherwise (priorities are all 0)."""
+        return use if self.policy == "lfu" else (use[1],)
+
+    def sync(self, nodes: Iterable[Any]) -> None:
+        """Forget nodes that left the tree; a new node with a known child is a split's upper half (it takes the
+        child's record), any other new node is the cache's own (no record)."""
+        live = {n.id: n for n in nodes if n.parent is not None}
+        uses = {i: u for i, u in self.uses.items() if i in live}
+        for nid, node in live.items():
+            if nid not in uses:
+                known = [uses.get(c.id) for c in node.children.values() if c.id in self.uses]
+                uses[nid] = known[0] if len(known) == 1 else None
+        self.uses = uses
+
+    def used(self, path: Sequence[Any], *, hit: bool, new: set[int] | frozenset[int] = frozenset()) -> None:
+        """One operation used ``path`` (a lookup when ``hit``); ids in ``new`` entered the tree with it."""
+        self.clock += 1
+        for node in path:
+            use = (0, 0) if node.id in new else self.uses.get(node.id)
+            if use is not None:
+                self.uses[node.id] = (use[0] + hit, self.clock)
+
+    def rank_key(self, ranked: Sequence[Any]) -> tuple:
+        """The pairs of ``ranked`` (the cache's eviction order, by position) whose records order them the other
+        way: empty while they agree, so a correct cache's states are not split by the records."""
+        keys = [self.uses.get(n.id) for n in ranked]
+        return tuple((i, j) for i, a in enumerate(keys) for j in range(i + 1, len(keys))
+                     if a is not None and keys[j] is not None and self.order(keys[j]) < self.order(a))
+
+    def order_problems(self, tier: str, victims: Iterable[Any], stayed: Iterable[Any],
+                       describe: Callable[[Any], str]) -> list[str]:
+        """``policy_eviction_order``: no victim was used later (LFU: more) than a candidate left in place."""
+        stayed = [(self.uses.get(n.id), n) for n in stayed]
+        problems = []
+        for v in victims:
+            vu = self.uses.get(v.id)
+            if vu is None:
+                continue
+            for su, s in stayed:
+                if su is not None and self.order(su) < self.order(vu):
+                    problems.append(f"policy_eviction_order: {self.policy} {tier} eviction took {describe(v)} "
+                                    f"(hits, last use {vu}) before {describe(s)} ({su}), which stayed")
+                    break
+        return problems
