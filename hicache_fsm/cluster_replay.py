@@ -33,7 +33,7 @@ from hicache_fsm.events.hashes import request_hashes
 from hicache_fsm.events.hook import KVEventHook, enable_kv_events
 from hicache_fsm.pools import default_device
 from hicache_fsm.router.index import PrefixIndex
-from hicache_fsm.router.names import DEFAULT_LOAD_CAP, POLICIES
+from hicache_fsm.router.names import DEFAULT_LOAD_CAP, MAX_INSTANCES, POLICIES
 from hicache_fsm.router.policies import Router, check_load_cap
 from hicache_fsm.simulate import Tier, TierResult, storage_available
 from hicache_fsm.simulate_config import check_pool_options
@@ -62,6 +62,10 @@ class ClusterOptions:
     verify_every: int = DEFAULT_VERIFY_EVERY
 
     def __attrs_post_init__(self) -> None:
+        if not isinstance(self.trace, Trace):
+            raise ConfigError(f"trace must be a Trace (hicache_fsm.trace.load_trace), got {type(self.trace).__name__}")
+        if isinstance(self.instances, int) and self.instances > MAX_INSTANCES:  # the router's bound, said up front
+            raise ConfigError(f"instances must be an int from 1 to {MAX_INSTANCES}, got {self.instances!r}")
         for name in ("instances", "verify_every"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -201,6 +205,8 @@ def _agrees(index: PrefixIndex, instance: int, replayer: TraceReplayer) -> bool:
 
 def run_cluster(options: ClusterOptions, progress: ReplayProgress | None = None) -> ClusterResult:
     """Serve every request of the trace on the instance the router picks (see module docstring)."""
+    if not isinstance(options, ClusterOptions):
+        raise ConfigError(f"run_cluster takes ClusterOptions, got {type(options).__name__}")
     start = time.perf_counter()
     trace, ps, n = options.trace, options.page_size, options.instances
     device = options.device or str(default_device())

@@ -94,6 +94,9 @@ class KVEventHook:
         self._pending: list = []
         self.batches = 0
         self.events = 0
+        # What the sink raised when a batch filled up inside a state change: kept (the events stay queued)
+        # so the cache's transition goes on; the next ``flush`` tries the sink again and raises to its caller.
+        self.sink_error: Exception | None = None
 
     # ------------------------------------------------------------ ResidencyListener
 
@@ -121,21 +124,30 @@ class KVEventHook:
             self._pending.append((STORED, medium, chain, by_id.get(node.parent.id), node.raw) + lora)
         else:
             self._pending.append((REMOVED, medium, chain))
-        if len(self._pending) >= self.max_batch_events:
-            self.flush()
+        if len(self._pending) >= self.max_batch_events and self.sink_error is None:
+            try:
+                self.flush()
+            except Exception as exc:  # never out of a listener: the driver's transition is half done here
+                self.sink_error = exc
 
     def _lora(self, namespace: Hashable) -> tuple[int | None, str | None]:
         lora = self._loras[namespace] = _lora(namespace)
         return lora
 
     def flush(self) -> None:
-        """Hand the queued events to the sink as one batch (nothing if none are queued)."""
+        """Hand the queued events to the sink as one batch (nothing if none are queued).
+
+        If the sink raises, the events stay queued (nothing is lost, the counts
+        do not move) and the error goes to the caller; the next flush retries.
+        """
+        self.sink_error = None
         if self._pending:
-            records, self._pending = self._pending, []
-            self.batches += 1
-            self.events += len(records)
+            records = self._pending
             batch = PendingBatch(time.time(), records, self.data_parallel_rank, self.page_size, self._recent)
             self.sink(batch if self._sink_renders else batch.render())
+            self._pending = []
+            self.batches += 1
+            self.events += len(records)
 
     def cleared(self) -> None:
         """Everything is gone (the cache was reset): queue ``AllBlocksCleared`` and forget every key."""
@@ -178,10 +190,14 @@ def enable_kv_events(cache: "HiCache", sink: Sink, *, data_parallel_rank: int | 
 
 
 def disable_kv_events(cache: "HiCache", hook: KVEventHook) -> None:
-    """Flush what ``hook`` queued and stop listening; a hook that stopped already is only flushed."""
-    hook.flush()
+    """Stop listening and flush what ``hook`` queued; a hook that stopped already is only flushed.
+
+    The hook stops first, so a sink that fails in the flush (a closed
+    publisher) does not leave it listening; the events it could not take stay queued.
+    """
     if cache.driver.listening(hook):
         cache.driver.remove_listener(hook)
+    hook.flush()
 
 
 def reset_with_events(cache: "HiCache", hook: KVEventHook) -> None:

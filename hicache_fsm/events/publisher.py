@@ -40,10 +40,12 @@ except ModuleNotFoundError as exc:  # an optional dependency: say which extra br
 from hicache_fsm.config import check_positive_int, check_seconds
 from hicache_fsm.errors import ConfigError, HiCacheError
 from hicache_fsm.events.pending import PendingBatch, accepts_pending
-from hicache_fsm.events.schema import KVEventBatch, encode
-from hicache_fsm.events.settings import check_rank, check_text
+from hicache_fsm.events.schema import UNREADABLE, KVEventBatch, decode, encode
+from hicache_fsm.events.settings import check_rank, check_text, topic_bytes
 
 Batch = KVEventBatch | PendingBatch
+Queued = PendingBatch | bytes  # a pending batch, rendered on the sender thread, or a batch's bytes
+MAX_HWM = (1 << 31) - 1  # a ZMQ high-water mark is a C int
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 IDLE_WAIT_S = 0.01  # how long the sender thread sleeps between draining the queue and serving replays
@@ -105,12 +107,13 @@ class ZmqEventPublisher:
             check_positive_int(name, value)
         for name, value in (("busy_pause_s", busy_pause_s), ("busy_window_s", busy_window_s)):
             check_seconds(name, value, zero_ok=True)
+        if hwm > MAX_HWM:  # zmq takes a C int: a larger one raised OverflowError with a context left open
+            raise ConfigError(f"hwm must be an int from 1 to {MAX_HWM}, got {hwm!r}")
         check_text("endpoint", endpoint)
         check_text("replay_endpoint", replay_endpoint, optional=True)
-        check_text("topic", topic)
+        self.topic = topic_bytes(topic)
         check_rank(data_parallel_rank)
         self.pacing = Pacing(float(busy_pause_s), float(busy_window_s), max_lag)
-        self.topic = topic.encode("utf-8")
         self.data_parallel_rank = data_parallel_rank
         self._ctx = zmq.Context()
         self._pub = self._replay = None
@@ -129,9 +132,9 @@ class ZmqEventPublisher:
             raise ConfigError(f"cannot bind KV event sockets ({endpoint}, {replay_endpoint}): {exc}") from None
         # A plain deque, not queue.Queue: appending wakes no thread (the sender drains it every
         # IDLE_WAIT_S), so a publish costs the serving thread no GIL hand-off.
-        self._queue: deque[tuple[int, Batch]] = deque()
+        self._queue: deque[tuple[int, Queued]] = deque()
         self.max_queue_size = max_queue_size
-        self._buffer: deque[tuple[int, Batch]] = deque(maxlen=buffer_steps)
+        self._buffer: deque[tuple[int, Queued]] = deque(maxlen=buffer_steps)
         self._buffer_lock = threading.Lock()
         self._next_seq = 0
         self._last_publish = -math.inf
@@ -157,22 +160,33 @@ class ZmqEventPublisher:
         """Number ``batch``, buffer it for replay and queue it for sending; returns its sequence number."""
         if self._closed:
             raise PublisherClosed("this KV event publisher is closed")
-        if batch.data_parallel_rank is None and self.data_parallel_rank is not None:
+        if not isinstance(batch, (KVEventBatch, PendingBatch)):
+            raise ConfigError(f"publish takes a KVEventBatch (or a hook's pending batch), got {type(batch).__name__}")
+        stamp = batch.data_parallel_rank is None and self.data_parallel_rank is not None
+        if stamp:
             batch.data_parallel_rank = self.data_parallel_rank
+        queued: Queued = batch  # type: ignore[assignment]
+        if isinstance(batch, KVEventBatch):
+            try:
+                queued = checked_payload(batch)
+            except ConfigError:
+                if stamp:
+                    batch.data_parallel_rank = None  # refused: the caller's batch is left as it came
+                raise
         seq = self._next_seq
         self._next_seq = seq + 1
         self._last_publish = time.monotonic()  # the cache is stepping: the sender gives way (see Pacing)
         with self._buffer_lock:
-            self._buffer.append((seq, batch))
+            self._buffer.append((seq, queued))
         if len(self._queue) < self.max_queue_size:
-            self._queue.append((seq, batch))
+            self._queue.append((seq, queued))
         else:
             self.dropped += 1
         return seq
 
     def wait_sent(self, timeout: float) -> bool:
         """Wait (sleeping, off the GIL) until every batch published so far was sent or dropped; False on timeout."""
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + check_seconds("timeout", timeout, zero_ok=True)
         while True:
             self._drained.clear()  # before looking: a drain after the look sets it again
             if self.sent + self.dropped >= self._next_seq:
@@ -260,6 +274,22 @@ class ZmqEventPublisher:
         self._ctx.term()
 
 
-def _payload(batch: Batch) -> bytes:
+def checked_payload(batch: KVEventBatch) -> bytes:
+    """``batch``'s msgpack bytes, if they decode as a batch; else ``ConfigError`` (nothing numbered).
+
+    Encoded at once: a batch that cannot be encoded used to kill the sender
+    thread (nothing sent after it), one that decodes as no batch would be
+    dropped by every subscriber, and a caller changing the struct afterwards
+    would make the replay differ from what went out live.
+    """
+    try:
+        payload = encode(batch)
+        decode(payload)
+    except UNREADABLE as exc:
+        raise ConfigError(f"publish: not a valid KVEventBatch: {exc}") from None
+    return payload
+
+
+def _payload(batch: Queued) -> bytes:
     """The msgpack bytes of ``batch``, a pending one rendered straight to bytes (on the sender thread)."""
-    return batch.payload() if isinstance(batch, PendingBatch) else encode(batch)
+    return batch.payload() if isinstance(batch, PendingBatch) else batch

@@ -64,6 +64,8 @@ class KVEventBatch(EventBatch):
 KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
 
 
+UNREADABLE = (msgspec.MsgspecError, ValueError, TypeError)  # what a decoder raises on bytes that are not a batch
+
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(KVEventBatch)
 

@@ -26,3 +26,12 @@ def check_rank(value: object) -> None:
 def check_wait_ms(name: str, value: object) -> int:
     """A wait in milliseconds is an int >= 0 (``zmq`` reads a negative one as forever)."""
     return check_positive_int(name, value, minimum=0)
+
+
+def topic_bytes(topic: object) -> bytes:
+    """A topic as the UTF-8 bytes ZMQ matches on; a str that has no UTF-8 form (a lone surrogate) is refused too."""
+    check_text("topic", topic)
+    try:
+        return topic.encode("utf-8")  # type: ignore[union-attr]
+    except UnicodeEncodeError:
+        raise ConfigError(f"topic must be encodable as UTF-8, got {topic!r}") from None

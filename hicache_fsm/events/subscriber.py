@@ -4,16 +4,18 @@
 in order. A sequence number beyond the next expected one means batches were
 dropped (the publisher's queue was full, or the PUB socket's high-water mark
 was hit): the subscriber asks the replay socket for them first. Batches gone
-from the publisher's replay buffer too are counted in ``lost`` (a consumer
-then rebuilds from a fresh snapshot). No thread: the caller polls.
+from the publisher's replay buffer too, or not replayed in time, are counted
+in ``lost`` (a consumer then rebuilds from a fresh snapshot); ``receive``
+never raises for it, so the batches it already took are never dropped with an
+exception. No thread: the caller polls.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 try:
-    import msgspec
     import zmq
 except ModuleNotFoundError as exc:  # an optional dependency: say which extra brings it
     from hicache_fsm.errors import MissingExtra
@@ -21,16 +23,20 @@ except ModuleNotFoundError as exc:  # an optional dependency: say which extra br
     raise MissingExtra("KV events", "pyzmq", "events") from exc
 
 from hicache_fsm.errors import ConfigError, HiCacheError
-from hicache_fsm.events.schema import KVEventBatch, decode
-from hicache_fsm.events.settings import check_text, check_wait_ms
+from hicache_fsm.events.schema import UNREADABLE, KVEventBatch, decode
+from hicache_fsm.events.settings import check_text, check_wait_ms, topic_bytes
 
 Batch = tuple[int, KVEventBatch]
 SEQ_BYTES = 8  # a sequence number frame: 8 bytes, big-endian
-UNREADABLE = (msgspec.MsgspecError, ValueError, TypeError)  # what a decoder raises on bytes that are not a batch
+MAX_SEQ = (1 << 63) - 1  # sequence numbers are int64 (a replay ends with -1): a larger one is not a batch's
 
 
 class ReplayUnanswered(HiCacheError):
-    """The replay socket did not answer within the subscriber's ``replay_timeout_ms``."""
+    """The replay socket did not give its whole answer within the subscriber's ``replay_timeout_ms``."""
+
+
+class SubscriberClosed(HiCacheError):
+    """``receive`` or ``catch_up`` after ``close``."""
 
 
 class ZmqEventSubscriber:
@@ -40,20 +46,20 @@ class ZmqEventSubscriber:
                  decoder: Callable[[bytes], KVEventBatch] = decode, replay_timeout_ms: int = 10_000) -> None:
         check_text("endpoint", endpoint)
         check_text("replay_endpoint", replay_endpoint, optional=True)
-        check_text("topic", topic)
+        subscription = topic_bytes(topic)
         if not callable(decoder):
             raise ConfigError(f"decoder must be callable, got {decoder!r}")
         self._decode = decoder
         self.replay_timeout_ms = check_wait_ms("replay_timeout_ms", replay_timeout_ms)
+        self.replay_endpoint = replay_endpoint
+        self._closed = False
         self._ctx = zmq.Context()
         self._sub = self._ctx.socket(zmq.SUB)
         self._replay = None
         try:
-            self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode("utf-8"))
+            self._sub.setsockopt(zmq.SUBSCRIBE, subscription)
             self._sub.connect(endpoint)
-            if replay_endpoint is not None:
-                self._replay = self._ctx.socket(zmq.DEALER)
-                self._replay.connect(replay_endpoint)
+            self._replay = self._replay_socket()
         except zmq.ZMQError as exc:
             self.close()
             raise ConfigError(f"KV event subscriber: cannot connect to {endpoint!r} / {replay_endpoint!r}: "
@@ -63,18 +69,20 @@ class ZmqEventSubscriber:
         self.replayed = 0  # batches fetched by replay
         self.lost = 0  # batches neither received nor replayable
         self.malformed = 0  # messages dropped as not a batch (frames or payload): their batches count as gaps
+        self.unanswered = 0  # replays ``receive`` asked for that did not answer in time (their gaps are lost)
 
     def receive(self, timeout_ms: int = 0) -> list[Batch]:
         """Every batch that arrived (waiting up to ``timeout_ms`` for the first), in order, gaps filled."""
         out: list[Batch] = []
         wait = check_wait_ms("timeout_ms", timeout_ms)
+        self._check_open()
         while self._sub.poll(wait):
             wait = 0
             frames = self._sub.recv_multipart()
-            if len(frames) != 3 or len(frames[1]) != SEQ_BYTES:
+            seq = int.from_bytes(frames[1], "big") if len(frames) == 3 and len(frames[1]) == SEQ_BYTES else -1
+            if seq < 0 or seq > MAX_SEQ:  # not three frames, or no int64 sequence number: not a batch
                 self.malformed += 1
                 continue
-            seq = int.from_bytes(frames[1], "big")
             if seq < self.next_seq:
                 continue  # already had it by replay
             batch = self._decoded(frames[2])
@@ -82,22 +90,37 @@ class ZmqEventSubscriber:
                 continue  # the next batch shows the gap; replay fills it if it can
             if seq > self.next_seq:
                 self.gaps += 1
-                out += self.catch_up(seq)
-            if seq > self.next_seq:  # the replay buffer no longer covers next_seq .. seq - 1
+                try:
+                    out += self.catch_up(seq)
+                except ReplayUnanswered:  # raised, the batches received before it and this one were lost
+                    self.unanswered += 1
+            if seq > self.next_seq:  # the replay buffer no longer covers next_seq .. seq - 1 (or did not answer)
                 self.lost += seq - self.next_seq
             out.append((seq, batch))
             self.next_seq = seq + 1
         return out
 
     def catch_up(self, until: int | None = None) -> list[Batch]:
-        """Replay every buffered batch from ``next_seq`` (before ``until`` if given); nothing without a replay socket."""
+        """Replay every buffered batch from ``next_seq`` (before ``until`` if given); nothing without a replay socket.
+
+        The whole answer must come within ``replay_timeout_ms`` (a peer that
+        never ends it cannot hold the caller); else ``ReplayUnanswered``, and the
+        replay socket is made afresh, so a late answer is never read as the next one's.
+        """
+        self._check_open()
         if self._replay is None:
             return []
-        self._replay.send_multipart((b"", self.next_seq.to_bytes(8, "big")))
+        start, replayed = self.next_seq, self.replayed
+        self._replay.send_multipart((b"", start.to_bytes(8, "big")))
         out: list[Batch] = []
+        deadline = time.monotonic() + self.replay_timeout_ms / 1000
         while True:
-            if not self._replay.poll(self.replay_timeout_ms):
-                raise ReplayUnanswered(f"no replay answer within {self.replay_timeout_ms} ms")
+            left_ms = max(0, round((deadline - time.monotonic()) * 1000))
+            if not self._replay.poll(left_ms):
+                self._replay.close(linger=0)
+                self._replay = self._replay_socket()
+                self.next_seq, self.replayed = start, replayed  # nothing handed out: nothing taken
+                raise ReplayUnanswered(f"no whole replay answer within {self.replay_timeout_ms} ms")
             frames = self._replay.recv_multipart()
             if len(frames) < 2 or len(frames[-2]) != SEQ_BYTES:
                 self.malformed += 1
@@ -121,7 +144,25 @@ class ZmqEventSubscriber:
             self.malformed += 1
             return None
 
+    def _replay_socket(self) -> "zmq.Socket | None":
+        """A DEALER connected to the replay endpoint (None without one)."""
+        if self.replay_endpoint is None:
+            return None
+        sock = self._ctx.socket(zmq.DEALER)
+        try:
+            sock.connect(self.replay_endpoint)
+        except zmq.ZMQError:
+            sock.close(linger=0)
+            raise
+        return sock
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SubscriberClosed("this KV event subscriber is closed")
+
     def close(self) -> None:
+        """Close both sockets and the context (idempotent)."""
+        self._closed = True
         for sock in (self._sub, self._replay):
             if sock is not None:
                 sock.close(linger=0)

@@ -11,11 +11,11 @@ answered from the union of every instance's storage announcements.
 
 from __future__ import annotations
 
-from typing import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence, Set as AbstractSet
 
 from hicache_fsm.errors import ConfigError
 from hicache_fsm.events.names import TIER_OF_MEDIUM, TIERS
-from hicache_fsm.events.schema import AllBlocksCleared, BlockStored, KVEventBatch
+from hicache_fsm.events.schema import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 _NOTHING: dict[str, frozenset[int]] = {tier: frozenset() for tier in TIERS}  # an instance that announced nothing
 
@@ -29,6 +29,7 @@ class PrefixIndex:
         self.unknown_media = 0  # events whose medium is not one of ours (ignored)
 
     def _tiers(self, instance: Hashable) -> dict[str, set[int]]:
+        check_instance(instance)
         tiers = self._blocks.get(instance)
         if tiers is None:
             tiers = self._blocks[instance] = {tier: set() for tier in TIERS}
@@ -36,6 +37,7 @@ class PrefixIndex:
 
     def _sets(self, instance: Hashable, tiers: Iterable[str]) -> list:
         """``instance``'s sets of ``tiers``, read only: a query about an unknown instance adds none."""
+        check_instance(instance)
         held = self._blocks.get(instance, _NOTHING)
         try:
             return [held[t] for t in tier_names(tiers)]
@@ -47,9 +49,15 @@ class PrefixIndex:
         return list(self._blocks)
 
     def apply(self, instance: Hashable, batch: KVEventBatch) -> None:
-        """Fold one batch from ``instance`` into the view (batches must come in sequence order)."""
+        """Fold one batch from ``instance`` into the view (batches must come in sequence order).
+
+        The whole batch is checked first: a struct built in Python is not
+        validated as a decoded one is, and one bad event must not leave the
+        events before it applied (``ConfigError``, nothing changed).
+        """
         if not isinstance(batch, KVEventBatch):
             raise ConfigError(f"apply takes a KVEventBatch (a subscriber's or a hook's), got {type(batch).__name__}")
+        check_events(batch.events)
         tiers = self._tiers(instance)
         for event in batch.events:
             if isinstance(event, AllBlocksCleared):
@@ -95,7 +103,7 @@ class PrefixIndex:
     def prefix_pages(self, instance: Hashable, hashes: Sequence[int], tiers: Iterable[str] = ("device", "host"),
                      shared_storage: bool = False) -> int:
         """How many of ``hashes``, from the first, ``instance`` holds in any of ``tiers`` (or in shared L3)."""
-        check_hashes(hashes)
+        hashes = check_hashes(hashes)
         sets = self._sets(instance, tiers)
         if shared_storage:
             sets.append(self._shared_storage)  # type: ignore[arg-type]  (membership only)
@@ -109,7 +117,7 @@ class PrefixIndex:
     def longest_prefixes(self, hashes: Sequence[int], instances: Iterable[Hashable],
                          tiers: Iterable[str] = ("device", "host")) -> dict[Hashable, int]:
         """Instance -> the pages of ``hashes`` it holds from the start (the router's question)."""
-        tiers = tier_names(tiers)
+        tiers, hashes = tier_names(tiers), check_hashes(hashes)
         return {i: self.prefix_pages(i, hashes, tiers) for i in instances}
 
 
@@ -118,8 +126,41 @@ def tier_names(tiers: Iterable[str]) -> tuple[str, ...]:
     return (tiers,) if isinstance(tiers, str) else tuple(tiers)
 
 
-def check_hashes(hashes: object) -> None:
-    """A request's block hashes are a sequence of ints (``events.hashes.request_hashes``), not a str or None."""
-    if isinstance(hashes, (str, bytes)) or not isinstance(hashes, Iterable):
-        raise ConfigError(f"hashes must be a request's block hashes (ints, from request_hashes), "
+def check_hashes(hashes: object) -> Sequence[int]:
+    """A request's block hashes (``events.hashes.request_hashes``) as a sequence that can be read more than once.
+
+    A str, bytes, None or an unordered collection (a set, a dict) is a
+    ``ConfigError``; an iterator is read into a tuple once, since every
+    instance a router weighs reads the hashes again (an iterator read by the
+    first left nothing for the others).
+    """
+    if isinstance(hashes, (str, bytes, bytearray, AbstractSet, Mapping)) or not isinstance(hashes, Iterable):
+        raise ConfigError(f"hashes must be a request's block hashes (ints in order, from request_hashes), "
                           f"got {type(hashes).__name__}")
+    return hashes if isinstance(hashes, Sequence) else tuple(hashes)
+
+
+def check_instance(instance: object) -> None:
+    """An instance is named by a hashable value (a number, a string): a dict key of the index."""
+    try:
+        hash(instance)
+    except TypeError:
+        raise ConfigError(f"an instance is named by a hashable value (a number, a string), got {instance!r}") from None
+
+
+def _int_list(values: object) -> bool:
+    return isinstance(values, list) and all(isinstance(v, int) for v in values)
+
+
+def check_events(events: object) -> None:
+    """``events`` is a list of the schema's events with int hashes and a str (or None) medium; else ``ConfigError``."""
+    if not isinstance(events, list):
+        raise ConfigError(f"a batch's events must be a list, got {type(events).__name__}")
+    for n, event in enumerate(events):
+        if isinstance(event, AllBlocksCleared):
+            continue
+        if not isinstance(event, (BlockStored, BlockRemoved)):
+            raise ConfigError(f"event {n} is not a BlockStored, BlockRemoved or AllBlocksCleared: {event!r:.80}")
+        if not _int_list(event.block_hashes) or not isinstance(event.medium, (str, type(None))):
+            raise ConfigError(f"event {n} ({type(event).__name__}): block_hashes must be a list of ints and medium "
+                              f"a str or None, got {type(event.block_hashes).__name__} and {event.medium!r:.40}")

@@ -49,7 +49,7 @@ class Router:
 
     def place(self, hashes: Sequence[int]) -> int:
         """The instance for a request whose page hashes are ``hashes``; records the placement."""
-        check_hashes(hashes)  # under every policy: round robin reads no hash, but a caller's mistake is one
+        hashes = check_hashes(hashes)  # under every policy: round robin reads no hash, but a caller's mistake is one
         n = self.instances
         if self.policy == "round_robin":
             choice = self._count % n
