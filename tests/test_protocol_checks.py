@@ -163,3 +163,43 @@ def test_a_lock_leaked_by_a_refused_load_back_is_caught():
         adapter = ProtocolAdapter(device_pages=3, host_pages=3, layers=1, write_policy="write_back")
         _, problems = _refused_load_back(adapter)
     assert any(p.startswith("engine_locks:") for p in problems), problems
+
+
+def test_reset_family_and_recency_families_hold_for_the_real_cache():
+    """The families that reset, prioritise and re-use prompts find nothing in the real cache."""
+    names = {"memory/reset", "memory/recency_lru", "memory/recency_lfu", "memory/recency_priority",
+             "storage/prefetch_anchor"}
+    fams = [f for f in default_families() if f[0] in names]
+    assert {n for n, _, _ in fams} == names
+    with quiet_cache_logs():
+        for name, bounds, factory in fams:
+            r = explore(bounds, factory)
+            assert r.complete and r.ok, (name, r.violations[0].format() if r.violations else r.checked_nothing())
+    policies = [b.eviction_policy for _, b, _ in families_for({"eviction_policy": "lfu"})]
+    assert policies[0] == "lfu" and policies == sorted(policies, key=lambda p: p != "lfu")  # that policy's first
+    assert families_for({"reset": True})[0][1].max_resets  # a bug only a reset shows: the resetting family first
+
+
+def test_reset_empties_the_cache_and_late_acks_change_nothing():
+    a = ProtocolAdapter(device_pages=2, host_pages=2)
+    assert a.insert((1, 1)) and a.pending_jobs()
+    a.reset(acked=True)
+    assert a.size() == 0 and a.occupancy().device_tokens == 0 and not a.pending_jobs()
+    assert not a.kv_violations() and not a.invariant_violations()
+    assert a.insert((2,))  # a new job; completing it polls the reset's late ack too
+    a.complete_job(a.pending_jobs()[0].id)
+    assert not a.kv_violations() and a.cache.counters["late_cancelled_completions"] == 1
+
+
+def test_priority_is_ranked_before_recency():
+    """Under the priority policy a node inserted at priority 1 outlives a newer one at 0 (the order check agrees)."""
+    a = ProtocolAdapter(device_pages=3, host_pages=2, eviction_policy="priority",
+                        write_policy="write_through_selective")
+    assert a.insert((1,), 1) and a.insert((2,))
+    assert a.evict(1) == 1
+    assert a.read_kv((1,)) and not a.read_kv((2,)) and not a.kv_violations()
+    with mutant("priority_order_inverted"):
+        b = ProtocolAdapter(device_pages=3, host_pages=2, eviction_policy="priority",
+                            write_policy="write_through_selective")
+        b.insert((1,), 1), b.insert((2,)), b.evict(1)
+        assert any(p.startswith("policy_eviction_order") for p in b.kv_violations())

@@ -181,7 +181,8 @@ class HiCacheAdapter(CacheAdapter):
 
     # ------------------------------------------------------------------ operations
 
-    def insert(self, tokens: Sequence[int]) -> bool:
+    def insert(self, tokens: Sequence[int], priority: int = 0) -> bool:
+        """Compute and insert ``tokens`` at ``priority`` (what the ``priority`` eviction policy ranks first)."""
         tokens = self._aligned(tokens)
         if not tokens:
             return False
@@ -193,9 +194,13 @@ class HiCacheAdapter(CacheAdapter):
         self._own_kv()
         self._kv_writes += 1
         self.device_pool.write(idx, None, k, v)
-        self.cache.insert(tokens, idx)
+        self.cache.insert(tokens, idx, priority=priority)
         self.cache.flush()
         return True
+
+    def priority_levels(self) -> int:
+        """How many insert priorities change what this cache does: 2 under the ``priority`` eviction policy."""
+        return 2 if self.config.eviction_policy == "priority" else 1
 
     def match(self, tokens: Sequence[int]) -> MatchInfo:
         m = self.cache.match_prefix(self._aligned(tokens))

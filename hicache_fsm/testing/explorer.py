@@ -112,6 +112,9 @@ class Bounds:
     ``omit``: operations never tried (a narrower action set, named in the report). ``start``: steps run
     on the empty cache before the search (each checked); depth counts from the state they reach, and a
     counterexample's trace begins with them.
+    ``priorities``: inserts also run at priorities 1..``priorities - 1`` (for the ``priority`` eviction
+    policy). ``max_resets``: at most this many ``reset`` steps per path (the adapter's ``resets``; each
+    tried with the jobs in flight acknowledged and failed).
     """
 
     nodes: int = 3
@@ -135,11 +138,13 @@ class Bounds:
     max_seconds: float | None = None
     omit: tuple[str, ...] = ()
     start: tuple[Step, ...] = ()
+    priorities: int = 1
+    max_resets: int = 0
 
     def __attrs_post_init__(self) -> None:
         """Refuse bounds that explore nothing meaningful (a run over them would pass, having checked nothing)."""
         for least, names in ((1, ("nodes", "device_pages", "host_pages", "layers", "page_size", "alphabet",
-                                  "max_prefetches")), (0, ("max_locks", "max_pins"))):
+                                  "max_prefetches", "priorities")), (0, ("max_locks", "max_pins", "max_resets"))):
             for name in names:
                 check_positive_int(f"Bounds.{name}", getattr(self, name), least)
         for name in ("max_len", "max_depth", "max_states"):
@@ -308,6 +313,7 @@ class Explorer:
         out: list[Step] = []
         for p in self.prompts:
             out.append(Step("insert", (p,)))
+            out += [Step("insert", (p, k)) for k in range(1, b.priorities)]
             out.append(Step("match", (p,)))
             if sup("lock") and len(adapter.held_locks()) < b.max_locks:
                 out.append(Step("lock", (p,)))
@@ -355,6 +361,8 @@ class Explorer:
         if sup("attach_storage"):
             out += [Step("attach_storage"), Step("attach_storage", (True,))]
         out += adapter.extra_steps()
+        if b.max_resets and sup("reset") and getattr(adapter, "resets", 0) < b.max_resets:
+            out += [Step("reset", (True,)), Step("reset", (False,))]
         if b.redeliver and sup("redeliver") and adapter.finished_jobs():
             out.append(Step("redeliver", (len(adapter.finished_jobs()) - 1,)))
         return [s for s in out if s.op not in b.omit] if b.omit else out

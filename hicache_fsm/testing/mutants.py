@@ -15,7 +15,8 @@ then, so patched guards and effects take effect).
     assert result.violations
 
 ``MUTANTS[name].variant`` names the cache configuration the bug lives in
-(e.g. ``write_back``, or ``storage=True`` for the L3 / prefetch bugs); the
+(e.g. ``write_back``, ``storage=True`` for the L3 / prefetch bugs, ``reset=True`` for those only a
+``reset`` shows); the
 fuzzer draws it among its variants anyway, the explorer should be run with it.
 """
 
@@ -721,10 +722,11 @@ def _anchor_leak_host_full(p: Patcher) -> None:
 
 
 def _register_more() -> None:
-    """The second set (``testing.mutants_more``), in the same registry."""
+    """The second and third sets (``testing.mutants_more``, ``testing.mutants_third``), in the same registry."""
     from hicache_fsm.testing.mutants_more import MORE
+    from hicache_fsm.testing.mutants_third import THIRD
 
-    for name, bug, apply, variant in MORE:
+    for name, bug, apply, variant in MORE + THIRD:
         MUTANTS[name] = Mutant(name, bug, apply, variant)
 
 

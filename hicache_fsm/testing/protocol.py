@@ -20,7 +20,13 @@ invariants cannot see, checked after every step:
   often) than a candidate it left; those records, in the cache's own eviction
   order, are part of the state key;
 - **write_through**: an insert leaves no node of its path device-only unless
-  a backup was refused for host room.
+  a backup was refused for host room;
+- **reset** as an engine action (memory tiers only): the engine's handles go,
+  jobs in flight end as the executor saw them (copies landed or dropped), and
+  the cache must be empty at once (no node, no used page, no pending job);
+  the acknowledgements of those jobs arrive after the reset and must be
+  ignored, each one counted ``late_cancelled_completions``, never applied.
+  How many resets a path ran and the acks still waiting join the state key.
 
 The ``prefetch`` and ``storage_link`` spec invariants (pages inserted only as
 they arrived, ``no_transfer_while_detached``) come from the cache itself.
@@ -47,8 +53,15 @@ class ProtocolAdapter(HiCacheAdapter):
         self._step_problems: list[str] = []
         self._loads: list[tuple[torch.Tensor, tuple[int, ...], int]] = []  # (slots, prefix tokens, chain tokens)
         self.uses = UseLog(self.config.eviction_policy)
+        self.resets = 0  # resets this path ran (the explorer bounds them)
+        # acks of jobs a reset cancelled, still in the executor's queue: (kind, ok, node ids); the late-ack count
+        # they must add once polled
+        self._stale: tuple[tuple[str, bool, tuple[int, ...]], ...] = ()
+        self._late_due = 0
 
     def supports(self, op: str) -> bool:
+        if op == "reset" and self.backend is not None:
+            return False  # a storage tier's reset waits for its threads: memory tiers only
         if op in ("attach_storage", "detach_storage", "partial_storage") and self.backend is None:
             return False
         if op in ("store_remote", "stored_prefix") and self.backend is not None \
@@ -85,19 +98,19 @@ class ProtocolAdapter(HiCacheAdapter):
         self.uses.used(path, hit=True)
         return result
 
-    def insert(self, tokens: Sequence[int]) -> bool:
-        """Insert; the prompt's whole path is used, and under write_through nothing on it stays device-only
-        unless a backup was refused for host room."""
+    def insert(self, tokens: Sequence[int], priority: int = 0) -> bool:
+        """Insert; the prompt's whole path is used (at ``priority``), and under write_through nothing on it
+        stays device-only unless a backup was refused for host room."""
         tree = self.cache.tree
         before = {n.id for n in tree.nodes()}
         refused = self.cache.counters["backup_host_full"]
-        ok = super().insert(tokens)
+        ok = super().insert(tokens, priority)
         if not ok:
             return ok
         self.uses.sync(tree.nodes())
         path, _, _ = tree.walk(self._aligned(tokens))
         new = {n.id for n in path if n.id not in before and self.uses.uses.get(n.id) is None}
-        self.uses.used(path, hit=False, new=new)
+        self.uses.used(path, hit=False, new=new, priority=priority)
         if self.config.write_policy == "write_through" and self.cache.storage is None:
             left = [n.id for n in path if n.state == "device"]
             if len(left) > self.cache.counters["backup_host_full"] - refused:
@@ -145,12 +158,14 @@ class ProtocolAdapter(HiCacheAdapter):
         return f"node {node.id} {prefix}"
 
     def state_key_orbit(self):
-        """The cache's key, plus the use records ranked along the cache's eviction order."""
+        """The cache's key, plus the use records ranked along the cache's eviction order, the resets run and
+        the acks of cancelled jobs still waiting."""
         key, orbit = super().state_key_orbit()
         tree = self.cache.tree
         self.uses.sync(tree.nodes())
         ranked = sorted((n for n in tree.nodes() if n.parent is not None), key=self.cache.eviction.sort_key)
-        return (key, self.uses.rank_key(ranked)), orbit
+        waiting = self._stale if self.executor.completions_waiting else ()  # polled ones are checked and gone
+        return (key, self.uses.rank_key(ranked), self.resets, waiting), orbit
 
     # ------------------------------------------------------------------ policy obligations
 
@@ -162,15 +177,21 @@ class ProtocolAdapter(HiCacheAdapter):
             return super().match(tokens)
         before = {n.id: n.state for n in self.cache.tree.nodes()}
         room = self.host_pool.allocator.available_tokens
+        refused = self.cache.counters["backup_host_full"]
         result = super().match(tokens)
         threshold = self.config.write_through_threshold
         path, _, _ = self.cache.tree.walk(self._aligned(tokens))
+        # a backup earlier on the path may take the room a later one needed: that one is refused, and counted
+        left = self.cache.counters["backup_host_full"] - refused
         for n in path:
             started = before.get(n.id) == "device" and n.state != "device"
             if started and n.hit_count < threshold:
                 self._step_problems.append(f"policy_selective: node {n.id} backed up at {n.hit_count} hits, "
                                            f"the threshold is {threshold}")
             if n.state == "device" and n.hit_count >= threshold and room >= n.num_tokens:
+                if left > 0:
+                    left -= 1
+                    continue
                 self._step_problems.append(f"policy_selective: node {n.id} reached {n.hit_count} hits "
                                            f"(threshold {threshold}) with host room but was not backed up")
         return result
@@ -391,7 +412,7 @@ class ProtocolAdapter(HiCacheAdapter):
             out.append(Step("time_passes"))
         return out
 
-    def applicable(self, op: str, args: tuple) -> bool:
+    def _applicable(self, op: str, args: tuple) -> bool:
         if op == "partial_storage":  # only a transfer reads pages
             steps = self.storage_steps()
             return 0 <= args[0] < len(steps) and steps[args[0]].kind == "s2h"
@@ -402,13 +423,63 @@ class ProtocolAdapter(HiCacheAdapter):
             return self.cache.storage.link.state in ("attached", "detached")
         return super().applicable(op, args)
 
+    # ------------------------------------------------------------------ reset
+
+    def reset(self, acked: bool = True) -> None:
+        """The engine flushes its cache (weights updated): its locks, pins and load-backs go with it. Each job in
+        flight ends as the executor saw it, its copy landed (``acked``) or dropped, before ``HiCache.reset``;
+        the acks wait in the executor's queue for the next poll, which must ignore them."""
+        stale = self.executor.pending_jobs()
+        self._own_kv()
+        self._kv_writes += 1
+        for job in stale:
+            (self.executor.complete if acked else self.executor.fail)(job.id)
+        late = self.cache.counters["late_cancelled_completions"]
+        self.cache.reset()
+        self._locks, self._pins, self._requests, self._loads = {}, {}, {}, []
+        self.uses = UseLog(self.config.eviction_policy)
+        self.resets += 1
+        self._stale += tuple((j.kind.value, acked, tuple(j.node_ids)) for j in stale)
+        self._late_due = late + len(self._stale) if self._stale else 0
+        self._step_problems += self._reset_problems()
+
+    def _reset_problems(self) -> list[str]:
+        """``reset_empties``: nothing cached, no page used, no job pending or queued, no engine page."""
+        cache = self.cache
+        left = [n.id for n in cache.tree.nodes() if n.parent is not None]
+        problems = [f"reset_empties: node(s) {left} survived the reset"] if left else []
+        for tier, alloc in (("device", self.device_pool.allocator), ("host", self.host_pool.allocator)):
+            if alloc.used_pages:
+                problems.append(f"reset_empties: {alloc.used_pages} {tier} page(s) still used after the reset")
+        jobs = cache.outbox.pending_jobs()
+        if jobs or cache.outbox.queued_jobs():
+            problems.append(f"reset_empties: job(s) {[j.id for j in jobs]} still pending after the reset")
+        if cache.engine_pages:
+            problems.append(f"reset_empties: engine pages {sorted(cache.engine_pages)} kept after the reset")
+        return problems
+
+    def _late_ack_problems(self) -> list[str]:
+        """``late_ack_ignored``: once polled, every ack of a job a reset cancelled was counted late, none applied."""
+        if not self._stale or self.executor.completions_waiting:
+            return []
+        got, self._stale = self.cache.counters["late_cancelled_completions"], ()
+        if got == self._late_due:
+            return []
+        return [f"late_ack_ignored: the acks of jobs a reset cancelled were polled; {got} late acks counted, "
+                f"{self._late_due} due"]
+
+    def applicable(self, op: str, args: tuple) -> bool:
+        if op == "reset":  # an empty cache with no job in flight: the reset changes nothing
+            return len(self.cache.tree) > 0 or bool(self.executor.pending_jobs())
+        return self._applicable(op, args)
+
     # ------------------------------------------------------------------ invariants
 
     def kv_violations(self) -> list[str]:
         """KV read-back (also run after steps that land on a known state), plus this step's obligations."""
         problems, self._step_problems = self._step_problems, []
         self.uses.sync(self.cache.tree.nodes())  # nodes the cache made or dropped by itself
-        return problems + super().kv_violations() + self._load_violations()
+        return problems + self._late_ack_problems() + super().kv_violations() + self._load_violations()
 
 
 def _attach_options(tier) -> dict:
@@ -448,6 +519,12 @@ def families_for(variant: dict) -> list[tuple[str, Any, Any]]:
         return [f for f in fams if f[0].startswith("cp/")]
     if variant.get("storage"):
         return [f for f in fams if f[0].startswith("storage/")]
+    if variant.get("reset"):  # a bug that only a reset shows: the families that reset first
+        fams = [f for f in fams if f[1].max_resets] + [f for f in fams if not f[1].max_resets]
+    eviction = variant.get("eviction_policy")
+    if eviction:  # the families of that eviction policy first, then the others (they reach deeper bookkeeping)
+        fams = [f for f in fams if f[1].eviction_policy == eviction] + [f for f in fams
+                                                                        if f[1].eviction_policy != eviction]
     policy = variant.get("write_policy")
     if policy:
         return [f for f in fams if f[1].write_policy == policy and not f[0].startswith("cp/")]
@@ -483,7 +560,8 @@ def default_families() -> list[tuple[str, Any, Any]]:
     cp = [(f"cp/{n}_ranks", Bounds(nodes=2, device_pages=2, host_pages=h, alphabet=1, max_len=2, redeliver=False,
                                    write_policy="write_back", max_depth=depth), cp_factory(n))
           for n, h, depth in ((1, 3, 6), (2, 3, 5))]  # a rank's host pool outgrows its device share
-    return memory + [order_family(), pressure_family()] + storage + cp
+    storage.append(anchor_family())
+    return memory + [order_family(), pressure_family(), reset_family()] + recency_families() + storage + cp
 
 
 def order_family() -> tuple[str, Any, Any]:
@@ -498,6 +576,50 @@ def order_family() -> tuple[str, Any, Any]:
     return ("memory/eviction_order",
             Bounds(nodes=3, device_pages=2, host_pages=2, alphabet=3, max_len=1, max_locks=0, max_pins=0,
                    redeliver=False, omit=("backup", "fail_job", "load_back"), max_depth=7), protocol_factory)
+
+
+def recency_families() -> list[tuple[str, Any, Any]]:
+    """Two one-page prompts on a three-page device, per eviction policy: what an insert does to the order.
+
+    A prompt inserted again (or matched) while another stays on the device, then an eviction: every ranking an
+    insert or a lookup can give two nodes (under ``priority`` inserts also run at priority 1), judged by
+    ``testing.recency`` within five steps. ``write_through_selective`` keeps backups out of the way (none is
+    due below the hit threshold), and backup, failed jobs, load-back, locks and pins are left out.
+    """
+    from hicache_fsm.testing.explorer import Bounds
+
+    return [(f"memory/recency_{p}", Bounds(nodes=2, device_pages=3, host_pages=2, alphabet=2, max_len=1, max_locks=0,
+                                            max_pins=0, redeliver=False, write_policy="write_through_selective",
+                                            eviction_policy=p, priorities=2 if p == "priority" else 1,
+                                            omit=("backup", "fail_job", "load_back"), max_depth=5), protocol_factory)
+            for p in ("lru", "lfu", "priority")]
+
+
+def reset_family() -> tuple[str, Any, Any]:
+    """One token on a two-page device and host, with at most one ``reset`` per path: the cache must be empty
+    at once whatever was cached, locked, pinned or in flight, and the late acks of the jobs it cancelled
+    (landed or failed) must change nothing, whenever the next poll takes them."""
+    from hicache_fsm.testing.explorer import Bounds
+
+    return ("memory/reset", Bounds(nodes=2, device_pages=2, host_pages=2, alphabet=1, max_resets=1, max_depth=5),
+            protocol_factory)
+
+
+# The start of ``storage/prefetch_anchor``: a cached anchor, another instance stores its next page, a prefetch.
+ANCHOR_START = (("insert", ((1,),)), ("store_remote", ((1, 2),)), ("prefetch", ((1, 2),)))
+
+
+def anchor_family() -> tuple[str, Any, Any]:
+    """From a prefetch anchored at a cached prefix (``ANCHOR_START``), every state within three steps: its hit
+    query and transfer run, fail or come back short, and the scheduler polls it, so the fetched page lands
+    under its anchor (or is dropped) where the tree and the KV read-back see it."""
+    from hicache_fsm.testing.checks import Step
+    from hicache_fsm.testing.explorer import Bounds
+
+    start = tuple(Step(op, args) for op, args in ANCHOR_START)
+    return ("storage/prefetch_anchor", Bounds(nodes=2, device_pages=2, host_pages=2, alphabet=1, max_len=2,
+                                              max_locks=0, max_pins=0, redeliver=False, storage=True, start=start,
+                                              max_depth=3), protocol_factory)
 
 
 # The start of ``memory/load_back_pressure``: a two-page chain backed up, then evicted (host-only).

@@ -1,6 +1,6 @@
 """An independent record of how each cached node was used, to judge the eviction order by.
 
-Why. The eviction policy (LRU, LFU; priority ties fall back to recency) is the
+Why. The eviction policy (LRU, LFU; priority: lower priority first, ties by recency) is the
 cache's promise about *which* entries go first, and the cache's own candidate
 sets are checked only against its own keys (``last_access``, ``hit_count``): a
 match that forgets to refresh recency, a split whose new half starts cold, an
@@ -8,16 +8,19 @@ insert counted as a hit all keep those sets consistent and evict the wrong
 entry. ``UseLog`` keeps the engine's view instead: per live node, how many
 lookups covered it since it entered the tree and which operation used it last,
 counted by the adapter from the operations it ran (``insert`` uses a prompt's
-whole path; ``match``, ``lock``, ``load_back`` and ``prefetch`` look it up,
-which also counts a hit). A node split in two gives its record to both halves;
+whole path and raises each node's priority to the insert's, never lowers it;
+``match``, ``lock``, ``load_back`` and ``prefetch`` look it up, which also
+counts a hit). A node split in two gives its record to both halves;
 a node the cache made by itself (a prefetch's insertion) has no record and is
 never judged.
 
 ``order_problems`` compares an eviction's victims with the candidates it left:
 no victim may have been used more recently (LFU: more often, then more
-recently) than a candidate that stayed. ``rank_key`` lists where the records
-disagree with the cache's own eviction order, for the explorer's state key: a
-cache whose order went wrong must not be merged into one where it is right.
+recently; priority: with a higher priority, then more recently) than a
+candidate that stayed. ``rank_key`` lists where the records disagree with the
+cache's own eviction order, and the nodes whose priority the cache holds
+otherwise than the records, for the explorer's state key: a cache whose order
+went wrong must not be merged into one where it is right.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from typing import Any
 
 __all__ = ["UseLog"]
 
-Use = tuple[int, int]  # (hits since the node entered the tree, the operation that used it last)
+Use = tuple[int, int, int]  # (hits since it entered the tree, the operation that used it last, its priority)
 
 
 class UseLog:
@@ -44,8 +47,10 @@ class UseLog:
         return new
 
     def order(self, use: Use) -> tuple[int, ...]:
-        """What the policy ranks by: hits then recency under LFU, recency otherwise (priorities are all 0)."""
-        return use if self.policy == "lfu" else (use[1],)
+        """What the policy ranks by: hits then recency (LFU), priority then recency (priority), or recency."""
+        if self.policy == "lfu":
+            return use[:2]
+        return (use[2], use[1]) if self.policy == "priority" else (use[1],)
 
     def sync(self, nodes: Iterable[Any]) -> None:
         """Forget nodes that left the tree; a new node with a known child is a split's upper half (it takes the
@@ -58,20 +63,24 @@ class UseLog:
                 uses[nid] = known[0] if len(known) == 1 else None
         self.uses = uses
 
-    def used(self, path: Sequence[Any], *, hit: bool, new: set[int] | frozenset[int] = frozenset()) -> None:
-        """One operation used ``path`` (a lookup when ``hit``); ids in ``new`` entered the tree with it."""
+    def used(self, path: Sequence[Any], *, hit: bool, new: set[int] | frozenset[int] = frozenset(),
+             priority: int = 0) -> None:
+        """One operation used ``path`` (a lookup when ``hit``; an insert at ``priority`` otherwise); ids in
+        ``new`` entered the tree with it."""
         self.clock += 1
         for node in path:
-            use = (0, 0) if node.id in new else self.uses.get(node.id)
+            use = (0, 0, priority) if node.id in new else self.uses.get(node.id)
             if use is not None:
-                self.uses[node.id] = (use[0] + hit, self.clock)
+                self.uses[node.id] = (use[0] + hit, self.clock, max(use[2], priority))
 
     def rank_key(self, ranked: Sequence[Any]) -> tuple:
         """The pairs of ``ranked`` (the cache's eviction order, by position) whose records order them the other
-        way: empty while they agree, so a correct cache's states are not split by the records."""
+        way, then the positions whose recorded priority the cache's node lacks: empty while they agree, so a
+        correct cache's states are not split by the records."""
         keys = [self.uses.get(n.id) for n in ranked]
-        return tuple((i, j) for i, a in enumerate(keys) for j in range(i + 1, len(keys))
-                     if a is not None and keys[j] is not None and self.order(keys[j]) < self.order(a))
+        pairs = tuple((i, j) for i, a in enumerate(keys) for j in range(i + 1, len(keys))
+                      if a is not None and keys[j] is not None and self.order(keys[j]) < self.order(a))
+        return pairs, tuple(i for i, (n, u) in enumerate(zip(ranked, keys)) if u is not None and u[2] != n.priority)
 
     def order_problems(self, tier: str, victims: Iterable[Any], stayed: Iterable[Any],
                        describe: Callable[[Any], str]) -> list[str]:

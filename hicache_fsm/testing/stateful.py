@@ -11,9 +11,11 @@ a ``unittest.TestCase``)::
 Rules are what an engine and its executors do: insert a prompt (or a next
 turn of one), match, lock / unlock, pin / unpin the host copy, evict either
 tier, load back, back up, complete or fail any pending job in any order,
-re-deliver a finished job's acknowledgement, poll. Storage rules run only when
-the adapter supports them: prefetch a prompt (or a next turn of one), another
-instance storing a prompt, memory pressure then a prefetch of a prompt storage
+re-deliver a finished job's acknowledgement, poll; where the adapter has them, insert at a
+priority (``priority_levels``), reset the cache, and use a prompt again right before an
+eviction (the order is judged on it). Storage rules run only when the adapter supports
+them: prefetch a prompt (or a next turn of one), another instance storing a prompt (or
+the next turn of a cached one, then prefetching it), memory pressure then a prefetch of a prompt storage
 holds (followed by a drawn script of its storage steps, polls, abort), the
 scheduler polling a prefetch (then load back and insert), abort, run or fail
 any queued storage step (hit query, transfer, backup, probe), let executors and
@@ -210,6 +212,24 @@ class CacheProtocolMachine(RuleBasedStateMachine):
         self._remember(tokens)
         return tokens
 
+    @precondition(lambda self: self.adapter is not None and self.adapter.supports("priority_levels")
+                  and self.adapter.priority_levels() > 1)
+    @rule(target=prompts, pages=prompt_pages(ALPHABET, 1, 2), priority=st.integers(1, 3))
+    def insert_prioritised(self, pages: list[int], priority: int) -> tuple[int, ...]:
+        """An insert at a priority above 0, where the cache ranks by priority (``priority_levels``)."""
+        tokens = self._tokens(pages)
+        self._do("insert", tokens, priority % self.adapter.priority_levels())
+        self._remember(tokens)
+        return tokens
+
+    @precondition(_supports("reset"))
+    @rule(acked=st.booleans(), now=st.integers(0, 3))
+    def reset(self, acked: bool, now: int) -> None:
+        """The engine flushes its cache (one draw in four: a reset empties it, so it stays rare); the jobs in
+        flight end acknowledged or failed, their acks arriving after the reset."""
+        if now == 0:
+            self._do("reset", acked)
+
     @rule(target=prompts, base=prompts, pages=prompt_pages(ALPHABET, 1, 2))
     def next_turn(self, base: tuple[int, ...], pages: list[int]) -> tuple[int, ...]:
         """A multi-turn request: match the history, load it back, lock it, insert history + turn."""
@@ -250,6 +270,15 @@ class CacheProtocolMachine(RuleBasedStateMachine):
     @precondition(_supports("evict"))
     @rule(pages=st.integers(1, 4))
     def evict(self, pages: int) -> None:
+        self._do("evict", pages * self.adapter.page_size)
+
+    @precondition(_supports("evict"))
+    @rule(tokens=prompts, again=st.booleans(), pages=st.integers(1, 2))
+    def reuse_then_evict(self, tokens: tuple[int, ...], again: bool, pages: int) -> None:
+        """A prompt is used again (inserted again, or matched), then memory pressure evicts a page or two: the
+        eviction order is judged right after a use that should have moved the prompt to the back."""
+        self._do("insert" if again else "match", tokens)
+        self.check()
         self._do("evict", pages * self.adapter.page_size)
 
     @precondition(_supports("evict_host"))
@@ -382,6 +411,24 @@ class CacheProtocolMachine(RuleBasedStateMachine):
             return
         self._follow(new[0], [query, *script])
 
+    @precondition(lambda self: self.adapter is not None and self.adapter.supports("store_remote")
+                  and self.adapter.supports("prefetch"))
+    @rule(base=prompts, pages=prompt_pages(ALPHABET, 1, 2),
+          script=st.lists(st.sampled_from(REQUEST_ACTIONS), max_size=3))
+    def remote_turn(self, base: tuple[int, ...], pages: list[int], script: list[str]) -> None:
+        """Another instance stored the next turn of a cached prompt; a request for it prefetches that turn
+        anchored at the cached prefix, and its hit query and transfer run before ``script`` (the fetched pages
+        must hang under the anchor)."""
+        tokens = base + self._tokens(pages)
+        self._do("store_remote", tokens)
+        if tokens not in self.remote and tokens not in self.seen:
+            self.remote.append(tokens)
+        before = {r.id for r in self.adapter.prefetching()}
+        self._do("prefetch", tokens)
+        new = [r.id for r in self.adapter.prefetching() if r.id not in before]
+        if new:
+            self._follow(new[0], ["step", "step", *script])
+
     def _follow(self, request: Any, script: Sequence[str]) -> None:
         for action in script:
             self.check()
@@ -510,6 +557,9 @@ _MEMORY_VARIANTS: tuple[dict, ...] = tuple(
     {"write_policy": w, "eviction_policy": e, "device_pages": d, "host_pages": h}
     for w in ("write_through", "write_back", "write_through_selective", "write_behind")
     for e, d, h in (("lru", 3, 3), ("lfu", 4, 2), ("lru", 2, 4), ("priority", 5, 5))
+) + tuple(  # the recency families' shape: no backup due on insert, so every device node is a candidate at once
+    {"write_policy": "write_through_selective", "eviction_policy": e, "device_pages": 3, "host_pages": 2}
+    for e in ("lru", "lfu", "priority")
 )
 # the same shapes with an L3 tier (memory:// behind a FaultyBackend, run step by step), one prefetch stop
 # policy per eviction policy: LRU ends prefetches whenever the scheduler asks (best_effort), LFU once the

@@ -12,7 +12,7 @@ What is kept, per field:
 
 - ``tree``: every node by its token prefix (node ids dropped: ids are
   interchangeable), its residency state, lock and host-pin counts, hit count
-  up to what the policy reads, rank in the eviction order (not clock values),
+  up to what the policy reads, its priority (inserts only ever raise it), rank in the eviction order (not clock values),
   its device and host slot ids, and the jobs it waits for;
 - ``device_slots`` / ``host_slots``: what every slot of each pool holds, as the
   prefix whose fingerprint it reads (``None``: never written or inconsistent),
@@ -103,7 +103,7 @@ def adapter_key_fields(adapter: Any, pool_fingerprints: tuple[list[int], list[in
         cap = 0
     ranked = sorted(nodes, key=cache.eviction.sort_key)
     rows = tuple(sorted(
-        (pre(n.id), n.state, n.lock_ref, n.host_ref, min(n.hit_count, cap), r, _ids(n.device_indices),
+        (pre(n.id), n.state, n.lock_ref, n.host_ref, min(n.hit_count, cap), n.priority, r, _ids(n.device_indices),
          _ids(n.host_indices), tuple(sorted((kinds.get(j, "?"), j in queued) for j in n.pending_jobs)))
         for r, n in enumerate(ranked)))
 

@@ -1,0 +1,185 @@
+"""The third set of planted controller bugs: reset, insert priorities and recency, prefetch placement.
+
+Registered into ``testing.mutants.MUTANTS`` as ``testing.mutants_more`` is (``mutants`` imports this module,
+never the other way round). Each entry is ``(name, bug, apply, variant)``; ``apply`` patches through the
+``Patcher`` it is given. They live in the classes the ``reset`` action, prioritised inserts and the
+``storage/prefetch_anchor`` family opened: a reset that leaves something behind, an insert that ranks its path
+wrongly, fetched pages hung in the wrong place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["THIRD"]
+
+THIRD: list[tuple[str, str, Callable[[Any], None], dict]] = []
+
+
+def _third(name: str, bug: str, **variant: Any) -> Callable[[Callable[[Any], None]], Callable[[Any], None]]:
+    def deco(fn: Callable[[Any], None]) -> Callable[[Any], None]:
+        THIRD.append((name, bug, fn, dict(variant)))
+        return fn
+
+    return deco
+
+
+def _hicache() -> type:
+    from hicache_fsm.cache import HiCache
+
+    return HiCache
+
+
+def _wrap_insert(p: Any, after: Callable[[Any, dict, int], None]) -> None:
+    """Patch ``HiCache.insert``: ``after(cache, before, priority)`` runs once the real insert returned, with
+    ``before`` = {node id: (last_access, priority)} of the nodes that were in the tree before it."""
+    HiCache = _hicache()
+    orig = HiCache.insert
+
+    def insert(self, tokens, device_indices, namespace=None, priority=0):
+        before = {n.id: (n.last_access, n.priority) for n in self.tree.nodes()}
+        result = orig(self, tokens, device_indices, namespace, priority)
+        after(self, before, priority)
+        return result
+
+    p.setattr(HiCache, "insert", insert)
+
+
+def _path_of(cache: Any, before: dict) -> list:
+    """The nodes the insert just touched: those stamped with the cache's newest access time."""
+    newest = max(n.last_access for n in cache.tree.nodes())
+    return [n for n in cache.tree.nodes() if n.parent is not None and n.last_access == newest
+            and (n.id not in before or before[n.id][0] != newest)]
+
+
+# =========================================================================== insert recency and hits
+
+
+@_third("insert_touches_new_node_only", "an insert refreshing the recency of its new node but not of the "
+                                        "matched prefix above it (LRU evicts a prefix just re-used)")
+def _new_node_only(p: Any) -> None:
+    def after(cache, before, priority):
+        for n in cache.tree.nodes():
+            if n.id in before:
+                n.last_access = before[n.id][0]
+
+    _wrap_insert(p, after)
+
+
+@_third("lfu_hit_on_insert", "an insert counted as an LFU hit on every node of its path", eviction_policy="lfu")
+def _hit_on_insert(p: Any) -> None:
+    def after(cache, before, priority):
+        for n in _path_of(cache, before):
+            n.hit_count += 1
+
+    _wrap_insert(p, after)
+
+
+# =========================================================================== priorities
+
+
+@_third("priority_not_raised_on_matched_path", "a prioritised insert raising the priority of its new node only, "
+                                               "not of the cached prefix it extends", eviction_policy="priority")
+def _priority_new_only(p: Any) -> None:
+    def after(cache, before, priority):
+        for n in cache.tree.nodes():
+            if n.id in before:
+                n.priority = before[n.id][1]
+
+    _wrap_insert(p, after)
+
+
+@_third("priority_lowered_by_insert", "an insert overwriting its path's priority with its own (a low-priority "
+                                      "request demotes a prefix a high-priority one holds)", eviction_policy="priority")
+def _priority_lowered(p: Any) -> None:
+    def after(cache, before, priority):
+        for n in _path_of(cache, before):
+            n.priority = priority
+
+    _wrap_insert(p, after)
+
+
+@_third("priority_order_inverted", "the priority policy evicting the highest priority first",
+        eviction_policy="priority")
+def _priority_inverted(p: Any) -> None:
+    from hicache_fsm.eviction import POLICY_KEYS
+
+    p.setitem(POLICY_KEYS, "priority", lambda node: (-node.priority, node.last_access, node.id))
+
+
+# =========================================================================== reset
+
+
+@_third("reset_keeps_pending_jobs", "a reset that drops the tree but keeps the jobs in flight pending (their acks "
+                                    "are applied to nodes that are gone)", reset=True)
+def _reset_keeps_jobs(p: Any) -> None:
+    from hicache_fsm.outbox import Outbox
+
+    p.setattr(Outbox, "cancel_all", lambda self: None)
+
+
+@_third("reset_forgets_cancelled_jobs", "a reset that clears the job ledger too, so a late ack of a job it "
+                                        "cancelled is refused as unknown", reset=True)
+def _reset_forgets_ledger(p: Any) -> None:
+    HiCache = _hicache()
+    orig = HiCache.reset
+
+    def reset(self):
+        orig(self)
+        self.job_ledger.recent.clear()
+
+    p.setattr(HiCache, "reset", reset)
+
+
+@_third("reset_leaks_backup_slots", "a reset freeing settled host slots only: those of a backup in flight "
+                                    "stay allocated", reset=True)
+def _reset_leaks(p: Any) -> None:
+    HiCache = _hicache()
+    orig = HiCache.reset
+
+    def reset(self):
+        flying = sum(n.num_tokens for n in self.tree.nodes()
+                     if n.parent is not None and n.pending_jobs and n.host_indices is not None)
+        orig(self)
+        if flying:
+            self.host_allocator.alloc(flying)
+
+    p.setattr(HiCache, "reset", reset)
+
+
+@_third("reset_keeps_candidates", "a reset that leaves the eviction candidate sets as they were (they name "
+                                  "nodes that are gone)", reset=True)
+def _reset_candidates(p: Any) -> None:
+    HiCache = _hicache()
+    orig = HiCache.reset
+
+    def reset(self):
+        self.eviction.rebuild = lambda: None  # shadows the method for this call only
+        try:
+            orig(self)
+        finally:
+            del self.eviction.rebuild
+
+    p.setattr(HiCache, "reset", reset)
+
+
+# =========================================================================== prefetch placement
+
+
+@_third("prefetch_inserted_under_root", "a prefetch's fetched pages inserted under the root instead of under "
+                                        "its anchor", storage=True)
+def _under_root(p: Any) -> None:
+    from hicache_fsm.storage.prefetch import PrefetchRuntime
+
+    orig = PrefetchRuntime.insert_fetched
+
+    def insert_fetched(self, op):
+        anchor = op.anchor
+        op.anchor = self.ctx.tree.root
+        try:
+            orig(self, op)
+        finally:
+            op.anchor = anchor
+
+    p.setattr(PrefetchRuntime, "insert_fetched", insert_fetched)
