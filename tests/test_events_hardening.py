@@ -91,6 +91,36 @@ def test_a_sequence_number_beyond_int64_is_malformed_not_an_overflow_later(peer)
         assert (sub.malformed, sub.next_seq, sub.lost) == (1, 2, 0)
 
 
+def _hashes(got: list) -> list[tuple[int, list[int]]]:
+    return [(seq, list(batch.events[0].block_hashes)) for seq, batch in got]
+
+
+def test_a_publisher_that_started_again_is_followed_not_ignored(peer):
+    """A restarted engine numbers its batches from 0 again: every one of them was skipped as already had."""
+    with ZmqEventSubscriber(peer.endpoint) as sub:
+        peer.connect(sub)
+        for n in (1, 2):
+            peer.pub.send_multipart([b"", _seq(n), encode(_batch(n))])
+        assert _receive_until(sub, 2)[-1][0] == 2 and sub.restarts == 0
+        for n in (0, 1):  # the new publisher's first batches
+            peer.pub.send_multipart([b"", _seq(n), encode(_batch(100 + n))])
+        got = _receive_until(sub, 1)
+        assert _hashes(got) == [(0, [100]), (1, [101])]
+        assert (sub.restarts, sub.next_seq, sub.lost) == (1, 2, 0)
+
+
+def test_a_forged_large_sequence_number_does_not_silence_the_subscriber(peer):
+    """After a valid but forged 2**62 every genuine batch was below next_seq and skipped for good."""
+    with ZmqEventSubscriber(peer.endpoint) as sub:
+        peer.connect(sub)
+        peer.pub.send_multipart([b"", _seq(1 << 62), encode(_batch(7))])
+        assert _receive_until(sub, 1 << 62)[-1][0] == 1 << 62
+        for n in (1, 2):
+            peer.pub.send_multipart([b"", _seq(n), encode(_batch(n))])
+        assert _hashes(_receive_until(sub, 2)) == [(1, [1]), (2, [2])]
+        assert sub.restarts == 1 and sub.next_seq == 3
+
+
 def test_a_replay_that_never_ends_its_answer_is_unanswered_within_the_timeout(peer):
     """A replay peer streaming frames that are not the one asked for held catch_up forever."""
     stop = threading.Event()

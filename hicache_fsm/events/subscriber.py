@@ -7,7 +7,11 @@ was hit): the subscriber asks the replay socket for them first. Batches gone
 from the publisher's replay buffer too, or not replayed in time, are counted
 in ``lost`` (a consumer then rebuilds from a fresh snapshot); ``receive``
 never raises for it, so the batches it already took are never dropped with an
-exception. No thread: the caller polls.
+exception. A live number below the last one means the publisher started
+again (an engine restarted, numbering from 0): ``restarts`` counts it, the
+subscriber follows the new numbers (a consumer drops what the old one told
+it), and a forged large number cannot make it ignore every later batch. No
+thread: the caller polls.
 """
 
 from __future__ import annotations
@@ -70,6 +74,8 @@ class ZmqEventSubscriber:
         self.lost = 0  # batches neither received nor replayable
         self.malformed = 0  # messages dropped as not a batch (frames or payload): their batches count as gaps
         self.unanswered = 0  # replays ``receive`` asked for that did not answer in time (their gaps are lost)
+        self.restarts = 0  # times the live numbers fell back: a publisher started again (its old blocks are gone)
+        self.last_live = -1  # the last sequence number the live socket gave
 
     def receive(self, timeout_ms: int = 0) -> list[Batch]:
         """Every batch that arrived (waiting up to ``timeout_ms`` for the first), in order, gaps filled."""
@@ -83,6 +89,10 @@ class ZmqEventSubscriber:
             if seq < 0 or seq > MAX_SEQ:  # not three frames, or no int64 sequence number: not a batch
                 self.malformed += 1
                 continue
+            if seq < self.last_live:  # one publisher's live numbers only climb: it started again, from 0
+                self.restarts += 1
+                self.next_seq = 0
+            self.last_live = seq
             if seq < self.next_seq:
                 continue  # already had it by replay
             batch = self._decoded(frames[2])
