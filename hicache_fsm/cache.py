@@ -71,7 +71,7 @@ from hicache_fsm.residency_driver import ResidencyDriver
 from hicache_fsm.results import DeviceGrant, InsertResult, LoadBack, LoadCancelled, LoadHandle, MatchResult
 from hicache_fsm.slots import (
     bind_pools, check_engine_pages, check_index_pages, check_index_tensor, check_pools, device_slot_tensor, page_ids,
-    unbind_pools,
+    take_engine_pages, unbind_pools,
 )
 from hicache_fsm.spec import load_builtin
 from hicache_fsm.storage.ownership import check_completion_owner
@@ -373,7 +373,7 @@ class HiCache(StorageCalls):
             own_ids = own_pages(path, partial, self.tree, tokens, namespace, matched)
             n_own = len(own_ids)
             engine = [p for i, p in enumerate(page_ids) if i >= n_own or own_ids[i] != p]
-        self._check_engine_pages(engine)
+        (take_engine_pages if own_ids is None else check_engine_pages)(self.engine_pages, engine)  # last check
         # ---- apply
         if partial:
             path, matched = driver.walk_splitting(tokens, namespace)
@@ -393,7 +393,6 @@ class HiCache(StorageCalls):
             node.last_access, node.priority, node.last_poll = now, priority, polls
             node.device_slots = packed[(matched // ps) << 3 :]
             driver.fire(node, "insert")
-            self.engine_pages.difference_update(engine if own_ids is None else page_ids[matched // ps :])
         if self.config.write_policy == "write_through":
             # new node, plus any node on the path whose earlier backup failed or was refused
             try_backup = self.eviction.try_backup
@@ -435,6 +434,7 @@ class HiCache(StorageCalls):
             if pages:
                 self.device_allocator.free(part)
                 self.engine_pages.difference_update(pages)
+        self.engine_pages.difference_update(page_ids[pos // ps :])  # the new node's (added next), if any
 
     # ================================================================== locks
 

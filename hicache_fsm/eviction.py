@@ -327,8 +327,11 @@ class Eviction:
                 self.refresh(n)
 
     def child_added(self, node: TreeNode) -> None:
+        """A new child (not on the device): only a parent that was a leaf can change sets (it leaves the host's)."""
         node.resident_children = 0
-        self.refresh(node.parent)
+        parent = node.parent
+        if len(parent.children) == 1:
+            self.refresh(parent)
 
     def split(self, node: TreeNode, upper: TreeNode) -> None:
         """``upper`` took ``node``'s place under its parent, same state: only ``upper`` is new."""

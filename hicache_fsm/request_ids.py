@@ -40,7 +40,8 @@ class RequestIds:
         self.driver = driver
         self.page_size = page_size
         self._memo: tuple = ()  # () or (the tuple or list, a list's items as a tuple, its packing)
-        self._array_memo: tuple = ()  # () or (an integer array's dtype, a copy of its bytes, their packing)
+        # () or (an integer array's dtype, a copy of its bytes, their packing, the array.array's typecode or None)
+        self._array_memo: tuple = ()
 
     def packed(self, tokens: object) -> TokenIds:
         """``tokens`` checked and packed once (``BadTokenIds`` names the first bad one).
@@ -71,10 +72,15 @@ class RequestIds:
             if same:
                 return memo[2]
         kind = type(tokens)
+        if kind is array:  # SGLang's form: the last array's ids compared without a numpy view of this one
+            memo = self._array_memo
+            if memo and memo[3] == tokens.typecode and memo[1].startswith(tokens):
+                n = len(tokens)
+                return memo[2] if n << 2 == len(memo[2].raw) else memo[2][:n]
         if kind is not tuple and kind is not list and kind is not TokenIds:
             ids = id_array(tokens)
             if ids is not None:
-                return self.packed_ids(ids)
+                return self.packed_ids(ids, tokens.typecode if kind is array else None)
         if kind is list:
             snapshot = tuple(tokens)  # compared at the next call
             ids = pack_token_ids(snapshot)
@@ -117,11 +123,12 @@ class RequestIds:
             if ids is not None:  # an integer array or tensor: checked and packed by vectorised passes
                 if head is None and not driver.may_match(namespace, self._first_page(ids)):
                     return [], len(ids)
-                return driver.walk_splitting(self.packed_ids(ids), namespace)[0], len(ids)
+                code = tokens.typecode if kind is array else None
+                return driver.walk_splitting(self.packed_ids(ids, code), namespace)[0], len(ids)
         packed = self.packed(tokens)
         return driver.walk_splitting(packed, namespace)[0], len(packed.raw) >> 2  # a bad namespace fails first
 
-    def packed_ids(self, ids: "np.ndarray") -> TokenIds:
+    def packed_ids(self, ids: "np.ndarray", typecode: str | None = None) -> TokenIds:
         """An array from ``id_array``, checked and packed, or the packing of the last array packed whole when its
         bytes hold the same ids or begin with them (a page-aligned slice); ids that extend it have only the new
         ones checked and packed.
@@ -134,7 +141,9 @@ class RequestIds:
         and packing them takes about 5 us warm and 9 us in ``bench insert``'s
         cold conditions. The same bytes of another dtype, a non-contiguous
         view, or any changed id is packed anew; what is compared is the
-        memory as it is now, so no change can go unseen.
+        memory as it is now, so no change can go unseen. ``typecode``: that
+        of the ``array.array`` ``ids`` views (``packed`` then compares the
+        next array of that code with no view made), None for another form.
         """
         memo = self._array_memo
         contiguous = ids.flags.c_contiguous  # a strided view has no one run of bytes to compare or copy
@@ -149,7 +158,7 @@ class RequestIds:
         check_id_array(ids)
         packed = pack_id_array(ids)
         if contiguous:
-            self._array_memo = (ids.dtype, ids.tobytes(), packed)
+            self._array_memo = (ids.dtype, ids.tobytes(), packed, typecode)
         return packed
 
     def _first_page(self, ids: "np.ndarray") -> bytes:

@@ -18,6 +18,7 @@ from hicache_fsm.errors import BadIndices, ConfigError
 from hicache_fsm.radix import TreeNode, slot_tensor
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
+_INT64 = np.dtype(np.int64)
 
 
 def page_ids(indices: torch.Tensor, page_size: int) -> list[int]:
@@ -50,7 +51,19 @@ def check_index_tensor(indices: object, length: int | None, page_size: int, allo
 
 
 def check_index_pages(indices: object, length: int | None, page_size: int, allocator: Any) -> np.ndarray:
-    """``check_index_tensor``, returning the page ids as an int64 array (what a node keeps, packed)."""
+    """``check_index_tensor``, returning the page ids as an int64 array (what a node keeps, packed).
+
+    A plain CPU tensor is read through its numpy view first: its dtype and
+    rank are then numpy attributes, a tenth of torch's; anything else (or a
+    tensor numpy cannot view) takes the checks in order, which name the fault.
+    """
+    if type(indices) is torch.Tensor:
+        try:
+            a = indices.numpy()  # refused off the CPU (and for a negative-bit view)
+        except (TypeError, RuntimeError):
+            a = None
+        if a is not None and a.ndim == 1 and (a.dtype is _INT64 or a.dtype == _INT64):
+            return _whole_pages(indices, a, length, page_size, allocator)
     if not isinstance(indices, torch.Tensor):
         raise BadIndices(f"device indices must be a torch.Tensor, got {type(indices).__name__}")
     if indices.dtype != torch.int64 or indices.dim() != 1:
@@ -59,14 +72,22 @@ def check_index_pages(indices: object, length: int | None, page_size: int, alloc
         )
     if not indices.is_cpu:
         raise BadIndices(f"slot indices are kept on the CPU; got a tensor on {indices.device}")
-    n = indices.numel()
+    return _whole_pages(indices, None, length, page_size, allocator)
+
+
+def _whole_pages(indices: torch.Tensor, a: np.ndarray | None, length: int | None, page_size: int,
+                 allocator: Any) -> np.ndarray:
+    """The length and page checks of ``check_index_pages`` on a 1-D int64 CPU tensor (``a``: its numpy view, or
+    None: viewed once the length passed, as before the fast path)."""
+    n = indices.numel() if a is None else a.size
     if length is not None and n != length:
         raise BadIndices(f"expected {length} device indices (one per token), got {n}")
     if n % page_size:
         raise BadIndices(f"{n} indices is not a whole number of pages of {page_size} tokens")
     if not n:
         return np.empty(0, dtype=np.int64)
-    a = indices.numpy()
+    if a is None:
+        a = indices.numpy()
     pages = allocator.whole_pages(a)
     if pages is not None:
         return pages
@@ -86,6 +107,23 @@ def check_engine_pages(engine_pages: set[int], pages: list[int]) -> None:
         )
 
 
+def take_engine_pages(engine_pages: set[int], pages: list[int]) -> None:
+    """``check_engine_pages``, then ``pages`` leave ``engine_pages``: the cache holds them from now on.
+
+    A subset test and the removal the insert makes anyway cost about half
+    the intersection the check alone builds. A page named twice shows as a
+    removal short of ``len(pages)``: every page was held, so all go back
+    before the check names the fault (the set is as it was).
+    """
+    if engine_pages.issuperset(pages):
+        held = len(engine_pages)
+        engine_pages.difference_update(pages)
+        if held - len(engine_pages) == len(pages):
+            return
+        engine_pages.update(pages)
+    check_engine_pages(engine_pages, pages)
+
+
 def check_pools(device_pool: Any, host_pool: Any, draft_device_pool: Any, draft_host_pool: Any) -> None:
     """Refuse pool combinations that cannot work (the reference raises on the same ones)."""
     if device_pool.page_size != host_pool.page_size:
@@ -101,7 +139,7 @@ def check_pools(device_pool: Any, host_pool: Any, draft_device_pool: Any, draft_
 
 __all__ = [
     "check_engine_pages", "check_index_pages", "check_index_tensor", "check_pools", "device_slot_tensor",
-    "node_page_ids", "page_ids",
+    "node_page_ids", "page_ids", "take_engine_pages",
 ]
 
 
