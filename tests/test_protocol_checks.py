@@ -203,3 +203,25 @@ def test_priority_is_ranked_before_recency():
                             write_policy="write_through_selective")
         b.insert((1,), 1), b.insert((2,)), b.evict(1)
         assert any(p.startswith("policy_eviction_order") for p in b.kv_violations())
+
+
+def test_pages_a_prefetch_fetched_before_storage_lost_them_are_inserted_unstored_and_stored_again():
+    """A prefetch whose pages landed, then the backend lost everything: its node claimed ``host_stored``
+    (``stored_means_stored`` failed) and was never backed up again."""
+    a = ProtocolAdapter(device_pages=3, host_pages=6, storage=True)
+    a.insert((1, 2))
+    for job in a.pending_jobs():
+        a.complete_job(job.id)
+    a.complete_storage(a.storage_steps()[0].id)  # (1, 2) stored: lose_storage has a node to find
+    a.store_remote((3, 4))  # another instance stored a prompt this one never saw
+    request = a.prefetch((3, 4))
+    while a.storage_steps():  # the hit query, then the transfer: the pages land on the host
+        a.complete_storage(a.storage_steps()[0].id)
+    assert a.lose_storage() == 1  # the backend restarts empty; the maintenance check finds (1, 2) gone
+    assert a.prefetch_ready(request)
+    node = a.cache.match_prefix((3, 4)).last_host_node
+    assert node.state == "host" and not a.invariant_violations() and not a.kv_violations()
+    a.cache.poll()  # stored again at the next poll
+    while a.storage_steps():
+        a.complete_storage(a.storage_steps()[0].id)
+    assert node.state == "host_stored" and not a.invariant_violations()

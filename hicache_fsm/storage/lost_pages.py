@@ -22,6 +22,7 @@ from hicache_fsm.storage.threads import leading_hits
 
 if TYPE_CHECKING:
     from hicache_fsm.radix import TreeNode
+    from hicache_fsm.storage.prefetch import PrefetchRuntime
 
 log = logging.getLogger("hicache_fsm.storage.tier")
 
@@ -35,6 +36,7 @@ class LostPages:
     agreement: Any  # a rank group's agreement, or None
     evictions: EvictionTracker
     counters: Counter[str]
+    runtime: PrefetchRuntime
     healthy: bool
     last_error: str
     _epoch: object
@@ -115,6 +117,9 @@ class LostPages:
         return self._mark_lost(self._own_nodes(nodes))
 
     def _mark_lost(self, nodes: Iterable[TreeNode]) -> int:
+        nodes = list(nodes)
+        if nodes:  # a running prefetch may hold pages the backend no longer has
+            self.runtime.storage_lost()
         driver = self.ctx.driver
         moved = 0
         for node in nodes:
@@ -123,10 +128,14 @@ class LostPages:
                 moved += 1
         if moved:
             self.counters["storage_lost_nodes"] += moved
-            self._sweep_due = True
-            self._last_sweep = float("-inf")  # store them again at this poll
+            self._store_again()
             log.warning("storage lost the pages of %d stored nodes; they will be stored again", moved)
         return moved
+
+    def _store_again(self) -> None:
+        """Look for unstored nodes to back up at the next poll, whatever the retry interval."""
+        self._sweep_due = True
+        self._last_sweep = float("-inf")
 
     def _own_nodes(self, nodes: Iterable[TreeNode]) -> list[TreeNode]:
         """``nodes`` as a list of this cache's live nodes; ``UnknownNode`` names the first that is not one.

@@ -89,6 +89,7 @@ class MemoryBackend(StorageBackend):
         with self._mem.lock:
             store = _Store()
             store.data = dict(self._mem.data)
+            store.epoch = self._mem.epoch  # the same pages: nothing was lost (a new epoch tells holders it was)
             new._lru = self._lru.fork()
         new._mem = store
         new._eviction_listeners = ()  # the copy's evictions are its own holder's business

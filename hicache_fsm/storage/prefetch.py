@@ -86,6 +86,7 @@ class PrefetchOp:
         self.start_time = start_time  # on the runtime's clock
         self.agreed = agreed  # a rank group sets completed_tokens to what every rank landed
         self.error = ""
+        self.storage_lost = False  # the backend lost pages since this op began: what it fetched may be gone there
         self._lock = threading.Lock()
         self._terminated = False
 
@@ -140,8 +141,10 @@ def page_ids(indices: torch.Tensor | None, page_size: int) -> list[int]:
 class PrefetchRuntime:
     """Owner of every running prefetch and context of the ``prefetch`` machine."""
 
-    def __init__(self, ctx: TierContext, submit_transfer: Callable[[PrefetchOp, TransferJob], None]) -> None:
+    def __init__(self, ctx: TierContext, submit_transfer: Callable[[PrefetchOp, TransferJob], None],
+                 store_again: Callable[[], None]) -> None:
         self.ctx = ctx  # the tier's: tree, driver, host pool and allocator, unpin / unlock
+        self.store_again = store_again  # the tier's: back up unstored nodes at the next poll
         self.page_size = ctx.page_size
         self.machine = compile_machine(load_builtin("prefetch"))
         self.options = TierOptions()
@@ -201,6 +204,12 @@ class PrefetchRuntime:
             return self.clock() - op.start_time > self.timeout_for(op)
         return False
 
+    def storage_lost(self) -> None:
+        """The backend lost pages (a new data epoch, a check that found keys missing): every running prefetch
+        may have fetched some of them, so what it inserts is inserted as not stored, to be backed up again."""
+        for op in self.active.values():
+            op.storage_lost = True
+
     def trim_to_hits(self, op: PrefetchOp) -> None:
         hit = op.hit_tokens
         extra = op.host_indices[hit:]
@@ -245,6 +254,10 @@ class PrefetchRuntime:
             node.storage_keys = tuple(op.hit_keys[first_page: done // self.page_size])
             driver.touch(node)
             driver.fire(node, "insert_prefetched")
+            if op.storage_lost:  # fetched before the backend lost pages: not known to be stored any more
+                driver.fire(node, "storage_lost")
+                self.counters["storage_lost_nodes"] += 1
+                self.store_again()
             op.inserted_pages.update(page_ids(fetched, self.page_size))  # the node's pages, not re-expanded
             self.occupied_tokens -= node.num_tokens
             op.inserted_tokens += node.num_tokens
@@ -400,9 +413,9 @@ class PrefetchRuntime:
     # ------------------------------------------------------------------ lifecycle
 
     def fork(self, ctx: TierContext, submit_transfer: Callable[[PrefetchOp, TransferJob], None],
-             op_of: Callable[[PrefetchOp], PrefetchOp]) -> "PrefetchRuntime":
+             store_again: Callable[[], None], op_of: Callable[[PrefetchOp], PrefetchOp]) -> "PrefetchRuntime":
         """A copy for the forked cache of ``ctx``; ``op_of`` maps an op to its copy (shared with the tier's queues)."""
-        new = PrefetchRuntime(ctx, submit_transfer)
+        new = PrefetchRuntime(ctx, submit_transfer, store_again)
         new.machine = self.machine
         new.options = self.options
         new.active = {k: op_of(op) for k, op in self.active.items()}

@@ -124,7 +124,7 @@ class StorageTier(PrefetchCalls, StorageThreads, LostPages):
         self.link_machine = compile_machine(load_builtin("storage_link"))
         self._cv = threading.Condition()
         self.link = StorageLink(self._wake)
-        self.runtime = PrefetchRuntime(ctx, self._submit_transfer)
+        self.runtime = PrefetchRuntime(ctx, self._submit_transfer, self._store_again)
         self._query_q: deque[tuple[int, PrefetchOp]] = deque()
         self._transfer_q: deque[tuple[int, TransferJob, PrefetchOp]] = deque()
         self._backup_q: deque[tuple[int, TransferJob]] = deque()
@@ -662,7 +662,7 @@ class StorageTier(PrefetchCalls, StorageThreads, LostPages):
         def item(x: tuple) -> tuple:
             return tuple(op_of(v) if isinstance(v, PrefetchOp) else v for v in x)
 
-        new.runtime = self.runtime.fork(ctx, new._submit_transfer, op_of)
+        new.runtime = self.runtime.fork(ctx, new._submit_transfer, new._store_again, op_of)
         new._query_q = deque(item(x) for x in self._query_q)
         new._transfer_q = deque(item(x) for x in self._transfer_q)
         new._backup_q = deque(self._backup_q)
