@@ -211,6 +211,12 @@ class TinyLRUAdapter(CacheAdapter):
     def occupancy(self) -> Occupancy:
         return Occupancy(len(self.cache.fast) * self.page_size, len(self.cache.slow) * self.page_size)
 
+    def capacity(self) -> Occupancy:  # the toolkit checks occupancy against it after every step
+        return Occupancy(self.cache.fast_pages * self.page_size, self.cache.slow_pages * self.page_size)
+
+    def eviction_policy(self) -> str:  # a page leaves the slow tier only once every page still cached was used later
+        return "lru"
+
     def snapshot(self):
         c = self.cache
         return ([(k, p.values) for k, p in c.fast.items()], [(k, p.values) for k, p in c.slow.items()])

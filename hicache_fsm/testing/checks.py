@@ -20,10 +20,15 @@ of steps replays on a fresh cache even though job ids differ between runs.
   ``match`` never reports more tokens than can be read back;
 - any other exception is a bug.
 
+``UseOrder`` judges the victims of every step for an adapter that declares
+``eviction_policy() == "lru"``: from the operations the fuzzers ran (not from
+the cache's own bookkeeping), no page that left the cache may have been used
+more recently than a page that stayed.
+
 ``catalogue`` is the invariant catalogue checked after every step: the
 adapter's invariants (for HiCache: the residency spec's invariants plus tree,
-job and engine-reference checks) and the KV read back from every valid copy
-of every prompt against what was written.
+job and engine-reference checks), the declared ``capacity`` against ``occupancy``,
+and the KV read back from every valid copy of every prompt against what was written.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from typing import Any
 
 import attrs
 
+from hicache_fsm.errors import ConfigError
 from hicache_fsm.testing.adapter import (
     CacheAdapter,
     JobInfo,
@@ -43,8 +49,8 @@ from hicache_fsm.testing.adapter import (
 )
 from hicache_fsm.testing.interface import REQUIRED_OPS
 
-__all__ = ["INDEXED_OPS", "Outcome", "Step", "catalogue", "job_lock_problems", "kv_check", "kv_problems", "perform",
-           "replay_steps"]
+__all__ = ["INDEXED_OPS", "ORDERED_POLICIES", "Outcome", "Step", "UseOrder", "capacity_problems", "catalogue",
+           "job_lock_problems", "judged", "kv_check", "kv_problems", "perform", "readable_pages", "replay_steps"]
 
 # op -> the adapter list its (first) argument indexes
 INDEXED_OPS = {
@@ -222,18 +228,139 @@ def kv_check(adapter: CacheAdapter, prompts: Iterable[Sequence[int]]) -> list[st
     return problems
 
 
+def capacity_problems(adapter: CacheAdapter) -> list[str]:
+    """``capacity``: an adapter that declares its tiers' capacity never holds more than that (``occupancy``),
+    whatever its own invariants say; a cache that overflows silently still serves correct KV, so nothing else
+    would notice."""
+    if not adapter.supports("capacity"):
+        return []
+    if not adapter.supports("occupancy"):
+        return ["capacity: the adapter declares capacity() but has no occupancy() to compare it with"]
+    cap, occ = adapter.capacity(), adapter.occupancy()
+    return [f"capacity: the {tier} tier holds {used} tokens, its declared capacity is {most}"
+            for tier, used, most in (("device", occ.device_tokens, cap.device_tokens),
+                                     ("host", occ.host_tokens, cap.host_tokens)) if used > most]
+
+
 def catalogue(adapter: CacheAdapter, prompts: Iterable[Sequence[int]]) -> list[str]:
-    """Every invariant violation now, KV read-back of ``prompts`` included."""
-    return list(adapter.invariant_violations()) + kv_check(adapter, prompts)
+    """Every invariant violation now, declared capacity and KV read-back of ``prompts`` included."""
+    return list(adapter.invariant_violations()) + capacity_problems(adapter) + kv_check(adapter, prompts)
+
+
+def readable_pages(adapter: CacheAdapter, prompts: Iterable[Sequence[int]]) -> set[tuple[int, ...]]:
+    """Every whole page some tier can serve now, named by the token prefix it ends (no side effects)."""
+    ps = adapter.page_size
+    out: set[tuple[int, ...]] = set()
+    for prompt, copies in adapter.read_kv_many(prompts).items():
+        n = len(copies) - len(copies) % ps
+        out.update(prompt[:i] for i in range(ps, n + 1, ps))
+    return out
+
+
+ORDERED_POLICIES = ("lru",)  # what ``eviction_policy()`` may declare (None: victims are not judged)
+USING_OPS = frozenset({"insert", "match", "lock"})
+
+
+@attrs.define
+class UseOrder:
+    """Per readable page, the step that last used it, as the engine's operations imply (why: a match that
+    forgets to refresh recency keeps the cache's own lists consistent and evicts the wrong page).
+
+    Uses: ``insert`` uses every page of its prompt, ``match`` the pages it matched, ``lock`` the prefix it
+    leaves readable; nothing else uses a page. A page that leaves the cache (no tier serves it) must not
+    have been used more recently than one that stays. Pages used in one step tie; a page that came back
+    on its own (no use) has no record and is never judged; nothing is judged while a lock, pin or job is
+    held (a held page is no candidate, and the toolkit cannot tell which pages a handle holds).
+    """
+
+    clock: int = 0
+    last: dict[tuple[int, ...], int] = attrs.Factory(dict)
+
+    @classmethod
+    def of(cls, adapter: CacheAdapter) -> UseOrder | None:
+        """A fresh order for an adapter declaring a policy it can judge; None when it declares none."""
+        if not adapter.supports("eviction_policy"):
+            return None
+        policy = adapter.eviction_policy()
+        if policy is None:
+            return None
+        if policy not in ORDERED_POLICIES:
+            raise ConfigError(f"{adapter.describe()}: eviction_policy() returned {policy!r}; "
+                              f"the toolkit judges {', '.join(ORDERED_POLICIES)} (or None: not judged)")
+        return cls()
+
+    def copy(self) -> UseOrder:
+        return UseOrder(self.clock, dict(self.last))
+
+    def rank(self) -> tuple:
+        """The pages grouped by last use, oldest first (the explorer's key: paths that used pages in another
+        order are other states)."""
+        groups: dict[int, list] = {}
+        for page, t in self.last.items():
+            groups.setdefault(t, []).append(page)
+        return tuple(tuple(sorted(groups[t])) for t in sorted(groups))
+
+    def judge(self, adapter: CacheAdapter, step: Step, out: Outcome, before: set[tuple[int, ...]],
+              prompts: Iterable[Sequence[int]]) -> list[str]:
+        """Record ``step``'s uses (it ran as ``out`` on a cache whose readable pages were ``before``) and
+        check its victims against the pages it kept."""
+        after = readable_pages(adapter, prompts)
+        self.clock += 1
+        for page in self._used(adapter, step, out):
+            self.last[page] = self.clock
+        problems: list[str] = []
+        if not _holds_anything(adapter):
+            kept = [(self.last[p], p) for p in before & after if p in self.last]
+            oldest = min(kept, default=None)
+            for page in sorted(before - after):
+                if oldest is not None and self.last.get(page, -1) > oldest[0]:
+                    problems.append(f"lru_order: {step} dropped page {list(page)} (last used at step "
+                                    f"{self.last[page]}) but kept {list(oldest[1])} (last used at step "
+                                    f"{oldest[0]}): LRU drops the least recently used page first")
+        self.last = {p: t for p, t in self.last.items() if p in after}
+        return problems
+
+    def _used(self, adapter: CacheAdapter, step: Step, out: Outcome) -> list[tuple[int, ...]]:
+        if step.op not in USING_OPS or out.skipped or out.rejected is not None or out.error is not None:
+            return []
+        tokens = _aligned(adapter, step.args[0])
+        if step.op == "match":
+            tokens = tokens[: out.result.total]
+        elif step.op == "lock":
+            tokens = tokens[: len(adapter.read_kv(tokens))]
+        ps = adapter.page_size
+        return [tokens[:i] for i in range(ps, len(tokens) - len(tokens) % ps + 1, ps)]
+
+
+def _holds_anything(adapter: CacheAdapter) -> bool:
+    """Whether a lock, pin or job holds some page now (then no victim is judged)."""
+    return bool(adapter.pending_jobs()
+                or (adapter.supports("held_locks") and adapter.held_locks())
+                or (adapter.supports("held_pins") and adapter.held_pins()))
+
+
+def judged(adapter: CacheAdapter, step: Step, order: UseOrder | None, prompts: Sequence[tuple[int, ...]],
+           **kw: Any) -> Outcome:
+    """``perform`` plus, with a ``UseOrder``, the victim order of the step (its problems join the outcome's)."""
+    if order is None:
+        return perform(adapter, step, **kw)
+    held = _holds_anything(adapter)
+    before = readable_pages(adapter, prompts)
+    out = perform(adapter, step, **kw)
+    if not out.problems and not out.skipped:
+        problems = order.judge(adapter, step, out, before, prompts)
+        out.problems += [] if held else problems
+    return out
 
 
 def replay_steps(adapter: CacheAdapter, steps: Iterable[Step], prompts: Iterable[Sequence[int]] = ()) -> list[str]:
     """Run ``steps`` in order, checking after each; the problems of the first failing step."""
     prompts = [tuple(p) for p in prompts]
+    order = UseOrder.of(adapter)
     for n, step in enumerate(steps):
-        out = perform(adapter, step)
         if step.op == "insert" and step.args and tuple(step.args[0]) not in prompts:
             prompts.append(tuple(step.args[0]))
+        out = judged(adapter, step, order, prompts)
         problems = out.problems or catalogue(adapter, prompts)
         if problems:
             return [f"after step {n + 1} {step}: {p}" for p in problems]

@@ -53,7 +53,9 @@ themselves, and no renaming but the identity keeps that order.
 Checks in every new state: the adapter's invariant catalogue, KV read-back of
 every prompt of the alphabet, and per step the contract of ``checks.perform``
 (refusals change nothing, evictions report what they freed, a second ack is
-refused, no unexpected exception). A successor larger than ``nodes`` is
+refused, no unexpected exception). An adapter declaring ``eviction_policy()``
+has every step's victims judged (``checks.UseOrder``); its state key then also
+carries the order in which the explored steps used the pages. A successor larger than ``nodes`` is
 checked but not expanded. An adapter method that raises anywhere else (``invariant_violations``,
 ``state_key``, ...) is reported like a violation, with the trace that led to it; an adapter without
 ``state_key`` or ``size`` is a ``ConfigError`` before anything runs.
@@ -80,7 +82,7 @@ import torch
 from hicache_fsm.config import check_positive_int
 from hicache_fsm.errors import ConfigError
 from hicache_fsm.testing.adapter import CacheAdapter
-from hicache_fsm.testing.checks import Step, catalogue, kv_check, perform, replay_steps
+from hicache_fsm.testing.checks import Step, UseOrder, catalogue, judged, kv_check, replay_steps
 from hicache_fsm.testing.paths import CoverageTracker
 
 __all__ = ["EXPLORER_OPS", "Bounds", "ExploreResult", "Explorer", "Violation", "explore", "hicache_factory",
@@ -381,34 +383,38 @@ class Explorer:
             torch.set_num_threads(threads)
             gc.set_threshold(*gc_threshold)
 
-    def _root(self) -> CacheAdapter:
-        """``factory(bounds)``; ``ConfigError`` when it lacks what the search needs (not a traceback mid-run)."""
+    def _root(self) -> tuple[CacheAdapter, UseOrder | None]:
+        """``factory(bounds)`` and its use order (when it declares an eviction policy); ``ConfigError`` when it
+        lacks what the search needs or declares a policy the toolkit cannot judge (not a traceback mid-run)."""
         root = self.factory(self.bounds)
         missing = missing_ops(root)
-        if missing:
+        try:
+            if missing:
+                raise ConfigError(f"{root.describe()}: the explorer needs the adapter's {' and '.join(missing)} "
+                                  f"(its visited set and node bound); it lacks them")
+            return root, UseOrder.of(root)
+        except ConfigError:
             root.close()
-            raise ConfigError(f"{root.describe()}: the explorer needs the adapter's {' and '.join(missing)} "
-                              f"(its visited set and node bound); it lacks them")
-        return root
+            raise
 
     def _run(self) -> ExploreResult:
         b = self.bounds
         t0 = time.perf_counter()
-        root = self._root()
+        root, order = self._root()
         result = ExploreResult(b, adapter=root.describe())
-        if not self._start(root, result):
+        if not self._start(root, order, result):
             return self._finish(result, t0, 0, False)
         if self.coverage is not None:
             self.coverage.attach_all(root.machines())
         search = _Search(self, root, result)
-        problems = guarded("the start state", lambda: search.begin(root))
+        problems = guarded("the start state", lambda: search.begin(root, order))
         if problems and (search.report(problems, ()) or not search.queue):  # no key: nothing to search from
             result.stopped_by = "violation"
             return self._finish(result, t0, len(search.parents), False)
         last = t0
         while search.queue and not search.stop:
-            world, key, depth = search.queue.popleft()
-            search.expand(world, key, depth)
+            world, key, depth, order = search.queue.popleft()
+            search.expand(world, key, depth, order)
             now = time.perf_counter()
             if self.progress is not None and now - last >= self.progress_every:
                 last = now
@@ -424,10 +430,10 @@ class Explorer:
             result.stopped_by = "violation"
         return self._finish(result, t0, len(search.parents), not search.queue and not search.stop)
 
-    def _start(self, root: CacheAdapter, result: ExploreResult) -> bool:
+    def _start(self, root: CacheAdapter, order: UseOrder | None, result: ExploreResult) -> bool:
         """Run ``Bounds.start`` on ``root``, each step checked; False (its violation recorded) when one fails."""
         for n, step in enumerate(self.bounds.start):
-            out = perform(root, step)
+            out = judged(root, step, order, self.prompts)
             if step.op == "insert" and out.result:
                 result.inserts += 1
             problems = out.problems or guarded(f"after start step {n + 1} {step}",
@@ -472,22 +478,23 @@ class _Search:
         self.seen_problems: set[str] = set()
         self.stop = False
 
-    def begin(self, root: CacheAdapter) -> list[str]:
+    def begin(self, root: CacheAdapter, order: UseOrder | None) -> list[str]:
         """Key, queue and check the start state; its problems."""
-        key, orbit = self.key(root)
+        key, orbit = self.key(root, order)
         self.parents[key] = (None, None)
         self.result.raw_states = orbit
-        self.queue.append((root, key, 0))
+        self.queue.append((root, key, 0, order))
         return catalogue(root, self.explorer.prompts)
 
-    def key(self, world: CacheAdapter) -> tuple[Hashable, int]:
-        """The state's key and orbit size; a key that cannot be hashed is the adapter's failure, named."""
+    def key(self, world: CacheAdapter, order: UseOrder | None) -> tuple[Hashable, int]:
+        """The state's key (with the pages' use order, when victims are judged) and orbit size; a key that
+        cannot be hashed is the adapter's failure, named."""
         key, orbit = self.key_orbit(world)
         try:
             hash(key)
         except TypeError:
             raise TypeError(f"state_key() returned {key!r:.80}, which is not hashable") from None
-        return key, orbit
+        return (key, order.rank()) if order is not None else key, orbit
 
     def trace(self, key) -> tuple[Step, ...]:
         """The steps from the empty cache (``Bounds.start`` first) to the state ``key``."""
@@ -509,7 +516,7 @@ class _Search:
         self.stop = self.explorer.stop_on_first or len(self.result.violations) >= self.explorer.max_violations
         return self.stop
 
-    def expand(self, world: CacheAdapter, key, depth: int) -> None:
+    def expand(self, world: CacheAdapter, key, depth: int, order: UseOrder | None) -> None:
         """Try every step of ``world``; an adapter method that raises is reported like a violation."""
         try:
             steps = self.explorer.steps(world)
@@ -517,18 +524,19 @@ class _Search:
             self.report([adapter_error("listing the next steps", exc)], self.trace(key))
             return
         for step in steps:
-            problems = guarded(f"after {step}", lambda: self.visit(world, key, depth, step))
+            problems = guarded(f"after {step}", lambda: self.visit(world, key, depth, order, step))
             if problems and self.report(problems, self.trace(key) + (step,)):
                 return
 
-    def visit(self, world: CacheAdapter, key, depth: int, step: Step) -> list[str]:
+    def visit(self, world: CacheAdapter, key, depth: int, order: UseOrder | None, step: Step) -> list[str]:
         """Run ``step`` on a fork of ``world``; keep, check and queue the state it reaches; its problems."""
         r, b = self.result, self.bounds
         if not world.applicable(step.op, step.args):
             r.skipped += 1
             return []
         child = world.clone()
-        out = perform(child, step, before=world.snapshot)
+        order = order.copy() if order is not None else None
+        out = judged(child, step, order, self.explorer.prompts, before=world.snapshot)
         if out.skipped:
             r.skipped += 1
             return []
@@ -537,7 +545,7 @@ class _Search:
             return out.problems
         if step.op == "insert" and out.result:
             r.inserts += 1
-        ckey, orbit = self.key(child)
+        ckey, orbit = self.key(child, order)
         if ckey in self.parents or ckey in self.outside:
             # KV contents are not in the key: a step that corrupts a copy can land on a key
             # first reached with good data, so read-back is checked after every step
@@ -558,7 +566,7 @@ class _Search:
         if b.max_depth is not None and depth + 1 >= b.max_depth:
             r.depth_bounded = True  # a state at the bound, left unexpanded: deeper ones may exist
         else:
-            self.queue.append((child, ckey, depth + 1))
+            self.queue.append((child, ckey, depth + 1, order))
         return []
 
 

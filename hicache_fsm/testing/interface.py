@@ -30,6 +30,8 @@ store_remote(tokens)   another instance sharing the storage tier stores a prompt
 read_kv(tokens)        per token, the KV fingerprint read from each valid copy
 unowned_refs()         locks / pins on entries that neither the engine nor a running
                        operation owns (checked after every job ends)
+capacity()             tokens each tier may hold (``Occupancy``): ``occupancy`` never exceeds it
+eviction_policy()      ``"lru"``: the fuzzers judge every victim by the uses they ran
 =====================  ==========================================================
 
 An operation the adapter does not override raises ``NotSupported``; the
@@ -114,7 +116,7 @@ OPTIONAL_OPS = (
     "lock", "unlock", "held_locks", "pin_host", "unpin_host", "held_pins", "evict", "evict_host",
     "load_back", "backup", "complete_job", "fail_job", "redeliver", "prefetch", "prefetching", "prefetch_ready",
     "abort", "storage_fault", "storage_steps", "stored_prefix", "store_remote", "complete_storage", "fail_storage",
-    "occupancy", "unowned_refs",
+    "occupancy", "unowned_refs", "capacity", "eviction_policy",
     "snapshot",
     "state_key", "size",
 )
@@ -261,6 +263,17 @@ class CacheAdapter:
 
     def occupancy(self) -> Occupancy:
         raise NotSupported("occupancy")
+
+    def capacity(self) -> Occupancy:
+        """Tokens each tier may hold; checked against ``occupancy`` after every step (an overflow that
+        keeps the KV right shows nowhere else)."""
+        raise NotSupported("capacity")
+
+    def eviction_policy(self) -> str | None:
+        """``"lru"`` when no page may leave the cache (no tier serves it) while a page used less recently
+        stays; the fuzzers then judge every victim (``checks.UseOrder`` says what counts as a use).
+        None: not judged."""
+        raise NotSupported("eviction_policy")
 
     def unowned_refs(self) -> dict[Hashable, tuple[int, int]]:
         """Per entry (as ``JobInfo.detail`` names it), the (locks, pins) it holds beyond what the engine's

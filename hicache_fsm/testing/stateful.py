@@ -22,7 +22,8 @@ any queued storage step (hit query, transfer, backup, probe), let executors and
 storage catch up, arm a storage fault. After
 **every** step the invariant catalogue (``checks.catalogue``) runs: the
 adapter's invariants and KV read back from every valid copy of every prompt
-seen so far. Each step's own contract is checked by ``checks.perform``.
+seen so far. Each step's own contract is checked by ``checks.perform``, and the
+victims of each step by ``checks.UseOrder`` when the adapter declares ``eviction_policy()``.
 
 ``run_fuzz`` runs a machine outside pytest with a seed, a progress line and a
 failing example turned into a runnable pytest test (``regression_test``). It builds
@@ -59,7 +60,7 @@ from hypothesis.stateful import (
 from hicache_fsm.config import check_positive_int
 from hicache_fsm.errors import ConfigError, HiCacheError
 from hicache_fsm.testing.adapter import CacheAdapter, StorageFault, check_variants
-from hicache_fsm.testing.checks import Step, catalogue, perform
+from hicache_fsm.testing.checks import Step, UseOrder, catalogue, judged
 from hicache_fsm.testing.fixed_draws import without_local_constants
 from hicache_fsm.testing.paths import CoverageTracker
 from hicache_fsm.testing.strategies import pages_to_tokens, prompt_pages, storage_faults
@@ -116,6 +117,7 @@ class CacheProtocolMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.adapter: CacheAdapter | None = None
+        self.order: UseOrder | None = None  # the pages' uses, when the adapter declares an eviction policy
         self.tally = Tally()
         self.seen: list[tuple[int, ...]] = []
         self.remote: list[tuple[int, ...]] = []  # prompts only other instances stored
@@ -148,7 +150,8 @@ class CacheProtocolMachine(RuleBasedStateMachine):
     def _do(self, op: str, *args: Any):
         if self.respect_applicable and not self.adapter.applicable(op, args):
             return None
-        out = perform(self.adapter, Step(op, args), catch=False)
+        prompts = self.seen + [args[0]] if op in ("insert", "match", "lock") and args[0] not in self.seen else self.seen
+        out = judged(self.adapter, Step(op, args), self.order, prompts, catch=False)
         assert not out.problems, "\n".join(out.problems)
         if op == "insert" and out.result:
             self.tally.changes += 1
@@ -174,6 +177,11 @@ class CacheProtocolMachine(RuleBasedStateMachine):
         if not isinstance(made, CacheAdapter):
             raise BrokenFactory(f"the adapter factory returned {type(made).__name__} for variant {variant!r}, "
                                 f"not a CacheAdapter")
+        try:
+            UseOrder.of(made)
+        except ConfigError as exc:  # a policy the toolkit cannot judge: the adapter's mistake, not a found bug
+            made.close()
+            raise BrokenFactory(str(exc)) from None
         return made
 
     @classmethod
@@ -187,6 +195,7 @@ class CacheProtocolMachine(RuleBasedStateMachine):
     def setup(self, variant: int, pages: list[int]) -> tuple[int, ...]:
         """Build the cache (one of ``variants``) and insert a first prompt."""
         self.adapter = self.build(self.variants[variant % len(self.variants)])
+        self.order = UseOrder.of(self.adapter)
         if self.coverage is not None:
             self.coverage.attach_all(self.adapter.machines())
         return self.insert(pages)
@@ -276,10 +285,16 @@ class CacheProtocolMachine(RuleBasedStateMachine):
     @rule(tokens=prompts, again=st.booleans(), pages=st.integers(1, 2))
     def reuse_then_evict(self, tokens: tuple[int, ...], again: bool, pages: int) -> None:
         """A prompt is used again (inserted again, or matched), then memory pressure evicts a page or two: the
-        eviction order is judged right after a use that should have moved the prompt to the back."""
+        eviction order is judged right after a use that should have moved the prompt to the back. When the
+        toolkit judges victims (``UseOrder``: only pages that leave the cache are judged) the host tier is emptied
+        too, so that what the device eviction moved down is judged."""
         self._do("insert" if again else "match", tokens)
         self.check()
         self._do("evict", pages * self.adapter.page_size)
+        if self.order is not None and self.adapter.supports("evict_host"):
+            self.check()
+            occupied = self.adapter.occupancy().host_tokens if self.adapter.supports("occupancy") else 0
+            self._do("evict_host", max(occupied, pages * self.adapter.page_size))
 
     @precondition(_supports("evict_host"))
     @rule(pages=st.integers(1, 4))
