@@ -18,15 +18,17 @@ from hicache_fsm.testing.explorer import quiet_cache_logs
 from hicache_fsm.testing.paths import CoverageTracker
 from hicache_fsm.testing.stateful import cp_machine, hicache_machine, run_fuzz
 
-def _defaults() -> argparse.Namespace:
+def _defaults(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     fuzz_command.configure(parser)
-    return parser.parse_args([])
+    args = parser.parse_args(argv)
+    args.steps = fuzz_command.default_steps(args)
+    return args
 
 
-def _fuzz_at_defaults(make_machine) -> dict:
+def _fuzz_at_defaults(make_machine, *argv: str) -> dict:
     """``hicache-fsm fuzz`` (or ``fuzz --cp``) at its default examples, steps and seed, in-process."""
-    args = _defaults()
+    args = _defaults(*argv)
     cov = CoverageTracker()
     with quiet_cache_logs():
         result = run_fuzz(make_machine(coverage=cov), examples=args.examples, steps=args.steps, seed=args.seed)
@@ -52,7 +54,7 @@ def test_fuzz_cp_defaults_reach_every_layer_write_state_and_transition():
     """In-process: the seeded run draws the same steps whatever earlier tests imported
     (``testing.fixed_draws``); a reservation on a full host fails (``failed``) under the host-pressure
     variant."""
-    report = _fuzz_at_defaults(cp_machine)
+    report = _fuzz_at_defaults(cp_machine, "--cp")
     assert report["layer_write"]["missing_states"] == []
     assert report["layer_write"]["missing_transitions"] == []
 

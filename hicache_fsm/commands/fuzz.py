@@ -19,9 +19,22 @@ from pathlib import Path
 from hicache_fsm.commands.args import UsageError, adapter_ref, json_kwargs, positive_int
 
 
+STEPS = 40  # most steps per run by default (``--cp``, ``--adapter``)
+HICACHE_STEPS = 60  # the HiCache variants: L3 prefetches that fail or land short are many steps deep
+
+
+def default_steps(args: argparse.Namespace) -> int:
+    """``--steps``, or its default for the machine the other flags choose."""
+    if args.steps is not None:
+        return args.steps
+    return STEPS if args.cp or args.adapter else HICACHE_STEPS
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--examples", type=positive_int, default=100, help="state-machine runs (default 100)")
-    parser.add_argument("--steps", type=positive_int, default=40, help="most steps per run (default 40)")
+    parser.add_argument("--steps", type=positive_int, default=None,
+                        help=f"most steps per run (default {HICACHE_STEPS} for the HiCache variants, whose storage "
+                             f"and prefetch paths lie deeper; {STEPS} with --cp or --adapter)")
     parser.add_argument("--seed", type=int, default=0, help="random seed; same seed, same runs (default 0)")
     parser.add_argument("--no-shrink", action="store_true", help="report the first failure as found")
     parser.add_argument("--adapter", metavar="MODULE:CALLABLE", type=adapter_ref,
@@ -63,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--variant needs --adapter")
     if args.cp and args.adapter:
         raise UsageError("--cp fuzzes the built-in CP adapter; it cannot be combined with --adapter")
+    args.steps = default_steps(args)
     if args.cp:
         machine = cp_machine(coverage=cov)
         machine_import = ("from hicache_fsm.testing.stateful import cp_machine\n"
