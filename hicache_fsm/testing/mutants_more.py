@@ -14,20 +14,29 @@ from typing import Any
 
 import attrs
 
-__all__ = ["MORE"]
+__all__ = ["MORE", "Planted", "hicache_class", "planter"]
 
-MORE: list[tuple[str, str, Callable[[Any], None], dict]] = []
-
-
-def _more(name: str, bug: str, **variant: Any) -> Callable[[Callable[[Any], None]], Callable[[Any], None]]:
-    def deco(fn: Callable[[Any], None]) -> Callable[[Any], None]:
-        MORE.append((name, bug, fn, dict(variant)))
-        return fn
-
-    return deco
+Planted = tuple[str, str, Callable[[Any], None], dict]  # (name, bug, apply, variant)
+MORE: list[Planted] = []
 
 
-def _hicache() -> type:
+def planter(registry: list[Planted]) -> Callable[..., Callable[[Callable[[Any], None]], Callable[[Any], None]]]:
+    """``@planter(registry)(name, bug, **variant)``: a decorator that records its ``apply`` in ``registry``."""
+    def plant(name: str, bug: str, **variant: Any) -> Callable[[Callable[[Any], None]], Callable[[Any], None]]:
+        def deco(fn: Callable[[Any], None]) -> Callable[[Any], None]:
+            registry.append((name, bug, fn, dict(variant)))
+            return fn
+
+        return deco
+
+    return plant
+
+
+_more = planter(MORE)
+
+
+def hicache_class() -> type:
+    """``HiCache``, imported when a mutant is applied (this module is imported by the library's testing only)."""
     from hicache_fsm.cache import HiCache
 
     return HiCache
@@ -50,7 +59,7 @@ def _driver() -> type:
 
 @_more("match_keeps_stale_recency", "a lookup that does not refresh recency (LRU evicts a prefix just used)")
 def _stale_recency(p: Any) -> None:
-    HiCache = _hicache()
+    HiCache = hicache_class()
     orig = HiCache.match_prefix
 
     def match_prefix(self, tokens, namespace=None):
@@ -102,7 +111,7 @@ def _host_count(p: Any) -> None:
        write_policy="write_through")
 def _no_retry(p: Any) -> None:
     """Insert backs up its new node only: a path node left device-only by a failed backup stays so for good."""
-    HiCache, Eviction = _hicache(), _eviction()
+    HiCache, Eviction = hicache_class(), _eviction()
     orig_insert, orig_backup = HiCache.insert, Eviction.try_backup
     skip: set[int] = set()
 

@@ -12,29 +12,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from hicache_fsm.testing.mutants_more import Planted, hicache_class, planter
+
 __all__ = ["THIRD"]
 
-THIRD: list[tuple[str, str, Callable[[Any], None], dict]] = []
-
-
-def _third(name: str, bug: str, **variant: Any) -> Callable[[Callable[[Any], None]], Callable[[Any], None]]:
-    def deco(fn: Callable[[Any], None]) -> Callable[[Any], None]:
-        THIRD.append((name, bug, fn, dict(variant)))
-        return fn
-
-    return deco
-
-
-def _hicache() -> type:
-    from hicache_fsm.cache import HiCache
-
-    return HiCache
+THIRD: list[Planted] = []
+_third = planter(THIRD)
 
 
 def _wrap_insert(p: Any, after: Callable[[Any, dict, int], None]) -> None:
     """Patch ``HiCache.insert``: ``after(cache, before, priority)`` runs once the real insert returned, with
     ``before`` = {node id: (last_access, priority)} of the nodes that were in the tree before it."""
-    HiCache = _hicache()
+    HiCache = hicache_class()
     orig = HiCache.insert
 
     def insert(self, tokens, device_indices, namespace=None, priority=0):
@@ -122,7 +111,7 @@ def _reset_keeps_jobs(p: Any) -> None:
 @_third("reset_forgets_cancelled_jobs", "a reset that clears the job ledger too, so a late ack of a job it "
                                         "cancelled is refused as unknown", reset=True)
 def _reset_forgets_ledger(p: Any) -> None:
-    HiCache = _hicache()
+    HiCache = hicache_class()
     orig = HiCache.reset
 
     def reset(self):
@@ -135,7 +124,7 @@ def _reset_forgets_ledger(p: Any) -> None:
 @_third("reset_leaks_backup_slots", "a reset freeing settled host slots only: those of a backup in flight "
                                     "stay allocated", reset=True)
 def _reset_leaks(p: Any) -> None:
-    HiCache = _hicache()
+    HiCache = hicache_class()
     orig = HiCache.reset
 
     def reset(self):
@@ -151,7 +140,7 @@ def _reset_leaks(p: Any) -> None:
 @_third("reset_keeps_candidates", "a reset that leaves the eviction candidate sets as they were (they name "
                                   "nodes that are gone)", reset=True)
 def _reset_candidates(p: Any) -> None:
-    HiCache = _hicache()
+    HiCache = hicache_class()
     orig = HiCache.reset
 
     def reset(self):
