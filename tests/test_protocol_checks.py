@@ -221,6 +221,8 @@ def test_pages_a_prefetch_fetched_before_storage_lost_them_are_inserted_unstored
     assert a.prefetch_ready(request)
     node = a.cache.match_prefix((3, 4)).last_host_node
     assert node.state == "host" and not a.invariant_violations() and not a.kv_violations()
+    stats = a.cache.stats()["storage"]  # the lost stored node and the prefetch's tokens, each counted apart
+    assert stats["storage_lost_nodes"] == 1 and stats["prefetch_unstored_tokens"] == 2
     a.cache.poll()  # stored again at the next poll
     while a.storage_steps():
         a.complete_storage(a.storage_steps()[0].id)

@@ -256,7 +256,7 @@ class PrefetchRuntime:
             driver.fire(node, "insert_prefetched")
             if op.storage_lost:  # fetched before the backend lost pages: not known to be stored any more
                 driver.fire(node, "storage_lost")
-                self.counters["storage_lost_nodes"] += 1
+                self.counters["prefetch_unstored_tokens"] += node.num_tokens
                 self.store_again()
             op.inserted_pages.update(page_ids(fetched, self.page_size))  # the node's pages, not re-expanded
             self.occupied_tokens -= node.num_tokens

@@ -96,6 +96,7 @@ COUNTERS = (
     "prefetch_partial", "prefetch_empty", "prefetch_aborted", "prefetch_found_tokens", "prefetch_hit_tokens",
     "prefetch_fetched_tokens",
     "prefetch_inserted_tokens", "prefetch_duplicate_tokens", "prefetch_released_tokens", "prefetch_trimmed_tokens",
+    "prefetch_unstored_tokens",
 )
 _HANDLERS = {"query_start": "query_started", "query_done": "query_answered", "query_failed": "query_failed",
              "batch": "batch_landed"}  # thread event -> the method that acts on it
