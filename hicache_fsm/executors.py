@@ -62,6 +62,9 @@ class _PoolSet:
                 raise ConfigError(f"{what} device and host pools differ in shape or page size")
         if draft_device_pool is not None and draft_device_pool.page_size != device_pool.page_size:
             raise ConfigError("draft pools must use the target's page size")
+        if draft_device_pool is not None and draft_device_pool.device != device_pool.device:
+            raise ConfigError(f"the draft device pool is on {draft_device_pool.device} and the target's on "
+                              f"{device_pool.device}: one executor's streams serve one device")
         self.device = device_pool
         self.host = host_pool
         self.draft_device = draft_device_pool
@@ -224,13 +227,14 @@ class AckExecutor(ServesOneCache):
 class _EventWait:
     """CUDA: wait for one finish event (a D2H batch)."""
 
-    def __init__(self, event, layers: int) -> None:
+    def __init__(self, event, layers: int, device: torch.device) -> None:
         self.event = event
         self.layers = layers
+        self.device = device
 
     def wait(self, layer: int) -> None:
         _check_layer(layer, self.layers)
-        torch.cuda.current_stream().wait_event(self.event)
+        torch.cuda.current_stream(self.device).wait_event(self.event)
 
     def done(self) -> bool:
         return self.event.query()
@@ -257,16 +261,17 @@ class SlotWait:
     slot moved on to a later load is simply done.
     """
 
-    def __init__(self, slot: _LoadSlot, layers: int) -> None:
+    def __init__(self, slot: _LoadSlot, layers: int, device: torch.device) -> None:
         self.slot = slot
         self.generation = slot.generation
         self.layers = layers
+        self.device = device
 
     def wait(self, layer: int) -> None:
         _check_layer(layer, self.layers)
         if self.slot.generation != self.generation:
             return
-        torch.cuda.current_stream().wait_event(self.slot.events[layer])
+        torch.cuda.current_stream(self.device).wait_event(self.slot.events[layer])
 
     def done(self) -> bool:
         return self.slot.generation != self.generation or self.slot.finish.query()
@@ -281,7 +286,14 @@ class _InFlight:
 
 
 class TorchExecutor(ServesOneCache):
-    """Runs D2H and H2D batches with torch copies (streams and events on CUDA)."""
+    """Runs D2H and H2D batches with torch copies (streams and events on CUDA).
+
+    On CUDA a batch's copies run on the executor's own streams after the
+    stream current on the pool's GPU when the batch is submitted (by
+    ``HiCache.poll``, ``flush`` or a first ``wait``), and ``wait(layer)``
+    makes the stream current then wait: the engine calls them with its
+    compute stream current on that GPU.
+    """
 
     def __init__(self, device_pool: DeviceKVPool, host_pool: HostKVPool,
                  draft_device_pool: DeviceKVPool | None = None, draft_host_pool: HostKVPool | None = None,
@@ -290,7 +302,8 @@ class TorchExecutor(ServesOneCache):
             raise ConfigError(f"producer_slots must be a positive int, got {producer_slots!r}")
         self.pools = _PoolSet(device_pool, host_pool, draft_device_pool, draft_host_pool)
         self.serving = SoleUser()
-        self.cuda = device_pool.device.type == "cuda"
+        self.device = device_pool.device  # indexed (``pools.indexed_device``): events go to that GPU's streams
+        self.cuda = self.device.type == "cuda"
         self._ready: list[Completion] = []
         self._inflight: list[_InFlight] = []
         self._closed = False
@@ -325,9 +338,17 @@ class TorchExecutor(ServesOneCache):
                 return DoneWait(layers)
             self._ready.extend(completed_all(batch.jobs))
             return DoneWait(layers)
-        if batch.kind is JobKind.D2H:
-            return self._submit_write(batch, copies, layers)
-        return self._submit_load(batch, copies, layers)
+        stream = self.write_stream if batch.kind is JobKind.D2H else self.load_stream
+        try:
+            if batch.kind is JobKind.D2H:
+                return self._submit_write(batch, copies, layers)
+            return self._submit_load(batch, copies, layers)
+        except HiCacheError:
+            raise
+        except Exception as exc:  # out of memory, a driver error: the batch fails, the engine goes on
+            stream.synchronize()  # the copies queued before the failure end before their slots can be reused
+            self._ready.extend(completed_all(batch.jobs, ok=False, error=f"{type(exc).__name__}: {exc}"))
+            return DoneWait(layers)
 
     def _keep(self, batch: JobBatch, stream) -> tuple:
         tensors = tuple(t for t in (batch.host_indices, batch.device_indices, batch.draft_host_indices) if t is not None)
@@ -338,7 +359,7 @@ class TorchExecutor(ServesOneCache):
 
     def _submit_write(self, batch: JobBatch, copies: list[_Copy], layers: int) -> _EventWait:
         start, finish = torch.cuda.Event(), torch.cuda.Event()
-        start.record()
+        start.record(torch.cuda.current_stream(self.device))  # after the engine's writes of this KV
         with torch.cuda.stream(self.write_stream):
             self.write_stream.wait_event(start)
             for c in copies:
@@ -346,7 +367,7 @@ class TorchExecutor(ServesOneCache):
             finish.record()
             keep = self._keep(batch, self.write_stream)
         self._inflight.append(_InFlight(batch, finish.query, finish.synchronize, keep))
-        return _EventWait(finish, layers)
+        return _EventWait(finish, layers, self.device)
 
     def _next_slot(self) -> _LoadSlot:
         self._producer = (self._producer + 1) % len(self._slots)
@@ -359,7 +380,7 @@ class TorchExecutor(ServesOneCache):
 
     def _submit_load(self, batch: JobBatch, copies: list[_Copy], layers: int) -> SlotWait:
         slot = self._next_slot()
-        slot.start.record()
+        slot.start.record(torch.cuda.current_stream(self.device))  # after the reads of the slots it fills
         with torch.cuda.stream(self.load_stream):
             self.load_stream.wait_event(slot.start)
             stagings = [{} for _ in copies]
@@ -369,8 +390,10 @@ class TorchExecutor(ServesOneCache):
                         load_to_device(c.device_pool, c.host_pool, layer=layer, runs=c.runs,
                                        non_blocking=True, staging=staging)
                 slot.events[layer].record()
-            keep = self._keep(batch, self.load_stream) + (stagings,)
-        handle = SlotWait(slot, layers)
+            # The staging blocks are not kept: allocated on the load stream, they are reused only by later
+            # allocations on that stream, which run after these copies.
+            keep = self._keep(batch, self.load_stream)
+        handle = SlotWait(slot, layers, self.device)
         self._inflight.append(_InFlight(batch, handle.done, slot.finish.synchronize, keep))
         return handle
 

@@ -92,6 +92,18 @@ def default_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
+def indexed_device(device: torch.device) -> torch.device:
+    """``device`` with its GPU index: a bare ``cuda`` is the device current now, where torch puts the memory.
+
+    The executors record and wait on the streams of the pool's own GPU
+    (``torch.cuda.current_stream(pool.device)``), so the pool must name it,
+    whichever device is current when they run.
+    """
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def check_pin_memory(pin_memory: object) -> bool:
     """Whether a host pool is pinned: as asked, or (None) when CUDA is present; "no" would read as True."""
     if pin_memory is None:
@@ -134,7 +146,7 @@ class DeviceKVPool:
     def __init__(self, shape: KVShape, size_tokens: int, page_size: int,
                  device: torch.device | str | None = None,
                  allocator: PageAllocator | None = None) -> None:
-        device = check_device(device) if device is not None else default_device()
+        device = indexed_device(check_device(device) if device is not None else default_device())
         self._setup(shape, size_tokens, page_size, device, allocator)
         kv = torch.zeros((shape.parts, shape.layers, size_tokens, shape.heads, shape.head_dim),
                          dtype=shape.dtype, device=device)
