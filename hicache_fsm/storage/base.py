@@ -583,7 +583,9 @@ class StorageBackend(ABC):
 
         Whoever marked pages stored must then check them again (``batch_exists``)
         and store the missing ones. 0 for backends that never lose what they stored.
+        StorageUnavailable once closed, as every other call.
         """
+        self._check_open()
         return 0
 
     def add_eviction_listener(self, listener: EvictionListener) -> None:
@@ -644,9 +646,13 @@ class StorageBackend(ABC):
 
     def _open_keys(self, keys: Sequence[str]) -> list[str]:
         """``keys`` as a list (a single str refused), once the backend is known open."""
+        self._check_open()
+        return _check_keys(keys)
+
+    def _check_open(self) -> None:
+        """StorageUnavailable once ``close`` ran: a closed backend answers nothing and writes nothing."""
         if self._closed:
             raise StorageUnavailable(f"{type(self).__name__} is closed")
-        return _check_keys(keys)
 
     def _pool_format(self, host_pool: Any) -> bytes:
         """The header field of ``host_pool``'s page format (kept for the last pool asked about: a tier has one)."""

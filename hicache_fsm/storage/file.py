@@ -325,6 +325,7 @@ class FileBackend(StorageBackend):
 
         When it changes, every stored page may be gone and the tier stores its nodes again.
         """
+        self._check_open()
         try:
             with open(self._epoch_path(), "rb") as f:
                 return int(f.read(32))

@@ -103,6 +103,7 @@ class KeysOnlyBackend(StorageBackend):
 
     def data_epoch(self) -> int:
         """Goes up whenever stored keys were dropped wholesale (``clear``)."""
+        self._check_open()
         return self._keys.epoch
 
     # ------------------------------------------------------------------ host-pool calls, bytes untouched

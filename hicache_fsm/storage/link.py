@@ -11,9 +11,11 @@ never touches the new backend.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
+import weakref
 from collections import Counter
 from collections.abc import Callable
 
@@ -22,6 +24,24 @@ from hicache_fsm.storage.base import StorageBackend
 log = logging.getLogger("hicache_fsm.storage.tier")
 
 THREAD_PREFIX = "hicache-storage"
+
+_STARTED: "weakref.WeakSet[StorageLink]" = weakref.WeakSet()  # every link that started threads, while it lives
+
+
+@atexit.register
+def _stop_at_exit() -> None:
+    """Stop every link's threads and wait for them (``join_timeout`` at most) before the interpreter finalizes.
+
+    The threads are daemons so that a cache never closed cannot keep the
+    process alive, but one still inside a torch or backend call while the
+    interpreter finalizes aborts the process (``std::terminate``: SIGABRT):
+    a backup running when a script ends without ``close``.
+    """
+    links = list(_STARTED)
+    for link in links:
+        link.signal_stop()
+    for link in links:
+        link.join()
 
 
 class StorageLink:
@@ -70,6 +90,7 @@ class StorageLink:
     def start_threads(self, targets: dict[str, Callable[[threading.Event, object], None]]) -> None:
         """Start one thread per target, each called as ``fn(stop_event, backend)``."""
         self.stop_event = threading.Event()
+        _STARTED.add(self)
         for name, fn in targets.items():
             thread = threading.Thread(
                 target=self._run, args=(fn, self.stop_event, self.backend), name=f"{THREAD_PREFIX}-{name}",

@@ -177,6 +177,7 @@ class MemoryBackend(StorageBackend):
 
     def data_epoch(self) -> int:
         """Goes up whenever stored pages were dropped wholesale (``clear``): the tier stores its nodes again."""
+        self._check_open()
         return self._mem.epoch
 
     def _close(self) -> None:

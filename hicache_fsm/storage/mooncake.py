@@ -294,6 +294,7 @@ class MooncakeBackend(StorageBackend):
         every key stored before may be gone too: whoever marked pages stored
         must check them again (``batch_exists``) and store the missing ones.
         """
+        self._check_open()
         with self._lock:
             codes = self._mc.batch_is_exist([self._epoch_key])
             if codes and codes[0] < 0:
