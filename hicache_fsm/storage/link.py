@@ -40,8 +40,10 @@ def _stop_at_exit() -> None:
     links = list(_STARTED)
     for link in links:
         link.signal_stop()
-    for link in links:
-        link.join()
+    if links:  # one deadline for all: a process with many hung backends waits the longest timeout once
+        deadline = time.monotonic() + max(link.join_timeout for link in links)
+        for link in links:
+            link.join(max(0.0, deadline - time.monotonic()))
 
 
 class StorageLink:
