@@ -22,6 +22,7 @@ from hicache_fsm.eviction import RESIDENT, REVIVABLE
 from hicache_fsm.jobs import JobKind, TransferJob
 from hicache_fsm.radix import RadixTree, TreeNode
 from hicache_fsm.results import LoadBack, LoadHandle
+from hicache_fsm.tp import PURPOSE_LOAD_ROOM
 
 if TYPE_CHECKING:
     from hicache_fsm.config import CacheConfig
@@ -96,7 +97,7 @@ class LoadBacks:
 
     def room_everywhere(self, tokens: int) -> bool:
         """Free device memory for ``tokens`` on every rank (one collective with a rank group)."""
-        return self.group.all_true(self.device_allocator.available_tokens >= tokens)
+        return self.group.all_true(self.device_allocator.available_tokens >= tokens, PURPOSE_LOAD_ROOM)
 
     def load_back(self, node: TreeNode) -> LoadBack | None:
         """See ``HiCache.load_back``."""

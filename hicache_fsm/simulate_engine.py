@@ -47,7 +47,7 @@ from hicache_fsm.errors import ConfigError, StorageTimeout
 from hicache_fsm.simulate_config import STORAGE_OPTIONS, Tier
 from hicache_fsm.simulate_results import TierResult
 from hicache_fsm.simulate_workload import Reference, Workload
-from hicache_fsm.tp import RankGroup, rank_view, view_digest
+from hicache_fsm.tp import PURPOSE_ENGINE, RankGroup, rank_view, view_digest
 
 PREFETCH_TIMEOUT_S = 10.0  # a prefetch still running then is aborted (counted in prefetch_timeouts)
 PREFETCH_POLL_S = 0.0005  # seconds between polls while a prefetch runs
@@ -356,7 +356,7 @@ class ChatEngine:
 
     def _agreed(self, flag: bool) -> bool:
         """``flag`` on every rank (the engine's own decisions, such as giving up on a prefetch)."""
-        return flag if self.shard is None else self.shard.group.all_true(flag)
+        return flag if self.shard is None else self.shard.group.all_true(flag, PURPOSE_ENGINE)
 
     def _prefetch(self, prompt: TokenIds, m):
         rid = f"req-{self._next_request}"

@@ -55,6 +55,38 @@ PURPOSE_STEP = 1  # what a collective is for (``RankGroup.min``): a step's agree
 PURPOSE_ATTACH = 2  # every rank is attaching storage now
 PURPOSE_GATHER = 3  # every rank gathers a tensor of the same shape and dtype
 PURPOSE_BUILD = 4  # every rank is building its cache: the configurations must match
+PURPOSE_ATTACH_COMMIT = 5  # every rank opened its storage backend (or failed to): attach everywhere or nowhere
+PURPOSE_LOAD_ROOM = 6  # every rank has device room for a load-back
+PURPOSE_ENGINE = 7  # an engine's own decision taken on every rank (the simulator's, a benchmark's)
+
+# The gloo groups made beside engine groups of another backend, one per set of ranks and default group: a
+# second RankGroup over the same ranks reuses it (a group named from its ranks can be made once).
+_GLOO_BESIDE: dict[tuple[int, ...], tuple[Any, Any]] = {}
+
+
+def _gloo_beside(group: Any, timeout: datetime.timedelta) -> Any:
+    """A gloo group over the ranks of ``group`` (an NCCL group: the agreements are CPU collectives).
+
+    Only the group's own ranks make it (``use_local_synchronization``): an
+    engine whose world holds several tensor-parallel groups (with pipeline or
+    data parallelism) makes one per group, each from its own ranks, where a
+    world-wide ``new_group`` named by a global counter joined ranks of
+    different groups.
+    """
+    import torch.distributed as dist
+
+    ranks = tuple(dist.get_process_group_ranks(group))
+    world = dist.group.WORLD
+    made = _GLOO_BESIDE.get(ranks)
+    if made is not None and made[0] is world:
+        return made[1]
+    try:
+        gloo = dist.new_group(ranks=list(ranks), backend="gloo", timeout=timeout, use_local_synchronization=True)
+    except (RuntimeError, ValueError) as exc:
+        raise ConfigError(f"cannot make a gloo group over ranks {list(ranks)} for the cache's agreements: {exc}") \
+            from None
+    _GLOO_BESIDE[ranks] = (world, gloo)
+    return gloo
 
 
 def _int64s(values: Sequence[int]) -> np.ndarray:
@@ -75,7 +107,7 @@ class RankGroup:
     Agreements are CPU collectives: a group whose backend is not gloo (NCCL on
     GPU) gets a gloo group over the same ranks beside it, as the reference
     does (creating it is a collective call of every process of the default
-    group). ``timeout_s`` bounds every collective.
+    group's members). ``timeout_s`` bounds every collective.
     """
 
     def __init__(self, group: Any = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
@@ -101,8 +133,7 @@ class RankGroup:
         if self.rank < 0 or self.size < 1:  # torch answers -1 for a group this process is not in
             raise ConfigError("this process is not a member of the group it was given")
         if self.size > 1 and dist.get_backend(group) != "gloo":
-            ranks = dist.get_process_group_ranks(group)
-            group = dist.new_group(ranks=ranks, backend="gloo", timeout=self._timeout)
+            group = _gloo_beside(group, self._timeout)
         self.group = group
 
     @classmethod
@@ -388,6 +419,6 @@ def view_digest(view: tuple) -> int:
     return zlib.crc32(repr(view).encode()) & 0x7FFFFFFF
 
 
-__all__ = ["DEFAULT_TIMEOUT_S", "MAX_RANKS", "MAX_TIMEOUT_S", "PURPOSE_ATTACH", "PURPOSE_BUILD", "PURPOSE_GATHER",
-           "PURPOSE_STEP", "PoolState", "RankGroup", "Section", "StepAgreement", "cache_fingerprint", "digest",
-           "rank_view", "view_digest"]
+__all__ = ["DEFAULT_TIMEOUT_S", "MAX_RANKS", "MAX_TIMEOUT_S", "PURPOSE_ATTACH", "PURPOSE_ATTACH_COMMIT",
+           "PURPOSE_BUILD", "PURPOSE_ENGINE", "PURPOSE_GATHER", "PURPOSE_LOAD_ROOM", "PURPOSE_STEP", "PoolState",
+           "RankGroup", "Section", "StepAgreement", "cache_fingerprint", "digest", "rank_view", "view_digest"]

@@ -73,7 +73,7 @@ from hicache_fsm.executors import AckExecutor
 from hicache_fsm.pools import DeviceKVPool, HostKVPool, KVShape
 from hicache_fsm.spec import load_builtin
 from hicache_fsm.tokens import pack_token_ids
-from hicache_fsm.tp import MAX_RANKS, RankGroup
+from hicache_fsm.tp import MAX_RANKS, PURPOSE_ENGINE, RankGroup
 from hicache_fsm.transitions_dispatch import TransitionsDispatcher
 
 REQUEST_TOKENS = 4096
@@ -244,7 +244,7 @@ def _tp_rank(rank: int, world: int, pg, n: int, tree_nodes: int, seed: int) -> d
         vec = [0] * 64
         start, spent = group.collectives, time.perf_counter()
         for _ in range(RAW_ALL_REDUCES):
-            group.min(vec)
+            group.min(vec, PURPOSE_ENGINE)
         raw = (time.perf_counter() - spent) / (group.collectives - start) * 1e6
     return {"us_per_request": us, "collective_us": coll, "agreement_us": book, "collectives_per_request": per,
             "raw_all_reduce_us": raw}

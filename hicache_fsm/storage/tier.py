@@ -53,6 +53,8 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any
 
+import attrs
+
 from hicache_fsm.config import check_seconds
 from hicache_fsm.errors import (
     GroupError, GuardRejected, HiCacheError, InvalidTransition, StorageLinkError, UnknownStorageOption,
@@ -75,7 +77,7 @@ from hicache_fsm.storage.prefetch import PrefetchOp, PrefetchRuntime
 from hicache_fsm.storage.retry import UNSTORED, BackupRetries
 from hicache_fsm.storage.threads import PROBE_KEY, StorageThreads
 from hicache_fsm.tokens import TokenIds
-from hicache_fsm.tp import PURPOSE_ATTACH
+from hicache_fsm.tp import PURPOSE_ATTACH, PURPOSE_ATTACH_COMMIT
 
 if TYPE_CHECKING:  # pragma: no cover
     from hicache_fsm.interfaces import TierHost
@@ -172,30 +174,42 @@ class StorageTier(PrefetchCalls, StorageThreads, LostPages):
         return self.link.backend
 
     def attach(self, url_or_backend: str | StorageBackend, **options: Any) -> None:
-        """Open the backend, start the threads; on any failure undo all of it and raise StorageLinkError."""
-        self._check_open()
-        tier_options, backend_options = TierOptions.split(options)
-        namespace = tier_options.key_namespace()  # validates model / tenant / ranks
-        if isinstance(url_or_backend, str):
-            pass
-        elif isinstance(url_or_backend, StorageBackend) or hasattr(url_or_backend, "batch_exists"):
-            if backend_options:
-                raise StorageLinkError(f"backend options {sorted(backend_options)} need a URL, not an open backend")
-        else:
-            raise StorageLinkError(f"attach_storage wants a storage URL or a backend, got {type(url_or_backend).__name__}")
-        self._drain()
-        if self.link.state == "detaching":
-            raise StorageLinkError("the previous detach has not finished (storage threads alive); call detach again")
-        old_options = self.options
-        voted = False
+        """Open the backend, start the threads; on any failure undo all of it and raise StorageLinkError.
+
+        With a rank group, every rank ends its attach in one vote
+        (``PURPOSE_ATTACH_COMMIT``), whatever refused it: a rank refused
+        before it opened anything votes no, so no rank attaches alone.
+        """
         try:
-            self.link_machine.fire(self.link, "attach", self)
-        except GuardRejected:
-            raise StorageLinkError(
-                f"cannot attach storage: {self.transfers_in_flight()} storage transfers in flight"
-            ) from None
-        except InvalidTransition:
-            raise StorageLinkError(f"cannot attach storage: the link is {self.link.state}") from None
+            self._check_open()
+            tier_options, backend_options = TierOptions.split(options)
+            tier_options = self._ranked(tier_options, options)
+            namespace = tier_options.key_namespace()  # validates model / tenant / ranks
+            if isinstance(url_or_backend, str):
+                pass
+            elif isinstance(url_or_backend, StorageBackend) or hasattr(url_or_backend, "batch_exists"):
+                if backend_options:
+                    raise StorageLinkError(f"backend options {sorted(backend_options)} need a URL, not an open backend")
+            else:
+                raise StorageLinkError(
+                    f"attach_storage wants a storage URL or a backend, got {type(url_or_backend).__name__}")
+            self._drain()
+            if self.link.state == "detaching":
+                raise StorageLinkError(
+                    "the previous detach has not finished (storage threads alive); call detach again")
+            old_options = self.options
+            try:
+                self.link_machine.fire(self.link, "attach", self)
+            except GuardRejected:
+                raise StorageLinkError(
+                    f"cannot attach storage: {self.transfers_in_flight()} storage transfers in flight"
+                ) from None
+            except InvalidTransition:
+                raise StorageLinkError(f"cannot attach storage: the link is {self.link.state}") from None
+        except Exception:
+            self._vote_no()
+            raise
+        voted = False
         try:
             if isinstance(url_or_backend, str):
                 self.link.backend = open_backend(url_or_backend, namespace=namespace, **backend_options)
@@ -218,11 +232,11 @@ class StorageTier(PrefetchCalls, StorageThreads, LostPages):
             self.start_workers()
             self.link.backend.batch_exists([PROBE_KEY])  # the backend answers, end to end
             voted = True
-            if not self.ctx.group.all_true(True):  # a rank group attaches everywhere or nowhere
+            if not self.ctx.group.all_true(True, PURPOSE_ATTACH_COMMIT):  # attached everywhere or nowhere
                 raise StorageLinkError("attaching storage failed on another rank")
         except BaseException as exc:  # anything, even KeyboardInterrupt: undo the attach first
             if not voted and isinstance(exc, Exception):
-                self.ctx.group.all_true(False)
+                self._vote_no()
             self.link_machine.fire(self.link, "attach_failed", self)
             self.options = old_options
             self.runtime.configure(old_options)
@@ -414,6 +428,33 @@ class StorageTier(PrefetchCalls, StorageThreads, LostPages):
         self._maybe_sweep()
         done, self._completions = self._completions, []
         return done
+
+    def _vote_no(self) -> None:
+        """This rank's attach failed before its vote: vote no, so that no other rank attaches alone."""
+        try:
+            self.ctx.group.all_true(False, PURPOSE_ATTACH_COMMIT)
+        except GroupError as exc:  # the attach's own error is the one raised
+            log.info("storage attach: the ranks' vote failed too: %s", exc)
+
+    def _ranked(self, tier_options: TierOptions, given: dict[str, Any]) -> TierOptions:
+        """``tier_options`` keyed by this cache's rank in its group (taken from the group when not given).
+
+        Ranks whose keys named the same rank (the defaults, 0 of 1) overwrote
+        each other's head shards in a shared store; an MLA rank that is not
+        rank 0 of its group would write the shared copy too.
+        """
+        group = self.ctx.group
+        if group.solo:
+            return tier_options
+        ns = tier_options.namespace
+        if ns is None and "tp_rank" not in given and "tp_size" not in given:
+            return attrs.evolve(tier_options, tp_rank=group.rank, tp_size=group.size)
+        rank, size = (ns.tp_rank, ns.tp_size) if ns is not None else (tier_options.tp_rank, tier_options.tp_size)
+        if (rank, size) != (group.rank, group.size):
+            raise StorageLinkError(
+                f"storage keys for tp_rank {rank} of tp_size {size}, but this cache is rank {group.rank} of "
+                f"{group.size} in its group: leave tp_rank and tp_size out (the group's are taken) or give its own")
+        return tier_options
 
     def _drain(self) -> None:
         events = self._events

@@ -1,0 +1,79 @@
+"""Tensor parallelism as engines deploy it: several TP groups in one world, storage keyed by each rank.
+
+Real gloo rank processes. An engine's TP group is NCCL on GPUs; the cache then
+agrees over a gloo group it makes beside it. Here every group is gloo (no GPU),
+so the rank functions report the TP group's backend as NCCL to take that path.
+"""
+
+from __future__ import annotations
+
+from tp_scenarios import drain, make_cache, prompts, serve
+
+from hicache_fsm.errors import HiCacheError
+from hicache_fsm.testing.ranks import run_ranks
+from hicache_fsm.tp import PURPOSE_ENGINE, RankGroup
+
+
+def outcome(fn) -> tuple[str, str]:
+    try:
+        fn()
+        return ("ok", "")
+    except HiCacheError as exc:
+        return (type(exc).__name__, str(exc))
+
+
+def two_tp_groups(rank: int, world: int, pg) -> tuple[list[int], list[int]]:
+    """Ranks 0-1 and 2-3 are two TP groups (pipeline or data parallel beside them), reported as NCCL."""
+    import torch.distributed as dist
+
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every process makes both, as engines do
+    mine = groups[rank // 2]
+    real = dist.get_backend
+    dist.get_backend = lambda group=None: "nccl" if group is mine else real(group)
+    try:
+        first = RankGroup(mine, timeout_s=60.0).min([100 + rank, -rank], PURPOSE_ENGINE)
+        again = RankGroup(mine, timeout_s=60.0).min([rank], PURPOSE_ENGINE)  # a second cache over the same group
+    finally:
+        dist.get_backend = real
+    return first, again
+
+
+def test_each_tp_group_agrees_within_itself_when_the_world_holds_several():
+    # A world-wide new_group per TP group joined ranks 1 and 2 (of different groups) and left 0 and 3 to time out.
+    got = [o.unwrap() for o in run_ranks(two_tp_groups, 4, timeout_s=300, group_timeout_s=60)]
+    assert got == [([100, -1], [0]), ([100, -1], [0]), ([102, -3], [2]), ([102, -3], [2])]
+
+
+def refused_then_served(rank: int, world: int, pg, url: str) -> dict:
+    """Rank 1 names another rank's storage keys: refused before it opens anything; then both serve on."""
+    group = RankGroup(pg, timeout_s=60.0)
+    cache, ex = make_cache(group)
+    tokens = prompts(3, 1)[0]
+    serve(cache, tokens, rank)
+    drain(cache, ex)
+    cache.evict(10**6)  # host only: the next step loads it back (a collective of its own)
+    seen = {"attach": outcome(lambda: cache.attach_storage(url, model="m", **({"tp_rank": 0} if rank else {})))}
+    seen["load back"] = outcome(lambda: serve(cache, tokens, rank))
+    drain(cache, ex)
+    seen["poll"] = outcome(cache.poll)
+    seen["attached"] = cache.storage is not None and cache.storage.state == "attached"
+    seen["again"] = outcome(lambda: cache.attach_storage(url, model="m"))  # the group's ranks are taken
+    options = cache.storage.options
+    seen["keyed as"] = (options.tp_rank, options.tp_size, options.key_namespace().storage_key("0" * 64)[:8])
+    cache.close()
+    return seen
+
+
+def test_a_rank_refused_before_its_vote_still_votes_and_ranks_keep_their_own_keys(tmp_path):
+    # Rank 1 raised before the attach vote and its next collective (a load-back's room check) took the
+    # vote's place: rank 0 attached alone and every poll after it was RanksDiverged. And with the
+    # defaults (rank 0 of 1) both ranks wrote the same keys in one store: each overwrote the other's heads.
+    url = f"file://{tmp_path}/store"
+    seen = [o.unwrap() for o in run_ranks(refused_then_served, 2, url, timeout_s=300, group_timeout_s=60)]
+    assert seen[0]["attach"][0] == "StorageLinkError" and "another rank" in seen[0]["attach"][1]
+    assert seen[1]["attach"][0] == "StorageLinkError" and "tp_rank 0 of tp_size 1" in seen[1]["attach"][1]
+    for rank, s in enumerate(seen):
+        assert s["load back"] == ("ok", "") and s["poll"] == ("ok", "")
+        assert s["attached"] is False
+        assert s["again"] == ("ok", "")
+        assert s["keyed as"] == (rank, 2, f"m/_/{rank}of2")
