@@ -311,8 +311,8 @@ class StepAgreement:
             self.seconds += time.perf_counter() - start
 
     def _step(self) -> None:
-        self.steps += 1
-        vec: list[int] = [self.steps, -self.steps]
+        step = self.steps + 1  # counted once the collective ran: a section's bad items leave the count as it was
+        vec: list[int] = [step, -step]
         bodies: list[list[int]] = []
         for section, window in zip(self.sections, self._windows):
             items, dig = section.collect()
@@ -326,11 +326,8 @@ class StepAgreement:
             bodies.append(body)
         for body in bodies:
             vec += body
-        try:
-            out = self.group.min(vec, PURPOSE_STEP)
-        except RanksDiverged:  # another rank is in another collective: this step did not happen
-            self.steps -= 1
-            raise
+        out = self.group.min(vec, PURPOSE_STEP)  # RanksDiverged (another collective elsewhere): no step happened
+        self.steps = step
         if out[0] != -out[1]:
             raise RanksDiverged(f"ranks are at different agreement steps (rank {self.group.rank} at {self.steps})")
         pos = 2 + self.HEADER * len(self.sections)

@@ -11,7 +11,7 @@ from tp_scenarios import drain, make_cache, prompts, serve
 
 from hicache_fsm.errors import HiCacheError
 from hicache_fsm.testing.ranks import run_ranks
-from hicache_fsm.tp import PURPOSE_ENGINE, RankGroup
+from hicache_fsm.tp import PURPOSE_ENGINE, RankGroup, StepAgreement
 
 
 def outcome(fn) -> tuple[str, str]:
@@ -77,3 +77,38 @@ def test_a_rank_refused_before_its_vote_still_votes_and_ranks_keep_their_own_key
         assert s["attached"] is False
         assert s["again"] == ("ok", "")
         assert s["keyed as"] == (rank, 2, f"m/_/{rank}of2")
+
+
+class OnceMalformed:
+    """A section whose first items on one rank have the wrong width (a bug of that section)."""
+
+    name, width = "once-malformed", 1
+
+    def __init__(self, malformed: bool) -> None:
+        self.malformed = malformed
+        self.applied: list = []
+
+    def collect(self):
+        if self.malformed:
+            self.malformed = False
+            return [[1, 2]], 0
+        return [[5]], 0
+
+    def apply(self, items) -> None:
+        self.applied.append(items)
+
+
+def malformed_once(rank: int, world: int, pg) -> tuple[list, int, list]:
+    agreement = StepAgreement(RankGroup(pg, timeout_s=60.0))
+    section = OnceMalformed(malformed=rank == 1)
+    agreement.register(section)
+    seen = [outcome(agreement.step)[0]] if rank == 1 else []  # refused before its collective
+    seen += [outcome(agreement.step)[0], outcome(agreement.step)[0]]
+    return seen, agreement.steps, section.applied
+
+
+def test_a_step_refused_before_its_collective_is_not_counted():
+    # The refused rank counted the step anyway, and every later step was "at different agreement steps".
+    got = [o.unwrap() for o in run_ranks(malformed_once, 2, timeout_s=300, group_timeout_s=60)]
+    assert got[0] == (["ok", "ok"], 2, [[[5]], [[5]]])
+    assert got[1] == (["ConfigError", "ok", "ok"], 2, [[[5]], [[5]]])
