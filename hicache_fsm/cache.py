@@ -584,16 +584,24 @@ class HiCache(StorageCalls):
         transitions raised) never stops the others: every other completion is
         applied first, then ``CompletionsFailed`` lists the failures (its
         ``applied`` holds what this call would have returned). No node is left
-        in flight without a job (``in_flight_has_job``).
+        in flight without a job (``in_flight_has_job``). With a rank group, a
+        rank whose executor raised still takes part in the step's collective
+        (with no completion of its own), then raises: the other ranks are in it.
         """
         if self.closed or get_ident() != self.thread_owner.ident:  # ``check_open``, inline
             self.check_open()
         self.driver.count_poll()
-        if self.config.write_policy == "write_behind":
-            self.eviction.write_behind()
         outbox = self.outbox
-        outbox.flush()
-        done = list(self.executor.poll())
+        local_error = None
+        try:
+            if self.config.write_policy == "write_behind":
+                self.eviction.write_behind()
+            outbox.flush()
+            done = list(self.executor.poll())
+        except Exception as exc:
+            if self.group.solo:
+                raise
+            local_error, done = exc, []
         failures = outbox.take_deferred()
         storage = self.attached.storage
         if storage is not None:
@@ -601,9 +609,17 @@ class HiCache(StorageCalls):
                 done += storage.poll()
             except Exception as exc:  # the executor's completions are applied all the same
                 failures.append(CompletionFailure(None, exc))
-        applied, more = outbox.apply_agreed(done)  # with a rank group: a collective every poll, even with none here
+        try:
+            applied, more = outbox.apply_agreed(done)  # with a rank group: a collective every poll, even with none
+        except Exception:
+            if local_error is not None:
+                raise local_error  # the agreement's error rides along as its context
+            raise
         if more:
             failures += more
+        if local_error is not None:
+            outbox.defer(failures)  # reported by the next poll
+            raise local_error
         if failures:
             unknown = {id(f.completion) for f in failures if isinstance(f.error, UnknownJob)}
             raise CompletionsFailed(failures, [c for c in applied if id(c) not in unknown])

@@ -112,3 +112,44 @@ def test_a_step_refused_before_its_collective_is_not_counted():
     got = [o.unwrap() for o in run_ranks(malformed_once, 2, timeout_s=300, group_timeout_s=60)]
     assert got[0] == (["ok", "ok"], 2, [[[5]], [[5]]])
     assert got[1] == (["ConfigError", "ok", "ok"], 2, [[[5]], [[5]]])
+
+
+def executor_fails_once(rank: int, world: int, pg) -> dict:
+    """Rank 1's executor raises in one poll; then both ranks load a prefix back (a collective of its own)."""
+    group = RankGroup(pg, timeout_s=60.0)
+    cache, ex = make_cache(group)
+    tokens = prompts(7, 1)[0]
+    serve(cache, tokens, rank)
+    drain(cache, ex)
+    cache.evict(10**6)
+    if rank == 1:
+        real = ex.poll
+
+        def broken():
+            ex.poll = real
+            raise RuntimeError("the engine's executor failed (injected)")
+
+        ex.poll = broken
+    seen = {"poll": outcome(cache.poll) if rank == 0 else _raised(cache.poll)}
+    seen["load back"] = outcome(lambda: serve(cache, tokens, rank))
+    drain(cache, ex)
+    seen["poll after"] = outcome(cache.poll)
+    cache.close()
+    return seen
+
+
+def _raised(fn) -> tuple[str, str]:
+    try:
+        fn()
+        return ("ok", "")
+    except RuntimeError as exc:
+        return ("RuntimeError", str(exc))
+
+
+def test_a_rank_whose_executor_raised_in_poll_still_takes_part_in_the_step():
+    # The failing rank skipped the step's collective: its next one (a load-back's room check) met the
+    # other rank's step, and both were RanksDiverged.
+    got = [o.unwrap() for o in run_ranks(executor_fails_once, 2, timeout_s=300, group_timeout_s=60)]
+    assert got[0] == {"poll": ("ok", ""), "load back": ("ok", ""), "poll after": ("ok", "")}
+    assert got[1]["poll"] == ("RuntimeError", "the engine's executor failed (injected)")
+    assert got[1]["load back"] == ("ok", "") and got[1]["poll after"] == ("ok", "")
