@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from threading import get_ident
 from typing import Callable, Hashable, Sequence
 
 import torch
@@ -44,7 +43,7 @@ import torch
 from hicache_fsm.acks import AckAgreement
 from hicache_fsm.bindings.residency import LOADING, ON_HOST, ResidencyContext
 from hicache_fsm.config import CacheConfig
-from hicache_fsm.confinement import ThreadOwner
+from hicache_fsm.confinement import THIS_THREAD, ThreadOwner
 from hicache_fsm.errors import (
     BadIndices,
     CompletionFailure,
@@ -278,7 +277,7 @@ class HiCache(StorageCalls):
         checks every id). Otherwise every id is checked and packed before the
         walk (the first page twice: about 1 us for a tuple).
         """
-        if self.closed or get_ident() != self.thread_owner.ident:  # ``check_open``, inline
+        if self.closed or THIS_THREAD.token != self.thread_owner.token:  # ``check_open``, inline
             self.check_open()
         driver = self.driver
         path, n_ids = self.request_ids.match_walk(tokens, namespace)
@@ -349,7 +348,7 @@ class HiCache(StorageCalls):
         ``alloc_device``; an evicted part is revived with them. Nodes keep
         the page ids, not the tensor: the engine may reuse its buffer.
         """
-        if self.closed or get_ident() != self.thread_owner.ident:  # ``check_open``, inline
+        if self.closed or THIS_THREAD.token != self.thread_owner.token:  # ``check_open``, inline
             self.check_open()
         tokens = self.request_ids.packed(tokens)
         ps = self.page_size
@@ -444,7 +443,7 @@ class HiCache(StorageCalls):
         Called when a request starts using a matched or loaded prefix; the
         root is accepted and ignored. Pair every call with ``unlock``.
         """
-        if self.closed or get_ident() != self.thread_owner.ident:  # ``check_open``, inline
+        if self.closed or THIS_THREAD.token != self.thread_owner.token:  # ``check_open``, inline
             self.check_open()
         if type(node) is not TreeNode or self.tree.by_id.get(node.id) is not node:  # the root passes: no-op below
             node = self.driver.require_node(node)
@@ -452,7 +451,7 @@ class HiCache(StorageCalls):
 
     def unlock(self, node: TreeNode) -> None:
         """Release a ``lock`` when the request that took it no longer reads the prefix."""
-        if self.closed or get_ident() != self.thread_owner.ident:  # ``check_open``, inline
+        if self.closed or THIS_THREAD.token != self.thread_owner.token:  # ``check_open``, inline
             self.check_open()
         if type(node) is not TreeNode or self.tree.by_id.get(node.id) is not node:  # the root passes: no-op below
             node = self.driver.require_node(node)
@@ -588,7 +587,7 @@ class HiCache(StorageCalls):
         rank whose executor raised still takes part in the step's collective
         (with no completion of its own), then raises: the other ranks are in it.
         """
-        if self.closed or get_ident() != self.thread_owner.ident:  # ``check_open``, inline
+        if self.closed or THIS_THREAD.token != self.thread_owner.token:  # ``check_open``, inline
             self.check_open()
         self.driver.count_poll()
         outbox = self.outbox
@@ -764,9 +763,9 @@ class HiCache(StorageCalls):
         refused call changes nothing: ``HiCacheError`` once closed,
         ``WrongThread`` from a thread that does not own the cache. The owner
         is the first thread that calls; it stays the owner until it ends or
-        calls ``release_thread``. One integer comparison on the hot path.
+        calls ``release_thread``. One token comparison on the hot path (see ``hicache_fsm.confinement``).
         """
-        if self.closed or get_ident() != self.thread_owner.ident:
+        if self.closed or THIS_THREAD.token != self.thread_owner.token:
             if self.closed:
                 raise HiCacheError("this cache is closed")
             self.thread_owner.adopt()

@@ -58,6 +58,7 @@ class StorageLink:
         self._wake = wake
         self.last_backend_stats: dict = {}
         self.closed_totals: Counter[str] = Counter()  # counters of every backend closed so far, summed
+        self._totals = threading.Lock()  # a scrape (any thread) never sees a closing backend's counts in neither
         self._exits = threading.Lock()  # guards the two below: a thread leaves while the cache closes
         self._running = 0  # threads still in their loop (one past ``join`` may still touch the host pool)
         self._after_stop: list[Callable[[], None]] = []
@@ -69,8 +70,10 @@ class StorageLink:
         these never decrease (what Prometheus counters need), even for a backend
         attached, used and closed between two reads.
         """
-        live = self.backend.stats() if self.backend is not None else {}
-        out = Counter(self.closed_totals)
+        with self._totals:
+            backend = self.backend
+            live = backend.stats() if backend is not None else {}
+            out = Counter(self.closed_totals)
         out.update({key: value for key, value in live.items() if is_count(value)})
         return dict(out)
 
@@ -163,15 +166,17 @@ class StorageLink:
         self.close_backend()
 
     def close_backend(self) -> None:
-        backend, self.backend = self.backend, None
+        with self._totals:  # the backend leaves and its counts join the closed totals in one step
+            backend, self.backend = self.backend, None
+            if backend is not None:
+                try:
+                    self.last_backend_stats = dict(backend.stats())
+                    self.closed_totals.update({k: v for k, v in self.last_backend_stats.items() if is_count(v)})
+                except Exception as exc:  # noqa: BLE001 - stats of a broken backend are not worth failing a close
+                    log.debug("storage backend stats unavailable at close: %s", exc)
         self.threads = [t for t in self.threads if t.is_alive()]
         if backend is None:
             return
-        try:
-            self.last_backend_stats = dict(backend.stats())
-            self.closed_totals.update({k: v for k, v in self.last_backend_stats.items() if is_count(v)})
-        except Exception as exc:  # noqa: BLE001 - stats of a broken backend are not worth failing a close
-            log.debug("storage backend stats unavailable at close: %s", exc)
         try:
             backend.close()
         except Exception:

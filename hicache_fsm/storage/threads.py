@@ -121,11 +121,21 @@ class StorageThreads:
     def _post(self, *event: object) -> None:
         self._events.append(event)
 
-    def _mark_link(self, gen: int, error: str) -> None:
-        """Storage threads' verdict on the link ("" = up); the scheduler hears it as a health event."""
+    def _mark_link(self, error: str) -> None:
+        """Storage threads' verdict on the link ("" = up); the scheduler hears it as a health event.
+
+        The verdict and its event change together under ``_cv``, so two
+        threads' verdicts reach the scheduler in the order they were made
+        (posted apart, the last event could contradict the last verdict: a
+        tier left unhealthy with threads that saw no reason to probe). The
+        event carries the generation current then, not the one of the work
+        that gave the verdict: a verdict on the link holds across a ``reset`` (a probe that began
+        before it and answered after it was dropped as stale, and no probe
+        came again).
+        """
         with self._cv:
             self._link_down = error
-        self._post(gen, "health", not error, error)
+            self._post(self._gen, "health", not error, error)
 
     def _down(self) -> str:
         """Why the link is down ("" when up); a queued job then fails at once instead of timing out."""
@@ -134,13 +144,13 @@ class StorageThreads:
                 self._thread_counts["jobs_failed_fast"] += 1
             return self._link_down
 
-    def _failed(self, gen: int, exc: BaseException) -> str:
+    def _failed(self, exc: BaseException) -> str:
         text = f"{type(exc).__name__}: {exc}"
         if isinstance(exc, (StorageFull, StorageKeyError)):
             # reachable, but refusing writes (full) or a bad request: failed backups back off per node
             log.warning("storage I/O failed: %s", text)
         elif isinstance(exc, StorageError):
-            self._mark_link(gen, text)
+            self._mark_link(text)
         else:
             log.error("storage thread: unexpected error", exc_info=exc)
         with self._cv:
@@ -184,9 +194,9 @@ class StorageThreads:
                 if n < len(keys):
                     break
         except Exception as exc:  # noqa: BLE001 - reported as a failed query
-            self._post(gen, "query_failed", op, self._failed(gen, exc))
+            self._post(gen, "query_failed", op, self._failed(exc))
             return
-        self._mark_link(gen, "")
+        self._mark_link("")
         self._post(gen, "query_done", op, tuple(hits))
 
     def _io_loop(self, stop: threading.Event, backend: StorageBackend) -> None:
@@ -206,15 +216,14 @@ class StorageThreads:
         if now - self._last_probe < self.options.probe_interval:
             return
         self._last_probe = now
-        gen = self._gen
         with self._cv:
             self._thread_counts["health_probes"] += 1
         try:
             backend.batch_exists([PROBE_KEY])
         except Exception as exc:  # noqa: BLE001 - still down
-            self._mark_link(gen, f"{type(exc).__name__}: {exc}")
+            self._mark_link(f"{type(exc).__name__}: {exc}")
             return
-        self._mark_link(gen, "")
+        self._mark_link("")
 
     def _run_transfer(self, stop: threading.Event, backend: StorageBackend, gen: int, job: TransferJob,
                       op: PrefetchOp) -> None:
@@ -256,9 +265,9 @@ class StorageThreads:
                         break
                     got += 1
                 if got == len(batch_keys):
-                    self._mark_link(gen, "")
+                    self._mark_link("")
             except Exception as exc:  # noqa: BLE001 - the batch failed: keep what arrived before it
-                error = self._failed(gen, exc)
+                error = self._failed(exc)
             short = got < len(batch_keys)
             if short and not error:
                 if _format_mismatches(backend) > mismatches:  # stored in a page format this pool cannot read
@@ -294,13 +303,13 @@ class StorageThreads:
                 stored = one_per_page(backend.batch_set_from(batch_keys, self.host_pool, pages[start: start + step]),
                                       len(batch_keys), "batch_set_from")
             except Exception as exc:  # noqa: BLE001 - the backup failed; retried later
-                ok, error = False, self._failed(gen, exc)
+                ok, error = False, self._failed(exc)
                 break
             if not all(stored):
                 ok, error = False, f"storage refused {stored.count(False)} of {len(stored)} pages"
                 break
         else:
-            self._mark_link(gen, "")
+            self._mark_link("")
         self._post(gen, "done", job, ok, error, None)
 
     def _readable(self, keys: list[str], found: int) -> int:

@@ -634,6 +634,12 @@ class StorageTier(PrefetchCalls, StorageThreads, LostPages):
         self.runtime.clear()
         if self.agreement is not None:
             self.agreement.reset()
+        with self._cv:  # the threads' verdict on the link: its event may have been one of those dropped
+            down = self._link_down
+        if self.agreement is None:
+            self.set_health(not down, down)
+        else:
+            self.agreement.local_health = (not down, down)
         self._sweep_due = False
         self.retries.clear()
 
