@@ -113,15 +113,22 @@ class PageAllocator:
     inside the cache; engine-facing device slots are always copies.
     """
 
-    def __init__(self, size_tokens: int, page_size: int, *, views: bool = False) -> None:
+    def __init__(self, size_tokens: int, page_size: int, *, views: bool = False, reserved_pages: int = 0) -> None:
         for name, value in (("size_tokens", size_tokens), ("page_size", page_size)):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"{name} must be a positive int, got {value!r}")
         if size_tokens % page_size:
             raise ConfigError(f"size_tokens {size_tokens} is not a multiple of page_size {page_size}")
+        if not isinstance(reserved_pages, int) or isinstance(reserved_pages, bool) \
+                or not 0 <= reserved_pages < size_tokens // page_size:
+            raise ConfigError(f"reserved_pages must be an int from 0 to {size_tokens // page_size - 1} (at least "
+                              f"one page must be left to hand out), got {reserved_pages!r}")
         self.size_tokens = size_tokens
         self.page_size = page_size
         self._total_pages = size_tokens // page_size
+        # The first pages, never handed out, freed or counted as used: an engine's own (SGLang writes the
+        # padding of its CUDA graphs to page 0), so that slot t stays row t of the engine's buffers.
+        self.reserved_pages = reserved_pages
         self.views = views
         self.serving = SoleUser()  # the one open cache whose slots these are (bind_cache)
         # Slot ids of every page, a row each (8 bytes a token): gathering rows
@@ -136,12 +143,12 @@ class PageAllocator:
         self.reset()
 
     def reset(self) -> None:
-        """Free every page."""
+        """Free every page (but the reserved ones, which are never handed out)."""
         self._allocated = np.zeros(self._total_pages, dtype=bool)
-        self._free = np.arange(self._total_pages, dtype=np.int64)
+        self._free = np.arange(self.reserved_pages, self._total_pages, dtype=np.int64)
         self._free_ascending = True  # kept by every claim: the rest of an ascending array is ascending
         self._released: list[np.ndarray] = []
-        self._num_free = self._total_pages
+        self._num_free = self._total_pages - self.reserved_pages
 
     @property
     def total_pages(self) -> int:
@@ -153,7 +160,7 @@ class PageAllocator:
 
     @property
     def used_pages(self) -> int:
-        return self._total_pages - self._num_free
+        return self._total_pages - self.reserved_pages - self._num_free
 
     @property
     def available_tokens(self) -> int:

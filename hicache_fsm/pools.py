@@ -157,7 +157,8 @@ class DeviceKVPool:
 
     @classmethod
     def adopt(cls, layer_pages: list[tuple[torch.Tensor, ...]], *, mla: bool = False,
-              buffers: tuple[torch.Tensor, ...] = (), allocator: PageAllocator | None = None) -> DeviceKVPool:
+              buffers: tuple[torch.Tensor, ...] = (), allocator: PageAllocator | None = None,
+              reserved_pages: int = 0) -> DeviceKVPool:
         """A pool over memory an engine owns: no allocation, no copy.
 
         ``layer_pages[layer]`` holds, per part (K and V, or the MLA latent),
@@ -165,7 +166,8 @@ class DeviceKVPool:
         any strides; ``buffers`` are the engine's tensors themselves (kept
         alive by the pool). ``hicache_fsm.engine_kv`` builds these for each
         engine layout. Raises ConfigError unless every view has the same
-        shape, dtype and device.
+        shape, dtype and device. The first ``reserved_pages`` pages stay the
+        engine's: never handed out (see ``PageAllocator``).
         """
         check_adoption(layer_pages, mla=mla, buffers=buffers, allocator=allocator)
         parts = 1 if mla else 2
@@ -188,18 +190,19 @@ class DeviceKVPool:
             raise ConfigError("adopted buffers hold no page")
         shape = KVShape(len(layer_pages), heads, head_dim, first.dtype, mla=mla)
         pool = cls.__new__(cls)
-        pool._setup(shape, pages * page_size, page_size, first.device, allocator)
+        pool._setup(shape, pages * page_size, page_size, first.device, allocator, reserved_pages)
         pool._engine_pages = [tuple(views) for views in layer_pages]
         pool._engine_buffers = tuple(buffers)
         pool.kv = pool.k = pool.v = None
         return pool
 
     def _setup(self, shape: KVShape, size_tokens: int, page_size: int, device: torch.device,
-               allocator: PageAllocator | None) -> None:
+               allocator: PageAllocator | None, reserved_pages: int = 0) -> None:
         if allocator is None:
-            allocator = PageAllocator(size_tokens, page_size)
-        elif allocator.size_tokens != size_tokens or allocator.page_size != page_size:
-            raise ConfigError("a shared allocator must have the pool's size_tokens and page_size")
+            allocator = PageAllocator(size_tokens, page_size, reserved_pages=reserved_pages)
+        elif allocator.size_tokens != size_tokens or allocator.page_size != page_size \
+                or allocator.reserved_pages != reserved_pages:
+            raise ConfigError("a shared allocator must have the pool's size_tokens, page_size and reserved pages")
         self.shape = shape
         self.page_size = page_size
         self.size_tokens = size_tokens

@@ -91,8 +91,10 @@ def test_bare_tensors_and_bogus_allocators_are_refused():
         adopt_sglang_mha(mha_buffers(), mha_buffers(), PAGE, allocator="pages")
     with pytest.raises(ConfigError, match="mla must be a bool"):
         DeviceKVPool.adopt([(view,)], mla="yes")
-    pool = adopt_sglang_mha(mha_buffers(), mha_buffers(), PAGE, allocator=PageAllocator(TOKENS, PAGE))
-    assert pool.allocator.free_pages == PAGES
+    with pytest.raises(ConfigError, match="reserved pages"):  # SGLang's page 0 would be handed out
+        adopt_sglang_mha(mha_buffers(), mha_buffers(), PAGE, allocator=PageAllocator(TOKENS, PAGE))
+    pool = adopt_sglang_mha(mha_buffers(), mha_buffers(), PAGE, allocator=PageAllocator(TOKENS, PAGE, reserved_pages=1))
+    assert pool.allocator.free_pages == PAGES - 1
 
 
 @settings(max_examples=60, deadline=None)

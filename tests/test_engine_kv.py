@@ -22,7 +22,7 @@ from storage_util import evict_all, path_nodes, ready, settle, wait_until
 from hicache_fsm.cache import HiCache
 from hicache_fsm.config import CacheConfig
 from hicache_fsm.engine_kv import adopt_sglang_mha, adopt_sglang_mla, adopt_vllm
-from hicache_fsm.errors import ConfigError
+from hicache_fsm.errors import ConfigError, HiCacheError
 from hicache_fsm.pools import LAYOUTS, DeviceKVPool, HostKVPool, KVShape
 
 LAYERS, HEADS, HEAD_DIM, PAGE, PAGES = 3, 2, 4, 4, 16
@@ -289,3 +289,47 @@ def test_a_buffer_in_another_layout_is_refused_with_the_layout_expected():
     k = [torch.zeros(64 * 4, 2, 8).transpose(0, 1) for _ in range(2)]
     with pytest.raises(ConfigError, match=r"dim 0 of a \(tokens, heads, head_dim\) buffer, here \(2, 256, 8\)"):
         adopt_sglang_mha(k, k, 64)
+
+
+def test_sglangs_padding_page_is_never_handed_out():
+    # SGLang writes its CUDA graphs' padding into page 0 (its own allocators start at page 1): the cache
+    # handed that page out first, and KV cached there was overwritten without an error.
+    pool = sglang_mha(torch.float16).adopt()
+    host = HostKVPool.matching(pool, 2 * pool.size_tokens, "layer_first", pin_memory=False)
+    cache = HiCache(pool, host, CacheConfig(write_policy="write_through"))
+    assert pool.allocator.used_pages == 0
+    for _ in range(2):  # and again after a reset
+        slots = cache.alloc_device(pool.allocator.available_tokens)
+        assert slots.numel() == (PAGES - 1) * PAGE and int(slots.min()) >= PAGE
+        assert cache.alloc_device(PAGE) is None
+        cache.reset()
+    with pytest.raises(HiCacheError):
+        cache.free_device(torch.arange(PAGE))  # page 0 is the engine's, not the cache's to free
+    cache.close()
+
+
+def vllm_kv_second(dtype, device="cpu") -> Engine:
+    """FlashInfer's vLLM layout: (num_blocks, 2, block_size, heads, dim), named by kv_dim=1."""
+    caches = [torch.zeros((PAGES, 2, PAGE, HEADS, HEAD_DIM), dtype=dtype, device=device) for _ in range(LAYERS)]
+    return Engine("vllm_kv_second", tuple(caches), lambda: adopt_vllm(caches, kv_dim=1),
+                  lambda idx: torch.stack([c[idx // PAGE, :, idx % PAGE] for c in caches]))
+
+
+def test_a_vllm_cache_with_k_and_v_in_the_second_dim_round_trips(tmp_path):
+    round_trip(vllm_kv_second(torch.bfloat16), "page_first", f"file://{tmp_path}/l3")
+
+
+def test_a_vllm_layout_is_named_not_guessed_from_the_shape():
+    # With two blocks, (num_blocks, 2, ...) has the shape of (2, num_blocks, ...): read as the latter,
+    # K was block 0 and V block 1, every K/V pair scrambled without an error.
+    caches = [torch.randn(2, 2, PAGE, HEADS, HEAD_DIM) for _ in range(LAYERS)]
+    pool = adopt_vllm(caches, kv_dim=1)
+    for layer in range(LAYERS):
+        k, v = pool.layer_pages(layer)
+        assert k.data_ptr() == caches[layer][:, 0].data_ptr() and torch.equal(k, caches[layer][:, 0])
+        assert torch.equal(v, caches[layer][:, 1])
+    for bad in (2, True, "1"):
+        with pytest.raises(ConfigError, match="kv_dim"):
+            adopt_vllm(caches, kv_dim=bad)
+    with pytest.raises(ConfigError, match=r"\(num_blocks, 2, block_size"):
+        adopt_vllm([torch.zeros(2, PAGES, PAGE, HEADS, HEAD_DIM)], kv_dim=1)
