@@ -203,3 +203,24 @@ def test_a_name_or_key_ending_in_a_newline_is_refused(make):
     """A pattern ending in "$" also matches before a final newline: keys and names are matched whole."""
     with pytest.raises(StorageKeyError):
         make()
+
+
+# SGLang 0.5.23's storage_namespace_seed (mem_cache/utils.py) of (extra_key, cache_salt):
+SGLANG_SEEDS = {
+    ("lora1", None): "69df3de801c43e60adaa856ad245421b72609a9c94f2c6cc263c4d6c4497c3c5",
+    ("lora1", "salt"): "224af80b6f35754d2982517317bd1b38956b98c3742fb6579c97345b4183fc13",
+    (None, "salt"): "43601f36bb365a5bdb202f3b4398e5edcdc529750311c8aa2028ce19293f8d6e",
+}
+
+
+def test_a_lora_id_or_cache_salt_seeds_the_chain_as_sglang_does():
+    # The seed was this project's own (a repr under another tag): a LoRA request's pages had other keys.
+    from hicache_fsm.storage.tier import namespace_seed
+
+    assert namespace_seed(None) is None
+    assert namespace_seed("lora1") == SGLANG_SEEDS[("lora1", None)]  # a str is SGLang's extra_key
+    for pair, seed in SGLANG_SEEDS.items():
+        assert namespace_seed(pair) == seed
+    others = [7, ("lora1",), (None, None), ("a", "b", "c"), ("a", 1)]
+    seeds = {namespace_seed(ns) for ns in others} | set(SGLANG_SEEDS.values())
+    assert len(seeds) == len(others) + len(SGLANG_SEEDS)  # every namespace its own chain

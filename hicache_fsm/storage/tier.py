@@ -105,9 +105,27 @@ _HANDLERS = {"query_start": "query_started", "query_done": "query_answered", "qu
 
 
 def namespace_seed(namespace: Hashable) -> str | None:
-    """The prior of a tree namespace's first page (None keeps SGLang-compatible keys)."""
+    """The prior of a tree namespace's first page: None for none (SGLang's keys).
+
+    A str is SGLang's ``extra_key`` (a LoRA id) and a pair of str or None is
+    its ``(extra_key, cache_salt)``: seeded as SGLang's
+    ``storage_namespace_seed`` does (a tag, then each part as presence, UTF-8
+    length and bytes), so their page hashes are SGLang's too. Any other
+    namespace is seeded from its ``repr``.
+    """
     if namespace is None:
         return None
+    parts = (namespace, None) if isinstance(namespace, str) else namespace
+    if type(parts) is tuple and len(parts) == 2 and all(p is None or isinstance(p, str) for p in parts) \
+            and parts != (None, None):
+        digest = hashlib.sha256(b"sglang-cache-namespace-v1")
+        for part in parts:
+            if part is None:
+                digest.update(b"\x00")
+            else:
+                encoded = part.encode("utf-8", "surrogatepass")
+                digest.update(b"\x01" + len(encoded).to_bytes(8, "little") + encoded)
+        return digest.hexdigest()
     return hashlib.sha256(b"hicache-fsm-namespace\0" + repr(namespace).encode()).hexdigest()
 
 
