@@ -58,7 +58,7 @@ class StorageLink:
         self._wake = wake
         self.last_backend_stats: dict = {}
         self.closed_totals: Counter[str] = Counter()  # counters of every backend closed so far, summed
-        self._totals = threading.Lock()  # a scrape (any thread) never sees a closing backend's counts in neither
+        self._totals = threading.Lock()  # a scrape (any thread) finds a closing backend's counts live or closed
         self._exits = threading.Lock()  # guards the two below: a thread leaves while the cache closes
         self._running = 0  # threads still in their loop (one past ``join`` may still touch the host pool)
         self._after_stop: list[Callable[[], None]] = []

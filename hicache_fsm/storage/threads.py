@@ -129,9 +129,9 @@ class StorageThreads:
         (posted apart, the last event could contradict the last verdict: a
         tier left unhealthy with threads that saw no reason to probe). The
         event carries the generation current then, not the one of the work
-        that gave the verdict: a verdict on the link holds across a ``reset`` (a probe that began
-        before it and answered after it was dropped as stale, and no probe
-        came again).
+        that gave the verdict: a verdict on the link holds across a
+        ``reset`` (a probe that began before it and answered after it was
+        dropped as stale, and no probe came again).
         """
         with self._cv:
             self._link_down = error
