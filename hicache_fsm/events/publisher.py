@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+import weakref
 from collections import deque
 
 import attrs
@@ -95,7 +96,9 @@ class ZmqEventPublisher:
     """PUB socket + replay ROUTER socket, fed from a bounded queue by ``publish`` (see module docstring).
 
     Endpoints ending in ``:*`` bind a free port; ``endpoint`` and
-    ``replay_endpoint`` then hold the address actually bound.
+    ``replay_endpoint`` then hold the address actually bound. A publisher
+    dropped without ``close`` is closed when collected (its sender thread
+    holds the sockets and queues, not the publisher).
     """
 
     def __init__(self, endpoint: str = "tcp://127.0.0.1:*", replay_endpoint: str | None = "tcp://127.0.0.1:*", *,
@@ -115,38 +118,28 @@ class ZmqEventPublisher:
         check_rank(data_parallel_rank)
         self.pacing = Pacing(float(busy_pause_s), float(busy_window_s), max_lag)
         self.data_parallel_rank = data_parallel_rank
-        self._ctx = zmq.Context()
-        self._pub = self._replay = None
+        ctx = zmq.Context()
+        pub = replay = None
         try:
-            self._pub = self._ctx.socket(zmq.PUB)
-            self._pub.set_hwm(hwm)
-            self._pub.bind(endpoint)
-            self.endpoint = self._pub.getsockopt(zmq.LAST_ENDPOINT).decode()
+            pub = ctx.socket(zmq.PUB)
+            pub.set_hwm(hwm)
+            pub.bind(endpoint)
+            self.endpoint = pub.getsockopt(zmq.LAST_ENDPOINT).decode()
             self.replay_endpoint = None
             if replay_endpoint is not None:
-                self._replay = self._ctx.socket(zmq.ROUTER)
-                self._replay.bind(replay_endpoint)
-                self.replay_endpoint = self._replay.getsockopt(zmq.LAST_ENDPOINT).decode()
+                replay = ctx.socket(zmq.ROUTER)
+                replay.bind(replay_endpoint)
+                self.replay_endpoint = replay.getsockopt(zmq.LAST_ENDPOINT).decode()
         except zmq.ZMQError as exc:
-            self._close_sockets()
+            _close_sockets(ctx, pub, replay)
             raise ConfigError(f"cannot bind KV event sockets ({endpoint}, {replay_endpoint}): {exc}") from None
-        # A plain deque, not queue.Queue: appending wakes no thread (the sender drains it every
-        # IDLE_WAIT_S), so a publish costs the serving thread no GIL hand-off.
-        self._queue: deque[tuple[int, Queued]] = deque()
         self.max_queue_size = max_queue_size
-        self._buffer: deque[tuple[int, Queued]] = deque(maxlen=buffer_steps)
-        self._buffer_lock = threading.Lock()
         self._next_seq = 0
-        self._last_publish = -math.inf
-        self._stop = threading.Event()
-        self._drained = threading.Event()  # set by the sender whenever it finds its queue empty
         self._closed = False
         self.dropped = 0  # batches not sent live (queue full); still in the replay buffer
-        self.sent = 0
-        self.replays = 0
-        self.paused = 0  # pauses the sender took to give way to a stepping cache
-        self._thread = threading.Thread(target=self._run, name="kv-event-publisher", daemon=True)
-        self._thread.start()
+        self._sender = sender = _Sender(ctx, pub, replay, self.topic, self.pacing, buffer_steps)
+        self._shutdown = weakref.finalize(self, sender.shutdown)  # close(), collection, or interpreter exit
+        sender.thread.start()
 
     # ------------------------------------------------------------ caller side
 
@@ -154,6 +147,19 @@ class ZmqEventPublisher:
     def next_seq(self) -> int:
         """The sequence number the next batch will get (= batches published so far)."""
         return self._next_seq
+
+    @property
+    def sent(self) -> int:
+        return self._sender.sent
+
+    @property
+    def replays(self) -> int:
+        return self._sender.replays
+
+    @property
+    def paused(self) -> int:
+        """Pauses the sender took to give way to a stepping cache."""
+        return self._sender.paused
 
     @accepts_pending
     def publish(self, batch: Batch) -> int:
@@ -175,11 +181,12 @@ class ZmqEventPublisher:
                 raise
         seq = self._next_seq
         self._next_seq = seq + 1
-        self._last_publish = time.monotonic()  # the cache is stepping: the sender gives way (see Pacing)
-        with self._buffer_lock:
-            self._buffer.append((seq, queued))
-        if len(self._queue) < self.max_queue_size:
-            self._queue.append((seq, queued))
+        sender = self._sender
+        sender.last_publish = time.monotonic()  # the cache is stepping: the sender gives way (see Pacing)
+        with sender.buffer_lock:
+            sender.buffer.append((seq, queued))
+        if len(sender.queue) < self.max_queue_size:
+            sender.queue.append((seq, queued))
         else:
             self.dropped += 1
         return seq
@@ -187,23 +194,22 @@ class ZmqEventPublisher:
     def wait_sent(self, timeout: float) -> bool:
         """Wait (sleeping, off the GIL) until every batch published so far was sent or dropped; False on timeout."""
         deadline = time.monotonic() + check_seconds("timeout", timeout, zero_ok=True)
+        drained = self._sender.drained
         while True:
-            self._drained.clear()  # before looking: a drain after the look sets it again
+            drained.clear()  # before looking: a drain after the look sets it again
             if self.sent + self.dropped >= self._next_seq:
                 return True
             left = deadline - time.monotonic()
             if self._closed or left <= 0:
                 return False
-            self._drained.wait(min(left, IDLE_WAIT_S))  # no polling: each wake-up would take the GIL
+            drained.wait(min(left, IDLE_WAIT_S))  # no polling: each wake-up would take the GIL
 
     def close(self) -> None:
         """Send what is queued, stop the thread, close the sockets (idempotent)."""
         if self._closed:
             return
         self._closed = True
-        self._stop.set()
-        self._thread.join()
-        self._close_sockets()
+        self._shutdown()
 
     def __enter__(self) -> "ZmqEventPublisher":
         return self
@@ -213,12 +219,46 @@ class ZmqEventPublisher:
 
     def stats(self) -> dict:
         return {"published": self._next_seq, "sent": self.sent, "dropped": self.dropped, "replays": self.replays,
-                "queued": len(self._queue), "paused": self.paused}
+                "queued": len(self._sender.queue), "paused": self.paused}
 
-    # ------------------------------------------------------------ sender thread
 
-    def _run(self) -> None:
-        pub, replay, q, pacing, stop = self._pub, self._replay, self._queue, self.pacing, self._stop
+class _Sender:
+    """The sender thread's side of a publisher: both sockets, the queue, the replay buffer and its counters.
+
+    The thread holds this, not the publisher, so a publisher nobody holds is
+    collected and its finalizer ends the thread.
+    """
+
+    def __init__(self, ctx: zmq.Context, pub: zmq.Socket, replay: zmq.Socket | None, topic: bytes, pacing: Pacing,
+                 buffer_steps: int) -> None:
+        self.ctx, self.pub, self.replay, self.topic, self.pacing = ctx, pub, replay, topic, pacing
+        # A plain deque, not queue.Queue: appending wakes no thread (the sender drains it every
+        # IDLE_WAIT_S), so a publish costs the serving thread no GIL hand-off.
+        self.queue: deque[tuple[int, Queued]] = deque()
+        self.buffer: deque[tuple[int, Queued]] = deque(maxlen=buffer_steps)
+        self.buffer_lock = threading.Lock()
+        self.last_publish = -math.inf
+        self.stop = threading.Event()
+        self.drained = threading.Event()  # set whenever the sender finds its queue empty
+        self.sent = 0
+        self.replays = 0
+        self.paused = 0
+        self.thread = threading.Thread(target=self.run, name="kv-event-publisher", daemon=True)
+
+    def shutdown(self) -> None:
+        """Refuse nothing more, let the thread send what is queued and close the sockets, and wait for it."""
+        self.stop.set()
+        if self.thread is not threading.current_thread():  # a collection on the thread itself: it ends on its own
+            self.thread.join()
+
+    def run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            _close_sockets(self.ctx, self.pub, self.replay)  # the thread that used them closes them
+
+    def _loop(self) -> None:
+        pub, replay, q, pacing, stop = self.pub, self.replay, self.queue, self.pacing, self.stop
         paused = False
         while True:
             if replay is not None:
@@ -226,7 +266,7 @@ class ZmqEventPublisher:
                     self._serve_replay(replay)
             if q:
                 if (not paused and not stop.is_set()
-                        and pacing.give_way(time.monotonic() - self._last_publish, len(q))):
+                        and pacing.give_way(time.monotonic() - self.last_publish, len(q))):
                     self.paused += 1
                     stop.wait(pacing.pause_s)
                     paused = True  # one burst goes out after each pause, however busy the cache is
@@ -238,7 +278,7 @@ class ZmqEventPublisher:
                     # next look, so a cache starved by this loop is not taken for a waiting one.
                     time.sleep(pacing.yield_s)
                 continue
-            self._drained.set()
+            self.drained.set()
             if stop.is_set():  # close() refuses new batches first: the queue is drained for good
                 return
             stop.wait(IDLE_WAIT_S)
@@ -261,17 +301,18 @@ class ZmqEventPublisher:
         client, _, start = frames
         start_seq = int.from_bytes(start, "big")
         self.replays += 1
-        with self._buffer_lock:
-            wanted = [(seq, batch) for seq, batch in self._buffer if seq >= start_seq]
+        with self.buffer_lock:
+            wanted = [(seq, batch) for seq, batch in self.buffer if seq >= start_seq]
         for seq, batch in wanted:
             replay.send_multipart((client, b"", seq.to_bytes(8, "big"), _payload(batch)))
         replay.send_multipart((client, b"", END_SEQ, b""))
 
-    def _close_sockets(self) -> None:
-        for sock in (self._pub, self._replay):
-            if sock is not None:
-                sock.close(linger=0)
-        self._ctx.term()
+
+def _close_sockets(ctx: zmq.Context, *sockets: zmq.Socket | None) -> None:
+    for sock in sockets:
+        if sock is not None:
+            sock.close(linger=0)
+    ctx.term()
 
 
 def checked_payload(batch: KVEventBatch) -> bytes:
