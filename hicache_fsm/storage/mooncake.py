@@ -31,7 +31,9 @@ into the distributed pool and keeps a ``buffer_mb`` MiB transfer buffer.
 * An unreachable master raises :class:`~hicache_fsm.errors.StorageUnavailable`;
   at open this happens within ``connect_timeout`` seconds: the TCP connect and
   a handshake probe (a master that accepts but never answers) share it, before
-  ``setup`` (one retry) runs. A master restart loses every key: reads then miss;
+  ``setup`` runs, tried again while a master that answers refuses the client
+  (it just started, or the machine is loaded) until ``connect_timeout`` has
+  passed. A master restart loses every key: reads then miss;
   ``data_epoch()`` goes up so the tier checks and stores its pages again.
   Keys the master evicts under memory pressure are not reported to eviction
   listeners (the client is never told); ``StorageTier.verify_stored`` finds them.
@@ -58,6 +60,7 @@ import os
 import re
 import socket
 import threading
+import time
 from typing import Any, Sequence
 from urllib.parse import parse_qs, urlsplit
 
@@ -95,6 +98,7 @@ _UNREACHABLE_BELOW = -900  # RPC_FAIL and below (metadata service, client state)
 _QUERY_KEYS = ("metadata", "segment_mb", "buffer_mb", "local_host", "checksum", "listen")
 _SCRATCH_BYTES = 1 << 20
 _MAX_MIB_DIGITS = 9  # 10**9 MiB is past any machine; longer numbers are refused before int()
+SETUP_RETRY_S = 0.2  # between two setups a master refused, within connect_timeout
 _EPOCH_KEY = "__hicache_fsm_epoch__"  # one small object per client: gone after a master restart lost every key
 
 
@@ -208,11 +212,18 @@ class MooncakeBackend(StorageBackend):
         from mooncake.store import MooncakeDistributedStore
 
         before = own_listeners()
-        self._mc = MooncakeDistributedStore()
-        code = self._mc.setup(local, metadata, segment, buffer, "tcp", "", self.master)
-        if code != 0:
+        # A master that answers the handshake may still refuse its first clients (one just started, or a
+        # loaded machine: "Client not available"): setup is tried again until ``connect_timeout`` has passed.
+        deadline = time.monotonic() + timeout
+        while True:
+            self._mc = MooncakeDistributedStore()
+            code = self._mc.setup(local, metadata, segment, buffer, "tcp", "", self.master)
+            if code == 0:
+                break
             self._mc.close()
-            raise StorageUnavailable(f"mooncake setup with master {self.master} failed (code {code})")
+            if time.monotonic() >= deadline:
+                raise StorageUnavailable(f"mooncake setup with master {self.master} failed (code {code})")
+            time.sleep(SETUP_RETRY_S)
         if listen == "local":
             self._refuse_foreign_listeners(before, local)
         self.epoch = 0
