@@ -92,7 +92,7 @@ def adopt_vllm(kv_caches: Sequence[torch.Tensor], *, kv_dim: int = 0, allocator:
     """vLLM paged attention: per-layer caches with K and V along ``kv_dim`` (0: (2, num_blocks, block_size,
     kv_heads, head_dim); 1: (num_blocks, 2, ...)); page size = block size."""
     caches = _tensors(kv_caches, "kv_caches", 5)
-    if kv_dim not in (0, 1) or isinstance(kv_dim, bool):
+    if type(kv_dim) is not int or kv_dim not in (0, 1):  # 1.0 or True would pass ``in (0, 1)``
         raise ConfigError(f"kv_dim must be 0 (2, num_blocks, ...) or 1 (num_blocks, 2, ...), got {kv_dim!r}")
     if caches[0].shape[kv_dim] != 2:
         want = "(2, num_blocks, block_size, kv_heads, head_dim)" if kv_dim == 0 else \

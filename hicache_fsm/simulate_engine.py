@@ -177,7 +177,7 @@ class Shard:
 
     def agree_view(self, cache: HiCache) -> bool:
         """Whether every rank's tree equals this one's (one collective)."""
-        return self.group.same(view_digest(rank_view(cache)))
+        return self.group.same(view_digest(rank_view(cache)), PURPOSE_ENGINE)
 
 
 def prefetch_and_wait(clock, cache: HiCache, res: TierResult, rid: Hashable, tokens: "tuple | TokenIds", m,

@@ -231,9 +231,9 @@ class RankGroup:
         """True only if ``flag`` is true on every rank (``purpose``: see ``min``)."""
         return bool(self.min([1 if flag else 0], purpose)[0])
 
-    def same(self, value: int) -> bool:
-        """Whether every rank passed the same int (one collective)."""
-        lo, neg_hi = self.min([value, -value])
+    def same(self, value: int, purpose: int = 0) -> bool:
+        """Whether every rank passed the same int (one collective; ``purpose``: see ``min``)."""
+        lo, neg_hi = self.min([value, -value], purpose)
         return lo == -neg_hi
 
     def differing(self, parts: dict[str, object], purpose: int = 0) -> list[str]:

@@ -328,7 +328,7 @@ def test_a_vllm_layout_is_named_not_guessed_from_the_shape():
         k, v = pool.layer_pages(layer)
         assert k.data_ptr() == caches[layer][:, 0].data_ptr() and torch.equal(k, caches[layer][:, 0])
         assert torch.equal(v, caches[layer][:, 1])
-    for bad in (2, True, "1"):
+    for bad in (2, True, "1", 1.0):
         with pytest.raises(ConfigError, match="kv_dim"):
             adopt_vllm(caches, kv_dim=bad)
     with pytest.raises(ConfigError, match=r"\(num_blocks, 2, block_size"):

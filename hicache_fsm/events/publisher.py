@@ -248,7 +248,9 @@ class _Sender:
     def shutdown(self) -> None:
         """Refuse nothing more, let the thread send what is queued and close the sockets, and wait for it."""
         self.stop.set()
-        if self.thread is not threading.current_thread():  # a collection on the thread itself: it ends on its own
+        if self.thread.ident is None:  # never started (the start failed): no thread closes the sockets
+            _close_sockets(self.ctx, self.pub, self.replay)
+        elif self.thread is not threading.current_thread():  # collected on the thread itself: it ends on its own
             self.thread.join()
 
     def run(self) -> None:
