@@ -83,3 +83,45 @@ def test_a_closed_backend_refuses_data_epoch_like_every_other_call(tmp_path, red
     with pytest.raises(StorageUnavailable):
         backends["file"].data_epoch()
     assert not file_dir.exists()
+
+
+@pytest.mark.parametrize("scheme", ["memory", "file"])
+def test_a_cache_dropped_without_close_is_collected_and_its_storage_threads_end(tmp_path, scheme):
+    # The storage threads held their tier (and through it the cache and its host pool) for good:
+    # every cache an engine or a notebook dropped unclosed kept two threads, its pools and its backend.
+    import gc
+    import threading
+    import time
+    import weakref
+
+    import torch
+
+    from hicache_fsm.cache import HiCache
+    from hicache_fsm.config import CacheConfig
+    from hicache_fsm.pools import DeviceKVPool, HostKVPool, KVShape
+    from hicache_fsm.storage.link import THREAD_PREFIX
+
+    before = set(threading.enumerate())
+    url = "memory://" if scheme == "memory" else f"file://{tmp_path}/store"
+    backend = open_backend(url, namespace=KeyNamespace(model="drop-test"))
+    shape = KVShape(layers=2, heads=2, head_dim=8, dtype=torch.float32)
+    host = HostKVPool(shape, 32 * 16, 16, pin_memory=False)
+    cache = HiCache(DeviceKVPool(shape, 16 * 16, 16, "cpu"), host, CacheConfig(write_policy="write_through"))
+    cache.attach_storage(backend, model="drop-test")
+    for j in range(4):
+        cache.insert([100 * j + t for t in range(32)], cache.alloc_device(32))
+        cache.poll()  # backups to storage queued and running as the cache is dropped
+    threads = [t for t in threading.enumerate() if t not in before and t.name.startswith(THREAD_PREFIX)]
+    assert len(threads) == 2
+    dropped, dropped_host = weakref.ref(cache), weakref.ref(host)
+    del cache, host
+    deadline = time.monotonic() + 60  # a bound for a hung run, not a timing: collection needs no wait
+    while dropped() is not None and time.monotonic() < deadline:
+        gc.collect()  # the cache and its tier refer to each other: a cycle for the collector
+        time.sleep(0.01)  # a thread in the middle of a backup holds the tier until the backup ends
+    assert dropped() is None and dropped_host() is None
+    for thread in threads:
+        thread.join(60)
+        assert not thread.is_alive()
+    with pytest.raises(StorageUnavailable, match="closed"):  # the tier's finalizer closed the backend
+        backend.data_epoch()

@@ -608,6 +608,7 @@ class StorageBackend(ABC):
         if self._closed:
             return
         self._closed = True
+        self._last_pool_format = None  # a closed backend keeps no host pool alive
         self._close()
 
     # single-key conveniences

@@ -159,6 +159,11 @@ class StorageLink:
         self.stop_event.set()
         self._wake()
 
+    def abandon(self) -> None:
+        """Its tier was collected without ``close``: stop the threads, close the backend once the last one leaves."""
+        self.signal_stop()
+        self.when_stopped(self.close_backend)
+
     def rollback(self) -> None:
         """Undo a failed attach: stop the threads it started, close the backend it opened."""
         self.signal_stop()

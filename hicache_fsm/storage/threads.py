@@ -12,9 +12,11 @@ the bookkeeping on the scheduler's side and inherits this class.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
+import weakref
 from collections import Counter, OrderedDict, deque
 from typing import Any, Callable
 
@@ -58,7 +60,10 @@ class StorageThreads:
         queued work itself (``queued_work``, ``run_queued``, ``probe_now``: one item at a
         time, in any order; see ``hicache_fsm.testing.storage.ManualStorageTier``).
         """
-        self.link.start_threads({"query": self._query_loop, "io": self._io_loop})
+        tier = weakref.ref(self)  # held weakly: see ``_serve``
+        io_queues = (self._transfer_q, self._backup_q)
+        self.link.start_threads({"query": functools.partial(_serve, tier, self._cv, (self._query_q,), False),
+                                 "io": functools.partial(_serve, tier, self._cv, io_queues, True)})
 
     def run_queued(self, kind: str, index: int) -> None:
         """Run the ``index``-th item of ``queued_work()[kind]`` now, on this thread, as a storage thread would.
@@ -93,25 +98,6 @@ class StorageThreads:
             raise KeyError("probe: no backend attached")
         self._last_probe = float("-inf")
         self._probe(backend)
-
-    def _wake(self) -> None:
-        with self._cv:
-            self._cv.notify_all()
-
-    def _take(self, stop: threading.Event, queues: tuple[deque, ...], timeout: float):
-        """Next item of the first non-empty queue (None on stop or timeout); counts as busy until _done."""
-        with self._cv:
-            deadline = time.monotonic() + timeout
-            while not stop.is_set():
-                for q in queues:
-                    if q:
-                        self._busy += 1
-                        return q.popleft()
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return None
-                self._cv.wait(remaining)
-            return None
 
     def _done(self) -> None:
         with self._cv:
@@ -157,11 +143,13 @@ class StorageThreads:
             self._thread_counts["storage_errors"] += 1
         return text
 
-    def _query_loop(self, stop: threading.Event, backend: StorageBackend) -> None:
-        while not stop.is_set():
-            item = self._take(stop, (self._query_q,), 0.5)
-            if item is not None:
-                self._run_taken("query", self._run_query, stop, backend, item)
+    def _run_item(self, io: bool, stop: threading.Event, backend: StorageBackend, item: tuple) -> None:
+        """Run an item a storage thread took: a query, or on the I/O thread a prefetch read or a backup."""
+        if not io:
+            self._run_taken("query", self._run_query, stop, backend, item)
+        else:  # a prefetch read (gen, job, op) or a backup (gen, job)
+            runner = self._run_transfer if len(item) == 3 else self._run_backup
+            self._run_taken("I/O", runner, stop, backend, item)
 
     def _run_taken(self, thread: str, runner: Callable[..., None], stop: threading.Event, backend: StorageBackend,
                    item: tuple) -> None:
@@ -198,18 +186,6 @@ class StorageThreads:
             return
         self._mark_link("")
         self._post(gen, "query_done", op, tuple(hits))
-
-    def _io_loop(self, stop: threading.Event, backend: StorageBackend) -> None:
-        while not stop.is_set():
-            down = bool(self._link_down)  # then queued jobs fail at once; probe only once none is left
-            timeout = self.options.probe_interval if down else 0.5
-            item = self._take(stop, (self._transfer_q, self._backup_q), timeout)
-            if item is None:
-                if down and not stop.is_set():
-                    self._probe(backend)
-                continue
-            runner = self._run_transfer if len(item) == 3 else self._run_backup
-            self._run_taken("I/O", runner, stop, backend, item)
 
     def _probe(self, backend: StorageBackend) -> None:
         now = time.monotonic()
@@ -348,6 +324,66 @@ class StorageThreads:
                     "h2s": tuple(job for _, job in self._backup_q)}
 
 
+def waker(cv: threading.Condition) -> Callable[[], None]:
+    """What wakes the storage threads waiting on ``cv``: a link holds it without holding the tier."""
+    def wake() -> None:
+        with cv:
+            cv.notify_all()
+    return wake
+
+
+def _serve(tier: "weakref.ref[StorageThreads]", cv: threading.Condition, queues: tuple[deque, ...], io: bool,
+           stop: threading.Event, backend: StorageBackend) -> None:
+    """A storage thread's loop over ``queues``: run what is queued until ``stop``, or until the tier is gone.
+
+    The thread holds its tier weakly and waits on the condition alone, so a
+    cache dropped without ``close`` (and its host pool) is collected rather
+    than kept alive by its own threads; the tier's finalizer then stops the
+    link and closes its backend (``StorageLink.abandon``). The I/O thread probes a
+    link that is down whenever its wait ends with nothing queued.
+    """
+    while not stop.is_set():
+        threads = tier()
+        if threads is None:
+            return
+        down = io and bool(threads._link_down)  # then queued jobs fail at once; probe only once none is left
+        timeout = threads.options.probe_interval if down else 0.5
+        threads = None  # not held while waiting
+        threads, item = _take(tier, cv, queues, stop, timeout)
+        if threads is None:
+            continue
+        if item is not None:
+            threads._run_item(io, stop, backend, item)
+        elif down and not stop.is_set():
+            threads._probe(backend)
+        threads = item = None  # nothing of the tier outlives the step in this frame
+
+
+def _take(tier: "weakref.ref[StorageThreads]", cv: threading.Condition, queues: tuple[deque, ...],
+          stop: threading.Event, timeout: float) -> tuple["StorageThreads | None", tuple | None]:
+    """(tier, next item of the first non-empty queue), counted busy until ``_done``; (tier, None) on timeout.
+
+    The tier is looked up under ``cv`` as the item leaves its queue, so an
+    item is never out of its queue without counting as busy (what
+    ``_wait_idle`` relies on). (None, None) on stop or once the tier is gone.
+    """
+    with cv:
+        deadline = time.monotonic() + timeout
+        while not stop.is_set():
+            for q in queues:
+                if q:
+                    threads = tier()
+                    if threads is None:
+                        return None, None
+                    threads._busy += 1
+                    return threads, q.popleft()
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return tier(), None
+            cv.wait(remaining)
+    return None, None
+
+
 def one_per_page(results: object, asked: int, call: str) -> list:
     """A backend's answers to a batch call, checked to be one per page asked.
 
@@ -377,4 +413,4 @@ def _format_mismatches(backend: StorageBackend) -> int:
         return 0
 
 
-__all__ = ["FOREIGN_KEYS_KEPT", "PROBE_KEY", "StorageThreads"]
+__all__ = ["FOREIGN_KEYS_KEPT", "PROBE_KEY", "StorageThreads", "waker"]

@@ -49,6 +49,7 @@ import logging
 import re
 import threading
 import time
+import weakref
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any
@@ -75,7 +76,7 @@ from hicache_fsm.storage.lost_pages import LostPages
 from hicache_fsm.storage.options import TierOptions
 from hicache_fsm.storage.prefetch import PrefetchOp, PrefetchRuntime
 from hicache_fsm.storage.retry import UNSTORED, BackupRetries
-from hicache_fsm.storage.threads import PROBE_KEY, StorageThreads
+from hicache_fsm.storage.threads import PROBE_KEY, StorageThreads, waker
 from hicache_fsm.tokens import TokenIds
 from hicache_fsm.tp import PURPOSE_ATTACH, PURPOSE_ATTACH_COMMIT
 
@@ -144,7 +145,8 @@ class StorageTier(PrefetchCalls, StorageThreads, LostPages):
         self.options = TierOptions()
         self.link_machine = compile_machine(load_builtin("storage_link"))
         self._cv = threading.Condition()
-        self.link = StorageLink(self._wake)
+        self.link = StorageLink(waker(self._cv))
+        weakref.finalize(self, self.link.abandon).atexit = False  # dropped unclosed: the threads hold it weakly
         self.runtime = PrefetchRuntime(ctx, self._submit_transfer, self._store_again)
         self._query_q: deque[tuple[int, PrefetchOp]] = deque()
         self._transfer_q: deque[tuple[int, TransferJob, PrefetchOp]] = deque()
@@ -718,7 +720,8 @@ class StorageTier(PrefetchCalls, StorageThreads, LostPages):
         new.ctx = ctx
         new.host_pool = ctx.host_pool
         new._cv = threading.Condition()
-        new.link = self.link.fork(new._wake, memo)
+        new.link = self.link.fork(waker(new._cv), memo)
+        weakref.finalize(new, new.link.abandon).atexit = False
 
         def op_of(op: PrefetchOp) -> PrefetchOp:
             if id(op) not in memo:
