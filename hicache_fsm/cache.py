@@ -725,8 +725,7 @@ class HiCache(StorageCalls):
         self.device_allocator.reset()
         self.host_allocator.reset()
         self.tree.clear()
-        self.driver.forget_walk()
-        self.driver.recount()
+        self.driver.cleared()
         self.eviction.rebuild()
         if self.cp is not None:
             self.cp.reset()

@@ -13,8 +13,9 @@ memo that lets ``insert`` reuse ``match_prefix``'s walk.
 Listeners. Eviction keeps its candidate sets current from the driver's
 reports; a runtime that keeps its own set of nodes by state (the storage
 tier's backups awaiting a retry) registers a ``ResidencyListener`` with
-``add_listener`` and hears the same three reports: a state change, a split
-(the new upper half starts in its lower half's state) and a removal.
+``add_listener`` and hears the same reports: a state change, a split
+(the new upper half starts in its lower half's state), a removal, and the
+clearing of the whole tree (a cache ``reset``).
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ class ResidencyListener(Protocol):
     def split(self, node: TreeNode, upper: TreeNode) -> None: ...
 
     def removed(self, node: TreeNode, parent: TreeNode) -> None: ...
+
+    def cleared(self) -> None: ...  # every node dropped at once (``HiCache.reset``); ids start again from 1
 
 
 class ResidencyDriver:
@@ -86,13 +89,21 @@ class ResidencyDriver:
         """Wire the parts built after the driver: eviction's hooks, the outbox, the bindings' context."""
         self.hooks, self.jobs, self.ctx = hooks, jobs, ctx
 
-    def recount(self) -> None:
-        """Count the tree's nodes per state from scratch (after ``reset`` cleared the tree)."""
+    def cleared(self) -> None:
+        """The tree was cleared (``HiCache.reset``): count afresh, forget the walk, tell every listener.
+
+        Node ids start again from 1 after a clear, so a listener keeping
+        anything by node id must drop it here, or a new node would inherit an
+        old one's entry.
+        """
         counts = dict.fromkeys(self.state_counts, 0)
         for node in self.tree.nodes():
             if not node.is_root:
                 counts[node.state] += 1
         self.state_counts.update(counts)
+        self._memo = None
+        for listener in self._listeners:
+            listener.cleared()
 
     # ------------------------------------------------------------------ clock
 
@@ -281,9 +292,6 @@ class ResidencyDriver:
             matched += partial
             self._memo = (tokens, namespace, tree, tree.version, (path, matched, 0))
         return path, matched
-
-    def forget_walk(self) -> None:
-        self._memo = None
 
     def fork(self, tree: "RadixTree", attached: "Attached") -> "ResidencyDriver":
         """A copy driving ``tree`` (a fork's): same machine and observers, same clock, no walk memo.

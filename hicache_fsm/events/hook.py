@@ -15,8 +15,9 @@ happen when it is rendered, on the publisher's thread for a sink marked
 ``accepts_pending`` (as msgpack bytes), in ``flush`` for any other sink (as
 structs).
 
-The driver does not report ``HiCache.reset`` (it replaces the tree): call
-:func:`reset_with_events` instead, which publishes ``AllBlocksCleared``.
+``HiCache.reset`` clears the tree and the driver reports it: the hook
+queues ``AllBlocksCleared`` and forgets every node's chain (ids start again
+from 1 after a clear, so a new node never inherits an old one's hashes).
 """
 
 from __future__ import annotations
@@ -112,6 +113,11 @@ class KVEventHook:
     def removed(self, node: TreeNode, parent: TreeNode) -> None:
         self._chains.forget(node)
 
+    def cleared(self) -> None:
+        """Everything is gone (the cache was reset): queue ``AllBlocksCleared`` and forget every chain."""
+        self._chains.clear()
+        self._pending.append(CLEARED_RECORD)
+
     # ------------------------------------------------------------ batches
 
     def _queue(self, stored: bool, medium: str, node: TreeNode) -> None:
@@ -148,11 +154,6 @@ class KVEventHook:
             self._pending = []
             self.batches += 1
             self.events += len(records)
-
-    def cleared(self) -> None:
-        """Everything is gone (the cache was reset): queue ``AllBlocksCleared`` and forget every key."""
-        self._chains.clear()
-        self._pending.append(CLEARED_RECORD)
 
     def snapshot(self, nodes: list[TreeNode]) -> None:
         """``AllBlocksCleared``, then what ``nodes`` (top-down) hold now in each tier, then flush."""
@@ -201,8 +202,6 @@ def disable_kv_events(cache: "HiCache", hook: KVEventHook) -> None:
 
 
 def reset_with_events(cache: "HiCache", hook: KVEventHook) -> None:
-    """``cache.reset()`` and publish ``AllBlocksCleared`` (the driver does not report a reset)."""
-    hook.flush()
+    """``cache.reset()``, and publish its ``AllBlocksCleared`` now rather than at the next ``flush``."""
     cache.reset()
-    hook.cleared()
     hook.flush()

@@ -68,10 +68,7 @@ class EvictionTracker:
         if self._backend is not None:
             self._backend.remove_eviction_listener(self._listener)
         self._backend = None
-        self._reports.clear()
-        self._by_key.clear()
-        self._keys_of.clear()
-        self._waiting.clear()
+        self.cleared()
 
     def take_lost(self) -> list["TreeNode"]:
         """The stored nodes whose pages were evicted since the last call, each once."""
@@ -130,6 +127,13 @@ class EvictionTracker:
     def removed(self, node: "TreeNode", parent: "TreeNode") -> None:
         if self._backend is not None:
             self._unindex(node)
+
+    def cleared(self) -> None:
+        """The tree was cleared (ids start again): forget every node and the reports about them; keep listening."""
+        self._reports.clear()
+        self._by_key.clear()
+        self._keys_of.clear()
+        self._waiting.clear()
 
     def _index(self, node: "TreeNode") -> None:
         keys = self._keys_for(node)

@@ -85,7 +85,7 @@ class BackupRetries:
         self.ready.update(self.waiting)
         self.waiting.clear()
 
-    def clear(self) -> None:
+    def cleared(self) -> None:
         self.ready.clear()
         self.waiting.clear()
         self._due.clear()

@@ -660,8 +660,7 @@ class StorageTier(PrefetchCalls, StorageThreads, LostPages):
             self.set_health(not down, down)
         else:
             self.agreement.local_health = (not down, down)
-        self._sweep_due = False
-        self.retries.clear()
+        self._sweep_due = False  # the retries forget their nodes when the tree is cleared (a residency listener)
 
     def close(self, drain: float = 0.0) -> None:
         """Engine shutdown: let queued backups finish for up to ``drain`` seconds, then abort
