@@ -186,6 +186,73 @@ def test_messages_that_are_not_batches_are_counted_and_skipped_and_their_batch_i
         ctx.term()
 
 
+def test_events_a_newer_engine_encodes_as_maps_are_read_like_arrays():
+    """vLLM's structs dropped ``array_like`` (each event a map, its tag under "type", with fields this schema
+    lacks): every batch of such an engine was malformed to the subscriber, and its router saw nothing."""
+    from typing import Optional, Union
+
+    import msgspec
+    import zmq
+
+    from hicache_fsm.events.schema import AllBlocksCleared, decode
+
+    class Ev(msgspec.Struct, tag=True, omit_defaults=True):  # as newer vLLM declares them: no array_like
+        pass
+
+    class BlockStored_(Ev, tag="BlockStored"):
+        block_hashes: list[int]
+        parent_block_hash: Optional[int]
+        token_ids: list[int]
+        block_size: int
+        lora_id: Optional[int]
+        medium: Optional[str]
+        lora_name: Optional[str]
+        extra_keys: Optional[list] = None
+        group_idx: Optional[int] = None
+        kv_cache_spec_kind: Optional[str] = None
+
+    class BlockRemoved_(Ev, tag="BlockRemoved"):
+        block_hashes: list[int]
+        medium: Optional[str]
+        group_idx: Optional[int] = None
+
+    class AllBlocksCleared_(Ev, tag="AllBlocksCleared"):
+        pass
+
+    class Batch(msgspec.Struct, array_like=True, omit_defaults=True):
+        ts: float
+        events: list[Union[BlockStored_, BlockRemoved_, AllBlocksCleared_]]
+        data_parallel_rank: Optional[int] = None
+
+    sent = Batch(1.5, [AllBlocksCleared_(),
+                       BlockStored_([1, 2 ** 63 + 5], None, list(range(32)), 16, None, "GPU", None, [None], 0,
+                                    "full_attention"),
+                       BlockRemoved_([1], "GPU", 0)], 3)
+    payload = msgspec.msgpack.encode(sent)
+    assert isinstance(msgspec.msgpack.decode(payload)[1][1], dict)  # the map form indeed
+    want = KVEventBatch(1.5, [AllBlocksCleared(), BlockStored([1, 2 ** 63 + 5], None, list(range(32)), 16, None,
+                                                              "GPU"), BlockRemoved([1], "GPU")], 3)
+    assert decode(payload) == want
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        with ZmqEventSubscriber(f"tcp://127.0.0.1:{port}") as sub:
+            got = []
+            for _ in range(200):  # until the subscription has reached the PUB socket
+                pub.send_multipart([b"", (0).to_bytes(8, "big"), payload])
+                got = sub.receive(timeout_ms=50)
+                if got:
+                    break
+            assert got[:1] == [(0, want)] and sub.malformed == 0
+            index = PrefixIndex()
+            index.apply(0, got[0][1])
+            assert index.blocks(0, "device") == {2 ** 63 + 5}
+    finally:
+        pub.close(linger=0)
+        ctx.term()
+
+
 def test_an_endpoint_zmq_cannot_connect_to_is_a_config_error():
     with pytest.raises(ConfigError, match="cannot connect to 'not an endpoint'"):
         ZmqEventSubscriber("not an endpoint")

@@ -128,6 +128,9 @@ class ZmqEventPublisher:
             self.replay_endpoint = None
             if replay_endpoint is not None:
                 replay = ctx.socket(zmq.ROUTER)
+                # A ROUTER drops what passes its high-water mark without a word (the end marker too):
+                # a whole answer (the buffer and its end) must fit, or a late subscriber never catches up.
+                replay.setsockopt(zmq.SNDHWM, min(buffer_steps + 1, MAX_HWM))
                 replay.bind(replay_endpoint)
                 self.replay_endpoint = replay.getsockopt(zmq.LAST_ENDPOINT).decode()
         except zmq.ZMQError as exc:

@@ -4,8 +4,11 @@ A router written for vLLM or SGLang (NVIDIA Dynamo's KV router, vLLM's
 production stack) decodes these batches unchanged: tagged unions of
 ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` in a
 ``KVEventBatch`` with a timestamp and a data-parallel rank, encoded as
-msgpack arrays in field order (vLLM declares its structs ``array_like``; the
-tag, the class name, comes first in each event's array). Block hashes are page keys in SGLang's int64 form
+msgpack arrays in field order (the layout of vLLM's structs declared
+``array_like``, what routers read; the tag, the class name, comes first in
+each event's array). ``decode`` also reads the map form newer vLLM and
+SGLang publish (each event a map keyed by field name, its tag under
+``"type"``), so a subscriber follows either engine. Block hashes are page keys in SGLang's int64 form
 (:func:`hicache_fsm.events.hashes.int64_hash`); ``medium`` names the tier
 (see :data:`hicache_fsm.events.names.MEDIUMS`).
 """
@@ -64,10 +67,46 @@ class KVEventBatch(EventBatch):
 KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
 
 
+# The map form newer engines publish (vLLM since its structs dropped ``array_like``, SGLang likewise): each
+# event a map with its class name under "type" and its fields by name; fields this schema lacks (``extra_keys``,
+# ``group_idx``, the cache spec's kind) are ignored, absent optional ones take their defaults.
+class _MapStored(msgspec.Struct, tag="BlockStored", tag_field="type", gc=False):  # type: ignore[call-arg]
+    block_hashes: list[int]
+    parent_block_hash: int | None = None
+    token_ids: list[int] = []
+    block_size: int = 0
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+
+
+class _MapRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type", gc=False):  # type: ignore[call-arg]
+    block_hashes: list[int]
+    medium: str | None = None
+
+
+class _MapCleared(msgspec.Struct, tag="AllBlocksCleared", tag_field="type", gc=False):  # type: ignore[call-arg]
+    pass
+
+
+class _MapBatch(EventBatch):
+    events: list[Union[_MapStored, _MapRemoved, _MapCleared]]
+
+
+def _from_map(event: "_MapStored | _MapRemoved | _MapCleared") -> KVEvent:
+    if isinstance(event, _MapStored):
+        return BlockStored(event.block_hashes, event.parent_block_hash, event.token_ids, event.block_size,
+                           event.lora_id, event.medium, event.lora_name)
+    if isinstance(event, _MapRemoved):
+        return BlockRemoved(event.block_hashes, event.medium)
+    return AllBlocksCleared()
+
+
 UNREADABLE = (msgspec.MsgspecError, ValueError, TypeError)  # what a decoder raises on bytes that are not a batch
 
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(KVEventBatch)
+_MAP_DECODER = msgspec.msgpack.Decoder(_MapBatch)
 
 
 def encode(batch: EventBatch) -> bytes:
@@ -76,5 +115,13 @@ def encode(batch: EventBatch) -> bytes:
 
 
 def decode(payload: bytes) -> KVEventBatch:
-    """One batch from its msgpack bytes; ``msgspec.DecodeError`` / ``ValidationError`` if malformed."""
-    return _DECODER.decode(payload)
+    """One batch from its msgpack bytes, its events as arrays or as maps; ``msgspec.DecodeError`` /
+    ``ValidationError`` (of the array form) if it is neither."""
+    try:
+        return _DECODER.decode(payload)
+    except msgspec.ValidationError as array_error:
+        try:
+            batch = _MAP_DECODER.decode(payload)
+        except msgspec.ValidationError:
+            raise array_error from None
+    return KVEventBatch(batch.ts, [_from_map(e) for e in batch.events], batch.data_parallel_rank)

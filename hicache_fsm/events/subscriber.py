@@ -7,10 +7,13 @@ was hit): the subscriber asks the replay socket for them first. Batches gone
 from the publisher's replay buffer too, or not replayed in time, are counted
 in ``lost`` (a consumer then rebuilds from a fresh snapshot); ``receive``
 never raises for it, so the batches it already took are never dropped with an
-exception. A live number below the last one means the publisher started
+exception. A live number not above the last one means the publisher started
 again (an engine restarted, numbering from 0): ``restarts`` counts it, the
 subscriber follows the new numbers (a consumer drops what the old one told
-it), and a forged large number cannot make it ignore every later batch. No
+it), and a forged large number cannot make it ignore every later batch. A
+restart whose first batches were missed live shows as a gap instead: the
+replay that fills it starts at the last batch taken, and other bytes under
+that number tell the new publisher (see ``catch_up``). No
 thread: the caller polls.
 """
 
@@ -76,6 +79,7 @@ class ZmqEventSubscriber:
         self.unanswered = 0  # replays ``receive`` asked for that did not answer in time (their gaps are lost)
         self.restarts = 0  # times the live numbers fell back: a publisher started again (its old blocks are gone)
         self.last_live = -1  # the last sequence number the live socket gave
+        self._last: tuple[int, bytes] | None = None  # the last batch taken (number, bytes): who published it
 
     def receive(self, timeout_ms: int = 0) -> list[Batch]:
         """Every batch that arrived (waiting up to ``timeout_ms`` for the first), in order, gaps filled."""
@@ -89,9 +93,10 @@ class ZmqEventSubscriber:
             if seq < 0 or seq > MAX_SEQ:  # not three frames, or no int64 sequence number: not a batch
                 self.malformed += 1
                 continue
-            if seq < self.last_live:  # one publisher's live numbers only climb: it started again, from 0
+            if seq <= self.last_live:  # one publisher's live numbers only climb: it started again, from 0
                 self.restarts += 1
                 self.next_seq = 0
+                self._last = None
             self.last_live = seq
             if seq < self.next_seq:
                 continue  # already had it by replay
@@ -108,43 +113,78 @@ class ZmqEventSubscriber:
                 self.lost += seq - self.next_seq
             out.append((seq, batch))
             self.next_seq = seq + 1
+            self._last = (seq, frames[2])
         return out
 
     def catch_up(self, until: int | None = None) -> list[Batch]:
         """Replay every buffered batch from ``next_seq`` (before ``until`` if given); nothing without a replay socket.
 
-        The whole answer must come within ``replay_timeout_ms`` (a peer that
-        never ends it cannot hold the caller); else ``ReplayUnanswered``, and the
-        replay socket is made afresh, so a late answer is never read as the next one's.
+        The answer starts at the last batch taken, when there is one: the
+        same bytes under that number show the same publisher, other bytes (or
+        none) one that started again since (an engine restarted, and its first
+        batches were missed live): ``restarts`` counts it and the replay starts
+        over from 0, the new publisher's first batch. Batches the publisher's
+        buffer no longer holds are counted in ``lost``, and the replay goes on
+        from the first it holds. The whole answer must come within
+        ``replay_timeout_ms`` (a peer that never ends it cannot hold the
+        caller); else ``ReplayUnanswered``, nothing taken, and the replay
+        socket is made afresh, so a late answer is never read as the next one's.
         """
         self._check_open()
         if self._replay is None:
             return []
-        start, replayed = self.next_seq, self.replayed
-        self._replay.send_multipart((b"", start.to_bytes(8, "big")))
+        saved = (self.next_seq, self.replayed, self.lost, self.restarts, self._last)
+        try:
+            return self._replay_from(self._last if self._last and self._last[0] == self.next_seq - 1 else None,
+                                     until)
+        except ReplayUnanswered:
+            self.next_seq, self.replayed, self.lost, self.restarts, self._last = saved  # nothing handed out
+            raise
+
+    def _replay_from(self, last: tuple[int, bytes] | None, until: int | None) -> list[Batch]:
+        """One replay request, from ``last`` (the last batch taken, to compare) or from ``next_seq``."""
+        self._replay.send_multipart((b"", (self.next_seq if last is None else last[0]).to_bytes(8, "big")))
         out: list[Batch] = []
         deadline = time.monotonic() + self.replay_timeout_ms / 1000
         while True:
             left_ms = max(0, round((deadline - time.monotonic()) * 1000))
             if not self._replay.poll(left_ms):
-                self._replay.close(linger=0)
-                self._replay = self._replay_socket()
-                self.next_seq, self.replayed = start, replayed  # nothing handed out: nothing taken
+                self._fresh_replay_socket()
                 raise ReplayUnanswered(f"no whole replay answer within {self.replay_timeout_ms} ms")
             frames = self._replay.recv_multipart()
             if len(frames) < 2 or len(frames[-2]) != SEQ_BYTES:
                 self.malformed += 1
                 continue
             seq = int.from_bytes(frames[-2], "big", signed=True)
+            if last is not None and seq != -1 and seq <= last[0]:
+                if seq == last[0] and frames[-1] == last[1]:
+                    last = None
+                    continue  # the batch already taken: the publisher is the one heard before
+                self.restarts += 1  # another batch under a number taken: a publisher that started again
+                self.next_seq, self._last = 0, None
+                self._fresh_replay_socket()  # the rest of this answer is not wanted
+                return self._replay_from(None, until)
+            last = None  # the last batch taken is gone from the buffer: the publisher cannot be told
             if seq == -1:
                 return out
-            if seq == self.next_seq and (until is None or seq < until):
+            if until is not None and seq >= until:
+                continue
+            if seq > self.next_seq:  # gone from the publisher's buffer: lost, and the replay goes on from here
+                self.lost += seq - self.next_seq
+                self.next_seq = seq
+            if seq == self.next_seq:
                 batch = self._decoded(frames[-1])
                 if batch is None:
-                    continue  # later ones no longer follow on: left to receive, which counts them
+                    continue  # counted in malformed; the next one counts it lost
                 out.append((seq, batch))
                 self.next_seq = seq + 1
                 self.replayed += 1
+                self._last = (seq, frames[-1])
+
+    def _fresh_replay_socket(self) -> None:
+        """Close the replay socket with whatever is left of an answer in it, and connect a new one."""
+        self._replay.close(linger=0)
+        self._replay = self._replay_socket()
 
     def _decoded(self, payload: bytes) -> KVEventBatch | None:
         """The batch in ``payload``, or None (counted in ``malformed``) when it is not one."""

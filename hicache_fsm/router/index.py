@@ -137,7 +137,11 @@ def check_hashes(hashes: object) -> Sequence[int]:
     if isinstance(hashes, (str, bytes, bytearray, AbstractSet, Mapping)) or not isinstance(hashes, Iterable):
         raise ConfigError(f"hashes must be a request's block hashes (ints in order, from request_hashes), "
                           f"got {type(hashes).__name__}")
-    return hashes if isinstance(hashes, Sequence) else tuple(hashes)
+    hashes = hashes if isinstance(hashes, Sequence) else tuple(hashes)
+    for h in hashes:  # a float, a list or None would miss (or fail in) every lookup without a word
+        if not isinstance(h, int) or isinstance(h, bool):
+            raise ConfigError(f"hashes must be ints (from request_hashes), got {h!r:.40} ({type(h).__name__})")
+    return hashes
 
 
 def check_instance(instance: object) -> None:
