@@ -37,7 +37,7 @@ from hicache_fsm.router.names import DEFAULT_LOAD_CAP, MAX_INSTANCES, POLICIES
 from hicache_fsm.router.policies import Router, check_load_cap
 from hicache_fsm.simulate import Tier, TierResult, storage_available
 from hicache_fsm.simulate_config import check_pool_options
-from hicache_fsm.trace import BlockTokens, Trace
+from hicache_fsm.trace import BlockTokens, Trace, check_page_size
 from hicache_fsm.trace_replay import ReplayProgress, TraceReplayer
 
 DEFAULT_VERIFY_EVERY = 25
@@ -76,9 +76,7 @@ class ClusterOptions:
         if self.policy not in POLICIES:
             raise ConfigError(f"router policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         check_load_cap(self.load_cap)  # refused here, before a replay starts (the router checks it again)
-        ps = self.page_size
-        if isinstance(ps, bool) or not isinstance(ps, int) or ps < 1 or self.trace.block_size % ps:
-            raise ConfigError(f"page size must divide the trace's block size {self.trace.block_size}, got {ps!r}")
+        ps = check_page_size(self.page_size, self.trace.block_size)
         check_pool_options(self.device_tokens, self.host_tokens, ps, self.layout, self.device)
         if self.storage_url is not None and not (isinstance(self.storage_url, str) and self.storage_url.startswith(
                 ("memory://", "file://", "redis://", "mooncake://"))):

@@ -26,6 +26,7 @@ import shutil
 import sys
 import tempfile
 import time
+import uuid
 from typing import TextIO
 
 from hicache_fsm.errors import ConfigError
@@ -103,6 +104,9 @@ def run_simulation(options: Options = Options(), progress: Progress | None = Non
             tmp = tempfile.mkdtemp(prefix="hicache-sim-")
             storage_url = "file://" + os.path.join(tmp, "l3")
     tiers = options.tiers(storage_url)
+    if storage_url is not None:  # a fresh key space per run: a store given again holds an earlier run's pages
+        label = model.name if model is not None else f"tokens-only-s{w.seed}"
+        storage_options = {"model": f"{label}-run-{uuid.uuid4().hex[:12]}", **(storage_options or {})}
     if progress is None:
         progress = Progress(w.requests * (len(tiers) + 1), enabled=False)
     else:

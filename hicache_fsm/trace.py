@@ -111,6 +111,21 @@ def check_block_size(block_size: object) -> int:
     return block_size
 
 
+def check_page_size(page_size: object, block_size: int) -> int:
+    """A page size a trace replays with: it divides the block size, and is at least ``ID_TOKENS``.
+
+    A block's first ``ID_TOKENS`` tokens spell its hash id one 16-bit digit a
+    token, so ids that differ in a higher digit only (1 and 65537) share the
+    first token: a smaller page would be shared by blocks the hash ids say
+    share nothing, and the cache would beat the bound computed from them.
+    """
+    if (isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < ID_TOKENS
+            or block_size % page_size):
+        raise ConfigError(f"page size must divide the trace's block size {block_size} and be at least "
+                          f"{ID_TOKENS} (a block's first {ID_TOKENS} tokens spell its hash id), got {page_size!r}")
+    return page_size
+
+
 def check_tokens(count: int, what: str) -> int:
     """``count`` tokens to replay, or ConfigError when this machine could not hold them (the limit named)."""
     try:
@@ -321,8 +336,7 @@ def prefix_bound(trace: Trace, page_size: int) -> PrefixBound:
     tokens any cached input reached into it gives that prefix directly.
     """
     bs = trace.block_size
-    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1 or bs % page_size:
-        raise ConfigError(f"page size must divide the block size {bs}, got {page_size!r}")
+    check_page_size(page_size, bs)
     children: dict[tuple[int, int], int] = {}  # (parent node, hash id) -> node; node 0 is the root
     reach = [0]  # node -> most tokens of its block any cached input covered
     hit = unique = total = 0

@@ -43,7 +43,6 @@ import torch
 
 from hicache_fsm.cache import HiCache
 from hicache_fsm.config import check_seconds
-from hicache_fsm.errors import ConfigError
 from hicache_fsm.executors import AckExecutor
 from hicache_fsm.pools import DeviceKVPool, HostKVPool, KVShape, default_device
 from hicache_fsm.simulate_config import check_pool_options
@@ -63,7 +62,7 @@ from hicache_fsm.simulate import (
 from hicache_fsm.storage.keys import KeyNamespace
 from hicache_fsm.storage.keys_only import KeysOnlyBackend
 from hicache_fsm.storage.stepped import SteppedStorageTier
-from hicache_fsm.trace import BlockTokens, PrefixBound, Trace, prefix_bound
+from hicache_fsm.trace import BlockTokens, PrefixBound, Trace, check_page_size, prefix_bound
 
 METADATA_SHAPE = KVShape(1, 1, 1, torch.float16)  # one element of K and one of V per token
 DEFAULT_STORAGE_URL = "memory://"
@@ -86,9 +85,7 @@ class TraceOptions:
     device: str | None = None  # None: CUDA when present, else CPU
 
     def __attrs_post_init__(self) -> None:
-        ps = self.page_size
-        if isinstance(ps, bool) or not isinstance(ps, int) or ps < 1 or self.trace.block_size % ps:
-            raise ConfigError(f"page size must divide the trace's block size {self.trace.block_size}, got {ps!r}")
+        ps = check_page_size(self.page_size, self.trace.block_size)
         check_pool_options(self.device_tokens, self.host_tokens, ps, self.layout, self.device)
 
     def tiers(self, storage_url: str | None, bound: PrefixBound) -> list[Tier]:

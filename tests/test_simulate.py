@@ -257,3 +257,18 @@ def test_settled_storage_hits_do_not_depend_on_the_storage_speed():
 def test_an_observer_that_cannot_be_called_is_refused_before_the_run():
     with pytest.raises(ConfigError, match="observe must be callable"):  # a TypeError at the first tier before
         run_simulation(Options(SMALL, device="cpu", storage=False), observe="record")
+
+
+def test_a_second_run_on_the_same_store_starts_from_an_empty_key_space(tmp_path):
+    """Every run wrote under one key prefix: a second run on the same directory read the first run's pages
+    (a hit rate above the infinite cache's bound, and pages of another run counted as KV mismatches)."""
+    if not storage_available():
+        pytest.skip("no storage tier in this build")
+    torch.set_num_threads(1)
+    options = small_options(tmp_path, storage_url=f"file://{tmp_path}/shared")
+    first = run_simulation(options, settle_storage=True)
+    again = run_simulation(options, settle_storage=True)
+    for sim in (first, again):
+        assert sim.kv_mismatches == 0 and sim.output_mismatches == 0
+        assert sim.tier(FULL).hit_rate <= sim.tier(INFINITE).hit_rate
+    assert again.tier(FULL).storage_hit_tokens == first.tier(FULL).storage_hit_tokens

@@ -134,3 +134,17 @@ def test_nul_characters_in_arguments_exit_2(argv, capsys):
 def test_a_trace_path_with_a_nul_character_is_a_trace_error():
     with pytest.raises(TraceError, match="cannot contain a NUL character"):
         load_trace("trace\0.jsonl")
+
+
+@pytest.mark.parametrize("page_size", [1, 2, 3])
+def test_a_page_smaller_than_a_hash_ids_spelling_is_refused(page_size, tmp_path, capsys):
+    """Ids 0 and 65537 share their first token: with pages under four tokens the cache hit a page the bound
+    said no two requests share, and a valid trace ended in a bound MISMATCH (exit 1)."""
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps({"timestamp": t, "input_length": 1024, "output_length": 1,
+                                        "hash_ids": [0, h]}) + "\n" for t, h in ((0, 1), (1, 65537))))
+    assert cli.main(["simulate", "--trace", str(path), "--page-size", str(page_size), "--no-storage",
+                     "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "at least 4" in err and len(err.strip().splitlines()) == 1
+    assert cli.main(["simulate", "--trace", str(path), "--page-size", "4", "--no-storage", "--no-progress"]) == 0
