@@ -66,12 +66,18 @@ def read_events(path: str | os.PathLike) -> list[dict]:
         info = os.stat(name)
     except FileNotFoundError:
         raise TraceError(name, None, "no such trace file") from None
+    except OSError as exc:  # a symlink loop, no permission, a path through a file
+        raise TraceError(name, None, f"cannot read it: {exc.strerror or exc}") from None
     if not stat.S_ISREG(info.st_mode):
         raise TraceError(name, None, "not a regular file (a trace is a JSONL file)")
     if info.st_size > MAX_TRACE_BYTES:
         raise TraceError(name, None, f"{info.st_size} bytes is larger than a trace may be ({MAX_TRACE_BYTES} bytes)")
     events = []
-    with open(name, "rb") as f:
+    try:
+        f = open(name, "rb")
+    except OSError as exc:
+        raise TraceError(name, None, f"cannot read it: {exc.strerror or exc}") from None
+    with f:
         for n, raw in enumerate(f, 1):
             try:
                 # a leading byte-order mark (some editors and Windows tools write one) is skipped

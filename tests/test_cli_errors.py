@@ -76,6 +76,21 @@ CASES: dict[str, tuple[list[str], int, tuple[str, ...]]] = {
     "replay_missing_file": (["replay", "/nonexistent.jsonl"], 2, ("No such file or directory",)),
     "diagram_missing_directory": (["diagram", "residency", "-o", f"{MISSING_DIR}/x.mmd"], 1,
                                   ("No such file or directory", f"{MISSING_DIR}/x.mmd")),
+    # a mistyped storage URL is a usage error before any configuration runs (was exit 1, seconds in)
+    "simulate_unknown_storage_scheme": (["simulate", *TINY_SIM, "--storage-url", "http://x"], 2,
+                                        ("--storage-url", "unknown storage scheme 'http'")),
+    "simulate_storage_port_zero": (["simulate", *TINY_SIM, "--storage-url", "redis://127.0.0.1:0/0"], 2,
+                                   ("--storage-url", "port 0 names no server")),
+    "simulate_storage_fragment": (["simulate", *TINY_SIM, "--storage-url", "file:///tmp/x#y"], 2,
+                                  ("--storage-url", "no #fragment")),
+    "simulate_storage_url_unused": (["simulate", *TINY_SIM, "--storage-url", "memory://", "--no-storage"], 2,
+                                    ("--no-storage leaves out",)),
+    # an empty path turned its option off without a word
+    "diagram_empty_counts": (["diagram", "residency", "--counts", ""], 2, ("--counts: an empty path",)),
+    "fuzz_empty_test_out": (["fuzz", "--test-out", ""], 2, ("--test-out: an empty path",)),
+    "simulate_empty_record": (["simulate", *TINY_SIM, "--record", ""], 2, ("--record: an empty path",)),
+    "fuzz_seed_beyond_64_bits": (["fuzz", "--seed", str(2**64)], 2, ("--seed", "not in range")),
+    "bench_insert_blocks_too_many": (["bench", "insert", "--blocks", str(10**11)], 2, ("--blocks", "1..10000")),
     "simulate_unreachable_redis": (["simulate", *TINY_SIM, "--storage-url", f"redis://127.0.0.1:{closed_port()}/0"],
                                    1, ("attaching storage failed", "unreachable")),
 }
@@ -98,12 +113,16 @@ def results(hostile_specs) -> dict[str, subprocess.CompletedProcess]:
     cases["validate_deep_spec"] = (["validate", str(hostile_specs["deep"])], 1, ("deep.yaml:1", "nested deeper"))
     cases["list_nul_spec"] = (["list", str(hostile_specs["nul"])], 1, ("nul.yaml:1", "not allowed in YAML"))
     cases["diagram_deep_spec"] = (["diagram", str(hostile_specs["deep"])], 1, ("deep.yaml:1", "nested deeper"))
+    loop = hostile_specs["deep"].parent / "loop.jsonl"  # a symlink to itself: was exit 1 with a raw errno line
+    loop.symlink_to(loop.name)
+    cases["diagram_counts_symlink_loop"] = (["diagram", "residency", "--counts", str(loop)], 2,
+                                            ("loop.jsonl", "cannot read it"))
     with ThreadPoolExecutor(max_workers=4) as pool:
         runs = {name: pool.submit(cli, *argv) for name, (argv, _, _) in cases.items()}
         return {name: (run.result(), cases[name][1:]) for name, run in runs.items()}
 
 
-ALL_CASES = sorted([*CASES, "validate_deep_spec", "list_nul_spec", "diagram_deep_spec"])
+ALL_CASES = sorted([*CASES, "validate_deep_spec", "list_nul_spec", "diagram_deep_spec", "diagram_counts_symlink_loop"])
 
 
 @pytest.mark.parametrize("case", ALL_CASES)

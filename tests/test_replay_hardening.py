@@ -194,3 +194,12 @@ def test_an_empty_trace_is_a_divergence_not_a_valid_run(tmp_path, capsys, text):
     result = replay(path)
     assert not result.ok and result.events == 0 and "the trace is empty" in result.divergence.reason
     _divergence_on_the_command_line(path, 1, "the trace is empty", capsys)
+
+
+@pytest.mark.parametrize("version", [True, 1.0, "1"])
+def test_a_header_version_of_another_json_type_is_a_divergence(tmp_path, capsys, version):
+    """``true`` and ``1.0`` equal 1 in Python: a trace that says neither replayed as ok."""
+    path = _write(tmp_path, _numbered([dict(HEADER, version=version)]))
+    result = replay(path)
+    assert not result.ok and "trace version" in result.divergence.reason
+    _divergence_on_the_command_line(path, 1, "trace version", capsys)

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from hicache_fsm.bench.common import machine_description
-from hicache_fsm.commands.args import UsageError
+from hicache_fsm.commands.args import UsageError, path_arg
 
 # (key, benchmark, arguments): the arguments are exactly what the reproduce command passes.
 STEPS: list[tuple[str, str, list[str]]] = [
@@ -59,7 +59,7 @@ def _tp_lines(tp: dict) -> list[str]:
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--output", "-o", default=None,
+    parser.add_argument("--output", "-o", default=None, type=path_arg,
                         help="where to write the page (default: docs/performance.md under the current directory)")
     parser.add_argument("--no-write", action="store_true", help="run and print, write nothing")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test (noisy figures)")

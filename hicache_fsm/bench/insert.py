@@ -38,7 +38,7 @@ import torch
 
 from hicache_fsm.bench import scale, sglang_peer
 from hicache_fsm.bench.common import CLOCKS, ID_FORMS, machine_description, report
-from hicache_fsm.commands.args import positive_int, seed_int
+from hicache_fsm.commands.args import bounded_int, positive_int, seed_int
 from hicache_fsm.jobs import JobKind
 from hicache_fsm.outbox import JOBS_KEY
 
@@ -53,17 +53,20 @@ REQUESTS: dict[str, tuple[int | None, str]] = {
 }
 SHOWN_POSITIONS = (1, 2, 3, 4, 8, 16, 32, 64)  # columns of the printed table: those within a block, and its last
 BACKUP_JOBS = JOBS_KEY[JobKind.D2H]  # the cache counter of D2H jobs emitted: one per backup started
+MAX_BLOCKS, MAX_BLOCK, MAX_WARMUP = 10_000, 1024, 100_000
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nodes", type=positive_int, default=10_000,
                         help=f"one-page prefixes in every tree, within what memory holds at {scale.NODE_BYTES} bytes "
                              "a node (default 10000)")
-    parser.add_argument("--blocks", type=positive_int, default=40, help="rounds of blocks per variant (default 40)")
-    parser.add_argument("--block", type=positive_int, default=16,
-                        help="inserts in a block, after one collection (default 16)")
-    parser.add_argument("--warmup", type=positive_int, default=200,
-                        help="untimed inserts per variant before timing (default 200)")
+    # bounds a run of hours would pass, not a machine's: a larger count is a mistyped one, not a longer benchmark
+    parser.add_argument("--blocks", type=bounded_int(1, MAX_BLOCKS), default=40,
+                        help=f"rounds of blocks per variant (default 40, at most {MAX_BLOCKS})")
+    parser.add_argument("--block", type=bounded_int(1, MAX_BLOCK), default=16,
+                        help=f"inserts in a block, after one collection (default 16, at most {MAX_BLOCK})")
+    parser.add_argument("--warmup", type=bounded_int(1, MAX_WARMUP), default=200,
+                        help=f"untimed inserts per variant before timing (default 200, at most {MAX_WARMUP})")
     parser.add_argument("--request", choices=tuple(REQUESTS), default="new",
                         help="what each timed insert adds: new (default: a request after its prefill), finished "
                              "(the last 512 ids of a request inserted before) or cached (nothing: the request was "

@@ -569,7 +569,7 @@ def check_nodes(nodes: int, flag: str) -> int:
 
 
 def _sizes(args: argparse.Namespace) -> list[int]:
-    if args.sizes:
+    if args.sizes is not None:
         try:
             sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
         except ValueError:

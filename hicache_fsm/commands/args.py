@@ -68,6 +68,26 @@ def check_fits(value: int, bytes_each: int, what: str, detail: str = "") -> int:
     return value
 
 
+def path_arg(text: str) -> str:
+    """A file or directory option's value: an empty one would turn the option off without a word."""
+    if not text:
+        raise argparse.ArgumentTypeError("an empty path")
+    return text
+
+
+def storage_url(text: str) -> str:
+    """An L3 storage URL whose form can name a backend (``storage.check_url``): a mistyped one is refused before
+    any work; a server that does not answer is found when the run attaches it (a runtime error)."""
+    from hicache_fsm.errors import StorageURLError
+    from hicache_fsm.storage import check_url
+
+    try:
+        check_url(text)
+    except StorageURLError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def positive_float(text: str) -> float:
     try:
         value = float(text)

@@ -26,7 +26,8 @@ import argparse
 import json
 import sys
 
-from hicache_fsm.commands.args import UsageError, adapter_ref, json_kwargs, non_negative_int, positive_float, positive_int
+from hicache_fsm.commands.args import (UsageError, adapter_ref, json_kwargs, non_negative_int, path_arg, positive_float,
+                                      positive_int)
 from hicache_fsm.config import EVICTION_POLICIES, WRITE_POLICIES
 
 
@@ -75,7 +76,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-symmetry", action="store_true",
                    help="block stores: do not merge states that differ only by the names of block keys")
     parser.add_argument("--coverage", action="store_true", help="print which spec states/transitions were reached")
-    parser.add_argument("--record", metavar="FILE",
+    parser.add_argument("--record", metavar="FILE", type=path_arg,
                         help="write every transition fired while exploring to FILE (JSONL; "
                              "`hicache-fsm diagram NAME --counts FILE` draws it)")
     parser.add_argument("--quiet", action="store_true", help="no progress on stderr")

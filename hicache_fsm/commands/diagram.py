@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import attrs
 
-from hicache_fsm.commands.args import UsageError, printable
+from hicache_fsm.commands.args import UsageError, path_arg, printable
 from hicache_fsm.commands.validate import add_bindings_flag, problem_lines
 from hicache_fsm.diagrams import RENDERERS, render
 from hicache_fsm.errors import DiagramError, SpecError, TraceError
@@ -47,11 +47,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--all", action="store_true", help="draw every spec of the library")
     parser.add_argument("--format", "-f", choices=sorted(RENDERERS), default="mermaid", help="output format (default: mermaid)")
     parser.add_argument(
-        "-o", "--output", metavar="FILE",
+        "-o", "--output", metavar="FILE", type=path_arg,
         help="write to FILE instead of stdout (with --all: a directory, one NAME.EXT file per spec)",
     )
     parser.add_argument(
-        "--counts", metavar="TRACE",
+        "--counts", metavar="TRACE", type=path_arg,
         help="draw a heat map of the run recorded in this JSONL trace: fire count per transition, "
              "objects per state (with --all: every machine the trace has transitions of)",
     )

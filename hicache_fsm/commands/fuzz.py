@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from hicache_fsm.commands.args import UsageError, adapter_ref, json_kwargs, positive_int
+from hicache_fsm.commands.args import UsageError, adapter_ref, json_kwargs, path_arg, positive_int, seed_int
 
 
 STEPS = 40  # most steps per run by default (``--cp``, ``--adapter``)
@@ -35,7 +35,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=positive_int, default=None,
                         help=f"most steps per run (default {HICACHE_STEPS} for the HiCache variants, whose storage "
                              f"and prefetch paths lie deeper; {STEPS} with --cp or --adapter)")
-    parser.add_argument("--seed", type=int, default=0, help="random seed; same seed, same runs (default 0)")
+    parser.add_argument("--seed", type=seed_int, default=0, help="random seed, a 64-bit integer; same seed, same runs "
+                        "(default 0)")
     parser.add_argument("--no-shrink", action="store_true", help="report the first failure as found")
     parser.add_argument("--adapter", metavar="MODULE:CALLABLE", type=adapter_ref,
                         help="fuzz your own cache: a callable returning a CacheAdapter")
@@ -44,11 +45,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cp", action="store_true",
                         help="fuzz CP layer writes (1 and 2 context-parallel ranks, target and draft layers) "
                              "instead of the HiCache variants")
-    parser.add_argument("--test-out", metavar="FILE",
+    parser.add_argument("--test-out", metavar="FILE", type=path_arg,
                         help="write the regression test for a failure here (it runs from any directory)")
     parser.add_argument("--coverage", action="store_true",
                         help="also print the per-machine coverage with --json (it is always in the report)")
-    parser.add_argument("--record", metavar="FILE",
+    parser.add_argument("--record", metavar="FILE", type=path_arg,
                         help="write every transition the runs fire to FILE (JSONL, one run per example; "
                              "`hicache-fsm diagram NAME --counts FILE` draws it)")
     parser.add_argument("--quiet", action="store_true", help="no progress on stderr")

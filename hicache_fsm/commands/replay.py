@@ -14,15 +14,16 @@ import json
 import math
 import sys
 
-from hicache_fsm.commands.args import bounded_int, printable
+from hicache_fsm.commands.args import bounded_int, path_arg, printable
 
 MAX_CONTEXT = 10_000  # events kept to show before a divergence
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("trace", metavar="TRACE", help="JSONL trace file (from hicache_fsm.testing.trace.record)")
+    parser.add_argument("trace", metavar="TRACE", type=path_arg,
+                        help="JSONL trace file (from hicache_fsm.testing.trace.record)")
     parser.add_argument("--quiescent", action="store_true", help="also require no job or copy left in flight at the end")
-    parser.add_argument("--spec", action="append", default=[], metavar="FILE",
+    parser.add_argument("--spec", action="append", default=[], metavar="FILE", type=path_arg,
                         help="also check against this spec file (a machine of your own cache); repeatable")
     parser.add_argument("--context", type=bounded_int(0, MAX_CONTEXT), default=4,
                         help=f"events shown before a divergence, at most {MAX_CONTEXT} (default 4)")

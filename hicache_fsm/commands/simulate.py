@@ -9,7 +9,7 @@ from collections import Counter
 
 import torch
 
-from hicache_fsm.commands.args import UsageError, bounded_int, positive_int, seed_int
+from hicache_fsm.commands.args import UsageError, bounded_int, path_arg, positive_int, seed_int, storage_url
 from hicache_fsm.commands import simulate_trace
 from hicache_fsm.commands.plot_file import check_plot_path, save_plot
 from hicache_fsm.commands.table import columns
@@ -68,7 +68,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--host-tokens", type=int, default=None,
                    help=f"host (L2) pool size in tokens (default {_DEFAULTS.host_tokens}; "
                         f"with --trace {simulate_trace.DEFAULT_SIZES[1]})")
-    c.add_argument("--storage-url", default=None,
+    c.add_argument("--storage-url", default=None, type=storage_url,
                    help="L3 storage URL (file:///DIR, redis://HOST:PORT/DB, memory://); "
                         "default: a file:// directory in a temporary directory, removed afterwards "
                         "(with --trace: memory://)")
@@ -88,13 +88,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     simulate_trace.configure(parser)
     o = parser.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print only one JSON object on stdout (hit_rate, hit_rate_bound, ...); the table goes to stderr")
-    o.add_argument("--plot", metavar="FILE.png",
+    o.add_argument("--plot", metavar="FILE.png", type=path_arg,
                    help="also draw hit rate against device and host capacity (with --trace: device-only hit rate against "
                         "capacity); needs the `plot` extra: matplotlib")
     o.add_argument("--threads", type=bounded_int(1, MAX_THREADS), default=1,
                    help=f"torch CPU threads, at most {MAX_THREADS} (default 1: the tiny model is latency-bound)")
     o.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    o.add_argument("--record", metavar="FILE.jsonl",
+    o.add_argument("--record", metavar="FILE.jsonl", type=path_arg,
                    help="record one configuration's cache events as a JSONL trace (`hicache-fsm replay` checks it, "
                         "`hicache-fsm diagram residency --counts FILE` draws its heat map); the chat workload "
                         "with --tp 1 only (not with --trace)")
@@ -290,7 +290,12 @@ def plot(sim: Simulation, options: Options, path: str) -> None:
 
 
 def check_record(args: argparse.Namespace) -> None:
-    """Refuse a ``--record``/``--record-tier`` that would record nothing: exit 0 and no file would look like success."""
+    """Refuse a ``--record``/``--record-tier`` that would record nothing: exit 0 and no file would look like success.
+
+    Likewise a ``--storage-url`` that ``--no-storage`` leaves unused.
+    """
+    if args.storage_url is not None and args.no_storage:
+        raise UsageError("--storage-url names the L3 of a configuration --no-storage leaves out")
     if args.record is None:
         if args.record_tier is not None:
             raise UsageError("--record-tier needs --record FILE.jsonl")

@@ -7,7 +7,7 @@ import json
 import sys
 
 from hicache_fsm.commands import simulate_cluster
-from hicache_fsm.commands.args import UsageError
+from hicache_fsm.commands.args import UsageError, path_arg
 from hicache_fsm.commands.plot_file import save_plot
 from hicache_fsm.commands.table import columns
 from hicache_fsm.errors import ConfigError, HiCacheError, TraceError
@@ -54,7 +54,7 @@ _WORKLOAD_OPTIONS = ("clients", "rounds", "request_length", "output_length", "sy
 
 def configure(parser: argparse.ArgumentParser) -> None:
     t = parser.add_argument_group("trace replay (metadata mode: no model, one KV element per token)")
-    t.add_argument("--trace", metavar="FILE.jsonl",
+    t.add_argument("--trace", metavar="FILE.jsonl", type=path_arg,
                    help="replay this Mooncake-format trace instead of the chat workload (see docs/traces.md)")
     t.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
                    help=f"tokens per hash id of the trace (default {DEFAULT_BLOCK_SIZE})")

@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import re
 from typing import Iterator
-from urllib.parse import urlsplit
 
 import redis as redis_py
 from redis.backoff import NoBackoff
@@ -46,6 +45,7 @@ from hicache_fsm.errors import (
     StorageUnavailable,
     StorageURLError,
 )
+from hicache_fsm.storage import check_url
 from hicache_fsm.storage.backend_checks import check_count, check_flag, check_seconds
 from hicache_fsm.storage.base import (
     EXISTS,
@@ -86,11 +86,9 @@ def _mapped(what: str) -> Iterator[None]:
 
 def _connection_pool(url: str, **options: object) -> redis_py.BlockingConnectionPool:
     """redis-py's pool for ``url``, with what redis-py would take silently or refuse only at the first connect
-    refused now: a database that is not a number (redis-py falls back to 0) and an unknown URL parameter."""
-    parts = urlsplit(url)
-    if parts.scheme.lower() in ("redis", "rediss") and not re.fullmatch(r"/?([0-9]+)?", parts.path):
-        raise StorageURLError(f"bad redis URL {url!r}: the path names a database by its number, "
-                              f"got {parts.path[:40]!r}")
+    refused now: a database that is not a number (redis-py falls back to 0), a port 0 (its default port) and an
+    unknown URL parameter."""
+    check_url(url)
     try:
         pool = redis_py.BlockingConnectionPool.from_url(url, **options)
         pool.connection_class(**pool.connection_kwargs)  # no I/O: the parameters' names and types

@@ -363,8 +363,9 @@ class _Replayer:
     # ------------------------------------------------------------------ events
 
     def on_header(self, ev: dict) -> None:
-        if ev.get("version") != TRACE_VERSION:
-            raise _Diverged(f"trace version {ev.get('version')!r}, this replayer reads {TRACE_VERSION}")
+        version = ev.get("version")
+        if type(version) is not int or version != TRACE_VERSION:  # true and 1.0 equal 1 in Python, not in JSON
+            raise _Diverged(f"trace version {version!r}, this replayer reads {TRACE_VERSION}")
 
     def on_transition(self, ev: dict) -> None:
         machine = ev.get("machine", "residency")
