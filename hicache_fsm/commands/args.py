@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from typing import NoReturn
 
 
@@ -73,6 +74,18 @@ def path_arg(text: str) -> str:
     if not text:
         raise argparse.ArgumentTypeError("an empty path")
     return text
+
+
+def output_path(text: str) -> str:
+    """A file an option writes: refused before any work when it could not be created there (a usage error,
+    not a failure after a long run, or none at all when the run found nothing to write)."""
+    path = path_arg(text)
+    if os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"{path} is a directory")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise argparse.ArgumentTypeError(f"no directory {parent}")
+    return path
 
 
 def storage_url(text: str) -> str:

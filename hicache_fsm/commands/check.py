@@ -26,7 +26,7 @@ import argparse
 import json
 import sys
 
-from hicache_fsm.commands.args import (UsageError, adapter_ref, json_kwargs, non_negative_int, path_arg, positive_float,
+from hicache_fsm.commands.args import (UsageError, adapter_ref, json_kwargs, non_negative_int, output_path, positive_float,
                                       positive_int)
 from hicache_fsm.config import EVICTION_POLICIES, WRITE_POLICIES
 
@@ -76,7 +76,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-symmetry", action="store_true",
                    help="block stores: do not merge states that differ only by the names of block keys")
     parser.add_argument("--coverage", action="store_true", help="print which spec states/transitions were reached")
-    parser.add_argument("--record", metavar="FILE", type=path_arg,
+    parser.add_argument("--record", metavar="FILE", type=output_path,
                         help="write every transition fired while exploring to FILE (JSONL; "
                              "`hicache-fsm diagram NAME --counts FILE` draws it)")
     parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
@@ -242,6 +242,9 @@ def _check_prefix_cache(args: argparse.Namespace) -> int:
         )
 
     policies = list(WRITE_POLICIES) if args.write_policy == "all" else [args.write_policy]
+    if not args.adapter and not args.quiet:  # bounds replace the portfolio: say what the run leaves out
+        print(f"check: bounds given: one exploration per write policy ({', '.join(policies)}), not the families "
+              f"of plain `check` (storage, prefetch, CP and the other policies)", file=sys.stderr)
     factory = hicache_factory
     if args.adapter:
         from hicache_fsm.commands.adapter_factory import check_explorer_factory, load_factory

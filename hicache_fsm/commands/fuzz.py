@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from hicache_fsm.commands.args import UsageError, adapter_ref, json_kwargs, path_arg, positive_int, seed_int
+from hicache_fsm.commands.args import UsageError, adapter_ref, json_kwargs, output_path, positive_int, seed_int
 
 
 STEPS = 40  # most steps per run by default (``--cp``, ``--adapter``)
@@ -45,11 +45,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cp", action="store_true",
                         help="fuzz CP layer writes (1 and 2 context-parallel ranks, target and draft layers) "
                              "instead of the HiCache variants")
-    parser.add_argument("--test-out", metavar="FILE", type=path_arg,
+    parser.add_argument("--test-out", metavar="FILE", type=output_path,
                         help="write the regression test for a failure here (it runs from any directory)")
     parser.add_argument("--coverage", action="store_true",
                         help="also print the per-machine coverage with --json (it is always in the report)")
-    parser.add_argument("--record", metavar="FILE", type=path_arg,
+    parser.add_argument("--record", metavar="FILE", type=output_path,
                         help="write every transition the runs fire to FILE (JSONL, one run per example; "
                              "`hicache-fsm diagram NAME --counts FILE` draws it)")
     parser.add_argument("--quiet", action="store_true", help="no progress on stderr")

@@ -9,7 +9,8 @@ from collections import Counter
 
 import torch
 
-from hicache_fsm.commands.args import UsageError, bounded_int, path_arg, positive_int, seed_int, storage_url
+from hicache_fsm.commands.args import (UsageError, bounded_int, output_path, path_arg, positive_int, seed_int,
+                                      storage_url)
 from hicache_fsm.commands import simulate_trace
 from hicache_fsm.commands.plot_file import check_plot_path, save_plot
 from hicache_fsm.commands.table import columns
@@ -94,7 +95,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--threads", type=bounded_int(1, MAX_THREADS), default=1,
                    help=f"torch CPU threads, at most {MAX_THREADS} (default 1: the tiny model is latency-bound)")
     o.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    o.add_argument("--record", metavar="FILE.jsonl", type=path_arg,
+    o.add_argument("--record", metavar="FILE.jsonl", type=output_path,
                    help="record one configuration's cache events as a JSONL trace (`hicache-fsm replay` checks it, "
                         "`hicache-fsm diagram residency --counts FILE` draws its heat map); the chat workload "
                         "with --tp 1 only (not with --trace)")

@@ -138,6 +138,9 @@ def page_ids(indices: torch.Tensor | None, page_size: int) -> list[int]:
     return [] if indices is None else slot_page_ids(indices, page_size)
 
 
+INSERT_EFFECT = "insert_fetched"  # the one effect of the prefetch spec that may insert fetched pages
+
+
 class PrefetchRuntime:
     """Owner of every running prefetch and context of the ``prefetch`` machine."""
 
@@ -180,7 +183,17 @@ class PrefetchRuntime:
     # ------------------------------------------------------------------ machine
 
     def fire(self, op: PrefetchOp, trigger: str):
+        """Fire ``trigger`` on ``op``; a transition whose spec declares no ``insert_fetched`` inserts nothing.
+
+        The spec's promise that a revoked, failed or aborted prefetch inserts
+        nothing is checked as it runs: tokens inserted under any other
+        transition are a violation (the explorer and the fuzzer report it).
+        """
+        inserted = op.inserted_tokens
         transition = self.machine.fire(op, trigger, self)
+        if op.inserted_tokens != inserted and INSERT_EFFECT not in transition.spec.effects:
+            self._violations.append(f"prefetch {op.request_id!r}: {trigger} from {transition.source} inserted "
+                                    f"{op.inserted_tokens - inserted} tokens; its spec declares no {INSERT_EFFECT}")
         for kind in transition.emits:
             if kind is JobKind.S2H:
                 self._start_transfer(op)

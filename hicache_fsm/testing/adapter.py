@@ -119,6 +119,7 @@ class HiCacheAdapter(CacheAdapter):
         self.executor = ManualExecutor(self.device_pool, self.host_pool)
         machine = dispatcher if dispatcher is not None else compile_machine(_residency_spec())
         self.cache = HiCache(self.device_pool, self.host_pool, self.config, self.executor, dispatcher=machine)
+        self.cache.check_candidates = True  # the eviction sets (and backup retries) recomputed at every check
         self._locks: dict[int, Any] = {}
         self._pins: dict[int, tuple[Any, tuple[int, ...], int]] = {}
         self._next_handle = 1
@@ -623,6 +624,7 @@ class HiCacheAdapter(CacheAdapter):
         new = object.__new__(type(self))
         new.__dict__.update(self.__dict__)
         new.cache = fork_cache(self.cache, memo, share_kv=True)
+        new.cache.check_candidates = True
         self._kv_shared = new._kv_shared = True  # whoever writes KV first copies it (own_kv)
         new.device_pool = new.cache.device_pool
         new.host_pool = new.cache.host_pool

@@ -64,9 +64,10 @@ INDEXED_OPS = {
     "complete_storage": "storage_steps",
     "fail_storage": "storage_steps",
     "partial_storage": "storage_steps",
+    "partial_backup": "storage_steps",
 }
 MUST_SUCCEED = frozenset({"unlock", "unpin_host", "complete_job", "fail_job", "prefetch_ready", "abort",
-                          "complete_storage", "fail_storage", "partial_storage"})
+                          "complete_storage", "fail_storage", "partial_storage", "partial_backup"})
 MUST_REJECT = frozenset({"redeliver"})
 JOB_ENDING = frozenset({"complete_job", "fail_job"})  # steps after which ``job_lock_problems`` runs
 SNAPSHOT_OPS = frozenset({"unlock", "unpin_host", "redeliver"})

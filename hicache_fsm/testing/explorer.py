@@ -12,8 +12,8 @@ finished job's acknowledgement). With ``Bounds(storage=True)`` the cache also
 has an L3 tier run step by step (``testing.storage.ManualStorageTier``): every
 prompt may be prefetched or stored by another instance, every running prefetch
 polled or aborted, every queued storage step (hit query, transfer, backup,
-probe) completed, failed or (``partial_storage``, when the adapter has it)
-answered one page short, and storage detached or attached again; the tier and its ``memory://`` pages are forked
+probe) completed, failed or (``partial_storage`` / ``partial_backup``, when
+the adapter has them) answered one page short, and storage detached or attached again; the tier and its ``memory://`` pages are forked
 with the cache, and the state key then carries the stored keys, the prefetches
 and the storage queues (token renaming is off: keys hash token ids).
 An adapter adds steps of its own through ``prompt_steps(prompt)`` and
@@ -358,6 +358,8 @@ class Explorer:
         for i in range(len(adapter.storage_steps())):
             if sup("partial_storage"):
                 out.append(Step("partial_storage", (i,)))
+            if sup("partial_backup"):
+                out.append(Step("partial_backup", (i,)))
         if sup("detach_storage"):
             out.append(Step("detach_storage"))
         if sup("attach_storage"):

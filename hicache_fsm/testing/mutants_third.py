@@ -172,3 +172,52 @@ def _under_root(p: Any) -> None:
             op.anchor = anchor
 
     p.setattr(PrefetchRuntime, "insert_fetched", insert_fetched)
+
+
+# =========================================================================== what the soundness probe planted
+
+
+@_third("partial_backup_acked_as_stored", "a backup the backend stored only in part acknowledged as stored (pages "
+                                          "never written counted as storage hits)", storage=True)
+def _partial_backup_stored(p: Any) -> None:
+    """Caught once a backup may come back refused in part (the explorer's ``partial_backup``)."""
+    import hicache_fsm.storage.threads as threads
+
+    orig = threads.one_per_page
+
+    def one_per_page(results, asked, call):
+        answers = orig(results, asked, call)
+        return [any(answers)] * len(answers) if call == "batch_set_from" else answers
+
+    p.setattr(threads, "one_per_page", one_per_page)
+
+
+@_third("prefetch_release_inserts", "a revoked, failed or aborted prefetch inserts what arrived (its spec "
+                                    "releases it all)", storage=True)
+def _release_inserts(p: Any) -> None:
+    """Every page inserted is whole and correct: only the spec's promise tells it (``PrefetchRuntime.fire``)."""
+    from hicache_fsm.registry import registry_for
+
+    effects = registry_for("prefetch").effects
+    orig = effects["release_unused"]
+
+    def release_unused(op, rt):
+        rt.insert_fetched(op)
+        orig(op, rt)
+
+    p.setitem(effects, "release_unused", release_unused)
+
+
+@_third("host_candidate_rule_ignores_pins", "the rule of which host copies may be evicted ignores pins (the "
+                                            "maintained candidate set, kept by its own copy of it, still does not)")
+def _host_rule_ignores_pins(p: Any) -> None:
+    """Not yet a wrong eviction: the two copies of the rule disagree, and only recomputing the candidate sets
+    at every check (``check_candidates``, which the adapters set) shows it."""
+    from hicache_fsm.eviction import HOST_EVICTABLE, Eviction
+    from hicache_fsm.registry import registry_for
+
+    def is_host_candidate(node):
+        return node.parent is not None and node.state in HOST_EVICTABLE and not node.children
+
+    p.setattr(Eviction, "is_host_candidate", staticmethod(is_host_candidate))
+    p.setitem(registry_for("residency").guards, "host_unpinned", lambda node, ctx: True)

@@ -14,7 +14,9 @@ invariants cannot see, checked after every step:
   was written for those tokens;
 - **attach / detach** of the storage tier as engine actions (a detach with
   transfers in flight must be refused), and storage steps whose batch comes
-  back **partial** (one page missing: a per-key result);
+  back **partial** (one page missing from a read, ``partial_storage``, or
+  refused by a write, ``partial_backup``: a per-key result; the explorer
+  runs both, the fuzzer's seeded runs the first);
 - **eviction order** (``testing.recency``): the adapter counts how the engine
   used each node, and an eviction never takes a node used later (LFU: more
   often) than a candidate it left; those records, in the cache's own eviction
@@ -62,7 +64,7 @@ class ProtocolAdapter(HiCacheAdapter):
     def supports(self, op: str) -> bool:
         if op == "reset" and self.backend is not None:
             return False  # a storage tier's reset waits for its threads: memory tiers only
-        if op in ("attach_storage", "detach_storage", "partial_storage") and self.backend is None:
+        if op in ("attach_storage", "detach_storage", "partial_storage", "partial_backup") and self.backend is None:
             return False
         if op in ("store_remote", "stored_prefix") and self.backend is not None \
                 and self.cache.storage.link.state != "attached":
@@ -372,6 +374,15 @@ class ProtocolAdapter(HiCacheAdapter):
         finally:  # a step that read nothing leaves no fault behind
             self.faults.armed = [e for e in self.faults.armed if any(e is a for a in armed)]
 
+    def partial_backup(self, step_id: str) -> None:
+        """Run one queued backup whose backend stores all but its last page (refused: a per-key result)."""
+        armed = list(self.faults.armed)
+        self.faults.arm(StorageFault("short", call="set"))
+        try:
+            self._run_storage(step_id, False)
+        finally:  # a step that wrote nothing leaves no fault behind
+            self.faults.armed = [e for e in self.faults.armed if any(e is a for a in armed)]
+
     def time_passes(self) -> None:
         """The prefetch timeout of every running prefetch expires (the tier's clock is the explorer's:
         time moves only by this step, so no verdict depends on how fast the machine runs)."""
@@ -413,9 +424,9 @@ class ProtocolAdapter(HiCacheAdapter):
         return out
 
     def _applicable(self, op: str, args: tuple) -> bool:
-        if op == "partial_storage":  # only a transfer reads pages
+        if op in ("partial_storage", "partial_backup"):  # a transfer reads pages, a backup writes them
             steps = self.storage_steps()
-            return 0 <= args[0] < len(steps) and steps[args[0]].kind == "s2h"
+            return 0 <= args[0] < len(steps) and steps[args[0]].kind == ("s2h" if op == "partial_storage" else "h2s")
         if op == "attach_storage":
             return self.cache.storage.link.state == "detached" and not self.prefetching() and not any(
                 n.state.endswith(("_stored", "_storing")) for n in self.cache.tree.nodes())
