@@ -572,7 +572,22 @@ def default_families() -> list[tuple[str, Any, Any]]:
                                    write_policy="write_back", max_depth=depth), cp_factory(n))
           for n, h, depth in ((1, 3, 6), (2, 3, 5))]  # a rank's host pool outgrows its device share
     storage.append(anchor_family())
-    return memory + [order_family(), pressure_family(), reset_family()] + recency_families() + storage + cp
+    return (memory + [order_family(), pressure_family(), reset_family()] + recency_families()
+            + host_room_families() + storage + cp)
+
+
+def host_room_families() -> list[tuple[str, Any, Any]]:
+    """write_back over a one-page host (``memory/write_back_host_full``), deeper than ``memory/write_back``.
+
+    A load-back's own device eviction starts backups that need the host room the chain it loads holds:
+    the chain must stay pinned through it (a chain left unpinned was missed by every other family).
+    Locks, pins and redelivery are left out; complete to its depth.
+    """
+    from hicache_fsm.testing.explorer import Bounds
+
+    return [("memory/write_back_host_full",
+             Bounds(nodes=2, device_pages=2, host_pages=1, max_locks=0, max_pins=0, redeliver=False,
+                    write_policy="write_back", max_depth=6), protocol_factory)]
 
 
 def order_family() -> tuple[str, Any, Any]:
