@@ -148,3 +148,20 @@ def test_a_page_smaller_than_a_hash_ids_spelling_is_refused(page_size, tmp_path,
     err = capsys.readouterr().err
     assert "at least 4" in err and len(err.strip().splitlines()) == 1
     assert cli.main(["simulate", "--trace", str(path), "--page-size", "4", "--no-storage", "--no-progress"]) == 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tp", "2"], "--tp needs the chat workload"),
+    (["--model", "llama"], "--model needs the chat workload"),
+    (["--model-heads", "4"], "--model-heads needs the chat workload"),
+    (["--instances", "2", "--jobs", "2"], "a cluster replay (--instances) runs in this one"),
+    (["--storage-url", "memory://", "--no-storage"], "--no-storage leaves out"),
+], ids=["tp", "model", "model_heads", "jobs_with_instances", "storage_url_unused"])
+def test_options_a_trace_replay_would_ignore_are_usage_errors(argv, message, tmp_path, capsys):
+    """Each was accepted and did nothing (exit 0): a run that looked configured as asked."""
+    path = tmp_path / "t.jsonl"
+    path.write_text(line() + "\n")
+    assert cli.main(["simulate", "--trace", str(path), "--page-size", "4", "--block-size", "4", "--no-progress",
+                     *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1

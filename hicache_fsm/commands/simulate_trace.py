@@ -11,7 +11,7 @@ from hicache_fsm.commands.args import UsageError, path_arg
 from hicache_fsm.commands.plot_file import save_plot
 from hicache_fsm.commands.table import columns
 from hicache_fsm.errors import ConfigError, HiCacheError, TraceError
-from hicache_fsm.simulate import INFINITE, TierResult, Workload
+from hicache_fsm.simulate import INFINITE, Options, TierResult, Workload
 from hicache_fsm.trace import DEFAULT_BLOCK_SIZE, PrefixBound, check_tokens, load_trace, prefix_bound
 from hicache_fsm.trace_replay import (
     ReplayProgress,
@@ -112,6 +112,13 @@ def trace_only_options(args: argparse.Namespace) -> list[str]:
 def _unused_workload_options(args: argparse.Namespace) -> list[str]:
     defaults = Workload()
     return [f"--{n.replace('_', '-')}" for n in _WORKLOAD_OPTIONS if getattr(args, n) != getattr(defaults, n)]
+
+
+def _unused_model_options(args: argparse.Namespace) -> list[str]:
+    """Model and rank options a trace replay would ignore: it runs no model, in one process per configuration."""
+    defaults = Options()
+    given = [f"--{n.replace('_', '-')}" for n in ("model", "model_heads") if getattr(args, n) != getattr(defaults, n)]
+    return given + (["--tp"] if args.tp != 1 else [])
 
 
 def format_table(sim: TraceSimulation) -> str:
@@ -227,6 +234,13 @@ def run(args: argparse.Namespace) -> int:
     if unused:
         raise UsageError(f"{', '.join(unused)} {'describes' if len(unused) == 1 else 'describe'} the chat workload; "
                          "a trace brings its own requests")
+    unused = _unused_model_options(args)
+    if unused:
+        raise UsageError(f"{', '.join(unused)} {'needs' if len(unused) == 1 else 'need'} the chat workload; a trace "
+                         "replays in metadata mode (no model, no rank processes)")
+    if args.instances is not None and args.jobs is not None:
+        raise UsageError("--jobs runs trace configurations in worker processes; a cluster replay (--instances) "
+                         "runs in this one")
     # cluster replay (hicache_fsm.cluster_replay): its own report
     if args.instances is not None:
         return simulate_cluster.run(
