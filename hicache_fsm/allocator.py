@@ -8,11 +8,18 @@ the cache's slot checks use; ``pages_of`` turns slot indices into page ids.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 
 from hicache_fsm.errors import AllocationError, BadIndices, ConfigError
 from hicache_fsm.sole_user import SoleUser
+
+# What the allocator itself keeps: the slot-id table (one int64 a token), and per page an ownership flag and a
+# free-list entry (a bool and an int64).
+TABLE_BYTES_PER_TOKEN = 8
+TABLE_BYTES_PER_PAGE = 9
 
 
 def as_index_tensor(indices, what: str = "indices") -> torch.Tensor:
@@ -62,6 +69,28 @@ def page_ids_array(indices, page_size: int, limit_tokens: int | None = None, wha
 def pages_of(indices, page_size: int, limit_tokens: int | None = None, what: str = "indices") -> torch.Tensor:
     """``page_ids_array`` as an int64 tensor."""
     return torch.from_numpy(page_ids_array(indices, page_size, limit_tokens, what))
+
+
+def physical_memory_bytes() -> int | None:
+    """The machine's RAM (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_table_fits(size_tokens: int, page_size: int) -> None:
+    """Refuse, before numpy tries, an allocator whose tables are larger than this machine's RAM.
+
+    The bound is the physical memory, not what is free now: it never refuses a
+    size the machine could hold (ten million slots take 80 MB), while a size past
+    it would fail inside numpy with an untyped error, or be killed for memory.
+    """
+    need = size_tokens * TABLE_BYTES_PER_TOKEN + size_tokens // page_size * TABLE_BYTES_PER_PAGE
+    have = physical_memory_bytes()
+    if have is not None and need > have:
+        raise ConfigError(f"not enough memory: a pool of {size_tokens} token slots needs {need / (1 << 30):.3g} GiB "
+                          f"of slot tables, more than the {have / (1 << 30):.3g} GiB of memory this machine has")
 
 
 class _CheckScratch:
@@ -123,6 +152,7 @@ class PageAllocator:
                 or not 0 <= reserved_pages < size_tokens // page_size:
             raise ConfigError(f"reserved_pages must be an int from 0 to {size_tokens // page_size - 1} (at least "
                               f"one page must be left to hand out), got {reserved_pages!r}")
+        check_table_fits(size_tokens, page_size)
         self.size_tokens = size_tokens
         self.page_size = page_size
         self._total_pages = size_tokens // page_size
@@ -367,4 +397,6 @@ class PageAllocator:
         self.free_page_ids(pages)
 
 
-__all__ = ["PageAllocator", "as_index_tensor", "page_ids_array", "pages_of"]
+__all__ = [
+    "PageAllocator", "as_index_tensor", "check_table_fits", "page_ids_array", "pages_of", "physical_memory_bytes",
+]

@@ -69,8 +69,8 @@ from hicache_fsm.request_ids import RequestIds
 from hicache_fsm.residency_driver import ResidencyDriver
 from hicache_fsm.results import DeviceGrant, InsertResult, LoadBack, LoadCancelled, LoadHandle, MatchResult
 from hicache_fsm.slots import (
-    bind_pools, check_engine_pages, check_index_pages, check_index_tensor, check_pools, device_slot_tensor, page_ids,
-    take_engine_pages, unbind_pools,
+    bind_pools, check_dispatcher, check_engine_pages, check_index_pages, check_index_tensor, check_pools,
+    device_slot_tensor, page_ids, take_engine_pages, unbind_pools,
 )
 from hicache_fsm.spec import load_builtin
 from hicache_fsm.storage.ownership import check_completion_owner
@@ -120,6 +120,7 @@ class HiCache(StorageCalls):
         group=None,
     ) -> None:
         check_pools(device_pool, host_pool, draft_device_pool, draft_host_pool)
+        check_dispatcher(dispatcher)
         if config is not None and not isinstance(config, CacheConfig):
             raise ConfigError(f"config must be a CacheConfig, got {type(config).__name__}")
         if executor is not None and not all(callable(getattr(executor, m, None)) for m in EXECUTOR_METHODS):

@@ -31,21 +31,30 @@ format gets a miss, never these bytes.
 
 from __future__ import annotations
 
-import os
 import warnings
 import attrs
 import torch
 
 from hicache_fsm.adoption import check_adoption
-from hicache_fsm.allocator import PageAllocator, as_index_tensor, pages_of
+from hicache_fsm.allocator import PageAllocator, as_index_tensor, pages_of, physical_memory_bytes
 from hicache_fsm.errors import BadIndices, ConfigError
 
 LAYOUTS = ("layer_first", "page_first", "page_first_direct")
+# Bound of each KVShape dimension. Real models have at most a few hundred layers, 128 KV heads and head dims
+# of 576 (an MLA latent): a million is past any of them, so a larger value is a mix-up (tokens or bytes given
+# as a dimension) refused here, not when a product of such numbers overflows a size later.
+MAX_KV_DIM = 1 << 20
 
 
 def _positive(instance, attribute, value) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ConfigError(f"{attribute.name} must be a positive int, got {value!r}")
+
+
+def _dimension(instance, attribute, value) -> None:
+    _positive(instance, attribute, value)
+    if value > MAX_KV_DIM:
+        raise ConfigError(f"{attribute.name} must be at most {MAX_KV_DIM} (no model is that large), got {value}")
 
 
 def _is_dtype(instance, attribute, value) -> None:
@@ -67,9 +76,9 @@ class KVShape:
     ``head_dim`` is kv_lora_rank + qk_rope_head_dim).
     """
 
-    layers: int = attrs.field(validator=_positive)
-    heads: int = attrs.field(validator=_positive)
-    head_dim: int = attrs.field(validator=_positive)
+    layers: int = attrs.field(validator=_dimension)
+    heads: int = attrs.field(validator=_dimension)
+    head_dim: int = attrs.field(validator=_dimension)
     dtype: torch.dtype = attrs.field(default=torch.float32, validator=_is_dtype)
     mla: bool = attrs.field(default=False, validator=_is_bool, kw_only=True)
 
@@ -115,6 +124,35 @@ def check_pin_memory(pin_memory: object) -> bool:
     return pin_memory
 
 
+def check_shape(shape: object) -> KVShape:
+    """``shape`` itself when it is a KVShape; else ConfigError (a pool reads its fields before anything else)."""
+    if not isinstance(shape, KVShape):
+        raise ConfigError(f"shape must be a KVShape (layers, heads, head_dim, dtype), got {type(shape).__name__}")
+    return shape
+
+
+def device_memory_bytes(device: torch.device) -> int | None:
+    """Memory of ``device``: the GPU's own, or the machine's RAM (None where the OS does not say)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return physical_memory_bytes()
+
+
+def check_pool_fits(shape: KVShape, size_tokens: object, device: torch.device) -> None:
+    """Refuse, before allocating, KV larger than the memory of its device (torch would fail late, untyped).
+
+    The bound is the whole memory, not what is free now: it never refuses a
+    pool the device could hold. A size that is not a positive int is left to
+    the allocator, which names that fault.
+    """
+    if not isinstance(size_tokens, int) or isinstance(size_tokens, bool):
+        return
+    need, have = size_tokens * shape.token_bytes, device_memory_bytes(device)
+    if have is not None and need > have:
+        raise ConfigError(f"not enough memory: a pool of {size_tokens} tokens needs {need / (1 << 30):.3g} GiB, "
+                          f"more than the {have / (1 << 30):.3g} GiB of memory on {device}")
+
+
 def check_device(name: object) -> torch.device:
     """``name`` as a device this machine has (cpu, cuda, cuda:N: the executors' two kinds); else ConfigError."""
     try:
@@ -146,7 +184,9 @@ class DeviceKVPool:
     def __init__(self, shape: KVShape, size_tokens: int, page_size: int,
                  device: torch.device | str | None = None,
                  allocator: PageAllocator | None = None) -> None:
+        check_shape(shape)
         device = indexed_device(check_device(device) if device is not None else default_device())
+        check_pool_fits(shape, size_tokens, device)
         self._setup(shape, size_tokens, page_size, device, allocator)
         kv = torch.zeros((shape.parts, shape.layers, size_tokens, shape.heads, shape.head_dim),
                          dtype=shape.dtype, device=device)
@@ -317,8 +357,10 @@ class HostKVPool:
 
     def __init__(self, shape: KVShape, size_tokens: int, page_size: int,
                  layout: str = "layer_first", pin_memory: bool | None = None) -> None:
+        check_shape(shape)
         if layout not in LAYOUTS:
             raise ConfigError(f"unknown host layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
+        check_pool_fits(shape, size_tokens, torch.device("cpu"))
         self.shape = shape
         self.page_size = page_size
         self.size_tokens = size_tokens
@@ -340,6 +382,8 @@ class HostKVPool:
     def matching(cls, device_pool: DeviceKVPool, size_tokens: int, layout: str = "layer_first",
                  pin_memory: bool | None = None) -> HostKVPool:
         """A host pool for ``device_pool``'s KV (shape, dtype, page size), owned or adopted."""
+        if not isinstance(device_pool, DeviceKVPool):
+            raise ConfigError(f"matching takes the DeviceKVPool to back, got {type(device_pool).__name__}")
         return cls(device_pool.shape, size_tokens, device_pool.page_size, layout, pin_memory)
 
     @property
@@ -448,13 +492,6 @@ class HostKVPool:
             n = view.numel()
             view.copy_(flat[offset:offset + n])
             offset += n
-
-
-def physical_memory_bytes() -> int | None:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
 
 
 def _opt_number(instance, attribute, value) -> None:
@@ -592,6 +629,6 @@ def build_pools(config: PoolConfig) -> KVPools:
 
 
 __all__ = [
-    "LAYOUTS", "KVShape", "PageAllocator", "DeviceKVPool", "HostKVPool", "PoolConfig", "KVPools",
+    "LAYOUTS", "MAX_KV_DIM", "KVShape", "PageAllocator", "DeviceKVPool", "HostKVPool", "PoolConfig", "KVPools",
     "build_pools", "pages_of", "physical_memory_bytes",
 ]

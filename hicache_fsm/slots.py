@@ -1,10 +1,10 @@
-"""Checks on the slot indices an engine hands the cache, and on the pools it is built over.
+"""Checks on the slot indices an engine hands the cache, and on the pools and machine it is built over.
 
 An engine passes device slot indices to ``insert`` and ``free_device``; they
 must be a 1-D int64 CPU tensor of whole pages that ``alloc_device`` handed
 out and nobody handed back yet. Each check raises ``BadIndices`` (or
-``ConfigError`` for pools) naming the first thing wrong, before the cache
-changes anything.
+``ConfigError`` for pools and the machine) naming the first thing wrong,
+before the cache changes anything.
 """
 
 from __future__ import annotations
@@ -15,10 +15,13 @@ import numpy as np
 import torch
 
 from hicache_fsm.errors import BadIndices, ConfigError
+from hicache_fsm.pools import DeviceKVPool, HostKVPool
 from hicache_fsm.radix import TreeNode, slot_tensor
+from hicache_fsm.spec import Spec
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 _INT64 = np.dtype(np.int64)
+DISPATCH_METHODS = ("fire", "can_fire", "add_listener")  # what the cache calls on its residency machine
 
 
 def page_ids(indices: torch.Tensor, page_size: int) -> list[int]:
@@ -124,8 +127,20 @@ def take_engine_pages(engine_pages: set[int], pages: list[int]) -> None:
     check_engine_pages(engine_pages, pages)
 
 
+def _check_pool(name: str, pool: object, kind: type) -> None:
+    if not isinstance(pool, kind):
+        raise ConfigError(f"{name} must be a {kind.__name__} (hicache_fsm.pools), got {type(pool).__name__}")
+
+
 def check_pools(device_pool: Any, host_pool: Any, draft_device_pool: Any, draft_host_pool: Any) -> None:
-    """Refuse pool combinations that cannot work (the reference raises on the same ones)."""
+    """Refuse pool combinations that cannot work (the reference raises on the same ones); types first, so a
+    wrong object is named instead of failing on an attribute it lacks."""
+    _check_pool("device_pool", device_pool, DeviceKVPool)
+    _check_pool("host_pool", host_pool, HostKVPool)
+    if draft_device_pool is not None:
+        _check_pool("draft_device_pool", draft_device_pool, DeviceKVPool)
+    if draft_host_pool is not None:
+        _check_pool("draft_host_pool", draft_host_pool, HostKVPool)
     if device_pool.page_size != host_pool.page_size:
         raise ConfigError(f"device and host pools must use the same page size "
                           f"({device_pool.page_size} != {host_pool.page_size})")
@@ -137,9 +152,23 @@ def check_pools(device_pool: Any, host_pool: Any, draft_device_pool: Any, draft_
             raise ConfigError("draft pools must use the target pools' page size (one tree indexes both)")
 
 
+def check_dispatcher(dispatcher: object) -> None:
+    """None (the cache compiles its own), or a residency machine: a ``CompiledMachine``, or an object with its
+    interface over the residency spec (``TransitionsDispatcher``); anything else would fail on first use."""
+    if dispatcher is None:
+        return
+    spec = getattr(dispatcher, "spec", None)
+    if isinstance(spec, Spec) and spec.name == "residency" \
+            and all(callable(getattr(dispatcher, m, None)) for m in DISPATCH_METHODS):
+        return
+    of = f" of the {spec.name!r} spec" if isinstance(spec, Spec) else ""
+    raise ConfigError(f"dispatcher must be a CompiledMachine of the residency spec "
+                      f"(compile_machine(load_builtin('residency'))), got {type(dispatcher).__name__}{of}")
+
+
 __all__ = [
-    "check_engine_pages", "check_index_pages", "check_index_tensor", "check_pools", "device_slot_tensor",
-    "node_page_ids", "page_ids", "take_engine_pages",
+    "check_dispatcher", "check_engine_pages", "check_index_pages", "check_index_tensor", "check_pools",
+    "device_slot_tensor", "node_page_ids", "page_ids", "take_engine_pages",
 ]
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import difflib
 import functools
 import importlib.resources
+import os
 import re
 from collections import deque
 from pathlib import Path
@@ -572,10 +573,20 @@ def _check_events(spec: Spec, problems: _Problems) -> None:
             problems.add(t.line, f"transition {t.trigger!r} lists an event twice")
 
 
+def _spec_path(path: object) -> Path:
+    """``path`` as a Path; SpecError for what pathlib refuses (not a str or str os.PathLike, or a NUL inside)."""
+    name = os.fspath(path) if isinstance(path, (str, os.PathLike)) else None
+    if not isinstance(name, str):  # None, a number, bytes (or a PathLike of bytes): pathlib takes str only
+        raise SpecError(repr(path)[:80], None, f"a spec path must be a str or os.PathLike, got {type(path).__name__}")
+    if "\0" in name:
+        raise SpecError(repr(name)[:80], None, "a spec path cannot contain a NUL character")
+    return Path(name)
+
+
 def load_spec(path: str | Path, registry: MachineRegistry | None = None, *,
               require_bindings: bool | None = None) -> Spec:
     """Read, parse and validate one spec file (bindings as in ``parse_spec``)."""
-    path = Path(path)
+    path = _spec_path(path)
     try:
         if path.exists() and not path.is_file():  # a directory, FIFO or device would block or never end
             raise SpecError(str(path), None, "cannot read spec: not a regular file")
@@ -615,7 +626,10 @@ def _load_cached(path: str, mtime_ns: int, size: int) -> Spec:
 
 def load_all(paths: Iterable[str | Path] | None = None) -> list[Spec]:
     """Every spec of ``paths`` (default: the library's own); one path is refused, not read letter by letter."""
-    if isinstance(paths, (str, Path)):
-        raise SpecError(str(paths), None, "load_all takes a list of spec paths: spec_paths(DIR) lists a "
-                                          "directory's, load_spec(PATH) reads one file")
+    if isinstance(paths, (str, bytes, os.PathLike)):
+        raise SpecError(os.fsdecode(paths), None, "load_all takes a list of spec paths: spec_paths(DIR) lists a "
+                                                  "directory's, load_spec(PATH) reads one file")
+    if paths is not None and not isinstance(paths, Iterable):
+        raise SpecError(repr(paths)[:80], None, "load_all takes a list of spec paths, or None for the library's own; "
+                                                f"got {type(paths).__name__}")
     return [load_spec(p) for p in (paths if paths is not None else spec_paths())]

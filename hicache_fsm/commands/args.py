@@ -89,10 +89,10 @@ def output_path(text: str) -> str:
 
 
 def storage_url(text: str) -> str:
-    """An L3 storage URL whose form can name a backend (``storage.check_url``): a mistyped one is refused before
+    """An L3 storage URL whose form can name a backend (``storage.urls.check_url``): a mistyped one is refused before
     any work; a server that does not answer is found when the run attaches it (a runtime error)."""
     from hicache_fsm.errors import StorageURLError
-    from hicache_fsm.storage import check_url
+    from hicache_fsm.storage.urls import check_url  # not the package: it imports the backends' base (torch)
 
     try:
         check_url(text)

@@ -18,14 +18,14 @@ option the backend does not take or a value it cannot use raises
 
 from __future__ import annotations
 
-import re
 from typing import Any
-from urllib.parse import SplitResult, unquote, urlsplit
+from urllib.parse import unquote
 
-from hicache_fsm.errors import MissingExtra, StorageURLError
+from hicache_fsm.errors import MissingExtra
 from hicache_fsm.storage.backend_checks import check_option_names
 from hicache_fsm.storage.base import HostPoolLike, StorageBackend
 from hicache_fsm.storage.keys import KeyNamespace, page_hash, page_keys
+from hicache_fsm.storage.urls import SCHEMES, check_url
 
 __all__ = [
     "SCHEMES",
@@ -37,44 +37,6 @@ __all__ = [
     "page_hash",
     "page_keys",
 ]
-
-SCHEMES = ("file", "redis", "memory", "mooncake")
-
-
-def check_url(url: object) -> SplitResult:
-    """``url`` split, when its form can name a backend; else ``StorageURLError``. Opens nothing.
-
-    What a command checks before any work (a mistyped URL is a usage error,
-    not a failure minutes into a run), and the first step of ``open_backend``.
-    Nothing is dropped or rewritten without a word: a fragment, a port 0
-    (redis-py would take it for its default port) or a port out of range
-    is refused; a server that does not answer is found only by opening.
-    """
-    if not isinstance(url, str) or "://" not in url:
-        raise StorageURLError(f"storage URL must look like SCHEME://..., got {url!r}")
-    try:
-        parts = urlsplit(url)
-        port = parts.port
-    except ValueError as exc:  # brackets read as a malformed IPv6 host, a port that is not a number or too large
-        raise StorageURLError(f"malformed storage URL {url!r}: {exc}") from None
-    scheme = parts.scheme.lower()
-    if scheme not in SCHEMES and scheme not in ("rediss", "unix"):
-        raise StorageURLError(f"unknown storage scheme {parts.scheme!r} in {url!r}; known: {', '.join(SCHEMES)}")
-    if parts.fragment or url.endswith("#"):
-        raise StorageURLError(f"a storage URL has no #fragment, got {url!r}")
-    if port == 0:
-        raise StorageURLError(f"port 0 names no server, got {url!r}")
-    if scheme == "file" and (parts.netloc not in ("", "localhost") or unquote(parts.path).rstrip("/") == ""
-                             or parts.query or "\x00" in unquote(parts.path)):
-        raise StorageURLError(f"file URLs look like file:///absolute/dir (not the root itself), got {url!r}")
-    if scheme in ("redis", "rediss") and not re.fullmatch(r"/?([0-9]+)?", parts.path):
-        raise StorageURLError(f"bad redis URL {url!r}: the path names a database by its number, "
-                              f"got {parts.path[:40]!r}")  # redis-py would fall back to database 0
-    if scheme == "mooncake" and (not parts.hostname or port is None):
-        raise StorageURLError(f"mooncake URLs need HOST:PORT (the master's RPC port), got {url!r}")
-    if scheme == "memory" and (parts.path not in ("", "/") or parts.query or port is not None or "@" in parts.netloc):
-        raise StorageURLError(f"memory URLs look like memory:// or memory://NAME, got {url!r}")
-    return parts
 
 
 def open_backend(url: str, **options: Any) -> StorageBackend:

@@ -45,15 +45,18 @@ into the distributed pool and keeps a ``buffer_mb`` MiB transfer buffer.
 * ``clear()`` removes this namespace's keys (``remove_by_regex``, forced past
   leases); nothing else.
 
-Environment set before the library loads, unless already set:
-``MC_TCP_BIND_ADDRESS`` (the local host name, ``127.0.0.1`` for a loopback
-master: Mooncake would otherwise advertise a non-loopback address),
+Environment set while the library loads and each client sets up, then put
+back as it was (a refused attach leaves none of it behind):
+``MC_TCP_BIND_ADDRESS``, this attach's own local host (``local_host``, else
+``127.0.0.1`` for a loopback master: Mooncake would otherwise advertise a
+non-loopback address); and, unless already set,
 ``MC_STORE_CLIENT_SETUP_RETRIES=1`` (a missing master would block ~90 s) and
 ``MC_LOG_LEVEL=ERROR`` / ``GLOG_minloglevel=2`` (its INFO logging is loud).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import logging
 import os
@@ -61,7 +64,7 @@ import re
 import socket
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 from urllib.parse import parse_qs, urlsplit
 
 import numpy as np
@@ -102,18 +105,35 @@ SETUP_RETRY_S = 0.2  # between two setups a master refused, within connect_timeo
 _EPOCH_KEY = "__hicache_fsm_epoch__"  # one small object per client: gone after a master restart lost every key
 
 
-def _quiet_library() -> None:
-    """Environment the library reads when it loads: setup retries and log level (unless set)."""
-    os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
-    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
-    os.environ.setdefault("GLOG_minloglevel", "2")
+_QUIET = {"MC_STORE_CLIENT_SETUP_RETRIES": "1", "MC_LOG_LEVEL": "ERROR", "GLOG_minloglevel": "2"}
+_ENV_LOCK = threading.RLock()  # os.environ is the process's: one attach at a time sets and restores it
+
+
+@contextlib.contextmanager
+def _library_env(bind_address: str | None = None) -> Iterator[None]:
+    """The environment the library reads as it loads and sets up (setup retries, log level: unless set; the
+    bind address: this attach's), restored on leaving, so no attach, refused or not, changes the process's."""
+    wanted = {name: os.environ.get(name, value) for name, value in _QUIET.items()}
+    if bind_address is not None:
+        wanted["MC_TCP_BIND_ADDRESS"] = bind_address
+    with _ENV_LOCK:
+        saved = {name: os.environ.get(name) for name in wanted}
+        os.environ.update(wanted)
+        try:
+            yield
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
 
 
 def mooncake_available() -> str | None:
     """None when ``mooncake.store`` imports; else why not (for skips and error messages)."""
-    _quiet_library()
     try:
-        import mooncake.store  # noqa: F401
+        with _library_env():
+            import mooncake.store  # noqa: F401
     except Exception as exc:  # noqa: BLE001 - ImportError, or OSError for a missing libibverbs
         return f"mooncake is not importable ({type(exc).__name__}: {exc}); pip install 'hicache_fsm[mooncake]'"
     return None
@@ -208,22 +228,9 @@ class MooncakeBackend(StorageBackend):
         if why is not None:
             raise StorageUnavailable(f"mooncake master {self.master} unreachable: {why}")
         local = query.get("local_host") or _local_address(host, port)
-        os.environ.setdefault("MC_TCP_BIND_ADDRESS", local)
-        from mooncake.store import MooncakeDistributedStore
-
         before = own_listeners()
-        # A master that answers the handshake may still refuse its first clients (one just started, or a
-        # loaded machine: "Client not available"): setup is tried again until ``connect_timeout`` has passed.
-        deadline = time.monotonic() + timeout
-        while True:
-            self._mc = MooncakeDistributedStore()
-            code = self._mc.setup(local, metadata, segment, buffer, "tcp", "", self.master)
-            if code == 0:
-                break
-            self._mc.close()
-            if time.monotonic() >= deadline:
-                raise StorageUnavailable(f"mooncake setup with master {self.master} failed (code {code})")
-            time.sleep(SETUP_RETRY_S)
+        with _library_env(local):
+            self._mc = self._set_up(local, metadata, segment, buffer, timeout)
         if listen == "local":
             self._refuse_foreign_listeners(before, local)
         self.epoch = 0
@@ -235,6 +242,25 @@ class MooncakeBackend(StorageBackend):
         self._scratch = torch.empty(_SCRATCH_BYTES, dtype=torch.uint8)
         self._register(self._scratch.data_ptr(), _SCRATCH_BYTES, self._scratch)
         self._scratch_view = memoryview(self._scratch.numpy())
+
+    def _set_up(self, local: str, metadata: str, segment: int, buffer: int, timeout: float) -> Any:
+        """A client set up with the master (StorageUnavailable when it still refuses after ``timeout`` seconds).
+
+        A master that answers the handshake may still refuse its first clients (one just started, or a
+        loaded machine: "Client not available"): setup is tried again until ``timeout`` has passed.
+        """
+        from mooncake.store import MooncakeDistributedStore
+
+        deadline = time.monotonic() + timeout
+        while True:
+            client = MooncakeDistributedStore()
+            code = client.setup(local, metadata, segment, buffer, "tcp", "", self.master)
+            if code == 0:
+                return client
+            client.close()
+            if time.monotonic() >= deadline:
+                raise StorageUnavailable(f"mooncake setup with master {self.master} failed (code {code})")
+            time.sleep(SETUP_RETRY_S)
 
     def _refuse_foreign_listeners(self, before: set | None, local: str) -> None:
         """StorageError (store closed) when setup opened a listener on an address other than ``local``."""

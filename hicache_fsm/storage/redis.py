@@ -45,7 +45,6 @@ from hicache_fsm.errors import (
     StorageUnavailable,
     StorageURLError,
 )
-from hicache_fsm.storage import check_url
 from hicache_fsm.storage.backend_checks import check_count, check_flag, check_seconds
 from hicache_fsm.storage.base import (
     EXISTS,
@@ -56,6 +55,7 @@ from hicache_fsm.storage.base import (
 )
 from hicache_fsm.storage.keys import KeyNamespace
 from hicache_fsm.storage.page_format import PageFormat
+from hicache_fsm.storage.urls import check_url
 
 __all__ = ["RedisBackend"]
 
