@@ -142,6 +142,25 @@ def test_a_restart_first_seen_past_a_gap_is_told_by_the_replay_and_replayed_from
             assert sub.catch_up() == [] and sub.restarts == 1  # the same publisher: its batch 3 again
 
 
+def test_a_restart_with_fewer_batches_than_the_last_number_taken_is_replayed_from_zero():
+    """The new publisher holds nothing at or after the last number taken (its answer is only the end marker),
+    which the publisher heard before could not give: it always holds its newest batch."""
+    old = ZmqEventPublisher(busy_pause_s=0)
+    endpoints = (old.endpoint, old.replay_endpoint)
+    with ZmqEventSubscriber(*endpoints, replay_timeout_ms=GUARD_MS) as sub:
+        for n in range(5):
+            old.publish(_batch(n))
+        assert old.wait_sent(GUARD_S)
+        assert [s for s, _ in sub.catch_up()] == list(range(5))
+        old.close()
+        with ZmqEventPublisher(*endpoints, busy_pause_s=0) as new:
+            for n in range(2):
+                new.publish(_batch(100 + n))
+            assert new.wait_sent(GUARD_S)
+            assert _hashes(sub.catch_up()) == [(0, [100]), (1, [101])]
+            assert (sub.restarts, sub.next_seq) == (1, 2)
+
+
 def test_a_replay_from_a_buffer_that_wrapped_takes_what_it_holds_and_counts_the_rest_lost():
     """The first replayed number was above next_seq: every batch was skipped and next_seq never moved."""
     with ZmqEventPublisher(buffer_steps=4, busy_pause_s=0) as pub:

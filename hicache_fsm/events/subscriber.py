@@ -156,8 +156,8 @@ class ZmqEventSubscriber:
                 self.malformed += 1
                 continue
             seq = int.from_bytes(frames[-2], "big", signed=True)
-            if last is not None and seq != -1 and seq <= last[0]:
-                if seq == last[0] and frames[-1] == last[1]:
+            if last is not None and seq <= last[0]:  # -1 too: a publisher holds its newest batch, so none at all
+                if seq == last[0] and frames[-1] == last[1]:  # under the last number taken means another one
                     last = None
                     continue  # the batch already taken: the publisher is the one heard before
                 self.restarts += 1  # another batch under a number taken: a publisher that started again
