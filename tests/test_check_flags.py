@@ -63,3 +63,12 @@ def test_every_explained_unreached_transition_is_a_transition_of_its_spec():
 def test_fuzz_reports_the_runs_it_was_asked_for(capsys):
     assert main(["fuzz", "--examples", "7", "--steps", "5", "--quiet"]) == 0
     assert "fuzz: 7 runs of up to 5 steps" in capsys.readouterr().out
+
+
+def test_fuzz_json_is_the_same_on_every_run(capsys):
+    """It carried the seconds taken: two runs of one seed differed (check's JSON never did)."""
+    outs = []
+    for _ in range(2):
+        assert main(["fuzz", "--examples", "3", "--steps", "5", "--seed", "7", "--json", "--quiet"]) == 0
+        outs.append(capsys.readouterr().out)
+    assert outs[0] == outs[1] and "seconds" not in json.loads(outs[0])

@@ -647,7 +647,8 @@ class FuzzResult:
     checked_nothing: str = ""  # why a run that found no failure is no evidence ("" when it checked something)
 
     def to_json(self) -> dict:
-        return {"ok": self.ok, "examples": self.examples, "seconds": round(self.seconds, 3), "seed": self.seed,
+        """The run as JSON: nothing that depends on the machine (the time taken is in the report, as check's)."""
+        return {"ok": self.ok, "examples": self.examples, "seed": self.seed,
                 "failure": self.failure, "steps": self.steps, "test": self.test_code, "coverage": self.coverage,
                 "checked_nothing": self.checked_nothing}
 
