@@ -709,7 +709,7 @@ def test_controller_bench_id_forms_do_the_tuple_forms_work(ids):
     assert result["ids"] == ids and result["speedup"] > 0
 
 
-@pytest.mark.parametrize("tp", ["abc", "0", "65"])
+@pytest.mark.parametrize("tp", ["abc", "0", "65", "1,,2", "1,"])  # an empty element was skipped
 def test_bench_controller_refuses_a_bad_tp_before_timing_anything(monkeypatch, capsys, tp):
     from hicache_fsm.bench import controller
     from hicache_fsm.cli import main

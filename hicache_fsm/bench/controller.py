@@ -267,8 +267,11 @@ def tp_figures(worlds: list[int], n: int, tree_nodes: int, seed: int) -> dict[in
 
 
 def _worlds(text: str) -> list[int]:
+    """The rank counts of ``--tp`` ("" skips the TP figures); an empty element ("1,,2") is a mistyped list."""
+    if not text.strip():
+        return []
     try:
-        worlds = [int(x) for x in text.split(",") if x.strip()]
+        worlds = [int(x) for x in text.split(",")]
     except ValueError:
         raise UsageError(f"--tp wants comma-separated rank counts, got {text!r}") from None
     if any(w < 1 for w in worlds):
