@@ -161,3 +161,16 @@ def test_specs_live_in_the_package_and_the_top_level_points_there():
 
     assert SPEC_DIR == (REPO / "hicache_fsm" / "specs").resolve()
     assert "hicache_fsm/specs/" in (REPO / "specs" / "README.md").read_text(encoding="utf-8")
+
+
+def test_without_hypothesis_bench_controllers_tp_figures_say_so_before_timing(elsewhere):
+    """The rank processes run through the toolkit: the default --tp 1,2,4 timed everything, then failed."""
+    argv = ["bench", "controller", "--requests", "5", "--repeats", "1", "--tree-nodes", "10", "--tp", "1"]
+    code = ("from hicache_fsm.bench import controller\n"
+            "controller.make_cache = lambda *a, **k: sys.exit('timed before the extra was checked')\n"
+            f"from hicache_fsm.cli import main; sys.exit(main({argv!r}))")
+    out = _without("hypothesis", code, elsewhere)
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines() == [
+        "hicache-fsm bench controller: hicache_fsm.testing needs hypothesis: pip install 'hicache_fsm[testing]'"
+    ]

@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib
 import math
 import random
 import time
@@ -306,6 +307,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> dict:
     worlds = _worlds(getattr(args, "tp", "") or "")  # a bad --tp is refused before the timed runs, not after
+    if worlds:  # the rank processes run through the toolkit: a missing `testing` extra is told before timing too
+        importlib.import_module("hicache_fsm.testing.ranks")
     n = args.requests
     repeats = args.repeats
     tree_nodes = args.tree_nodes if getattr(args, "tree_nodes", None) is not None else 10 * n

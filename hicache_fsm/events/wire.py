@@ -22,8 +22,14 @@ import struct
 from functools import lru_cache
 from typing import Hashable
 
-import msgspec
 import numpy as np
+
+try:
+    import msgspec
+except ModuleNotFoundError as exc:  # an optional dependency: say which extra brings it
+    from hicache_fsm.errors import MissingExtra
+
+    raise MissingExtra("KV events", "msgspec", "events") from exc
 
 DIGEST_BYTES = 32  # one page digest (SHA-256)
 INT64 = 0xD3
