@@ -67,46 +67,10 @@ class KVEventBatch(EventBatch):
 KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
 
 
-# The map form newer engines publish (vLLM since its structs dropped ``array_like``, SGLang likewise): each
-# event a map with its class name under "type" and its fields by name; fields this schema lacks (``extra_keys``,
-# ``group_idx``, the cache spec's kind) are ignored, absent optional ones take their defaults.
-class _MapStored(msgspec.Struct, tag="BlockStored", tag_field="type", gc=False):  # type: ignore[call-arg]
-    block_hashes: list[int]
-    parent_block_hash: int | None = None
-    token_ids: list[int] = []
-    block_size: int = 0
-    lora_id: int | None = None
-    medium: str | None = None
-    lora_name: str | None = None
-
-
-class _MapRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type", gc=False):  # type: ignore[call-arg]
-    block_hashes: list[int]
-    medium: str | None = None
-
-
-class _MapCleared(msgspec.Struct, tag="AllBlocksCleared", tag_field="type", gc=False):  # type: ignore[call-arg]
-    pass
-
-
-class _MapBatch(EventBatch):
-    events: list[Union[_MapStored, _MapRemoved, _MapCleared]]
-
-
-def _from_map(event: "_MapStored | _MapRemoved | _MapCleared") -> KVEvent:
-    if isinstance(event, _MapStored):
-        return BlockStored(event.block_hashes, event.parent_block_hash, event.token_ids, event.block_size,
-                           event.lora_id, event.medium, event.lora_name)
-    if isinstance(event, _MapRemoved):
-        return BlockRemoved(event.block_hashes, event.medium)
-    return AllBlocksCleared()
-
-
 UNREADABLE = (msgspec.MsgspecError, ValueError, TypeError)  # what a decoder raises on bytes that are not a batch
 
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(KVEventBatch)
-_MAP_DECODER = msgspec.msgpack.Decoder(_MapBatch)
 
 
 def encode(batch: EventBatch) -> bytes:
@@ -120,8 +84,27 @@ def decode(payload: bytes) -> KVEventBatch:
     try:
         return _DECODER.decode(payload)
     except msgspec.ValidationError as array_error:
+        raw = msgspec.msgpack.decode(payload)
+        if not (isinstance(raw, list) and len(raw) >= 2 and isinstance(raw[1], list)):
+            raise array_error from None
+        raw[1] = [_as_array(e) for e in raw[1]]
         try:
-            batch = _MAP_DECODER.decode(payload)
+            return msgspec.convert(raw, KVEventBatch)
         except msgspec.ValidationError:
             raise array_error from None
-    return KVEventBatch(batch.ts, [_from_map(e) for e in batch.events], batch.data_parallel_rank)
+
+
+# The map form newer engines publish (vLLM since its structs dropped ``array_like``, SGLang likewise): each event a
+# map keyed by field name, its class name under "type", with fields this schema lacks (``extra_keys``,
+# ``group_idx``, the cache spec's kind), which are dropped.
+_EVENT_TYPES = {cls.__name__: cls for cls in (BlockStored, BlockRemoved, AllBlocksCleared)}
+
+
+def _as_array(event: object) -> object:
+    """A map-form event in the array form the schema decodes: its tag, then its fields in the schema's order."""
+    cls = _EVENT_TYPES.get(event.get("type")) if isinstance(event, dict) else None
+    if cls is None:
+        return event  # an array already, or no event of the schema: converting it says what is wrong
+    fields = cls.__struct_fields__
+    defaults = dict(zip(fields[len(fields) - len(cls.__struct_defaults__):], cls.__struct_defaults__))
+    return [cls.__name__] + [event.get(name, defaults.get(name)) for name in fields]

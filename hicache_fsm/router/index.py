@@ -126,19 +126,25 @@ def tier_names(tiers: Iterable[str]) -> tuple[str, ...]:
     return (tiers,) if isinstance(tiers, str) else tuple(tiers)
 
 
-def check_hashes(hashes: object) -> Sequence[int]:
-    """A request's block hashes (``events.hashes.request_hashes``) as a sequence that can be read more than once.
+class CheckedHashes(tuple):
+    """Hashes ``check_hashes`` already read and checked: a router weighing every instance checks them once."""
+
+
+def check_hashes(hashes: object) -> CheckedHashes:
+    """A request's block hashes (``events.hashes.request_hashes``) as a tuple of ints that can be read more than once.
 
     A str, bytes, None or an unordered collection (a set, a dict) is a
-    ``ConfigError``; an iterator is read into a tuple once, since every
-    instance a router weighs reads the hashes again (an iterator read by the
-    first left nothing for the others).
+    ``ConfigError``, and so is an element that is not an int (a float or a
+    list would miss, or fail in, every lookup without a word); an iterator is
+    read once, since every instance a router weighs reads the hashes again.
     """
+    if type(hashes) is CheckedHashes:
+        return hashes
     if isinstance(hashes, (str, bytes, bytearray, AbstractSet, Mapping)) or not isinstance(hashes, Iterable):
         raise ConfigError(f"hashes must be a request's block hashes (ints in order, from request_hashes), "
                           f"got {type(hashes).__name__}")
-    hashes = hashes if isinstance(hashes, Sequence) else tuple(hashes)
-    for h in hashes:  # a float, a list or None would miss (or fail in) every lookup without a word
+    hashes = CheckedHashes(hashes)
+    for h in hashes:
         if not isinstance(h, int) or isinstance(h, bool):
             raise ConfigError(f"hashes must be ints (from request_hashes), got {h!r:.40} ({type(h).__name__})")
     return hashes

@@ -367,20 +367,19 @@ class ProtocolAdapter(HiCacheAdapter):
 
     def partial_storage(self, step_id: str) -> None:
         """Run one queued storage step whose backend returns one page short (a per-key partial result)."""
-        armed = list(self.faults.armed)
-        self.faults.arm(StorageFault("short", call="get"))
-        try:
-            self._run_storage(step_id, False)
-        finally:  # a step that read nothing leaves no fault behind
-            self.faults.armed = [e for e in self.faults.armed if any(e is a for a in armed)]
+        self._run_short(step_id, "get")
 
     def partial_backup(self, step_id: str) -> None:
         """Run one queued backup whose backend stores all but its last page (refused: a per-key result)."""
+        self._run_short(step_id, "set")
+
+    def _run_short(self, step_id: str, call: str) -> None:
+        """Run a storage step with its next ``call`` answered one page short."""
         armed = list(self.faults.armed)
-        self.faults.arm(StorageFault("short", call="set"))
+        self.faults.arm(StorageFault("short", call=call))
         try:
             self._run_storage(step_id, False)
-        finally:  # a step that wrote nothing leaves no fault behind
+        finally:  # a step that made no such call leaves no fault behind
             self.faults.armed = [e for e in self.faults.armed if any(e is a for a in armed)]
 
     def time_passes(self) -> None:
