@@ -16,7 +16,7 @@ from typing import Sequence
 
 from hicache_fsm import __version__
 from hicache_fsm.bench import BENCHMARKS
-from hicache_fsm.commands.args import Parser, UsageError
+from hicache_fsm.commands.args import Parser, UsageError, printable
 from hicache_fsm.errors import HiCacheError
 
 # Subcommand name -> (module exposing ``configure(parser)`` and ``run(args) -> int``, one-line help).
@@ -76,8 +76,8 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
 def _one_line(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.strerror:
-        return f"{exc.strerror}: {exc.filename}" if exc.filename else exc.strerror
-    return " ".join(str(exc).split()) or type(exc).__name__
+        return printable(f"{exc.strerror}: {exc.filename}" if exc.filename else exc.strerror)
+    return printable(" ".join(str(exc).split())) or type(exc).__name__
 
 
 def _command_in(argv: Sequence[str]) -> str:

@@ -253,6 +253,8 @@ def _convert(node: yaml.Node, loader: yaml.SafeLoader, path: str, _walk: dict | 
     try:
         return loader.construct_object(node, deep=True)
     except yaml.YAMLError as exc:
+        if node.tag == "tag:yaml.org,2002:merge":
+            raise SpecError(path, line, "merge keys (<<) are not allowed in specs: write the fields out") from None
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise SpecError(path, line, f"bad scalar: {problem}") from None
     except (ValueError, OverflowError) as exc:  # an int past Python's digit limit, a date like 2001-02-30

@@ -72,3 +72,18 @@ def test_fuzz_json_is_the_same_on_every_run(capsys):
         assert main(["fuzz", "--examples", "3", "--steps", "5", "--seed", "7", "--json", "--quiet"]) == 0
         outs.append(capsys.readouterr().out)
     assert outs[0] == outs[1] and "seconds" not in json.loads(outs[0])
+
+
+def test_plain_check_reports_each_family_on_stderr_unless_quiet(capsys, monkeypatch):
+    """The portfolio ran 35 s with no line on stderr inside a family; each family now reports as it goes."""
+    from hicache_fsm.testing import protocol
+    from hicache_fsm.testing.explorer import Bounds
+
+    tiny = [(f"tiny/{w}", Bounds(nodes=1, device_pages=1, host_pages=1, write_policy=w, max_depth=2),
+             protocol.protocol_factory) for w in ("write_through", "write_back")]
+    monkeypatch.setattr(protocol, "default_families", lambda: tiny)
+    assert main(["check"]) == 0
+    err = capsys.readouterr().err
+    assert "tiny/write_through (1/2): done:" in err and "tiny/write_back (2/2): done:" in err
+    assert main(["check", "--quiet"]) == 0
+    assert "done:" not in capsys.readouterr().err

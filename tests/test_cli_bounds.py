@@ -175,3 +175,33 @@ def test_trace_gen_inputs_never_exceed_max_input_length(max_input_length):
         assert "cannot hold a system prompt" in str(exc)
         return
     assert max(r["input_length"] for r in generate(shape)) <= max_input_length
+
+
+ESCAPES = '"\\u001b[2J\\u202e"'  # clear-screen, then a right-to-left override
+
+
+def test_replay_escapes_what_a_terminal_would_act_on(capsys, tmp_path):
+    """A trace's strings are shown escaped: an ESC in a state name could clear or recolour the terminal."""
+    trace = tmp_path / "esc.jsonl"
+    trace.write_text(HEADER + '{"dest": ' + ESCAPES + ', "event": "transition", "machine": "residency", "node": 1, '
+                     '"seq": 1, "source": "absent", "trigger": "insert"}\n', encoding="utf-8")
+    code, out, _ = run_cli(capsys, "replay", str(trace))
+    assert code == 1 and "\\x1b[2J\\u202e" in out
+    assert "\x1b" not in out and "\u202e" not in out
+
+
+def test_error_lines_escape_what_a_terminal_would_act_on(capsys, tmp_path):
+    trace = tmp_path / "esc.jsonl"
+    trace.write_text(HEADER + '{"dest": ' + ESCAPES + ', "event": "transition", "machine": "residency", "node": 1, '
+                     '"seq": 1, "source": "absent", "trigger": "insert"}\n', encoding="utf-8")
+    code, _, err = run_cli(capsys, "diagram", "residency", "--counts", str(trace), "-o", str(tmp_path / "h.mmd"))
+    assert code == 1 and "\\x1b[2J\\u202e" in err and "\x1b" not in err
+    code, _, err = run_cli(capsys, "replay", str(tmp_path / "\x1b[2Jmissing.jsonl"))
+    assert code == 2 and "\\x1b[2Jmissing.jsonl" in err and "\x1b" not in err
+    code, _, err = run_cli(capsys, "simulate", "--trace", str(tmp_path / "\x1b[2Jmissing.jsonl"))
+    assert code == 2 and "\\x1b[2Jmissing.jsonl" in err and "\x1b" not in err
+
+
+def test_diagram_without_a_spec_is_a_usage_error(capsys):
+    code, _, err = run_cli(capsys, "diagram")
+    assert code == 2 and err.startswith("hicache-fsm diagram: error: give one NAME|PATH, or --all")

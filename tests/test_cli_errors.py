@@ -61,6 +61,8 @@ CASES: dict[str, tuple[list[str], int, tuple[str, ...]]] = {
                                        ("explorer_factory raised TypeError", "keywords of a --variant")),
     "fuzz_given_no_factory": (["fuzz", "--adapter", "os:system"], 2, ("os:system raised TypeError",)),
     "bench_copy_negative_tokens": (["bench", "copy", "--tokens", "-1"], 2, ("--tokens",)),
+    "bench_copy_part_of_a_page": (["bench", "copy", "--tokens", "65", "--page-size", "64"], 2,
+                                  ("--tokens must be a whole number of pages of --page-size 64, got 65",)),
     "bench_copy_too_big": (["bench", "copy", "--tokens", "64", "--layers", "100000", "--heads", "1000",
                             "--head-dim", "1000"], 2, ("--tokens 64 is more than this machine could hold",)),
     "bench_scale_too_big": (["bench", "scale", "--sizes", "1000000000000", "--quick", "--peer", "none"], 2,

@@ -43,3 +43,12 @@ def test_any_scalar_parses_or_is_a_spec_error(scalar, digits):
             parse_spec(HEAD + f"note: {value}\n", "m.yaml")
         except SpecError:
             pass
+
+
+def test_a_merge_key_is_refused_by_name(tmp_path):
+    """It was refused as "could not determine a constructor for the tag ...merge", which names no fix."""
+    path = tmp_path / "m.yaml"
+    path.write_text(HEAD + "base: &b\n  x: 1\nnote:\n  <<: *b\n")
+    with pytest.raises(SpecError, match="merge keys") as info:
+        load_spec(path)
+    assert info.value.line == 6

@@ -61,9 +61,9 @@ def _device_pool(engine: str, shape: KVShape, tokens: int, ps: int) -> DeviceKVP
 
 def run(args: argparse.Namespace) -> dict:
     ps = args.page_size
-    tokens = args.tokens - args.tokens % ps
-    if tokens <= 0:
-        raise UsageError(f"--tokens must be at least one page ({ps})")
+    tokens = args.tokens
+    if tokens % ps:  # whole pages are what the executor moves: a remainder would be measured as not moved
+        raise UsageError(f"--tokens must be a whole number of pages of --page-size {ps}, got {tokens}")
     shape = KVShape(args.layers, args.heads, args.head_dim, DTYPES[args.dtype])
     # in host memory: the host pool, and on the CPU also the device pool and a contiguous copy of it
     copies = 1 if torch.cuda.is_available() else 3

@@ -32,7 +32,6 @@ import argparse
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -224,8 +223,7 @@ def run(args: argparse.Namespace) -> dict:
     except StorageError as exc:
         if tmpdir:
             shutil.rmtree(tmpdir, ignore_errors=True)
-        print(f"bench storage: cannot open {url}: {exc}", file=sys.stderr)
-        raise SystemExit(2) from exc
+        raise UsageError(f"cannot open {url}: {exc}") from exc
 
     src = _BenchPool(n, page_nbytes, args.page_tokens, fill=True)
     dst = _BenchPool(n, page_nbytes, args.page_tokens, fill=False)

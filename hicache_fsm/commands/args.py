@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 from typing import NoReturn
 
 
@@ -153,9 +154,17 @@ def _depth(value: object) -> int:
     return deepest
 
 
-def printable(text: str) -> str:
-    """``text`` with what UTF-8 cannot encode (a lone surrogate from a JSON ``"\\ud800"``) as a backslash escape.
+# Control characters (ESC starts terminal sequences) and the bidirectional overrides that reorder what a terminal
+# shows: a trace or spec file is untrusted, and its strings reach the terminal in reports and error lines.
+_TERMINAL_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
 
-    stdout is strict UTF-8: printing such text raised UnicodeEncodeError midway through a report.
+
+def printable(text: str) -> str:
+    """``text`` with what UTF-8 cannot encode (a lone surrogate from a JSON ``"\\ud800"``) and what a terminal
+    would act on (control characters other than newline and tab, bidirectional overrides) as backslash escapes.
+
+    stdout is strict UTF-8: printing such text raised UnicodeEncodeError midway through a report; an ESC in a
+    trace's state name could recolour or rewrite the terminal the report is read on.
     """
-    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return _TERMINAL_UNSAFE.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)

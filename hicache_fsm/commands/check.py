@@ -168,10 +168,12 @@ def _check_portfolio(args: argparse.Namespace) -> int:
     total = CoverageTracker()
     runs = []
     out = sys.stderr if args.json else sys.stdout
-    for name, bounds, factory in default_families():
+    families = default_families()
+    for n, (name, bounds, factory) in enumerate(families, 1):
         cov = CoverageTracker()
         explorer = Explorer(factory, bounds, stop_on_first=args.stop_on_first, max_violations=args.max_violations,
-                            progress=None, coverage=cov)
+                            progress=None if args.quiet else sys.stderr, progress_label=f"{name} ({n}/{len(families)})",
+                            coverage=cov)
         result = explorer.run()
         total.merge(cov)
         runs.append((name, result))

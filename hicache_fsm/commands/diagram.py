@@ -81,8 +81,7 @@ def _printable_heat(heat: Heat) -> Heat:
 
 def run(args: argparse.Namespace) -> int:
     if bool(args.spec) == bool(args.all):
-        print("hicache-fsm diagram: give one NAME|PATH, or --all", file=sys.stderr)
-        return 2
+        raise UsageError("give one NAME|PATH, or --all")
     try:
         specs = load_all() if args.all else [resolve_spec(args.spec, args.require_bindings or None)]
         if args.counts:
@@ -91,13 +90,13 @@ def run(args: argparse.Namespace) -> int:
             texts = [(spec, render(spec, args.format)) for spec in specs]
     except SpecError as err:
         for line in problem_lines(err):
-            print(line, file=sys.stderr)
+            print(printable(line), file=sys.stderr)
         return 1
     except TraceError as err:  # --counts names a file that is not a trace: a usage error
-        print(f"hicache-fsm diagram: error: --counts {err}", file=sys.stderr)
+        print(printable(f"hicache-fsm diagram: error: --counts {err}"), file=sys.stderr)
         return 2
     except (DiagramError, ValueError, OSError) as err:
-        print(f"hicache-fsm diagram: {err}", file=sys.stderr)
+        print(printable(f"hicache-fsm diagram: {err}"), file=sys.stderr)
         return 1
     if args.output and args.all:
         out_dir = Path(args.output)

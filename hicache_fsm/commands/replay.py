@@ -39,10 +39,11 @@ def run(args: argparse.Namespace) -> int:
         events = load_trace(args.trace)
         specs = load_all() + [load_spec(p) for p in args.spec]
     except OSError as exc:
-        print(f"hicache-fsm replay: cannot read {exc.filename or args.trace}: {exc.strerror or exc}", file=sys.stderr)
+        print(printable(f"hicache-fsm replay: cannot read {exc.filename or args.trace}: {exc.strerror or exc}"),
+              file=sys.stderr)
         return 2
     except (ValueError, SpecError) as exc:
-        print(f"hicache-fsm replay: {exc}", file=sys.stderr)
+        print(printable(f"hicache-fsm replay: {exc}"), file=sys.stderr)
         return 2
     result = replay(events, specs, require_quiescent=args.quiescent, context=args.context)
     out = sys.stderr if args.json else sys.stdout

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Iterable
 
+from hicache_fsm.commands.args import printable
 from hicache_fsm.errors import SpecError
 from hicache_fsm.spec import SPEC_DIR, load_spec, spec_paths
 
@@ -81,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
         except SpecError as err:
             failed += 1
             for line in problem_lines(err):
-                print(line, file=sys.stderr)
+                print(printable(line), file=sys.stderr)
         else:
             print(f"ok {display_path(path)}")
     return 1 if failed else 0

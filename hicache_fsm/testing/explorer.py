@@ -299,13 +299,15 @@ class Explorer:
 
     def __init__(self, factory: Callable[[Bounds], CacheAdapter] = hicache_factory, bounds: Bounds = Bounds(), *,
                  stop_on_first: bool = False, max_violations: int = 5, progress: TextIO | None = None,
-                 progress_every: float = 1.0, coverage: CoverageTracker | None = None) -> None:
+                 progress_every: float = 1.0, progress_label: str = "explore",
+                 coverage: CoverageTracker | None = None) -> None:
         self.factory = factory
         self.bounds = bounds
         self.stop_on_first = stop_on_first
         self.max_violations = max_violations
         self.progress = progress
         self.progress_every = progress_every
+        self.progress_label = progress_label  # what each progress line starts with (a family's name in a portfolio)
         self.coverage = coverage
         self.prompts = prompts_for(bounds)
 
@@ -420,7 +422,7 @@ class Explorer:
             now = time.perf_counter()
             if self.progress is not None and now - last >= self.progress_every:
                 last = now
-                print(f"explore: {len(search.parents)} states, {result.transitions} transitions, frontier "
+                print(f"{self.progress_label}: {len(search.parents)} states, {result.transitions} transitions, frontier "
                       f"{len(search.queue)}, depth {depth}, {now - t0:.1f}s", file=self.progress, flush=True)
             if b.max_states is not None and len(search.parents) >= b.max_states:
                 result.stopped_by = "max_states"
@@ -455,7 +457,7 @@ class Explorer:
         if self.coverage is not None:
             result.coverage = self.coverage.report()
         if self.progress is not None:
-            print(f"explore: done: {states} states, {result.transitions} transitions, "
+            print(f"{self.progress_label}: done: {states} states, {result.transitions} transitions, "
                   f"{len(result.violations)} violations, {result.seconds:.1f}s", file=self.progress, flush=True)
         return result
 

@@ -221,3 +221,24 @@ def _host_rule_ignores_pins(p: Any) -> None:
 
     p.setattr(Eviction, "is_host_candidate", staticmethod(is_host_candidate))
     p.setitem(registry_for("residency").guards, "host_unpinned", lambda node, ctx: True)
+
+
+@_third("refused_backup_drops_parent", "a device-only parent whose backup the full host refuses is dropped, "
+                                       "orphaning its host-only children", write_policy="write_through")
+def _refused_backup_drops_parent(p: Any) -> None:
+    """Device eviction may drop a device-only node only when no child hangs below it: a host-only child would
+    be left without its prefix. Reached when a prompt too long for the host is split and its tail backed up
+    and pinned (``memory/write_through_host_full``)."""
+    from hicache_fsm.eviction import Eviction
+
+    orig = Eviction.try_backup
+
+    def try_backup(self, node):
+        if orig(self, node):
+            return True
+        if node.state == "device" and node.children and node.lock_ref == 0 and not node.resident_children:
+            self.driver.fire(node, "drop")  # room for the parent's children, taken as if it were a leaf
+            self.driver.remove(node)
+        return False
+
+    p.setattr(Eviction, "try_backup", try_backup)

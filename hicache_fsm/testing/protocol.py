@@ -576,17 +576,24 @@ def default_families() -> list[tuple[str, Any, Any]]:
 
 
 def host_room_families() -> list[tuple[str, Any, Any]]:
-    """write_back over a one-page host (``memory/write_back_host_full``), deeper than ``memory/write_back``.
+    """A one-page host under write_back and write_through, deeper than the ``memory/`` families.
 
-    A load-back's own device eviction starts backups that need the host room the chain it loads holds:
-    the chain must stay pinned through it (a chain left unpinned was missed by every other family).
-    Locks, pins and redelivery are left out; complete to its depth.
+    ``memory/write_back_host_full``: a load-back's own device eviction starts backups that need the host
+    room the chain it loads holds: the chain must stay pinned through it (a chain left unpinned was
+    missed by every other family). ``memory/write_through_host_full``: a prompt too long for the host
+    is never backed up, a match splits it, its tail is backed up and pinned; device eviction then meets
+    a device-only parent of a host-only child whose backup the full host refuses: it must stay (dropping
+    it orphaned the child, missed by every other family). Locks and redelivery are left out; complete
+    to its depth.
     """
     from hicache_fsm.testing.explorer import Bounds
 
     return [("memory/write_back_host_full",
              Bounds(nodes=2, device_pages=2, host_pages=1, max_locks=0, max_pins=0, redeliver=False,
-                    write_policy="write_back", max_depth=6), protocol_factory)]
+                    write_policy="write_back", max_depth=6), protocol_factory),
+            ("memory/write_through_host_full",
+             Bounds(nodes=2, device_pages=2, host_pages=1, max_locks=0, max_pins=1, redeliver=False,
+                    write_policy="write_through", max_depth=8), protocol_factory)]
 
 
 def order_family() -> tuple[str, Any, Any]:
