@@ -234,6 +234,13 @@ class HiCacheAdapter(CacheAdapter):
     def held_locks(self) -> list[int]:
         return list(self._locks)
 
+    def locked_device_tokens(self) -> dict[int, int]:
+        from hicache_fsm.eviction import RESIDENT
+
+        tree = self.cache.tree
+        return {h: sum(n.num_tokens for n in tree.path_to_root(node) if n.state in RESIDENT) if tree.owns(node)
+                else 0 for h, node in self._locks.items()}
+
     def pin_host(self, tokens: Sequence[int]) -> int | None:
         from hicache_fsm.bindings.residency import ON_HOST
 

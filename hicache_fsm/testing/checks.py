@@ -16,6 +16,8 @@ of steps replays on a fresh cache even though job ids differ between runs.
   lock or pin nobody owns (``job_keeps_no_lock``, when the adapter has
   ``unowned_refs``);
 - ``evict`` / ``evict_host`` must free exactly the tokens they report;
+- a lock held through the step keeps its prefix on the device
+  (``lock_kept_on_device``, when the adapter has ``locked_device_tokens``);
 - after a successful ``insert`` the whole prompt can be read back, and a
   ``match`` never reports more tokens than can be read back;
 - any other exception is a bug.
@@ -50,7 +52,8 @@ from hicache_fsm.testing.adapter import (
 from hicache_fsm.testing.interface import REQUIRED_OPS
 
 __all__ = ["INDEXED_OPS", "ORDERED_POLICIES", "Outcome", "Step", "UseOrder", "capacity_problems", "catalogue",
-           "job_lock_problems", "judged", "kv_check", "kv_problems", "perform", "readable_pages", "replay_steps"]
+           "job_lock_problems", "judged", "kv_check", "kv_problems", "lock_problems", "perform", "readable_pages",
+           "replay_steps"]
 
 # op -> the adapter list its (first) argument indexes
 INDEXED_OPS = {
@@ -138,6 +141,7 @@ def perform(adapter: CacheAdapter, step: Step, *, catch: bool = True,
     if step.op in SNAPSHOT_OPS and adapter.supports("snapshot"):
         snap = before if before is not None else adapter.snapshot()
     occ = adapter.occupancy() if step.op in ("evict", "evict_host") and adapter.supports("occupancy") else None
+    locked = _locked_device_tokens(adapter)
     try:
         result = fn(*args)
     except NotSupported:
@@ -172,6 +176,8 @@ def perform(adapter: CacheAdapter, step: Step, *, catch: bool = True,
             out.problems.append(f"{step}: reported {result} tokens freed, occupancy went down by {delta}")
     if ending is not None:
         out.problems += job_lock_problems(adapter, step, ending)
+    if locked:
+        out.problems += lock_problems(step, locked, _locked_device_tokens(adapter))
     if step.op == "insert" and result:
         want = len(_aligned(adapter, args[0]))
         got = len(adapter.read_kv(args[0]))
@@ -202,6 +208,20 @@ def job_lock_problems(adapter: CacheAdapter, step: Step, job: JobInfo) -> list[s
     extra = adapter.unowned_refs()
     return [f"job_keeps_no_lock: {step} ended job {job.id} ({job.kind}), yet node {n} still holds "
             f"{extra[n][0]} lock(s) and {extra[n][1]} pin(s) nobody owns" for n in job.detail if n in extra]
+
+
+def _locked_device_tokens(adapter: CacheAdapter) -> dict[int, int]:
+    """``adapter.locked_device_tokens()`` while a lock is held and the adapter can tell; else empty."""
+    if not adapter.supports("locked_device_tokens") or not adapter.held_locks():
+        return {}
+    return adapter.locked_device_tokens()
+
+
+def lock_problems(step: Step, before: dict[int, int], after: dict[int, int]) -> list[str]:
+    """``lock_kept_on_device``: every lock held before and after ``step`` still has at least the device tokens
+    it had (a lock may gain some, as a load-back brings its tail up; it may never lose one)."""
+    return [f"lock_kept_on_device: {step} took a locked prefix off the device: lock {lid} had {had} tokens "
+            f"on the device, now {after[lid]}" for lid, had in before.items() if lid in after and after[lid] < had]
 
 
 def kv_problems(reads: dict[tuple, list[tuple[int, ...]]]) -> list[str]:

@@ -14,6 +14,7 @@ Operations, all optional except ``insert``, ``match``, ``read_kv`` and
 insert(tokens)         compute KV for ``tokens`` and hand it to the cache -> bool
 match(tokens)          longest cached prefix -> ``MatchInfo`` (counts as a hit)
 lock / unlock          pin a matched prefix on the device (engine-held lock ids)
+locked_device_tokens() per held lock, the tokens of its prefix the device serves now
 pin_host / unpin_host  pin the host copy of the node that ends at ``tokens``
 evict / evict_host     free at least N tokens of a tier -> tokens freed
 load_back(tokens)      start loading the host-only part of a match -> tokens
@@ -113,7 +114,8 @@ class StorageFault:
 # every adapter implements these: one raising ``NotSupported`` is an adapter bug, not an operation to skip
 REQUIRED_OPS = ("insert", "match", "read_kv", "invariant_violations")
 OPTIONAL_OPS = (
-    "lock", "unlock", "held_locks", "pin_host", "unpin_host", "held_pins", "evict", "evict_host",
+    "lock", "unlock", "held_locks", "locked_device_tokens", "pin_host", "unpin_host", "held_pins", "evict",
+    "evict_host",
     "load_back", "backup", "complete_job", "fail_job", "redeliver", "prefetch", "prefetching", "prefetch_ready",
     "abort", "storage_fault", "storage_steps", "stored_prefix", "store_remote", "complete_storage", "fail_storage",
     "occupancy", "unowned_refs", "capacity", "eviction_policy",
@@ -178,6 +180,14 @@ class CacheAdapter:
 
     def held_locks(self) -> list[int]:
         raise NotSupported("held_locks")
+
+    def locked_device_tokens(self) -> dict[int, int]:
+        """Per held lock id, how many tokens of the prefix it locked the device serves now; reads only.
+
+        A lock promises its prefix stays on the device until ``unlock``: with this, every step is checked
+        to keep it (``lock_kept_on_device``). A cache that evicts a locked prefix still serves the right KV
+        from a slower tier, so no other generic check can tell."""
+        raise NotSupported("locked_device_tokens")
 
     def pin_host(self, tokens: Sequence[int]) -> int | None:
         raise NotSupported("pin_host")
