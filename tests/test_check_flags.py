@@ -87,3 +87,53 @@ def test_plain_check_reports_each_family_on_stderr_unless_quiet(capsys, monkeypa
     assert "tiny/write_through (1/2): done:" in err and "tiny/write_back (2/2): done:" in err
     assert main(["check", "--quiet"]) == 0
     assert "done:" not in capsys.readouterr().err
+
+
+class _InterruptingCache:
+    """A prefix-cache factory whose 40th insert is interrupted (Ctrl-C arriving mid-search)."""
+
+    inserts = [0]
+
+    @classmethod
+    def factory(cls, bounds):
+        from hicache_fsm.testing.explorer import hicache_factory
+
+        adapter = hicache_factory(bounds)
+        insert = adapter.insert
+
+        def interrupted_insert(tokens, *a):
+            cls.inserts[0] += 1
+            if cls.inserts[0] == 40:
+                raise KeyboardInterrupt
+            return insert(tokens, *a)
+
+        adapter.insert = interrupted_insert
+        return adapter
+
+
+def test_an_interrupted_exploration_returns_what_it_found():
+    from hicache_fsm.testing.explorer import Bounds, Explorer
+
+    _InterruptingCache.inserts = [0]
+    result = Explorer(_InterruptingCache.factory, Bounds(nodes=3, device_pages=2, host_pages=2)).run()
+    assert result.stopped_by == "interrupted" and not result.complete and result.states > 1
+    assert result.to_json()["complete"] is False and result.to_json()["stopped_by"] == "interrupted"
+
+
+def test_sigterm_ends_check_with_its_partial_result(tmp_path):
+    """The default bounds without a depth run for minutes: SIGTERM prints what was explored, exit 130."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "hicache_fsm.cli", "check", "--nodes", "3"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    for line in proc.stderr:  # the first progress line: the search is running
+        if line.startswith("explore: "):
+            break
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out
+    assert "INCOMPLETE (interrupted), 0 violations" in out

@@ -9,9 +9,13 @@ missing input file, a count whose memory depends on other options: ``check_fits`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
+import signal
+import threading
+from collections.abc import Iterator
 from typing import NoReturn
 
 
@@ -168,3 +172,23 @@ def printable(text: str) -> str:
     """
     text = text.encode("utf-8", "backslashreplace").decode("utf-8")
     return _TERMINAL_UNSAFE.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
+
+
+INTERRUPTED = 130  # 128 + SIGINT, as shells report it
+
+
+@contextlib.contextmanager
+def sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM ends a search like Ctrl-C (its partial result is printed) while the block is running."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -10,18 +10,14 @@ that does not fit the factory is a usage error, never a run of another machine.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import signal
 import sys
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from hicache_fsm.commands.adapter_factory import import_lines, load_factory, make_block_store
-from hicache_fsm.commands.args import UsageError
+from hicache_fsm.commands.args import INTERRUPTED, UsageError, sigterm_interrupts
 
-INTERRUPTED = 130  # 128 + SIGINT, as shells report it
 # The search is exhaustive: each state tries every prompt, so the prompts must stay few.
 MAX_PROMPTS = 4096
 
@@ -68,7 +64,7 @@ def check_block_store(args: argparse.Namespace, defaults: dict) -> int | None:
                          max_depth=StoreBounds().max_depth if depth is None else depth,
                          redeliver=not args.no_redeliver, symmetry=not getattr(args, "no_symmetry", False))
     progress = None if args.quiet or not sys.stderr.isatty() else sys.stderr
-    with _sigterm_interrupts():
+    with sigterm_interrupts():
         result = explore_store(lambda: factory(**variant), bounds, stop_on_first=args.stop_on_first,
                                max_violations=args.max_violations, progress=progress)
     out = sys.stderr if args.json else sys.stdout
@@ -130,20 +126,3 @@ def _check_world(world_cls: Callable[..., Any], adapter: Any, ref: str) -> None:
         world_cls(adapter)
     except ValueError as exc:
         raise UsageError(f"--adapter {ref}: {exc}") from None
-
-
-@contextlib.contextmanager
-def _sigterm_interrupts() -> Iterator[None]:
-    """SIGTERM ends the search like Ctrl-C (a partial result is printed) while the block is running."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def interrupt(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)

@@ -17,7 +17,9 @@ how far it went: ``complete``, ``complete to depth N`` when ``--max-depth`` left
 ``INCOMPLETE``, or ``CHECKED NOTHING`` when no step led to a second state or the adapter accepted no
 insert) to stdout, the time taken to stderr; with ``--json`` stdout is one JSON object that does not
 depend on the machine. Exit status 1 when a violation was found, when a run checked nothing, or when
-the ``--max-seconds`` safety stop cut a run short (an incomplete run never passes by the clock).
+the ``--max-seconds`` safety stop cut a run short (an incomplete run never passes by the clock). Ctrl-C
+or SIGTERM ends the search with what it found so far (``INCOMPLETE (interrupted)``; exit status 130
+unless it had found a violation).
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ import argparse
 import json
 import sys
 
-from hicache_fsm.commands.args import (UsageError, adapter_ref, json_kwargs, non_negative_int, output_path, positive_float,
-                                      positive_int)
+from hicache_fsm.commands.args import (INTERRUPTED, UsageError, adapter_ref, json_kwargs, non_negative_int, output_path,
+                                      positive_float, positive_int, sigterm_interrupts)
 from hicache_fsm.config import EVICTION_POLICIES, WRITE_POLICIES
 
 
@@ -95,6 +97,8 @@ def how_far(result) -> str:
         return f"INCOMPLETE (state budget {result.bounds.max_states} spent)"
     if result.stopped_by == "max_seconds":
         return f"INCOMPLETE (safety stop: {result.bounds.max_seconds:g}s reached)"
+    if result.stopped_by == "interrupted":
+        return "INCOMPLETE (interrupted)"
     return "INCOMPLETE"
 
 
@@ -113,7 +117,11 @@ def reduced(result) -> str:
 
 def _status(results) -> int:
     """1 when a violation was found, a run checked nothing, or a safety stop cut a run short (never a pass by
-    the clock)."""
+    the clock); ``INTERRUPTED`` when Ctrl-C or SIGTERM ended a run that had found nothing."""
+    if any(r.violations for r in results):
+        return 1
+    if any(r.stopped_by == "interrupted" for r in results):
+        return INTERRUPTED
     return 1 if any(not r.ok or r.stopped_by == "max_seconds" for r in results) else 0
 
 
@@ -174,14 +182,15 @@ def _check_portfolio(args: argparse.Namespace) -> int:
         explorer = Explorer(factory, bounds, stop_on_first=args.stop_on_first, max_violations=args.max_violations,
                             progress=None if args.quiet else sys.stderr, progress_label=f"{name} ({n}/{len(families)})",
                             coverage=cov)
-        result = explorer.run()
+        with sigterm_interrupts():
+            result = explorer.run()
         total.merge(cov)
         runs.append((name, result))
         print(f"{name}: {result.adapter}: {result.states} states{reduced(result)}, {result.transitions} transitions, "
               f"depth {result.max_depth}, {how_far(result)}, {len(result.violations)} violations", file=out, flush=True)
         for v in result.violations:
             print(v.format(), file=out)
-        if result.violations and args.stop_on_first:
+        if (result.violations and args.stop_on_first) or result.stopped_by == "interrupted":
             break
     report = total.report()
     if args.coverage or not args.json:
@@ -254,7 +263,6 @@ def _check_prefix_cache(args: argparse.Namespace) -> int:
         factory = load_factory(args.adapter)
         check_explorer_factory(factory, args.adapter, bounds_for(policies[0]))
     runs = []
-    status = 0
     writer = recording_writer(args.record)
     for policy in policies:
         bounds = bounds_for(policy)
@@ -263,9 +271,9 @@ def _check_prefix_cache(args: argparse.Namespace) -> int:
             cov = RecordingCoverage(writer, recorded_by="check", objects=False, write_policy=policy)
         explorer = Explorer(factory, bounds, stop_on_first=args.stop_on_first, max_violations=args.max_violations,
                             progress=None if args.quiet else sys.stderr, coverage=cov)
-        result = explorer.run()
+        with sigterm_interrupts():
+            result = explorer.run()
         runs.append(result)
-        status = max(status, _status([result]))
         out = sys.stderr if args.json else sys.stdout
         print(f"{result.adapter}: {result.states} states{reduced(result)}, {result.transitions} transitions, depth "
               f"{result.max_depth}, {how_far(result)}, {len(result.violations)} violations", file=out)
@@ -273,6 +281,8 @@ def _check_prefix_cache(args: argparse.Namespace) -> int:
             print(v.format(), file=out)
         if args.coverage and cov is not None:
             print(cov.format(), file=out)
+        if result.stopped_by == "interrupted":
+            break
     if writer is not None:
         writer.close()
     if args.json:
@@ -290,4 +300,4 @@ def _check_prefix_cache(args: argparse.Namespace) -> int:
                 "runs": [r.to_json() for r in runs],
             }
         print(json.dumps(summary, sort_keys=True))
-    return status
+    return _status(runs)

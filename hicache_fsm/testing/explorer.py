@@ -228,7 +228,7 @@ class ExploreResult:
     seconds: float = 0.0
     complete: bool = False  # every state within the bounds (the depth bound included) was reached and checked
     depth_bounded: bool = False  # states at ``max_depth`` were left unexpanded: deeper states may exist
-    stopped_by: str = ""  # "", "max_states", "max_seconds" or "violation": why the frontier was left
+    stopped_by: str = ""  # "", "max_states", "max_seconds", "violation" or "interrupted": why the frontier was left
     violations: list[Violation] = attrs.Factory(list)
     coverage: dict = attrs.Factory(dict)
 
@@ -416,20 +416,25 @@ class Explorer:
             result.stopped_by = "violation"
             return self._finish(result, t0, len(search.parents), False)
         last = t0
-        while search.queue and not search.stop:
-            world, key, depth, order = search.queue.popleft()
-            search.expand(world, key, depth, order)
-            now = time.perf_counter()
-            if self.progress is not None and now - last >= self.progress_every:
-                last = now
-                print(f"{self.progress_label}: {len(search.parents)} states, {result.transitions} transitions, frontier "
-                      f"{len(search.queue)}, depth {depth}, {now - t0:.1f}s", file=self.progress, flush=True)
-            if b.max_states is not None and len(search.parents) >= b.max_states:
-                result.stopped_by = "max_states"
-                break
-            if b.max_seconds is not None and now - t0 >= b.max_seconds:
-                result.stopped_by = "max_seconds"
-                break
+        try:  # Ctrl-C (or SIGTERM, as the command maps it) ends the search with what it found
+            while search.queue and not search.stop:
+                world, key, depth, order = search.queue.popleft()
+                search.expand(world, key, depth, order)
+                now = time.perf_counter()
+                if self.progress is not None and now - last >= self.progress_every:
+                    last = now
+                    print(f"{self.progress_label}: {len(search.parents)} states, {result.transitions} transitions, "
+                          f"frontier {len(search.queue)}, depth {depth}, {now - t0:.1f}s", file=self.progress,
+                          flush=True)
+                if b.max_states is not None and len(search.parents) >= b.max_states:
+                    result.stopped_by = "max_states"
+                    break
+                if b.max_seconds is not None and now - t0 >= b.max_seconds:
+                    result.stopped_by = "max_seconds"
+                    break
+        except KeyboardInterrupt:
+            result.stopped_by = "interrupted"
+            return self._finish(result, t0, len(search.parents), False)
         if search.stop:
             result.stopped_by = "violation"
         return self._finish(result, t0, len(search.parents), not search.queue and not search.stop)
