@@ -174,6 +174,31 @@ OPS = st.one_of(
 )
 
 
+def test_a_split_node_publishes_only_its_own_pages_when_it_leaves_a_tier():
+    """A split gives the lower half the hashes of its own pages: with the whole old chain, evicting it removed
+    the upper half's blocks from the router's index while the cache still held them."""
+    cache, ex = make_cache(device_pages=8, host_pages=16, config=CacheConfig(write_policy="write_through"))
+    batches: list = []
+    hook = enable_kv_events(cache, batches.append)
+    index = PrefixIndex()
+    try:
+        lower = put(cache, PREFIXES[0] + pages(1, start=1000)).node
+        drain(cache, ex)
+        put(cache, PREFIXES[0] + pages(1, start=1100))  # splits the first node after the shared two pages
+        drain(cache, ex)
+        assert cache.evict_node(lower) == cache.page_size
+        hook.flush()
+        for batch in batches:
+            index.apply(0, batch)
+        actual = cache_contents(cache)
+        for tier in MEMORY_TIERS:
+            assert index.blocks(0, tier) == actual[tier], tier
+        removed = [e for b in batches for e in b.events if isinstance(e, BlockRemoved)]
+        assert [len(e.block_hashes) for e in removed] == [1]
+    finally:
+        cache.close()
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=st.lists(OPS, min_size=1, max_size=25), drops=st.lists(st.booleans(), max_size=60))
 def test_index_from_events_equals_every_cache_at_every_quiescent_point(ops, drops):

@@ -648,6 +648,8 @@ class HiCacheAdapter(CacheAdapter):
     def applicable(self, op: str, args: tuple) -> bool:
         from hicache_fsm.bindings.residency import ON_DEVICE, ON_HOST
 
+        if op == "poll":  # an idle engine step: what write_behind's clock counts; elsewhere it changes nothing
+            return self.config.write_policy == "write_behind"
         resident = ON_DEVICE | LOADING_STATES
         tree = self.cache.tree
         if op in ("match", "lock", "load_back"):

@@ -332,6 +332,8 @@ class Explorer:
             if sup("store_remote"):
                 out.append(Step("store_remote", (p,)))
             out += adapter.prompt_steps(p)
+        if sup("poll"):  # an engine step with nothing else to do (``applicable`` says whether it can matter)
+            out.append(Step("poll"))
         if sup("unlock"):
             out += [Step("unlock", (i,)) for i in range(len(adapter.held_locks()))]
         if sup("unpin_host"):

@@ -1,4 +1,5 @@
-"""The third set of planted controller bugs: reset, insert priorities and recency, prefetch placement.
+"""The third set of planted controller bugs: reset, insert priorities and recency, prefetch placement, and
+what the engine is handed (load waits, a prefetch's readiness, write_behind backups).
 
 Registered into ``testing.mutants.MUTANTS`` as ``testing.mutants_more`` is (``mutants`` imports this module,
 never the other way round). Each entry is ``(name, bug, apply, variant)``; ``apply`` patches through the
@@ -242,3 +243,35 @@ def _refused_backup_drops_parent(p: Any) -> None:
         return False
 
     p.setattr(Eviction, "try_backup", try_backup)
+
+
+# =========================================================================== what the engine is handed
+
+
+@_third("load_back_waits_for_no_ancestor", "a load-back below an ancestor still loading hands the engine a wait "
+                                           "that does not cover the ancestor's load")
+def _load_back_waits_for_no_ancestor(p: Any) -> None:
+    from hicache_fsm.load_back import LoadBacks
+
+    p.setattr(LoadBacks, "loading_deps", lambda self, nodes: [])
+
+
+@_third("wait_complete_stops_early", "a wait_complete prefetch is stopped (ready) before its transfer ended",
+        storage=True)
+def _wait_complete_stops_early(p: Any) -> None:
+    from hicache_fsm.storage.prefetch import PrefetchRuntime
+
+    orig = PrefetchRuntime.stop_allowed
+
+    def stop_allowed(self, op):
+        return self.options.stop_policy == "wait_complete" or orig(self, op)
+
+    p.setattr(PrefetchRuntime, "stop_allowed", stop_allowed)
+
+
+@_third("write_behind_never_backs_up", "write_behind never backs up a cold device-only node (its poll pass "
+                                       "is skipped)", write_policy="write_behind")
+def _write_behind_never_backs_up(p: Any) -> None:
+    from hicache_fsm.eviction import Eviction
+
+    p.setattr(Eviction, "write_behind", lambda self: None)

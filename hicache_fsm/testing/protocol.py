@@ -23,6 +23,13 @@ invariants cannot see, checked after every step:
   order, are part of the state key;
 - **write_through**: an insert leaves no node of its path device-only unless
   a backup was refused for host room;
+- **what the engine is handed** (``testing.obligations``): every node still
+  loading on a matched prefix or above a load-back is covered by a wait it
+  got (``loads_waited``); under ``wait_complete`` a prefetch is not ready while
+  its transfer runs (``wait_complete_due``); under ``write_behind`` a cold
+  device-only node with host room is backed up by the next poll
+  (``write_behind_due``; each node's idle polls join the state key, and the
+  explorer polls as a step of its own: ``HiCacheAdapter.applicable``);
 - **reset** as an engine action (memory tiers only): the engine's handles go,
   jobs in flight end as the executor saw them (copies landed or dropped), and
   the cache must be empty at once (no node, no used page, no pending job);
@@ -41,7 +48,9 @@ from typing import Any
 
 import torch
 
-from hicache_fsm.testing.adapter import HiCacheAdapter, Rejected, StorageFault, fingerprints
+from hicache_fsm.testing.adapter import HiCacheAdapter, MatchInfo, Rejected, StorageFault, fingerprints
+from hicache_fsm.testing.obligations import (cold_unbacked, path_of, unwaited_loads, wait_complete_problem,
+                                             write_behind_problems)
 from hicache_fsm.testing.recency import UseLog
 
 __all__ = ["ProtocolAdapter"]
@@ -60,6 +69,9 @@ class ProtocolAdapter(HiCacheAdapter):
         # they must add once polled
         self._stale: tuple[tuple[str, bool, tuple[int, ...]], ...] = ()
         self._late_due = 0
+        # write_behind: (polls, backups refused for host room, cold device-only nodes with host room) at the
+        # last check; a function of the state then, so not part of the key
+        self._cold: tuple[int, int, frozenset[int]] = (0, 0, frozenset())
 
     def supports(self, op: str) -> bool:
         if op == "reset" and self.backend is not None:
@@ -167,7 +179,11 @@ class ProtocolAdapter(HiCacheAdapter):
         self.uses.sync(tree.nodes())
         ranked = sorted((n for n in tree.nodes() if n.parent is not None), key=self.cache.eviction.sort_key)
         waiting = self._stale if self.executor.completions_waiting else ()  # polled ones are checked and gone
-        return (key, self.uses.rank_key(ranked), self.resets, waiting), orbit
+        key = (key, self.uses.rank_key(ranked), self.resets, waiting)
+        if self.config.write_policy == "write_behind":  # how long each node has been idle, up to when it is cold
+            idle, polls = self.config.write_behind_idle_steps, self.cache.driver.polls
+            key += (tuple(min(polls - n.last_poll, idle) for n in ranked),)
+        return key, orbit
 
     # ------------------------------------------------------------------ policy obligations
 
@@ -176,11 +192,11 @@ class ProtocolAdapter(HiCacheAdapter):
 
     def _match(self, tokens: Sequence[int]):
         if self.config.write_policy != "write_through_selective":
-            return super().match(tokens)
+            return self._match_waited(tokens)
         before = {n.id: n.state for n in self.cache.tree.nodes()}
         room = self.host_pool.allocator.available_tokens
         refused = self.cache.counters["backup_host_full"]
-        result = super().match(tokens)
+        result = self._match_waited(tokens)
         threshold = self.config.write_through_threshold
         path, _, _ = self.cache.tree.walk(self._aligned(tokens))
         # a backup earlier on the path may take the room a later one needed: that one is refused, and counted
@@ -197,6 +213,15 @@ class ProtocolAdapter(HiCacheAdapter):
                 self._step_problems.append(f"policy_selective: node {n.id} reached {n.hit_count} hits "
                                            f"(threshold {threshold}) with host room but was not backed up")
         return result
+
+    def _match_waited(self, tokens: Sequence[int]) -> MatchInfo:
+        """``match`` whose loads must cover every node of the matched prefix still loading (``loads_waited``)."""
+        m = self.cache.match_prefix(self._aligned(tokens))
+        self._step_problems += [f"loads_waited: match_prefix handed the engine node {n.id} ({n.state}) without a "
+                                f"wait for its load" for n in unwaited_loads(self.cache.outbox,
+                                                                             path_of(m.last_device_node), m.loads)]
+        self.cache.flush()
+        return MatchInfo(m.device_hit_length, m.host_hit_length)
 
     def evict(self, num_tokens: int) -> int:
         if self.config.write_policy not in ("write_back", "write_behind"):
@@ -222,6 +247,10 @@ class ProtocolAdapter(HiCacheAdapter):
             self.cache.flush()
             return 0
         lb = self.cache.load_back(m.last_host_node)
+        if lb is not None:
+            self._step_problems += [f"loads_waited: the load-back below node {n.id} ({n.state}) does not wait for "
+                                    f"its load" for n in unwaited_loads(self.cache.outbox, path_of(lb.nodes[0].parent),
+                                                                        [lb.handle])]
         self.cache.flush()
         if lb is None:
             return 0
@@ -301,7 +330,13 @@ class ProtocolAdapter(HiCacheAdapter):
     # ------------------------------------------------------------------ prefetch hits are pages inserted
 
     def prefetch_ready(self, request):
-        return self._counting_hits(f"prefetch_ready({request!r})", super().prefetch_ready, request)
+        tier = self.cache.storage
+        op = tier.runtime.active.get(request) if tier is not None else None
+        before = None if op is None else op.state
+        ready = self._counting_hits(f"prefetch_ready({request!r})", super().prefetch_ready, request)
+        if tier is not None:
+            self._step_problems += wait_complete_problem(request, before, ready, tier.options.stop_policy)
+        return ready
 
     def abort(self, request):
         return self._counting_hits(f"abort({request!r})", super().abort, request)
@@ -489,7 +524,21 @@ class ProtocolAdapter(HiCacheAdapter):
         """KV read-back (also run after steps that land on a known state), plus this step's obligations."""
         problems, self._step_problems = self._step_problems, []
         self.uses.sync(self.cache.tree.nodes())  # nodes the cache made or dropped by itself
-        return problems + self._late_ack_problems() + super().kv_violations() + self._load_violations()
+        return (problems + self._late_ack_problems() + self._write_behind_problems() + super().kv_violations()
+                + self._load_violations())
+
+    def _write_behind_problems(self) -> list[str]:
+        """``write_behind_due`` since the last check (see ``testing.obligations``)."""
+        cache = self.cache
+        if self.config.write_policy != "write_behind":
+            return []
+        polls, refused, cold = self._cold
+        now = (cache.driver.polls, cache.counters["backup_host_full"], cold_unbacked(cache))
+        self._cold = now
+        due = sum(n.num_tokens for n in cache.tree.nodes() if n.id in cold)
+        if due > self.config.write_behind_batch_tokens:  # more than one poll backs up: some wait their turn
+            return []
+        return write_behind_problems(cold, now[2], now[0] > polls, now[1] > refused)
 
 
 def _attach_options(tier) -> dict:
@@ -556,6 +605,10 @@ def default_families() -> list[tuple[str, Any, Any]]:
                protocol_factory)
               for w, d in (("write_through", 5), ("write_back", 6), ("write_through_selective", 4),
                            ("write_behind", 6))]
+    # pages of two tokens over two layers: every other family has one of each, where a token offset taken for a
+    # page offset, or one layer's slots for another's, cannot show
+    memory.append(("memory/pages_and_layers", Bounds(nodes=2, device_pages=2, host_pages=2, page_size=2, layers=2,
+                                                     max_depth=5), protocol_factory))
     # best_effort with two-page prompts (a cached prefix anchors a prefetch); the other stop policies with
     # one-page prompts on a one-page device, where every storage state is a few steps deep
     storage = [(f"storage/{p}", Bounds(nodes=2, device_pages=d, host_pages=2, alphabet=1, max_len=d, max_locks=0,
@@ -576,15 +629,17 @@ def default_families() -> list[tuple[str, Any, Any]]:
 
 
 def host_room_families() -> list[tuple[str, Any, Any]]:
-    """A one-page host under write_back and write_through, deeper than the ``memory/`` families.
+    """A one-page host under write_back, write_through and write_through_selective, deeper than ``memory/``.
 
     ``memory/write_back_host_full``: a load-back's own device eviction starts backups that need the host
     room the chain it loads holds: the chain must stay pinned through it (a chain left unpinned was
     missed by every other family). ``memory/write_through_host_full``: a prompt too long for the host
     is never backed up, a match splits it, its tail is backed up and pinned; device eviction then meets
     a device-only parent of a host-only child whose backup the full host refuses: it must stay (dropping
-    it orphaned the child, missed by every other family). Locks and redelivery are left out; complete
-    to its depth.
+    it orphaned the child, missed by every other family). ``memory/selective_host_full``: a match's
+    due backups need the host room that the copies the match found hold: those must stay pinned through
+    the backups' host eviction (a match then reported tokens no tier could serve). Locks and redelivery
+    are left out; complete to its depth.
     """
     from hicache_fsm.testing.explorer import Bounds
 
@@ -593,7 +648,10 @@ def host_room_families() -> list[tuple[str, Any, Any]]:
                     write_policy="write_back", max_depth=6), protocol_factory),
             ("memory/write_through_host_full",
              Bounds(nodes=2, device_pages=2, host_pages=1, max_locks=0, max_pins=1, redeliver=False,
-                    write_policy="write_through", max_depth=8), protocol_factory)]
+                    write_policy="write_through", max_depth=8), protocol_factory),
+            ("memory/selective_host_full",
+             Bounds(nodes=2, device_pages=2, host_pages=1, alphabet=1, max_locks=0, max_pins=0, redeliver=False,
+                    write_policy="write_through_selective", max_depth=7), protocol_factory)]
 
 
 def order_family() -> tuple[str, Any, Any]:

@@ -1,0 +1,80 @@
+"""What the cache owes the engine beyond its own invariants, checked by ``ProtocolAdapter`` around its steps.
+
+- ``loads_waited``: every node on a prefix the engine is handed whose device
+  copy is still being loaded is covered by a wait the engine got with it (a
+  match's ``loads``, a load-back's handle and its ``deps``). Reading layer
+  ``i`` after ``wait(i)`` must be safe: a load it does not wait for may land
+  after the forward pass read its slots.
+- ``wait_complete_due``: under the ``wait_complete`` stop policy a prefetch
+  is not ready while its hit query or transfer is still running.
+- ``write_behind_due``: a device-only node that was cold (idle for
+  ``write_behind_idle_steps`` polls) with host room for it at one step, and
+  stays so, is backed up by a later poll unless a backup was refused for host
+  room (the write_behind promise).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hicache_fsm.radix import TreeNode
+    from hicache_fsm.results import LoadHandle
+
+__all__ = ["cold_unbacked", "unwaited_loads", "wait_complete_problem", "write_behind_problems"]
+
+
+def _waited(handles: Iterable[LoadHandle]) -> set[int]:
+    """Ids of ``handles`` and of every load they wait for in turn (their ``deps``)."""
+    seen: set[int] = set()
+    todo = list(handles)
+    while todo:
+        handle = todo.pop()
+        if id(handle) not in seen:
+            seen.add(id(handle))
+            todo += handle.deps
+    return seen
+
+
+def unwaited_loads(outbox: Any, nodes: Iterable[TreeNode], handles: Iterable[LoadHandle]) -> list[TreeNode]:
+    """The loading nodes among ``nodes`` whose pending load no handle of ``handles`` (or its deps) waits for."""
+    from hicache_fsm.bindings.residency import LOADING
+
+    waited = _waited(handles)
+    return [n for n in nodes if n.state in LOADING and not any(id(h) in waited for h in outbox.handles_of(n))]
+
+
+def path_of(node: TreeNode) -> list[TreeNode]:
+    """``node`` and its ancestors, the root left out."""
+    out = []
+    while node is not None and node.parent is not None:
+        out.append(node)
+        node = node.parent
+    return out
+
+
+def wait_complete_problem(request: object, state_before: str | None, ready: bool, stop_policy: str) -> list[str]:
+    """``wait_complete_due``: a prefetch reported ready while its query or transfer was running."""
+    from hicache_fsm.storage.prefetch import THREAD_STATES
+
+    if ready and stop_policy == "wait_complete" and state_before in THREAD_STATES:
+        return [f"wait_complete_due: prefetch {request!r} reported ready while {state_before} (wait_complete waits "
+                f"for the whole transfer)"]
+    return []
+
+
+def cold_unbacked(cache: Any) -> frozenset[int]:
+    """Ids of the device-only nodes idle for ``write_behind_idle_steps`` polls that the host has room for now."""
+    config, driver = cache.config, cache.driver
+    room = cache.host_allocator.available_tokens
+    return frozenset(n.id for n in cache.tree.nodes() if n.parent is not None and n.state == "device"
+                     and driver.polls - n.last_poll >= config.write_behind_idle_steps and n.num_tokens <= room)
+
+
+def write_behind_problems(before: frozenset[int], after: frozenset[int], polled: bool, refused: bool) -> list[str]:
+    """``write_behind_due``: nodes cold with host room before a step that polled, and still so after it, although
+    no backup was refused for host room in it."""
+    late = sorted(before & after) if polled and not refused else []
+    return [f"write_behind_due: node(s) {late} stayed device-only through a poll, cold and with host room"] if late \
+        else []
