@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from hicache_fsm.radix import TreeNode
     from hicache_fsm.results import LoadHandle
 
-__all__ = ["cold_unbacked", "unwaited_loads", "wait_complete_problem", "write_behind_problems"]
+__all__ = ["cold_unbacked", "path_of", "unwaited_loads", "wait_complete_problem", "write_behind_problems"]
 
 
 def _waited(handles: Iterable[LoadHandle]) -> set[int]:

@@ -22,7 +22,8 @@ invariants cannot see, checked after every step:
   often) than a candidate it left; those records, in the cache's own eviction
   order, are part of the state key;
 - **write_through**: an insert leaves no node of its path device-only unless
-  a backup was refused for host room;
+  a backup was refused for host room; and a backup is refused for host room
+  only when no host copy could be evicted to make it (``refusal_justified``);
 - **what the engine is handed** (``testing.obligations``): every node still
   loading on a matched prefix or above a load-back is covered by a wait it
   got (``loads_waited``); under ``wait_complete`` a prefetch is not ready while
@@ -72,6 +73,7 @@ class ProtocolAdapter(HiCacheAdapter):
         # write_behind: (polls, backups refused for host room, cold device-only nodes with host room) at the
         # last check; a function of the state then, so not part of the key
         self._cold: tuple[int, int, frozenset[int]] = (0, 0, frozenset())
+        self._watch_refusals()
 
     def supports(self, op: str) -> bool:
         if op == "reset" and self.backend is not None:
@@ -97,7 +99,23 @@ class ProtocolAdapter(HiCacheAdapter):
         new._step_problems = []
         new._loads = list(self._loads)
         new.uses = self.uses.copy()
+        new._watch_refusals()  # the fork's eviction is a new object: watch it for the copy
         return new
+
+    def _watch_refusals(self) -> None:
+        """``refusal_justified``: every backup of this cache (insert, match, eviction, write_behind, explicit)
+        that is refused for host room leaves no host copy it could have evicted to make that room."""
+        eviction = self.cache.eviction
+        backup = type(eviction).try_backup.__get__(eviction)
+
+        def try_backup(node) -> bool:
+            started = backup(node)
+            if not started and eviction.attached.cp is None and len(eviction.host):
+                self._step_problems.append(f"refusal_justified: the backup of node {node.id} was refused for host "
+                                           f"room while host copies {sorted(eviction.host.ids())} could be evicted")
+            return started
+
+        eviction.try_backup = try_backup
 
     # ------------------------------------------------------------------ how the engine used each node
 
