@@ -167,9 +167,11 @@ def test_corrupt_value_is_a_counted_logged_miss(make_backend, caplog):
     assert b.debug_corrupt(KEYS[0])
     with caplog.at_level(logging.WARNING, logger="hicache_fsm.storage"):
         assert b.batch_get([KEYS[0], KEYS[1]]) == [None, src.read_page(1).numpy().tobytes()]
+        assert b.batch_set_from(KEYS[:1], src, [0]) == [True]  # the corrupt page was removed: stored again
+        assert b.debug_corrupt(KEYS[0])
         assert b.batch_get_into(KEYS[:2], FakeHostPool(2, 256), [0, 1]) == [False, True]
     s = b.stats()
-    assert s["corrupt"] == 2 and s["misses"] == 2 and s["hits"] == 2
+    assert s["corrupt"] == 2 and s["corrupt_removed"] == 2 and s["misses"] == 2 and s["hits"] == 2
     assert any("corrupt" in r.getMessage() for r in caplog.records if r.name == "hicache_fsm.storage")
 
 
@@ -259,16 +261,22 @@ def test_file_short_or_misplaced_file_is_a_miss(tmp_path):
     b = FileBackend(tmp_path, KeyNamespace("m"))
     src = FakeHostPool(3, 512)
     src.fill_random(3)
-    b.batch_set_from(KEYS[:3], src, [0, 1, 2])
-    with open(b.path_for(KEYS[0]), "r+b") as f:
-        f.truncate(os.path.getsize(b.path_for(KEYS[0])) - 1)
-    with open(b.path_for(KEYS[1]), "r+b") as f:
-        f.truncate(10)  # shorter than a header
-    os.makedirs(os.path.dirname(b.path_for(KEYS[3])), exist_ok=True)
-    os.replace(b.path_for(KEYS[2]), b.path_for(KEYS[3]))  # a whole, valid page under the wrong name
+
+    def damage() -> None:  # a read removes the damaged files: damage a fresh copy before each path
+        b.batch_set_from(KEYS[:3], src, [0, 1, 2])
+        with open(b.path_for(KEYS[0]), "r+b") as f:
+            f.truncate(os.path.getsize(b.path_for(KEYS[0])) - 1)
+        with open(b.path_for(KEYS[1]), "r+b") as f:
+            f.truncate(10)  # shorter than a header
+        os.makedirs(os.path.dirname(b.path_for(KEYS[3])), exist_ok=True)
+        os.replace(b.path_for(KEYS[2]), b.path_for(KEYS[3]))  # a whole, valid page under the wrong name
+
+    damage()
     assert b.batch_get(KEYS[:4]) == [None, None, None, None]
+    damage()
     assert b.batch_get_into(KEYS[:4], FakeHostPool(4, 512), [0, 1, 2, 3]) == [False] * 4
     assert b.stats()["corrupt"] == 6  # every page that exists but is damaged, on both paths
+    assert b.stats()["corrupt_removed"] == 6
 
 
 def test_file_disk_full_raises_and_leaves_nothing(tmp_path, monkeypatch):

@@ -236,3 +236,38 @@ def test_pages_of_a_prefix_stored_before_a_reset_are_not_lost_by_a_node_of_the_n
         assert counted == live
     finally:
         cache.close()
+
+
+def test_a_store_whose_cap_is_below_the_host_set_settles_instead_of_evicting_at_every_poll():
+    """Storing a node the backend evicted for room, at once, evicted another's pages, which were stored again at
+    the next poll, and so on: with no request at all, thousands of writes a second. A node evicted for room now
+    waits a retry interval (doubling per eviction) before it is stored again."""
+    cache, ex = make_cache(device_pages=16, host_pages=32, config=CacheConfig(write_policy="write_through"))
+    backend = MemoryBackend(max_bytes=2 * cache.host_pool.page_nbytes)
+    tier = SteppedStorageTier.attach_to(cache, backend, retry_interval=1000.0)
+    hook = enable_kv_events(cache, Sink())
+    try:
+        first = put(cache, pages(2, start=0)).node
+        _step(cache, ex, tier, hook)
+        second = put(cache, pages(2, start=500)).node  # its backup evicts the first prefix's two pages
+        _step(cache, ex, tier, hook)
+        evictions = backend.stats()["evictions"]
+        assert evictions == 2 and tier.counters["storage_lost_nodes"] == 1
+        _step(cache, ex, tier, hook, rounds=20)  # idle polls: nothing is stored, nothing evicted
+        assert backend.stats()["evictions"] == evictions
+        assert first.state == "device_host" and second.state.endswith("_stored")
+        assert tier.retries.evictions == {first.id: 1}
+    finally:
+        cache.close()
+
+
+def test_each_eviction_for_room_doubles_the_wait_and_a_store_does_not_reset_it():
+    from hicache_fsm.storage.retry import BackupRetries
+
+    retries = BackupRetries()
+    for times, wait in ((1, 2.0), (2, 4.0), (3, 8.0)):
+        retries.evicted([7], 2.0, now=100.0)
+        assert retries.failures[7] == (100.0 + wait, 0) and retries.evictions[7] == times
+        retries.stored([7])  # stored again in between: the next eviction still waits longer
+    retries.evicted([7], 2.0, now=0.0)
+    assert retries.failures[7][0] == 16.0

@@ -27,7 +27,8 @@ Contract of every backend:
   ``StorageUnavailable``, ``StorageTimeout``, ``StorageFull``); a backend never
   returns bytes it has not verified. A stored page that is corrupt or short is
   a miss (None / False), counted as ``corrupt`` in ``stats()`` and logged on the
-  ``hicache_fsm.storage`` logger.
+  ``hicache_fsm.storage`` logger; where it can without racing a writer, the backend
+  removes it (``corrupt_removed``) so that the next backup stores the page again.
 
 Every stored value carries a small header (see :func:`encode_header`): magic,
 format version, checksum algorithm, key length, payload length, payload
@@ -110,6 +111,7 @@ STAT_FIELDS = (
     "misses",  # includes corrupt pages
     "corrupt",  # stored pages rejected by the header/checksum check
     "format_mismatch",  # stored pages written with another page format (layout, shape, dtype, page size)
+    "corrupt_removed",  # of the corrupt pages, removed from the store so that the next backup writes them again
     "sets",  # keys offered to batch_set / batch_set_from
     "skipped_existing",  # of those, already stored (not rewritten)
     "set_failures",  # of those, refused without an error (e.g. over the size cap)
@@ -131,7 +133,7 @@ class CorruptPage(Exception):
 
 
 class FormatMismatch(CorruptPage):
-    """Internal: a stored value is intact but was written in another page format (a miss)."""
+    """Internal: a stored value is intact but was written in another page format or by another version (a miss)."""
 
     def __init__(self, stored: bytes, expected: bytes) -> None:
         super().__init__(f"written as {describe(stored)!r}, this reader expects {describe(expected)!r}")
@@ -303,8 +305,8 @@ def parse_header(buf: bytes | bytearray | memoryview, key: bytes, fmt: bytes = U
     magic, version, algo, key_len, payload_len, check, stored_fmt, header_crc = HEADER.unpack_from(buf, 0)
     if magic != MAGIC:
         raise CorruptPage("bad magic")
-    if version != FORMAT_VERSION:
-        raise CorruptPage(f"unknown format version {version}")
+    if version != FORMAT_VERSION:  # another version of this library wrote it: foreign, left for its readers
+        raise FormatMismatch(b"format version %d" % version, fmt)
     if key_len != len(key):
         raise CorruptPage("key length mismatch")
     stored_key = bytes(buf[HEADER.size : HEADER.size + key_len])
@@ -312,8 +314,8 @@ def parse_header(buf: bytes | bytearray | memoryview, key: bytes, fmt: bytes = U
         raise CorruptPage("header checksum mismatch")
     if stored_key != key:
         raise CorruptPage("stored under a different key")
-    if algo not in _CHECKSUM_NAMES:
-        raise CorruptPage(f"unknown checksum algorithm {algo}")
+    if algo not in _CHECKSUM_NAMES:  # as above: a checksum this version does not know
+        raise FormatMismatch(b"checksum algorithm %d" % algo, fmt)
     if stored_fmt != fmt:
         raise FormatMismatch(stored_fmt, fmt)
     return payload_len, algo, check
@@ -705,8 +707,8 @@ class StorageBackend(ABC):
     def _forget_recency(self, skeys: Sequence[str]) -> None:
         """Drop ``skeys`` from this backend's recency order (a store it shares evicted them); none kept by default."""
 
-    def _report_corrupt(self, skey: str, reason: str | CorruptPage) -> None:
-        """Count a stored page that is read as a miss: corrupt, or (warned once per format) foreign."""
+    def _report_corrupt(self, skey: str, reason: str | CorruptPage, remove: Callable[[], bool] | None = None) -> None:
+        """Count a stored page read as a miss: corrupt (``remove()`` deletes it if still the value read) or foreign."""
         if isinstance(reason, FormatMismatch):
             self._stats.add(format_mismatch=1)
             if reason.stored not in self._foreign_formats:
@@ -716,8 +718,10 @@ class StorageBackend(ABC):
                     "(counted in the backend's stats()['format_mismatch'], a cache's "
                     "stats()['storage']['backend_stats']['format_mismatch'])", type(self).__name__, skey, reason)
             return
-        self._stats.add(corrupt=1)
-        logger.warning("%s: stored page %s is corrupt (%s); treating it as a miss", type(self).__name__, skey, reason)
+        removed = remove is not None and remove()
+        self._stats.add(corrupt=1, corrupt_removed=int(removed))
+        logger.warning("%s: stored page %s is corrupt (%s); treating it as a miss%s", type(self).__name__, skey,
+                       reason, " and removed it, so that the next backup stores it again" if removed else "")
 
     # -- hooks -------------------------------------------------------------
 
@@ -781,11 +785,15 @@ class SharedStore:
         """The store's pages were dropped wholesale (a clear): holders must store their nodes again."""
         self.epoch = next(_STORE_EPOCHS)
 
-    def evicted(self, skeys: list[str]) -> None:
-        """``skeys`` were dropped from the store: every backend on it forgets them and tells its listeners."""
+    def forget(self, skeys: list[str]) -> list[StorageBackend]:
+        """``skeys`` left the store: every backend on it drops them from its recency order; those backends."""
         with self.lock:
             backends = list(self.backends)
             for backend in backends:
                 backend._forget_recency(skeys)
-        for backend in backends:
+        return backends
+
+    def evicted(self, skeys: list[str]) -> None:
+        """``skeys`` were dropped from the store: every backend on it forgets them and tells its listeners."""
+        for backend in self.forget(skeys):
             backend._report_evicted(skeys)

@@ -19,8 +19,14 @@ the payload.
   than 10 minutes (counted ``orphans_removed``).
 * A key whose file exists is not rewritten (counted ``skipped_existing``).
 * A missing file is a miss; a short, oversized or checksum-failing file is a miss
-  counted ``corrupt``; any other OS error raises StorageError (ENOSPC/EDQUOT:
-  StorageFull).
+  counted ``corrupt`` and is deleted (if it is still the file read: same device,
+  inode and mtime), so that the next backup writes the page again
+  (``corrupt_removed``); a page of another page format is left alone. Something
+  other than a regular file where a page should be (a directory, a FIFO) is a
+  miss counted ``corrupt`` too, and is not ours to delete. Any other OS error
+  raises StorageError; a write refused for space (ENOSPC/EDQUOT/EFBIG) or
+  permission (EROFS/EACCES/EPERM: a read-only store) raises StorageFull, so
+  backups back off per node while reads go on.
 * ``max_bytes`` caps the bytes of this namespace's files: least recently used
   pages are deleted first, and reported to the eviction listeners (each file's
   storage key is read from its header before it is deleted). Recency is tracked in memory, seeded from file mtimes
@@ -39,6 +45,7 @@ import hashlib
 import itertools
 import logging
 import os
+import stat
 import threading
 import time
 import uuid
@@ -70,6 +77,7 @@ _TMP_SUFFIX = ".tmp"
 _STALE_TMP_SECONDS = 600.0
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _FULL_ERRNOS = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC), errno.EFBIG}
+_REFUSED_WRITE_ERRNOS = {errno.EROFS, errno.EACCES, errno.EPERM}  # a read-only store: reads still work
 _UNAVAILABLE_ERRNOS = {
     getattr(errno, name) for name in ("ENOTCONN", "ESTALE", "EHOSTDOWN", "EHOSTUNREACH", "ENODEV") if hasattr(errno, name)
 }
@@ -80,9 +88,10 @@ def _digest(text: str, size: int) -> str:
     return hashlib.blake2b(text.encode(), digest_size=size).hexdigest()
 
 
-def _os_error(exc: OSError, what: str) -> StorageError:
+def _os_error(exc: OSError, what: str, *, write: bool = False) -> StorageError:
+    """The StorageError for ``exc``; a ``write`` the store refuses (full, read-only) is StorageFull: not an outage."""
     message = f"{what}: {exc.strerror or exc}"
-    if exc.errno in _FULL_ERRNOS:
+    if exc.errno in _FULL_ERRNOS or (write and exc.errno in _REFUSED_WRITE_ERRNOS):
         return StorageFull(message)
     if exc.errno == errno.ETIMEDOUT:
         return StorageTimeout(message)
@@ -293,7 +302,7 @@ class FileBackend(StorageBackend):
                 break
             except OSError as exc:
                 raise _os_error(exc, f"stat of page {skey}") from exc
-            if st.st_size < HEADER.size:
+            if not stat.S_ISREG(st.st_mode) or st.st_size < HEADER.size:  # a directory or FIFO is no stored page
                 break
             n += 1
         return n
@@ -334,7 +343,7 @@ class FileBackend(StorageBackend):
                 os.makedirs(self.ns_dir, exist_ok=True)
                 return self._new_epoch()
             except OSError as exc:
-                raise _os_error(exc, f"writing the data epoch in {self.ns_dir}") from exc
+                raise _os_error(exc, f"writing the data epoch in {self.ns_dir}", write=True) from exc
 
     def _clear(self) -> None:
         try:
@@ -383,14 +392,46 @@ class FileBackend(StorageBackend):
                 self._lru.discard(path)
 
     def _open_page(self, skey: str) -> tuple[str, int | None]:
+        """The page's path and an open fd, or None for a missing file or a directory in its place (a miss).
+
+        O_NONBLOCK: a FIFO in a page's place must not block the open (it changes nothing for a regular file).
+        """
         path = self._path(skey)
         try:
-            return path, os.open(path, os.O_RDONLY | _O_CLOEXEC)
+            return path, os.open(path, os.O_RDONLY | os.O_NONBLOCK | _O_CLOEXEC)
         except FileNotFoundError:
             self._gone(path)
             return path, None
+        except IsADirectoryError:
+            self._report_corrupt(skey, "a directory where its file should be")
+            return path, None
         except OSError as exc:
             raise _os_error(exc, f"opening page {skey}") from exc
+
+    @staticmethod
+    def _page_size(fd: int) -> int:
+        """The size of the open page file; CorruptPage when it is not a regular file (a directory, a FIFO)."""
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CorruptPage(f"not a regular file (mode {st.st_mode:o})")
+        return st.st_size
+
+    def _remove_corrupt(self, path: str, fd: int) -> bool:
+        """Delete the corrupt page file open as ``fd`` if ``path`` still names it, so that the next backup writes it.
+
+        A file a writer renamed into place since the read (another inode or mtime) is left alone, and so is anything
+        but a regular file (not ours).
+        """
+        try:
+            held, now = os.fstat(fd), os.stat(path)
+            if not stat.S_ISREG(held.st_mode) or (held.st_dev, held.st_ino, held.st_mtime_ns) != (
+                    now.st_dev, now.st_ino, now.st_mtime_ns):
+                return False
+            os.unlink(path)
+        except OSError:  # gone already, or a read-only store: it stays a miss
+            return False
+        self._gone(path)
+        return True
 
     def _read_one(self, skey: str, fmt: bytes) -> bytes | None:
         path, fd = self._open_page(skey)
@@ -398,7 +439,7 @@ class FileBackend(StorageBackend):
             return None
         key = skey.encode()
         try:
-            size = os.fstat(fd).st_size
+            size = self._page_size(fd)
             head = os.read(fd, HEADER.size + len(key))
             payload_len, algo, check = parse_header(head, key, fmt)
             if size != len(head) + payload_len:
@@ -414,7 +455,7 @@ class FileBackend(StorageBackend):
             data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
             verify_payload([data], algo, check)
         except CorruptPage as exc:
-            self._report_corrupt(skey, exc)
+            self._report_corrupt(skey, exc, lambda: self._remove_corrupt(path, fd))
             return None
         except OSError as exc:
             raise _os_error(exc, f"reading page {skey}") from exc
@@ -431,10 +472,13 @@ class FileBackend(StorageBackend):
         head = bytearray(HEADER.size + len(key))
         expected = len(head) + sum(len(p) for p in parts)
         try:
-            size = os.fstat(fd).st_size
-            if size != expected:  # another format (the header says so) or a damaged file
-                parse_header(os.read(fd, len(head)), key, fmt)
-                raise CorruptPage(f"file is {size} bytes, a page here is {expected}")
+            size = self._page_size(fd)
+            if size != expected:  # another format (its header says so), damaged, or intact but of another size
+                payload_len = parse_header(os.read(fd, len(head)), key, fmt)[0]
+                if size != len(head) + payload_len:
+                    raise CorruptPage(f"file is {size} bytes, header says {len(head) + payload_len}")
+                self._report_corrupt(skey, f"stored page is {size} bytes, a page here is {expected}")  # kept: intact
+                return False
             got = os.readv(fd, [head, *parts])
             while got < expected:  # rare: a short readv on a regular file
                 more = self._readv_rest(fd, [head, *parts], got)
@@ -446,7 +490,7 @@ class FileBackend(StorageBackend):
                 raise CorruptPage("payload length mismatch")
             verify_payload(parts, algo, check)
         except CorruptPage as exc:
-            self._report_corrupt(skey, exc)
+            self._report_corrupt(skey, exc, lambda: self._remove_corrupt(path, fd))
             return False
         except OSError as exc:
             raise _os_error(exc, f"reading page {skey}") from exc
@@ -490,7 +534,7 @@ class FileBackend(StorageBackend):
                 self._write_atomic(path, [header, *parts])
         except OSError as exc:
             self._made_dirs.discard(shard)
-            raise _os_error(exc, f"writing page {skey}") from exc
+            raise _os_error(exc, f"writing page {skey}", write=True) from exc
         if self._lru.max_bytes is not None:
             with self._lock:
                 self._lru.add(path, total)

@@ -18,6 +18,7 @@ from hicache_fsm.interfaces import TierContext
 from hicache_fsm.storage.evictions import EvictionTracker
 from hicache_fsm.storage.link import StorageLink
 from hicache_fsm.storage.options import TierOptions
+from hicache_fsm.storage.retry import BackupRetries
 from hicache_fsm.storage.threads import leading_hits
 
 if TYPE_CHECKING:
@@ -35,6 +36,7 @@ class LostPages:
     link: StorageLink
     agreement: Any  # a rank group's agreement, or None
     evictions: EvictionTracker
+    retries: BackupRetries
     counters: Counter[str]
     runtime: PrefetchRuntime
     healthy: bool
@@ -77,11 +79,14 @@ class LostPages:
     def _apply_evictions(self) -> None:
         """Stored nodes whose pages the backend evicted go back to "not stored" (see ``storage.evictions``).
 
+        They are stored again later, each after a longer wait than at its last
+        eviction (``BackupRetries.evicted``): the backend evicted them for
+        room, and storing them at once would evict others in their place.
         A rank group leaves this out, as it does the epoch: one rank's evictions must not split the trees.
         """
         lost = self.evictions.take_lost()
         if lost and self.agreement is None:
-            self._mark_lost(lost)
+            self._mark_lost(lost, evicted=True)
 
     def verify_stored(self, nodes: Iterable[TreeNode] | None = None) -> int:
         """Ask the backend whether stored nodes (default: every one) still have all their pages; a node
@@ -116,21 +121,30 @@ class LostPages:
         self._confine()
         return self._mark_lost(self._own_nodes(nodes))
 
-    def _mark_lost(self, nodes: Iterable[TreeNode]) -> int:
+    def _mark_lost(self, nodes: Iterable[TreeNode], evicted: bool = False) -> int:
+        """Fire ``storage_lost`` on each of ``nodes`` that is stored; returns how many moved. Lost pages are
+        stored again at the next poll; pages the backend ``evicted`` for room, later (``_apply_evictions``)."""
         nodes = list(nodes)
         if nodes:  # a running prefetch may hold pages the backend no longer has
             self.runtime.storage_lost()
         driver = self.ctx.driver
-        moved = 0
+        moved = []
         for node in nodes:
             if node.parent is not None and driver.can_fire(node, "storage_lost"):
                 driver.fire(node, "storage_lost")
-                moved += 1
-        if moved:
-            self.counters["storage_lost_nodes"] += moved
+                moved.append(node.id)
+        if not moved:
+            return 0
+        self.counters["storage_lost_nodes"] += len(moved)
+        if evicted:  # the backend's size cap at work: routine, and no hurry to store them again
+            self.retries.evicted(moved, self.options.retry_interval, self.now())
+            self._sweep_due = True
+            log.debug("storage evicted the pages of %d stored nodes for room; they will be stored again later",
+                      len(moved))
+        else:
             self._store_again()
-            log.warning("storage lost the pages of %d stored nodes; they will be stored again", moved)
-        return moved
+            log.warning("storage lost the pages of %d stored nodes; they will be stored again", len(moved))
+        return len(moved)
 
     def _store_again(self) -> None:
         """Look for unstored nodes to back up at the next poll, whatever the retry interval."""

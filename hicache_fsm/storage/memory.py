@@ -10,6 +10,10 @@ With ``max_bytes`` the backend evicts least recently used pages and tells its
 eviction listeners (``reports_evictions``). A page evicted from a shared store
 is gone for every backend on it, so each of them forgets it and tells its own
 listeners (a cluster of caches on one ``memory://NAME`` L3 all hear it).
+
+A page that fails verification is removed from the store (``corrupt_removed``),
+so that the next backup of its node stores it again; a page of another page
+format is left alone.
 """
 
 from __future__ import annotations
@@ -135,11 +139,20 @@ class MemoryBackend(StorageBackend):
                 try:
                     out.append(bytes(decode_blob(blob, skey.encode(), fmt)))
                 except CorruptPage as exc:
-                    self._report_corrupt(skey, exc)
+                    self._report_corrupt(skey, exc, lambda: self._remove_corrupt(skey, blob))
                     out.append(None)
                     continue
                 self._lru.touch(skey)
         return out
+
+    def _remove_corrupt(self, skey: str, blob: bytes) -> bool:
+        """Drop ``skey`` if it still holds the corrupt ``blob`` read, so that the next backup stores it again."""
+        with self._mem.lock:
+            if self._mem.data.get(skey) is not blob:
+                return False
+            del self._mem.data[skey]
+            self._mem.forget([skey])  # every backend on the store stops counting its bytes toward a cap
+        return True
 
     def _set(self, skeys: list[str], payloads: list[list[memoryview]], fmt: bytes) -> list[str]:
         outcomes = []

@@ -26,8 +26,10 @@ into the distributed pool and keeps a ``buffer_mb`` MiB transfer buffer.
 * A stored page whose holder died lingers for the master's client TTL
   (~10 s): ``is_exist`` says 1, the transfer fails. Such a read is a miss; so
   is a value of another size (another page format, or damaged: reported as
-  ``format_mismatch`` / ``corrupt``). Writes that land on such a segment fail
-  (``set_failures``) and are retried by the tier.
+  ``format_mismatch`` / ``corrupt``). Unlike the other backends, this one
+  leaves a corrupt value in place (Mooncake has no compare-and-delete), so the
+  next backup of its node skips the key as stored. Writes that land on such a
+  segment fail (``set_failures``) and are retried by the tier.
 * An unreachable master raises :class:`~hicache_fsm.errors.StorageUnavailable`;
   at open this happens within ``connect_timeout`` seconds: the TCP connect and
   a handshake probe (a master that accepts but never answers) share it, before

@@ -11,12 +11,21 @@
   header and the host page's views go to the socket without a joined copy.
 * Values are raw bytes: the shared header (magic, version, lengths, checksums),
   the key, then the payload; never pickle. A value that fails verification is
-  a miss counted ``corrupt``.
+  a miss counted ``corrupt`` and is deleted if it still holds the bytes read (a
+  compare-and-delete script: a good page written since stays), so that the next
+  backup stores the page again (``corrupt_removed``); a page of another page
+  format is left alone. A key of another type (WRONGTYPE) is a miss counted
+  ``corrupt`` for that key only, and is not ours to delete.
 * redis-py errors map to StorageTimeout (timeouts), StorageUnavailable
   (connection trouble, read-only replica, server loading), StorageFull (OOM)
   and StorageError (anything else).
 * ``clear()`` SCANs this namespace's prefix and UNLINKs what it finds; it never
   flushes the database.
+* ``data_epoch()`` is a random token under ``{prefix}/data-epoch`` (no page key
+  holds a '/'), written with ``SET NX`` (never a TTL) when missing, so clients
+  racing agree on it. A server restarted on empty memory, a ``FLUSHALL`` /
+  ``FLUSHDB`` or a ``clear()`` drops it with the pages: the epoch changes and
+  the tier stores its nodes again.
 * Keys the server drops by itself (``maxmemory`` eviction, a ``ttl`` expiring)
   are not reported to eviction listeners (``reports_evictions`` is False: the
   client is never told); ``StorageTier.verify_stored`` finds those pages.
@@ -28,7 +37,10 @@ page (redis-py materialises replies as ``bytes``).
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import logging
 import re
+import secrets
 from typing import Iterator
 
 import redis as redis_py
@@ -59,8 +71,16 @@ from hicache_fsm.storage.urls import check_url
 
 __all__ = ["RedisBackend"]
 
+logger = logging.getLogger("hicache_fsm.storage")
+
 _EXISTS_CHUNK = 1024  # keys per EXISTS pipeline (replies are tiny)
 _GLOB_CHARS = re.compile(r"([*?\[\]\\^])")
+_EPOCH_SUFFIX = "/data-epoch"  # after the namespace prefix: no page key holds a '/', so none can be this key
+# DEL KEYS[1] only while it still holds the value whose SHA-1 is ARGV[1] (a page rewritten since stays)
+_DELETE_IF_SAME = (
+    "local v = redis.call('GET', KEYS[1]) "
+    "if v and redis.sha1hex(v) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+)
 
 
 @contextlib.contextmanager
@@ -168,12 +188,19 @@ class RedisBackend(StorageBackend):
         return n
 
     def _fetch(self, skeys: list[str]) -> Iterator[tuple[str, bytes | None]]:
+        """Each key's value; a key of another type is a miss counted corrupt (one bad key is no outage)."""
         with _mapped("GET"):
             for _, chunk in self._chunks(skeys):
                 pipe = self._client.pipeline(transaction=False)
                 for skey in chunk:
                     pipe.get(skey)
-                yield from zip(chunk, pipe.execute())
+                for skey, reply in zip(chunk, pipe.execute(raise_on_error=False)):
+                    if isinstance(reply, ResponseError) and str(reply).startswith("WRONGTYPE"):
+                        self._report_corrupt(skey, f"the key holds another type than a string: {reply}")
+                        reply = None
+                    elif isinstance(reply, Exception):
+                        raise reply
+                    yield skey, reply
 
     def _verified(self, skey: str, blob: bytes | None, fmt: bytes) -> memoryview | None:
         if blob is None:
@@ -181,8 +208,17 @@ class RedisBackend(StorageBackend):
         try:
             return decode_blob(blob, skey.encode(), fmt)
         except CorruptPage as exc:
-            self._report_corrupt(skey, exc)
+            self._report_corrupt(skey, exc, lambda: self._remove_corrupt(skey, blob))
             return None
+
+    def _remove_corrupt(self, skey: str, blob: bytes) -> bool:
+        """Delete ``skey`` if it still holds the corrupt ``blob`` read, so that the next backup stores it again."""
+        with _mapped("removing a corrupt page"):
+            try:
+                return bool(self._client.eval(_DELETE_IF_SAME, 1, skey, hashlib.sha1(blob).hexdigest()))
+            except ResponseError as exc:  # scripting refused (ACL, a proxy): the page stays a miss
+                logger.debug("RedisBackend: cannot remove corrupt page %s: %s", skey, exc)
+                return False
 
     def _get(self, skeys: list[str], fmt: bytes) -> list[bytes | None]:
         out: list[bytes | None] = []
@@ -256,6 +292,25 @@ class RedisBackend(StorageBackend):
             raise
         finally:
             self._pool.release(conn)
+
+    def data_epoch(self) -> int:
+        """A random token under this namespace; a restart on empty memory, a flush or ``clear()`` drops it.
+
+        When it is missing a new one is written with SET NX (no TTL: only losing the data may drop it) and the
+        value the key then holds is returned, so clients racing to write it agree.
+        """
+        self._check_open()
+        key = self.namespace.prefix + _EPOCH_SUFFIX
+        with _mapped("data epoch"):
+            stored = self._client.get(key)
+            if stored is None:
+                token = str(secrets.randbits(62)).encode()  # random: no other store's or clear's epoch is the same
+                self._client.set(key, token, nx=True)
+                stored = self._client.get(key) or token
+        try:
+            return int(stored)
+        except ValueError:
+            raise StorageError(f"redis data epoch key {key!r} holds {stored[:40]!r}, not a number") from None
 
     def _clear(self) -> None:
         pattern = _GLOB_CHARS.sub(r"\\\1", self.namespace.prefix) + "*"

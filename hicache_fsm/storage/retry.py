@@ -11,7 +11,11 @@ change, split and removal, so the set is never recomputed from the tree.
 ``ready`` holds the nodes that may be retried now, in the order they became
 unstored; a node whose backup failed while storage answered backs off
 (``back_off``: ``retry_interval`` doubling per failure, at most 60 s) in
-``waiting``, with its due time in a heap. A sweep costs O(k log N) for the k
+``waiting``, with its due time in a heap. So does a node whose stored pages
+the backend evicted for room (``evicted``): its delay doubles with each such
+eviction and a successful store does not reset it, so that a store whose cap
+is below what the host holds settles instead of evicting one node's pages to
+store another's at every poll. A sweep costs O(k log N) for the k
 nodes it starts or brings back from ``waiting``. ``violations`` compares the
 maintained sets with a recomputation (an invariant the tests check).
 """
@@ -38,6 +42,7 @@ class BackupRetries:
         self.waiting: dict[int, TreeNode] = {}
         self._due: list[tuple[float, int]] = []  # (not before, node id) of waiting nodes; stale entries skipped
         self.failures: dict[int, tuple[float, int]] = {}  # node id -> (not before, failures so far)
+        self.evictions: dict[int, int] = {}  # node id -> times the backend evicted its stored pages for room
 
     def __len__(self) -> int:
         return len(self.ready) + len(self.waiting)
@@ -59,6 +64,7 @@ class BackupRetries:
     def removed(self, node: TreeNode, parent: TreeNode) -> None:
         self._leave(node.id)
         self.failures.pop(node.id, None)
+        self.evictions.pop(node.id, None)
 
     def _leave(self, node_id: int) -> None:
         self.ready.pop(node_id, None)
@@ -75,8 +81,16 @@ class BackupRetries:
         """These nodes' backups failed while storage answered: each waits longer than the last time."""
         for node_id in node_ids:
             failures = self.failures.get(node_id, (0.0, 0))[1] + 1
-            delay = min(interval * 2 ** min(failures - 1, 16), MAX_BACKOFF_S)
-            self.failures[node_id] = (now + delay, failures)
+            self.failures[node_id] = (now + _delay(interval, failures), failures)
+
+    def evicted(self, node_ids: Iterable[int], interval: float, now: float) -> None:
+        """The backend evicted these nodes' stored pages for room: each is stored again later than the last
+        time it was evicted (kept across successful stores: a full store would evict another node for it)."""
+        for node_id in node_ids:
+            count = self.evictions.get(node_id, 0) + 1
+            self.evictions[node_id] = count
+            failures = self.failures.get(node_id, (0.0, 0))[1]
+            self.failures[node_id] = (now + _delay(interval, count), failures)
 
     def forgive(self) -> None:
         """Storage answers again: every unstored node may be retried at once."""
@@ -90,6 +104,7 @@ class BackupRetries:
         self.waiting.clear()
         self._due.clear()
         self.failures.clear()
+        self.evictions.clear()
 
     # ------------------------------------------------------------------ the sweep
 
@@ -153,7 +168,13 @@ class BackupRetries:
         new.waiting = {k: node_of(n) for k, n in self.waiting.items()}
         new._due = list(self._due)
         new.failures = dict(self.failures)
+        new.evictions = dict(self.evictions)
         return new
+
+
+def _delay(interval: float, times: int) -> float:
+    """``interval`` doubled per time after the first, at most ``MAX_BACKOFF_S``."""
+    return min(interval * 2 ** min(times - 1, 16), MAX_BACKOFF_S)
 
 
 __all__ = ["MAX_BACKOFF_S", "UNSTORED", "BackupRetries"]
