@@ -19,8 +19,9 @@ invariants cannot see, checked after every step:
   runs both, the fuzzer's seeded runs the first);
 - **eviction order** (``testing.recency``): the adapter counts how the engine
   used each node, and an eviction never takes a node used later (LFU: more
-  often) than a candidate it left; those records, in the cache's own eviction
-  order, are part of the state key;
+  often) than a candidate it left; nor does the cache's eviction order rank two
+  nodes against those records at any time (``order_agrees``); the records, in
+  the cache's own eviction order, are part of the state key;
 - **write_through**: an insert leaves no node of its path device-only unless
   a backup was refused for host room; and a backup is refused for host room
   only when no host copy could be evicted to make it (``refusal_justified``);
@@ -542,8 +543,19 @@ class ProtocolAdapter(HiCacheAdapter):
         """KV read-back (also run after steps that land on a known state), plus this step's obligations."""
         problems, self._step_problems = self._step_problems, []
         self.uses.sync(self.cache.tree.nodes())  # nodes the cache made or dropped by itself
-        return (problems + self._late_ack_problems() + self._write_behind_problems() + super().kv_violations()
-                + self._load_violations())
+        return (problems + self._late_ack_problems() + self._write_behind_problems() + self._order_problems()
+                + super().kv_violations() + self._load_violations())
+
+    def _order_problems(self) -> list[str]:
+        """``order_agrees``: the cache's eviction order never ranks two nodes against the engine's use records
+        (a node used later, LFU: more, placed first), whether or not an eviction has taken one of them yet."""
+        tree = self.cache.tree
+        ranked = sorted((n for n in tree.nodes() if n.parent is not None), key=self.cache.eviction.sort_key)
+        pairs, _ = self.uses.rank_key(ranked)
+        policy = self.config.eviction_policy
+        return [f"order_agrees: the {policy} eviction order would take {self._describe(ranked[i])} before "
+                f"{self._describe(ranked[j])}, though the engine used the latter less recently (LFU: less often)"
+                for i, j in pairs[:1]]
 
     def _write_behind_problems(self) -> list[str]:
         """``write_behind_due`` since the last check (see ``testing.obligations``)."""
