@@ -137,3 +137,15 @@ def test_sigterm_ends_check_with_its_partial_result(tmp_path):
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 130, out
     assert "INCOMPLETE (interrupted), 0 violations" in out
+
+
+def test_explicit_bounds_run_the_protocol_checks_of_the_families(capsys):
+    """With bounds given, check ran the plain adapter: a policy obligation broken (a selective backup one hit
+    early) passed `check --write-policy write_through_selective` yet failed plain `check`."""
+    from hicache_fsm.testing.explorer import quiet_cache_logs
+    from hicache_fsm.testing.mutants import mutant
+
+    with quiet_cache_logs(), mutant("selective_threshold_off_by_one"):
+        assert main(["check", "--write-policy", "write_through_selective", "--nodes", "2", "--max-depth", "3",
+                     "--stop-on-first", "--quiet"]) == 1
+    assert "policy_selective" in capsys.readouterr().out

@@ -237,8 +237,9 @@ def _check_prefix_cache(args: argparse.Namespace) -> int:
     if not args.adapter and not bounds_given(args):
         return _check_portfolio(args)
     _fill_defaults(args)
-    from hicache_fsm.testing.explorer import Bounds, Explorer, hicache_factory
+    from hicache_fsm.testing.explorer import Bounds, Explorer
     from hicache_fsm.testing.paths import CoverageTracker
+    from hicache_fsm.testing.protocol import protocol_factory
     from hicache_fsm.testing.transition_log import RecordingCoverage, recording_writer
 
     _check_bounds_are_small(args)
@@ -256,7 +257,7 @@ def _check_prefix_cache(args: argparse.Namespace) -> int:
     if not args.adapter and not args.quiet:  # bounds replace the portfolio: say what the run leaves out
         print(f"check: bounds given: one exploration per write policy ({', '.join(policies)}), not the families "
               f"of plain `check` (storage, prefetch, CP and the other policies)", file=sys.stderr)
-    factory = hicache_factory
+    factory = protocol_factory  # the checks of the families: policy obligations, eviction order, load-backs
     if args.adapter:
         from hicache_fsm.commands.adapter_factory import check_explorer_factory, load_factory
 
