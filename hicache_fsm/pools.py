@@ -159,8 +159,8 @@ def check_device(name: object) -> torch.device:
         dev = torch.device(name)  # type: ignore[arg-type]
     except (RuntimeError, TypeError):  # a bad string; an int index with no accelerator
         raise ConfigError(f"device must be cpu, cuda or cuda:N, got {name!r}") from None
-    if dev.type not in ("cpu", "cuda"):
-        raise ConfigError(f"device must be cpu, cuda or cuda:N, got {name!r}")
+    if dev.type not in ("cpu", "cuda") or (dev.type == "cpu" and dev.index not in (None, 0)):
+        raise ConfigError(f"device must be cpu, cuda or cuda:N, got {name!r}")  # cpu:99 would be cpu anyway
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise ConfigError(f"device {name!r} requested but CUDA is not available (this torch has no usable GPU)")

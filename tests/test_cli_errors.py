@@ -75,6 +75,7 @@ CASES: dict[str, tuple[list[str], int, tuple[str, ...]]] = {
     "simulate_host_not_larger": (["simulate", "--device-tokens", "3584", "--host-tokens", "3072"], 2,
                                  ("host_tokens 3072 must be larger than device_tokens 3584",)),
     "simulate_bad_device": (["simulate", "--device", "tpu9"], 2, ("device must be cpu, cuda or cuda:N",)),
+    "simulate_cpu_with_an_index": (["simulate", "--device", "cpu:99"], 2, ("device must be cpu, cuda or cuda:N",)),
     "replay_missing_file": (["replay", "/nonexistent.jsonl"], 2, ("No such file or directory",)),
     "diagram_missing_directory": (["diagram", "residency", "-o", f"{MISSING_DIR}/x.mmd"], 1,
                                   ("No such file or directory", f"{MISSING_DIR}/x.mmd")),
