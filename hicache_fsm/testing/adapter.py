@@ -204,9 +204,14 @@ class HiCacheAdapter(CacheAdapter):
         return 2 if self.config.eviction_policy == "priority" else 1
 
     def match(self, tokens: Sequence[int]) -> MatchInfo:
+        m = self.matched(tokens)
+        return MatchInfo(m.device_hit_length, m.host_hit_length)
+
+    def matched(self, tokens: Sequence[int]):
+        """``match_prefix`` of ``tokens`` (whole pages), its jobs flushed: the result the engine would get."""
         m = self.cache.match_prefix(self._aligned(tokens))
         self.cache.flush()
-        return MatchInfo(m.device_hit_length, m.host_hit_length)
+        return m
 
     def lock(self, tokens: Sequence[int]) -> int | None:
         m = self.cache.match_prefix(self._aligned(tokens))

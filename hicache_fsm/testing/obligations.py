@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from hicache_fsm.radix import TreeNode
     from hicache_fsm.results import LoadHandle
 
-__all__ = ["cold_unbacked", "path_of", "unwaited_loads", "wait_complete_problem", "write_behind_problems"]
+__all__ = ["cold_unbacked", "unwaited_loads", "wait_complete_problem", "write_behind_problems"]
 
 
 def _waited(handles: Iterable[LoadHandle]) -> set[int]:
@@ -43,15 +43,6 @@ def unwaited_loads(outbox: Any, nodes: Iterable[TreeNode], handles: Iterable[Loa
 
     waited = _waited(handles)
     return [n for n in nodes if n.state in LOADING and not any(id(h) in waited for h in outbox.handles_of(n))]
-
-
-def path_of(node: TreeNode) -> list[TreeNode]:
-    """``node`` and its ancestors, the root left out."""
-    out = []
-    while node is not None and node.parent is not None:
-        out.append(node)
-        node = node.parent
-    return out
 
 
 def wait_complete_problem(request: object, state_before: str | None, ready: bool, stop_policy: str) -> list[str]:
@@ -75,6 +66,7 @@ def cold_unbacked(cache: Any) -> frozenset[int]:
 def write_behind_problems(before: frozenset[int], after: frozenset[int], polled: bool, refused: bool) -> list[str]:
     """``write_behind_due``: nodes cold with host room before a step that polled, and still so after it, although
     no backup was refused for host room in it."""
-    late = sorted(before & after) if polled and not refused else []
-    return [f"write_behind_due: node(s) {late} stayed device-only through a poll, cold and with host room"] if late \
-        else []
+    late = sorted(before & after)
+    if not polled or refused or not late:
+        return []
+    return [f"write_behind_due: node(s) {late} stayed device-only through a poll, cold and with host room"]

@@ -50,9 +50,8 @@ from typing import Any
 
 import torch
 
-from hicache_fsm.testing.adapter import HiCacheAdapter, MatchInfo, Rejected, StorageFault, fingerprints
-from hicache_fsm.testing.obligations import (cold_unbacked, path_of, unwaited_loads, wait_complete_problem,
-                                             write_behind_problems)
+from hicache_fsm.testing.adapter import HiCacheAdapter, Rejected, StorageFault, fingerprints
+from hicache_fsm.testing.obligations import cold_unbacked, unwaited_loads, wait_complete_problem, write_behind_problems
 from hicache_fsm.testing.recency import UseLog
 
 __all__ = ["ProtocolAdapter"]
@@ -196,7 +195,7 @@ class ProtocolAdapter(HiCacheAdapter):
         key, orbit = super().state_key_orbit()
         tree = self.cache.tree
         self.uses.sync(tree.nodes())
-        ranked = sorted((n for n in tree.nodes() if n.parent is not None), key=self.cache.eviction.sort_key)
+        ranked = self._ranked()
         waiting = self._stale if self.executor.completions_waiting else ()  # polled ones are checked and gone
         key = (key, self.uses.rank_key(ranked), self.resets, waiting)
         if self.config.write_policy == "write_behind":  # how long each node has been idle, up to when it is cold
@@ -211,11 +210,11 @@ class ProtocolAdapter(HiCacheAdapter):
 
     def _match(self, tokens: Sequence[int]):
         if self.config.write_policy != "write_through_selective":
-            return self._match_waited(tokens)
+            return super().match(tokens)
         before = {n.id: n.state for n in self.cache.tree.nodes()}
         room = self.host_pool.allocator.available_tokens
         refused = self.cache.counters["backup_host_full"]
-        result = self._match_waited(tokens)
+        result = super().match(tokens)
         threshold = self.config.write_through_threshold
         path, _, _ = self.cache.tree.walk(self._aligned(tokens))
         # a backup earlier on the path may take the room a later one needed: that one is refused, and counted
@@ -233,14 +232,14 @@ class ProtocolAdapter(HiCacheAdapter):
                                            f"(threshold {threshold}) with host room but was not backed up")
         return result
 
-    def _match_waited(self, tokens: Sequence[int]) -> MatchInfo:
-        """``match`` whose loads must cover every node of the matched prefix still loading (``loads_waited``)."""
-        m = self.cache.match_prefix(self._aligned(tokens))
+    def matched(self, tokens: Sequence[int]):
+        """``match_prefix``, whose loads must cover every node of the matched prefix still loading
+        (``loads_waited``)."""
+        m = super().matched(tokens)
+        path = self.cache.tree.path_to_root(m.last_device_node)
         self._step_problems += [f"loads_waited: match_prefix handed the engine node {n.id} ({n.state}) without a "
-                                f"wait for its load" for n in unwaited_loads(self.cache.outbox,
-                                                                             path_of(m.last_device_node), m.loads)]
-        self.cache.flush()
-        return MatchInfo(m.device_hit_length, m.host_hit_length)
+                                f"wait for its load" for n in unwaited_loads(self.cache.outbox, path, m.loads)]
+        return m
 
     def evict(self, num_tokens: int) -> int:
         if self.config.write_policy not in ("write_back", "write_behind"):
@@ -267,9 +266,9 @@ class ProtocolAdapter(HiCacheAdapter):
             return 0
         lb = self.cache.load_back(m.last_host_node)
         if lb is not None:
+            above = self.cache.tree.path_to_root(lb.nodes[0].parent)
             self._step_problems += [f"loads_waited: the load-back below node {n.id} ({n.state}) does not wait for "
-                                    f"its load" for n in unwaited_loads(self.cache.outbox, path_of(lb.nodes[0].parent),
-                                                                        [lb.handle])]
+                                    f"its load" for n in unwaited_loads(self.cache.outbox, above, [lb.handle])]
         self.cache.flush()
         if lb is None:
             return 0
@@ -546,11 +545,14 @@ class ProtocolAdapter(HiCacheAdapter):
         return (problems + self._late_ack_problems() + self._write_behind_problems() + self._order_problems()
                 + super().kv_violations() + self._load_violations())
 
+    def _ranked(self) -> list:
+        """The cache's nodes in its own eviction order (first to go first)."""
+        return sorted((n for n in self.cache.tree.nodes() if n.parent is not None), key=self.cache.eviction.sort_key)
+
     def _order_problems(self) -> list[str]:
         """``order_agrees``: the cache's eviction order never ranks two nodes against the engine's use records
         (a node used later, LFU: more, placed first), whether or not an eviction has taken one of them yet."""
-        tree = self.cache.tree
-        ranked = sorted((n for n in tree.nodes() if n.parent is not None), key=self.cache.eviction.sort_key)
+        ranked = self._ranked()
         pairs, _ = self.uses.rank_key(ranked)
         policy = self.config.eviction_policy
         return [f"order_agrees: the {policy} eviction order would take {self._describe(ranked[i])} before "
