@@ -41,25 +41,26 @@ BENCH = "bench"
 _NONE = ""
 
 
-def _add_bench(sub: argparse._SubParsersAction, configure: bool) -> None:
+def _add_bench(sub: argparse._SubParsersAction, benchmarks: Sequence[str]) -> None:
+    """The ``bench`` command; only the ``benchmarks`` named are configured (their modules imported)."""
     bench = sub.add_parser(BENCH, help="run a benchmark against a same-run baseline")
-    if not configure:
-        return
     bench_sub = bench.add_subparsers(dest="benchmark", required=True)
-    for name, path in BENCHMARKS.items():
+    for name, (path, help_line) in BENCHMARKS.items():
+        p = bench_sub.add_parser(name, help=help_line)
+        if name not in benchmarks:
+            continue
         module = importlib.import_module(path)
-        p = bench_sub.add_parser(name, help=(module.__doc__ or "").strip().splitlines()[0])
         p.add_argument("--json", action="store_true", help="print only one JSON object on stdout (the report goes to stderr)")
         module.configure(p)
         p.set_defaults(_run=lambda args, m=module: (m.run(args), 0)[1])
 
 
-def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+def build_parser(only: str | None = None, benchmark: str = _NONE) -> argparse.ArgumentParser:
     """The parser naming every subcommand; with ``only``, just that one is configured.
 
     Configuring a subcommand imports its module, so ``main`` configures only the
-    command it runs (``only=""``: none, for ``--help`` and usage errors); tests and
-    docs checks use the full parser.
+    command it runs (``only=""``: none, for ``--help`` and usage errors), and of ``bench``
+    only the ``benchmark`` it runs; tests and docs checks use the full parser.
     """
     parser = Parser(prog="hicache-fsm", description=__doc__.split("\n\n")[0])
     parser.add_argument("--version", action="version", version=f"hicache-fsm {__version__}")
@@ -70,7 +71,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
             module = importlib.import_module(path)
             module.configure(p)
             p.set_defaults(_run=module.run)
-    _add_bench(sub, configure=only is None or only == BENCH)
+    _add_bench(sub, list(BENCHMARKS) if only is None else [benchmark] if only == BENCH else [])
     return parser
 
 
@@ -80,10 +81,12 @@ def _one_line(exc: BaseException) -> str:
     return printable(" ".join(str(exc).split())) or type(exc).__name__
 
 
-def _command_in(argv: Sequence[str]) -> str:
-    """The subcommand ``argv`` names (its first non-option word), or "" when none is known."""
-    first = next((a for a in argv if not a.startswith("-")), _NONE)
-    return first if first in COMMANDS or first == BENCH else _NONE
+def _command_in(argv: Sequence[str]) -> tuple[str, str]:
+    """The subcommand ``argv`` names (its first non-option word) and, for ``bench``, the benchmark
+    (the second); "" where none is known."""
+    words = [a for a in argv if not a.startswith("-")][:2] + [_NONE, _NONE]
+    command = words[0] if words[0] in COMMANDS or words[0] == BENCH else _NONE
+    return command, words[1] if command == BENCH and words[1] in BENCHMARKS else _NONE
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -91,10 +94,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if any("\0" in str(arg) for arg in argv):  # a real command line cannot carry one; paths would raise ValueError
         print("hicache-fsm: error: arguments cannot contain NUL characters", file=sys.stderr)
         return 2
-    command = _command_in(argv)
-    name = f"hicache-fsm {command}" if command else "hicache-fsm"
+    command, benchmark = _command_in(argv)
+    name = " ".join(["hicache-fsm", *filter(None, (command, benchmark))])
     try:  # building the parser imports the command's module (torch, seconds): Ctrl-C there is handled too
-        args = build_parser(only=command).parse_args(argv)
+        args = build_parser(only=command, benchmark=benchmark).parse_args(argv)
         name = "hicache-fsm " + args.command + (f" {args.benchmark}" if args.command == BENCH else "")
         return int(args._run(args) or 0)
     except UsageError as exc:

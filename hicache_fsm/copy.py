@@ -3,7 +3,7 @@
 Index tensors name token slots and must be page aligned. ``coalesce_runs``
 turns a pair of index tensors into runs where both sides' pages are
 consecutive; every run is then moved with slice copies (``dst[a:b].copy_``),
-never per-token indexing.
+never per-token indexing (on CUDA, the page_first layouts gather pages on the GPU).
 
 A device pool that owns its memory keeps every part and layer in one buffer;
 one adopted from an engine (``DeviceKVPool.adopt``) has a buffer per layer (or
@@ -17,13 +17,14 @@ Two strategies, picked by the device pool's device:
   kernel handles the strides (and ATen spreads a large one over its
   intra-op threads).
 * CUDA: copies whose host side is one contiguous block, so each is a single
-  asynchronous memcpy to or from pinned memory (the GPU makes its side
-  contiguous with a kernel). For ``page_first`` loads, where one layer of a
-  page is scattered over the host, the whole run (all layers) is staged on the
-  GPU first and scattered layer by layer from there. A single-layer backup of
-  a ``page_first`` pool goes through a host temporary (synchronous). Adopted
-  pools do the same per layer: ``page_first`` and ``page_first_direct`` runs
-  are gathered into (or scattered from) a GPU copy of the run's host block.
+  asynchronous memcpy to or from pinned memory. With a ``page_first`` or
+  ``page_first_direct`` host pool, a run's every layer is one such block:
+  ``copy_staged`` moves whole blocks between the host and a GPU staging
+  buffer and gathers or scatters the pages there, one kernel per layer and
+  part (loads stage the batch once and scatter layer by layer). A
+  ``layer_first`` host pool takes one memcpy per run, layer and part. A
+  single-layer backup of a ``page_first`` pool goes through a host temporary
+  (synchronous).
 
 All functions take ``runs`` in the (device_start, host_start, length) token
 form that ``plan_runs(device_indices, host_indices, page_size)`` returns, so
@@ -36,6 +37,7 @@ import numpy as np
 import torch
 
 from hicache_fsm.allocator import page_ids_array
+from hicache_fsm.copy_staged import STAGED_LAYOUTS, backup_staged, load_staged
 from hicache_fsm.errors import BadIndices, ConfigError
 from hicache_fsm.pools import DeviceKVPool, HostKVPool
 
@@ -127,6 +129,8 @@ def backup_to_host(device_pool: DeviceKVPool, host_pool: HostKVPool, device_indi
         return
     if device_pool.device.type == "cpu":
         _d2h_cpu(device_pool, host_pool, runs, layer)
+    elif layer is None and host_pool.layout in STAGED_LAYOUTS:
+        backup_staged(device_pool, host_pool, runs, non_blocking)
     elif device_pool.adopted:
         _d2h_cuda_paged(device_pool, host_pool, runs, layer, non_blocking)
     else:
@@ -189,20 +193,6 @@ def _paged_pairs(dev: DeviceKVPool, host: HostKVPool, runs: list[Run], layer: in
             pairs.extend((dev_pages.narrow(0, d // ps, n // ps), host_pages.narrow(0, h // ps, n // ps))
                          for d, h, n in runs)
     return pairs
-
-
-def _host_block(host: HostKVPool, part: int, h: int, n: int) -> torch.Tensor:
-    """Every layer of a run of host slots: one contiguous block in page_first and page_first_direct."""
-    if host.layout == "page_first":
-        return host.kv[part].narrow(0, h, n)  # (n, L, H, D)
-    return host.kv[part].narrow(0, h // host.page_size, n // host.page_size)  # (pages, L, ps, H, D)
-
-
-def _block_layer(block: torch.Tensor, layout: str, layer: int, page_size: int) -> torch.Tensor:
-    """One layer of a ``_host_block`` (or a copy of it) as (pages, page_size, heads, head_dim)."""
-    if layout == "page_first":
-        return block[:, layer].unflatten(0, (-1, page_size))
-    return block[:, layer]
 
 
 # From this many runs on, one gather + one scatter over token indices beats a copy per run on the CPU
@@ -268,45 +258,27 @@ def _d2h_cpu(dev: DeviceKVPool, host: HostKVPool, runs: list[Run], layer: int | 
 
 
 def _d2h_cuda_paged(dev: DeviceKVPool, host: HostKVPool, runs: list[Run], layer: int | None, nb: bool) -> None:
-    if host.layout == "layer_first" or layer is not None:
-        # layer_first: each host view is contiguous, one async memcpy each. One layer of a
-        # page_first(_direct) pool is scattered over the host: synchronous, as for owned pools.
-        async_ok = host.layout == "layer_first"
-        for d, h in _paged_pairs(dev, host, runs, layer):
-            h.copy_(d, non_blocking=nb and async_ok)
-        return
-    ps = dev.page_size
-    for part in range(dev.shape.parts):
-        for d, h, n in runs:
-            block = _host_block(host, part, h, n)
-            staged = torch.empty(block.shape, dtype=block.dtype, device=dev.device)
-            for li in range(dev.layers):
-                _block_layer(staged, host.layout, li, ps).copy_(dev.layer_pages(li)[part].narrow(0, d // ps, n // ps))
-            block.copy_(staged, non_blocking=nb)  # one memcpy; the allocator keeps ``staged`` for this stream
+    # layer_first: each host view is contiguous, one async memcpy each. One layer of a
+    # page_first(_direct) pool is scattered over the host: synchronous, as for owned pools.
+    async_ok = host.layout == "layer_first"
+    for d, h in _paged_pairs(dev, host, runs, layer):
+        h.copy_(d, non_blocking=nb and async_ok)
 
 
 def _d2h_cuda(dev: DeviceKVPool, host: HostKVPool, runs: list[Run], layer: int | None, nb: bool) -> None:
-    ps, layout, L = dev.page_size, host.layout, dev.layers
-    H, D = dev.shape.heads, dev.shape.head_dim
-    layers = range(L) if layer is None else (layer,)
+    ps, layout = dev.page_size, host.layout
+    layers = range(dev.layers) if layer is None else (layer,)
     for s in range(dev.shape.parts):
         dh, hh = dev.kv[s], host.kv[s]
         for d, h, n in runs:
             if layout == "layer_first":
                 for li in layers:
                     hh[li, h:h + n].copy_(dh[li, d:d + n], non_blocking=nb)
-            elif layout == "page_first":
-                if layer is None:
-                    hh[h:h + n].copy_(dh[:, d:d + n].transpose(0, 1), non_blocking=nb)
-                else:
-                    hh[h:h + n, layer].copy_(dh[layer, d:d + n], non_blocking=False)
+            elif layout == "page_first":  # one layer (every layer is staged by backup_staged)
+                hh[h:h + n, layer].copy_(dh[layer, d:d + n], non_blocking=False)
             else:
-                p0, p1 = h // ps, (h + n) // ps
-                if layer is None:
-                    hh[p0:p1].copy_(dh[:, d:d + n].view(L, p1 - p0, ps, H, D).transpose(0, 1), non_blocking=nb)
-                else:
-                    for i, p in enumerate(range(p0, p1)):
-                        hh[p, layer].copy_(dh[layer, d + i * ps:d + (i + 1) * ps], non_blocking=nb)
+                for i, p in enumerate(range(h // ps, (h + n) // ps)):
+                    hh[p, layer].copy_(dh[layer, d + i * ps:d + (i + 1) * ps], non_blocking=nb)
 
 
 # ---------------------------------------------------------------- host -> device
@@ -328,10 +300,12 @@ def load_to_device(device_pool: DeviceKVPool, host_pool: HostKVPool, host_indice
         return
     if device_pool.device.type == "cpu":
         _h2d_cpu(device_pool, host_pool, runs, layer)
+    elif host_pool.layout in STAGED_LAYOUTS:
+        load_staged(device_pool, host_pool, runs, layer, non_blocking, staging)
     elif device_pool.adopted:
-        _h2d_cuda_paged(device_pool, host_pool, runs, layer, non_blocking, staging)
+        _h2d_cuda_paged(device_pool, host_pool, runs, layer, non_blocking)
     else:
-        _h2d_cuda(device_pool, host_pool, runs, layer, non_blocking, staging)
+        _h2d_cuda(device_pool, host_pool, runs, layer, non_blocking)
 
 
 def load_all_layers(device_pool: DeviceKVPool, host_pool: HostKVPool, host_indices=None, device_indices=None,
@@ -358,57 +332,16 @@ def _h2d_cpu(dev: DeviceKVPool, host: HostKVPool, runs: list[Run], layer: int | 
     _copy_pairs(_paged_pairs(dev, host, runs, layer) if dev.adopted else list(_cpu_pairs(dev, host, runs, layer)))
 
 
-def _h2d_cuda_paged(dev: DeviceKVPool, host: HostKVPool, runs: list[Run], layer: int, nb: bool,
-                    staging: dict | None) -> None:
-    if host.layout == "layer_first":
-        for d, h in _paged_pairs(dev, host, runs, layer):
-            d.copy_(h, non_blocking=nb)
-        return
-    # One layer of a page_first(_direct) run is scattered over the host: stage every layer of
-    # each run's block on the GPU once per batch (one memcpy each), then copy layer by layer.
-    staging = {} if staging is None else staging
-    staged = staging.get("paged")
-    if staged is None:
-        staged = [[_host_block(host, part, h, n).to(dev.device, non_blocking=nb) for _, h, n in runs]
-                  for part in range(dev.shape.parts)]
-        staging["paged"] = staged
-    ps = dev.page_size
-    for part, blocks in enumerate(staged):
-        dev_pages = dev.layer_pages(layer)[part]
-        for (d, _, n), block in zip(runs, blocks):
-            dev_pages.narrow(0, d // ps, n // ps).copy_(_block_layer(block, host.layout, layer, ps))
+def _h2d_cuda_paged(dev: DeviceKVPool, host: HostKVPool, runs: list[Run], layer: int, nb: bool) -> None:
+    for d, h in _paged_pairs(dev, host, runs, layer):  # layer_first: one contiguous host view each
+        d.copy_(h, non_blocking=nb)
 
 
-def _h2d_cuda(dev: DeviceKVPool, host: HostKVPool, runs: list[Run], layer: int, nb: bool,
-              staging: dict | None) -> None:
-    ps, layout = dev.page_size, host.layout
-    if layout == "page_first":
-        if staging is None:
-            staging = {}
-        staged = staging.get("page_first")
-        if staged is None:
-            total = sum(n for _, _, n in runs)
-            staged = torch.empty((dev.shape.parts, total, dev.layers, dev.shape.heads, dev.shape.head_dim),
-                                 dtype=dev.shape.dtype, device=dev.device)
-            off = 0
-            for d, h, n in runs:
-                for s in range(dev.shape.parts):  # one contiguous host block each: an async memcpy
-                    staged[s, off:off + n].copy_(host.kv[s, h:h + n], non_blocking=nb)
-                off += n
-            staging["page_first"] = staged
-        off = 0
-        for d, h, n in runs:
-            dev.kv[:, layer, d:d + n].copy_(staged[:, off:off + n, layer])
-            off += n
-        return
-    for s in range(dev.shape.parts):
+def _h2d_cuda(dev: DeviceKVPool, host: HostKVPool, runs: list[Run], layer: int, nb: bool) -> None:
+    for s in range(dev.shape.parts):  # layer_first: one contiguous host view each
         dl, hh = dev.kv[s, layer], host.kv[s]
         for d, h, n in runs:
-            if layout == "layer_first":
-                dl[d:d + n].copy_(hh[layer, h:h + n], non_blocking=nb)
-            else:
-                for i, p in enumerate(range(h // ps, (h + n) // ps)):
-                    dl[d + i * ps:d + (i + 1) * ps].copy_(hh[p, layer], non_blocking=nb)
+            dl[d:d + n].copy_(hh[layer, h:h + n], non_blocking=nb)
 
 
 __all__ = ["Run", "coalesce_runs", "plan_runs", "backup_to_host", "load_to_device", "load_all_layers"]

@@ -103,7 +103,7 @@ def test_simulate_options_refuse_a_model_or_workload_past_their_bounds():
 
 
 def test_an_interrupt_while_the_parser_imports_the_command_is_handled(monkeypatch, capsys):
-    def interrupted(only=None):
+    def interrupted(only=None, benchmark=""):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(cli, "build_parser", interrupted)

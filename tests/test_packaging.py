@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from wheel_util import PIP_ENV, REPO, build_wheel
 
+from hicache_fsm.bench import BENCHMARKS
 from hicache_fsm.cli import COMMANDS
 
 SMALL_SIMULATE = [
@@ -154,6 +155,27 @@ def test_command_help_lines_are_the_modules_first_docstring_lines(name):
     path, help_line = COMMANDS[name]
     source = Path(importlib.util.find_spec(path).origin).read_text(encoding="utf-8")
     assert ast.get_docstring(ast.parse(source)).strip().splitlines()[0] == help_line
+
+
+@pytest.mark.parametrize("name", sorted(BENCHMARKS))
+def test_benchmark_help_lines_are_the_modules_first_docstring_lines(name):
+    path, help_line = BENCHMARKS[name]
+    source = Path(importlib.util.find_spec(path).origin).read_text(encoding="utf-8")
+    assert ast.get_docstring(ast.parse(source)).strip().splitlines()[0] == help_line
+
+
+@pytest.mark.parametrize("missing", ["zmq", "msgspec"])
+def test_without_the_events_extra_bench_copy_runs_and_bench_events_names_it(missing, elsewhere):
+    """Building the bench parser imported every benchmark: bench copy failed on a GPU machine without pyzmq."""
+    copy = ["bench", "copy", "--tokens", "64", "--page-size", "16", "--layers", "2", "--repeats", "1", "--json"]
+    out = _without(missing, f"from hicache_fsm.cli import main; sys.exit(main({copy!r}))", elsewhere)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["benchmark"] == "copy"
+    out = _without(missing, "from hicache_fsm.cli import main; sys.exit(main(['bench', 'events']))", elsewhere)
+    assert out.returncode == 1
+    extra = {"zmq": "pyzmq", "msgspec": "msgspec"}[missing]
+    assert out.stderr.strip().splitlines() == [
+        f"hicache-fsm bench events: KV events needs {extra}: pip install 'hicache_fsm[events]'"]
 
 
 def test_specs_live_in_the_package_and_the_top_level_points_there():

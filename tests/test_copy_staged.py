@@ -1,0 +1,120 @@
+"""Staged page_first copies: whole host blocks staged, pages gathered and scattered per layer.
+
+The CUDA path takes this path for page_first and page_first_direct host
+pools; the functions are plain torch, so on the CPU they are checked against
+the pools' own read/write, bit for bit, for owned and adopted device pools.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hicache_fsm import copy_staged
+from hicache_fsm.copy import backup_to_host, load_to_device, plan_runs
+from hicache_fsm.engine_kv import adopt_sglang_mha, adopt_vllm
+from hicache_fsm.pools import DeviceKVPool, HostKVPool, KVShape
+
+SHAPE = KVShape(layers=3, heads=2, head_dim=4, dtype=torch.float32)
+PAGES = 12
+
+
+def _device_pool(kind: str, ps: int, device: str) -> DeviceKVPool:
+    tokens = PAGES * ps
+    dims = (SHAPE.heads, SHAPE.head_dim)
+    if kind == "owned":
+        return DeviceKVPool(SHAPE, tokens, ps, device=device)
+    if kind == "sglang_mha":
+        k = [torch.zeros((tokens, *dims), device=device) for _ in range(SHAPE.layers)]
+        v = [torch.zeros((tokens, *dims), device=device) for _ in range(SHAPE.layers)]
+        return adopt_sglang_mha(k, v, ps, reserved_pages=0)
+    return adopt_vllm([torch.zeros((2, PAGES, ps, *dims), device=device) for _ in range(SHAPE.layers)])
+
+
+def _tokens(pages: list[int], ps: int) -> torch.Tensor:
+    return (torch.tensor(pages, dtype=torch.int64)[:, None] * ps + torch.arange(ps)).reshape(-1)
+
+
+def _random_kv(n: int, seed: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn((SHAPE.layers, n, SHAPE.heads, SHAPE.head_dim), generator=g).to(device)
+                 for _ in range(2))
+
+
+def _round_trip(kind: str, layout: str, ps: int, dev_pages: list[int], host_pages: list[int],
+                back_pages: list[int], device: str, seed: int, backup, load) -> None:
+    """Write KV into device pages, back it up, zero the device, load it back layer by layer: same bits."""
+    dev = _device_pool(kind, ps, device)
+    host = HostKVPool(SHAPE, PAGES * ps, ps, layout, pin_memory=device == "cuda")
+    d_idx, h_idx, b_idx = _tokens(dev_pages, ps), _tokens(host_pages, ps), _tokens(back_pages, ps)
+    k, v = _random_kv(d_idx.numel(), seed, device)
+    dev.write(d_idx, None, k, v)
+    backup(dev, host, plan_runs(d_idx, h_idx, ps))
+    if device == "cuda":
+        torch.cuda.synchronize()
+    hk, hv = host.read(h_idx)
+    assert torch.equal(hk, k.cpu()) and torch.equal(hv, v.cpu())
+    for buffer in dev.buffers:
+        buffer.zero_()
+    staging: dict = {}
+    runs = plan_runs(b_idx, h_idx, ps)
+    for layer in range(SHAPE.layers):
+        load(dev, host, runs, layer, staging)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    gk, gv = dev.read(b_idx)
+    assert torch.equal(gk, k.cpu()) and torch.equal(gv, v.cpu())
+
+
+def _staged_backup(dev, host, runs) -> None:
+    copy_staged.backup_staged(dev, host, runs, non_blocking=False)
+
+
+def _staged_load(dev, host, runs, layer, staging) -> None:
+    copy_staged.load_staged(dev, host, runs, layer, non_blocking=False, staging=staging)
+
+
+def _executor_backup(dev, host, runs) -> None:
+    backup_to_host(dev, host, runs=runs, non_blocking=True)
+
+
+def _executor_load(dev, host, runs, layer, staging) -> None:
+    load_to_device(dev, host, layer=layer, runs=runs, non_blocking=True, staging=staging)
+
+
+pages = st.integers(1, PAGES).flatmap(lambda n: st.tuples(*(st.permutations(range(PAGES)).map(lambda p: p[:n])
+                                                              for _ in range(3))))
+
+
+@settings(max_examples=40, deadline=None)
+@given(kind=st.sampled_from(["owned", "sglang_mha", "vllm"]), layout=st.sampled_from(copy_staged.STAGED_LAYOUTS),
+       ps=st.sampled_from([1, 4]), chosen=pages, small_rounds=st.booleans(), seed=st.integers(0, 2**16))
+def test_staged_round_trip_is_bit_exact_on_cpu(kind, layout, ps, chosen, small_rounds, seed):
+    """On the CPU the copy functions take their CPU path: the staged one is called directly."""
+    with pytest.MonkeyPatch.context() as mp:
+        if small_rounds:  # a backup in rounds of one byte's budget: every run staged on its own
+            mp.setattr(copy_staged, "STAGE_MAX_BYTES", 1)
+        _round_trip(kind, layout, ps, *chosen, "cpu", seed, _staged_backup, _staged_load)
+
+
+def test_a_backup_stages_in_rounds_of_bounded_size(monkeypatch):
+    host = HostKVPool(SHAPE, PAGES * 4, 4, "page_first")
+    token_bytes = SHAPE.layers * SHAPE.heads * SHAPE.head_dim * 4  # every layer of one part, float32
+    monkeypatch.setattr(copy_staged, "STAGE_MAX_BYTES", 8 * token_bytes)
+    runs = [(0, 0, 4), (8, 4, 4), (16, 8, 8), (40, 24, 4)]
+    assert copy_staged.stage_rounds(host, runs) == [[(0, 0, 4), (8, 4, 4)], [(16, 8, 8)], [(40, 24, 4)]]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind", ["owned", "sglang_mha", "vllm"])
+@pytest.mark.parametrize("layout", copy_staged.STAGED_LAYOUTS)
+@pytest.mark.parametrize("small_rounds", [False, True])
+def test_staged_round_trip_is_bit_exact_on_cuda(kind, layout, small_rounds, monkeypatch):
+    if small_rounds:
+        monkeypatch.setattr(copy_staged, "STAGE_MAX_BYTES", 1)
+    g = torch.Generator().manual_seed(len(kind) + len(layout))
+    chosen = [torch.randperm(PAGES, generator=g)[:9].tolist() for _ in range(3)]
+    _round_trip(kind, layout, 4, *chosen, "cuda", 7, _executor_backup, _executor_load)
