@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from hicache_fsm.allocator import page_ids_array
-from hicache_fsm.copy_staged import STAGED_LAYOUTS, backup_staged, load_staged
+from hicache_fsm.copy_staged import STAGED_LAYOUTS, backup_staged, load_staged, run_positions
 from hicache_fsm.errors import BadIndices, ConfigError
 from hicache_fsm.pools import DeviceKVPool, HostKVPool
 
@@ -225,11 +225,8 @@ def _token_views(dev: DeviceKVPool, host: HostKVPool, layer: int | None):
 
 def _run_indices(runs: list[Run]) -> tuple[torch.Tensor, torch.Tensor]:
     """Device and host token indices covered by ``runs``, in run order."""
-    arr = np.asarray(runs, dtype=np.int64).reshape(-1, 3)
-    lengths = arr[:, 2]
-    within = np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-    return (torch.from_numpy(np.repeat(arr[:, 0], lengths) + within),
-            torch.from_numpy(np.repeat(arr[:, 1], lengths) + within))
+    device, host = run_positions(runs)
+    return torch.from_numpy(device), torch.from_numpy(host)
 
 
 def _gathered(dev: DeviceKVPool, host: HostKVPool, runs: list[Run], layer: int | None, to_host: bool) -> bool:

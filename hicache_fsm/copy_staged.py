@@ -48,12 +48,17 @@ def block_layer(block: torch.Tensor, layout: str, layer: int, page_size: int) ->
     return block[:, layer]
 
 
-def _device_pages(runs: list[Run], page_size: int, device: torch.device) -> torch.Tensor:
-    """The device page numbers ``runs`` cover, in run order (the order of the staged blocks)."""
-    arr = np.asarray(runs, dtype=np.int64).reshape(-1, 3) // page_size
+def run_positions(runs: list[Run], unit: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """Device and host positions (tokens, or pages with ``unit`` = page size) that ``runs`` cover, in run order."""
+    arr = np.asarray(runs, dtype=np.int64).reshape(-1, 3) // unit
     lengths = arr[:, 2]
     within = np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-    return torch.from_numpy(np.repeat(arr[:, 0], lengths) + within).to(device, non_blocking=True)
+    return np.repeat(arr[:, 0], lengths) + within, np.repeat(arr[:, 1], lengths) + within
+
+
+def _device_pages(runs: list[Run], page_size: int, device: torch.device) -> torch.Tensor:
+    """The device page numbers ``runs`` cover, in run order (the order of the staged blocks)."""
+    return torch.from_numpy(run_positions(runs, page_size)[0]).to(device, non_blocking=True)
 
 
 def _staging(dev: DeviceKVPool, host: HostKVPool, part: int, tokens: int) -> torch.Tensor:
