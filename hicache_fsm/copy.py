@@ -3,7 +3,7 @@
 Index tensors name token slots and must be page aligned. ``coalesce_runs``
 turns a pair of index tensors into runs where both sides' pages are
 consecutive; every run is then moved with slice copies (``dst[a:b].copy_``),
-never per-token indexing (on CUDA, the page_first layouts gather pages on the GPU).
+never per-token indexing (on CUDA, pages are gathered and scattered by indexed kernels on the GPU).
 
 A device pool that owns its memory keeps every part and layer in one buffer;
 one adopted from an engine (``DeviceKVPool.adopt``) has a buffer per layer (or
@@ -22,8 +22,10 @@ Two strategies, picked by the device pool's device:
   ``copy_staged`` moves whole blocks between the host and a GPU staging
   buffer and gathers or scatters the pages there, one kernel per layer and
   part (loads stage the batch once and scatter layer by layer). A
-  ``layer_first`` host pool takes one memcpy per run, layer and part. A
-  single-layer backup of a ``page_first`` pool goes through a host temporary
+  ``layer_first`` host pool is read and written by indexed kernels through
+  a GPU view of its pinned memory (``zero_copy``), or, where the platform
+  does not map it, with one memcpy per run, layer and part. A single-layer
+  backup of a ``page_first`` pool goes through a host temporary
   (synchronous).
 
 All functions take ``runs`` in the (device_start, host_start, length) token
@@ -40,6 +42,7 @@ from hicache_fsm.allocator import page_ids_array
 from hicache_fsm.copy_staged import STAGED_LAYOUTS, backup_staged, load_staged, run_positions
 from hicache_fsm.errors import BadIndices, ConfigError
 from hicache_fsm.pools import DeviceKVPool, HostKVPool
+from hicache_fsm.zero_copy import backup_mapped, host_view, load_mapped
 
 Run = tuple[int, int, int]
 
@@ -117,6 +120,12 @@ def _check_runs(runs, page_size: int) -> None:
         raise BadIndices(f"runs must cover whole pages of {page_size} tokens from starts >= 0 with lengths > 0")
 
 
+def _wait_unless(non_blocking: bool, device_pool: DeviceKVPool) -> None:
+    """A blocking copy returns when it is done: kernels that read or write host memory must have run."""
+    if not non_blocking:
+        torch.cuda.current_stream(device_pool.device).synchronize()
+
+
 # ---------------------------------------------------------------- device -> host
 
 
@@ -131,6 +140,9 @@ def backup_to_host(device_pool: DeviceKVPool, host_pool: HostKVPool, device_indi
         _d2h_cpu(device_pool, host_pool, runs, layer)
     elif layer is None and host_pool.layout in STAGED_LAYOUTS:
         backup_staged(device_pool, host_pool, runs, non_blocking)
+    elif host_pool.layout == "layer_first" and (view := host_view(host_pool, device_pool.device)) is not None:
+        backup_mapped(device_pool, view, runs, layer)
+        _wait_unless(non_blocking, device_pool)
     elif device_pool.adopted:
         _d2h_cuda_paged(device_pool, host_pool, runs, layer, non_blocking)
     else:
@@ -299,6 +311,9 @@ def load_to_device(device_pool: DeviceKVPool, host_pool: HostKVPool, host_indice
         _h2d_cpu(device_pool, host_pool, runs, layer)
     elif host_pool.layout in STAGED_LAYOUTS:
         load_staged(device_pool, host_pool, runs, layer, non_blocking, staging)
+    elif (view := host_view(host_pool, device_pool.device)) is not None:  # layer_first
+        load_mapped(device_pool, view, runs, layer, staging)
+        _wait_unless(non_blocking, device_pool)
     elif device_pool.adopted:
         _h2d_cuda_paged(device_pool, host_pool, runs, layer, non_blocking)
     else:

@@ -1,8 +1,12 @@
-"""Staged page_first copies: whole host blocks staged, pages gathered and scattered per layer.
+"""The CUDA copy paths: staged page_first blocks, and layer_first pages through a GPU view of the host.
 
-The CUDA path takes this path for page_first and page_first_direct host
-pools; the functions are plain torch, so on the CPU they are checked against
-the pools' own read/write, bit for bit, for owned and adopted device pools.
+On CUDA, page_first and page_first_direct host pools are copied by
+``copy_staged`` (whole host blocks staged, pages gathered and scattered per
+layer), layer_first ones by ``zero_copy`` (indexed kernels on a view of the
+pinned host memory). Both are plain torch, so on the CPU they are checked
+against the pools' own read/write, bit for bit, for owned and adopted device
+pools (the zero-copy functions given the host buffer itself as the view); on
+CUDA the same round trips go through the public copy functions.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hicache_fsm import copy_staged
+from hicache_fsm import copy_staged, zero_copy
 from hicache_fsm.copy import backup_to_host, load_to_device, plan_runs
 from hicache_fsm.engine_kv import adopt_sglang_mha, adopt_vllm
 from hicache_fsm.pools import DeviceKVPool, HostKVPool, KVShape
@@ -76,6 +80,14 @@ def _staged_load(dev, host, runs, layer, staging) -> None:
     copy_staged.load_staged(dev, host, runs, layer, non_blocking=False, staging=staging)
 
 
+def _mapped_backup(dev, host, runs) -> None:
+    zero_copy.backup_mapped(dev, host.kv, runs, None)
+
+
+def _mapped_load(dev, host, runs, layer, staging) -> None:
+    zero_copy.load_mapped(dev, host.kv, runs, layer, staging)
+
+
 def _executor_backup(dev, host, runs) -> None:
     backup_to_host(dev, host, runs=runs, non_blocking=True)
 
@@ -99,6 +111,19 @@ def test_staged_round_trip_is_bit_exact_on_cpu(kind, layout, ps, chosen, small_r
         _round_trip(kind, layout, ps, *chosen, "cpu", seed, _staged_backup, _staged_load)
 
 
+@settings(max_examples=30, deadline=None)
+@given(kind=st.sampled_from(["owned", "sglang_mha", "vllm"]), ps=st.sampled_from([1, 4]), chosen=pages,
+       seed=st.integers(0, 2**16))
+def test_mapped_round_trip_is_bit_exact_on_cpu(kind, ps, chosen, seed):
+    _round_trip(kind, "layer_first", ps, *chosen, "cpu", seed, _mapped_backup, _mapped_load)
+
+
+def test_a_pool_without_pinned_memory_has_no_device_view():
+    host = HostKVPool(SHAPE, PAGES * 4, 4, "layer_first", pin_memory=False)
+    assert zero_copy.host_view(host, torch.device("cpu")) is None
+    assert zero_copy.host_view(host, torch.device("cuda", 0)) is None
+
+
 def test_a_backup_stages_in_rounds_of_bounded_size(monkeypatch):
     host = HostKVPool(SHAPE, PAGES * 4, 4, "page_first")
     token_bytes = SHAPE.layers * SHAPE.heads * SHAPE.head_dim * 4  # every layer of one part, float32
@@ -118,3 +143,15 @@ def test_staged_round_trip_is_bit_exact_on_cuda(kind, layout, small_rounds, monk
     g = torch.Generator().manual_seed(len(kind) + len(layout))
     chosen = [torch.randperm(PAGES, generator=g)[:9].tolist() for _ in range(3)]
     _round_trip(kind, layout, 4, *chosen, "cuda", 7, _executor_backup, _executor_load)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind", ["owned", "sglang_mha", "vllm"])
+def test_layer_first_round_trip_goes_through_the_host_view_on_cuda(kind):
+    host = HostKVPool(SHAPE, PAGES * 4, 4, "layer_first")
+    view = zero_copy.host_view(host, torch.device("cuda", torch.cuda.current_device()))
+    assert view is not None and view.data_ptr() == host.kv.data_ptr()  # the fast path is taken here
+    g = torch.Generator().manual_seed(len(kind))
+    chosen = [torch.randperm(PAGES, generator=g)[:9].tolist() for _ in range(3)]
+    _round_trip(kind, "layer_first", 4, *chosen, "cuda", 11, _executor_backup, _executor_load)

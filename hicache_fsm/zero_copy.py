@@ -1,0 +1,98 @@
+"""GPU views of pinned host memory: kernels gather and scatter host pages directly (zero copy).
+
+A ``layer_first`` host pool keeps one layer of a run contiguous, so a batch of
+shuffled pages moved with memcpys takes one per run, layer and K/V part: on
+an H200 that ran at a fifth of the DMA rate or less. Pinned memory is mapped
+into the GPU's address space under unified addressing, so a CUDA tensor over
+the same address lets one indexed kernel per layer and part read or write the
+host pages over the bus (SGLang's transfer kernels work the same way).
+
+``host_view(host, device)`` is that CUDA tensor over a host pool's buffer, or
+None where the platform does not map the memory: the caller then copies with
+memcpys. A view is made once per host pool and checked before use: torch
+refuses a pointer CUDA does not know, the view must start at the host
+address, and bytes read through it by a kernel must equal the host's.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from hicache_fsm.copy_staged import Run, run_positions
+from hicache_fsm.pools import DeviceKVPool, HostKVPool
+
+PROBE_BYTES = 256
+
+_views: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # host pool -> view of its kv, or None
+
+
+class _PinnedBytes:
+    """The pinned bytes of a tensor's storage, offered to torch through the CUDA array interface."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor  # the view's deleter keeps this object, and so the host memory, alive
+        storage = tensor.untyped_storage()
+        self.__cuda_array_interface__ = {"shape": (storage.nbytes(),), "typestr": "|u1",
+                                         "data": (storage.data_ptr(), False), "strides": None, "version": 3}
+
+
+def _map(tensor: torch.Tensor, device: torch.device) -> torch.Tensor | None:
+    storage = tensor.untyped_storage()
+    probe = min(PROBE_BYTES, storage.nbytes())
+    if not tensor.is_pinned() or not probe:
+        return None
+    try:
+        flat = torch.as_tensor(_PinnedBytes(tensor), device=device)
+    except (RuntimeError, TypeError, ValueError):  # not registered with CUDA, or no CUDA at all
+        return None
+    if flat.data_ptr() != storage.data_ptr():  # torch copied instead of viewing
+        return None
+    torch.cuda.synchronize(device)  # no copy in flight may change the probed bytes
+    host_bytes = torch.empty(0, dtype=torch.uint8).set_(storage)
+    if not torch.equal(flat[:probe].clone().cpu(), host_bytes[:probe]):
+        return None
+    return flat.view(tensor.dtype).as_strided(tensor.shape, tensor.stride(), tensor.storage_offset())
+
+
+def host_view(host: HostKVPool, device: torch.device) -> torch.Tensor | None:
+    """A CUDA tensor over the same pinned memory as ``host.kv`` (same shape and strides), or None."""
+    if host not in _views:
+        _views[host] = _map(host.kv, device)
+    view = _views[host]
+    if view is None or device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return view if view.device.index == index else None
+
+
+def _pages(runs: list[Run], page_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Device and host page numbers ``runs`` cover, in run order, on ``device``."""
+    dev_pages, host_pages = run_positions(runs, page_size)
+    return (torch.from_numpy(dev_pages).to(device, non_blocking=True),
+            torch.from_numpy(host_pages).to(device, non_blocking=True))
+
+
+def _layer_pages(view: torch.Tensor, layer: int, page_size: int) -> list[torch.Tensor]:
+    """Per part, one layer of a layer_first host view as (pages, page_size, heads, head_dim)."""
+    return [part[layer].unflatten(0, (-1, page_size)) for part in view]
+
+
+def backup_mapped(dev: DeviceKVPool, view: torch.Tensor, runs: list[Run], layer: int | None) -> None:
+    """Device -> a layer_first host pool through its view: per layer and part, one gather and one scatter."""
+    ps = dev.page_size
+    dev_pages, host_pages = _pages(runs, ps, dev.device)
+    for li in range(dev.layers) if layer is None else (layer,):
+        for dst, src in zip(_layer_pages(view, li, ps), dev.layer_pages(li)):
+            dst.index_copy_(0, host_pages, src.index_select(0, dev_pages))
+
+
+def load_mapped(dev: DeviceKVPool, view: torch.Tensor, runs: list[Run], layer: int, staging: dict | None) -> None:
+    """One layer, a layer_first host pool -> device through its view (``staging`` keeps the page numbers)."""
+    staging = {} if staging is None else staging
+    if "mapped_pages" not in staging:
+        staging["mapped_pages"] = _pages(runs, dev.page_size, dev.device)
+    dev_pages, host_pages = staging["mapped_pages"]
+    for dst, src in zip(dev.layer_pages(layer), _layer_pages(view, layer, dev.page_size)):
+        dst.index_copy_(0, dev_pages, src.index_select(0, host_pages))
