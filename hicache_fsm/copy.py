@@ -22,10 +22,11 @@ Two strategies, picked by the device pool's device:
   ``copy_staged`` moves whole blocks between the host and a GPU staging
   buffer and gathers or scatters the pages there, one kernel per layer and
   part (loads stage the batch once and scatter layer by layer). A
-  ``layer_first`` host pool is read and written by indexed kernels through
-  a GPU view of its pinned memory (``zero_copy``), or, where the platform
-  does not map it, with one memcpy per run, layer and part. A single-layer
-  backup of a ``page_first`` pool goes through a host temporary
+  ``layer_first`` host pool, and a single-layer backup to any pool, go
+  through indexed kernels on a GPU view of the pinned host memory
+  (``zero_copy``). Where the platform does not map pinned memory, a
+  ``layer_first`` pool takes one memcpy per run, layer and part, and a
+  single-layer backup of a ``page_first`` pool goes through a host temporary
   (synchronous).
 
 All functions take ``runs`` in the (device_start, host_start, length) token
@@ -140,8 +141,8 @@ def backup_to_host(device_pool: DeviceKVPool, host_pool: HostKVPool, device_indi
         _d2h_cpu(device_pool, host_pool, runs, layer)
     elif layer is None and host_pool.layout in STAGED_LAYOUTS:
         backup_staged(device_pool, host_pool, runs, non_blocking)
-    elif host_pool.layout == "layer_first" and (view := host_view(host_pool, device_pool.device)) is not None:
-        backup_mapped(device_pool, view, runs, layer)
+    elif (view := host_view(host_pool, device_pool.device)) is not None:  # layer_first, or a single layer
+        backup_mapped(device_pool, view, host_pool.layout, runs, layer)
         _wait_unless(non_blocking, device_pool)
     elif device_pool.adopted:
         _d2h_cuda_paged(device_pool, host_pool, runs, layer, non_blocking)
@@ -312,7 +313,7 @@ def load_to_device(device_pool: DeviceKVPool, host_pool: HostKVPool, host_indice
     elif host_pool.layout in STAGED_LAYOUTS:
         load_staged(device_pool, host_pool, runs, layer, non_blocking, staging)
     elif (view := host_view(host_pool, device_pool.device)) is not None:  # layer_first
-        load_mapped(device_pool, view, runs, layer, staging)
+        load_mapped(device_pool, view, host_pool.layout, runs, layer, staging)
         _wait_unless(non_blocking, device_pool)
     elif device_pool.adopted:
         _h2d_cuda_paged(device_pool, host_pool, runs, layer, non_blocking)

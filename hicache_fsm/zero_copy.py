@@ -5,7 +5,9 @@ shuffled pages moved with memcpys takes one per run, layer and K/V part: on
 an H200 that ran at a fifth of the DMA rate or less. Pinned memory is mapped
 into the GPU's address space under unified addressing, so a CUDA tensor over
 the same address lets one indexed kernel per layer and part read or write the
-host pages over the bus (SGLang's transfer kernels work the same way).
+host pages over the bus (SGLang's transfer kernels work the same way). The
+same view serves single-layer backups of the page_first layouts, whose layer
+is scattered over the host: a kernel writes it where a memcpy cannot.
 
 ``host_view(host, device)`` is that CUDA tensor over a host pool's buffer, or
 None where the platform does not map the memory: the caller then copies with
@@ -74,25 +76,30 @@ def _pages(runs: list[Run], page_size: int, device: torch.device) -> tuple[torch
             torch.from_numpy(host_pages).to(device, non_blocking=True))
 
 
-def _layer_pages(view: torch.Tensor, layer: int, page_size: int) -> list[torch.Tensor]:
-    """Per part, one layer of a layer_first host view as (pages, page_size, heads, head_dim)."""
-    return [part[layer].unflatten(0, (-1, page_size)) for part in view]
+def _layer_pages(view: torch.Tensor, layout: str, layer: int, page_size: int) -> list[torch.Tensor]:
+    """Per part, one layer of a host view as (pages, page_size, heads, head_dim), as ``HostKVPool.layer_pages``."""
+    if layout == "layer_first":
+        return [part[layer].unflatten(0, (-1, page_size)) for part in view]
+    if layout == "page_first":
+        return [part[:, layer].unflatten(0, (-1, page_size)) for part in view]
+    return [part[:, layer] for part in view]
 
 
-def backup_mapped(dev: DeviceKVPool, view: torch.Tensor, runs: list[Run], layer: int | None) -> None:
-    """Device -> a layer_first host pool through its view: per layer and part, one gather and one scatter."""
+def backup_mapped(dev: DeviceKVPool, view: torch.Tensor, layout: str, runs: list[Run], layer: int | None) -> None:
+    """Device -> host through the host pool's view: per layer and part, one gather and one scatter."""
     ps = dev.page_size
     dev_pages, host_pages = _pages(runs, ps, dev.device)
     for li in range(dev.layers) if layer is None else (layer,):
-        for dst, src in zip(_layer_pages(view, li, ps), dev.layer_pages(li)):
+        for dst, src in zip(_layer_pages(view, layout, li, ps), dev.layer_pages(li)):
             dst.index_copy_(0, host_pages, src.index_select(0, dev_pages))
 
 
-def load_mapped(dev: DeviceKVPool, view: torch.Tensor, runs: list[Run], layer: int, staging: dict | None) -> None:
-    """One layer, a layer_first host pool -> device through its view (``staging`` keeps the page numbers)."""
+def load_mapped(dev: DeviceKVPool, view: torch.Tensor, layout: str, runs: list[Run], layer: int,
+                staging: dict | None) -> None:
+    """One layer, host -> device through the host pool's view (``staging`` keeps the page numbers)."""
     staging = {} if staging is None else staging
     if "mapped_pages" not in staging:
         staging["mapped_pages"] = _pages(runs, dev.page_size, dev.device)
     dev_pages, host_pages = staging["mapped_pages"]
-    for dst, src in zip(dev.layer_pages(layer), _layer_pages(view, layer, dev.page_size)):
+    for dst, src in zip(dev.layer_pages(layer), _layer_pages(view, layout, layer, dev.page_size)):
         dst.index_copy_(0, dev_pages, src.index_select(0, host_pages))

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from hicache_fsm import copy_staged, zero_copy
 from hicache_fsm.copy import backup_to_host, load_to_device, plan_runs
 from hicache_fsm.engine_kv import adopt_sglang_mha, adopt_vllm
-from hicache_fsm.pools import DeviceKVPool, HostKVPool, KVShape
+from hicache_fsm.pools import LAYOUTS, DeviceKVPool, HostKVPool, KVShape
 
 SHAPE = KVShape(layers=3, heads=2, head_dim=4, dtype=torch.float32)
 PAGES = 12
@@ -81,11 +81,16 @@ def _staged_load(dev, host, runs, layer, staging) -> None:
 
 
 def _mapped_backup(dev, host, runs) -> None:
-    zero_copy.backup_mapped(dev, host.kv, runs, None)
+    zero_copy.backup_mapped(dev, host.kv, host.layout, runs, None)
+
+
+def _mapped_layer_backup(dev, host, runs) -> None:
+    for layer in range(dev.layers):  # as CP layer writes do
+        zero_copy.backup_mapped(dev, host.kv, host.layout, runs, layer)
 
 
 def _mapped_load(dev, host, runs, layer, staging) -> None:
-    zero_copy.load_mapped(dev, host.kv, runs, layer, staging)
+    zero_copy.load_mapped(dev, host.kv, host.layout, runs, layer, staging)
 
 
 def _executor_backup(dev, host, runs) -> None:
@@ -112,10 +117,11 @@ def test_staged_round_trip_is_bit_exact_on_cpu(kind, layout, ps, chosen, small_r
 
 
 @settings(max_examples=30, deadline=None)
-@given(kind=st.sampled_from(["owned", "sglang_mha", "vllm"]), ps=st.sampled_from([1, 4]), chosen=pages,
-       seed=st.integers(0, 2**16))
-def test_mapped_round_trip_is_bit_exact_on_cpu(kind, ps, chosen, seed):
-    _round_trip(kind, "layer_first", ps, *chosen, "cpu", seed, _mapped_backup, _mapped_load)
+@given(kind=st.sampled_from(["owned", "sglang_mha", "vllm"]), layout=st.sampled_from(LAYOUTS),
+       ps=st.sampled_from([1, 4]), chosen=pages, by_layer=st.booleans(), seed=st.integers(0, 2**16))
+def test_mapped_round_trip_is_bit_exact_on_cpu(kind, layout, ps, chosen, by_layer, seed):
+    backup = _mapped_layer_backup if by_layer else _mapped_backup
+    _round_trip(kind, layout, ps, *chosen, "cpu", seed, backup, _mapped_load)
 
 
 def test_a_pool_without_pinned_memory_has_no_device_view():
@@ -155,3 +161,19 @@ def test_layer_first_round_trip_goes_through_the_host_view_on_cuda(kind):
     g = torch.Generator().manual_seed(len(kind))
     chosen = [torch.randperm(PAGES, generator=g)[:9].tolist() for _ in range(3)]
     _round_trip(kind, "layer_first", 4, *chosen, "cuda", 11, _executor_backup, _executor_load)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind", ["owned", "sglang_mha", "vllm"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_layer_by_layer_backups_round_trip_on_cuda(kind, layout):
+    """Single-layer backups (CP layer writes) of every layout, through the public copy functions."""
+    g = torch.Generator().manual_seed(len(kind) + len(layout))
+    chosen = [torch.randperm(PAGES, generator=g)[:9].tolist() for _ in range(3)]
+
+    def by_layer(dev, host, runs) -> None:
+        for layer in range(dev.layers):
+            backup_to_host(dev, host, layer=layer, runs=runs, non_blocking=True)
+
+    _round_trip(kind, layout, 4, *chosen, "cuda", 13, by_layer, _executor_load)
