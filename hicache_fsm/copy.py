@@ -3,12 +3,12 @@
 Index tensors name token slots and must be page aligned. ``coalesce_runs``
 turns a pair of index tensors into runs where both sides' pages are
 consecutive; every run is then moved with slice copies (``dst[a:b].copy_``),
-never per-token indexing (on CUDA, pages are gathered and scattered by indexed kernels on the GPU).
+never per-token indexing on the CPU (on CUDA, indexed kernels gather and scatter pages).
 
 A device pool that owns its memory keeps every part and layer in one buffer;
 one adopted from an engine (``DeviceKVPool.adopt``) has a buffer per layer (or
 per layer and part) in the engine's own strides, and is copied through
-``layer_pages`` views: one copy per run, part and layer.
+``layer_pages`` views (on the CPU, one copy per run, part and layer).
 
 Two strategies, picked by the device pool's device:
 
@@ -16,17 +16,15 @@ Two strategies, picked by the device pool's device:
   backup, or a full load) when the device pool owns one buffer; the CPU copy
   kernel handles the strides (and ATen spreads a large one over its
   intra-op threads).
-* CUDA: copies whose host side is one contiguous block, so each is a single
-  asynchronous memcpy to or from pinned memory. With a ``page_first`` or
-  ``page_first_direct`` host pool, a run's every layer is one such block:
-  ``copy_staged`` moves whole blocks between the host and a GPU staging
-  buffer and gathers or scatters the pages there, one kernel per layer and
-  part (loads stage the batch once and scatter layer by layer). A
-  ``layer_first`` host pool, and a single-layer backup to any pool, go
-  through indexed kernels on a GPU view of the pinned host memory
-  (``zero_copy``). Where the platform does not map pinned memory, a
-  ``layer_first`` pool takes one memcpy per run, layer and part, and a
-  single-layer backup of a ``page_first`` pool goes through a host temporary
+* CUDA: indexed kernels, one gather and one scatter per layer and part,
+  read and write the host pages through a GPU view of the pinned host pool
+  (``zero_copy``), whatever the number of runs; a load's layer is ready as
+  soon as its own pages arrived. Where the platform does not map pinned
+  memory (or the pool is not pinned), copies fall back to memcpys whose host
+  side is one contiguous block: for the page_first layouts a run's every
+  layer, staged on the GPU and gathered or scattered there
+  (``copy_staged``); for ``layer_first`` one memcpy per run, layer and part;
+  a single-layer backup of a page_first pool goes through a host temporary
   (synchronous).
 
 All functions take ``runs`` in the (device_start, host_start, length) token
@@ -139,11 +137,11 @@ def backup_to_host(device_pool: DeviceKVPool, host_pool: HostKVPool, device_indi
         return
     if device_pool.device.type == "cpu":
         _d2h_cpu(device_pool, host_pool, runs, layer)
-    elif layer is None and host_pool.layout in STAGED_LAYOUTS:
-        backup_staged(device_pool, host_pool, runs, non_blocking)
-    elif (view := host_view(host_pool, device_pool.device)) is not None:  # layer_first, or a single layer
+    elif (view := host_view(host_pool, device_pool.device)) is not None:
         backup_mapped(device_pool, view, host_pool.layout, runs, layer)
         _wait_unless(non_blocking, device_pool)
+    elif layer is None and host_pool.layout in STAGED_LAYOUTS:
+        backup_staged(device_pool, host_pool, runs, non_blocking)
     elif device_pool.adopted:
         _d2h_cuda_paged(device_pool, host_pool, runs, layer, non_blocking)
     else:
@@ -299,8 +297,8 @@ def load_to_device(device_pool: DeviceKVPool, host_pool: HostKVPool, host_indice
                    staging: dict | None = None) -> None:
     """Copy one layer of host slots into device slots.
 
-    ``staging`` is a dict the caller keeps for one batch (CUDA page_first only:
-    the staged runs are reused by the following layers).
+    ``staging`` is a dict the caller keeps for one batch (CUDA only: what the
+    first layer prepared, page numbers or staged runs, serves the following ones).
     """
     if layer is None:
         raise BadIndices("load_to_device copies one layer; use load_all_layers")
@@ -310,11 +308,11 @@ def load_to_device(device_pool: DeviceKVPool, host_pool: HostKVPool, host_indice
         return
     if device_pool.device.type == "cpu":
         _h2d_cpu(device_pool, host_pool, runs, layer)
-    elif host_pool.layout in STAGED_LAYOUTS:
-        load_staged(device_pool, host_pool, runs, layer, non_blocking, staging)
-    elif (view := host_view(host_pool, device_pool.device)) is not None:  # layer_first
+    elif (view := host_view(host_pool, device_pool.device)) is not None:
         load_mapped(device_pool, view, host_pool.layout, runs, layer, staging)
         _wait_unless(non_blocking, device_pool)
+    elif host_pool.layout in STAGED_LAYOUTS:
+        load_staged(device_pool, host_pool, runs, layer, non_blocking, staging)
     elif device_pool.adopted:
         _h2d_cuda_paged(device_pool, host_pool, runs, layer, non_blocking)
     else:

@@ -1,4 +1,8 @@
-"""CUDA copies for the page_first host layouts: whole host blocks staged on the GPU.
+"""CUDA copies for the page_first host layouts without a GPU view of the host: whole blocks staged on the GPU.
+
+``zero_copy`` serves pinned host pools that the GPU can address; this module
+serves the others (an unpinned pool, a platform that does not map pinned
+memory) with memcpys.
 
 In ``page_first`` and ``page_first_direct`` host pools every layer of a run of
 pages is one contiguous host block, while one layer of it is scattered. So a

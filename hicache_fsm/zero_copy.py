@@ -1,13 +1,19 @@
 """GPU views of pinned host memory: kernels gather and scatter host pages directly (zero copy).
 
-A ``layer_first`` host pool keeps one layer of a run contiguous, so a batch of
-shuffled pages moved with memcpys takes one per run, layer and K/V part: on
-an H200 that ran at a fifth of the DMA rate or less. Pinned memory is mapped
-into the GPU's address space under unified addressing, so a CUDA tensor over
-the same address lets one indexed kernel per layer and part read or write the
-host pages over the bus (SGLang's transfer kernels work the same way). The
-same view serves single-layer backups of the page_first layouts, whose layer
-is scattered over the host: a kernel writes it where a memcpy cannot.
+Moving a batch of shuffled pages with memcpys takes one per run and layer and
+K/V part where one layer of a run is the contiguous unit (``layer_first``),
+or a staged copy of every layer before the first is ready (the page_first
+layouts, ``copy_staged``). Pinned memory is mapped into the GPU's address
+space under unified addressing, so a CUDA tensor over the same address lets
+one indexed kernel per layer and part read or write the host pages over the
+bus (SGLang's transfer kernels work the same way), for every host layout.
+
+On an H200 (docs/gpu.md) this moved layer_first batches at 0.83-0.86 of one
+contiguous DMA where memcpys reached 0.18-0.24, and a load's layer 0 was
+ready after 0.12-0.19 of the whole load where staging waited for 0.92; a
+page_first load's total throughput fell from 0.86 to 0.66 (one layer of a
+page_first token is a short strided read), a price paid for layers that
+arrive one by one.
 
 ``host_view(host, device)`` is that CUDA tensor over a host pool's buffer, or
 None where the platform does not map the memory: the caller then copies with

@@ -48,10 +48,10 @@ def _random_kv(n: int, seed: int, device: str) -> tuple[torch.Tensor, torch.Tens
 
 
 def _round_trip(kind: str, layout: str, ps: int, dev_pages: list[int], host_pages: list[int],
-                back_pages: list[int], device: str, seed: int, backup, load) -> None:
+                back_pages: list[int], device: str, seed: int, backup, load, pinned: bool | None = None) -> None:
     """Write KV into device pages, back it up, zero the device, load it back layer by layer: same bits."""
     dev = _device_pool(kind, ps, device)
-    host = HostKVPool(SHAPE, PAGES * ps, ps, layout, pin_memory=device == "cuda")
+    host = HostKVPool(SHAPE, PAGES * ps, ps, layout, pin_memory=device == "cuda" if pinned is None else pinned)
     d_idx, h_idx, b_idx = _tokens(dev_pages, ps), _tokens(host_pages, ps), _tokens(back_pages, ps)
     k, v = _random_kv(d_idx.numel(), seed, device)
     dev.write(d_idx, None, k, v)
@@ -148,19 +148,20 @@ def test_staged_round_trip_is_bit_exact_on_cuda(kind, layout, small_rounds, monk
         monkeypatch.setattr(copy_staged, "STAGE_MAX_BYTES", 1)
     g = torch.Generator().manual_seed(len(kind) + len(layout))
     chosen = [torch.randperm(PAGES, generator=g)[:9].tolist() for _ in range(3)]
-    _round_trip(kind, layout, 4, *chosen, "cuda", 7, _executor_backup, _executor_load)
+    _round_trip(kind, layout, 4, *chosen, "cuda", 7, _executor_backup, _executor_load, pinned=False)  # no view
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("kind", ["owned", "sglang_mha", "vllm"])
-def test_layer_first_round_trip_goes_through_the_host_view_on_cuda(kind):
-    host = HostKVPool(SHAPE, PAGES * 4, 4, "layer_first")
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_pinned_pool_round_trips_through_the_host_view_on_cuda(kind, layout):
+    host = HostKVPool(SHAPE, PAGES * 4, 4, layout)
     view = zero_copy.host_view(host, torch.device("cuda", torch.cuda.current_device()))
     assert view is not None and view.data_ptr() == host.kv.data_ptr()  # the fast path is taken here
-    g = torch.Generator().manual_seed(len(kind))
+    g = torch.Generator().manual_seed(len(kind) + len(layout))
     chosen = [torch.randperm(PAGES, generator=g)[:9].tolist() for _ in range(3)]
-    _round_trip(kind, "layer_first", 4, *chosen, "cuda", 11, _executor_backup, _executor_load)
+    _round_trip(kind, layout, 4, *chosen, "cuda", 11, _executor_backup, _executor_load)
 
 
 @pytest.mark.cuda

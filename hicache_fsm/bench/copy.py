@@ -8,11 +8,17 @@ of bytes between the same two buffers, timed interleaved in the same run.
 ``--engine`` makes the device pool adopt per-layer buffers laid out as an
 engine's (``hicache_fsm.engine_kv``) instead of allocating its one buffer;
 the baseline then copies from a flat device buffer of the same size.
+
+On CUDA it also times a load until its first layer is ready (the engine's
+``wait(0)``): ``first_layer_share`` is that time over the whole load's, about
+``1 / layers`` when layers arrive one by one, 1 when layer 0 waits for all.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
+import time
 
 import torch
 
@@ -106,6 +112,7 @@ def run(args: argparse.Namespace) -> dict:
         "h2d": run_batch(h2d),
         "contiguous_h2d": contiguous(flat_dev, flat_host),
     }, repeats=args.repeats, warmup=1)
+    first_layer = _first_layer_seconds(executor, h2d, device.device, args.repeats) if cuda else None
     executor.close()
     nbytes = tokens * shape.token_bytes
     gbps = {name: nbytes / t / 1e9 for name, t in times.items()}
@@ -131,6 +138,9 @@ def run(args: argparse.Namespace) -> dict:
         "ratio": round(min(ratio_d2h, ratio_h2d), 3),
         "machine": machine_description(),
     }
+    if first_layer is not None:
+        result["h2d_first_layer_ms"] = round(first_layer * 1e3, 3)
+        result["first_layer_share"] = round(first_layer / times["h2d"], 3)
     rows = [
         ("layout / page size", f"{args.layout} / {ps}"),
         ("device memory", args.engine),
@@ -140,5 +150,23 @@ def run(args: argparse.Namespace) -> dict:
         ("contiguous d2h / h2d", f"{gbps['contiguous_d2h']:.2f} / {gbps['contiguous_h2d']:.2f} GB/s"),
         ("ratio d2h / h2d (min)", f"{ratio_d2h:.2f} / {ratio_h2d:.2f} ({min(ratio_d2h, ratio_h2d):.2f})"),
     ]
+    if first_layer is not None:
+        rows.append(("h2d first layer ready", f"{first_layer * 1e3:.2f} ms ({result['first_layer_share']:.2f} of "
+                                               f"the load; {1 / shape.layers:.2f} a layer)"))
     report("bench copy: executor page copies vs one contiguous copy", rows, result, args.json)
     return result
+
+
+def _first_layer_seconds(executor: TorchExecutor, batch: JobBatch, device: torch.device, repeats: int) -> float:
+    """Median seconds from submitting the load ``batch`` until its layer 0 is ready on the current stream."""
+    samples = []
+    for _ in range(repeats + 1):  # the first is a warm-up
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        handle = executor.submit(batch)
+        handle.wait(0)
+        torch.cuda.current_stream(device).synchronize()
+        samples.append(time.perf_counter() - t0)
+        executor.synchronize()
+        executor.poll()
+    return statistics.median(samples[1:])
