@@ -55,7 +55,7 @@ def _map(tensor: torch.Tensor, device: torch.device) -> torch.Tensor | None:
         flat = torch.as_tensor(_PinnedBytes(tensor), device=device)
     except (RuntimeError, TypeError, ValueError):  # not registered with CUDA, or no CUDA at all
         return None
-    if flat.data_ptr() != storage.data_ptr():  # torch copied instead of viewing
+    if flat.data_ptr() != storage.data_ptr():  # torch copied (the memory belongs to another GPU) instead of viewing
         return None
     torch.cuda.synchronize(device)  # no copy in flight may change the probed bytes
     host_bytes = torch.empty(0, dtype=torch.uint8).set_(storage)
@@ -65,14 +65,15 @@ def _map(tensor: torch.Tensor, device: torch.device) -> torch.Tensor | None:
 
 
 def host_view(host: HostKVPool, device: torch.device) -> torch.Tensor | None:
-    """A CUDA tensor over the same pinned memory as ``host.kv`` (same shape and strides), or None."""
-    if host not in _views:
+    """A CUDA tensor on ``device`` over the same pinned memory as ``host.kv`` (same shape and strides), or None."""
+    if device.type != "cuda":
+        return None
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if host not in _views:  # one view per pool, on the GPU that first copies it
         _views[host] = _map(host.kv, device)
     view = _views[host]
-    if view is None or device.type != "cuda":
-        return None
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return view if view.device.index == index else None
+    return view if view is not None and view.device == device else None
 
 
 def _pages(runs: list[Run], page_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
