@@ -38,12 +38,12 @@ import numpy as np
 import torch
 
 from hicache_fsm.allocator import page_ids_array
-from hicache_fsm.copy_staged import STAGED_LAYOUTS, backup_staged, load_staged, run_positions
+from hicache_fsm.copy_staged import STAGED_LAYOUTS, backup_staged, load_staged
+from hicache_fsm.page_index import Run, run_positions
 from hicache_fsm.errors import BadIndices, ConfigError
 from hicache_fsm.pools import DeviceKVPool, HostKVPool
 from hicache_fsm.zero_copy import backup_mapped, host_view, load_mapped
 
-Run = tuple[int, int, int]
 
 
 class PlannedRuns(list):

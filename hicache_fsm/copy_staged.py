@@ -20,12 +20,10 @@ engine.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
+from hicache_fsm.page_index import Run, gather_pages, index_on, run_positions, scatter_pages
 from hicache_fsm.pools import DeviceKVPool, HostKVPool
-
-Run = tuple[int, int, int]
 
 # A backup stages at most this many bytes per part at once (more runs go in further rounds), so backing up a
 # large batch does not double its footprint in device memory. A load stages its whole batch: every layer of
@@ -52,17 +50,9 @@ def block_layer(block: torch.Tensor, layout: str, layer: int, page_size: int) ->
     return block[:, layer]
 
 
-def run_positions(runs: list[Run], unit: int = 1) -> tuple[np.ndarray, np.ndarray]:
-    """Device and host positions (tokens, or pages with ``unit`` = page size) that ``runs`` cover, in run order."""
-    arr = np.asarray(runs, dtype=np.int64).reshape(-1, 3) // unit
-    lengths = arr[:, 2]
-    within = np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-    return np.repeat(arr[:, 0], lengths) + within, np.repeat(arr[:, 1], lengths) + within
-
-
 def _device_pages(runs: list[Run], page_size: int, device: torch.device) -> torch.Tensor:
     """The device page numbers ``runs`` cover, in run order (the order of the staged blocks)."""
-    return torch.from_numpy(run_positions(runs, page_size)[0]).to(device, non_blocking=True)
+    return index_on(run_positions(runs, page_size)[0], device)
 
 
 def _staging(dev: DeviceKVPool, host: HostKVPool, part: int, tokens: int) -> torch.Tensor:
@@ -92,7 +82,8 @@ def backup_staged(dev: DeviceKVPool, host: HostKVPool, runs: list[Run], non_bloc
         for part in range(dev.shape.parts):
             staged = _staging(dev, host, part, tokens)
             for layer in range(dev.layers):
-                block_layer(staged, host.layout, layer, ps).copy_(dev.layer_pages(layer)[part].index_select(0, pages))
+                rows = gather_pages(dev.layer_pages(layer)[part], pages)
+                block_layer(staged, host.layout, layer, ps).view(rows.dtype).copy_(rows)
             row = 0
             for _, h, n in group:  # the allocator keeps ``staged`` for this stream until these memcpys ran
                 host_block(host, part, h, n).copy_(staged.narrow(0, row, _rows(host, n)), non_blocking=non_blocking)
@@ -120,5 +111,5 @@ def load_staged(dev: DeviceKVPool, host: HostKVPool, runs: list[Run], layer: int
         staging["blocks"] = blocks
         staging["pages"] = _device_pages(runs, dev.page_size, dev.device)
     for part, staged in enumerate(staging["blocks"]):
-        dev.layer_pages(layer)[part].index_copy_(0, staging["pages"],
-                                                 block_layer(staged, host.layout, layer, dev.page_size))
+        rows = block_layer(staged, host.layout, layer, dev.page_size)
+        scatter_pages(dev.layer_pages(layer)[part], staging["pages"], rows)

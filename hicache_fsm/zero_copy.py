@@ -16,10 +16,12 @@ page_first token is a short strided read), a price paid for layers that
 arrive one by one.
 
 ``host_view(host, device)`` is that CUDA tensor over a host pool's buffer, or
-None where the platform does not map the memory: the caller then copies with
-memcpys. A view is made once per host pool and checked before use: torch
-refuses a pointer CUDA does not know, the view must start at the host
-address, and bytes read through it by a kernel must equal the host's.
+None where it cannot be had: the caller then copies with memcpys. The pools
+are torch's pinned allocations (``cudaHostAlloc``), which unified addressing
+maps into every GPU at their host address; a view is made once per pool and
+GPU and checked before it is used: the pool must be pinned, torch must not
+copy instead of viewing, and bytes a kernel reads through the view must
+equal the host's.
 """
 
 from __future__ import annotations
@@ -28,38 +30,53 @@ import weakref
 
 import torch
 
-from hicache_fsm.copy_staged import Run, run_positions
+from hicache_fsm.page_index import Run, gather_pages, index_on, run_positions, scatter_pages
 from hicache_fsm.pools import DeviceKVPool, HostKVPool
 
 PROBE_BYTES = 256
 
-_views: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # host pool -> view of its kv, or None
+_views: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # host pool -> {device: view of its kv or None}
 
 
 class _PinnedBytes:
-    """The pinned bytes of a tensor's storage, offered to torch through the CUDA array interface."""
+    """The first ``nbytes`` pinned bytes of a tensor's storage, offered to torch as CUDA memory."""
 
-    def __init__(self, tensor: torch.Tensor) -> None:
+    def __init__(self, tensor: torch.Tensor, nbytes: int) -> None:
         self.tensor = tensor  # the view's deleter keeps this object, and so the host memory, alive
-        storage = tensor.untyped_storage()
-        self.__cuda_array_interface__ = {"shape": (storage.nbytes(),), "typestr": "|u1",
-                                         "data": (storage.data_ptr(), False), "strides": None, "version": 3}
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1",
+                                         "data": (tensor.untyped_storage().data_ptr(), False), "strides": None,
+                                         "version": 3}
+
+
+def _bytes_on(tensor: torch.Tensor, nbytes: int, device: torch.device) -> torch.Tensor | None:
+    """A uint8 CUDA tensor on ``device`` over the first ``nbytes`` of ``tensor``'s storage, or None.
+
+    Some torch versions check the pointer and copy memory that belongs to
+    another GPU to ``device`` (a copy is refused here), others take the
+    address as it is.
+    """
+    try:
+        flat = torch.as_tensor(_PinnedBytes(tensor, nbytes), device=device)
+    except (RuntimeError, TypeError, ValueError):  # a pointer CUDA does not know, or no CUDA at all
+        return None
+    return flat if flat.data_ptr() == tensor.untyped_storage().data_ptr() else None
 
 
 def _map(tensor: torch.Tensor, device: torch.device) -> torch.Tensor | None:
+    """The checked view of ``tensor``'s pinned storage on ``device``, as ``tensor`` (shape, strides, dtype)."""
     storage = tensor.untyped_storage()
     probe = min(PROBE_BYTES, storage.nbytes())
-    if not tensor.is_pinned() or not probe:
+    if not tensor.is_pinned() or not probe:  # torch allocated it pinned: mapped at its host address (UVA)
         return None
-    try:
-        flat = torch.as_tensor(_PinnedBytes(tensor), device=device)
-    except (RuntimeError, TypeError, ValueError):  # not registered with CUDA, or no CUDA at all
-        return None
-    if flat.data_ptr() != storage.data_ptr():  # torch copied (the memory belongs to another GPU) instead of viewing
+    head = _bytes_on(tensor, probe, device)  # a small view first: a refused copy costs nothing
+    if head is None:
         return None
     torch.cuda.synchronize(device)  # no copy in flight may change the probed bytes
     host_bytes = torch.empty(0, dtype=torch.uint8).set_(storage)
-    if not torch.equal(flat[:probe].clone().cpu(), host_bytes[:probe]):
+    if not torch.equal(head.clone().cpu(), host_bytes[:probe]):
+        return None
+    flat = _bytes_on(tensor, storage.nbytes(), device)
+    if flat is None:
         return None
     return flat.view(tensor.dtype).as_strided(tensor.shape, tensor.stride(), tensor.storage_offset())
 
@@ -70,17 +87,16 @@ def host_view(host: HostKVPool, device: torch.device) -> torch.Tensor | None:
         return None
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    if host not in _views:  # one view per pool, on the GPU that first copies it
-        _views[host] = _map(host.kv, device)
-    view = _views[host]
-    return view if view is not None and view.device == device else None
+    views = _views.setdefault(host, {})  # pinned memory is portable: each GPU gets its own view
+    if device not in views:
+        views[device] = _map(host.kv, device)
+    return views[device]
 
 
 def _pages(runs: list[Run], page_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Device and host page numbers ``runs`` cover, in run order, on ``device``."""
     dev_pages, host_pages = run_positions(runs, page_size)
-    return (torch.from_numpy(dev_pages).to(device, non_blocking=True),
-            torch.from_numpy(host_pages).to(device, non_blocking=True))
+    return index_on(dev_pages, device), index_on(host_pages, device)
 
 
 def _layer_pages(view: torch.Tensor, layout: str, layer: int, page_size: int) -> list[torch.Tensor]:
@@ -98,7 +114,7 @@ def backup_mapped(dev: DeviceKVPool, view: torch.Tensor, layout: str, runs: list
     dev_pages, host_pages = _pages(runs, ps, dev.device)
     for li in range(dev.layers) if layer is None else (layer,):
         for dst, src in zip(_layer_pages(view, layout, li, ps), dev.layer_pages(li)):
-            dst.index_copy_(0, host_pages, src.index_select(0, dev_pages))
+            scatter_pages(dst, host_pages, gather_pages(src, dev_pages))
 
 
 def load_mapped(dev: DeviceKVPool, view: torch.Tensor, layout: str, runs: list[Run], layer: int,
@@ -109,4 +125,4 @@ def load_mapped(dev: DeviceKVPool, view: torch.Tensor, layout: str, runs: list[R
         staging["mapped_pages"] = _pages(runs, dev.page_size, dev.device)
     dev_pages, host_pages = staging["mapped_pages"]
     for dst, src in zip(dev.layer_pages(layer), _layer_pages(view, layout, layer, dev.page_size)):
-        dst.index_copy_(0, dev_pages, src.index_select(0, host_pages))
+        scatter_pages(dst, dev_pages, gather_pages(src, host_pages))

@@ -22,44 +22,63 @@ from hicache_fsm.engine_kv import adopt_sglang_mha, adopt_vllm
 from hicache_fsm.pools import LAYOUTS, DeviceKVPool, HostKVPool, KVShape
 
 SHAPE = KVShape(layers=3, heads=2, head_dim=4, dtype=torch.float32)
+# float8: the indexed kernels have none, pages move as integers of the same width (``page_index``)
+DTYPES = [torch.float32, torch.bfloat16, torch.float8_e4m3fn]
 PAGES = 12
 
 
-def _device_pool(kind: str, ps: int, device: str) -> DeviceKVPool:
+def _device_pool(kind: str, ps: int, device: str, dtype: torch.dtype) -> DeviceKVPool:
     tokens = PAGES * ps
+    shape = KVShape(SHAPE.layers, SHAPE.heads, SHAPE.head_dim, dtype)
     dims = (SHAPE.heads, SHAPE.head_dim)
     if kind == "owned":
-        return DeviceKVPool(SHAPE, tokens, ps, device=device)
+        return DeviceKVPool(shape, tokens, ps, device=device)
     if kind == "sglang_mha":
-        k = [torch.zeros((tokens, *dims), device=device) for _ in range(SHAPE.layers)]
-        v = [torch.zeros((tokens, *dims), device=device) for _ in range(SHAPE.layers)]
+        k = [torch.zeros((tokens, *dims), dtype=dtype, device=device) for _ in range(SHAPE.layers)]
+        v = [torch.zeros((tokens, *dims), dtype=dtype, device=device) for _ in range(SHAPE.layers)]
         return adopt_sglang_mha(k, v, ps, reserved_pages=0)
-    return adopt_vllm([torch.zeros((2, PAGES, ps, *dims), device=device) for _ in range(SHAPE.layers)])
+    return adopt_vllm([torch.zeros((2, PAGES, ps, *dims), dtype=dtype, device=device) for _ in range(SHAPE.layers)])
 
 
 def _tokens(pages: list[int], ps: int) -> torch.Tensor:
     return (torch.tensor(pages, dtype=torch.int64)[:, None] * ps + torch.arange(ps)).reshape(-1)
 
 
-def _random_kv(n: int, seed: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _random_kv(n: int, seed: int, device: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return tuple(torch.randn((SHAPE.layers, n, SHAPE.heads, SHAPE.head_dim), generator=g).to(device)
+    return tuple(torch.randn((SHAPE.layers, n, SHAPE.heads, SHAPE.head_dim), generator=g).to(device, dtype)
                  for _ in range(2))
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The bits of ``t`` (float8 has no equality on the CPU; NaN bits compare as bits)."""
+    return t.cpu().view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def _others(pages: list[int], ps: int) -> torch.Tensor | None:
+    """The tokens of the pages not in ``pages``, or None when there are none."""
+    rest = sorted(set(range(PAGES)) - set(pages))
+    return _tokens(rest, ps) if rest else None
+
+
 def _round_trip(kind: str, layout: str, ps: int, dev_pages: list[int], host_pages: list[int],
-                back_pages: list[int], device: str, seed: int, backup, load, pinned: bool | None = None) -> None:
-    """Write KV into device pages, back it up, zero the device, load it back layer by layer: same bits."""
-    dev = _device_pool(kind, ps, device)
-    host = HostKVPool(SHAPE, PAGES * ps, ps, layout, pin_memory=device == "cuda" if pinned is None else pinned)
+                back_pages: list[int], device: str, seed: int, backup, load, pinned: bool | None = None,
+                dtype: torch.dtype = torch.float32) -> None:
+    """Write KV into device pages, back it up, zero the device, load it back layer by layer: same bits, and
+    no page outside the copy touched."""
+    dev = _device_pool(kind, ps, device, dtype)
+    host = HostKVPool(dev.shape, PAGES * ps, ps, layout, pin_memory=device == "cuda" if pinned is None else pinned)
     d_idx, h_idx, b_idx = _tokens(dev_pages, ps), _tokens(host_pages, ps), _tokens(back_pages, ps)
-    k, v = _random_kv(d_idx.numel(), seed, device)
+    k, v = _random_kv(d_idx.numel(), seed, device, dtype)
     dev.write(d_idx, None, k, v)
     backup(dev, host, plan_runs(d_idx, h_idx, ps))
     if device == "cuda":
         torch.cuda.synchronize()
     hk, hv = host.read(h_idx)
-    assert torch.equal(hk, k.cpu()) and torch.equal(hv, v.cpu())
+    assert torch.equal(_bits(hk), _bits(k)) and torch.equal(_bits(hv), _bits(v))
+    untouched = _others(host_pages, ps)
+    if untouched is not None:
+        assert not any(_bits(part).any() for part in host.read(untouched))  # the host pool started zeroed
     for buffer in dev.buffers:
         buffer.zero_()
     staging: dict = {}
@@ -69,7 +88,10 @@ def _round_trip(kind: str, layout: str, ps: int, dev_pages: list[int], host_page
     if device == "cuda":
         torch.cuda.synchronize()
     gk, gv = dev.read(b_idx)
-    assert torch.equal(gk, k.cpu()) and torch.equal(gv, v.cpu())
+    assert torch.equal(_bits(gk), _bits(k)) and torch.equal(_bits(gv), _bits(v))
+    untouched = _others(back_pages, ps)
+    if untouched is not None:
+        assert not any(_bits(part).any() for part in dev.read(untouched))
 
 
 def _staged_backup(dev, host, runs) -> None:
@@ -107,21 +129,29 @@ pages = st.integers(1, PAGES).flatmap(lambda n: st.tuples(*(st.permutations(rang
 
 @settings(max_examples=40, deadline=None)
 @given(kind=st.sampled_from(["owned", "sglang_mha", "vllm"]), layout=st.sampled_from(copy_staged.STAGED_LAYOUTS),
-       ps=st.sampled_from([1, 4]), chosen=pages, small_rounds=st.booleans(), seed=st.integers(0, 2**16))
-def test_staged_round_trip_is_bit_exact_on_cpu(kind, layout, ps, chosen, small_rounds, seed):
+       ps=st.sampled_from([1, 4]), chosen=pages, small_rounds=st.booleans(), seed=st.integers(0, 2**16),
+       dtype=st.sampled_from(DTYPES))
+def test_staged_round_trip_is_bit_exact_on_cpu(kind, layout, ps, chosen, small_rounds, seed, dtype):
     """On the CPU the copy functions take their CPU path: the staged one is called directly."""
     with pytest.MonkeyPatch.context() as mp:
         if small_rounds:  # a backup in rounds of one byte's budget: every run staged on its own
             mp.setattr(copy_staged, "STAGE_MAX_BYTES", 1)
-        _round_trip(kind, layout, ps, *chosen, "cpu", seed, _staged_backup, _staged_load)
+        _round_trip(kind, layout, ps, *chosen, "cpu", seed, _staged_backup, _staged_load, dtype=dtype)
 
 
 @settings(max_examples=30, deadline=None)
 @given(kind=st.sampled_from(["owned", "sglang_mha", "vllm"]), layout=st.sampled_from(LAYOUTS),
-       ps=st.sampled_from([1, 4]), chosen=pages, by_layer=st.booleans(), seed=st.integers(0, 2**16))
-def test_mapped_round_trip_is_bit_exact_on_cpu(kind, layout, ps, chosen, by_layer, seed):
+       ps=st.sampled_from([1, 4]), chosen=pages, by_layer=st.booleans(), seed=st.integers(0, 2**16),
+       dtype=st.sampled_from(DTYPES), deterministic=st.booleans())
+def test_mapped_round_trip_is_bit_exact_on_cpu(kind, layout, ps, chosen, by_layer, seed, dtype, deterministic):
+    """Also in torch's deterministic mode, where a scatter is an ``index_put_`` (see ``page_index``)."""
     backup = _mapped_layer_backup if by_layer else _mapped_backup
-    _round_trip(kind, layout, ps, *chosen, "cpu", seed, backup, _mapped_load)
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        _round_trip(kind, layout, ps, *chosen, "cpu", seed, backup, _mapped_load, dtype=dtype)
+    finally:
+        torch.use_deterministic_algorithms(before)
 
 
 def test_a_pool_without_pinned_memory_has_no_device_view():
@@ -155,13 +185,14 @@ def test_staged_round_trip_is_bit_exact_on_cuda(kind, layout, small_rounds, monk
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("kind", ["owned", "sglang_mha", "vllm"])
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_a_pinned_pool_round_trips_through_the_host_view_on_cuda(kind, layout):
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_pinned_pool_round_trips_through_the_host_view_on_cuda(kind, layout, dtype):
     host = HostKVPool(SHAPE, PAGES * 4, 4, layout)
     view = zero_copy.host_view(host, torch.device("cuda", torch.cuda.current_device()))
     assert view is not None and view.data_ptr() == host.kv.data_ptr()  # the fast path is taken here
     g = torch.Generator().manual_seed(len(kind) + len(layout))
     chosen = [torch.randperm(PAGES, generator=g)[:9].tolist() for _ in range(3)]
-    _round_trip(kind, layout, 4, *chosen, "cuda", 11, _executor_backup, _executor_load)
+    _round_trip(kind, layout, 4, *chosen, "cuda", 11, _executor_backup, _executor_load, dtype=dtype)
 
 
 @pytest.mark.cuda
