@@ -39,7 +39,7 @@ import torch
 
 from hicache_fsm.allocator import page_ids_array
 from hicache_fsm.copy_staged import STAGED_LAYOUTS, backup_staged, load_staged
-from hicache_fsm.page_index import Run, run_positions
+from hicache_fsm.page_index import Run, as_bits, run_positions
 from hicache_fsm.errors import BadIndices, ConfigError
 from hicache_fsm.pools import DeviceKVPool, HostKVPool
 from hicache_fsm.zero_copy import backup_mapped, host_view, load_mapped
@@ -251,6 +251,7 @@ def _gathered(dev: DeviceKVPool, host: HostKVPool, runs: list[Run], layer: int |
     if not gather_pays(runs, dview[0].numel() // dview.shape[dim] * dview.element_size()):
         return False
     d_idx, h_idx = _run_indices(runs)
+    dview, hview = as_bits(dview), as_bits(hview)  # bits: the indexed kernels have no float8 variants
     if to_host:
         hview.index_copy_(dim, h_idx, dview.index_select(dim, d_idx))
     else:

@@ -39,18 +39,19 @@ def index_on(positions: np.ndarray, device: torch.device) -> torch.Tensor:
     return index.to(device, non_blocking=True)
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
+def as_bits(t: torch.Tensor) -> torch.Tensor:
+    """``t`` viewed as integers of its element's width: indexed kernels then move any dtype, float8 too."""
     return t.view(_BITS[t.element_size()])
 
 
 def gather_pages(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``src[index]`` along dim 0, as integers of the element's width (bits, not values)."""
-    return _bits(src).index_select(0, index)
+    return as_bits(src).index_select(0, index)
 
 
 def scatter_pages(dst: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> None:
     """``dst[index] = rows`` along dim 0, in place, bit for bit (``rows`` of ``dst``'s dtype or its bits)."""
-    dst, rows = _bits(dst), _bits(rows)
+    dst, rows = as_bits(dst), as_bits(rows)
     if torch.are_deterministic_algorithms_enabled():
         dst.index_put_((index,), rows)
     else:

@@ -68,7 +68,7 @@ def test_coalesce_covers_exactly_the_pairs(data, ps, n):
 # ---------------------------------------------------------------- round trips
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
 @pytest.mark.parametrize("ps", [1, 4])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_round_trip_bit_exact(layout, ps, dtype):
@@ -98,7 +98,7 @@ def test_round_trip_bit_exact(layout, ps, dtype):
     assert torch.equal(rk, original[0]) and torch.equal(rv, original[1])
     untouched = torch.ones(32 * ps, dtype=torch.bool)
     untouched[b_idx] = False
-    assert dev.kv[:, :, untouched].abs().sum() == 0
+    assert not dev.kv[:, :, untouched].view(torch.uint8).any()  # bytes: float8 has no sum on the CPU
 
     dev.kv.zero_()
     for layer in range(shape.layers):  # the per-layer path the CUDA executor uses
