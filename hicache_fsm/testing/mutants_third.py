@@ -275,3 +275,19 @@ def _write_behind_never_backs_up(p: Any) -> None:
     from hicache_fsm.eviction import Eviction
 
     p.setattr(Eviction, "write_behind", lambda self: None)
+
+
+@_third("backup_host_start_in_pages", "a backup writes its run at the host page number taken for a slot number "
+                                      "(right only with pages of one token)")
+def _backup_host_start_in_pages(p: Any) -> None:
+    from hicache_fsm import executors
+
+    orig = executors.backup_to_host
+
+    def backup_to_host(device_pool, host_pool, *args, runs=None, **kwargs):
+        ps = host_pool.page_size
+        if runs is not None:
+            runs = [(d, h // ps // ps * ps, n) for d, h, n in runs]  # the page number, kept page aligned
+        return orig(device_pool, host_pool, *args, runs=runs, **kwargs)
+
+    p.setattr(executors, "backup_to_host", backup_to_host)

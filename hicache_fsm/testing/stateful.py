@@ -568,7 +568,11 @@ def default_settings(examples: int = 60, steps: int = 40, **kw: Any) -> Settings
 
 # =========================================================================== HiCache binding
 
-_MEMORY_VARIANTS: tuple[dict, ...] = tuple(
+_MEMORY_VARIANTS: tuple[dict, ...] = tuple(  # pages of two tokens over two layers first: a token offset taken for
+    # a page offset, or one layer's slots for another's, cannot show with one of each (the draw favours low indices)
+    {"write_policy": w, "eviction_policy": "lru", "device_pages": 3, "host_pages": 3, "page_size": 2, "layers": 2}
+    for w in ("write_through", "write_back")
+) + tuple(
     {"write_policy": w, "eviction_policy": e, "device_pages": d, "host_pages": h}
     for w in ("write_through", "write_back", "write_through_selective", "write_behind")
     for e, d, h in (("lru", 3, 3), ("lfu", 4, 2), ("lru", 2, 4), ("priority", 5, 5))
