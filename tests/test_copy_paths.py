@@ -61,6 +61,16 @@ def _others(pages: list[int], ps: int) -> torch.Tensor | None:
     return _tokens(rest, ps) if rest else None
 
 
+def _holds_only(pool, tokens: torch.Tensor, others: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor) -> None:
+    """``pool`` holds ``k``/``v`` at ``tokens`` (bit for bit) and zeros at every other page."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    got_k, got_v = pool.read(tokens)
+    assert torch.equal(_bits(got_k), _bits(k)) and torch.equal(_bits(got_v), _bits(v))
+    if others is not None:
+        assert not any(_bits(part).any() for part in pool.read(others))
+
+
 def _round_trip(kind: str, layout: str, ps: int, dev_pages: list[int], host_pages: list[int],
                 back_pages: list[int], device: str, seed: int, backup, load, pinned: bool | None = None,
                 dtype: torch.dtype = torch.float32) -> None:
@@ -72,26 +82,14 @@ def _round_trip(kind: str, layout: str, ps: int, dev_pages: list[int], host_page
     k, v = _random_kv(d_idx.numel(), seed, device, dtype)
     dev.write(d_idx, None, k, v)
     backup(dev, host, plan_runs(d_idx, h_idx, ps))
-    if device == "cuda":
-        torch.cuda.synchronize()
-    hk, hv = host.read(h_idx)
-    assert torch.equal(_bits(hk), _bits(k)) and torch.equal(_bits(hv), _bits(v))
-    untouched = _others(host_pages, ps)
-    if untouched is not None:
-        assert not any(_bits(part).any() for part in host.read(untouched))  # the host pool started zeroed
+    _holds_only(host, h_idx, _others(host_pages, ps), k, v)  # the host pool started zeroed
     for buffer in dev.buffers:
         buffer.zero_()
     staging: dict = {}
     runs = plan_runs(b_idx, h_idx, ps)
     for layer in range(SHAPE.layers):
         load(dev, host, runs, layer, staging)
-    if device == "cuda":
-        torch.cuda.synchronize()
-    gk, gv = dev.read(b_idx)
-    assert torch.equal(_bits(gk), _bits(k)) and torch.equal(_bits(gv), _bits(v))
-    untouched = _others(back_pages, ps)
-    if untouched is not None:
-        assert not any(_bits(part).any() for part in dev.read(untouched))
+    _holds_only(dev, b_idx, _others(back_pages, ps), k, v)
 
 
 def _staged_backup(dev, host, runs) -> None:
