@@ -207,3 +207,22 @@ def test_layer_by_layer_backups_round_trip_on_cuda(kind, layout):
             backup_to_host(dev, host, layer=layer, runs=runs, non_blocking=True)
 
     _round_trip(kind, layout, 4, *chosen, "cuda", 13, by_layer, _executor_load)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_blocking_backup_through_the_view_is_done_when_it_returns(layout):
+    """Kernels that write host memory run asynchronously: a ``non_blocking=False`` copy waits for them."""
+    dev = _device_pool("owned", 4, "cuda", torch.float32)
+    host = HostKVPool(dev.shape, PAGES * 4, 4, layout)
+    pages = _tokens(list(range(PAGES)), 4)
+    k, v = _random_kv(pages.numel(), 3, "cuda", torch.float32)
+    dev.write(pages, None, k, v)
+    torch.cuda.synchronize()
+    busy = torch.ones((4096, 4096), device="cuda")
+    for _ in range(20):  # the stream is busy for a while: a kernel not waited for would not have run yet
+        busy = busy @ busy
+    backup_to_host(dev, host, pages, pages)  # non_blocking=False
+    got_k, got_v = host.read(pages)  # no synchronize
+    assert torch.equal(got_k, k.cpu()) and torch.equal(got_v, v.cpu())
