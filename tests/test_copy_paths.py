@@ -1,12 +1,13 @@
-"""The CUDA copy paths: staged page_first blocks, and layer_first pages through a GPU view of the host.
+"""The CUDA copy paths: indexed kernels through a GPU view of the pinned host pool, and the staged fallback.
 
-On CUDA, page_first and page_first_direct host pools are copied by
-``copy_staged`` (whole host blocks staged, pages gathered and scattered per
-layer), layer_first ones by ``zero_copy`` (indexed kernels on a view of the
-pinned host memory). Both are plain torch, so on the CPU they are checked
-against the pools' own read/write, bit for bit, for owned and adopted device
-pools (the zero-copy functions given the host buffer itself as the view); on
-CUDA the same round trips go through the public copy functions.
+On CUDA every host layout is copied by ``zero_copy`` (one gather and one
+scatter per layer and part, on a view of the pinned host memory); without a
+view, page_first and page_first_direct pools fall back to ``copy_staged``
+(whole host blocks staged on the GPU). Both are plain torch, so on the CPU
+they are checked against the pools' own read/write, bit for bit, for owned
+and adopted device pools, every layout and float32, bfloat16 and float8 (the
+zero-copy functions given the host buffer itself as the view); on CUDA the
+same round trips go through the public copy functions.
 """
 
 from __future__ import annotations
@@ -216,6 +217,7 @@ def test_a_blocking_backup_through_the_view_is_done_when_it_returns(layout):
     """Kernels that write host memory run asynchronously: a ``non_blocking=False`` copy waits for them."""
     dev = _device_pool("owned", 4, "cuda", torch.float32)
     host = HostKVPool(dev.shape, PAGES * 4, 4, layout)
+    assert zero_copy.host_view(host, dev.device) is not None  # the path under test
     pages = _tokens(list(range(PAGES)), 4)
     k, v = _random_kv(pages.numel(), 3, "cuda", torch.float32)
     dev.write(pages, None, k, v)

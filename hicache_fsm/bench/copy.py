@@ -10,8 +10,9 @@ engine's (``hicache_fsm.engine_kv``) instead of allocating its one buffer;
 the baseline then copies from a flat device buffer of the same size.
 
 On CUDA it also times a load until its first layer is ready (the engine's
-``wait(0)``): ``first_layer_share`` is that time over the whole load's, about
-``1 / layers`` when layers arrive one by one, 1 when layer 0 waits for all.
+``wait(0)``): ``first_layer_share`` is that time over the whole load's, near
+``1 / layers`` when layers arrive one by one (plus launch costs), near 1 when
+layer 0 waits for all of them.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """The third set of planted controller bugs: reset, insert priorities and recency, prefetch placement, and
-what the engine is handed (load waits, a prefetch's readiness, write_behind backups).
+what the engine is handed (load waits, a prefetch's readiness, write_behind backups), and a page number
+taken for a slot number (right only with pages of one token).
 
 Registered into ``testing.mutants.MUTANTS`` as ``testing.mutants_more`` is (``mutants`` imports this module,
 never the other way round). Each entry is ``(name, bug, apply, variant)``; ``apply`` patches through the

@@ -194,11 +194,18 @@ class CacheProtocolMachine(RuleBasedStateMachine):
     @initialize(target=prompts, variant=st.integers(0, 63), pages=prompt_pages(ALPHABET, 1, MAX_PAGES))
     def setup(self, variant: int, pages: list[int]) -> tuple[int, ...]:
         """Build the cache (one of ``variants``) and insert a first prompt."""
-        self.adapter = self.build(self.variants[variant % len(self.variants)])
+        self.variant = self.variants[variant % len(self.variants)]
+        self.adapter = self.build(self.variant)
         self.order = UseOrder.of(self.adapter)
         if self.coverage is not None:
             self.coverage.attach_all(self.adapter.machines())
         return self.insert(pages)
+
+    def expect_variant(self, expected: dict) -> None:
+        """A generated regression test's guard: its variant number still builds the variant it was found in."""
+        if self.variant != expected:
+            raise ConfigError(f"this test was generated for variant {expected!r}, but its variant number now "
+                              f"builds {self.variant!r} (the variants changed): generate it again")
 
     def teardown(self) -> None:
         if self.adapter is not None:
@@ -658,16 +665,25 @@ class FuzzResult:
 
 
 _STEP_LINE = re.compile(r"^(state\b|[a-z_]+_\d+ = state\.|state\.)")
+_SETUP_LINE = re.compile(r"^[a-z_]+_\d+ = state\.setup\(variant=(\d+)\b")
 
 
 def regression_test(steps: Sequence[str], *, machine_import: str, machine_name: str, failure: str = "",
-                    test_name: str = "test_fuzz_regression", wrap: str | None = None) -> str:
-    """A runnable pytest test replaying a falsifying example, checking invariants after every step."""
+                    test_name: str = "test_fuzz_regression", wrap: str | None = None,
+                    variants: Sequence[dict] | None = None) -> str:
+    """A runnable pytest test replaying a falsifying example, checking invariants after every step.
+
+    With the machine's ``variants``, the test checks that its variant number still builds the variant the
+    failure was found in: a later change to the list fails it loudly instead of replaying another cache.
+    """
     body = []
     for line in steps:
         if line.strip() == "state.check()":
             continue
         body.append(line)
+        setup = _SETUP_LINE.match(line) if variants else None
+        if setup:
+            body.append(f"state.expect_variant({variants[int(setup.group(1)) % len(variants)]!r})")
         if line.startswith("state.") and not line.startswith("state.teardown") or re.match(r"^[a-z_]+_\d+ = state\.", line):
             body.append("state.check()")
     indent = "    " * (2 if wrap else 1)
@@ -773,5 +789,7 @@ def run_fuzz(machine: type[CacheProtocolMachine], *, examples: int = 100, steps:
         imp = machine_import or (f"from hicache_fsm.testing.stateful import hicache_machine\n"
                                  f"{name} = hicache_machine(name={name!r})")
         result.test_code = regression_test(result.steps, machine_import=imp, machine_name=name,
-                                           failure=result.failure, wrap=wrap)
+                                           failure=result.failure, wrap=wrap,
+                                           variants=machine.variants if issubclass(machine, CacheProtocolMachine)
+                                           else None)
     return result
