@@ -142,10 +142,8 @@ def backup_to_host(device_pool: DeviceKVPool, host_pool: HostKVPool, device_indi
         _wait_unless(non_blocking, device_pool)
     elif layer is None and host_pool.layout in STAGED_LAYOUTS:
         backup_staged(device_pool, host_pool, runs, non_blocking)
-    elif device_pool.adopted:
-        _d2h_cuda_paged(device_pool, host_pool, runs, layer, non_blocking)
     else:
-        _d2h_cuda(device_pool, host_pool, runs, layer, non_blocking)
+        _d2h_cuda_memcpy(device_pool, host_pool, runs, layer, non_blocking)
 
 
 def _cpu_pairs(dev: DeviceKVPool, host: HostKVPool, runs: list[Run], layer: int | None):
@@ -266,28 +264,13 @@ def _d2h_cpu(dev: DeviceKVPool, host: HostKVPool, runs: list[Run], layer: int | 
     _copy_pairs([(h, d) for d, h in pairs])
 
 
-def _d2h_cuda_paged(dev: DeviceKVPool, host: HostKVPool, runs: list[Run], layer: int | None, nb: bool) -> None:
+def _d2h_cuda_memcpy(dev: DeviceKVPool, host: HostKVPool, runs: list[Run], layer: int | None, nb: bool) -> None:
+    """Without a GPU view of the host: a copy per run, layer and part (``layer_pages`` views, owned or adopted)."""
     # layer_first: each host view is contiguous, one async memcpy each. One layer of a
-    # page_first(_direct) pool is scattered over the host: synchronous, as for owned pools.
+    # page_first(_direct) pool is scattered over the host: synchronous.
     async_ok = host.layout == "layer_first"
     for d, h in _paged_pairs(dev, host, runs, layer):
         h.copy_(d, non_blocking=nb and async_ok)
-
-
-def _d2h_cuda(dev: DeviceKVPool, host: HostKVPool, runs: list[Run], layer: int | None, nb: bool) -> None:
-    ps, layout = dev.page_size, host.layout
-    layers = range(dev.layers) if layer is None else (layer,)
-    for s in range(dev.shape.parts):
-        dh, hh = dev.kv[s], host.kv[s]
-        for d, h, n in runs:
-            if layout == "layer_first":
-                for li in layers:
-                    hh[li, h:h + n].copy_(dh[li, d:d + n], non_blocking=nb)
-            elif layout == "page_first":  # one layer (every layer is staged by backup_staged)
-                hh[h:h + n, layer].copy_(dh[layer, d:d + n], non_blocking=False)
-            else:
-                for i, p in enumerate(range(h // ps, (h + n) // ps)):
-                    hh[p, layer].copy_(dh[layer, d + i * ps:d + (i + 1) * ps], non_blocking=nb)
 
 
 # ---------------------------------------------------------------- host -> device
@@ -314,10 +297,9 @@ def load_to_device(device_pool: DeviceKVPool, host_pool: HostKVPool, host_indice
         _wait_unless(non_blocking, device_pool)
     elif host_pool.layout in STAGED_LAYOUTS:
         load_staged(device_pool, host_pool, runs, layer, non_blocking, staging)
-    elif device_pool.adopted:
-        _h2d_cuda_paged(device_pool, host_pool, runs, layer, non_blocking)
-    else:
-        _h2d_cuda(device_pool, host_pool, runs, layer, non_blocking)
+    else:  # layer_first without a GPU view of the host: one contiguous host view per run and part
+        for d, h in _paged_pairs(device_pool, host_pool, runs, layer):
+            d.copy_(h, non_blocking=non_blocking)
 
 
 def load_all_layers(device_pool: DeviceKVPool, host_pool: HostKVPool, host_indices=None, device_indices=None,
@@ -342,18 +324,6 @@ def _h2d_cpu(dev: DeviceKVPool, host: HostKVPool, runs: list[Run], layer: int | 
     if _gathered(dev, host, runs, layer, to_host=False):
         return
     _copy_pairs(_paged_pairs(dev, host, runs, layer) if dev.adopted else list(_cpu_pairs(dev, host, runs, layer)))
-
-
-def _h2d_cuda_paged(dev: DeviceKVPool, host: HostKVPool, runs: list[Run], layer: int, nb: bool) -> None:
-    for d, h in _paged_pairs(dev, host, runs, layer):  # layer_first: one contiguous host view each
-        d.copy_(h, non_blocking=nb)
-
-
-def _h2d_cuda(dev: DeviceKVPool, host: HostKVPool, runs: list[Run], layer: int, nb: bool) -> None:
-    for s in range(dev.shape.parts):  # layer_first: one contiguous host view each
-        dl, hh = dev.kv[s, layer], host.kv[s]
-        for d, h, n in runs:
-            dl[d:d + n].copy_(hh[layer, h:h + n], non_blocking=nb)
 
 
 __all__ = ["Run", "coalesce_runs", "plan_runs", "backup_to_host", "load_to_device", "load_all_layers"]

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from hicache_fsm.page_index import Run, gather_pages, index_on, run_positions, scatter_pages
-from hicache_fsm.pools import DeviceKVPool, HostKVPool
+from hicache_fsm.pools import DeviceKVPool, HostKVPool, layer_of
 
 # A backup stages at most this many bytes per part at once (more runs go in further rounds), so backing up a
 # large batch does not double its footprint in device memory. A load stages its whole batch: every layer of
@@ -43,13 +43,6 @@ def host_block(host: HostKVPool, part: int, h: int, n: int) -> torch.Tensor:
     return host.kv[part].narrow(0, _rows(host, h), _rows(host, n))
 
 
-def block_layer(block: torch.Tensor, layout: str, layer: int, page_size: int) -> torch.Tensor:
-    """One layer of a ``host_block`` (or a staged copy of blocks) as (pages, page_size, heads, head_dim)."""
-    if layout == "page_first":
-        return block[:, layer].unflatten(0, (-1, page_size))
-    return block[:, layer]
-
-
 def _device_pages(runs: list[Run], page_size: int, device: torch.device) -> torch.Tensor:
     """The device page numbers ``runs`` cover, in run order (the order of the staged blocks)."""
     return index_on(run_positions(runs, page_size)[0], device)
@@ -61,7 +54,7 @@ def _staging(dev: DeviceKVPool, host: HostKVPool, part: int, tokens: int) -> tor
 
 def stage_rounds(host: HostKVPool, runs: list[Run]) -> list[list[Run]]:
     """``runs`` split into consecutive groups of at most ``STAGE_MAX_BYTES`` staged per part (one run at least)."""
-    token_bytes = host.kv[0][0].numel() * host.kv.element_size() // (host.page_size // _rows(host, host.page_size))
+    token_bytes = host.shape.token_bytes // host.shape.parts  # staged per part
     rounds: list[list[Run]] = [[]]
     size = 0
     for run in runs:
@@ -83,7 +76,7 @@ def backup_staged(dev: DeviceKVPool, host: HostKVPool, runs: list[Run], non_bloc
             staged = _staging(dev, host, part, tokens)
             for layer in range(dev.layers):
                 rows = gather_pages(dev.layer_pages(layer)[part], pages)
-                block_layer(staged, host.layout, layer, ps).view(rows.dtype).copy_(rows)
+                layer_of(staged, host.layout, layer, ps).view(rows.dtype).copy_(rows)
             row = 0
             for _, h, n in group:  # the allocator keeps ``staged`` for this stream until these memcpys ran
                 host_block(host, part, h, n).copy_(staged.narrow(0, row, _rows(host, n)), non_blocking=non_blocking)
@@ -111,5 +104,5 @@ def load_staged(dev: DeviceKVPool, host: HostKVPool, runs: list[Run], layer: int
         staging["blocks"] = blocks
         staging["pages"] = _device_pages(runs, dev.page_size, dev.device)
     for part, staged in enumerate(staging["blocks"]):
-        rows = block_layer(staged, host.layout, layer, dev.page_size)
+        rows = layer_of(staged, host.layout, layer, dev.page_size)
         scatter_pages(dev.layer_pages(layer)[part], staging["pages"], rows)

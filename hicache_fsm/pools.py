@@ -352,6 +352,19 @@ def _as_uint8(data, nbytes: int) -> torch.Tensor:
     return flat
 
 
+def layer_of(part: torch.Tensor, layout: str, layer: int, page_size: int) -> torch.Tensor:
+    """One layer of one part of a host buffer in ``layout`` as (pages, page_size, heads, head_dim).
+
+    ``part`` is a whole part (``HostKVPool.kv[i]``), a GPU view of one, or any run of its rows in the page_first
+    layouts (a staged block of them).
+    """
+    if layout == "layer_first":
+        return part[layer].unflatten(0, (-1, page_size))
+    if layout == "page_first":
+        return part[:, layer].unflatten(0, (-1, page_size))
+    return part[:, layer]
+
+
 class HostKVPool:
     """The L2 pool in host memory, in one of three layouts (see module docstring)."""
 
@@ -422,12 +435,7 @@ class HostKVPool:
 
     def layer_pages(self, layer: int) -> tuple[torch.Tensor, ...]:
         """Per part, the (pages, page_size, heads, head_dim) view of one layer (strided but for layer_first)."""
-        pages, ps = self.total_pages, self.page_size
-        if self.layout == "layer_first":
-            return tuple(part[layer].unflatten(0, (pages, ps)) for part in self._parts)
-        if self.layout == "page_first":
-            return tuple(part[:, layer].unflatten(0, (pages, ps)) for part in self._parts)
-        return tuple(part[:, layer] for part in self._parts)
+        return tuple(layer_of(part, self.layout, layer, self.page_size) for part in self._parts)
 
     def read(self, indices) -> tuple[torch.Tensor, ...]:
         """K and V (MLA: the latent) of the slots, each (layers, n, heads, head_dim), as new tensors."""

@@ -31,7 +31,7 @@ import weakref
 import torch
 
 from hicache_fsm.page_index import Run, gather_pages, index_on, run_positions, scatter_pages
-from hicache_fsm.pools import DeviceKVPool, HostKVPool
+from hicache_fsm.pools import DeviceKVPool, HostKVPool, layer_of
 
 PROBE_BYTES = 256
 
@@ -99,21 +99,12 @@ def _pages(runs: list[Run], page_size: int, device: torch.device) -> tuple[torch
     return index_on(dev_pages, device), index_on(host_pages, device)
 
 
-def _layer_pages(view: torch.Tensor, layout: str, layer: int, page_size: int) -> list[torch.Tensor]:
-    """Per part, one layer of a host view as (pages, page_size, heads, head_dim), as ``HostKVPool.layer_pages``."""
-    if layout == "layer_first":
-        return [part[layer].unflatten(0, (-1, page_size)) for part in view]
-    if layout == "page_first":
-        return [part[:, layer].unflatten(0, (-1, page_size)) for part in view]
-    return [part[:, layer] for part in view]
-
-
 def backup_mapped(dev: DeviceKVPool, view: torch.Tensor, layout: str, runs: list[Run], layer: int | None) -> None:
     """Device -> host through the host pool's view: per layer and part, one gather and one scatter."""
     ps = dev.page_size
     dev_pages, host_pages = _pages(runs, ps, dev.device)
     for li in range(dev.layers) if layer is None else (layer,):
-        for dst, src in zip(_layer_pages(view, layout, li, ps), dev.layer_pages(li)):
+        for dst, src in zip((layer_of(part, layout, li, ps) for part in view), dev.layer_pages(li)):
             scatter_pages(dst, host_pages, gather_pages(src, dev_pages))
 
 
@@ -124,5 +115,5 @@ def load_mapped(dev: DeviceKVPool, view: torch.Tensor, layout: str, runs: list[R
     if "mapped_pages" not in staging:
         staging["mapped_pages"] = _pages(runs, dev.page_size, dev.device)
     dev_pages, host_pages = staging["mapped_pages"]
-    for dst, src in zip(dev.layer_pages(layer), _layer_pages(view, layout, layer, dev.page_size)):
+    for dst, src in zip(dev.layer_pages(layer), (layer_of(part, layout, layer, dev.page_size) for part in view)):
         scatter_pages(dst, dev_pages, gather_pages(src, host_pages))
