@@ -385,6 +385,18 @@ def test_open_backend_rejects_unknown_urls(tmp_path):
     assert isinstance(open_backend("memory://"), MemoryBackend)
 
 
+def test_file_urls_decode_one_segment_at_a_time(tmp_path):
+    """RFC 8089: a percent-encoded space is part of a name; an encoded slash is no separator but a name no
+    POSIX directory can have, so it is refused and nothing is created."""
+    spaced = open_backend(f"file://{tmp_path}/a%20b")
+    assert isinstance(spaced, FileBackend) and (tmp_path / "a b").is_dir()
+    spaced.close()
+    for url in [f"file://{tmp_path}/a%2Fb", f"file://{tmp_path}/a%2fb", f"file://{tmp_path}/c%00", "file:///%2F"]:
+        with pytest.raises(StorageURLError, match="%2F"):
+            open_backend(url)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "c").exists()
+
+
 NO_SERVER = "redis://127.0.0.1:1/0"  # nothing listens: a refusal below comes before any connect
 
 

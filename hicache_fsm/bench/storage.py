@@ -36,7 +36,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
-from urllib.parse import parse_qs, unquote, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qs, urlencode, urlsplit, urlunsplit
 
 import torch
 
@@ -44,6 +44,7 @@ from hicache_fsm.bench.common import machine_description, report
 from hicache_fsm.commands.args import UsageError, check_fits, positive_int
 from hicache_fsm.errors import StorageError
 from hicache_fsm.storage import KeyNamespace, open_backend, page_keys
+from hicache_fsm.storage.urls import file_directory
 
 
 class _BenchPool:
@@ -233,7 +234,7 @@ def run(args: argparse.Namespace) -> dict:
     ids = list(range(n))
 
     if scheme == "file":
-        store_dir = unquote(urlsplit(url).path)
+        store_dir = file_directory(urlsplit(url), url)  # opened above: a valid file URL
         raw_root = os.path.join(os.path.dirname(os.path.abspath(store_dir)), os.path.basename(store_dir) + "-raw")
         raw_clear, raw_set, raw_get, closer = _file_baseline(raw_root, n, src, raw_dst, args.threads)
     elif scheme == "mooncake":

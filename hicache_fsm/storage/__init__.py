@@ -19,13 +19,11 @@ option the backend does not take or a value it cannot use raises
 from __future__ import annotations
 
 from typing import Any
-from urllib.parse import unquote
-
 from hicache_fsm.errors import MissingExtra
 from hicache_fsm.storage.backend_checks import check_option_names
 from hicache_fsm.storage.base import HostPoolLike, StorageBackend
 from hicache_fsm.storage.keys import KeyNamespace, page_hash, page_keys
-from hicache_fsm.storage.urls import SCHEMES, check_url
+from hicache_fsm.storage.urls import SCHEMES, check_url, file_directory
 
 __all__ = [
     "SCHEMES",
@@ -47,7 +45,7 @@ def open_backend(url: str, **options: Any) -> StorageBackend:
         from hicache_fsm.storage.file import FileBackend
 
         check_option_names(FileBackend, scheme, options, taken=("root",))
-        return FileBackend(unquote(parts.path), **options)
+        return FileBackend(file_directory(parts, url), **options)
     if scheme == "memory":
         from hicache_fsm.storage.memory import MemoryBackend
 

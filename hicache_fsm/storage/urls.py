@@ -33,9 +33,8 @@ def check_url(url: object) -> SplitResult:
         raise StorageURLError(f"a storage URL has no #fragment, got {url!r}")
     if port == 0:
         raise StorageURLError(f"port 0 names no server, got {url!r}")
-    if scheme == "file" and (parts.netloc not in ("", "localhost") or unquote(parts.path).rstrip("/") == ""
-                             or parts.query or "\x00" in unquote(parts.path)):
-        raise StorageURLError(f"file URLs look like file:///absolute/dir (not the root itself), got {url!r}")
+    if scheme == "file":
+        file_directory(parts, url)
     if scheme in ("redis", "rediss") and not re.fullmatch(r"/?([0-9]+)?", parts.path):
         raise StorageURLError(f"bad redis URL {url!r}: the path names a database by its number, "
                               f"got {parts.path[:40]!r}")  # redis-py would fall back to database 0
@@ -46,4 +45,19 @@ def check_url(url: object) -> SplitResult:
     return parts
 
 
-__all__ = ["SCHEMES", "check_url"]
+def file_directory(parts: SplitResult, url: str) -> str:
+    """The directory a ``file://`` URL names, decoded one path segment at a time (RFC 8089).
+
+    A percent-encoded ``/`` (``%2F``) is data inside one segment, which no
+    POSIX file name can hold: refused, not read as a separator (``a%2Fb``
+    would otherwise name the directory ``a/b``). So is a NUL byte.
+    """
+    segments = [unquote(s) for s in parts.path.split("/")]
+    if (parts.netloc not in ("", "localhost") or not "".join(segments) or parts.query
+            or any("/" in s or "\x00" in s for s in segments)):
+        raise StorageURLError(f"file URLs look like file:///absolute/dir (not the root itself; no %2F or %00 "
+                              f"in a directory name), got {url!r}")
+    return "/".join(segments)
+
+
+__all__ = ["SCHEMES", "check_url", "file_directory"]
