@@ -91,6 +91,7 @@ def test_cli_cluster_replay_json(trace_file):
 
 @pytest.mark.parametrize("args, message", [
     (["--router", "round_robin"], "--router needs --instances"),
+    (["--router", "prefix_aware", "--event-lag", "0"], "--router, --event-lag need --instances"),  # the defaults
     (["--instances", "0"], "instances must be a positive int"),
     (["--instances", "2", "--sweep", "x"], "instance counts"),
     (["--instances", "2", "--router", "prefix_aware_capped", "--load-cap", "0.5"], "load cap must be a number >= 1"),

@@ -226,6 +226,12 @@ def test_cli_plot_target_refused_before_the_replay(small_trace, tmp_path, capsys
     (["--sweep"], "--sweep needs --trace"),
     (["--block-size", "64"], "--block-size needs --trace"),
     (["--sweep", "--block-size", "64"], "--sweep, --block-size need --trace"),
+    # an option written at its default value is given all the same
+    (["--block-size", "512"], "--block-size needs --trace"),
+    (["--trace", "{good}", "--seed", "0"], "--seed describes the chat workload"),
+    (["--trace", "{good}", "--arrival", "round-robin"], "--arrival describes the chat workload"),
+    (["--trace", "{good}", "--tp", "1"], "--tp needs the chat workload"),
+    (["--trace", "{good}", "--model", "tiny"], "--model needs the chat workload"),
 ])
 def test_cli_usage_errors(args, message, tmp_path, capsys):
     good = tmp_path / "good.jsonl"

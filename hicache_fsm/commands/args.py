@@ -30,6 +30,32 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+GIVEN = "options_given"  # the namespace attribute ``Given`` notes its options in
+
+
+class Given(argparse.Action):
+    """Stores the value, as argparse's default action, and notes that the option was on the command line.
+
+    A check that an option is out of place (a trace option without
+    ``--trace``) must not compare the value with the default: an option
+    written at its default value is given all the same (``given``).
+    """
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, values)
+        noted = getattr(namespace, GIVEN, None)
+        if noted is None:
+            noted = set()
+            setattr(namespace, GIVEN, noted)
+        noted.add(self.dest)
+
+
+def was_given(args: argparse.Namespace, dest: str) -> bool:
+    """Whether the option stored in ``dest`` (with ``action=Given``) was on the command line."""
+    return dest in getattr(args, GIVEN, ())
+
+
 def _int_within(minimum: int, maximum: int | None, what: str):
     def check(text: str) -> int:
         try:

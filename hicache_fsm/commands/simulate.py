@@ -9,7 +9,7 @@ from collections import Counter
 
 import torch
 
-from hicache_fsm.commands.args import (UsageError, bounded_int, output_path, path_arg, positive_int, seed_int,
+from hicache_fsm.commands.args import (Given, UsageError, bounded_int, output_path, path_arg, positive_int, seed_int,
                                       storage_url)
 from hicache_fsm.commands import simulate_trace
 from hicache_fsm.commands.plot_file import check_plot_path, save_plot
@@ -45,20 +45,20 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "checked bit for bit and every answer against a cache-free run. With --trace, a production trace "
         "(Mooncake format) is replayed instead, without a model.")
     w = parser.add_argument_group("workload")
-    w.add_argument("--clients", type=int, default=_W.clients, help=f"conversations (default {_W.clients})")
-    w.add_argument("--rounds", type=int, default=_W.rounds, help=f"turns per conversation (default {_W.rounds})")
-    w.add_argument("--request-length", type=int, default=_W.request_length,
+    w.add_argument("--clients", action=Given, type=int, default=_W.clients, help=f"conversations (default {_W.clients})")
+    w.add_argument("--rounds", action=Given, type=int, default=_W.rounds, help=f"turns per conversation (default {_W.rounds})")
+    w.add_argument("--request-length", action=Given, type=int, default=_W.request_length,
                    help=f"tokens of each new user turn (default {_W.request_length})")
-    w.add_argument("--output-length", type=int, default=_W.output_length,
+    w.add_argument("--output-length", action=Given, type=int, default=_W.output_length,
                    help=f"greedy answer tokens per request (default {_W.output_length})")
-    w.add_argument("--system-prompt-length", type=int, default=_W.system_prompt_length,
+    w.add_argument("--system-prompt-length", action=Given, type=int, default=_W.system_prompt_length,
                    help=f"tokens of the system prompt every client shares (default {_W.system_prompt_length})")
-    w.add_argument("--arrival", choices=ARRIVALS, default=_W.arrival,
+    w.add_argument("--arrival", action=Given, choices=ARRIVALS, default=_W.arrival,
                    help="round-robin: every client's round r before any round r+1; random: a random client "
                         "with turns left each time (default round-robin)")
-    w.add_argument("--seed", type=seed_int, default=_W.seed,
+    w.add_argument("--seed", action=Given, type=seed_int, default=_W.seed,
                    help="seeds the model weights and the tokens (a 64-bit integer; default 0)")
-    w.add_argument("--model", choices=MODELS, default=_DEFAULTS.model,
+    w.add_argument("--model", action=Given, choices=MODELS, default=_DEFAULTS.model,
                    help="tiny: the hand-written TinyModel (fastest); llama: a Hugging Face LlamaForCausalLM with "
                         "grouped-query attention and rotary positions, random weights, float64 (needs the "
                         "`llama` extra: transformers) (default tiny)")
@@ -80,10 +80,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                    help=f"host pool layout (default {_DEFAULTS.layout})")
     c.add_argument("--device", default=None,
                    help="torch device of the model and device pool (default: cuda if present)")
-    c.add_argument("--tp", type=positive_int, default=1,
+    c.add_argument("--tp", action=Given, type=positive_int, default=1,
                    help="tensor-parallel ranks: run every configuration on this many processes (gloo over "
                         "127.0.0.1), each caching its shard of the KV heads; the ranks must agree (default 1)")
-    c.add_argument("--model-heads", type=bounded_int(1, MAX_MODEL_HEADS), default=_DEFAULTS.model_heads,
+    c.add_argument("--model-heads", action=Given, type=bounded_int(1, MAX_MODEL_HEADS), default=_DEFAULTS.model_heads,
                    help=f"attention heads of the tiny model, at most {MAX_MODEL_HEADS}; --tp must divide it "
                         f"(default {_DEFAULTS.model_heads})")
     simulate_trace.configure(parser)

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from hicache_fsm.commands.args import UsageError
+from hicache_fsm.commands.args import Given, UsageError, was_given
 from hicache_fsm.commands.plot_file import save_plot
 from hicache_fsm.commands.table import columns
 from hicache_fsm.errors import ConfigError, HiCacheError, TraceError
@@ -30,25 +30,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--instances", type=int, default=None, metavar="N",
                    help=f"replay the trace on N caches behind a KV-aware router, sharing one L3 (at most "
                         f"{MAX_INSTANCES})")
-    c.add_argument("--router", choices=POLICIES, default="prefix_aware",
+    c.add_argument("--router", action=Given, choices=POLICIES, default="prefix_aware",
                    help="placement policy with --instances (default prefix_aware)")
-    c.add_argument("--load-cap", type=float, default=DEFAULT_LOAD_CAP,
+    c.add_argument("--load-cap", action=Given, type=float, default=DEFAULT_LOAD_CAP,
                    help=f"prefix_aware_capped: an instance above this multiple of a fair share of recent requests "
                         f"is skipped (default {DEFAULT_LOAD_CAP})")
-    c.add_argument("--event-lag", type=int, default=0, metavar="K",
+    c.add_argument("--event-lag", action=Given, type=int, default=0, metavar="K",
                    help="the router applies KV events K requests after they were published (default 0)")
 
 
 def cluster_only_options(args: argparse.Namespace) -> list[str]:
     """Cluster options given without ``--instances``."""
-    given = []
-    if args.router != "prefix_aware":
-        given.append("--router")
-    if args.load_cap != DEFAULT_LOAD_CAP:
-        given.append("--load-cap")
-    if args.event_lag:
-        given.append("--event-lag")
-    return given
+    return [f"--{n.replace('_', '-')}" for n in ("router", "load_cap", "event_lag") if was_given(args, n)]
 
 
 def _pct(x: float) -> str:

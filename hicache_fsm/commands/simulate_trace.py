@@ -7,11 +7,11 @@ import json
 import sys
 
 from hicache_fsm.commands import simulate_cluster
-from hicache_fsm.commands.args import UsageError, path_arg
+from hicache_fsm.commands.args import Given, UsageError, path_arg, was_given
 from hicache_fsm.commands.plot_file import save_plot
 from hicache_fsm.commands.table import columns
 from hicache_fsm.errors import ConfigError, HiCacheError, TraceError
-from hicache_fsm.simulate import INFINITE, Options, TierResult, Workload
+from hicache_fsm.simulate import INFINITE, TierResult
 from hicache_fsm.trace import DEFAULT_BLOCK_SIZE, PrefixBound, check_tokens, load_trace, prefix_bound
 from hicache_fsm.trace_replay import (
     ReplayProgress,
@@ -56,7 +56,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     t = parser.add_argument_group("trace replay (metadata mode: no model, one KV element per token)")
     t.add_argument("--trace", metavar="FILE.jsonl", type=path_arg,
                    help="replay this Mooncake-format trace instead of the chat workload (see docs/traces.md)")
-    t.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
+    t.add_argument("--block-size", action=Given, type=int, default=DEFAULT_BLOCK_SIZE,
                    help=f"tokens per hash id of the trace (default {DEFAULT_BLOCK_SIZE})")
     t.add_argument("--sweep", nargs="?", const="auto", metavar="N,N,...",
                    help="also replay device-only caches of these sizes in tokens (bare: ten sizes from the longest "
@@ -106,19 +106,16 @@ def trace_only_options(args: argparse.Namespace) -> list[str]:
     given += ["--jobs"] if args.jobs is not None else []
     given += ["--instances"] if args.instances is not None else []  # cluster replay
     given += simulate_cluster.cluster_only_options(args)
-    return given + (["--block-size"] if args.block_size != DEFAULT_BLOCK_SIZE else [])
+    return given + (["--block-size"] if was_given(args, "block_size") else [])
 
 
 def _unused_workload_options(args: argparse.Namespace) -> list[str]:
-    defaults = Workload()
-    return [f"--{n.replace('_', '-')}" for n in _WORKLOAD_OPTIONS if getattr(args, n) != getattr(defaults, n)]
+    return [f"--{n.replace('_', '-')}" for n in _WORKLOAD_OPTIONS if was_given(args, n)]
 
 
 def _unused_model_options(args: argparse.Namespace) -> list[str]:
     """Model and rank options a trace replay would ignore: it runs no model, in one process per configuration."""
-    defaults = Options()
-    given = [f"--{n.replace('_', '-')}" for n in ("model", "model_heads") if getattr(args, n) != getattr(defaults, n)]
-    return given + (["--tp"] if args.tp != 1 else [])
+    return [f"--{n.replace('_', '-')}" for n in ("model", "model_heads", "tp") if was_given(args, n)]
 
 
 def format_table(sim: TraceSimulation) -> str:
