@@ -12,6 +12,7 @@ import attrs
 import pytest
 
 from hicache_fsm.testing import Bounds, explore
+from hicache_fsm.testing.checks import Step
 from hicache_fsm.testing.cp import CPAdapter
 from hicache_fsm.testing.explorer import quiet_cache_logs
 from hicache_fsm.testing.mutants import mutant
@@ -24,7 +25,8 @@ def test_families_cover_every_policy_stop_policy_and_cp_world():
     policies = {b.write_policy for _, b, _ in fams if not b.storage}
     assert {"write_through", "write_back", "write_through_selective", "write_behind"} <= policies
     assert {b.stop_policy for _, b, _ in fams if b.storage} == {"best_effort", "wait_complete", "timeout"}
-    assert {n for n, _, _ in fams if n.startswith("cp/")} == {"cp/1_ranks", "cp/2_ranks"}
+    assert {n for n, _, _ in fams if n.startswith("cp/")} == {"cp/1_ranks", "cp/2_ranks", "cp/2_ranks_host_full"}
+    assert "storage/prefetch_split" in {n for n, _, _ in families_for({"storage": True})}
     assert all(b.max_depth and b.max_seconds is None and b.max_states is None for _, b, _ in fams)
     assert families_for({"cp": True}) and all(n.startswith("cp/") for n, _, _ in families_for({"cp": True}))
 
@@ -133,6 +135,40 @@ def test_cp_draft_layers_not_written_is_caught_by_host_read_back():
     assert any("draft host copy" in p for p in problems)
 
 
+def _cp_host_full() -> CPAdapter:
+    """Two one-layer CP ranks after ``CP_HOST_FULL_START``: rank 1's host full of its own pages, rank 0's not."""
+    from hicache_fsm.testing.checks import replay_steps
+    from hicache_fsm.testing.start_families import CP_HOST_FULL_START
+
+    a = CPAdapter(world_size=2, device_pages=2, host_pages=2, layers=1, draft_layers=0, write_policy="write_through")
+    assert replay_steps(a, [Step(op, args) for op, args in CP_HOST_FULL_START]) == []
+    return a
+
+
+def test_cp_ranks_evicting_host_kv_alike_hold_and_a_one_rank_shortfall_parts_them():
+    """A backup of a page rank 1 owns, its host full: every rank evicts the same host KV, or ``cp_group_host_copy``
+    sees a node rank 0 still holds whose owner dropped its share (each rank's own read-back cannot)."""
+    with quiet_cache_logs():
+        a = _cp_host_full()
+        assert a.insert((4,)) and not a.kv_violations()
+        with mutant("cp_shortfall_own_rank_only"):
+            b = _cp_host_full()
+            assert b.insert((4,))
+            problems = b.kv_violations()
+    assert any(p.startswith("cp_group_host_copy: rank 0 holds node (2,)") for p in problems), problems
+
+
+def test_cp_engine_steps_wait_while_a_load_failed_on_one_rank_runs_on_another():
+    """Inserting then would evict on the still-loading rank only and part the ranks' trees."""
+    with quiet_cache_logs():
+        a = _cp_host_full()
+        assert a.load_back((2,)) == 1
+        a.fail_job(next(j.id for j in a.pending_jobs() if j.id[0] == 1))
+        assert not a.applicable("insert", ((4,),)) and a.applicable("complete_job", (0,))
+        a.complete_job(a.pending_jobs()[0].id)
+        assert not a.kv_violations()
+
+
 def _refused_load_back(adapter: ProtocolAdapter) -> tuple[int, list[str]]:
     """Three nodes on a three-page device: a host-only node, the device full of a locked prompt, and a
     load-back of the host-only node that cannot find device room."""
@@ -168,7 +204,7 @@ def test_a_lock_leaked_by_a_refused_load_back_is_caught():
 def test_reset_family_and_recency_families_hold_for_the_real_cache():
     """The families that reset, prioritise and re-use prompts find nothing in the real cache."""
     names = {"memory/reset", "memory/recency_lru", "memory/recency_lfu", "memory/recency_priority",
-             "storage/prefetch_anchor"}
+             "storage/prefetch_anchor", "storage/prefetch_split", "cp/2_ranks_host_full"}
     fams = [f for f in default_families() if f[0] in names]
     assert {n for n, _, _ in fams} == names
     with quiet_cache_logs():

@@ -12,9 +12,12 @@ Checked after every step, besides every rank's invariants (the
 ``layer_write`` spec's ``ack_exactly_once`` and ``owned_slots_only`` among
 them): **a write is acknowledged exactly once, after every target and every
 draft layer was copied** (a node leaves ``writing_host`` for ``device_host``
-only when each required layer's copy landed on that rank), and **host read-back**:
+only when each required layer's copy landed on that rank), **host read-back**:
 every host copy (target and draft) holds, for each token the rank owns, the
-fingerprint written for it in every layer.
+fingerprint written for it in every layer, and **the group holds what any rank's
+tree names**: a node no device holds any more has each owner's share on that
+owner's host (``cp_group_host_copy``; ranks that evict host KV differently part
+their trees, and a rank's own read-back cannot see the share another dropped).
 """
 
 from __future__ import annotations
@@ -179,11 +182,13 @@ class CPAdapter(CacheAdapter):
         return got[0]
 
     def applicable(self, op: str, args: tuple) -> bool:
-        """Engine steps wait until every rank agrees on what is on the device and what has a host copy (a
-        rank that owns no page of a write acks it at once; the scheduler moves on once all ranks did); acks
-        are always possible. When a write's copies landed on some ranks and failed on others, the ranks
-        disagree on the host copy until the engine backs the node up again on the failed ranks: only that
-        ``backup`` may run meanwhile."""
+        """Engine steps wait until every rank agrees on what is on the device, what is loading back and what
+        has a host copy (a rank that owns no page of a write acks it at once; the scheduler moves on once all
+        ranks did); acks are always possible. A load that failed on one rank while another still loads waits
+        too: the loading rank's device holds pages the other's does not, so an eviction for the next step would
+        take different nodes on each and part their trees. When a write's copies landed on some ranks and
+        failed on others, the ranks disagree on the host copy until the engine backs the node up again on the
+        failed ranks: only that ``backup`` may run meanwhile."""
         if op in ("complete_job", "fail_job"):
             return True
         views = self._views(with_host=True)
@@ -192,10 +197,10 @@ class CPAdapter(CacheAdapter):
         return op == "backup" and len(self._views(with_host=False)) == 1
 
     def _views(self, *, with_host: bool) -> set:
-        from hicache_fsm.bindings.residency import ON_DEVICE, ON_HOST
+        from hicache_fsm.bindings.residency import LOADING, ON_DEVICE, ON_HOST
 
         return {frozenset((r.cache.tree.prefix_tokens(n), n.state in ON_DEVICE, n.state == "writing_host",
-                           with_host and n.state in ON_HOST)
+                           n.state in LOADING, with_host and n.state in ON_HOST)
                           for n in r.cache.tree.nodes() if n.parent is not None) for r in self.ranks}
 
     def extra_steps(self) -> list[Step]:
@@ -323,6 +328,30 @@ class CPAdapter(CacheAdapter):
                     if got != want:
                         problems.append(f"cp_host_readback: rank {i} node {n.id} ({n.state}) {source} host copy "
                                         f"reads {got}, {want} was written")
+        return problems + self._group_problems()
+
+    def _group_problems(self) -> list[str]:
+        """``cp_group_host_copy``: every host-only (or loading) node of a rank's tree has, on each rank owning a
+        page of it, a node of the same prefix holding that rank's share on its host. Read-back per rank misses
+        a share one rank evicted and another still names: why a group must evict host KV alike."""
+        from hicache_fsm.bindings.residency import EVICTED, ON_HOST
+
+        problems: list[str] = []
+        for i, r in enumerate(self.ranks):
+            tree = r.cache.tree
+            for n in tree.nodes():
+                if n.parent is None or n.state not in EVICTED or n.cp_meta is None:
+                    continue
+                prefix = tree.prefix_tokens(n)
+                for o in sorted(set(n.cp_meta.page_owners.tolist())):
+                    twin = self._node(self.ranks[o], prefix)
+                    if twin is not None and twin.state not in ON_HOST:
+                        continue  # an owner still writing its share, or whose write failed (``applicable``)
+                    want = n.cp_meta.owned_tokens(o)
+                    held = 0 if twin is None or twin.host_indices is None else int(twin.host_indices.numel())
+                    if held != want:
+                        problems.append(f"cp_group_host_copy: rank {i} holds node {prefix} ({n.state}) on host; "
+                                        f"its owner rank {o} holds {held} of its {want} tokens there")
         return problems
 
     def invariant_violations(self) -> list[str]:

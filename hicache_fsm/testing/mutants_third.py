@@ -1,6 +1,7 @@
 """The third set of planted controller bugs: reset, insert priorities and recency, prefetch placement, and
-what the engine is handed (load waits, a prefetch's readiness, write_behind backups), and a page number
-taken for a slot number (right only with pages of one token).
+what the engine is handed (load waits, a prefetch's readiness, write_behind backups), a page number
+taken for a slot number (right only with pages of one token), a split's upper half left without recency
+and a CP group's host shortfall counted on one rank.
 
 Registered into ``testing.mutants.MUTANTS`` as ``testing.mutants_more`` is (``mutants`` imports this module,
 never the other way round). Each entry is ``(name, bug, apply, variant)``; ``apply`` patches through the
@@ -292,3 +293,37 @@ def _backup_host_start_in_pages(p: Any) -> None:
         return orig(device_pool, host_pool, *args, runs=runs, **kwargs)
 
     p.setattr(executors, "backup_to_host", backup_to_host)
+
+
+# =========================================================================== split recency, CP group room
+
+
+@_third("split_upper_loses_recency", "a node split leaving the new upper half's recency unset (it copies the hit "
+                                     "count and priority, not last_access), so LRU ranks it first", storage=True)
+def _split_upper_loses_recency(p: Any) -> None:
+    """An insert or a lookup stamps the path it splits at once, hiding the slip: only a split nothing stamps
+    shows it, a prefetch's fetched pages landing partway into a node (``storage/prefetch_split``)."""
+    from hicache_fsm.radix import RadixTree
+
+    orig = RadixTree.split
+
+    def split(self, node, at):
+        upper = orig(self, node, at)
+        upper.last_access = 0  # a new node's default: the copy of node.last_access left out
+        return upper
+
+    p.setattr(RadixTree, "split", split)
+
+
+@_third("cp_shortfall_own_rank_only", "a CP backup evicting host KV for this rank's own shortfall, not the most any "
+                                      "rank of the group lacks (ranks evict differently, their trees part)", cp=True)
+def _cp_shortfall_own_rank_only(p: Any) -> None:
+    """Shows only when one rank's host is full of its own pages while another's has room
+    (``cp/2_ranks_host_full``)."""
+    from hicache_fsm.layer_write import LayerWriteRuntime
+
+    def group_shortfall(self, node):
+        owners = self.layout.owner_for_logical_pages(node.device_indices[:: self.page_size] // self.page_size)
+        return int((owners == self.rank).sum()) * self.page_size - self.host_room()
+
+    p.setattr(LayerWriteRuntime, "group_shortfall", group_shortfall)

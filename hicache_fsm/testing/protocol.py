@@ -655,9 +655,11 @@ def default_families() -> list[tuple[str, Any, Any]]:
     cp = [(f"cp/{n}_ranks", Bounds(nodes=2, device_pages=2, host_pages=h, alphabet=1, max_len=2, redeliver=False,
                                    write_policy="write_back", max_depth=depth), cp_factory(n))
           for n, h, depth in ((1, 3, 6), (2, 3, 5))]  # a rank's host pool outgrows its device share
-    storage.append(anchor_family())
+    from hicache_fsm.testing.start_families import cp_host_full_family, prefetch_split_family
+
+    storage += [anchor_family(), prefetch_split_family(protocol_factory)]
     return (memory + [order_family(), pressure_family(), reset_family()] + recency_families()
-            + host_room_families() + storage + cp)
+            + host_room_families() + storage + cp + [cp_host_full_family()])
 
 
 def host_room_families() -> list[tuple[str, Any, Any]]:
@@ -770,12 +772,6 @@ def pressure_family() -> tuple[str, Any, Any]:
 
 # Why each transition the default families never fire stays unfired (``check --json``: ``"unreached"``).
 UNREACHED_REASONS: dict[str, dict[str, str]] = {
-    "layer_write": {
-        "idle --reserve--> failed": "beyond the cp families' depth bound: a refused reservation needs the rank's "
-                                    "host pool full of written nodes first",
-        "reserved --submit_layer--> all_submitted": "needs a write of one layer in all; the cp families write "
-                                                    "two target layers and one draft layer",
-    },
     "residency": {
         "loading_stored --load_done--> device_host_stored": "beyond the storage families' depth bound: a stored "
                                                              "node's load back starts only at their last step",
