@@ -55,7 +55,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world: int, port: int, group_timeout_s: float, fn: Callable, args: tuple, out) -> None:
+def _entry(rank: int, world: int, port: int, group_timeout_s: float, fn: Callable, args: tuple, out, released,
+           release_wait_s: float) -> None:
     import torch
     import torch.distributed as dist
 
@@ -70,6 +71,10 @@ def _entry(rank: int, world: int, port: int, group_timeout_s: float, fn: Callabl
     finally:
         out.close()
         out.join_thread()
+        # Rank 0 hosts the store every process group is made through: a rank that returned early must not take
+        # it away from ranks still making groups (on a busy machine they lag). Every rank stays until the parent
+        # has each answer (or gave up), waiting on the parent, not on a time.
+        released.wait(release_wait_s)
         os._exit(0)  # skip process-group teardown, which can wait on a dead peer
 
 
@@ -91,8 +96,10 @@ def run_ranks(fn: Callable, world: int, *args: Any, timeout_s: float = 300.0,
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
+    released = ctx.Event()  # set once every rank answered: until then a rank that answered keeps its process
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, group_timeout_s, fn, args, out), daemon=True)
+    procs = [ctx.Process(target=_entry, args=(r, world, port, group_timeout_s, fn, args, out, released, timeout_s),
+                         daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()
@@ -103,7 +110,7 @@ def run_ranks(fn: Callable, world: int, *args: Any, timeout_s: float = 300.0,
             try:
                 item = out.get(timeout=0.2)
             except queue_mod.Empty:
-                if all(not p.is_alive() for p in procs):
+                if all(r in answers or not p.is_alive() for r, p in enumerate(procs)):  # the rest died
                     try:  # a last answer may still be in the pipe
                         item = out.get(timeout=0.5)
                     except queue_mod.Empty:
@@ -112,6 +119,7 @@ def run_ranks(fn: Callable, world: int, *args: Any, timeout_s: float = 300.0,
                     continue
             answers[item[0]] = item
     finally:
+        released.set()
         for p in procs:
             p.join(timeout=max(0.1, min(5.0, deadline - time.monotonic())))
         for p in procs:
