@@ -44,6 +44,31 @@ def test_each_tp_group_agrees_within_itself_when_the_world_holds_several():
     assert got == [([100, -1], [0]), ([100, -1], [0]), ([102, -3], [2]), ([102, -3], [2])]
 
 
+def late_second_group(rank: int, world: int, pg) -> list[int]:
+    """Ranks 2-3 make their gloo group after ranks 0-1 returned, as a busy machine schedules them."""
+    import time
+
+    import torch.distributed as dist
+
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mine = groups[rank // 2]
+    if rank >= 2:
+        time.sleep(2.0)  # lateness, not a verdict: the answer must be the same however late they come
+    real = dist.get_backend
+    dist.get_backend = lambda group=None: "nccl" if group is mine else real(group)
+    try:
+        return RankGroup(mine, timeout_s=60.0).min([100 + rank], PURPOSE_ENGINE)
+    finally:
+        dist.get_backend = real
+
+
+def test_a_group_made_after_rank_0_returned_still_forms():
+    """Rank 0 hosts the store every group is made through: a rank that answered stays until all answered
+    (``run_ranks``), or ranks 2-3 lost the store when rank 0's process ended ("connection closed")."""
+    got = [o.unwrap() for o in run_ranks(late_second_group, 4, timeout_s=300, group_timeout_s=60)]
+    assert got == [[100], [100], [102], [102]]
+
+
 def refused_then_served(rank: int, world: int, pg, url: str) -> dict:
     """Rank 1 names another rank's storage keys: refused before it opens anything; then both serve on."""
     group = RankGroup(pg, timeout_s=60.0)
