@@ -38,7 +38,7 @@ class Given(argparse.Action):
 
     A check that an option is out of place (a trace option without
     ``--trace``) must not compare the value with the default: an option
-    written at its default value is given all the same (``given``).
+    written at its default value is given all the same (``was_given``).
     """
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,

@@ -45,8 +45,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "checked bit for bit and every answer against a cache-free run. With --trace, a production trace "
         "(Mooncake format) is replayed instead, without a model.")
     w = parser.add_argument_group("workload")
-    w.add_argument("--clients", action=Given, type=int, default=_W.clients, help=f"conversations (default {_W.clients})")
-    w.add_argument("--rounds", action=Given, type=int, default=_W.rounds, help=f"turns per conversation (default {_W.rounds})")
+    w.add_argument("--clients", action=Given, type=int, default=_W.clients,
+                   help=f"conversations (default {_W.clients})")
+    w.add_argument("--rounds", action=Given, type=int, default=_W.rounds,
+                   help=f"turns per conversation (default {_W.rounds})")
     w.add_argument("--request-length", action=Given, type=int, default=_W.request_length,
                    help=f"tokens of each new user turn (default {_W.request_length})")
     w.add_argument("--output-length", action=Given, type=int, default=_W.output_length,
@@ -83,7 +85,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--tp", action=Given, type=positive_int, default=1,
                    help="tensor-parallel ranks: run every configuration on this many processes (gloo over "
                         "127.0.0.1), each caching its shard of the KV heads; the ranks must agree (default 1)")
-    c.add_argument("--model-heads", action=Given, type=bounded_int(1, MAX_MODEL_HEADS), default=_DEFAULTS.model_heads,
+    c.add_argument("--model-heads", action=Given, type=bounded_int(1, MAX_MODEL_HEADS),
+                   default=_DEFAULTS.model_heads,
                    help=f"attention heads of the tiny model, at most {MAX_MODEL_HEADS}; --tp must divide it "
                         f"(default {_DEFAULTS.model_heads})")
     simulate_trace.configure(parser)

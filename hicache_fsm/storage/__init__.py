@@ -19,6 +19,7 @@ option the backend does not take or a value it cannot use raises
 from __future__ import annotations
 
 from typing import Any
+
 from hicache_fsm.errors import MissingExtra
 from hicache_fsm.storage.backend_checks import check_option_names
 from hicache_fsm.storage.base import HostPoolLike, StorageBackend
