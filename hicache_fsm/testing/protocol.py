@@ -53,6 +53,7 @@ import torch
 from hicache_fsm.testing.adapter import HiCacheAdapter, Rejected, StorageFault, fingerprints
 from hicache_fsm.testing.obligations import cold_unbacked, unwaited_loads, wait_complete_problem, write_behind_problems
 from hicache_fsm.testing.recency import UseLog
+from hicache_fsm.testing.start_families import cp_host_full_family, prefetch_split_family
 
 __all__ = ["ProtocolAdapter"]
 
@@ -655,8 +656,6 @@ def default_families() -> list[tuple[str, Any, Any]]:
     cp = [(f"cp/{n}_ranks", Bounds(nodes=2, device_pages=2, host_pages=h, alphabet=1, max_len=2, redeliver=False,
                                    write_policy="write_back", max_depth=depth), cp_factory(n))
           for n, h, depth in ((1, 3, 6), (2, 3, 5))]  # a rank's host pool outgrows its device share
-    from hicache_fsm.testing.start_families import cp_host_full_family, prefetch_split_family
-
     storage += [anchor_family(), prefetch_split_family(protocol_factory)]
     return (memory + [order_family(), pressure_family(), reset_family()] + recency_families()
             + host_room_families() + storage + cp + [cp_host_full_family()])
