@@ -164,8 +164,10 @@ def check_device(name: object) -> torch.device:
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise ConfigError(f"device {name!r} requested but CUDA is not available (this torch has no usable GPU)")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise ConfigError(f"device {name!r} requested but only {torch.cuda.device_count()} GPUs are visible")
+        visible = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= visible:  # one wording whether or not a GPU is present
+            raise ConfigError(f"device must be cpu, cuda or cuda:N with N below {visible} "
+                              f"(the GPUs visible here), got {name!r}")
     return dev
 
 

@@ -362,7 +362,7 @@ def test_build_pools_draft():
     (dict(host_ratio=1.0), "must be larger than the device pool"),
     (dict(host_gb=1e7), "GiB of host memory"),
     (dict(device="tpu"), "device must be cpu, cuda or cuda:N"),  # was torch's RuntimeError
-    (dict(device=5), "device must be cpu, cuda or cuda:N"),  # an accelerator index, none present here
+    (dict(device=5), "device must be cpu, cuda or cuda:N"),  # an index beyond the GPUs visible
     (dict(pin_memory="no"), "pin_memory must be True, False or None"),  # read as True before
 ])
 def test_config_errors(kwargs, match):
