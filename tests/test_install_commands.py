@@ -24,6 +24,12 @@ def _first_block(path: Path) -> list[str]:
     return [line for line in block.splitlines() if line.strip()]
 
 
+def test_constraints_pin_the_tested_hypothesis_release():
+    """Seeded fuzz runs, which several tests assert on, draw other programs under another hypothesis release."""
+    text = (ROOT / "constraints.txt").read_text(encoding="utf-8")
+    assert re.search(r"^hypothesis==\d+\.\d+\.\d+$", text, re.M), text
+
+
 def test_constraints_pin_a_cpu_build_index():
     pin, url = _constraints()
     assert re.fullmatch(r"\d+\.\d+\.\d+", pin)
