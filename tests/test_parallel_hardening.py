@@ -89,9 +89,14 @@ def group_misuse(rank: int, world: int, pg) -> dict:
     outcome("dtypes differ", lambda: group.all_gather(torch.zeros(4, dtype=torch.float32 if rank else torch.int32)))
     outcome("shapes differ", lambda: group.all_gather(torch.zeros(3 + 2 * rank)))
     outcome("same", lambda: [t.tolist() for t in group.all_gather(torch.full((2,), float(rank)))])
-    if rank == 1:
-        return seen  # rank 1 leaves: rank 0's next collective must fail, not hang
-    outcome("peer gone", lambda: group.min([1]))
+    if rank == 1:  # rank 1 leaves: rank 0's next collective must fail, not hang
+        # (its process stays until the parent has every answer, so leaving is closing its connections)
+        dist.destroy_process_group()
+        return seen
+    try:  # the reason is kept: a peer that left is seen at once, not after the group's timeout
+        seen["peer gone"] = ("ok", group.min([1]))
+    except HiCacheError as exc:
+        seen["peer gone"] = (type(exc).__name__, str(exc))
     return seen
 
 
@@ -104,7 +109,9 @@ def test_group_misuse_gives_typed_errors_on_every_rank_and_no_rank_dies():
         assert s["dtypes differ"] == ("RanksDiverged",)  # gloo gathered the bytes of the other dtype
         assert s["shapes differ"] == ("RanksDiverged",)  # gloo aborted the process
         assert s["same"] == ("ok", [[0.0, 0.0], [1.0, 1.0]])  # the group goes on after a refused gather
-    assert seen[0]["peer gone"][0] in ("RankTimeout", "GroupError")
+    kind, reason = seen[0]["peer gone"]
+    assert kind in ("RankTimeout", "GroupError"), reason
+    assert any(words in reason for words in ("by peer", "Broken pipe", "Connection closed")), reason  # not a timeout
     assert issubclass(RanksDiverged, GroupError)
 
 
