@@ -89,10 +89,8 @@ def group_misuse(rank: int, world: int, pg) -> dict:
     outcome("dtypes differ", lambda: group.all_gather(torch.zeros(4, dtype=torch.float32 if rank else torch.int32)))
     outcome("shapes differ", lambda: group.all_gather(torch.zeros(3 + 2 * rank)))
     outcome("same", lambda: [t.tolist() for t in group.all_gather(torch.full((2,), float(rank)))])
-    if rank == 1:  # rank 1 leaves: rank 0's next collective must fail, not hang
-        # (its process stays until the parent has every answer, so leaving is closing its connections)
-        dist.destroy_process_group()
-        return seen
+    if rank == 1:
+        return seen  # rank 1 leaves: rank 0's next collective must fail, not hang
     try:  # the reason is kept: a peer that left is seen at once, not after the group's timeout
         seen["peer gone"] = ("ok", group.min([1]))
     except HiCacheError as exc:

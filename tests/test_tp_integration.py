@@ -63,7 +63,7 @@ def late_second_group(rank: int, world: int, pg) -> list[int]:
 
 
 def test_a_group_made_after_rank_0_returned_still_forms():
-    """Rank 0 hosts the store every group is made through: a rank that answered stays until all answered
+    """Rank 0 hosts the store every group is made through: having answered, it stays until all answered
     (``run_ranks``), or ranks 2-3 lost the store when rank 0's process ended ("connection closed")."""
     got = [o.unwrap() for o in run_ranks(late_second_group, 4, timeout_s=300, group_timeout_s=60)]
     assert got == [[100], [100], [102], [102]]

@@ -71,10 +71,12 @@ def _entry(rank: int, world: int, port: int, group_timeout_s: float, fn: Callabl
     finally:
         out.close()
         out.join_thread()
-        # Rank 0 hosts the store every process group is made through: a rank that returned early must not take
-        # it away from ranks still making groups (on a busy machine they lag). Every rank stays until the parent
-        # has each answer (or gave up), waiting on the parent, not on a time.
-        released.wait(release_wait_s)
+        # Rank 0 hosts the store every process group is made through: returning early, it must not take it away
+        # from ranks still making groups (on a busy machine they lag), so it stays until the parent has each
+        # answer (or gave up), waiting on the parent, not on a time. Another rank that returns leaves, as a
+        # rank that stops would: its peers see it gone.
+        if rank == 0:
+            released.wait(release_wait_s)
         os._exit(0)  # skip process-group teardown, which can wait on a dead peer
 
 
@@ -96,7 +98,7 @@ def run_ranks(fn: Callable, world: int, *args: Any, timeout_s: float = 300.0,
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    released = ctx.Event()  # set once every rank answered: until then a rank that answered keeps its process
+    released = ctx.Event()  # set once every rank answered: until then rank 0 (the store's host) keeps its process
     port = free_port()
     procs = [ctx.Process(target=_entry, args=(r, world, port, group_timeout_s, fn, args, out, released, timeout_s),
                          daemon=True)
