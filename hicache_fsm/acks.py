@@ -9,13 +9,18 @@ non-zero has finished on every rank; it is applied as ok only if it was ok
 everywhere (a page counts as stored only when every rank stored its shard),
 and the agreed jobs are applied in emission order, so every rank fires the
 same transitions in the same order. See ``hicache_fsm.tp``.
+
+The ranks' pending jobs are also compared, as a digest: under tensor
+parallelism each job's kind and size (every rank moves the same tokens of its
+own heads); under context parallelism (a CP runtime attached) a rank copies
+only the pages it owns, so each job's kind, nodes, layer and model instead.
 """
 
 from __future__ import annotations
 
 from typing import Iterable, Sequence
 
-from hicache_fsm.interfaces import Jobs
+from hicache_fsm.interfaces import Attached, Jobs
 from hicache_fsm.jobs import Completion, TransferJob
 from hicache_fsm.tp import digest
 
@@ -25,14 +30,16 @@ NOT_DONE, FAILED, OK = 0, 1, 2
 class AckAgreement:
     """The ``acks`` section of a ``StepAgreement``: holds local completions until the group agrees.
 
-    Built with the cache's outbox (``interfaces.Jobs``): which jobs are pending, in emission order.
+    Built with the cache's outbox (``interfaces.Jobs``): which jobs are pending, in emission order; and
+    the attached runtimes (whether a CP runtime makes job sizes differ by rank).
     """
 
     name = "acks"
     width = 1
 
-    def __init__(self, outbox: Jobs) -> None:
+    def __init__(self, outbox: Jobs, attached: Attached) -> None:
         self.outbox = outbox
+        self.attached = attached
         self.arrived: dict[int, Completion] = {}  # pending job id -> this rank's completion
         self._window: list[TransferJob] = []
         self._agreed: list[Completion] = []
@@ -56,7 +63,11 @@ class AckAgreement:
         for job in jobs:
             c = arrived.get(job.id)
             items.append((NOT_DONE if c is None else OK if c.ok else FAILED,))
-        return items, digest([(j.kind.value, j.num_tokens) for j in jobs])
+        if self.attached.cp is None:
+            same = [(j.kind.value, j.num_tokens) for j in jobs]
+        else:
+            same = [(j.kind.value, j.node_ids, j.layer, j.draft) for j in jobs]
+        return items, digest(same)
 
     def apply(self, items: list[list[int]]) -> None:
         for job, (status,) in zip(self._window, items):

@@ -165,7 +165,7 @@ class HiCache(StorageCalls):
         self.compose(ResidencyDriver(self.tree, machine, Attached(), draft_host_pool is not None))
         if self.acks is not None:
             self.agreement.register(self.acks)
-            self.agreement.register(PoolState(self.tree, device_pool, host_pool))
+            self.agreement.register(PoolState(self.tree, device_pool, host_pool, self.attached))
         self.engine_pages: set[int] = set()  # device pages handed out by alloc_device, not yet inserted or freed
         self.runtime_checks = RuntimeChecks()  # host slots and invariants of attached runtimes
         self.check_candidates = False  # also recompute the eviction candidate sets in invariant_violations
@@ -187,7 +187,7 @@ class HiCache(StorageCalls):
         self.attached, self.driver, self.outbox, self.eviction, self.loads = attached, driver, outbox, eviction, loads
         self.residency_ctx = ResidencyContext(self.device_allocator, self.host_allocator, attached)
         self.request_ids = RequestIds(driver, self.page_size)
-        self.acks = None if self.group.solo else AckAgreement(outbox)
+        self.acks = None if self.group.solo else AckAgreement(outbox, attached)
         driver.connect(eviction, outbox, self.residency_ctx)
         outbox.connect(loads, self.acks)
 

@@ -28,15 +28,17 @@ class CPRank:
 
 
 def build_cp_rank(pool_config, world_size: int, rank: int, block_pages: int = 1, cache_config=None,
-                  executor_factory: Callable | None = None) -> CPRank:
+                  executor_factory: Callable | None = None, group=None) -> CPRank:
     """Build one rank: ``pool_config.device_tokens`` is the logical device size.
 
     ``executor_factory(pools)`` makes the executor (a ``TorchExecutor`` over the pools by default).
+    ``group``: the ``tp.RankGroup`` (or process group) of the CP ranks when each runs in its own
+    process: completions are then agreed, so a copy that fails on one rank fails the write on all.
     """
     pools = build_cp_pools(pool_config, world_size, rank, block_pages)
     executor = executor_factory(pools) if executor_factory is not None else None
     cache = HiCache(pools.device, pools.host, cache_config, executor, pools.draft_device, pools.draft_host,
-                    dispatcher=compile_machine(load_builtin("residency")))
+                    dispatcher=compile_machine(load_builtin("residency")), group=group)
     return CPRank(pools.device.layout, pools, cache, LayerWriteRuntime(cache))
 
 

@@ -233,6 +233,7 @@ class LayerWriteHost(Protocol):
     draft_host_pool: Any
     device_allocator: Any  # a cp.CPPageAllocator
     host_allocator: Allocator
+    group: Any  # a tp.RankGroup: whether the ranks' completions are agreed
 
     def check_open(self) -> None: ...
 

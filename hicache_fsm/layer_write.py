@@ -9,7 +9,9 @@ KV of the logical pages it owns. Backing a node up to host is one
    pages only and saves the per-page owner pattern on the node
    (``node.cp_meta``). The node's residency goes ``device -> writing_host``
    (the residency bindings adopt the reserved slots through ``cache.cp``). A
-   rank that owns no page gets an empty reservation and acks at once; a rank
+   rank that owns no page gets an empty reservation and acks at once (in a
+   rank group, whose completions are agreed job by job, it submits empty
+   copies like the others, so its jobs line up with theirs); a rank
    without room reports how many slots it needed and holds nothing.
 2. As the model finishes layer i the engine calls ``on_layer_end(i, source)``
    (``source`` is ``"target"`` or ``"draft"``; the draft model may have fewer
@@ -153,6 +155,9 @@ class LayerWriteRuntime:
         self.register_invariants = cache.register_invariants
         self.tree, self.driver, self.outbox, self.loads = cache.tree, cache.driver, cache.outbox, cache.loads
         self.counters = cache.counters
+        # a rank group agrees every completion job by job: a rank owning no page of a node then copies nothing
+        # in as many (empty) jobs as the others, instead of acking alone (see ``submits_copies``)
+        self.agreed = not cache.group.solo
         self.device_pool, self.draft_device_pool = cache.device_pool, cache.draft_device_pool
         self.draft_host_pool, self.host_allocator = cache.draft_host_pool, cache.host_allocator
         self.device_allocator = allocator

@@ -356,14 +356,20 @@ def rank_view(cache: Any) -> tuple:
 
     Per node: its namespace, whole prefix, residency state, lock and host pin
     counts; then the kinds and sizes of pending jobs and the pools' occupancy.
+    Under context parallelism (``cache.cp`` attached) a rank copies and keeps
+    on host only the pages it owns: each job is then its kind, nodes, layer and
+    model, and the host's occupancy is left out.
     """
     tree = cache.tree
     nodes = sorted(
         (repr(n.namespace), tree.prefix_tokens(n), n.state, n.lock_ref, n.host_ref)
         for n in tree.nodes() if not n.is_root
     )
-    jobs = tuple((j.kind.value, j.num_tokens) for j in cache.pending_jobs())
-    return (tuple(nodes), jobs, cache.device_allocator.free_pages, cache.host_allocator.free_pages)
+    if cache.cp is None:
+        jobs = tuple((j.kind.value, j.num_tokens) for j in cache.pending_jobs())
+        return (tuple(nodes), jobs, cache.device_allocator.free_pages, cache.host_allocator.free_pages)
+    jobs = tuple((j.kind.value, j.node_ids, j.layer, j.draft) for j in cache.pending_jobs())
+    return (tuple(nodes), jobs, cache.device_allocator.free_pages)
 
 
 def cache_fingerprint(config: Any, device_pool: Any, host_pool: Any, draft_device_pool: Any = None,
@@ -393,19 +399,22 @@ class PoolState:
     The acks compare only pending jobs; this catches the ranks whose trees
     went apart without one (other requests on one rank, an eviction one rank
     had to make), at the next ``poll`` instead of at a hung model collective.
+    Under context parallelism (a CP runtime in ``attached``) each rank's host
+    holds only the pages it owns, so the host's free pages are left out.
     """
 
     name = "pool state"
     width = 0
 
-    def __init__(self, tree: Any, device_pool: Any, host_pool: Any) -> None:
+    def __init__(self, tree: Any, device_pool: Any, host_pool: Any, attached: Any) -> None:
         self.tree = tree
         self.device_pool = device_pool
         self.host_pool = host_pool
+        self.attached = attached
 
     def collect(self) -> tuple[list[Sequence[int]], int]:
-        state = (len(self.tree.by_id), self.device_pool.allocator.free_pages, self.host_pool.allocator.free_pages)
-        return [], digest(state)
+        host = self.host_pool.allocator.free_pages if self.attached.cp is None else None
+        return [], digest((len(self.tree.by_id), self.device_pool.allocator.free_pages, host))
 
     def apply(self, items: list[list[int]]) -> None:
         """Nothing to act on: the comparison is the header's."""

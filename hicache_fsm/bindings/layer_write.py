@@ -13,8 +13,13 @@ layer_write = machine_registry("layer_write")
 
 
 @layer_write.guard
-def owns_pages(write, event) -> bool:
-    return write.owned_tokens > 0
+def submits_copies(write, event) -> bool:
+    """The rank copies the node layer by layer: it owns pages of it, or a rank group agrees its completions.
+
+    A rank of a group that owns none submits empty copies, so its jobs line up
+    with the other ranks' and a copy failed elsewhere fails its write too.
+    """
+    return write.owned_tokens > 0 or event.runtime.agreed
 
 
 @layer_write.guard
