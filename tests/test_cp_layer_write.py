@@ -276,6 +276,35 @@ def test_zero_owned_rank_acks_at_once_and_loads_an_empty_job():
         check_device_kv(r, node)
 
 
+def test_zero_owned_rank_of_a_group_submits_empty_copies_of_every_layer():
+    # built with a rank group, the runtime agrees completions job by job (tests/test_cp_ranks.py runs real ranks);
+    # here each rank is told so directly, to check the empty copies with draft pools and invariants in one process
+    ranks = world_of(4, block_pages=4)  # a 2-page node lives on rank 0 only
+    tokens = (5, 6, 7, 8)
+    for r in ranks:
+        r.writes.agreed = True
+        i = r.cache.alloc_device(len(tokens))
+        write_kv(r, i, tokens)
+        write_kv(r, i, tokens, source="draft")
+        node = r.cache.insert(tokens, i).node
+        w = r.writes.reserve(node)
+        assert w.state == "reserved"  # not zero_owned: no rank acks alone
+        r.writes.submit_all(w)
+        jobs = r.cache.pending_jobs()
+        assert sorted((j.layer, j.draft) for j in jobs) == [(0, False), (0, True), (1, False), (1, True), (2, False)]
+        assert {j.num_tokens for j in jobs} == {len(tokens) if r.layout.rank == 0 else 0}
+        assert node.state == "writing_host"
+        settle(r.cache)
+        assert w.state == "acked" and w.acks == 1 and node.state == "device_host"
+        r.cache.check_invariants()
+        r.cache.evict(100)
+        r.writes.load_cp([node])
+        settle(r.cache)
+        assert node.state == "device_host"
+        r.cache.check_invariants()
+        check_device_kv(r, node)
+
+
 def test_write_through_catches_up_every_layer():
     (r,) = world_of(1, policy="write_through")
     tokens = tuple(range(10, 18))
