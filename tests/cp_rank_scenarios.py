@@ -45,13 +45,13 @@ def manual(pools) -> ManualExecutor:
     return ManualExecutor(pools.device, pools.host)
 
 
-def make_rank(group: RankGroup, world: int, rank: int, block_pages: int = 1, logical_pages: int = 24,
-              host_pages: int = 13) -> CPRank:
+def make_rank(group: RankGroup, world: int, rank: int, block_pages: int = 1, policy: str = "write_through",
+              logical_pages: int = 24, host_pages: int = 13) -> CPRank:
     """One CP rank of ``world``: ``logical_pages`` logical device pages, ``host_pages`` of host for its own."""
     config = PoolConfig(shape=SHAPE, device_tokens=logical_pages * PAGE, page_size=PAGE,
                         host_tokens=host_pages * PAGE)
-    return build_cp_rank(config, world, rank, block_pages, CacheConfig(write_policy="write_through",
-                                                                      load_back_threshold=0), manual, group=group)
+    return build_cp_rank(config, world, rank, block_pages, CacheConfig(write_policy=policy, load_back_threshold=0),
+                         manual, group=group)
 
 
 def prompts(seed: int, n: int) -> list[tuple[int, ...]]:
@@ -136,12 +136,12 @@ def check_kv(r: CPRank) -> int:
 
 
 def run_requests(rank: int, world: int, group: RankGroup, seed: int, steps: int, share: float, fail: float,
-                 fail_rank: int, block_pages: int) -> tuple[list[int], int, int]:
+                 fail_rank: int, block_pages: int, policy: str) -> tuple[list[int], int, int]:
     """``steps`` requests, this rank finishing (and failing) its copies its own way; views compared every step.
 
     Returns the view digests, the owned pages whose KV was checked, and the writes that failed here.
     """
-    r = make_rank(group, world, rank, block_pages)
+    r = make_rank(group, world, rank, block_pages, policy)
     rng = random.Random(f"{seed}:{rank}")  # per-rank differences
     digests = []
     for i, tokens in enumerate(prompts(seed, steps)):
@@ -160,7 +160,8 @@ def run_requests(rank: int, world: int, group: RankGroup, seed: int, steps: int,
     return digests, check_kv(r), r.cache.counters["cp_write_failed"]
 
 
-def agreement_property(rank: int, world: int, pg, block_pages: int, examples: int) -> tuple[list[int], int, int]:
+def agreement_property(rank: int, world: int, pg, block_pages: int, policy: str,
+                       examples: int) -> tuple[list[int], int, int]:
     """Hypothesis (the same examples on every rank) picks each rank's share of copies ended a step, the failure
     rate and which rank fails. Returns what must be equal on every rank (each view digest and failed-write
     count), the writes that failed and the owned pages whose KV this rank checked, over all examples."""
@@ -175,7 +176,7 @@ def agreement_property(rank: int, world: int, pg, block_pages: int, examples: in
     @example(seed=7, shares=[1.0] + [0.3] * (world - 1), fail=0.3, fail_rank=world - 1)  # late, out of order, failing
     def prop(seed, shares, fail, fail_rank):
         digests, checked, failed = run_requests(rank, world, group, seed, 16, shares[rank], fail, fail_rank,
-                                                block_pages)
+                                                block_pages, policy)
         seen.extend(digests)
         seen.append(failed)
         totals[0] += failed

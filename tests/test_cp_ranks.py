@@ -34,9 +34,11 @@ def test_a_copy_failed_on_one_rank_fails_the_write_on_every_rank(block_pages, fa
     assert len({v["view"] for v in values}) == 1 and len({v["view_after_retry"] for v in values}) == 1
 
 
-@pytest.mark.parametrize("world, block_pages", [(2, 1), (3, 2)])
-def test_cp_ranks_agree_whatever_order_and_failures_each_rank_sees(world, block_pages):
-    values = _values(run_ranks(cp_rank_scenarios.agreement_property, world, block_pages, 3, timeout_s=600))
+@pytest.mark.parametrize("world, block_pages, policy", [
+    (2, 1, "write_through"), (3, 2, "write_through"), (2, 2, "write_back"), (2, 1, "write_through_selective")])
+def test_cp_ranks_agree_whatever_order_and_failures_each_rank_sees(world, block_pages, policy):
+    values = _values(run_ranks(cp_rank_scenarios.agreement_property, world, block_pages, policy, 3,
+                               timeout_s=600))
     seen = [v[0] for v in values]
     assert all(s == seen[0] for s in seen[1:]), "ranks returned different view digests or failed-write counts"
     failed = {v[1] for v in values}
