@@ -10,35 +10,23 @@ their own; after every step they compare ``rank_view`` digests over the group.
 from __future__ import annotations
 
 import random
-import zlib
 
 import torch
-from hypothesis import HealthCheck, Phase, example, given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from hicache_fsm.bindings.residency import LOADING, ON_DEVICE, ON_HOST
 from hicache_fsm.config import CacheConfig
 from hicache_fsm.cp_world import CPRank, build_cp_rank
 from hicache_fsm.executors import ManualExecutor
-from hicache_fsm.pools import KVShape, PoolConfig
+from hicache_fsm.pools import PoolConfig
 from hicache_fsm.tp import RankGroup, rank_view, view_digest
-
-PAGE = 2
-SHAPE = KVShape(layers=2, heads=1, head_dim=2)
-QUIET = settings(max_examples=3, derandomize=True, database=None, deadline=None, phases=[Phase.explicit, Phase.generate],
-                 suppress_health_check=list(HealthCheck))  # derandomized: every rank draws the same examples
+from tp_scenarios import PAGE, QUIET, SHAPE, finish_copies, prompts, shard_kv
 
 
 def token_kv(tokens) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V (layers, n, heads, head_dim) of every token, a function of its prefix (every rank computes all)."""
-    vals, crc = [], 0
-    for t in tokens:
-        crc = zlib.crc32(int(t).to_bytes(8, "little"), crc)
-        vals.append(float(crc % 100_003))
-    base = torch.tensor(vals, dtype=torch.float32).view(1, -1, 1, 1)
-    grid = torch.arange(SHAPE.layers * SHAPE.heads * SHAPE.head_dim, dtype=torch.float32).view(
-        SHAPE.layers, 1, SHAPE.heads, SHAPE.head_dim)
-    return (base + grid * 0.25).contiguous(), (-base - grid * 0.5).contiguous()
+    return shard_kv(tokens, 0)
 
 
 def manual(pools) -> ManualExecutor:
@@ -52,13 +40,6 @@ def make_rank(group: RankGroup, world: int, rank: int, block_pages: int = 1, pol
                         host_tokens=host_pages * PAGE)
     return build_cp_rank(config, world, rank, block_pages, CacheConfig(write_policy=policy, load_back_threshold=0),
                          manual, group=group)
-
-
-def prompts(seed: int, n: int) -> list[tuple[int, ...]]:
-    """Requests with shared prefixes (the same on every rank)."""
-    rng = random.Random(seed)
-    stems = [tuple(rng.randrange(50) for _ in range(2 * PAGE)) for _ in range(3)]
-    return [rng.choice(stems) + tuple(rng.randrange(50) for _ in range(PAGE * rng.randrange(1, 4))) for _ in range(n)]
 
 
 def serve(r: CPRank, tokens: tuple) -> None:
@@ -83,17 +64,6 @@ def serve(r: CPRank, tokens: tuple) -> None:
         cache.insert(tokens, torch.cat(parts + [idx]))
     finally:
         cache.unlock(node)
-
-
-def finish_copies(ex: ManualExecutor, rng: random.Random, share: float, fail: float) -> None:
-    """This rank's copies: a random share of the pending ones end now, in a random order, some failing."""
-    pending = ex.pending_job_ids()
-    rng.shuffle(pending)
-    for job_id in pending[: int(len(pending) * share + 0.5)]:
-        if rng.random() < fail:
-            ex.fail(job_id, "injected on this rank")
-        else:
-            ex.complete(job_id)
 
 
 def agree_view(r: CPRank, group: RankGroup, step: str) -> int:
