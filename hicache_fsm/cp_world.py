@@ -1,7 +1,10 @@
 """Simulated context-parallel worlds: one ``HiCache`` and layer-write runtime per CP rank.
 
 Built on the facade (like ``simulate``), for tests, the explorer's CP adapter
-and the docs' examples; an engine builds its own ranks.
+and the docs' examples; an engine builds its own ranks, one a process, with
+``build_cp_rank(..., group=...)``. Ranks of one world in one process agree on
+nothing: each applies its own completions, so a copy failed on one rank only
+leaves the ranks apart (docs/cp-writes.md).
 """
 
 from __future__ import annotations
