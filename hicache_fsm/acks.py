@@ -10,10 +10,9 @@ everywhere (a page counts as stored only when every rank stored its shard),
 and the agreed jobs are applied in emission order, so every rank fires the
 same transitions in the same order. See ``hicache_fsm.tp``.
 
-The ranks' pending jobs are also compared, as a digest: under tensor
-parallelism each job's kind and size (every rank moves the same tokens of its
-own heads); under context parallelism (a CP runtime attached) a rank copies
-only the pages it owns, so each job's kind, nodes, layer and model instead.
+The ranks' pending jobs are also compared, as a digest of what each has alike
+on every rank (``tp.job_identities``: under context parallelism, a CP runtime
+attached, not its size).
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ from typing import Iterable, Sequence
 
 from hicache_fsm.interfaces import Attached, Jobs
 from hicache_fsm.jobs import Completion, TransferJob
-from hicache_fsm.tp import digest
+from hicache_fsm.tp import digest, job_identities
 
 NOT_DONE, FAILED, OK = 0, 1, 2
 
@@ -63,11 +62,7 @@ class AckAgreement:
         for job in jobs:
             c = arrived.get(job.id)
             items.append((NOT_DONE if c is None else OK if c.ok else FAILED,))
-        if self.attached.cp is None:
-            same = [(j.kind.value, j.num_tokens) for j in jobs]
-        else:
-            same = [(j.kind.value, j.node_ids, j.layer, j.draft) for j in jobs]
-        return items, digest(same)
+        return items, digest(job_identities(jobs, self.attached.cp is not None))
 
     def apply(self, items: list[list[int]]) -> None:
         for job, (status,) in zip(self._window, items):

@@ -279,6 +279,15 @@ def digest(parts: Sequence[object]) -> int:
     return zlib.crc32(repr(tuple(parts)).encode()) & 0x7FFFFFFF
 
 
+def job_identities(jobs: Sequence[Any], cp: bool) -> list[tuple]:
+    """What each pending job has alike on every rank, in emission order: its kind and size under tensor
+    parallelism (every rank moves the same tokens of its own heads); under context parallelism (``cp``) a
+    rank copies only the pages it owns, so its kind, nodes, layer and model instead."""
+    if cp:
+        return [(j.kind.value, j.node_ids, j.layer, j.draft) for j in jobs]
+    return [(j.kind.value, j.num_tokens) for j in jobs]
+
+
 class StepAgreement:
     """One MIN all-reduce per step over every registered section (see the module docstring)."""
 
@@ -349,8 +358,6 @@ class StepAgreement:
             section.apply(items)
 
 
-
-
 def rank_view(cache: Any) -> tuple:
     """What must be equal on every rank after every step: the tree and what is in flight, not slot ids.
 
@@ -365,11 +372,10 @@ def rank_view(cache: Any) -> tuple:
         (repr(n.namespace), tree.prefix_tokens(n), n.state, n.lock_ref, n.host_ref)
         for n in tree.nodes() if not n.is_root
     )
-    if cache.cp is None:
-        jobs = tuple((j.kind.value, j.num_tokens) for j in cache.pending_jobs())
-        return (tuple(nodes), jobs, cache.device_allocator.free_pages, cache.host_allocator.free_pages)
-    jobs = tuple((j.kind.value, j.node_ids, j.layer, j.draft) for j in cache.pending_jobs())
-    return (tuple(nodes), jobs, cache.device_allocator.free_pages)
+    cp = cache.cp is not None
+    jobs = tuple(job_identities(cache.pending_jobs(), cp))
+    host = None if cp else cache.host_allocator.free_pages
+    return (tuple(nodes), jobs, cache.device_allocator.free_pages, host)
 
 
 def cache_fingerprint(config: Any, device_pool: Any, host_pool: Any, draft_device_pool: Any = None,
@@ -427,4 +433,5 @@ def view_digest(view: tuple) -> int:
 
 __all__ = ["DEFAULT_TIMEOUT_S", "MAX_RANKS", "MAX_TIMEOUT_S", "PURPOSE_ATTACH", "PURPOSE_ATTACH_COMMIT",
            "PURPOSE_BUILD", "PURPOSE_ENGINE", "PURPOSE_GATHER", "PURPOSE_LOAD_ROOM", "PURPOSE_STEP", "PoolState",
-           "RankGroup", "Section", "StepAgreement", "cache_fingerprint", "digest", "rank_view", "view_digest"]
+           "RankGroup", "Section", "StepAgreement", "cache_fingerprint", "digest", "job_identities", "rank_view",
+           "view_digest"]

@@ -13,7 +13,6 @@ import random
 
 import torch
 from hypothesis import example, given, settings
-from hypothesis import strategies as st
 
 from hicache_fsm.bindings.residency import LOADING, ON_DEVICE, ON_HOST
 from hicache_fsm.config import CacheConfig
@@ -21,7 +20,7 @@ from hicache_fsm.cp_world import CPRank, build_cp_rank
 from hicache_fsm.executors import ManualExecutor
 from hicache_fsm.pools import PoolConfig
 from hicache_fsm.tp import RankGroup, rank_view, view_digest
-from tp_scenarios import PAGE, QUIET, SHAPE, finish_copies, prompts, shard_kv
+from tp_scenarios import PAGE, QUIET, SHAPE, finish_copies, prompts, rank_differences, shard_kv
 
 
 def token_kv(tokens) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,9 +139,7 @@ def agreement_property(rank: int, world: int, pg, block_pages: int, policy: str,
     totals = [0, 0]
 
     @settings(QUIET, max_examples=examples)
-    @given(seed=st.integers(0, 10_000), shares=st.lists(st.sampled_from([0.0, 0.3, 0.6, 1.0]), min_size=world,
-                                                         max_size=world),
-           fail=st.sampled_from([0.0, 0.2, 0.5]), fail_rank=st.integers(0, world - 1))
+    @given(**rank_differences(world))
     @example(seed=7, shares=[1.0] + [0.3] * (world - 1), fail=0.3, fail_rank=world - 1)  # late, out of order, failing
     def prop(seed, shares, fail, fail_rank):
         digests, checked, failed = run_requests(rank, world, group, seed, 16, shares[rank], fail, fail_rank,
