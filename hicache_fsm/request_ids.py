@@ -130,8 +130,8 @@ class RequestIds:
 
     def packed_ids(self, ids: "np.ndarray", typecode: str | None = None) -> TokenIds:
         """An array from ``id_array``, checked and packed, or the packing of the last array packed whole when its
-        bytes hold the same ids or begin with them (a page-aligned slice); ids that extend it have only the new
-        ones checked and packed.
+        bytes hold the same ids or begin with them (a page-aligned slice); ids that extend it (a request grown by
+        decoding) have only the new ones checked and packed, and are remembered in its place.
 
         ``insert`` after ``match_prefix`` of the same ids (the same array or
         an equal one, as SGLang's scheduler hands a slice of the ids it
@@ -154,7 +154,9 @@ class RequestIds:
                 return packed if n << 2 == len(packed.raw) else packed[:n]
             known = len(seen) // ids.itemsize
             if ids.size > known and seen.startswith(ids[:known]):  # the same ids, then more
-                return packed.extended(ids[known:])  # a bad new id is named by its place in the whole
+                packed = packed.extended(ids[known:])  # a bad new id is named by its place in the whole
+                self._array_memo = (ids.dtype, ids.tobytes(), packed, typecode)  # the next call of these ids
+                return packed
         check_id_array(ids)
         packed = pack_id_array(ids)
         if contiguous:

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from cache_helpers import drain, make_cache, put
 from hicache_fsm.errors import BadTokenIds, TokenIdTypeError
-from hicache_fsm.tokens import pack_token_ids
+from hicache_fsm.tokens import TokenIds, pack_token_ids
 
 PAGE = 4
 
@@ -251,3 +251,23 @@ def test_an_array_memo_checks_only_new_ids_and_never_answers_for_the_same_bytes_
     narrow.frombytes(wide.tobytes())  # the same bytes: 1, 0, 2, 0, ... as int32
     assert ids_of.packed(narrow).tolist() == [1, 0, 2, 0, 3, 0, 4, 0]
     assert checked == [4, 8]
+
+
+@pytest.mark.parametrize("form", ["array q", "numpy int64", "tensor int64"])
+def test_an_array_grown_past_the_one_remembered_is_packed_once_then_remembered_whole(monkeypatch, form):
+    """A request grown by decoding: ``match_prefix`` of its ids packs only the new ones, and the ``insert`` after it
+    packs nothing (the grown ids were remembered in place of the shorter ones, not extended again per call)."""
+    from hicache_fsm.request_ids import RequestIds
+
+    extensions = []  # how many new ids each extension packed
+    real = TokenIds.extended
+    monkeypatch.setattr(TokenIds, "extended", lambda self, new: extensions.append(len(new)) or real(self, new))
+    ids_of = RequestIds(driver=None, page_size=PAGE)
+    to = ARRAY_FORMS[form]
+    ids_of.packed(to([1, 2, 3, 4]))  # the prefill's ids
+    grown = to([1, 2, 3, 4, 5, 6])
+    first = ids_of.packed(grown)  # match_prefix of the finished request
+    assert first.tolist() == [1, 2, 3, 4, 5, 6] and extensions == [2]
+    assert ids_of.packed(grown) is first and ids_of.packed(to([1, 2, 3, 4, 5, 6])) is first  # its insert
+    assert ids_of.packed(to([1, 2, 3, 4, 5])).tolist() == [1, 2, 3, 4, 5]  # a slice of it: no packing either
+    assert extensions == [2]
