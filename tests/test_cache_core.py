@@ -709,6 +709,23 @@ def test_controller_bench_id_forms_do_the_tuple_forms_work(ids):
     assert result["ids"] == ids and result["speedup"] > 0
 
 
+@pytest.mark.parametrize("ids", ["list", "array", "packed"])
+def test_controller_bench_in_batches_does_the_work_of_one_request_at_a_time(ids):
+    """``bench controller --batch``: matching a batch before inserting it leaves the tree one at a time leaves."""
+    from hicache_fsm.bench import controller
+
+    requests = controller.make_requests(6, seed=5)
+    trees = []
+    for batch in (1, 3):
+        cache = controller.make_cache(8 * controller.REQUEST_TOKENS)
+        assert controller.serve(cache, [controller.ID_FORMS[ids](t) for t in requests], batch=batch) > 0
+        trees.append(sorted((tuple(n.key), n.state) for n in cache.tree.nodes() if not n.is_root))
+        cache.check_invariants()
+    assert trees[0] == trees[1] and len(trees[0]) >= len(requests)
+    result = _controller_run(["--requests", "6", "--repeats", "1", "--tree-nodes", "4", "--ids", ids, "--batch", "3"])
+    assert result["batch"] == 3 and "batches of 3" in result["timed"] and result["speedup"] > 0
+
+
 @pytest.mark.parametrize("tp", ["abc", "0", "65", "1,,2", "1,"])  # an empty element was skipped
 def test_bench_controller_refuses_a_bad_tp_before_timing_anything(monkeypatch, capsys, tp):
     from hicache_fsm.bench import controller

@@ -8,6 +8,11 @@ again (applies the acks). The figure is the time of match + insert (with its
 backup) + the two polls; ``alloc_device`` and building the index tensor are
 the engine's slot allocation and are left out of both variants.
 
+``--batch N`` matches N requests before inserting any of them, as a
+scheduler matches a whole batch before its forward pass (``batch`` in the
+result; default 1): per batch, every ``match_prefix``, then every
+``insert``, then the two polls, all timed, per request as before.
+
 ``--ids`` sets the form the engine holds each request's ids in (``ids`` in
 the result): an ``array('q')`` (default: the form SGLang's scheduler holds a
 request's ids in; numpy reads it, no per-id Python work), a tuple or a list,
@@ -68,7 +73,7 @@ import torch
 
 from hicache_fsm.bench.common import ID_FORMS as ENGINE_ID_FORMS, machine_description, report
 from hicache_fsm.cache import HiCache
-from hicache_fsm.commands.args import UsageError, check_fits, non_negative_int, positive_int, seed_int
+from hicache_fsm.commands.args import UsageError, bounded_int, check_fits, non_negative_int, positive_int, seed_int
 from hicache_fsm.config import CacheConfig
 from hicache_fsm.executors import AckExecutor
 from hicache_fsm.pools import DeviceKVPool, HostKVPool, KVShape
@@ -158,25 +163,24 @@ CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
 
 
 def serve(cache: HiCache, requests: list[tuple[int, ...]], pc=time.perf_counter,
-          after: Callable[[], None] | None = None) -> float:
-    """Run the requests through the engine loop; seconds (of clock ``pc``) spent in match + insert + polls
-    (and ``after``, run once a request inside the timed part: ``bench events`` flushes its events there)."""
+          after: Callable[[], None] | None = None, batch: int = 1) -> float:
+    """Run the requests through the engine loop, ``batch`` at a time (``serve_batch``; 1: ``serve_one``);
+    seconds (of clock ``pc``) spent in match + insert + polls (and ``after``, run once a request, or a batch,
+    inside the timed part: ``bench events`` flushes its events there)."""
     spent = 0.0
     gc.collect()
     gc.disable()  # as timeit does: a collection pass landing in one variant's loop is noise
     try:
-        spent = _serve(cache, requests, pc, after)
+        if batch == 1:
+            for tokens in requests:
+                spent += serve_one(cache, tokens, pc, after)
+        else:
+            for start in range(0, len(requests), batch):
+                spent += serve_batch(cache, requests[start : start + batch], pc, after)
     finally:
         gc.enable()
     if cache.pending_job_ids():
         raise RuntimeError("benchmark left jobs pending")
-    return spent
-
-
-def _serve(cache: HiCache, requests: list[tuple[int, ...]], pc, after: Callable[[], None] | None) -> float:
-    spent = 0.0
-    for tokens in requests:
-        spent += serve_one(cache, tokens, pc, after)
     return spent
 
 
@@ -201,6 +205,30 @@ def serve_one(cache: HiCache, tokens, pc=time.perf_counter,
     if after is not None:
         after()
     return (t1 - t0) + (pc() - t2)
+
+
+def serve_batch(cache: HiCache, batch: list, pc=time.perf_counter, after: Callable[[], None] | None = None) -> float:
+    """``serve_one`` for requests a scheduler matches together: every ``match_prefix``, then every ``insert``
+    (on the slots allocated after each match, untimed), then the two polls; seconds timed."""
+    spent = 0.0
+    matched = []
+    for tokens in batch:
+        t0 = pc()
+        if type(tokens) is ToPack:
+            tokens = pack_token_ids(tokens.ids)
+        m = cache.match_prefix(tokens)
+        spent += pc() - t0
+        cached = m.device_hit_length
+        new = cache.alloc_device(len(tokens) - cached)
+        matched.append((tokens, torch.cat([m.device_indices, new]) if cached else new))
+    t0 = pc()
+    for tokens, indices in matched:
+        cache.insert(tokens, indices)
+    cache.poll()  # start the backup batch
+    cache.poll()  # apply its acks
+    if after is not None:
+        after()
+    return spent + (pc() - t0)
 
 
 def scrape_cost_us(cache: HiCache, repeats: int = 5) -> float | None:
@@ -299,6 +327,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "shared with other work) or perf_counter (wall); the --tp figures use wall time")
     parser.add_argument("--tp-requests", type=positive_int, default=300,
                         help="timed requests per rank for the --tp figures (default 300)")
+    parser.add_argument("--batch", type=bounded_int(1, CHUNK), default=1,
+                        help=f"requests matched before any of them is inserted, as a scheduler matches a batch "
+                             f"(default 1: each request matched, then inserted; at most {CHUNK})")
     parser.add_argument("--ids", choices=tuple(ID_FORMS), default="array",
                         help="the form the engine holds each request's ids in: an array('q') (default, as SGLang's "
                              "scheduler holds them), a tuple or a list handed to every call, an int64 tensor, or "
@@ -320,6 +351,7 @@ def run(args: argparse.Namespace) -> dict:
     clock = CLOCKS[getattr(args, "clock", "cpu")]
     ids = getattr(args, "ids", "array")
     form = ID_FORMS[ids]
+    batch = getattr(args, "batch", 1)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # index tensors are tiny: intra-op threads only add wake-up latency
     try:
@@ -334,8 +366,8 @@ def run(args: argparse.Namespace) -> dict:
             requests = [form(t) for t in make_requests(n, args.seed + 7919 * r, prompts)]
             for start in range(0, n - chunk + 1, chunk):
                 part = requests[start : start + chunk]
-                ours_us.append(serve(ours, part, clock) / chunk * 1e6)
-                theirs_us.append(serve(theirs, part, clock) / chunk * 1e6)
+                ours_us.append(serve(ours, part, clock, batch=batch) / chunk * 1e6)
+                theirs_us.append(serve(theirs, part, clock, batch=batch) / chunk * 1e6)
         scrape_us = scrape_cost_us(ours)
     finally:
         torch.set_num_threads(threads)
@@ -350,8 +382,11 @@ def run(args: argparse.Namespace) -> dict:
         "request_tokens": REQUEST_TOKENS,
         "page_size": PAGE_SIZE,
         "ids": ids,
+        "batch": batch,
         "executor": "AckExecutor (acks without copying)",
-        "timed": "match_prefix + insert (with its backup) + 2 x poll; best chunk of 100 requests",
+        "timed": "match_prefix + insert (with its backup) + 2 x poll; best chunk of 100 requests" if batch == 1 else
+                 f"per request, in batches of {batch}: every match_prefix, then every insert (with its backup), "
+                 "then 2 x poll; best chunk of 100 requests",
         "us_per_request": round(us, 2),
         "transitions_us_per_request": round(tus, 2),
         "speedup": round(tus / us, 2),
@@ -367,7 +402,8 @@ def run(args: argparse.Namespace) -> dict:
             metrics_breakeven_requests=math.ceil(100 * scrape_us / us),
         )
     rows = [
-        ("requests", f"{repeats} x {n} x {REQUEST_TOKENS} tokens, page {PAGE_SIZE}, {tree_nodes} nodes already cached"),
+        ("requests", f"{repeats} x {n} x {REQUEST_TOKENS} tokens, page {PAGE_SIZE}, {tree_nodes} nodes already cached"
+                     + (f", matched in batches of {batch} before their inserts" if batch > 1 else "")),
         ("ids", _ID_ROWS[ids]),
         ("compiled table", f"{us:.1f} us/request"),
         ("transitions", f"{tus:.1f} us/request"),
