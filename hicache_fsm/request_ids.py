@@ -7,12 +7,17 @@ packs a whole request, remembering the last tuple or list, and the last
 integer array's ids, so that ``insert`` after ``match_prefix`` of the same
 ids packs nothing again, and ``match_walk`` walks the tree for
 ``match_prefix`` reading, and so checking, only the first page of a request
-that no cached prefix begins with.
+that no cached prefix begins with. A packing ``match_prefix`` made that no
+``insert`` has used yet is kept when the next request replaces it, a bounded
+number of them (``EarlierPackings``): a scheduler matches a whole batch before
+it inserts any of it. An engine that inserts each request right after its
+match never fills that table, and pays nothing for it.
 """
 
 from __future__ import annotations
 
 from array import array
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Hashable
 
 from hicache_fsm.tokens import (
@@ -32,18 +37,82 @@ if TYPE_CHECKING:
     from hicache_fsm.residency_driver import ResidencyDriver
 
 
+EARLIER_REQUESTS = 32  # requests remembered besides the last: a batch matched before its inserts
+EARLIER_BYTES = 8 << 20  # and at most this much memory held for them (ids copied and packed)
+
+
+class EarlierPackings:
+    """Packings of requests packed before the last one, oldest dropped first beyond a count or a size.
+
+    ``take`` hands an entry back and forgets it (the caller checks that the
+    ids did not change, and makes it the last one again); ``keep`` adds one.
+    """
+
+    def __init__(self, count: int = EARLIER_REQUESTS, max_bytes: int = EARLIER_BYTES) -> None:
+        self.count, self.max_bytes = count, max_bytes
+        # key -> (entry, its bytes), oldest first (an OrderedDict drops its oldest in O(1); a dict, used as a
+        # queue, scans the slots its deletions left at its front)
+        self._entries: OrderedDict[Hashable, tuple[tuple, int]] = OrderedDict()
+        self._bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __bool__(self) -> bool:
+        return bool(self._entries)
+
+    def take(self, key: Hashable) -> tuple | None:
+        kept = self._entries.pop(key, None)
+        if kept is None:
+            return None
+        self._bytes -= kept[1]
+        return kept[0]
+
+    def keep(self, key: Hashable, entry: tuple, size: int) -> None:
+        entries = self._entries
+        old = entries.pop(key, None)
+        if old is not None:
+            self._bytes -= old[1]
+        entries[key] = (entry, size)
+        self._bytes += size
+        while len(entries) > self.count or self._bytes > self.max_bytes:
+            self._bytes -= entries.popitem(last=False)[1][1]
+
+
 class RequestIds:
-    """Checks and packs the ids each call reads; remembers the last tuple or list, and the last integer array's
-    ids, it packed whole."""
+    """Checks and packs the ids each call reads; remembers the tuples and lists, and the integer arrays' ids, it
+    packed whole: the last one of each, and a bounded number before it that no insert used yet
+    (``EarlierPackings``)."""
 
     def __init__(self, driver: "ResidencyDriver", page_size: int) -> None:
         self.driver = driver
         self.page_size = page_size
         self._memo: tuple = ()  # () or (the tuple or list, a list's items as a tuple, its packing)
-        # () or (an integer array's dtype, a copy of its bytes, their packing, the array.array's typecode or None)
+        # () or (an integer array's dtype, a copy of its bytes, their packing, the array.array's typecode or None,
+        # its _array_key or None)
         self._array_memo: tuple = ()
+        self._memo_used = self._array_memo_used = False  # whether an insert read the last packing of its kind
+        self._earlier = EarlierPackings()  # id(tuple or list) -> its memo, for those packed before the last
+        self._earlier_arrays = EarlierPackings()  # _array_key -> its memo, for arrays packed before the last
 
-    def packed(self, tokens: object) -> TokenIds:
+    def packed(self, tokens: object, used: bool = True) -> TokenIds:
+        """``tokens`` checked and packed once (``BadTokenIds`` names the first bad one); see ``_packed``.
+
+        ``used``: whether an insert reads this packing (``insert``: True).
+        ``match_prefix`` passes False: its packing is kept for the insert to
+        come, among the earlier ones if another request is packed first. One
+        an insert used is not kept once the next request replaces it.
+        """
+        kind = type(tokens)
+        packed = self._packed(tokens)
+        if used:
+            if kind is tuple or kind is list:
+                self._memo_used = True
+            elif kind is not TokenIds:
+                self._array_memo_used = True
+        return packed
+
+    def _packed(self, tokens: object) -> TokenIds:
         """``tokens`` checked and packed once (``BadTokenIds`` names the first bad one).
 
         The last tuple or list packed is remembered, so ``insert`` after
@@ -59,18 +128,13 @@ class RequestIds:
         packed. An integer ``array.array``, numpy array or tensor is compared
         by its bytes with the last one packed whole (``packed_ids``), so any
         array of the same ids reuses that packing, changes made through a view
-        included.
+        included. Tuples, lists and arrays packed before the last and not
+        used by an insert yet are looked up the same way among the earlier
+        ones (``EarlierPackings``).
         """
         memo = self._memo
-        if memo and tokens is memo[0]:
-            if memo[1] is None:
-                return memo[2]
-            try:
-                same = tokens == list(memo[1])
-            except Exception:  # an item put in since whose ``==`` raises: packing names it below
-                same = False
-            if same:
-                return memo[2]
+        if memo and tokens is memo[0] and _unchanged(memo):
+            return memo[2]
         kind = type(tokens)
         if kind is array:  # SGLang's form: the last array's ids compared without a numpy view of this one
             memo = self._array_memo
@@ -81,15 +145,38 @@ class RequestIds:
             ids = id_array(tokens)
             if ids is not None:
                 return self.packed_ids(ids, tokens.typecode if kind is array else None)
+        if (kind is tuple or kind is list) and self._earlier:  # one packed before the last, holding the same ids?
+            earlier = self._earlier.take(id(tokens))
+            if earlier is not None and earlier[0] is tokens and _unchanged(earlier):
+                self._remember(earlier)
+                return earlier[2]
         if kind is list:
             snapshot = tuple(tokens)  # compared at the next call
             ids = pack_token_ids(snapshot)
-            self._memo = (tokens, snapshot, ids)
+            self._remember((tokens, snapshot, ids))
             return ids
         ids = pack_token_ids(tokens)
         if kind is tuple:
-            self._memo = (tokens, None, ids)
+            self._remember((tokens, None, ids))
         return ids
+
+    def _remember(self, memo: tuple) -> None:
+        """Make ``memo`` (a tuple's or list's) the last one; the one it replaces joins the earlier ones unless an
+        insert used it."""
+        last = self._memo
+        if last and last[0] is not memo[0] and not self._memo_used:
+            # held: the ids' pointers (the engine's object, kept alive), a list's snapshot, the packing
+            size = (5 if last[1] is not None else 3) * len(last[2].raw)
+            self._earlier.keep(id(last[0]), last, size)
+        self._memo, self._memo_used = memo, False
+
+    def _remember_array(self, memo: tuple) -> None:
+        """Make ``memo`` (an array's) the last one; the one it replaces joins the earlier ones unless an insert
+        used it."""
+        last = self._array_memo
+        if last and last[4] is not None and last[4] != memo[4] and not self._array_memo_used:
+            self._earlier_arrays.keep(last[4], last, len(last[1]) + len(last[2].raw))
+        self._array_memo, self._array_memo_used = memo, False
 
     def match_walk(self, tokens: object, namespace: Hashable) -> tuple[list["TreeNode"], int]:
         """``match_prefix``'s walk (splitting a node matched in part) and the number of ids in ``tokens``.
@@ -125,7 +212,7 @@ class RequestIds:
                     return [], len(ids)
                 code = tokens.typecode if kind is array else None
                 return driver.walk_splitting(self.packed_ids(ids, code), namespace)[0], len(ids)
-        packed = self.packed(tokens)
+        packed = self.packed(tokens, used=False)
         return driver.walk_splitting(packed, namespace)[0], len(packed.raw) >> 2  # a bad namespace fails first
 
     def packed_ids(self, ids: "np.ndarray", typecode: str | None = None) -> TokenIds:
@@ -155,12 +242,18 @@ class RequestIds:
             known = len(seen) // ids.itemsize
             if ids.size > known and seen.startswith(ids[:known]):  # the same ids, then more
                 packed = packed.extended(ids[known:])  # a bad new id is named by its place in the whole
-                self._array_memo = (ids.dtype, ids.tobytes(), packed, typecode)  # the next call of these ids
+                self._remember_array((ids.dtype, ids.tobytes(), packed, typecode, _array_key(ids)))
                 return packed
+        key = _array_key(ids) if contiguous and ids.size else None
+        if key is not None and self._earlier_arrays:  # one packed before the last: the same length, last id, bytes
+            earlier = self._earlier_arrays.take(key)
+            if earlier is not None and earlier[0] == ids.dtype and earlier[1].startswith(ids):
+                self._remember_array(earlier[:3] + (typecode, key))
+                return earlier[2]
         check_id_array(ids)
         packed = pack_id_array(ids)
         if contiguous:
-            self._array_memo = (ids.dtype, ids.tobytes(), packed, typecode)
+            self._remember_array((ids.dtype, ids.tobytes(), packed, typecode, key))
         return packed
 
     def _first_page(self, ids: "np.ndarray") -> bytes:
@@ -172,3 +265,18 @@ class RequestIds:
             check_id_array(first_page)
             head = pack_id_array(first_page).raw
         return head
+
+
+def _unchanged(memo: tuple) -> bool:
+    """Whether a remembered tuple or list still holds the ids it was packed from (a tuple always does)."""
+    if memo[1] is None:
+        return True
+    try:
+        return memo[0] == list(memo[1])
+    except Exception:  # an item put in since whose ``==`` raises: packing names it
+        return False
+
+
+def _array_key(ids: "np.ndarray") -> tuple[int, int]:
+    """How a non-empty array's packing is found among the earlier ones: its length in bytes and its last id."""
+    return ids.nbytes, ids.item(-1)

@@ -1,4 +1,4 @@
-"""``insert`` after ``match_prefix`` of the same ids reuses their packing, and never a stale one.
+"""``insert`` after ``match_prefix`` of the same ids reuses their packing (a batch's too), and never a stale one.
 
 A list or an ``array("q")`` may change between the two calls (an engine
 appends decoded ids to the ids it matched): whatever it holds when ``insert``
@@ -271,3 +271,164 @@ def test_an_array_grown_past_the_one_remembered_is_packed_once_then_remembered_w
     assert ids_of.packed(grown) is first and ids_of.packed(to([1, 2, 3, 4, 5, 6])) is first  # its insert
     assert ids_of.packed(to([1, 2, 3, 4, 5])).tolist() == [1, 2, 3, 4, 5]  # a slice of it: no packing either
     assert extensions == [2]
+
+
+def _count_packings(monkeypatch) -> list:
+    """The length of every whole check (an array) or packing (a tuple or list) ``RequestIds`` makes from now on."""
+    import hicache_fsm.request_ids as request_ids
+
+    made: list = []
+    real_pack, real_check = request_ids.pack_token_ids, request_ids.check_id_array
+    monkeypatch.setattr(request_ids, "pack_token_ids", lambda t: made.append(len(t)) or real_pack(t))
+    monkeypatch.setattr(request_ids, "check_id_array", lambda ids: made.append(len(ids)) or real_check(ids))
+    return made
+
+
+BATCH_FORMS = {"tuple": tuple, "list": list} | ARRAY_FORMS
+
+
+@pytest.mark.parametrize("form", sorted(BATCH_FORMS))
+def test_a_batch_matched_before_its_inserts_is_packed_once(monkeypatch, form):
+    """A scheduler matches every request of a batch, then inserts each: the inserts pack nothing again (a tuple or
+    list handed again as the same object, an array as any array of the same ids), but a strided view, which has
+    no one run of bytes to compare."""
+    from hicache_fsm.request_ids import RequestIds
+
+    ids_of = RequestIds(driver=None, page_size=PAGE)
+    to = BATCH_FORMS[form]
+    batch = [to([i, 2 * i + 1, 3 * i + 2, 40 + i]) for i in range(8)]
+    first = [ids_of.packed(ids, used=False) for ids in batch]  # the matches
+    made = _count_packings(monkeypatch)
+    again = batch if form in ("tuple", "list") else [to([i, 2 * i + 1, 3 * i + 2, 40 + i]) for i in range(8)]
+    packed = [ids_of.packed(ids) for ids in again]  # the inserts
+    assert packed == first and [p.tolist() for p in packed] == [[int(i) for i in ids] for ids in batch]
+    if form == "numpy strided":
+        assert made == [4] * 8
+    else:
+        assert made == [] and all(p is f for p, f in zip(packed, first))
+
+
+def test_a_batch_through_the_cache_is_checked_once_per_request(monkeypatch):
+    cache, _ = make_cache(page=PAGE)
+    put(cache, range(1, 1 + PAGE))  # every request begins with this page: match_prefix reads each whole
+    lists = [list(range(1, 1 + PAGE)) + [50 + i] * PAGE for i in range(4)]
+    arrays = [array("q", list(range(1, 1 + PAGE)) + [80 + i] * PAGE) for i in range(4)]
+    for batch in (lists, arrays):
+        slots = []
+        for request in batch:
+            match = cache.match_prefix(request)
+            slots.append(torch.cat([match.device_indices, cache.alloc_device(PAGE)]))
+        made = _count_packings(monkeypatch)
+        for request, idx in zip(batch, slots):
+            cache.insert(request, idx)
+        assert made == []
+        monkeypatch.undo()
+    assert {tuple(r) for r in lists + arrays} <= _cached_ids(cache)
+    cache.check_invariants()
+
+
+def test_an_earlier_request_changed_since_is_packed_again_as_it_is_now():
+    from hicache_fsm.request_ids import RequestIds
+
+    ids_of = RequestIds(driver=None, page_size=PAGE)
+    lists = [[1, 2, 3, i] for i in range(4)]
+    arrays = [np.array([5, 6, 7, 10 + i], dtype=np.int64) for i in range(4)]
+    grown = array("q", [9, 9, 9, 9])
+    for ids in [*lists, *arrays, grown]:
+        ids_of.packed(ids, used=False)  # matched, not inserted yet
+    lists[0][1] = 99
+    lists[1].append(8)
+    arrays[0][1] = 98  # the same length and last id: found, compared, and packed anew
+    arrays[1][1] = -1
+    grown.append(7)
+    assert ids_of.packed(lists[0]).tolist() == [1, 99, 3, 0]
+    assert ids_of.packed(lists[1]).tolist() == [1, 2, 3, 1, 8]
+    assert ids_of.packed(arrays[0]).tolist() == [5, 98, 7, 10]
+    with pytest.raises(BadTokenIds) as info:
+        ids_of.packed(arrays[1])
+    assert info.value.position == 1
+    assert ids_of.packed(grown).tolist() == [9, 9, 9, 9, 7]
+    assert ids_of.packed(lists[2]).tolist() == [1, 2, 3, 2]  # an unchanged one packs as it did
+    assert ids_of.packed(np.array([5, 6, 7, 12])).tolist() == [5, 6, 7, 12]
+
+
+def test_earlier_packings_drop_the_oldest_beyond_their_count_or_their_bytes(monkeypatch):
+    from hicache_fsm.request_ids import EARLIER_REQUESTS, EarlierPackings, RequestIds
+
+    kept = EarlierPackings(count=3, max_bytes=100)
+    for k in range(5):
+        kept.keep(k, (k,), 10)
+    assert len(kept) == 3 and kept.take(0) is None and kept.take(1) is None and kept.take(2) == (2,)
+    kept.keep("big", ("big",), 95)  # 20 + 95 bytes: the two oldest go
+    assert kept.take(3) is None and kept.take(4) is None and kept.take("big") == ("big",) and len(kept) == 0
+    kept.keep("huge", ("huge",), 101)  # more than the bound alone: not kept
+    assert len(kept) == 0
+
+    ids_of = RequestIds(driver=None, page_size=PAGE)
+    arrays = [array("q", [1, 2, 3, i]) for i in range(EARLIER_REQUESTS + 2)]  # the last, and as many as are kept
+    for ids in arrays:
+        ids_of.packed(ids, used=False)
+    made = _count_packings(monkeypatch)
+    ids_of.packed(arrays[1])  # remembered: the oldest kept
+    assert made == []
+    ids_of.packed(arrays[0])  # dropped: checked again
+    assert made == [4]
+
+
+POOL_FORMS = {"tuple": tuple, "list": list} | {
+    name: ARRAY_FORMS[name] for name in ("array q", "numpy int64", "numpy uint32", "tensor int32")}
+
+
+def _put(ids: object, value: int) -> bool:
+    """Change the first id of a mutable request in place (to ``value``, or one more when it holds that already);
+    False when its form cannot (a tuple) or cannot hold the new id."""
+    if isinstance(ids, tuple):
+        return False
+    try:
+        ids[0] = value + 1 if int(ids[0]) == value else value
+    except (OverflowError, ValueError, RuntimeError, TypeError):
+        return False
+    return True
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["pack", "change", "new"]), st.integers(0, 2),
+                              st.sampled_from(sorted(POOL_FORMS)), st.lists(ID, min_size=1, max_size=6),
+                              st.booleans()),
+                    min_size=1, max_size=40))
+def test_remembered_packings_give_what_packing_each_request_afresh_gives(ops):
+    """Requests made, changed in place and handed again in any order, each packing for a match or for an
+    insert: every packing equals a fresh one (or the same refusal at the same position), however many were
+    remembered before it."""
+    from hicache_fsm.request_ids import RequestIds
+
+    ids_of = RequestIds(driver=None, page_size=PAGE)
+    pool: dict[int, object] = {}
+    for op, slot, form, values, used in ops:
+        if op == "new" or slot not in pool:
+            try:
+                pool[slot] = POOL_FORMS[form](values)
+            except (OverflowError, ValueError, RuntimeError):  # an id this dtype cannot hold
+                continue
+        elif op == "change" and not _put(pool[slot], values[0]):
+            continue
+        ids = pool[slot]
+        pack = lambda x: ids_of.packed(x, used=used)  # noqa: E731 - the packing this step makes
+        assert _outcome(pack, lambda x: x, ids) == _outcome(pack_token_ids, lambda x: x, ids)
+
+
+@pytest.mark.parametrize("form", ["list", "array q"])
+def test_a_request_inserted_right_after_its_match_is_not_kept_for_later(monkeypatch, form):
+    """One request at a time (match, insert, next): the earlier packings stay empty, so a request handed again
+    later is packed again; only packings no insert used yet are kept."""
+    from hicache_fsm.request_ids import RequestIds
+
+    ids_of = RequestIds(driver=None, page_size=PAGE)
+    to = BATCH_FORMS[form]
+    requests = [to([1, 2, 3, 10 + i]) for i in range(4)]
+    for ids in requests:
+        ids_of.packed(ids, used=False)  # its match
+        ids_of.packed(ids)  # its insert
+    made = _count_packings(monkeypatch)
+    ids_of.packed(requests[0])
+    assert made == [4]
