@@ -95,6 +95,12 @@ class RequestIds:
         self._earlier = EarlierPackings()  # id(tuple or list) -> its memo, for those packed before the last
         self._earlier_arrays = EarlierPackings()  # _array_key -> its memo, for arrays packed before the last
 
+    def keep_earlier(self, count: int, max_bytes: int = EARLIER_BYTES) -> None:
+        """Keep at most ``count`` packings no insert used yet, and ``max_bytes`` of them (0: none; a match of a
+        request packed before the last then packs it afresh). Forgets those kept so far."""
+        self._earlier = EarlierPackings(count, max_bytes)
+        self._earlier_arrays = EarlierPackings(count, max_bytes)
+
     def packed(self, tokens: object, used: bool = True) -> TokenIds:
         """``tokens`` checked and packed once (``BadTokenIds`` names the first bad one); see ``_packed``.
 

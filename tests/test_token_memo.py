@@ -432,3 +432,17 @@ def test_a_request_inserted_right_after_its_match_is_not_kept_for_later(monkeypa
     made = _count_packings(monkeypatch)
     ids_of.packed(requests[0])
     assert made == [4]
+
+
+def test_keeping_no_earlier_packing_packs_every_request_handed_again(monkeypatch):
+    """``keep_earlier(0)`` (how ``bench scale`` times a first packing): a batch's inserts pack their ids again."""
+    from hicache_fsm.request_ids import RequestIds
+
+    ids_of = RequestIds(driver=None, page_size=PAGE)
+    ids_of.keep_earlier(0)
+    batch = [array("q", [1, 2, 3, 10 + i]) for i in range(3)]
+    for ids in batch:
+        ids_of.packed(ids, used=False)
+    made = _count_packings(monkeypatch)
+    assert [ids_of.packed(ids).tolist() for ids in batch] == [[1, 2, 3, 10 + i] for i in range(3)]
+    assert made == [4, 4, 4]  # the last one matched was replaced by the first insert's packing

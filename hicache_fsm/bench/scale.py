@@ -11,7 +11,10 @@ each as the median over repeated chunks of calls:
 
 - ``match_us``: ``match_prefix`` of a cached 4,096-token request (full hit);
   ``match_partial_us``: its 1,024-token system prompt cached, the rest new;
-  ``match_miss_us``: nothing cached;
+  ``match_miss_us``: nothing cached. Each of ours packs the request's ids
+  afresh: the packings a match made for an insert to come are not kept
+  (``RequestIds.keep_earlier(0)``), or the requests these rows match in turn,
+  never inserted, would be packed once;
 - ``insert_us``: ``insert`` of a new request under a cached prompt (with the
   backup job it emits, and the host eviction that makes room for it);
   ``insert_nobackup_us``: the same less the time spent starting that backup
@@ -411,6 +414,7 @@ def measure(nodes: int, chunks: int, calls: int, headroom_pages: int, seed: int,
     pc = CLOCKS[clock]
     warm = 16
     ours = OursVariant(nodes, warm, headroom_pages, ids)
+    ours.cache.request_ids.keep_earlier(0)  # every match packs afresh (see the module docstring)
     variants = [ours] + [BaselineVariant(name, nodes, warm) for name in baselines]
     peer_ids = sglang_peer.peer_form(ids)  # the form the peer is handed
     if peer is not None:
