@@ -41,42 +41,38 @@ EARLIER_REQUESTS = 32  # requests remembered besides the last: a batch matched b
 EARLIER_BYTES = 8 << 20  # and at most this much memory held for them (ids copied and packed)
 
 
-class EarlierPackings:
+class EarlierPackings(OrderedDict):
     """Packings of requests packed before the last one, oldest dropped first beyond a count or a size.
 
-    ``take`` hands an entry back and forgets it (the caller checks that the
-    ids did not change, and makes it the last one again); ``keep`` adds one.
+    Key -> (entry, its bytes), oldest first (an OrderedDict drops its oldest
+    in O(1); a dict used as a queue scans the slots its deletions left at its
+    front). ``take`` hands an entry back and forgets it (the caller checks
+    that the ids did not change, and makes it the last one again); ``keep``
+    adds one. Empty, it is false (a C-level test: the hot path asks first).
     """
 
     def __init__(self, count: int = EARLIER_REQUESTS, max_bytes: int = EARLIER_BYTES) -> None:
+        super().__init__()
         self.count, self.max_bytes = count, max_bytes
-        # key -> (entry, its bytes), oldest first (an OrderedDict drops its oldest in O(1); a dict, used as a
-        # queue, scans the slots its deletions left at its front)
-        self._entries: OrderedDict[Hashable, tuple[tuple, int]] = OrderedDict()
-        self._bytes = 0
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def __bool__(self) -> bool:
-        return bool(self._entries)
+        self.bytes = 0
 
     def take(self, key: Hashable) -> tuple | None:
-        kept = self._entries.pop(key, None)
+        kept = self.pop(key, None)
         if kept is None:
             return None
-        self._bytes -= kept[1]
+        self.bytes -= kept[1]
         return kept[0]
 
     def keep(self, key: Hashable, entry: tuple, size: int) -> None:
-        entries = self._entries
-        old = entries.pop(key, None)
+        if not self.count or size > self.max_bytes:  # nothing is kept, or not this one
+            return
+        old = self.pop(key, None)
         if old is not None:
-            self._bytes -= old[1]
-        entries[key] = (entry, size)
-        self._bytes += size
-        while len(entries) > self.count or self._bytes > self.max_bytes:
-            self._bytes -= entries.popitem(last=False)[1][1]
+            self.bytes -= old[1]
+        self[key] = (entry, size)
+        self.bytes += size
+        while len(self) > self.count or self.bytes > self.max_bytes:
+            self.bytes -= self.popitem(last=False)[1][1]
 
 
 class RequestIds:
