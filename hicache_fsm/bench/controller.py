@@ -141,7 +141,7 @@ def fill(cache: HiCache, nodes: int) -> None:
 
 
 class ToPack:
-    """A request the engine packs (``pack_token_ids``) when it arrives: ``serve_one`` times that packing."""
+    """A request the engine packs (``pack_token_ids``) when it arrives: ``serve_batch`` times that packing."""
 
     __slots__ = ("ids",)
 
@@ -164,19 +164,15 @@ CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
 
 def serve(cache: HiCache, requests: list[tuple[int, ...]], pc=time.perf_counter,
           after: Callable[[], None] | None = None, batch: int = 1) -> float:
-    """Run the requests through the engine loop, ``batch`` at a time (``serve_batch``; 1: ``serve_one``);
+    """Run the requests through the engine loop, ``batch`` at a time (``serve_batch``);
     seconds (of clock ``pc``) spent in match + insert + polls (and ``after``, run once a request, or a batch,
     inside the timed part: ``bench events`` flushes its events there)."""
     spent = 0.0
     gc.collect()
     gc.disable()  # as timeit does: a collection pass landing in one variant's loop is noise
     try:
-        if batch == 1:
-            for tokens in requests:
-                spent += serve_one(cache, tokens, pc, after)
-        else:
-            for start in range(0, len(requests), batch):
-                spent += serve_batch(cache, requests[start : start + batch], pc, after)
+        for start in range(0, len(requests), batch):
+            spent += serve_batch(cache, requests[start : start + batch], pc, after)
     finally:
         gc.enable()
     if cache.pending_job_ids():
@@ -186,30 +182,16 @@ def serve(cache: HiCache, requests: list[tuple[int, ...]], pc=time.perf_counter,
 
 def serve_one(cache: HiCache, tokens, pc=time.perf_counter,
               after: Callable[[], None] | None = None) -> float:
-    """One request of the engine loop (see ``serve``, without its collector handling); seconds timed.
+    """One request of the engine loop (see ``serve``, without its collector handling); seconds timed."""
+    return serve_batch(cache, (tokens,), pc, after)
+
+
+def serve_batch(cache: HiCache, batch, pc=time.perf_counter, after: Callable[[], None] | None = None) -> float:
+    """Requests a scheduler matches together: every ``match_prefix``, then every ``insert`` (on the slots
+    allocated after each match, untimed), then the two polls (and ``after``); seconds timed.
 
     A ``ToPack`` request is packed first, inside the timed part (an engine that packs a request on arrival).
     """
-    t0 = pc()
-    if type(tokens) is ToPack:
-        tokens = pack_token_ids(tokens.ids)
-    m = cache.match_prefix(tokens)
-    t1 = pc()
-    cached = m.device_hit_length
-    new = cache.alloc_device(len(tokens) - cached)
-    indices = torch.cat([m.device_indices, new]) if cached else new
-    t2 = pc()
-    cache.insert(tokens, indices)
-    cache.poll()  # start the backup batch
-    cache.poll()  # apply its acks
-    if after is not None:
-        after()
-    return (t1 - t0) + (pc() - t2)
-
-
-def serve_batch(cache: HiCache, batch: list, pc=time.perf_counter, after: Callable[[], None] | None = None) -> float:
-    """``serve_one`` for requests a scheduler matches together: every ``match_prefix``, then every ``insert``
-    (on the slots allocated after each match, untimed), then the two polls; seconds timed."""
     spent = 0.0
     matched = []
     for tokens in batch:
