@@ -3,9 +3,10 @@
 ``HiCache.match_prefix`` and ``insert`` take ids in whatever form the engine
 holds them (a tuple, a list, an integer array or tensor, or a ``TokenIds``).
 ``RequestIds`` turns them into what the call needs: ``packed`` checks and
-packs a whole request, remembering the last tuple or list, and the last
-integer array's ids, so that ``insert`` after ``match_prefix`` of the same
-ids packs nothing again, and ``match_walk`` walks the tree for
+packs a whole request, remembering the last tuple's or list's ids, and the
+last integer array's, so that ``insert`` after ``match_prefix`` of the same
+ids (in the same object or another) packs nothing again, and ids grown by
+decoding have only the new ones packed; ``match_walk`` walks the tree for
 ``match_prefix`` reading, and so checking, only the first page of a request
 that no cached prefix begins with. A packing ``match_prefix`` made that no
 ``insert`` has used yet is kept when the next request replaces it, a bounded
@@ -88,7 +89,7 @@ class RequestIds:
         # its _array_key or None)
         self._array_memo: tuple = ()
         self._memo_used = self._array_memo_used = False  # whether an insert read the last packing of its kind
-        self._earlier = EarlierPackings()  # id(tuple or list) -> its memo, for those packed before the last
+        self._earlier = EarlierPackings()  # _items_key -> its memo, for tuples and lists packed before the last
         self._earlier_arrays = EarlierPackings()  # _array_key -> its memo, for arrays packed before the last
 
     def keep_earlier(self, count: int, max_bytes: int = EARLIER_BYTES) -> None:
@@ -121,37 +122,46 @@ class RequestIds:
         ``match_prefix`` with the same object packs nothing again: a tuple by
         identity (it is immutable), a list by identity and a snapshot of its
         items: a tuple, compared at the next call as a list again (a list's
-        ``==`` looks at item pointers before values: about 5 us with that
+        ``==`` looks at item pointers before values: about 7 us with that
         copy, against 15-40 us to pack 4,096 ids). The snapshot costs the
         packing nothing: ``struct`` takes a tuple's items as they are, where
         a list handed to it is first copied into a tuple. One changed since
-        is packed again; an item replaced by an equal value (``True`` for 1)
-        keeps the packing of the value it equals. A ``TokenIds`` is already
-        packed. An integer ``array.array``, numpy array or tensor is compared
-        by its bytes with the last one packed whole (``packed_ids``), so any
-        array of the same ids reuses that packing, changes made through a view
-        included. Tuples, lists and arrays packed before the last and not
-        used by an insert yet are looked up the same way among the earlier
-        ones (``EarlierPackings``).
+        is compared as another object would be: a tuple or list holding the
+        same ids as the last one (built anew for each call), the first of
+        them, or them and more (grown by decoding) reuses its packing
+        (``_from_last``). An item equal to the packed id (``True`` for 1)
+        counts as that id. A ``TokenIds`` is already packed. An integer
+        ``array.array``, numpy array or tensor is compared by its bytes with
+        the last one packed whole (``packed_ids``), so any array of the same
+        ids reuses that packing, changes made through a view included.
+        Tuples, lists and arrays packed before the last and not used by an
+        insert yet are looked up among the earlier ones (``EarlierPackings``):
+        by length and last id, then their items or bytes compared.
         """
         memo = self._memo
         if memo and tokens is memo[0] and _unchanged(memo):
             return memo[2]
         kind = type(tokens)
         if kind is array:  # SGLang's form: the last array's ids compared without a numpy view of this one
-            memo = self._array_memo
-            if memo and memo[3] == tokens.typecode and memo[1].startswith(tokens):
+            seen = self._array_memo
+            if seen and seen[3] == tokens.typecode and seen[1].startswith(tokens):
                 n = len(tokens)
-                return memo[2] if n << 2 == len(memo[2].raw) else memo[2][:n]
+                return seen[2] if n << 2 == len(seen[2].raw) else seen[2][:n]
         if kind is not tuple and kind is not list and kind is not TokenIds:
             ids = id_array(tokens)
             if ids is not None:
                 return self.packed_ids(ids, tokens.typecode if kind is array else None)
-        if (kind is tuple or kind is list) and self._earlier:  # one packed before the last, holding the same ids?
-            earlier = self._earlier.take(id(tokens))
-            if earlier is not None and earlier[0] is tokens and _unchanged(earlier):
-                self._remember(earlier)
-                return earlier[2]
+        if kind is tuple or kind is list:
+            if memo:  # the last one's ids, the first of them, or them and more, in another (or a changed) object?
+                packed = self._from_last(tokens, memo)
+                if packed is not None:
+                    return packed
+            if self._earlier:  # one packed before the last, holding the same ids?
+                key = _items_key(tokens)
+                earlier = self._earlier.take(key) if key is not None else None
+                if earlier is not None and _same_items(tokens, _snapshot(earlier)):
+                    self._remember((tokens, None if kind is tuple else _snapshot(earlier), earlier[2]))
+                    return earlier[2]
         if kind is list:
             snapshot = tuple(tokens)  # compared at the next call
             ids = pack_token_ids(snapshot)
@@ -169,8 +179,38 @@ class RequestIds:
         if last and last[0] is not memo[0] and not self._memo_used:
             # held: the ids' pointers (the engine's object, kept alive), a list's snapshot, the packing
             size = (5 if last[1] is not None else 3) * len(last[2].raw)
-            self._earlier.keep(id(last[0]), last, size)
+            self._earlier.keep(_items_key(_snapshot(last)), last, size)
         self._memo, self._memo_used = memo, False
+
+    def _from_last(self, tokens: list | tuple, memo: tuple) -> TokenIds | None:
+        """The packing of a tuple or list holding the ids of the last one packed (``memo``), the first of them, or
+        them and more (only the new ids checked and packed, then remembered whole); None when they differ.
+
+        An engine that builds a request's ids anew for each call (the
+        prompt's list plus the output's) hands ``insert`` an equal list, not
+        the one ``match_prefix`` packed, and a finished request's list holds
+        the decoded ids besides. Comparing its items with the last one's
+        (pointers first: about 7 us for 4,096 ids) replaces packing them
+        (about 25 us). Items are compared only when the first and the last
+        ids both hold are equal, so another request costs two item reads.
+        """
+        snapshot = _snapshot(memo)
+        known, n = len(snapshot), len(tokens)
+        shared = min(known, n)
+        try:
+            if not shared or tokens[shared - 1] != snapshot[shared - 1] or tokens[0] != snapshot[0]:
+                return None
+        except Exception:  # an item whose comparison raises: packing names it
+            return None
+        if not _same_items(tokens if n <= known else tokens[:known], snapshot if n >= known else snapshot[:n]):
+            return None
+        packed = memo[2]
+        if n <= known:
+            return packed if n == known else packed[:n]
+        packed = packed.extended(tokens[known:])  # a bad new id is named by its place in the whole
+        self._memo_used = True  # the shorter ids begin these: not kept apart
+        self._remember((tokens, None if type(tokens) is tuple else snapshot + tuple(tokens[known:]), packed))
+        return packed
 
     def _remember_array(self, memo: tuple) -> None:
         """Make ``memo`` (an array's) the last one; the one it replaces joins the earlier ones unless an insert
@@ -271,12 +311,30 @@ class RequestIds:
 
 def _unchanged(memo: tuple) -> bool:
     """Whether a remembered tuple or list still holds the ids it was packed from (a tuple always does)."""
-    if memo[1] is None:
-        return True
+    return memo[1] is None or _same_items(memo[0], memo[1])
+
+
+def _snapshot(memo: tuple) -> tuple:
+    """The ids a remembered tuple or list was packed from, as a tuple (a tuple is its own)."""
+    return memo[0] if memo[1] is None else memo[1]
+
+
+def _same_items(tokens: list | tuple, snapshot: tuple) -> bool:
+    """Whether ``tokens`` holds ``snapshot``'s ids: equal items, compared pointer first (a list's ``==`` takes
+    a list). False when an item's comparison raises: packing then names it."""
     try:
-        return memo[0] == list(memo[1])
-    except Exception:  # an item put in since whose ``==`` raises: packing names it
+        return tokens == snapshot if type(tokens) is tuple else tokens == list(snapshot)
+    except Exception:
         return False
+
+
+def _items_key(tokens: list | tuple) -> tuple[int, int] | None:
+    """How a tuple's or list's packing is found among the earlier ones: its length and last id (None when it has
+    no hashable last item)."""
+    try:
+        return len(tokens), hash(tokens[-1])
+    except Exception:  # empty, or an unhashable last item: packing names it
+        return None
 
 
 def _array_key(ids: "np.ndarray") -> tuple[int, int]:

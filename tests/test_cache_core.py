@@ -692,7 +692,7 @@ def test_controller_bench_reports_both_figures():
     assert (tus - half) / (us + half) - half <= speedup <= (tus + half) / max(us - half, 1e-9) + half
 
 
-@pytest.mark.parametrize("ids", ["list", "array", "tensor", "packed"])
+@pytest.mark.parametrize("ids", ["list", "list_per_call", "array", "tensor", "packed"])
 def test_controller_bench_id_forms_do_the_tuple_forms_work(ids):
     """``bench controller --ids``: each form leaves the tree the tuple form leaves (the same work is timed)."""
     from hicache_fsm.bench import controller
@@ -709,7 +709,29 @@ def test_controller_bench_id_forms_do_the_tuple_forms_work(ids):
     assert result["ids"] == ids and result["speedup"] > 0
 
 
-@pytest.mark.parametrize("ids", ["list", "array", "packed"])
+def test_controller_bench_lists_built_per_call_are_packed_once_a_request(monkeypatch):
+    """``bench controller --ids list_per_call``: each call gets a new list, and each request is still packed whole
+    once (by its match; its insert finds the same ids), one at a time or in batches."""
+    import hicache_fsm.request_ids as request_ids
+    from hicache_fsm.bench import controller
+
+    prompts = controller.system_prompts(3)
+    rest = tuple(range(1, 1 + controller.REQUEST_TOKENS - controller.PREFIX_TOKENS))
+    requests = controller.make_requests(6, seed=3, prompts=prompts)
+    for batch in (1, 3):
+        cache = controller.make_cache(16 * controller.REQUEST_TOKENS)
+        controller.serve(cache, [p + rest for p in prompts])  # every prompt cached: each match below packs whole
+        whole = []  # the requests packed whole
+        real = request_ids.pack_token_ids
+        monkeypatch.setattr(request_ids, "pack_token_ids",
+                            lambda t: len(t) == controller.REQUEST_TOKENS and whole.append(t) or real(t))
+        controller.serve(cache, [controller.ID_FORMS["list_per_call"](t) for t in requests], batch=batch)
+        monkeypatch.undo()
+        assert sorted(whole) == sorted(requests)
+        cache.check_invariants()
+
+
+@pytest.mark.parametrize("ids", ["list", "list_per_call", "array", "packed"])
 def test_controller_bench_in_batches_does_the_work_of_one_request_at_a_time(ids):
     """``bench controller --batch``: matching a batch before inserting it leaves the tree one at a time leaves."""
     from hicache_fsm.bench import controller

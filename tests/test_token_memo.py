@@ -3,7 +3,9 @@
 A list or an ``array("q")`` may change between the two calls (an engine
 appends decoded ids to the ids it matched): whatever it holds when ``insert``
 runs is what is cached, checked as if it had never been seen. A tuple or a
-list is remembered by identity, an integer array or tensor by its bytes.
+list is compared with a copy of the last one's items, an integer array or tensor
+by its bytes: another object of the same ids (built anew for each call) reuses the
+packing too.
 """
 
 from __future__ import annotations
@@ -149,9 +151,10 @@ def test_match_then_insert_of_the_same_ids_checks_them_once_in_every_form(monkey
         cache.match_prefix(request)
         cache.insert(request, cache.alloc_device(2 * PAGE))
     # a tuple or list has its first page checked to ask for a miss, then the whole request once (a list as the
-    # tuple snapshot it is compared with later); an array is checked whole once, and found equal by insert
-    assert checked == [("tuple", PAGE), ("tuple", 2 * PAGE), ("list", PAGE), ("tuple", 2 * PAGE),
-                       ("array", 2 * PAGE)]
+    # tuple snapshot it is compared with later), but the first tuple: it holds the page ``put`` packed last, then
+    # more, so only its new ids are packed (by the extension); an array is checked whole once, and found equal by
+    # insert
+    assert checked == [("tuple", PAGE), ("list", PAGE), ("tuple", 2 * PAGE), ("array", 2 * PAGE)]
     checked.clear()
     hit = torch.tensor(list(range(1, 1 + PAGE)) + [70, 71, 72, 73])
     cache.match_prefix(hit)
@@ -289,9 +292,9 @@ BATCH_FORMS = {"tuple": tuple, "list": list} | ARRAY_FORMS
 
 @pytest.mark.parametrize("form", sorted(BATCH_FORMS))
 def test_a_batch_matched_before_its_inserts_is_packed_once(monkeypatch, form):
-    """A scheduler matches every request of a batch, then inserts each: the inserts pack nothing again (a tuple or
-    list handed again as the same object, an array as any array of the same ids), but a strided view, which has
-    no one run of bytes to compare."""
+    """A scheduler matches every request of a batch, then inserts each: the inserts pack nothing again (each handed
+    as another object of the same ids: a list built anew, an equal array), but a strided view, which has no one
+    run of bytes to compare."""
     from hicache_fsm.request_ids import RequestIds
 
     ids_of = RequestIds(driver=None, page_size=PAGE)
@@ -299,13 +302,59 @@ def test_a_batch_matched_before_its_inserts_is_packed_once(monkeypatch, form):
     batch = [to([i, 2 * i + 1, 3 * i + 2, 40 + i]) for i in range(8)]
     first = [ids_of.packed(ids, used=False) for ids in batch]  # the matches
     made = _count_packings(monkeypatch)
-    again = batch if form in ("tuple", "list") else [to([i, 2 * i + 1, 3 * i + 2, 40 + i]) for i in range(8)]
+    again = [to([i, 2 * i + 1, 3 * i + 2, 40 + i]) for i in range(8)]
     packed = [ids_of.packed(ids) for ids in again]  # the inserts
     assert packed == first and [p.tolist() for p in packed] == [[int(i) for i in ids] for ids in batch]
     if form == "numpy strided":
         assert made == [4] * 8
     else:
         assert made == [] and all(p is f for p, f in zip(packed, first))
+
+
+@pytest.mark.parametrize("form", ["tuple", "list"])
+def test_ids_built_anew_for_each_call_are_packed_once(monkeypatch, form):
+    """An engine that builds a request's ids afresh for every call (its prompt's list plus its output's): the
+    insert after the match packs nothing, a shorter one (the first of those ids) nothing, a grown one (decoded
+    ids appended) its new ids only, then is remembered whole; any changed id is packed anew, as it is now."""
+    from hicache_fsm.request_ids import RequestIds
+
+    extensions = []  # how many new ids each extension packed
+    real = TokenIds.extended
+    monkeypatch.setattr(TokenIds, "extended", lambda self, new: extensions.append(len(new)) or real(self, new))
+    ids_of = RequestIds(driver=None, page_size=PAGE)
+    to = {"tuple": tuple, "list": list}[form]
+    prompt, output = [1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 12]
+    matched = ids_of.packed(to(prompt + output), used=False)
+    made = _count_packings(monkeypatch)
+    assert ids_of.packed(to(prompt + output)) is matched  # the insert, on another object
+    assert ids_of.packed(to(prompt)).tolist() == prompt  # the first of them
+    output += [13, 14, 15, 16]
+    grown = ids_of.packed(to(prompt + output))
+    assert grown.tolist() == prompt + output and made == [] and extensions == [4]
+    assert ids_of.packed(to(prompt + output)) is grown  # remembered whole: not extended again
+    assert ids_of.packed(list(prompt + output)) is grown and ids_of.packed(tuple(prompt + output)) is grown
+    assert made == [] and extensions == [4]
+    changed = prompt + output
+    changed[5] = 99  # the same first and last ids, another in between
+    assert ids_of.packed(to(changed)).tolist() == changed and made == [len(changed)]
+    with pytest.raises(BadTokenIds) as info:  # a bad decoded id: named by its place in the whole
+        ids_of.packed(to(changed + [4, -1]))
+    assert info.value.position == len(changed) + 1
+    assert ids_of.packed(to(changed)).tolist() == changed and made == [len(changed)]  # still remembered
+
+
+def test_ids_built_anew_through_the_cache_are_checked_once(monkeypatch):
+    """``match_prefix`` of a list, then ``insert`` of another list of the same ids: checked once, cached as they are."""
+    cache, _ = make_cache(page=PAGE)
+    put(cache, range(1, 1 + PAGE))  # the request begins with this page: match_prefix reads it whole
+    prompt, output = list(range(1, 1 + PAGE)), [60, 61, 62, 63]
+    match = cache.match_prefix(prompt + output)
+    made = _count_packings(monkeypatch)
+    cache.insert(prompt + output, torch.cat([match.device_indices, cache.alloc_device(PAGE)]))
+    assert made == []
+    monkeypatch.undo()
+    assert tuple(prompt + output) in _cached_ids(cache)
+    cache.check_invariants()
 
 
 def test_a_batch_through_the_cache_is_checked_once_per_request(monkeypatch):
@@ -392,20 +441,23 @@ def _put(ids: object, value: int) -> bool:
 
 
 @settings(max_examples=200, deadline=None)
-@given(ops=st.lists(st.tuples(st.sampled_from(["pack", "change", "new"]), st.integers(0, 2),
-                              st.sampled_from(sorted(POOL_FORMS)), st.lists(ID, min_size=1, max_size=6),
-                              st.booleans()),
+@given(ops=st.lists(st.tuples(st.sampled_from(["pack", "change", "new", "copy", "grow", "shrink"]),
+                              st.integers(0, 2), st.sampled_from(sorted(POOL_FORMS)),
+                              st.lists(ID, min_size=1, max_size=6), st.booleans()),
                     min_size=1, max_size=40))
 def test_remembered_packings_give_what_packing_each_request_afresh_gives(ops):
-    """Requests made, changed in place and handed again in any order, each packing for a match or for an
-    insert: every packing equals a fresh one (or the same refusal at the same position), however many were
-    remembered before it."""
+    """Requests made, changed in place, copied into other objects (another form, fewer ids, more ids) and handed
+    again in any order, each packing for a match or for an insert: every packing equals a fresh one (or the same
+    refusal at the same position), however many were remembered before it."""
     from hicache_fsm.request_ids import RequestIds
 
     ids_of = RequestIds(driver=None, page_size=PAGE)
     pool: dict[int, object] = {}
     for op, slot, form, values, used in ops:
-        if op == "new" or slot not in pool:
+        if op in ("copy", "grow", "shrink") and slot in pool:  # another object, made from the ids the slot holds
+            held = [int(x) for x in pool[slot]]
+            values = {"copy": held, "grow": held + values, "shrink": held[:-1] or held}[op]
+        if op != "pack" and op != "change" or slot not in pool:
             try:
                 pool[slot] = POOL_FORMS[form](values)
             except (OverflowError, ValueError, RuntimeError):  # an id this dtype cannot hold

@@ -18,7 +18,10 @@ the result): an ``array('q')`` (default: the form SGLang's scheduler holds a
 request's ids in; numpy reads it, no per-id Python work), a tuple or a list,
 handed to every call, which checks and packs it (``insert`` right after
 ``match_prefix`` with the same tuple, the same list still holding the
-same ids, or an array of the same ids, reuses that packing); an int64 tensor
+same ids, or an array of the same ids, reuses that packing); ``list_per_call``:
+a list built anew for each call (untimed) from the request's prompt list and
+the rest, as a scheduler holding a prompt and an output apart hands their sum
+(``insert`` finds its ids equal to those ``match_prefix`` packed); an int64 tensor
 (packed by numpy, reused as an array's is); or ``packed``: ``pack_token_ids`` once when
 the request arrives, timed with the request, then the ``TokenIds`` to every
 call. The forms are built before timing, as the engine holds them.
@@ -149,11 +152,27 @@ class ToPack:
         self.ids = ids
 
 
-# How the engine holds each request's ids (``--ids``): the forms handed to every call, plus two more.
+class BuiltPerCall:
+    """A request whose ids the engine builds anew for every call: its prompt's list plus its output's, as a
+    scheduler holding the two apart hands their sum. ``serve_batch`` builds each list untimed (the engine's work)."""
+
+    __slots__ = ("prompt", "output")
+
+    def __init__(self, ids: tuple[int, ...]) -> None:
+        self.prompt, self.output = list(ids[:PREFIX_TOKENS]), list(ids[PREFIX_TOKENS:])
+
+    def ids(self) -> list[int]:
+        return self.prompt + self.output
+
+
+# How the engine holds each request's ids (``--ids``): the forms handed to every call, plus three more.
 ID_FORMS: dict[str, Callable[[tuple[int, ...]], object]] = {name: build for name, (build, _) in ENGINE_ID_FORMS.items()}
+ID_FORMS["list_per_call"] = BuiltPerCall  # a new list of the same ids to each call
 ID_FORMS["tensor"] = lambda ids: torch.tensor(ids, dtype=torch.int64)  # packed by numpy, no per-id Python
 ID_FORMS["packed"] = ToPack  # packed once on arrival, timed; every call takes the TokenIds as it is
 _ID_ROWS = {name: row for name, (_, row) in ENGINE_ID_FORMS.items()} | {
+    "list_per_call": "a list built anew for each call, prompt + output (insert after match_prefix of an equal "
+                     "list reuses its packing)",
     "tensor": "an int64 tensor per call (packed by numpy)",
     "packed": "packed once on arrival (timed), a TokenIds to every call",
 }
@@ -190,11 +209,14 @@ def serve_batch(cache: HiCache, batch, pc=time.perf_counter, after: Callable[[],
     """Requests a scheduler matches together: every ``match_prefix``, then every ``insert`` (on the slots
     allocated after each match, untimed), then the two polls (and ``after``); seconds timed.
 
-    A ``ToPack`` request is packed first, inside the timed part (an engine that packs a request on arrival).
+    A ``ToPack`` request is packed first, inside the timed part (an engine that packs a request on arrival); a
+    ``BuiltPerCall`` request's list is built for each call, outside it.
     """
     spent = 0.0
     matched = []
     for tokens in batch:
+        built = type(tokens) is BuiltPerCall
+        request, tokens = tokens, tokens.ids() if built else tokens
         t0 = pc()
         if type(tokens) is ToPack:
             tokens = pack_token_ids(tokens.ids)
@@ -202,7 +224,7 @@ def serve_batch(cache: HiCache, batch, pc=time.perf_counter, after: Callable[[],
         spent += pc() - t0
         cached = m.device_hit_length
         new = cache.alloc_device(len(tokens) - cached)
-        matched.append((tokens, torch.cat([m.device_indices, new]) if cached else new))
+        matched.append((request.ids() if built else tokens, torch.cat([m.device_indices, new]) if cached else new))
     t0 = pc()
     for tokens, indices in matched:
         cache.insert(tokens, indices)
@@ -314,8 +336,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              f"(default 1: each request matched, then inserted; at most {CHUNK})")
     parser.add_argument("--ids", choices=tuple(ID_FORMS), default="array",
                         help="the form the engine holds each request's ids in: an array('q') (default, as SGLang's "
-                             "scheduler holds them), a tuple or a list handed to every call, an int64 tensor, or "
-                             "packed once on arrival (timed) into a TokenIds")
+                             "scheduler holds them), a tuple or a list handed to every call, a list built anew for "
+                             "each call (list_per_call), an int64 tensor, or packed once on arrival (timed) into a "
+                             "TokenIds")
 
 
 def run(args: argparse.Namespace) -> dict:
