@@ -17,8 +17,8 @@ result; default 1): per batch, every ``match_prefix``, then every
 the result): an ``array('q')`` (default: the form SGLang's scheduler holds a
 request's ids in; numpy reads it, no per-id Python work), a tuple or a list,
 handed to every call, which checks and packs it (``insert`` right after
-``match_prefix`` with the same tuple, the same list still holding the
-same ids, or an array of the same ids, reuses that packing); ``list_per_call``:
+``match_prefix`` of the same ids in a tuple, a list or an array reuses that
+packing); ``list_per_call``:
 a list built anew for each call (untimed) from the request's prompt list and
 the rest, as a scheduler holding a prompt and an output apart hands their sum
 (``insert`` finds its ids equal to those ``match_prefix`` packed); an int64 tensor
