@@ -57,6 +57,22 @@ def test_the_command_prints_one_json_object_and_names_each_id_form(capsys, monke
     assert "bench insert: no SGLang peer" in captured.err
 
 
+def test_lists_built_per_call_hand_insert_another_list_of_the_ids_matched(monkeypatch):
+    """``--ids list_per_call``: every insert of ours gets a list of the ids its match got, never the same object."""
+    from hicache_fsm.cache import HiCache
+
+    handed: list[tuple[str, object]] = []
+    for name in ("match_prefix", "insert"):
+        real = getattr(HiCache, name)
+        monkeypatch.setattr(HiCache, name, (lambda name, real: lambda self, tokens, *a, **k:
+                                            handed.append((name, tokens)) or real(self, tokens, *a, **k))(name, real))
+    out = insert.measure(nodes=32, blocks=2, block=2, warmup=2, ids=insert.PER_CALL, request="finished")
+    assert out["ids"]["ours"] == insert.INSERT_ID_FORMS[insert.PER_CALL][1]
+    pairs = [(m, i) for (a, m), (b, i) in zip(handed, handed[1:]) if (a, b) == ("match_prefix", "insert")]
+    assert len(pairs) >= 2 * (2 * 2 + 2)  # every insert of ours, the earlier (untimed) ones of finished requests too
+    assert all(type(i) is list and i == list(m) and i is not m for m, i in pairs)
+
+
 @pytest.mark.parametrize("argv", [["--blocks", "0"], ["--block", "-1"], ["--nodes", "x"], ["--clock", "sun"],
                                   ["--request", "old"]])
 def test_a_bad_argument_is_one_line_and_exit_2(argv, capsys):

@@ -16,7 +16,10 @@ after its prefill; ``finished``, the last 512 ids of a request whose first
 3,584 were inserted just before (untimed), as it inserts a request that has
 finished decoding; ``cached``, nothing, the whole request having been
 inserted just before (untimed). Each insert is handed the ids as the
-engine holds them, right after a ``match_prefix`` of them (untimed).
+engine holds them, right after a ``match_prefix`` of them (untimed): the
+same object, or with ``--ids list_per_call`` another list of the same ids
+(built untimed), as a scheduler holding a prompt and an output apart hands
+each call their sum.
 
 Each insert of ours is timed once and split: ``ours`` is the whole call,
 ``ours_nobackup`` the same call less the time spent starting the host backup
@@ -54,6 +57,9 @@ REQUESTS: dict[str, tuple[int | None, str]] = {
 SHOWN_POSITIONS = (1, 2, 3, 4, 8, 16, 32, 64)  # columns of the printed table: those within a block, and its last
 BACKUP_JOBS = JOBS_KEY[JobKind.D2H]  # the cache counter of D2H jobs emitted: one per backup started
 MAX_BLOCKS, MAX_BLOCK, MAX_WARMUP = 10_000, 1024, 100_000
+PER_CALL = "list_per_call"  # ``--ids``: a list, built anew for the insert (``OursVariant.per_call``)
+INSERT_ID_FORMS = ID_FORMS | {PER_CALL: (ID_FORMS["list"][0], "a list built anew for each call: insert is handed "
+                                                               "another list than match_prefix, of the same ids")}
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -71,8 +77,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="what each timed insert adds: new (default: a request after its prefill), finished "
                              "(the last 512 ids of a request inserted before) or cached (nothing: the request was "
                              "inserted before)")
-    parser.add_argument("--ids", choices=tuple(ID_FORMS), default="array",
-                        help="the form ours is handed each request's ids in (see bench scale --ids)")
+    parser.add_argument("--ids", choices=tuple(INSERT_ID_FORMS), default="array",
+                        help="the form ours is handed each request's ids in (see bench scale --ids), or "
+                             f"{PER_CALL}: a list built anew for each call")
     parser.add_argument("--clock", choices=tuple(CLOCKS), default="cpu",
                         help="process CPU time (cpu, default) or perf_counter (wall)")
     parser.add_argument("--peer", choices=("auto", "sglang", "none"), default="auto",
@@ -87,7 +94,8 @@ def measure(nodes: int, blocks: int, block: int, warmup: int, ids: str = "array"
     pc = CLOCKS[clock]
     inserted_before = REQUESTS[request][0]
     warm = 16  # room for this many requests beyond the prefixes, as in ``bench scale``: later inserts evict
-    ours = scale.OursVariant(nodes, warm, 0, ids)
+    ours = scale.OursVariant(nodes, warm, 0, "list" if ids == PER_CALL else ids)
+    ours.per_call = ids == PER_CALL
     variants = [ours] + [scale.BaselineVariant(name, nodes, warm) for name in scale.BASELINES]
     if peer is not None:
         peer_cache = sglang_peer.SGLangRadixPeer(peer, scale.PAGE, sglang_peer.peer_form(ids))
@@ -128,7 +136,7 @@ def measure(nodes: int, blocks: int, block: int, warmup: int, ids: str = "array"
     out: dict = {"nodes": nodes, "blocks": blocks, "block": block, "clock": clock, "request": request,
                  "baselines": [v.name for v in variants[1:]], "positions": positions, "mean_us": mean,
                  "timed_inserts": blocks * block, "ours_backups_started": backups,
-                 "ids": {"ours": ID_FORMS[ids][1]}}
+                 "ids": {"ours": INSERT_ID_FORMS[ids][1]}}
     if peer is not None:
         out["sglang_peer_version"] = peer.version
         out["ids"][sglang_peer.NAME] = sglang_peer.PEER_FORMS[sglang_peer.peer_form(ids)][1]
