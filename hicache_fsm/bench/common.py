@@ -19,9 +19,9 @@ ID_FORMS: dict[str, tuple[Callable[[tuple[int, ...]], object], str]] = {
               "packed in vectorised passes; insert after match_prefix of the same ids reuses the packing; a miss "
               "reads its first page only)"),
     "tuple": (lambda ids: ids, "a tuple per call (a miss reads its first page only; insert after match_prefix "
-              "with the same tuple reuses its packing)"),
-    "list": (list, "a list per call (a miss reads its first page only; insert after match_prefix with the same "
-             "unchanged list reuses its packing)"),
+              "of the same ids in a tuple or list reuses its packing)"),
+    "list": (list, "a list per call (a miss reads its first page only; insert after match_prefix of the same ids "
+             "in a list or tuple reuses its packing)"),
 }
 
 

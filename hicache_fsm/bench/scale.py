@@ -51,9 +51,9 @@ handed, so ``vs_sglang_peer`` compares the same input; ``tuple`` and ``list``
 are the Python forms, and with either the peer is handed lists (its
 ``RadixKey`` takes them; SGLang keeps no tuples), so it too pays for Python
 ids (``ids`` in the result names each variant's form). ``insert`` right
-after ``match_prefix`` with the same tuple, or the same unchanged list,
-reuses that call's packing, and so does an array holding the same ids (its
-bytes compared with those last packed); a miss checks and packs its first
+after ``match_prefix`` of a tuple or list holding the same ids (its items
+compared with those last packed) reuses that call's packing, and so does an
+array holding the same ids (its bytes compared); a miss checks and packs its first
 page only, whatever the form. The packing
 of a 4,096-id tuple is timed apart as ``pack_us``: add it once per request to
 the packed figures. Ratios against the smallest size are printed: the targets are
