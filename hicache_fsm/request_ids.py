@@ -177,9 +177,10 @@ class RequestIds:
         insert used it."""
         last = self._memo
         if last and last[0] is not memo[0] and not self._memo_used:
-            # held: the ids' pointers (the engine's object, kept alive), a list's snapshot, the packing
-            size = (5 if last[1] is not None else 3) * len(last[2].raw)
-            self._earlier.keep(_items_key(_snapshot(last)), last, size)
+            key = _items_key(_snapshot(last))
+            if key is not None:  # no ids: nothing to keep
+                # held: the ids' pointers (the engine's object, kept alive), a list's snapshot, the packing
+                self._earlier.keep(key, last, (5 if last[1] is not None else 3) * len(last[2].raw))
         self._memo, self._memo_used = memo, False
 
     def _from_last(self, tokens: list | tuple, memo: tuple) -> TokenIds | None:
