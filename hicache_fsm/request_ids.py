@@ -119,18 +119,17 @@ class RequestIds:
         """``tokens`` checked and packed once (``BadTokenIds`` names the first bad one).
 
         The last tuple or list packed is remembered, so ``insert`` after
-        ``match_prefix`` with the same object packs nothing again: a tuple by
-        identity (it is immutable), a list by identity and a snapshot of its
-        items: a tuple, compared at the next call as a list again (a list's
+        ``match_prefix`` of the same ids packs nothing again: the same tuple
+        by identity (it is immutable); a list, or another tuple, by comparing
+        its items with a snapshot of the last one's (``_from_last``): a
+        tuple, compared as a list again where a list is handed (a list's
         ``==`` looks at item pointers before values: about 7 us with that
         copy, against 15-40 us to pack 4,096 ids). The snapshot costs the
         packing nothing: ``struct`` takes a tuple's items as they are, where
-        a list handed to it is first copied into a tuple. One changed since
-        is compared as another object would be: a tuple or list holding the
-        same ids as the last one (built anew for each call), the first of
-        them, or them and more (grown by decoding) reuses its packing
-        (``_from_last``). An item equal to the packed id (``True`` for 1)
-        counts as that id. A ``TokenIds`` is already packed. An integer
+        a list handed to it is first copied into a tuple. The same ids (the
+        same list unchanged, or one built anew for each call), the first of
+        them, or them and more (grown by decoding) reuse the packing; an
+        item equal to the packed id (``True`` for 1) counts as that id. A ``TokenIds`` is already packed. An integer
         ``array.array``, numpy array or tensor is compared by its bytes with
         the last one packed whole (``packed_ids``), so any array of the same
         ids reuses that packing, changes made through a view included.
@@ -139,7 +138,7 @@ class RequestIds:
         by length and last id, then their items or bytes compared.
         """
         memo = self._memo
-        if memo and tokens is memo[0] and _unchanged(memo):
+        if memo and tokens is memo[0] and memo[1] is None:  # the same tuple: it cannot have changed
             return memo[2]
         kind = type(tokens)
         if kind is array:  # SGLang's form: the last array's ids compared without a numpy view of this one
@@ -308,11 +307,6 @@ class RequestIds:
             check_id_array(first_page)
             head = pack_id_array(first_page).raw
         return head
-
-
-def _unchanged(memo: tuple) -> bool:
-    """Whether a remembered tuple or list still holds the ids it was packed from (a tuple always does)."""
-    return memo[1] is None or _same_items(memo[0], memo[1])
 
 
 def _snapshot(memo: tuple) -> tuple:

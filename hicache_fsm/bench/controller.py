@@ -214,9 +214,9 @@ def serve_batch(cache: HiCache, batch, pc=time.perf_counter, after: Callable[[],
     """
     spent = 0.0
     matched = []
-    for tokens in batch:
-        built = type(tokens) is BuiltPerCall
-        request, tokens = tokens, tokens.ids() if built else tokens
+    for request in batch:
+        built = type(request) is BuiltPerCall
+        tokens = request.ids() if built else request
         t0 = pc()
         if type(tokens) is ToPack:
             tokens = pack_token_ids(tokens.ids)

@@ -94,8 +94,7 @@ def measure(nodes: int, blocks: int, block: int, warmup: int, ids: str = "array"
     pc = CLOCKS[clock]
     inserted_before = REQUESTS[request][0]
     warm = 16  # room for this many requests beyond the prefixes, as in ``bench scale``: later inserts evict
-    ours = scale.OursVariant(nodes, warm, 0, "list" if ids == PER_CALL else ids)
-    ours.per_call = ids == PER_CALL
+    ours = scale.OursVariant(nodes, warm, 0, "list" if ids == PER_CALL else ids, per_call=ids == PER_CALL)
     variants = [ours] + [scale.BaselineVariant(name, nodes, warm) for name in scale.BASELINES]
     if peer is not None:
         peer_cache = sglang_peer.SGLangRadixPeer(peer, scale.PAGE, sglang_peer.peer_form(ids))

@@ -214,10 +214,10 @@ class OursVariant:
     """``HiCache`` doing each operation of the benchmark, the engine handing it ids in one form (``ids``)."""
 
     name = "ours"
-    per_call = False  # True: ``insert`` is handed another object than its ``match_prefix`` (the form built anew)
 
-    def __init__(self, nodes: int, warm: int, headroom_pages: int, ids: str = "array") -> None:
+    def __init__(self, nodes: int, warm: int, headroom_pages: int, ids: str = "array", per_call: bool = False) -> None:
         self.ids = ids
+        self.per_call = per_call  # ``insert`` is handed another object than its ``match_prefix`` (the form built anew)
         # room for the warm requests and a few more: inserts and cycles soon evict (older requests first)
         self.cache = _cache(nodes, device_requests=warm + 8, host_requests=3 * warm, headroom_pages=headroom_pages)
 
