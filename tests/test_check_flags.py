@@ -130,12 +130,17 @@ def test_sigterm_ends_check_with_its_partial_result(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "hicache_fsm.cli", "check", "--nodes", "3"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
                             env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    read = []
     for line in proc.stderr:  # the first progress line: the search is running
+        read.append(line)
         if line.startswith("explore: "):
             break
+    else:  # it ended before searching (it could not start, say): show why
+        proc.wait(timeout=120)
+        pytest.fail(f"check ended before its first progress line (exit {proc.returncode}): {''.join(read)}")
     proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 130, out
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out + "".join(read) + err
     assert "INCOMPLETE (interrupted), 0 violations" in out
 
 
