@@ -45,7 +45,7 @@ class LoadBacks:
     """Host-to-device loads of evicted chains.
 
     Interface: ``load_back`` (after the facade validated the node),
-    ``evicted_chain``, ``loading_deps``, ``start`` (emit one H2D job for
+    ``evicted_chain``, ``loading_above``, ``loading_deps``, ``start`` (emit one H2D job for
     nodes already fired into ``loading``), ``load_failed`` (completion path).
 
     Built with the config, the tree, the driver, the outbox and eviction's
@@ -84,6 +84,11 @@ class LoadBacks:
             chain.append(n)
         chain.reverse()
         return chain, anchor
+
+    def loading_above(self, anchor: TreeNode) -> list[TreeNode]:
+        """``anchor`` and its ancestors whose loads are still in flight: all of them, not only a run right above
+        a chain (a node an insert revived is on the device at once, under a parent still loading)."""
+        return [] if anchor.is_root else [n for n in self.tree.path_to_root(anchor) if n.state in LOADING]
 
     def loading_deps(self, nodes) -> list[LoadHandle]:
         """Handles of in-flight loads covering any of ``nodes`` (their layers must land first)."""
@@ -130,12 +135,7 @@ class LoadBacks:
             if not all(tree.owns(n) for n in chain) or self.evicted_chain(node) != (chain, anchor):
                 counters["load_back_raced"] += 1  # completions applied while waiting changed the chain
                 return None
-        loading_above = []
-        for n in tree.path_to_root(anchor) if not anchor.is_root else ():
-            if n.state not in LOADING:
-                break
-            loading_above.append(n)
-        deps = self.loading_deps(loading_above)
+        deps = self.loading_deps(self.loading_above(anchor))
         cp = self.attached.cp
         if cp is not None and cp.prepare_load(chain) is None:  # CP: replay the saved owner pattern
             counters["load_back_device_full"] += 1

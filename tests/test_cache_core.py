@@ -321,6 +321,38 @@ def test_load_back_keeps_the_anchor_on_device_while_evicting():
     cache.check_invariants()
 
 
+def test_load_back_under_a_revived_node_waits_for_the_load_above_it():
+    """An insert revives the upper half of an evicted node (the engine's own slots: on the device at once)
+    while its parent's load is still in flight; a load-back of the lower half below that revived node must
+    wait for the parent's load too, not only for the ancestors right above the chain."""
+    cache, ex = make_cache()
+    a = put(cache, pages(2)).node
+    b = put(cache, pages(4)).node
+    drain(cache, ex)
+    cache.evict(100)
+    lb_a = cache.load_back(a)
+    cache.flush()  # a's load is on its way, in a batch of its own
+    assert a.state == "loading" and b.state == "host"
+    assert put(cache, pages(3)) is not None  # a's pages (loading) and b's first page (revived)
+    upper = b.parent
+    assert upper is not a and upper.parent is a and upper.state == "device_host" and b.state == "host"
+    assert a.state == "loading"
+    lb_b = cache.load_back(b)
+    assert lb_b.nodes == (b,)
+    (load_a,), (load_b,) = a.pending_jobs, b.pending_jobs
+    cache.poll()
+    ex.complete(load_b)  # the lower half lands first
+    with pytest.raises(LoadNotFinished):
+        lb_b.wait(0)  # it also waits for a's load, two nodes up
+    ex.complete(load_a)
+    lb_b.wait(0)
+    lb_a.wait(1)
+    drain(cache, ex)
+    assert a.state == upper.state == b.state == "device_host"
+    assert_device_kv(cache, pages(4))
+    cache.check_invariants()
+
+
 def test_load_back_under_a_loading_ancestor_waits_for_both():
     cache, ex = make_cache()
     a = put(cache, pages(2)).node

@@ -38,6 +38,7 @@ FUZZ_EXAMPLES = 100
 # catches a bug does not depend on the order (it explores every default family); only the seconds do.
 TRY_FIRST = {
     "failed_load_reported_done": "memory/load_back_pressure",
+    "load_back_waits_for_adjacent_loads_only": "memory/chain_loads",
     "evict_host_newest_first": "memory/eviction_order",
     "cp_shortfall_own_rank_only": "cp/2_ranks_host_full",
     "backup_host_start_in_pages": "memory/pages_and_layers",

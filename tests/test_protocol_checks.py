@@ -263,3 +263,18 @@ def test_pages_a_prefetch_fetched_before_storage_lost_them_are_inserted_unstored
     while a.storage_steps():
         a.complete_storage(a.storage_steps()[0].id)
     assert node.state == "host_stored" and not a.invariant_violations()
+
+
+def test_a_load_back_below_a_revived_page_waits_for_the_load_above_it():
+    """``check --nodes 4 --device-pages 3 --host-pages 3`` found this in six steps: the first page loading, the
+    second revived by an insert (on the device at once), a load-back of the third had no wait for the first."""
+    from hicache_fsm.testing.checks import replay_steps
+    from hicache_fsm.testing.protocol import protocol_factory
+
+    adapter = protocol_factory(Bounds(nodes=4, device_pages=3, host_pages=3, write_policy="write_through"))
+    steps = [Step("insert", ((1, 1, 1),)), Step("complete_job", (0,)), Step("evict", (1,)),
+             Step("load_back", ((1,),)), Step("insert", ((1, 1),)), Step("load_back", ((1, 1, 1),))]
+    try:
+        assert replay_steps(adapter, steps) == []
+    finally:
+        adapter.close()

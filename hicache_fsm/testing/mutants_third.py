@@ -258,6 +258,23 @@ def _load_back_waits_for_no_ancestor(p: Any) -> None:
     p.setattr(LoadBacks, "loading_deps", lambda self, nodes: [])
 
 
+@_third("load_back_waits_for_adjacent_loads_only", "a load-back waits only for the loads right above its chain: "
+                                                  "not for an ancestor's load above a node an insert revived")
+def _load_back_waits_for_adjacent_loads_only(p: Any) -> None:
+    from hicache_fsm.bindings.residency import LOADING
+    from hicache_fsm.load_back import LoadBacks
+
+    def loading_above(self, anchor):
+        run = []
+        for n in () if anchor.is_root else self.tree.path_to_root(anchor):
+            if n.state not in LOADING:
+                break  # a revived node between: the loads above it are left out
+            run.append(n)
+        return run
+
+    p.setattr(LoadBacks, "loading_above", loading_above)
+
+
 @_third("wait_complete_stops_early", "a wait_complete prefetch is stopped (ready) before its transfer ended",
         storage=True)
 def _wait_complete_stops_early(p: Any) -> None:

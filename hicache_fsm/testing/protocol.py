@@ -657,8 +657,24 @@ def default_families() -> list[tuple[str, Any, Any]]:
                                    write_policy="write_back", max_depth=depth), cp_factory(n))
           for n, h, depth in ((1, 3, 6), (2, 3, 5))]  # a rank's host pool outgrows its device share
     storage += [anchor_family(), prefetch_split_family(protocol_factory)]
-    return (memory + [order_family(), pressure_family(), reset_family()] + recency_families()
+    return (memory + [order_family(), pressure_family(), chain_loads_family(), reset_family()] + recency_families()
             + host_room_families() + storage + cp + [cp_host_full_family()])
+
+
+def chain_loads_family() -> tuple[str, Any, Any]:
+    """One token, prompts of up to three pages on a three-page device and host, six steps deep.
+
+    A three-node chain: its top page loading back, the page below revived by an insert (the engine's own
+    slots: on the device at once, under a parent still loading), then a load-back of the third page, whose
+    wait must cover the top page's load too (``loads_waited``; a load-back that waited only for the loads
+    right above its chain was missed by every other family, whose prompts stop at two nodes). Locks, pins
+    and redelivery are left out; complete to its depth.
+    """
+    from hicache_fsm.testing.explorer import Bounds
+
+    return ("memory/chain_loads",
+            Bounds(nodes=3, device_pages=3, host_pages=3, alphabet=1, max_len=3, max_locks=0, max_pins=0,
+                   redeliver=False, write_policy="write_through", max_depth=6), protocol_factory)
 
 
 def host_room_families() -> list[tuple[str, Any, Any]]:
