@@ -278,3 +278,47 @@ def test_a_load_back_below_a_revived_page_waits_for_the_load_above_it():
         assert replay_steps(adapter, steps) == []
     finally:
         adapter.close()
+
+
+def test_a_split_whose_lower_half_leaves_in_the_same_insert_keeps_its_use_record():
+    """``fuzz --examples 1500 --steps 80 --seed 15`` raised a false ``order_agrees``: one insert split a host-only
+    node that had a hit, revived its upper half and evicted the lower half for host room. The records guessed
+    the split from the lower half, gone by the end of the call, so the upper half counted no hit where the
+    cache (rightly) kept it. The records now hear of each split as it happens."""
+    from hicache_fsm.testing.stateful import hicache_machine
+
+    state = hicache_machine(name="SplitRecords")()
+    try:
+        state.setup(variant=3, pages=[0])
+        state.expect_variant({"write_policy": "write_through", "eviction_policy": "lfu", "device_pages": 4,
+                              "host_pages": 2})
+        short = state.insert(pages=[1, 0])
+        state.ack_round(fail_mask=0, order=list(range(8)))
+        long = state.insert(pages=[1, 0, 0, 0])
+        state.reuse_then_evict(again=True, pages=1, tokens=short)
+        state.ack_round(fail_mask=0, order=[0, 2, 1, 3, 4, 5, 6, 7])
+        state.reuse_then_evict(again=False, pages=1, tokens=long)  # the short prompt's node: one hit, host-only
+        state.insert(pages=[1, 1])  # splits it: upper half revived, lower half evicted for host room
+        upper = [n for n in state.adapter.cache.tree.nodes() if n.parent is not None and n.hit_count == 1]
+        assert len(upper) == 1 and state.adapter.uses.uses[upper[0].id][0] == 1
+        state.insert(pages=[0])
+        state.check()
+    finally:
+        state.teardown()
+
+
+def test_use_records_follow_splits_and_leave_nodes_the_cache_made_unjudged():
+    from types import SimpleNamespace
+
+    from hicache_fsm.testing.recency import UseLog
+
+    log = UseLog("lfu")
+    root = SimpleNamespace(id=0, parent=None)
+    a = SimpleNamespace(id=1, parent=root)
+    log.used([a], hit=False, new={1})
+    log.used([a], hit=True)
+    log.split(1, 2)  # the upper half takes the record
+    log.split(7, 8)  # a node without a record: nothing to hand on
+    upper, fetched = SimpleNamespace(id=2, parent=root), SimpleNamespace(id=3, parent=root)
+    log.sync([root, upper, fetched])  # node 1 left; node 3 came from the cache itself
+    assert log.uses == {2: (1, 2, 0), 3: None}

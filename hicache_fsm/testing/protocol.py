@@ -58,6 +58,27 @@ from hicache_fsm.testing.start_families import cp_host_full_family, prefetch_spl
 __all__ = ["ProtocolAdapter"]
 
 
+class _SplitUses:
+    """A residency listener that tells the adapter's ``UseLog`` of every split as it happens."""
+
+    __slots__ = ("adapter",)
+
+    def __init__(self, adapter: "ProtocolAdapter") -> None:
+        self.adapter = adapter
+
+    def split(self, node: Any, upper: Any) -> None:
+        self.adapter.uses.split(node.id, upper.id)
+
+    def state_changed(self, node: Any, old: str) -> None:
+        pass
+
+    def removed(self, node: Any, parent: Any) -> None:
+        pass
+
+    def cleared(self) -> None:
+        pass
+
+
 class ProtocolAdapter(HiCacheAdapter):
     """``HiCacheAdapter`` with policy, load-back and storage-link checks and actions (see module docstring)."""
 
@@ -75,6 +96,7 @@ class ProtocolAdapter(HiCacheAdapter):
         # last check; a function of the state then, so not part of the key
         self._cold: tuple[int, int, frozenset[int]] = (0, 0, frozenset())
         self._watch_refusals()
+        self.cache.driver.add_listener(_SplitUses(self))
 
     def supports(self, op: str) -> bool:
         if op == "reset" and self.backend is not None:
@@ -101,6 +123,7 @@ class ProtocolAdapter(HiCacheAdapter):
         new._loads = list(self._loads)
         new.uses = self.uses.copy()
         new._watch_refusals()  # the fork's eviction is a new object: watch it for the copy
+        new.cache.driver.add_listener(_SplitUses(new))  # a fork's driver starts with no listener
         return new
 
     def _watch_refusals(self) -> None:

@@ -53,15 +53,20 @@ class UseLog:
         return (use[2], use[1]) if self.policy == "priority" else (use[1],)
 
     def sync(self, nodes: Iterable[Any]) -> None:
-        """Forget nodes that left the tree; a new node with a known child is a split's upper half (it takes the
-        child's record), any other new node is the cache's own (no record)."""
-        live = {n.id: n for n in nodes if n.parent is not None}
+        """Forget nodes that left the tree; a node that entered it with no record is the cache's own (a split's
+        upper half got its record as the split happened: ``split``)."""
+        live = {n.id for n in nodes if n.parent is not None}
         uses = {i: u for i, u in self.uses.items() if i in live}
-        for nid, node in live.items():
-            if nid not in uses:
-                known = [uses.get(c.id) for c in node.children.values() if c.id in self.uses]
-                uses[nid] = known[0] if len(known) == 1 else None
+        for nid in live - uses.keys():
+            uses[nid] = None
         self.uses = uses
+
+    def split(self, node_id: int, upper_id: int) -> None:
+        """Node ``node_id`` was split: its new upper half takes its record (both halves were used alike). Told
+        as the split happens, since the lower half may leave the tree before the operation ends (a host
+        eviction for room), its record with it."""
+        if node_id in self.uses:
+            self.uses[upper_id] = self.uses[node_id]
 
     def used(self, path: Sequence[Any], *, hit: bool, new: set[int] | frozenset[int] = frozenset(),
              priority: int = 0) -> None:
