@@ -321,15 +321,21 @@ def test_load_back_keeps_the_anchor_on_device_while_evicting():
     cache.check_invariants()
 
 
-def test_load_back_under_a_revived_node_waits_for_the_load_above_it():
-    """An insert revives the upper half of an evicted node (the engine's own slots: on the device at once)
-    while its parent's load is still in flight; a load-back of the lower half below that revived node must
-    wait for the parent's load too, not only for the ancestors right above the chain."""
+def _parent_and_child_on_the_host():
+    """A two-page node and a two-page child below it, both backed up, then evicted: (cache, executor, a, b)."""
     cache, ex = make_cache()
     a = put(cache, pages(2)).node
     b = put(cache, pages(4)).node
     drain(cache, ex)
     cache.evict(100)
+    return cache, ex, a, b
+
+
+def test_load_back_under_a_revived_node_waits_for_the_load_above_it():
+    """An insert revives the upper half of an evicted node (the engine's own slots: on the device at once)
+    while its parent's load is still in flight; a load-back of the lower half below that revived node must
+    wait for the parent's load too, not only for the ancestors right above the chain."""
+    cache, ex, a, b = _parent_and_child_on_the_host()
     lb_a = cache.load_back(a)
     cache.flush()  # a's load is on its way, in a batch of its own
     assert a.state == "loading" and b.state == "host"
@@ -354,11 +360,7 @@ def test_load_back_under_a_revived_node_waits_for_the_load_above_it():
 
 
 def test_load_back_under_a_loading_ancestor_waits_for_both():
-    cache, ex = make_cache()
-    a = put(cache, pages(2)).node
-    b = put(cache, pages(4)).node
-    drain(cache, ex)
-    cache.evict(100)
+    cache, ex, a, b = _parent_and_child_on_the_host()
     lb_a = cache.load_back(a)
     lb_b = cache.load_back(b)
     assert lb_b.nodes == (b,)

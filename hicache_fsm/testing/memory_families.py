@@ -1,0 +1,98 @@
+"""The memory-tier families of ``hicache-fsm check`` past one per write policy, each for a bug class the others
+miss: a full one-page host (``host_room_families``), eviction order (``order_family``, ``recency_families``), a
+chain loading back under a revived node (``chain_loads_family``) and ``reset``.
+
+``testing.protocol.default_families`` lists them with the others; each takes the factory that builds the
+adapter (``protocol.protocol_factory``), as ``testing.start_families`` does, so this module imports neither it
+nor the facade.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["chain_loads_family", "host_room_families", "order_family", "recency_families", "reset_family"]
+
+
+def chain_loads_family(factory: Callable[[Any], Any]) -> tuple[str, Any, Any]:
+    """One token, prompts of up to three pages on a three-page device and host, six steps deep.
+
+    A three-node chain: its top page loading back, the page below revived by an insert (the engine's own
+    slots: on the device at once, under a parent still loading), then a load-back of the third page, whose
+    wait must cover the top page's load too (``loads_waited``; a load-back that waited only for the loads
+    right above its chain was missed by every other family, whose prompts stop at two nodes). Locks, pins
+    and redelivery are left out; complete to its depth.
+    """
+    from hicache_fsm.testing.explorer import Bounds
+
+    return ("memory/chain_loads",
+            Bounds(nodes=3, device_pages=3, host_pages=3, alphabet=1, max_len=3, max_locks=0, max_pins=0,
+                   redeliver=False, write_policy="write_through", max_depth=6), factory)
+
+
+def host_room_families(factory: Callable[[Any], Any]) -> list[tuple[str, Any, Any]]:
+    """A one-page host under write_back, write_through and write_through_selective, deeper than ``memory/``.
+
+    ``memory/write_back_host_full``: a load-back's own device eviction starts backups that need the host
+    room the chain it loads holds: the chain must stay pinned through it (a chain left unpinned was
+    missed by every other family). ``memory/write_through_host_full``: a prompt too long for the host
+    is never backed up, a match splits it, its tail is backed up and pinned; device eviction then meets
+    a device-only parent of a host-only child whose backup the full host refuses: it must stay (dropping
+    it orphaned the child, missed by every other family). ``memory/selective_host_full``: a match's
+    due backups need the host room that the copies the match found hold: those must stay pinned through
+    the backups' host eviction (a match then reported tokens no tier could serve). Locks and redelivery
+    are left out; complete to its depth.
+    """
+    from hicache_fsm.testing.explorer import Bounds
+
+    return [("memory/write_back_host_full",
+             Bounds(nodes=2, device_pages=2, host_pages=1, max_locks=0, max_pins=0, redeliver=False,
+                    write_policy="write_back", max_depth=6), factory),
+            ("memory/write_through_host_full",
+             Bounds(nodes=2, device_pages=2, host_pages=1, max_locks=0, max_pins=1, redeliver=False,
+                    write_policy="write_through", max_depth=8), factory),
+            ("memory/selective_host_full",
+             Bounds(nodes=2, device_pages=2, host_pages=1, alphabet=1, max_locks=0, max_pins=0, redeliver=False,
+                    write_policy="write_through_selective", max_depth=7), factory)]
+
+
+def order_family(factory: Callable[[Any], Any]) -> tuple[str, Any, Any]:
+    """Three one-page prompts over a two-page device and host: which node each tier's eviction takes.
+
+    Deep enough (seven steps) for both tiers to hold two candidates after uses in different orders, so the
+    eviction-order check (``testing.recency``) judges real choices; backups are write_through's own, and
+    explicit backup, load-back, failed jobs, locks and pins are left out (the other families explore those).
+    """
+    from hicache_fsm.testing.explorer import Bounds
+
+    return ("memory/eviction_order",
+            Bounds(nodes=3, device_pages=2, host_pages=2, alphabet=3, max_len=1, max_locks=0, max_pins=0,
+                   redeliver=False, omit=("backup", "fail_job", "load_back"), max_depth=7), factory)
+
+
+def recency_families(factory: Callable[[Any], Any]) -> list[tuple[str, Any, Any]]:
+    """Two one-page prompts on a three-page device, per eviction policy: what an insert does to the order.
+
+    A prompt inserted again (or matched) while another stays on the device, then an eviction: every ranking an
+    insert or a lookup can give two nodes (under ``priority`` inserts also run at priority 1), judged by
+    ``testing.recency`` within five steps. ``write_through_selective`` keeps backups out of the way (none is
+    due below the hit threshold), and backup, failed jobs, load-back, locks and pins are left out.
+    """
+    from hicache_fsm.testing.explorer import Bounds
+
+    return [(f"memory/recency_{p}", Bounds(nodes=2, device_pages=3, host_pages=2, alphabet=2, max_len=1, max_locks=0,
+                                            max_pins=0, redeliver=False, write_policy="write_through_selective",
+                                            eviction_policy=p, priorities=2 if p == "priority" else 1,
+                                            omit=("backup", "fail_job", "load_back"), max_depth=5), factory)
+            for p in ("lru", "lfu", "priority")]
+
+
+def reset_family(factory: Callable[[Any], Any]) -> tuple[str, Any, Any]:
+    """One token on a two-page device and host, with at most one ``reset`` per path: the cache must be empty
+    at once whatever was cached, locked, pinned or in flight, and the late acks of the jobs it cancelled
+    (landed or failed) must change nothing, whenever the next poll takes them."""
+    from hicache_fsm.testing.explorer import Bounds
+
+    return ("memory/reset", Bounds(nodes=2, device_pages=2, host_pages=2, alphabet=1, max_resets=1, max_depth=5),
+            factory)
