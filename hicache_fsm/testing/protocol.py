@@ -51,9 +51,9 @@ from typing import Any
 import torch
 
 from hicache_fsm.testing.adapter import HiCacheAdapter, Rejected, StorageFault, fingerprints
-from hicache_fsm.testing.obligations import cold_unbacked, unwaited_loads, wait_complete_problem, write_behind_problems
 from hicache_fsm.testing.memory_families import (chain_loads_family, host_room_families, order_family,
                                                   recency_families, reset_family)
+from hicache_fsm.testing.obligations import cold_unbacked, unwaited_loads, wait_complete_problem, write_behind_problems
 from hicache_fsm.testing.recency import UseLog
 from hicache_fsm.testing.start_families import cp_host_full_family, prefetch_split_family
 
