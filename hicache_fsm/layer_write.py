@@ -543,11 +543,9 @@ class LayerWriteRuntime:
         if device is None:
             return None
         ids = {n.id for n in nodes}
-        deps = []
-        for n in nodes:
-            for a in self.tree.path_to_root(n.parent) if n.parent.parent is not None else ():
-                if a.id not in ids and a.state in LOADING:
-                    deps += [h for h in self.outbox.handles_of(a) if h not in deps]
+        loads = self.loads  # the waits of every ancestor still loading, as ``cache.load_back`` takes them
+        above = {a.id: a for n in nodes for a in loads.loading_above(n.parent) if a.id not in ids}
+        deps = loads.loading_deps(above.values())
         for n in nodes:
             self.driver.fire(n, "load", emit=False)
         handle = LoadHandle(self, deps)

@@ -484,6 +484,29 @@ def test_typed_errors_leave_the_cache_unchanged():
     check_device_kv(r, node)
 
 
+def test_a_cp_load_below_a_loading_ancestor_waits_for_its_load():
+    """``load_cp`` takes the waits of every ancestor still loading, as ``cache.load_back`` does."""
+    (r,) = world_of(1)
+    tokens = tuple(range(1, 9))
+    i = r.cache.alloc_device(len(tokens))
+    write_kv(r, i, tokens)
+    write_kv(r, i, tokens, source="draft")
+    node = r.cache.insert(tokens, i).node
+    r.writes.submit_all(r.writes.reserve(node))
+    settle(r.cache)
+    r.cache.evict(100)
+    upper = r.cache.driver.split(node, 4)
+    above = r.writes.load_cp([upper])
+    assert upper.state in LOADING
+    below = r.writes.load_cp([node])
+    assert above.handle in below.handle.deps
+    settle(r.cache)
+    assert upper.state == node.state == "device_host" and below.handle.done()
+    check_device_kv(r, upper)
+    check_device_kv(r, node)
+    r.cache.check_invariants()
+
+
 def test_runtime_needs_a_cp_cache_and_attaches_once():
     from hicache_fsm.cache import cache_from_pools
     from hicache_fsm.pools import build_pools
