@@ -51,6 +51,11 @@ TRY_FIRST = {
     "prefetch_short_counted_complete": "storage/wait_complete",
     "prefetch_release_inserts": "storage/wait_complete",
     "wait_complete_stops_early": "storage/wait_complete",
+    "match_ignores_namespace": "memory/namespaces",
+    "insert_ignores_namespace": "memory/namespaces",
+    "split_forgets_namespace": "memory/namespaces",
+    "storage_keys_ignore_namespace": "storage/namespaces",
+    "prefetch_lands_in_default_namespace": "storage/namespaces",
 }
 
 

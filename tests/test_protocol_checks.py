@@ -322,3 +322,36 @@ def test_use_records_follow_splits_and_leave_nodes_the_cache_made_unjudged():
     upper, fetched = SimpleNamespace(id=2, parent=root), SimpleNamespace(id=3, parent=root)
     log.sync([root, upper, fetched])  # node 1 left; node 3 came from the cache itself
     assert log.uses == {2: (1, 2, 0), 3: None}
+    log.split(5, 6)  # a node the cache made since the last sync: its upper half is the cache's too
+    assert log.knows(6) and log.uses[6] is None and not log.knows(9)
+    log.forget_all()
+    assert not log.knows(2) and log.uses == {}
+
+
+def test_the_upper_half_of_a_prefetched_node_split_by_an_insert_stays_unjudged():
+    """``fuzz --examples 1500 --steps 80 --seed 25`` raised a false ``order_agrees``: a prefetch inserted a node
+    the cache counted one hit (a node of the cache's own: no record), and an insert of its first page split
+    it. The insert took the split's upper half for a node it made, with no hit, where the cache (rightly)
+    kept the hit; a new node then ranked below it under LFU. A split's upper half now keeps its lower
+    half's record even when that is "none"."""
+    from hicache_fsm.testing.stateful import hicache_machine
+
+    state = hicache_machine(name="PrefetchedSplit")()
+    try:
+        prompt = state.setup(variant=32, pages=[0])
+        state.expect_variant({"write_policy": "write_through_selective", "eviction_policy": "lfu", "device_pages": 4,
+                              "host_pages": 5, "storage": True, "stop_policy": "wait_complete"})
+        state.backup(cut=0, tokens=prompt)
+        state.ack_round(fail_mask=1, order=list(range(8)))
+        state.evict(pages=1)
+        state.remote_turn(base=prompt, pages=[0], script=[])
+        state.reuse_then_evict(again=False, pages=1, tokens=prompt)
+        state.prefetch_ready(pick=0)  # (1, 1) lands from storage: the cache's node, one hit
+        state.complete_job(pick=0)
+        state.insert(pages=[0])  # splits it at (1,)
+        upper = state.adapter.walk(prompt)[0][-1]
+        assert upper.hit_count == 1 and state.adapter.uses.uses[upper.id] is None
+        state.insert(pages=[1])
+        state.check()
+    finally:
+        state.teardown()

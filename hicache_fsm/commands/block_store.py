@@ -33,7 +33,8 @@ def refuse_many_prompts(alphabet: int, pages: int) -> None:
                              f"{MAX_PROMPTS} prompts to try in every state (lower --alphabet or --max-len)")
 # check flags a block store has no use for, with the value meaning "not given"
 CHECK_ONLY_FOR_PREFIX_CACHES = ("nodes", "device_pages", "host_pages", "layers", "page_size", "locks", "pins",
-                                "write_policy", "eviction_policy", "track_hits", "max_seconds", "coverage", "record")
+                                "write_policy", "eviction_policy", "track_hits", "max_seconds", "coverage", "record",
+                                "namespaces")
 FUZZ_ONLY_FOR_PREFIX_CACHES = ("coverage", "record")
 
 

@@ -39,7 +39,7 @@ from hicache_fsm.config import EVICTION_POLICIES, WRITE_POLICIES
 BOUND_DEFAULTS: dict = {"nodes": 3, "device_pages": 2, "host_pages": 2, "layers": 1, "page_size": 1, "alphabet": 2,
                         "max_len": None, "locks": 1, "pins": 1, "write_policy": "write_through",
                         "eviction_policy": "lru", "track_hits": False, "no_redeliver": False, "max_depth": None,
-                        "max_states": None, "max_seconds": None}
+                        "max_states": None, "max_seconds": None, "namespaces": 1}
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -58,6 +58,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         "explores four policies: at the default bounds that is tens of minutes, so give "
                         "--max-depth or --max-states with it)")
     g.add_argument("--eviction-policy", choices=EVICTION_POLICIES)
+    g.add_argument("--namespaces", type=positive_int,
+                   help="tree namespaces (tenants, LoRA ids) a prompt's first token also names (default 1; with "
+                        "2, prompts starting with 1 and 2 are the same tokens in two namespaces)")
     g.add_argument("--track-hits", action="store_true", default=None,
                    help="tell hit from never-hit nodes in the state key")
     g.add_argument("--no-redeliver", action="store_true", default=None, help="do not try re-delivering finished acks")
@@ -250,7 +253,7 @@ def _check_prefix_cache(args: argparse.Namespace) -> int:
             page_size=args.page_size, alphabet=args.alphabet, max_len=args.max_len, max_locks=args.locks,
             max_pins=args.pins, write_policy=policy, eviction_policy=args.eviction_policy,
             track_hits=args.track_hits, redeliver=not args.no_redeliver, max_depth=args.max_depth,
-            max_states=args.max_states, max_seconds=args.max_seconds,
+            max_states=args.max_states, max_seconds=args.max_seconds, namespaces=args.namespaces,
         )
 
     policies = list(WRITE_POLICIES) if args.write_policy == "all" else [args.write_policy]

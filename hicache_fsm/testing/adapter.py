@@ -32,6 +32,8 @@ from hicache_fsm.testing.interface import (
 )
 from hicache_fsm.testing.kv import CORRUPT, decode_kv_lists, encode_kv, encoded, fingerprints, kv_fingerprint, \
     prefix_fingerprints
+from hicache_fsm.testing.namespaces import join_namespace, split_namespace
+from hicache_fsm.testing.tree_checks import hicache_structure_violations
 
 __all__ = [
     "CORRUPT",
@@ -93,14 +95,17 @@ class HiCacheAdapter(CacheAdapter):
     the registry is picked up). ``storage=True`` attaches an L3 tier run step by
     step (``testing.storage.ManualStorageTier`` over ``memory://`` behind a
     ``FaultyBackend`` whose schedule is ``self.faults``), with prefetches of one
-    page and up, ``stop_policy`` and ``batch_pages`` as given.
+    page and up, ``stop_policy`` and ``batch_pages`` as given. ``namespaces=N``
+    files each prompt under one of N tree namespaces named by its first token
+    (``testing.namespaces``): the operations take prompts as ever, the cache
+    sees (namespace, tokens).
     """
 
     name = "hicache"
 
     def __init__(self, *, device_pages: int = 4, host_pages: int = 4, page_size: int = 1, layers: int = 2,
                  host_layout: str = "layer_first", dispatcher=None, storage: bool = False,
-                 stop_policy: str = "best_effort", batch_pages: int = 2, **config: Any) -> None:
+                 stop_policy: str = "best_effort", batch_pages: int = 2, namespaces: int = 1, **config: Any) -> None:
         from hicache_fsm.cache import HiCache
         from hicache_fsm.executors import ManualExecutor
         from hicache_fsm.machine import compile_machine
@@ -109,11 +114,13 @@ class HiCacheAdapter(CacheAdapter):
         self.config = adapter_config("HiCacheAdapter", config)
         if not isinstance(storage, bool):
             raise ConfigError(f"HiCacheAdapter: storage must be True or False, got {storage!r}")
-        for name, value in (("device_pages", device_pages), ("host_pages", host_pages), ("page_size", page_size)):
+        for name, value in (("device_pages", device_pages), ("host_pages", host_pages), ("page_size", page_size),
+                            ("namespaces", namespaces)):
             check_positive_int(name, value)  # named here: the pools would report only their product
         shape = KVShape(layers, 1, 1)
         self.page_size = page_size
         self.layers = layers
+        self.namespaces = namespaces  # tree namespaces read off each prompt's first token (``testing.namespaces``)
         self.device_pool = DeviceKVPool(shape, device_pages * page_size, page_size, "cpu")
         self.host_pool = HostKVPool(shape, host_pages * page_size, page_size, host_layout, pin_memory=False)
         self.executor = ManualExecutor(self.device_pool, self.host_pool)
@@ -124,7 +131,9 @@ class HiCacheAdapter(CacheAdapter):
         self._pins: dict[int, tuple[Any, tuple[int, ...], int]] = {}
         self._next_handle = 1
         self._finished: list[int] = []
-        self.symmetric = True  # state_key identifies caches that differ by a renaming of token ids
+        # state_key identifies caches that differ by a renaming of token ids (not when a prompt's first token
+        # names its namespace: a renaming would move one position's tokens between namespaces)
+        self.symmetric = namespaces == 1
         self.track_hits = False  # state_key tells hit from never-hit nodes even when the policy ignores hits
         self._kv_shared = False  # True after clone(): the KV buffers are shared until one side writes
         self._kv_writes = 0  # bumped before every write into the pools (read_kv caches per value)
@@ -152,7 +161,8 @@ class HiCacheAdapter(CacheAdapter):
         c = self.config
         storage = ", storage" if self.cache.storage is not None else ""
         return (f"hicache(device={self.device_pool.allocator.total_pages}, host={self.host_pool.allocator.total_pages}, "
-                f"page={self.page_size}, layers={self.layers}, {c.write_policy}, {c.eviction_policy}{storage})")
+                f"page={self.page_size}, layers={self.layers}, {c.write_policy}, {c.eviction_policy}{storage}"
+                f"{f', namespaces={self.namespaces}' if self.namespaces > 1 else ''})")
 
     def supports(self, op: str) -> bool:
         if op in STORAGE_OPS and self.cache.storage is None:
@@ -165,12 +175,40 @@ class HiCacheAdapter(CacheAdapter):
         tokens = tuple(tokens)
         return tokens[: len(tokens) - len(tokens) % self.page_size]
 
+    def cache_form(self, tokens: Sequence[int]) -> tuple[Hashable, tuple[int, ...]]:
+        """The cache's (namespace, whole-page tokens) for a prompt (``testing.namespaces``)."""
+        return split_namespace(self._aligned(tokens), self.namespaces)
+
+    def prompt_of(self, namespace: Hashable, tokens: tuple[int, ...]) -> tuple[int, ...]:
+        """The prompt whose cache form is (``namespace``, ``tokens``): the inverse of ``cache_form``."""
+        return join_namespace(namespace, tokens, self.namespaces)
+
+    def prompt_to(self, node) -> tuple[int, ...]:
+        """The prompt whose prefix ends at ``node`` (the tree's tokens from the root, as the fuzzers wrote them)."""
+        return self.prompt_of(node.namespace, self.cache.tree.prefix_tokens(node))
+
+    def walk(self, tokens: Sequence[int]) -> tuple[list, int, int]:
+        """``RadixTree.walk`` of a prompt in its namespace; nothing changes."""
+        namespace, tokens = self.cache_form(tokens)
+        return self.cache.tree.walk(tokens, namespace)
+
+    def next_child(self, tokens: Sequence[int], path: list, matched: int):
+        """The child a walk of ``tokens`` that matched ``matched`` of them along ``path`` matches in part."""
+        namespace, tokens = self.cache_form(tokens)
+        tree = self.cache.tree
+        return (path[-1] if path else tree.root).children.get(tree.child_key(namespace, tokens, matched))
+
+    def match_prefix(self, tokens: Sequence[int]):
+        """``HiCache.match_prefix`` of a prompt in its namespace (its jobs not flushed)."""
+        namespace, tokens = self.cache_form(tokens)
+        return self.cache.match_prefix(tokens, namespace)
+
     def _exact_node(self, tokens: Sequence[int]):
         """The node whose run ends exactly at ``tokens`` (no split), or None."""
         tokens = self._aligned(tokens)
         if not tokens:
             return None
-        path, matched, partial = self.cache.tree.walk(tokens)
+        path, matched, partial = self.walk(tokens)
         if partial or matched != len(tokens) or not path:
             return None
         return path[-1]
@@ -195,7 +233,8 @@ class HiCacheAdapter(CacheAdapter):
         self._own_kv()
         self._kv_writes += 1
         self.device_pool.write(idx, None, k, v)
-        self.cache.insert(tokens, idx, priority=priority)
+        namespace, inner = self.cache_form(tokens)
+        self.cache.insert(inner, idx, namespace, priority=priority)
         self.cache.flush()
         return True
 
@@ -209,12 +248,12 @@ class HiCacheAdapter(CacheAdapter):
 
     def matched(self, tokens: Sequence[int]):
         """``match_prefix`` of ``tokens`` (whole pages), its jobs flushed: the result the engine would get."""
-        m = self.cache.match_prefix(self._aligned(tokens))
+        m = self.match_prefix(tokens)
         self.cache.flush()
         return m
 
     def lock(self, tokens: Sequence[int]) -> int | None:
-        m = self.cache.match_prefix(self._aligned(tokens))
+        m = self.match_prefix(tokens)
         self.cache.flush()
         node = m.last_device_node
         if node.is_root:
@@ -255,7 +294,7 @@ class HiCacheAdapter(CacheAdapter):
         self.cache.pin_host(node)
         h = self._handle()
         tree = self.cache.tree
-        self._pins[h] = (node, tree.prefix_tokens(node), len(tree.prefix_tokens(node.parent)))
+        self._pins[h] = (node, self.prompt_to(node), len(tree.prefix_tokens(node.parent)))
         return h
 
     def unpin_host(self, pin_id: int) -> None:
@@ -288,7 +327,7 @@ class HiCacheAdapter(CacheAdapter):
         return freed
 
     def load_back(self, tokens: Sequence[int]) -> int:
-        m = self.cache.match_prefix(self._aligned(tokens))
+        m = self.match_prefix(tokens)
         if m.host_hit_length == 0:
             self.cache.flush()
             return 0
@@ -345,9 +384,10 @@ class HiCacheAdapter(CacheAdapter):
     def prefetch(self, tokens: Sequence[int]) -> Hashable | None:
         """Match ``tokens`` and prefetch what memory lacks from storage, as an engine admitting a request."""
         tokens = self._aligned(tokens)
-        m = self.cache.match_prefix(tokens)
+        m = self.match_prefix(tokens)
         rid = self._next_request
-        ok = self.cache.prefetch(rid, tokens, m)
+        namespace, inner = self.cache_form(tokens)
+        ok = self.cache.prefetch(rid, inner, m, namespace)
         self.cache.flush()
         if not ok:
             return None
@@ -386,7 +426,6 @@ class HiCacheAdapter(CacheAdapter):
         their KV pages land in storage under the same chained keys; pages stored already are kept.
         Returns the tokens written. Nothing in this cache changes."""
         from hicache_fsm.pools import HostKVPool
-        from hicache_fsm.storage.keys import page_keys
         from hicache_fsm.storage.page_format import page_format_of
 
         tokens = self._aligned(tokens)
@@ -397,18 +436,23 @@ class HiCacheAdapter(CacheAdapter):
         k, v = encoded(tokens, self.layers)
         scratch.write(torch.arange(len(tokens)), k, v)
         values = [scratch.read_page(p).numpy().tobytes() for p in range(len(tokens) // ps)]
-        stored = self.backend.inner.batch_set(page_keys(tokens, ps, None), values, page_format_of(scratch))
+        stored = self.backend.inner.batch_set(self._page_keys(tokens), values, page_format_of(scratch))
         return sum(stored) * ps
 
     def stored_prefix(self, tokens: Sequence[int]) -> int:
         """How many leading tokens of ``tokens`` storage holds (read without faults or side effects)."""
-        from hicache_fsm.storage.keys import page_keys
-
         tokens = self._aligned(tokens)
         if not tokens or self.backend is None:
             return 0
-        keys = page_keys(tokens, self.page_size, None)
-        return self.backend.inner.batch_exists(keys) * self.page_size
+        return self.backend.inner.batch_exists(self._page_keys(tokens)) * self.page_size
+
+    def _page_keys(self, tokens: tuple[int, ...]) -> list[str]:
+        """The storage keys of a prompt's pages, chained from its namespace's seed as the cache chains them."""
+        from hicache_fsm.storage.keys import page_keys
+        from hicache_fsm.storage.tier import namespace_seed
+
+        namespace, inner = self.cache_form(tokens)
+        return page_keys(inner, self.page_size, namespace_seed(namespace))
 
     def storage_steps(self) -> list:
         """Queued storage work (``StorageStep``: hit queries, S2H transfers, H2S backups, a probe)."""
@@ -505,13 +549,10 @@ class HiCacheAdapter(CacheAdapter):
         from hicache_fsm.bindings.residency import LOADING, ON_DEVICE, ON_HOST
 
         dev_fp, host_fp = lists
-        tree = self.cache.tree
-        tokens = tree.aligned(tokens)
-        path, matched, partial = tree.walk(tokens)
+        path, matched, partial = self.walk(tokens)
         parts = [(n, n.num_tokens) for n in path]
         if partial:
-            parent = path[-1] if path else tree.root
-            child = parent.children.get(tree.child_key(None, tokens, matched))
+            child = self.next_child(tokens, path, matched)
             if child is not None:
                 parts.append((child, partial))
         out: list[tuple[int, ...]] = []
@@ -547,7 +588,7 @@ class HiCacheAdapter(CacheAdapter):
                 stack.append((child, before + child.key))
             if node.parent is None:
                 continue
-            want = prefix_fingerprints(before)[-node.num_tokens:]
+            want = prefix_fingerprints(self.prompt_of(node.namespace, before))[-node.num_tokens:]
             state = node.state
             for tier, fps, idx, valid in (
                 ("device", dev_fp, node.device_indices, state in ON_DEVICE and state not in LOADING),
@@ -656,13 +697,11 @@ class HiCacheAdapter(CacheAdapter):
         if op == "poll":  # an idle engine step: what write_behind's clock counts; elsewhere it changes nothing
             return self.config.write_policy == "write_behind"
         resident = ON_DEVICE | LOADING_STATES
-        tree = self.cache.tree
         if op in ("match", "lock", "load_back"):
             tokens = self._aligned(args[0])
-            path, matched, partial = tree.walk(tokens)
+            path, matched, partial = self.walk(tokens)
             if partial:
-                parent = path[-1] if path else tree.root
-                path = path + [parent.children[tree.child_key(None, tokens, matched)]]
+                path = path + [self.next_child(tokens, path, matched)]
             if not path:
                 return False  # nothing matches: only the clock moves
             if op == "lock":  # without a device part, lock is just a match
@@ -714,37 +753,3 @@ STORAGE_OPS = frozenset({"prefetch", "prefetching", "prefetch_ready", "abort", "
 def _host_pages(indices, page_size: int) -> list[int]:
     return [] if indices is None else (indices[::page_size] // page_size).tolist()
 
-
-def hicache_structure_violations(cache) -> list[str]:
-    """Checks of the cache's bookkeeping that the residency spec cannot express.
-
-    - ``tree_well_formed``: every node is reachable from the root through its
-      parent's children map, and every node the map names is live;
-    - ``hit_counts_monotone``: a match counts every node on its path, so a
-      parent has been hit at least as often as each child.
-    """
-    problems = []
-    tree = cache.tree
-    seen = {tree.root.id}
-    stack = [tree.root]
-    while stack:
-        p = stack.pop()
-        for c in p.children.values():
-            if c.parent is not p:
-                problems.append(f"tree_well_formed: node {c.id} is a child of {p.id} but its parent is "
-                                f"{getattr(c.parent, 'id', None)}")
-            if not tree.owns(c):
-                problems.append(f"tree_well_formed: node {c.id} under {p.id} is not a live node")
-            if c.id in seen:
-                problems.append(f"tree_well_formed: node {c.id} is reachable twice")
-                continue
-            seen.add(c.id)
-            stack.append(c)
-    for n in tree.nodes():
-        if n.id not in seen:
-            problems.append(f"tree_well_formed: node {n.id} ({n.state}) is not reachable from the root (orphaned)")
-    for n in tree.nodes():
-        p = n.parent
-        if p is not None and not p.is_root and p.hit_count < n.hit_count:
-            problems.append(f"hit_counts_monotone: node {n.id} was hit {n.hit_count} times, its parent {p.id} only {p.hit_count}")
-    return problems

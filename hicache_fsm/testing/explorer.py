@@ -117,6 +117,8 @@ class Bounds:
     ``priorities``: inserts also run at priorities 1..``priorities - 1`` (for the ``priority`` eviction
     policy). ``max_resets``: at most this many ``reset`` steps per path (the adapter's ``resets``; each
     tried with the jobs in flight acknowledged and failed).
+    ``namespaces``: a prompt's first token also names its tree namespace (``testing.namespaces``): with 2,
+    prompts that start with 1 and 2 are the same cache tokens in two namespaces.
     """
 
     nodes: int = 3
@@ -142,11 +144,12 @@ class Bounds:
     start: tuple[Step, ...] = ()
     priorities: int = 1
     max_resets: int = 0
+    namespaces: int = 1
 
     def __attrs_post_init__(self) -> None:
         """Refuse bounds that explore nothing meaningful (a run over them would pass, having checked nothing)."""
         for least, names in ((1, ("nodes", "device_pages", "host_pages", "layers", "page_size", "alphabet",
-                                  "max_prefetches", "priorities")), (0, ("max_locks", "max_pins", "max_resets"))):
+                                  "max_prefetches", "priorities", "namespaces")), (0, ("max_locks", "max_pins", "max_resets"))):
             for name in names:
                 check_positive_int(f"Bounds.{name}", getattr(self, name), least)
         for name in ("max_len", "max_depth", "max_states"):
@@ -193,7 +196,7 @@ def hicache_factory(bounds: Bounds) -> CacheAdapter:
     adapter = HiCacheAdapter(device_pages=bounds.device_pages, host_pages=bounds.host_pages,
                              page_size=bounds.page_size, layers=bounds.layers, write_policy=bounds.write_policy,
                              eviction_policy=bounds.eviction_policy, storage=bounds.storage,
-                             stop_policy=bounds.stop_policy)
+                             stop_policy=bounds.stop_policy, namespaces=bounds.namespaces)
     adapter.track_hits = bounds.track_hits
     return adapter
 

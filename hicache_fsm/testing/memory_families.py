@@ -1,6 +1,7 @@
 """The memory-tier families of ``hicache-fsm check`` past one per write policy, each for a bug class the others
 miss: a full one-page host (``host_room_families``), eviction order (``order_family``, ``recency_families``), a
-chain loading back under a revived node (``chain_loads_family``) and ``reset``.
+chain loading back under a revived node (``chain_loads_family``) and ``reset``; and the two families of two tree
+namespaces, in memory and with storage (``namespace_families``).
 
 ``testing.protocol.default_families`` lists them with the others; each takes the factory that builds the
 adapter (``protocol.protocol_factory``), as ``testing.start_families`` does, so this module imports neither it
@@ -12,7 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["chain_loads_family", "host_room_families", "order_family", "recency_families", "reset_family"]
+__all__ = ["chain_loads_family", "host_room_families", "namespace_families", "order_family", "recency_families",
+           "reset_family"]
 
 
 def chain_loads_family(factory: Callable[[Any], Any]) -> tuple[str, Any, Any]:
@@ -96,3 +98,15 @@ def reset_family(factory: Callable[[Any], Any]) -> tuple[str, Any, Any]:
 
     return ("memory/reset", Bounds(nodes=2, device_pages=2, host_pages=2, alphabet=1, max_resets=1, max_depth=5),
             factory)
+
+
+def namespace_families(factory: Callable[[Any], Any]) -> tuple[tuple[str, Any, Any], tuple[str, Any, Any]]:
+    """The ``check`` families of two namespaces: ``memory/namespaces`` (two-page prompts whose first pages are
+    twins: a lookup, insert or split that crosses namespaces shows within five steps) and
+    ``storage/namespaces`` (one-page twins: one stored, the other prefetched)."""
+    from hicache_fsm.testing.explorer import Bounds
+
+    memory = Bounds(nodes=2, device_pages=2, host_pages=2, namespaces=2, max_depth=5)
+    storage = Bounds(nodes=2, device_pages=1, host_pages=2, max_len=1, max_locks=0, max_pins=0, redeliver=False,
+                     storage=True, namespaces=2, max_depth=5)
+    return ("memory/namespaces", memory, factory), ("storage/namespaces", storage, factory)

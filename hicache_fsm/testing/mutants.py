@@ -722,11 +722,13 @@ def _anchor_leak_host_full(p: Patcher) -> None:
 
 
 def _register_more() -> None:
-    """The second and third sets (``testing.mutants_more``, ``testing.mutants_third``), in the same registry."""
+    """The second, third and fourth sets (``testing.mutants_more``, ``mutants_third``, ``mutants_fourth``), in
+    the same registry."""
+    from hicache_fsm.testing.mutants_fourth import FOURTH
     from hicache_fsm.testing.mutants_more import MORE
     from hicache_fsm.testing.mutants_third import THIRD
 
-    for name, bug, apply, variant in MORE + THIRD:
+    for name, bug, apply, variant in MORE + THIRD + FOURTH:
         MUTANTS[name] = Mutant(name, bug, apply, variant)
 
 

@@ -51,8 +51,8 @@ from typing import Any
 import torch
 
 from hicache_fsm.testing.adapter import HiCacheAdapter, Rejected, StorageFault, fingerprints
-from hicache_fsm.testing.memory_families import (chain_loads_family, host_room_families, order_family,
-                                                  recency_families, reset_family)
+from hicache_fsm.testing.memory_families import (chain_loads_family, host_room_families, namespace_families,
+                                                  order_family, recency_families, reset_family)
 from hicache_fsm.testing.obligations import cold_unbacked, unwaited_loads, wait_complete_problem, write_behind_problems
 from hicache_fsm.testing.recency import UseLog
 from hicache_fsm.testing.start_families import cp_host_full_family, prefetch_split_family
@@ -61,7 +61,8 @@ __all__ = ["ProtocolAdapter"]
 
 
 class _SplitUses:
-    """A residency listener that tells the adapter's ``UseLog`` of every split as it happens."""
+    """A residency listener that tells the adapter's ``UseLog`` of every split as it happens, and of a reset (so
+    a live node without a record is one that entered the tree since the last ``sync``)."""
 
     __slots__ = ("adapter",)
 
@@ -75,10 +76,10 @@ class _SplitUses:
         pass
 
     def removed(self, node: Any, parent: Any) -> None:
-        pass
+        pass  # its record stays until the next ``sync``: an eviction's order is judged on its victims' records
 
     def cleared(self) -> None:
-        pass
+        self.adapter.uses.forget_all()  # node ids start again from 1
 
 
 class ProtocolAdapter(HiCacheAdapter):
@@ -149,10 +150,10 @@ class ProtocolAdapter(HiCacheAdapter):
         """Run ``step``, a lookup of ``tokens`` (``match_prefix`` first): the nodes it matched count a hit."""
         tokens = self._aligned(tokens)
         tree = self.cache.tree
-        _, matched, partial = tree.walk(tokens)
+        _, matched, partial = self.walk(tokens)
         result = step(*args)
         self.uses.sync(tree.nodes())
-        path, _, _ = tree.walk(tokens[: matched + partial])
+        path, _, _ = self.walk(tokens[: matched + partial])
         self.uses.used(path, hit=True)
         return result
 
@@ -165,9 +166,10 @@ class ProtocolAdapter(HiCacheAdapter):
         ok = super().insert(tokens, priority)
         if not ok:
             return ok
+        path, _, _ = self.walk(tokens)
+        # the nodes this insert made; a split's upper half has its record already, None for a node of the cache's
+        new = {n.id for n in path if n.id not in before and not self.uses.knows(n.id)}
         self.uses.sync(tree.nodes())
-        path, _, _ = tree.walk(self._aligned(tokens))
-        new = {n.id for n in path if n.id not in before and self.uses.uses.get(n.id) is None}
         self.uses.used(path, hit=False, new=new, priority=priority)
         if self.config.write_policy == "write_through" and self.cache.storage is None:
             left = [n.id for n in path if n.state == "device"]
@@ -212,7 +214,7 @@ class ProtocolAdapter(HiCacheAdapter):
         return freed
 
     def _describe(self, node: Any) -> str:
-        prefix = self.cache.tree.prefix_tokens(node) if self.cache.tree.owns(node) else "(removed)"
+        prefix = self.prompt_to(node) if self.cache.tree.owns(node) else "(removed)"
         return f"node {node.id} {prefix}"
 
     def state_key_orbit(self):
@@ -242,7 +244,7 @@ class ProtocolAdapter(HiCacheAdapter):
         refused = self.cache.counters["backup_host_full"]
         result = super().match(tokens)
         threshold = self.config.write_through_threshold
-        path, _, _ = self.cache.tree.walk(self._aligned(tokens))
+        path, _, _ = self.walk(tokens)
         # a backup earlier on the path may take the room a later one needed: that one is refused, and counted
         left = self.cache.counters["backup_host_full"] - refused
         for n in path:
@@ -285,8 +287,7 @@ class ProtocolAdapter(HiCacheAdapter):
         return self._looked_up(tokens, self._load_back, tokens)
 
     def _load_back(self, tokens: Sequence[int]) -> int:
-        tokens = self._aligned(tokens)
-        m = self.cache.match_prefix(tokens)
+        m = self.match_prefix(tokens)
         if m.host_hit_length == 0:
             self.cache.flush()
             return 0
@@ -310,7 +311,7 @@ class ProtocolAdapter(HiCacheAdapter):
         for a, b in zip(chain, chain[1:]):
             if b.parent is not a:
                 self._step_problems.append(f"load_back_indices: chain node {b.id} does not follow {a.id}")
-        prefix = self.cache.tree.prefix_tokens(chain[-1]) if chain else ()
+        prefix = self.prompt_to(chain[-1]) if chain else ()
         self._loads.append((got, tuple(prefix), int(got.numel())))
         return int(got.numel())
 
@@ -348,7 +349,7 @@ class ProtocolAdapter(HiCacheAdapter):
     def _still_holds(self, prefix: tuple[int, ...], idx: list[int]) -> bool:
         from hicache_fsm.bindings.residency import ON_DEVICE
 
-        path, matched, partial = self.cache.tree.walk(prefix)
+        path, matched, partial = self.walk(prefix)
         if partial or matched != len(prefix):
             return False
         held = [i for n in path if n.state in ON_DEVICE for i in n.device_indices.tolist()]
@@ -614,7 +615,7 @@ def protocol_factory(bounds) -> ProtocolAdapter:
     adapter = ProtocolAdapter(device_pages=bounds.device_pages, host_pages=bounds.host_pages,
                               page_size=bounds.page_size, layers=bounds.layers, write_policy=bounds.write_policy,
                               eviction_policy=bounds.eviction_policy, storage=bounds.storage,
-                              stop_policy=bounds.stop_policy)
+                              stop_policy=bounds.stop_policy, namespaces=bounds.namespaces)
     adapter.track_hits = bounds.track_hits
     return adapter
 
@@ -683,8 +684,10 @@ def default_families() -> list[tuple[str, Any, Any]]:
           for n, h, depth in ((1, 3, 6), (2, 3, 5))]  # a rank's host pool outgrows its device share
     storage += [anchor_family(), prefetch_split_family(protocol_factory)]
     f = protocol_factory
+    in_memory, in_storage = namespace_families(f)
     return (memory + [order_family(f), pressure_family(), chain_loads_family(f), reset_family(f)]
-            + recency_families(f) + host_room_families(f) + storage + cp + [cp_host_full_family()])
+            + recency_families(f) + host_room_families(f) + [in_memory] + storage + [in_storage] + cp
+            + [cp_host_full_family()])
 
 
 # The start of ``storage/prefetch_anchor``: a cached anchor, another instance stores its next page, a prefetch.

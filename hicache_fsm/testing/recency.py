@@ -62,11 +62,19 @@ class UseLog:
         self.uses = uses
 
     def split(self, node_id: int, upper_id: int) -> None:
-        """Node ``node_id`` was split: its new upper half takes its record (both halves were used alike). Told
-        as the split happens, since the lower half may leave the tree before the operation ends (a host
-        eviction for room), its record with it."""
-        if node_id in self.uses:
-            self.uses[upper_id] = self.uses[node_id]
+        """Node ``node_id`` was split: its new upper half takes its record (both halves were used alike; None
+        for a node the cache made, even one not synced yet). Told as the split happens, since the lower half
+        may leave the tree before the operation ends (a host eviction for room), its record with it."""
+        self.uses[upper_id] = self.uses.get(node_id)
+
+    def knows(self, node_id: int) -> bool:
+        """Whether ``node_id`` has a record (None included): one that entered the tree since the last ``sync``
+        without a split has none."""
+        return node_id in self.uses
+
+    def forget_all(self) -> None:
+        """Every node left the tree at once (a reset: ids start again from 1)."""
+        self.uses.clear()
 
     def used(self, path: Sequence[Any], *, hit: bool, new: set[int] | frozenset[int] = frozenset(),
              priority: int = 0) -> None:

@@ -590,11 +590,17 @@ _MEMORY_VARIANTS: tuple[dict, ...] = tuple(  # pages of two tokens over two laye
 # the same shapes with an L3 tier (memory:// behind a FaultyBackend, run step by step), one prefetch stop
 # policy per eviction policy: LRU ends prefetches whenever the scheduler asks (best_effort), LFU once the
 # transfer ended (wait_complete), priority once it ended or timed out (timeout)
-HICACHE_VARIANTS: tuple[dict, ...] = _MEMORY_VARIANTS + tuple(
+_STORAGE_VARIANTS: tuple[dict, ...] = tuple(
     dict(v, storage=True, host_pages=v["host_pages"] + 3,
          stop_policy={"lru": "best_effort", "lfu": "wait_complete"}.get(v["eviction_policy"], "timeout"))
     for v in _MEMORY_VARIANTS
 )
+# two tree namespaces (``testing.namespaces``): prompts starting with 1 and 2 are the same tokens as two
+# tenants'; last, so the variant numbers of generated regression tests keep their meaning
+_NAMESPACE_VARIANTS: tuple[dict, ...] = tuple(
+    dict(v, namespaces=2) for v in (_MEMORY_VARIANTS[2], _MEMORY_VARIANTS[7], _STORAGE_VARIANTS[2],
+                                    _STORAGE_VARIANTS[15]))
+HICACHE_VARIANTS: tuple[dict, ...] = _MEMORY_VARIANTS + _STORAGE_VARIANTS + _NAMESPACE_VARIANTS
 
 
 def _hicache(**kw: Any) -> CacheAdapter:

@@ -54,7 +54,7 @@ KEY_FIELDS = ("tree", "device_slots", "host_slots", "device_free", "host_free", 
 # fingerprint -> the prefix whose KV it is (filled as prompts are encoded), to name slot contents by prefix
 _PREFIX_OF: dict[int, tuple[int, ...]] = {}
 # PrefetchOp attributes that do not change what happens next (see the module docstring)
-_OP_SKIP = frozenset({"_lock", "error", "start_time", "request_id", "gen", "namespace", "page_size"})
+_OP_SKIP = frozenset({"_lock", "error", "start_time", "request_id", "gen", "page_size"})
 
 
 def remember_prefix(fingerprint: int, prefix: tuple[int, ...]) -> None:
@@ -86,7 +86,8 @@ def adapter_key_fields(adapter: Any, pool_fingerprints: tuple[list[int], list[in
     while stack:
         p = stack.pop()
         for c in p.children.values():
-            prefix[c.id] = prefix[p.id] + c.key
+            # a prompt as the fuzzers wrote it: a node's tokens alone would merge two namespaces' twins
+            prefix[c.id] = adapter.prompt_of(c.namespace, c.key) if p is tree.root else prefix[p.id] + c.key
             stack.append(c)
 
     def pre(node_id: int) -> tuple:
