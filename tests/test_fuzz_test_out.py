@@ -38,8 +38,9 @@ def test_generated_test_runs_from_the_directory_it_is_written_to(tmp_path, capsy
 def test_a_generated_test_checks_its_variant_number_still_builds_its_variant():
     """The test replays ``state.setup(variant=N, ...)``: were the variant list changed, N would build another
     cache and the test replay a different configuration, passing or failing for the wrong reason."""
-    with quiet_cache_logs(), mutant("backup_host_start_in_pages"):  # caught only with pages of two tokens
-        result = run_fuzz(hicache_machine(name="Regression"), examples=100, steps=40, seed=0)
+    # caught only with pages of two tokens: six variants of fifty, each run drawing one about evenly
+    with quiet_cache_logs(), mutant("backup_host_start_in_pages"):
+        result = run_fuzz(hicache_machine(name="Regression"), examples=400, steps=40, seed=0)
         assert not result.ok
         assert "'page_size': 2" in result.test_code and "state.expect_variant({" in result.test_code
         replay: dict = {}

@@ -56,6 +56,7 @@ TRY_FIRST = {
     "split_forgets_namespace": "memory/namespaces",
     "storage_keys_ignore_namespace": "storage/namespaces",
     "prefetch_lands_in_default_namespace": "storage/namespaces",
+    "page_first_storage_page_at_slot": "storage/page_first",
 }
 
 

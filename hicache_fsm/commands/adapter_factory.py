@@ -110,6 +110,10 @@ def check_explorer_factory(factory: Callable[..., Any], ref: str, bounds: Any) -
     if missing:
         raise UsageError(f"--adapter {ref} makes {type(made).__name__}, which lacks {' and '.join(missing)}: "
                          f"check needs them (the explorer's visited set and node bound)")
+    if bounds.namespaces > 1 and getattr(made, "namespaces", 1) != bounds.namespaces:
+        raise UsageError(f"--namespaces {bounds.namespaces}: the {type(made).__name__} --adapter {ref} makes has "
+                         f"namespaces={getattr(made, 'namespaces', 1)} (its factory must read Bounds.namespaces "
+                         f"and file prompts under that many namespaces, as HiCacheAdapter(namespaces=N) does)")
 
 
 def _probe(factory: Callable[..., Any]) -> Any:

@@ -118,7 +118,8 @@ class Bounds:
     policy). ``max_resets``: at most this many ``reset`` steps per path (the adapter's ``resets``; each
     tried with the jobs in flight acknowledged and failed).
     ``namespaces``: a prompt's first token also names its tree namespace (``testing.namespaces``): with 2,
-    prompts that start with 1 and 2 are the same cache tokens in two namespaces.
+    prompts that start with 1 and 2 are the same cache tokens in two namespaces. ``host_layout``: the host
+    pool's layout (``pools.LAYOUTS``), whose copies index pages and layers each its own way.
     """
 
     nodes: int = 3
@@ -145,6 +146,7 @@ class Bounds:
     priorities: int = 1
     max_resets: int = 0
     namespaces: int = 1
+    host_layout: str = "layer_first"
 
     def __attrs_post_init__(self) -> None:
         """Refuse bounds that explore nothing meaningful (a run over them would pass, having checked nothing)."""
@@ -196,7 +198,8 @@ def hicache_factory(bounds: Bounds) -> CacheAdapter:
     adapter = HiCacheAdapter(device_pages=bounds.device_pages, host_pages=bounds.host_pages,
                              page_size=bounds.page_size, layers=bounds.layers, write_policy=bounds.write_policy,
                              eviction_policy=bounds.eviction_policy, storage=bounds.storage,
-                             stop_policy=bounds.stop_policy, namespaces=bounds.namespaces)
+                             stop_policy=bounds.stop_policy, namespaces=bounds.namespaces,
+                             host_layout=bounds.host_layout)
     adapter.track_hits = bounds.track_hits
     return adapter
 

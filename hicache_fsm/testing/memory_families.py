@@ -1,7 +1,8 @@
 """The memory-tier families of ``hicache-fsm check`` past one per write policy, each for a bug class the others
 miss: a full one-page host (``host_room_families``), eviction order (``order_family``, ``recency_families``), a
-chain loading back under a revived node (``chain_loads_family``) and ``reset``; and the two families of two tree
-namespaces, in memory and with storage (``namespace_families``).
+chain loading back under a revived node (``chain_loads_family``) and ``reset``; and, in memory and with storage,
+the families of two tree namespaces (``namespace_families``) and of the page_first host layouts
+(``layout_families``).
 
 ``testing.protocol.default_families`` lists them with the others; each takes the factory that builds the
 adapter (``protocol.protocol_factory``), as ``testing.start_families`` does, so this module imports neither it
@@ -13,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["chain_loads_family", "host_room_families", "namespace_families", "order_family", "recency_families",
-           "reset_family"]
+__all__ = ["chain_loads_family", "host_room_families", "layout_families", "namespace_families", "order_family",
+           "recency_families", "reset_family"]
 
 
 def chain_loads_family(factory: Callable[[Any], Any]) -> tuple[str, Any, Any]:
@@ -110,3 +111,28 @@ def namespace_families(factory: Callable[[Any], Any]) -> tuple[tuple[str, Any, A
     storage = Bounds(nodes=2, device_pages=1, host_pages=2, max_len=1, max_locks=0, max_pins=0, redeliver=False,
                      storage=True, namespaces=2, max_depth=5)
     return ("memory/namespaces", memory, factory), ("storage/namespaces", storage, factory)
+
+
+# The start of ``storage/<layout>``: a prompt backed up to host page 0, another instance stores a second one.
+LAYOUT_START = (("insert", ((2, 2),)), ("complete_job", (0,)), ("store_remote", ((1, 1),)))
+
+
+def layout_families(factory: Callable[[Any], Any]) -> tuple[list[tuple[str, Any, Any]], list[tuple[str, Any, Any]]]:
+    """Per page_first host layout (``page_first``, ``page_first_direct``): ``memory/<layout>``, the bounds of
+    ``memory/pages_and_layers`` (pages of two tokens over two layers, five steps) on a host of that layout,
+    whose copies index pages and layers each its own way; and ``storage/<layout>``, from ``LAYOUT_START``
+    (one-page prompts on a one-page device, three steps): a page fetched or backed up into another host page
+    than the one at page 0, where a page number taken for a slot number shows in the bytes stored."""
+    from hicache_fsm.testing.checks import Step
+    from hicache_fsm.testing.explorer import Bounds
+
+    start = tuple(Step(op, args) for op, args in LAYOUT_START)
+    memory, storage = [], []
+    for layout in ("page_first", "page_first_direct"):
+        memory.append((f"memory/{layout}", Bounds(nodes=2, device_pages=2, host_pages=2, page_size=2, layers=2,
+                                                  host_layout=layout, max_depth=5), factory))
+        storage.append((f"storage/{layout}", Bounds(nodes=2, device_pages=1, host_pages=2, page_size=2, layers=2,
+                                                    max_len=1, max_locks=0, max_pins=0, redeliver=False,
+                                                    storage=True, host_layout=layout, start=start, max_depth=3),
+                        factory))
+    return memory, storage

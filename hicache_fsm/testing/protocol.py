@@ -51,8 +51,8 @@ from typing import Any
 import torch
 
 from hicache_fsm.testing.adapter import HiCacheAdapter, Rejected, StorageFault, fingerprints
-from hicache_fsm.testing.memory_families import (chain_loads_family, host_room_families, namespace_families,
-                                                  order_family, recency_families, reset_family)
+from hicache_fsm.testing.memory_families import (chain_loads_family, host_room_families, layout_families,
+                                                  namespace_families, order_family, recency_families, reset_family)
 from hicache_fsm.testing.obligations import cold_unbacked, unwaited_loads, wait_complete_problem, write_behind_problems
 from hicache_fsm.testing.recency import UseLog
 from hicache_fsm.testing.start_families import cp_host_full_family, prefetch_split_family
@@ -615,7 +615,8 @@ def protocol_factory(bounds) -> ProtocolAdapter:
     adapter = ProtocolAdapter(device_pages=bounds.device_pages, host_pages=bounds.host_pages,
                               page_size=bounds.page_size, layers=bounds.layers, write_policy=bounds.write_policy,
                               eviction_policy=bounds.eviction_policy, storage=bounds.storage,
-                              stop_policy=bounds.stop_policy, namespaces=bounds.namespaces)
+                              stop_policy=bounds.stop_policy, namespaces=bounds.namespaces,
+                              host_layout=bounds.host_layout)
     adapter.track_hits = bounds.track_hits
     return adapter
 
@@ -635,6 +636,9 @@ def families_for(variant: dict) -> list[tuple[str, Any, Any]]:
     fams = default_families()
     if variant.get("cp"):
         return [f for f in fams if f[0].startswith("cp/")]
+    layout = variant.get("host_layout")
+    if layout:  # only a pool of that layout runs its copies
+        fams = [f for f in fams if f[1].host_layout == layout]
     if variant.get("storage"):
         return [f for f in fams if f[0].startswith("storage/")]
     if variant.get("reset"):  # a bug that only a reset shows: the families that reset first
@@ -685,9 +689,10 @@ def default_families() -> list[tuple[str, Any, Any]]:
     storage += [anchor_family(), prefetch_split_family(protocol_factory)]
     f = protocol_factory
     in_memory, in_storage = namespace_families(f)
+    layouts_in_memory, layouts_in_storage = layout_families(f)
     return (memory + [order_family(f), pressure_family(), chain_loads_family(f), reset_family(f)]
-            + recency_families(f) + host_room_families(f) + [in_memory] + storage + [in_storage] + cp
-            + [cp_host_full_family()])
+            + recency_families(f) + host_room_families(f) + [in_memory] + layouts_in_memory + storage
+            + [in_storage] + layouts_in_storage + cp + [cp_host_full_family()])
 
 
 # The start of ``storage/prefetch_anchor``: a cached anchor, another instance stores its next page, a prefetch.

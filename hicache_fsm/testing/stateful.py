@@ -191,7 +191,9 @@ class CacheProtocolMachine(RuleBasedStateMachine):
         for variant in cls.variants:
             cls.build(variant).close()
 
-    @initialize(target=prompts, variant=st.integers(0, 63), pages=prompt_pages(ALPHABET, 1, MAX_PAGES))
+    # a wide draw taken modulo the number of variants: each variant about equally likely, however many there are
+    # (a draw of 0..63 favoured the variants its small and boundary values fall on)
+    @initialize(target=prompts, variant=st.integers(0, 65535), pages=prompt_pages(ALPHABET, 1, MAX_PAGES))
     def setup(self, variant: int, pages: list[int]) -> tuple[int, ...]:
         """Build the cache (one of ``variants``) and insert a first prompt."""
         self.variant = self.variants[variant % len(self.variants)]
@@ -576,7 +578,7 @@ def default_settings(examples: int = 60, steps: int = 40, **kw: Any) -> Settings
 # =========================================================================== HiCache binding
 
 _MEMORY_VARIANTS: tuple[dict, ...] = tuple(  # pages of two tokens over two layers first: a token offset taken for
-    # a page offset, or one layer's slots for another's, cannot show with one of each (the draw favours low indices)
+    # a page offset, or one layer's slots for another's, cannot show with one of each (shrinking tends to 0)
     {"write_policy": w, "eviction_policy": "lru", "device_pages": 3, "host_pages": 3, "page_size": 2, "layers": 2}
     for w in ("write_through", "write_back")
 ) + tuple(
@@ -596,11 +598,17 @@ _STORAGE_VARIANTS: tuple[dict, ...] = tuple(
     for v in _MEMORY_VARIANTS
 )
 # two tree namespaces (``testing.namespaces``): prompts starting with 1 and 2 are the same tokens as two
-# tenants'; last, so the variant numbers of generated regression tests keep their meaning
+# tenants'. These and the layouts' come last, so the variant numbers of generated regression tests keep their
+# meaning
 _NAMESPACE_VARIANTS: tuple[dict, ...] = tuple(
     dict(v, namespaces=2) for v in (_MEMORY_VARIANTS[2], _MEMORY_VARIANTS[7], _STORAGE_VARIANTS[2],
                                     _STORAGE_VARIANTS[15]))
-HICACHE_VARIANTS: tuple[dict, ...] = _MEMORY_VARIANTS + _STORAGE_VARIANTS + _NAMESPACE_VARIANTS
+# the shapes with pages of two tokens over two layers on page_first hosts, whose copies index pages and layers
+# each its own way
+_LAYOUT_VARIANTS: tuple[dict, ...] = tuple(
+    dict(v, host_layout=layout) for v in (_MEMORY_VARIANTS[0], _STORAGE_VARIANTS[1])
+    for layout in ("page_first", "page_first_direct"))
+HICACHE_VARIANTS: tuple[dict, ...] = _MEMORY_VARIANTS + _STORAGE_VARIANTS + _NAMESPACE_VARIANTS + _LAYOUT_VARIANTS
 
 
 def _hicache(**kw: Any) -> CacheAdapter:
