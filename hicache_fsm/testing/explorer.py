@@ -151,7 +151,8 @@ class Bounds:
     def __attrs_post_init__(self) -> None:
         """Refuse bounds that explore nothing meaningful (a run over them would pass, having checked nothing)."""
         for least, names in ((1, ("nodes", "device_pages", "host_pages", "layers", "page_size", "alphabet",
-                                  "max_prefetches", "priorities", "namespaces")), (0, ("max_locks", "max_pins", "max_resets"))):
+                                  "max_prefetches", "priorities", "namespaces")),
+                             (0, ("max_locks", "max_pins", "max_resets"))):
             for name in names:
                 check_positive_int(f"Bounds.{name}", getattr(self, name), least)
         for name in ("max_len", "max_depth", "max_states"):
