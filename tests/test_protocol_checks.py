@@ -355,3 +355,35 @@ def test_the_upper_half_of_a_prefetched_node_split_by_an_insert_stays_unjudged()
         state.check()
     finally:
         state.teardown()
+
+
+def _host_only_prompt(a) -> None:
+    """(1,) inserted, backed up and evicted from the device: a one-token host hit."""
+    a.insert((1,))
+    for job in a.pending_jobs():
+        a.complete_job(job.id)
+    assert a.evict(1) == 1 and a.match((1,)).host_tokens == 1
+
+
+def test_a_load_back_refused_though_eviction_could_make_room_is_a_problem():
+    """``load_back_due``: every tool passed a load-back that never loaded (or never evicted for room)."""
+    for bug in ("load_back_refused_with_room", "load_back_never_evicts"):
+        with mutant(bug):
+            a = ProtocolAdapter(device_pages=2, host_pages=4)
+            _host_only_prompt(a)
+            a.insert((2, 2))  # the device is full again, of an unlocked, backed-up prompt
+            for job in a.pending_jobs():
+                a.complete_job(job.id)
+            assert a.load_back((1,)) == 0
+            assert any(p.startswith("load_back_due:") for p in a.kv_violations()), bug
+            a.close()
+
+
+def test_a_load_back_refused_for_a_device_full_of_locked_kv_is_justified():
+    a = ProtocolAdapter(device_pages=2, host_pages=4)
+    _host_only_prompt(a)
+    a.insert((2, 2))
+    assert a.lock((2, 2)) is not None  # nothing on the device may go
+    assert a.load_back((1,)) == 0
+    assert not a.kv_violations() and not a.invariant_violations()
+    a.close()

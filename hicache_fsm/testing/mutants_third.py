@@ -1,5 +1,5 @@
 """The third set of planted controller bugs: reset, insert priorities and recency, prefetch placement, and
-what the engine is handed (load waits, a prefetch's readiness, write_behind backups), a page number
+what the engine is handed (load waits, load-backs refused, a prefetch's readiness, write_behind backups), a page number
 taken for a slot number (right only with pages of one token), a split's upper half left without recency
 and a CP group's host shortfall counted on one rank.
 
@@ -273,6 +273,29 @@ def _load_back_waits_for_adjacent_loads_only(p: Any) -> None:
         return run
 
     p.setattr(LoadBacks, "loading_above", loading_above)
+
+
+@_third("load_back_refused_with_room", "a load-back refused though the device has room for the chain (the "
+                                       "engine recomputes KV the host holds)")
+def _load_back_refused_with_room(p: Any) -> None:
+    from hicache_fsm.load_back import LoadBacks
+
+    p.setattr(LoadBacks, "load_back", lambda self, node: None)
+
+
+@_third("load_back_never_evicts", "a load-back refused for device room without evicting for it")
+def _load_back_never_evicts(p: Any) -> None:
+    from hicache_fsm.load_back import LoadBacks
+
+    orig = LoadBacks.load_back
+
+    def load_back(self, node):
+        chain, _ = self.evicted_chain(node)
+        if chain and self.device_allocator.available_tokens < sum(n.num_tokens for n in chain):
+            return None
+        return orig(self, node)
+
+    p.setattr(LoadBacks, "load_back", load_back)
 
 
 @_third("wait_complete_stops_early", "a wait_complete prefetch is stopped (ready) before its transfer ended",

@@ -11,6 +11,11 @@
   ``write_behind_idle_steps`` polls) with host room for it at one step, and
   stays so, is backed up by a later poll unless a backup was refused for host
   room (the write_behind promise).
+- ``load_back_due``: a load-back of a host hit within ``load_back_threshold`` /
+  ``load_back_max_tokens`` is refused only when the device cannot make room for
+  it: on a copy of the cache, with the matched prefix locked and the chain's
+  host copies pinned (what ``load_back`` protects while it evicts), an
+  eviction of the shortfall leaves too little room.
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ if TYPE_CHECKING:
     from hicache_fsm.radix import TreeNode
     from hicache_fsm.results import LoadHandle
 
-__all__ = ["cold_unbacked", "unwaited_loads", "wait_complete_problem", "write_behind_problems"]
+__all__ = ["cold_unbacked", "load_back_refusal_problem", "unwaited_loads", "wait_complete_problem",
+           "write_behind_problems"]
 
 
 def _waited(handles: Iterable[LoadHandle]) -> set[int]:
@@ -70,3 +76,33 @@ def write_behind_problems(before: frozenset[int], after: frozenset[int], polled:
     if not polled or refused or not late:
         return []
     return [f"write_behind_due: node(s) {late} stayed device-only through a poll, cold and with host room"]
+
+
+def load_back_refusal_problem(fork: Any, tokens: tuple[int, ...]) -> str | None:
+    """``load_back_due`` for a refused load-back of ``tokens``, judged on ``fork`` (a copy of the adapter taken
+    after the refusal, spent by this call): the problem, or None when the refusal was justified."""
+    cache = fork.cache
+    cfg = cache.config
+    match = fork.match_prefix(tokens)
+    total = match.host_hit_length
+    if total == 0 or total < cfg.load_back_threshold or (
+            cfg.load_back_max_tokens is not None and total > cfg.load_back_max_tokens):
+        return None
+    anchor = match.last_device_node
+    chain = []  # the host-only nodes below the matched device prefix, down to the last host hit
+    node = match.last_host_node
+    while node is not anchor and not node.is_root:
+        chain.append(node)
+        node = node.parent
+    if not anchor.is_root:
+        cache.lock(anchor)
+    for n in chain:
+        cache.pin_host(n)
+    room = cache.device_allocator.available_tokens
+    if room < total:
+        cache.evict(total - room)
+        room = cache.device_allocator.available_tokens
+    if room < total:
+        return None
+    return (f"load_back_due: a load-back of a {total}-token host hit was refused, yet the device has room for it "
+            f"(or eviction makes it, the matched prefix locked and the chain pinned): {room} tokens free")

@@ -53,7 +53,8 @@ import torch
 from hicache_fsm.testing.adapter import HiCacheAdapter, Rejected, StorageFault, fingerprints
 from hicache_fsm.testing.memory_families import (chain_loads_family, host_room_families, layout_families,
                                                   namespace_families, order_family, recency_families, reset_family)
-from hicache_fsm.testing.obligations import cold_unbacked, unwaited_loads, wait_complete_problem, write_behind_problems
+from hicache_fsm.testing.obligations import (cold_unbacked, load_back_refusal_problem, unwaited_loads,
+                                            wait_complete_problem, write_behind_problems)
 from hicache_fsm.testing.recency import UseLog
 from hicache_fsm.testing.start_families import cp_host_full_family, prefetch_split_family
 
@@ -298,6 +299,8 @@ class ProtocolAdapter(HiCacheAdapter):
                                     f"its load" for n in unwaited_loads(self.cache.outbox, above, [lb.handle])]
         self.cache.flush()
         if lb is None:
+            problem = load_back_refusal_problem(self.clone(), tokens)
+            self._step_problems += [problem] if problem else []
             return 0
         chain = list(lb.nodes)
         want = torch.cat([n.device_indices for n in chain]) if chain else torch.empty(0, dtype=torch.int64)
