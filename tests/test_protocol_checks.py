@@ -387,3 +387,37 @@ def test_a_load_back_refused_for_a_device_full_of_locked_kv_is_justified():
     assert a.load_back((1,)) == 0
     assert not a.kv_violations() and not a.invariant_violations()
     a.close()
+
+
+def test_an_eviction_that_stops_short_of_what_could_go_is_a_problem():
+    """``evict_due``: an eviction that freed nothing, or stopped after its first victim, passed every tool."""
+    for bug in ("evict_frees_nothing", "evict_stops_after_one_token"):
+        with mutant(bug):
+            a = ProtocolAdapter(device_pages=3, host_pages=4)
+            a.insert((1,))
+            a.insert((2,))  # two backed-up nodes of one token each
+            for job in a.pending_jobs():
+                a.complete_job(job.id)
+            assert a.evict(2) < 2
+            assert any(p.startswith("evict_due:") for p in a.kv_violations()), bug
+            a.close()
+
+
+def test_freeable_device_tokens_counts_what_an_eviction_may_take_at_once():
+    from hicache_fsm.testing.obligations import freeable_device_tokens
+
+    a = ProtocolAdapter(device_pages=6, host_pages=6, write_policy="write_back")
+    a.insert((1, 1))  # device-only under write_back: must be backed up before it can go
+    root = a.cache.tree.root
+    assert freeable_device_tokens(root, keeps_unbacked=True) == 0
+    assert freeable_device_tokens(root, keeps_unbacked=False) == 2  # a policy that drops unbacked KV
+    assert a.backup((1, 1)) and freeable_device_tokens(root, keeps_unbacked=False) == 0  # the copy in flight
+    for job in a.pending_jobs():
+        a.complete_job(job.id)
+    assert freeable_device_tokens(root, keeps_unbacked=True) == 2
+    handle = a.lock((1, 1))
+    assert freeable_device_tokens(root, keeps_unbacked=True) == 0
+    a.unlock(handle)
+    assert a.evict(2) == 2 and freeable_device_tokens(root, keeps_unbacked=True) == 0
+    assert not a.kv_violations() and not a.invariant_violations()
+    a.close()

@@ -1,5 +1,6 @@
 """The third set of planted controller bugs: reset, insert priorities and recency, prefetch placement, and
-what the engine is handed (load waits, load-backs refused, a prefetch's readiness, write_behind backups), a page number
+what the engine is handed (load waits, load-backs refused, evictions that stop short, a prefetch's readiness,
+write_behind backups), a page number
 taken for a slot number (right only with pages of one token), a split's upper half left without recency
 and a CP group's host shortfall counted on one rank.
 
@@ -296,6 +297,21 @@ def _load_back_never_evicts(p: Any) -> None:
         return orig(self, node)
 
     p.setattr(LoadBacks, "load_back", load_back)
+
+
+@_third("evict_frees_nothing", "a device eviction that frees nothing (every allocation on a full device fails)")
+def _evict_frees_nothing(p: Any) -> None:
+    from hicache_fsm.eviction import Eviction
+
+    p.setattr(Eviction, "evict", lambda self, num_tokens: 0)
+
+
+@_third("evict_stops_after_one_token", "a device eviction asked for several tokens that stops after the first")
+def _evict_stops_after_one_token(p: Any) -> None:
+    from hicache_fsm.eviction import Eviction
+
+    orig = Eviction.evict
+    p.setattr(Eviction, "evict", lambda self, num_tokens: orig(self, min(num_tokens, 1)))
 
 
 @_third("wait_complete_stops_early", "a wait_complete prefetch is stopped (ready) before its transfer ended",

@@ -11,6 +11,10 @@
   ``write_behind_idle_steps`` polls) with host room for it at one step, and
   stays so, is backed up by a later poll unless a backup was refused for host
   room (the write_behind promise).
+- ``evict_due``: ``evict(n)`` frees at least ``n`` device tokens, or all that
+  could go at once (``freeable_device_tokens``): nodes with a host copy, and
+  device-only subtrees a policy that keeps no unbacked KV may drop, unlocked
+  and with nothing in flight below them.
 - ``load_back_due``: a load-back of a host hit within ``load_back_threshold`` /
   ``load_back_max_tokens`` is refused only when the device cannot make room for
   it: on a copy of the cache, with the matched prefix locked and the chain's
@@ -23,12 +27,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from hicache_fsm.bindings.residency import LOADING, ON_DEVICE
+
 if TYPE_CHECKING:
     from hicache_fsm.radix import TreeNode
     from hicache_fsm.results import LoadHandle
 
-__all__ = ["cold_unbacked", "load_back_refusal_problem", "unwaited_loads", "wait_complete_problem",
-           "write_behind_problems"]
+__all__ = ["cold_unbacked", "freeable_device_tokens", "load_back_refusal_problem", "unwaited_loads",
+           "wait_complete_problem", "write_behind_problems"]
 
 
 def _waited(handles: Iterable[LoadHandle]) -> set[int]:
@@ -106,3 +112,33 @@ def load_back_refusal_problem(fork: Any, tokens: tuple[int, ...]) -> str | None:
         return None
     return (f"load_back_due: a load-back of a {total}-token host hit was refused, yet the device has room for it "
             f"(or eviction makes it, the matched prefix locked and the chain pinned): {room} tokens free")
+
+
+_RESIDENT = ON_DEVICE | LOADING
+# states whose device copy an eviction frees at once, the node staying with its host copy
+_BACKED_ON_DEVICE = frozenset({"device_host", "device_host_storing", "device_host_stored"})
+
+
+def freeable_device_tokens(root: TreeNode, keeps_unbacked: bool) -> int:
+    """Device tokens an eviction can free at once, read off the tree (not the cache's candidate sets): an
+    unlocked node with a host copy whose resident descendants can all go, and, when the policy drops
+    unbacked KV (``keeps_unbacked`` False), an unlocked device-only subtree with nothing else in it. A node in
+    flight (a backup or a load) holds its ancestors too."""
+
+    def visit(node: TreeNode) -> tuple[int, bool, bool]:  # (tokens freed below and at node, all go, all dropped)
+        freed, go, drop = 0, True, True
+        for child in node.children.values():
+            f, g, d = visit(child)
+            freed, go, drop = freed + f, go and g, drop and d
+        state = node.state
+        if state not in _RESIDENT:
+            return freed, True, False  # off the device: nothing to free, and it stays
+        if node.lock_ref or not go:
+            return freed, False, False
+        if state in _BACKED_ON_DEVICE:
+            return freed + node.num_tokens, True, False
+        if state == "device" and not keeps_unbacked and drop:
+            return freed + node.num_tokens, True, True
+        return freed, False, False  # in flight, or device-only KV that must be backed up first
+
+    return sum(visit(child)[0] for child in root.children.values())

@@ -53,8 +53,8 @@ import torch
 from hicache_fsm.testing.adapter import HiCacheAdapter, Rejected, StorageFault, fingerprints
 from hicache_fsm.testing.memory_families import (chain_loads_family, host_room_families, layout_families,
                                                   namespace_families, order_family, recency_families, reset_family)
-from hicache_fsm.testing.obligations import (cold_unbacked, load_back_refusal_problem, unwaited_loads,
-                                            wait_complete_problem, write_behind_problems)
+from hicache_fsm.testing.obligations import (cold_unbacked, freeable_device_tokens, load_back_refusal_problem,
+                                            unwaited_loads, wait_complete_problem, write_behind_problems)
 from hicache_fsm.testing.recency import UseLog
 from hicache_fsm.testing.start_families import cp_host_full_family, prefetch_split_family
 
@@ -205,8 +205,12 @@ class ProtocolAdapter(HiCacheAdapter):
         tree = self.cache.tree
         self.uses.sync(tree.nodes())
         candidates = [(n, n.state) for n in tree.nodes() if Eviction.is_device_candidate(n)]
-        freed = super().evict(num_tokens)
         keeps_unbacked = self.config.write_policy in ("write_back", "write_behind")
+        could = freeable_device_tokens(tree.root, keeps_unbacked)
+        freed = super().evict(num_tokens)
+        if freed < min(num_tokens, could):
+            self._step_problems.append(f"evict_due: evict({num_tokens}) freed {freed} device tokens, though "
+                                       f"{could} could go at once")
         gone = [n for n, _ in candidates if not tree.owns(n) or n.state not in ON_DEVICE]
         # a device-only node may stay for its backup (write_back, or host-only children): not a choice of order
         stayed = [n for n, state in candidates if tree.owns(n) and n.state == state
