@@ -421,3 +421,21 @@ def test_freeable_device_tokens_counts_what_an_eviction_may_take_at_once():
     assert a.evict(2) == 2 and freeable_device_tokens(root, keeps_unbacked=True) == 0
     assert not a.kv_violations() and not a.invariant_violations()
     a.close()
+
+
+def test_a_host_copy_never_backed_up_to_storage_is_a_problem():
+    """``store_due``: a cache whose storage backups never started passed every tool."""
+    def run() -> list[str]:
+        a = ProtocolAdapter(device_pages=3, host_pages=4, storage=True)
+        a.insert((1,))
+        for job in a.pending_jobs():
+            a.complete_job(job.id)  # the D2H lands: its storage backup starts
+        problems = a.kv_violations()
+        a.poll()
+        problems += a.kv_violations()
+        a.close()
+        return problems
+
+    assert run() == []
+    with mutant("storage_backups_never_start"):
+        assert any(p.startswith("store_due:") for p in run())

@@ -1,6 +1,6 @@
 """The third set of planted controller bugs: reset, insert priorities and recency, prefetch placement, and
 what the engine is handed (load waits, load-backs refused, evictions that stop short, a prefetch's readiness,
-write_behind backups), a page number
+write_behind and storage backups), a page number
 taken for a slot number (right only with pages of one token), a split's upper half left without recency
 and a CP group's host shortfall counted on one rank.
 
@@ -312,6 +312,22 @@ def _evict_stops_after_one_token(p: Any) -> None:
 
     orig = Eviction.evict
     p.setattr(Eviction, "evict", lambda self, num_tokens: orig(self, min(num_tokens, 1)))
+
+
+@_third("storage_backups_never_start", "host copies never backed up to storage: neither when their D2H lands "
+                                       "nor by the retry sweep", storage=True)
+def _storage_backups_never_start(p: Any) -> None:
+    from hicache_fsm.outbox import Outbox
+    from hicache_fsm.storage.retry import BackupRetries
+
+    orig = Outbox._fire_each
+
+    def fire_each(self, nodes, trigger, errors, only_if_able=False):
+        if trigger != "store":
+            orig(self, nodes, trigger, errors, only_if_able)
+
+    p.setattr(Outbox, "_fire_each", fire_each)
+    p.setattr(BackupRetries, "sweep", lambda self, start, budget, now: (0, False))
 
 
 @_third("wait_complete_stops_early", "a wait_complete prefetch is stopped (ready) before its transfer ended",

@@ -15,6 +15,10 @@
   could go at once (``freeable_device_tokens``): nodes with a host copy, and
   device-only subtrees a policy that keeps no unbacked KV may drop, unlocked
   and with nothing in flight below them.
+- ``store_due``: with storage taking backups (attached, healthy), no node is
+  left over two polls with a host copy storage lacks and no backup of it
+  running (``unstored_nodes``): a D2H ack starts the node's storage backup,
+  and the poll after a failure, an attach or a recovery retries the rest.
 - ``load_back_due``: a load-back of a host hit within ``load_back_threshold`` /
   ``load_back_max_tokens`` is refused only when the device cannot make room for
   it: on a copy of the cache, with the matched prefix locked and the chain's
@@ -33,8 +37,8 @@ if TYPE_CHECKING:
     from hicache_fsm.radix import TreeNode
     from hicache_fsm.results import LoadHandle
 
-__all__ = ["cold_unbacked", "freeable_device_tokens", "load_back_refusal_problem", "unwaited_loads",
-           "wait_complete_problem", "write_behind_problems"]
+__all__ = ["cold_unbacked", "freeable_device_tokens", "load_back_refusal_problem", "unstored_nodes",
+           "unwaited_loads", "wait_complete_problem", "write_behind_problems"]
 
 
 def _waited(handles: Iterable[LoadHandle]) -> set[int]:
@@ -142,3 +146,12 @@ def freeable_device_tokens(root: TreeNode, keeps_unbacked: bool) -> int:
         return freed, False, False  # in flight, or device-only KV that must be backed up first
 
     return sum(visit(child)[0] for child in root.children.values())
+
+
+# a host copy that storage does not hold, and no storage backup running (the residency spec's states)
+_UNSTORED = frozenset({"device_host", "host", "loading"})
+
+
+def unstored_nodes(nodes: Iterable[TreeNode]) -> list[TreeNode]:
+    """The nodes whose host copy is not in storage and not on its way there (``store_due``)."""
+    return [n for n in nodes if n.parent is not None and n.state in _UNSTORED]

@@ -54,7 +54,8 @@ from hicache_fsm.testing.adapter import HiCacheAdapter, Rejected, StorageFault, 
 from hicache_fsm.testing.memory_families import (chain_loads_family, host_room_families, layout_families,
                                                   namespace_families, order_family, recency_families, reset_family)
 from hicache_fsm.testing.obligations import (cold_unbacked, freeable_device_tokens, load_back_refusal_problem,
-                                            unwaited_loads, wait_complete_problem, write_behind_problems)
+                                            unstored_nodes, unwaited_loads, wait_complete_problem,
+                                            write_behind_problems)
 from hicache_fsm.testing.recency import UseLog
 from hicache_fsm.testing.start_families import cp_host_full_family, prefetch_split_family
 
@@ -99,6 +100,9 @@ class ProtocolAdapter(HiCacheAdapter):
         # write_behind: (polls, backups refused for host room, cold device-only nodes with host room) at the
         # last check; a function of the state then, so not part of the key
         self._cold: tuple[int, int, frozenset[int]] = (0, 0, frozenset())
+        # ``store_due``: the cache's poll count at the last check, and the nodes a poll then left unstored
+        self._polls_seen = 0
+        self._unstored: frozenset[int] = frozenset()
         self._watch_refusals()
         self.cache.driver.add_listener(_SplitUses(self))
 
@@ -577,7 +581,22 @@ class ProtocolAdapter(HiCacheAdapter):
         problems, self._step_problems = self._step_problems, []
         self.uses.sync(self.cache.tree.nodes())  # nodes the cache made or dropped by itself
         return (problems + self._late_ack_problems() + self._write_behind_problems() + self._order_problems()
-                + super().kv_violations() + self._load_violations())
+                + self._store_problems() + super().kv_violations() + self._load_violations())
+
+    def _store_problems(self) -> list[str]:
+        """``store_due`` when a poll ran since the last check (see ``testing.obligations``)."""
+        tier = self.cache.storage
+        polls = self.cache.driver.polls
+        polled, self._polls_seen = polls != self._polls_seen, polls
+        if tier is None or not tier.accepting_backups():
+            self._unstored = frozenset()
+            return []
+        if not polled:
+            return []
+        left = {n.id for n in unstored_nodes(self.cache.tree.nodes())}
+        stuck, self._unstored = sorted(left & self._unstored), frozenset(left)
+        return [f"store_due: node(s) {stuck} stayed without their host copy in storage and without a backup "
+                f"running over two polls with storage taking backups"] if stuck else []
 
     def _ranked(self) -> list:
         """The cache's nodes in its own eviction order (first to go first)."""
