@@ -439,3 +439,20 @@ def test_a_host_copy_never_backed_up_to_storage_is_a_problem():
     assert run() == []
     with mutant("storage_backups_never_start"):
         assert any(p.startswith("store_due:") for p in run())
+
+
+def test_an_allocation_refused_while_kv_could_go_is_a_problem():
+    """``alloc_due``: an allocation that failed without evicting passed every tool."""
+    def run() -> list[str]:
+        a = ProtocolAdapter(device_pages=2, host_pages=4)
+        a.insert((1,))
+        for job in a.pending_jobs():
+            a.complete_job(job.id)  # (1,) backed up: it may go
+        a.insert((2, 2))  # needs both device pages
+        problems = a.kv_violations()
+        a.close()
+        return problems
+
+    assert run() == []
+    with mutant("alloc_device_never_evicts"):
+        assert any(p.startswith("alloc_due:") for p in run())

@@ -314,6 +314,20 @@ def _evict_stops_after_one_token(p: Any) -> None:
     p.setattr(Eviction, "evict", lambda self, num_tokens: orig(self, min(num_tokens, 1)))
 
 
+@_third("alloc_device_never_evicts", "an allocation on a full device that fails without evicting (the engine "
+                                     "cannot admit a request while backed-up KV could go)")
+def _alloc_device_never_evicts(p: Any) -> None:
+    HiCache = hicache_class()
+    orig = HiCache.alloc_device
+
+    def alloc_device(self, num_tokens):
+        if self.device_allocator.available_tokens < num_tokens:
+            return None
+        return orig(self, num_tokens)
+
+    p.setattr(HiCache, "alloc_device", alloc_device)
+
+
 @_third("storage_backups_never_start", "host copies never backed up to storage: neither when their D2H lands "
                                        "nor by the retry sweep", storage=True)
 def _storage_backups_never_start(p: Any) -> None:

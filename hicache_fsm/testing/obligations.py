@@ -14,7 +14,8 @@
 - ``evict_due``: ``evict(n)`` frees at least ``n`` device tokens, or all that
   could go at once (``freeable_device_tokens``): nodes with a host copy, and
   device-only subtrees a policy that keeps no unbacked KV may drop, unlocked
-  and with nothing in flight below them.
+  and with nothing in flight below them; ``alloc_due``: ``alloc_device(n)``
+  succeeds when free and freeable tokens add up to ``n``.
 - ``store_due``: with storage taking backups (attached, healthy), no node is
   left over two polls with a host copy storage lacks and no backup of it
   running (``unstored_nodes``): a D2H ack starts the node's storage backup,

@@ -168,8 +168,13 @@ class ProtocolAdapter(HiCacheAdapter):
         tree = self.cache.tree
         before = {n.id for n in tree.nodes()}
         refused = self.cache.counters["backup_host_full"]
+        room = self.device_pool.allocator.available_tokens + freeable_device_tokens(
+            tree.root, self.config.write_policy in ("write_back", "write_behind"))
         ok = super().insert(tokens, priority)
         if not ok:
+            if 0 < len(self._aligned(tokens)) <= room:
+                self._step_problems.append(f"alloc_due: no device slots for {len(self._aligned(tokens))} tokens, "
+                                           f"though {room} were free or could go at once")
             return ok
         path, _, _ = self.walk(tokens)
         # the nodes this insert made; a split's upper half has its record already, None for a node of the cache's
