@@ -456,3 +456,20 @@ def test_an_allocation_refused_while_kv_could_go_is_a_problem():
     assert run() == []
     with mutant("alloc_device_never_evicts"):
         assert any(p.startswith("alloc_due:") for p in run())
+
+
+def test_a_hit_query_that_misses_stored_pages_is_a_problem():
+    """``query_exact``: a hit query that counted only the first stored page passed every tool."""
+    def run() -> list[str]:
+        a = ProtocolAdapter(device_pages=3, host_pages=5, storage=True)
+        assert a.store_remote((1, 2)) == 2  # another instance stored both pages
+        request = a.prefetch((1, 2))
+        a.complete_storage(a.storage_steps()[0].id)  # the hit query
+        problems = a.kv_violations()
+        a.abort(request)
+        a.close()
+        return problems
+
+    assert run() == []
+    with mutant("hit_query_stops_after_first_page"):
+        assert any(p.startswith("query_exact:") for p in run())

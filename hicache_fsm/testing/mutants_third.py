@@ -1,6 +1,6 @@
 """The third set of planted controller bugs: reset, insert priorities and recency, prefetch placement, and
-what the engine is handed (load waits, load-backs refused, evictions that stop short, a prefetch's readiness,
-write_behind and storage backups), a page number
+what the engine is handed (load waits, load-backs refused, evictions that stop short, a prefetch's readiness and
+hit query, write_behind and storage backups), a page number
 taken for a slot number (right only with pages of one token), a split's upper half left without recency
 and a CP group's host shortfall counted on one rank.
 
@@ -326,6 +326,15 @@ def _alloc_device_never_evicts(p: Any) -> None:
         return orig(self, num_tokens)
 
     p.setattr(HiCache, "alloc_device", alloc_device)
+
+
+@_third("hit_query_stops_after_first_page", "a prefetch's hit query that counts only the first stored page "
+                                            "(the rest is recomputed though storage holds it)", storage=True)
+def _hit_query_stops_after_first_page(p: Any) -> None:
+    from hicache_fsm.storage.admission import PrefetchCalls
+
+    orig = PrefetchCalls.query_answered
+    p.setattr(PrefetchCalls, "query_answered", lambda self, op, keys: orig(self, op, tuple(keys[:1])))
 
 
 @_third("storage_backups_never_start", "host copies never backed up to storage: neither when their D2H lands "

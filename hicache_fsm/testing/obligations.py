@@ -20,6 +20,8 @@
   left over two polls with a host copy storage lacks and no backup of it
   running (``unstored_nodes``): a D2H ack starts the node's storage backup,
   and the poll after a failure, an attach or a recovery retries the rest.
+- ``query_exact``: a prefetch's hit query, run without an injected fault,
+  finds exactly the leading pages storage holds of what it asked for.
 - ``load_back_due``: a load-back of a host hit within ``load_back_threshold`` /
   ``load_back_max_tokens`` is refused only when the device cannot make room for
   it: on a copy of the cache, with the matched prefix locked and the chain's
@@ -29,7 +31,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from hicache_fsm.bindings.residency import LOADING, ON_DEVICE
@@ -38,7 +40,7 @@ if TYPE_CHECKING:
     from hicache_fsm.radix import TreeNode
     from hicache_fsm.results import LoadHandle
 
-__all__ = ["cold_unbacked", "freeable_device_tokens", "load_back_refusal_problem", "unstored_nodes",
+__all__ = ["cold_unbacked", "freeable_device_tokens", "load_back_refusal_problem", "query_watch", "unstored_nodes",
            "unwaited_loads", "wait_complete_problem", "write_behind_problems"]
 
 
@@ -156,3 +158,28 @@ _UNSTORED = frozenset({"device_host", "host", "loading"})
 def unstored_nodes(nodes: Iterable[TreeNode]) -> list[TreeNode]:
     """The nodes whose host copy is not in storage and not on its way there (``store_due``)."""
     return [n for n in nodes if n.parent is not None and n.state in _UNSTORED]
+
+
+def query_watch(adapter: Any, step_id: str) -> Callable[[], list[str]] | None:
+    """``query_exact`` for storage step ``step_id`` of ``adapter`` (a ``ProtocolAdapter`` with storage): when it
+    is a prefetch's hit query and no fault is armed, a callable to call once the step ran, returning the
+    problem if the query found other than the leading pages storage holds (read without faults before)."""
+    from hicache_fsm.storage.threads import leading_hits
+
+    tier = adapter.cache.storage
+    if not step_id.startswith("query:") or adapter.faults.armed or not tier.accepting_backups():
+        return None  # a fault to play, or storage detached or down: the query may fail
+    request = next((s.detail[0] for s in tier.steps() if s.id == step_id), None)
+    op = tier.runtime.active.get(request)
+    if op is None:
+        return None
+    keys = list(op.keys)
+    want = leading_hits(adapter.backend.inner.batch_exists(keys), len(keys)) * op.page_size
+
+    def problems() -> list[str]:
+        if op.error or op.state in ("admitted", "querying") or op.hit_tokens == want:
+            return []  # answered as it should, or not answered (the query failed)
+        return [f"query_exact: the hit query of prefetch {request!r} found {op.hit_tokens} tokens; storage "
+                f"holds the first {want} of the {len(keys) * op.page_size} it asked for"]
+
+    return problems
