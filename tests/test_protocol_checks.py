@@ -473,3 +473,21 @@ def test_a_hit_query_that_misses_stored_pages_is_a_problem():
     assert run() == []
     with mutant("hit_query_stops_after_first_page"):
         assert any(p.startswith("query_exact:") for p in run())
+
+
+def test_a_transfer_that_counts_fewer_pages_than_storage_served_is_a_problem():
+    """``transfer_exact``: a transfer whose last page went uncounted (reported short) passed every tool."""
+    def run() -> list[str]:
+        a = ProtocolAdapter(device_pages=3, host_pages=5, storage=True)
+        assert a.store_remote((1,)) == 1
+        request = a.prefetch((1,))
+        a.complete_storage(a.storage_steps()[0].id)  # the hit query
+        a.complete_storage(a.storage_steps()[0].id)  # the transfer
+        problems = a.kv_violations()
+        a.abort(request)
+        a.close()
+        return problems
+
+    assert run() == []
+    with mutant("transfer_counts_one_page_short"):
+        assert any(p.startswith("transfer_exact:") for p in run())

@@ -1,6 +1,6 @@
 """The third set of planted controller bugs: reset, insert priorities and recency, prefetch placement, and
-what the engine is handed (load waits, load-backs refused, evictions that stop short, a prefetch's readiness and
-hit query, write_behind and storage backups), a page number
+what the engine is handed (load waits, load-backs refused, evictions that stop short, a prefetch's readiness,
+hit query and transfer, write_behind and storage backups), a page number
 taken for a slot number (right only with pages of one token), a split's upper half left without recency
 and a CP group's host shortfall counted on one rank.
 
@@ -335,6 +335,21 @@ def _hit_query_stops_after_first_page(p: Any) -> None:
 
     orig = PrefetchCalls.query_answered
     p.setattr(PrefetchCalls, "query_answered", lambda self, op, keys: orig(self, op, tuple(keys[:1])))
+
+
+@_third("transfer_counts_one_page_short", "a prefetch transfer whose last landed page is not counted (reported "
+                                          "short, though storage served it)", storage=True)
+def _transfer_counts_one_page_short(p: Any) -> None:
+    from hicache_fsm.storage.admission import PrefetchCalls
+
+    orig = PrefetchCalls.batch_landed
+
+    def batch_landed(self, op, tokens, short, error):
+        if tokens > 0 and not short:
+            tokens, short, error = tokens - op.page_size, True, "dropped"
+        orig(self, op, tokens, short, error)
+
+    p.setattr(PrefetchCalls, "batch_landed", batch_landed)
 
 
 @_third("storage_backups_never_start", "host copies never backed up to storage: neither when their D2H lands "

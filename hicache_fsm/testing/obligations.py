@@ -20,8 +20,9 @@
   left over two polls with a host copy storage lacks and no backup of it
   running (``unstored_nodes``): a D2H ack starts the node's storage backup,
   and the poll after a failure, an attach or a recovery retries the rest.
-- ``query_exact``: a prefetch's hit query, run without an injected fault,
-  finds exactly the leading pages storage holds of what it asked for.
+- ``query_exact`` / ``transfer_exact``: a prefetch's hit query (transfer),
+  run without an injected fault, finds (lands) exactly the leading pages
+  storage holds of what it asked for (read).
 - ``load_back_due``: a load-back of a host hit within ``load_back_threshold`` /
   ``load_back_max_tokens`` is refused only when the device cannot make room for
   it: on a copy of the cache, with the matched prefix locked and the chain's
@@ -40,7 +41,7 @@ if TYPE_CHECKING:
     from hicache_fsm.radix import TreeNode
     from hicache_fsm.results import LoadHandle
 
-__all__ = ["cold_unbacked", "freeable_device_tokens", "load_back_refusal_problem", "query_watch", "unstored_nodes",
+__all__ = ["cold_unbacked", "freeable_device_tokens", "load_back_refusal_problem", "storage_step_watch", "unstored_nodes",
            "unwaited_loads", "wait_complete_problem", "write_behind_problems"]
 
 
@@ -160,26 +161,41 @@ def unstored_nodes(nodes: Iterable[TreeNode]) -> list[TreeNode]:
     return [n for n in nodes if n.parent is not None and n.state in _UNSTORED]
 
 
-def query_watch(adapter: Any, step_id: str) -> Callable[[], list[str]] | None:
-    """``query_exact`` for storage step ``step_id`` of ``adapter`` (a ``ProtocolAdapter`` with storage): when it
-    is a prefetch's hit query and no fault is armed, a callable to call once the step ran, returning the
-    problem if the query found other than the leading pages storage holds (read without faults before)."""
+def storage_step_watch(adapter: Any, step_id: str) -> Callable[[], list[str]] | None:
+    """``query_exact`` / ``transfer_exact`` for storage step ``step_id`` of ``adapter`` (a ``ProtocolAdapter`` with
+    storage): when the step is a prefetch's hit query or transfer, no fault is armed and storage takes work, a
+    callable to call once the step ran, returning the problem if the step found, or landed, other than the
+    leading pages storage holds of what it asked for (read without faults before the step)."""
     from hicache_fsm.storage.threads import leading_hits
 
     tier = adapter.cache.storage
-    if not step_id.startswith("query:") or adapter.faults.armed or not tier.accepting_backups():
-        return None  # a fault to play, or storage detached or down: the query may fail
-    request = next((s.detail[0] for s in tier.steps() if s.id == step_id), None)
-    op = tier.runtime.active.get(request)
+    kind = step_id.split(":", 1)[0]
+    if kind not in ("query", "s2h") or adapter.faults.armed or not tier.accepting_backups():
+        return None  # a fault to play, or storage detached or down: the step may fail
+    if kind == "query":
+        request = next((s.detail[0] for s in tier.steps() if s.id == step_id), None)
+        op = tier.runtime.active.get(request)
+        keys = list(op.keys) if op is not None else []
+    else:
+        job, op = next(((j, o) for j, o in tier.queued_work()["s2h"] if f"s2h:{j.id}" == step_id), (None, None))
+        keys = list(job.keys) if job is not None else []
+        if op is not None and (op.terminated or op.state != "transferring"):
+            return None  # stopped: what lands no longer counts
     if op is None:
         return None
-    keys = list(op.keys)
     want = leading_hits(adapter.backend.inner.batch_exists(keys), len(keys)) * op.page_size
+    landed = op.completed_tokens  # what the cache counted as landed, once the step's events are polled
 
     def problems() -> list[str]:
-        if op.error or op.state in ("admitted", "querying") or op.hit_tokens == want:
-            return []  # answered as it should, or not answered (the query failed)
-        return [f"query_exact: the hit query of prefetch {request!r} found {op.hit_tokens} tokens; storage "
-                f"holds the first {want} of the {len(keys) * op.page_size} it asked for"]
+        if kind == "query":
+            if op.error or op.state in ("admitted", "querying") or op.hit_tokens == want:
+                return []  # answered as it should, or not answered (the query failed)
+            return [f"query_exact: the hit query of prefetch {op.request_id!r} found {op.hit_tokens} tokens; "
+                    f"storage holds the first {want} of the {len(keys) * op.page_size} it asked for"]
+        got = op.completed_tokens - landed
+        if got == want:
+            return []
+        return [f"transfer_exact: the transfer of prefetch {op.request_id!r} landed {got} tokens; storage holds "
+                f"the first {want} of the {len(keys) * op.page_size} it read"]
 
     return problems

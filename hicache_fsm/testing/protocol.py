@@ -54,7 +54,7 @@ from hicache_fsm.testing.adapter import HiCacheAdapter, Rejected, StorageFault, 
 from hicache_fsm.testing.memory_families import (chain_loads_family, host_room_families, layout_families,
                                                   namespace_families, order_family, recency_families, reset_family)
 from hicache_fsm.testing.obligations import (cold_unbacked, freeable_device_tokens, load_back_refusal_problem,
-                                            query_watch, unstored_nodes, unwaited_loads, wait_complete_problem,
+                                            storage_step_watch, unstored_nodes, unwaited_loads, wait_complete_problem,
                                             write_behind_problems)
 from hicache_fsm.testing.recency import UseLog
 from hicache_fsm.testing.start_families import cp_host_full_family, prefetch_split_family
@@ -462,8 +462,8 @@ class ProtocolAdapter(HiCacheAdapter):
         self.cache.poll()
 
     def complete_storage(self, step_id: str) -> None:
-        """Run a queued storage step; a hit query run without faults finds what storage holds (``query_exact``)."""
-        watch = query_watch(self, step_id)
+        """Run a queued storage step; a hit query or transfer run without faults finds what storage holds."""
+        watch = storage_step_watch(self, step_id)
         super().complete_storage(step_id)
         self._step_problems += watch() if watch else []
 
