@@ -491,3 +491,27 @@ def test_a_transfer_that_counts_fewer_pages_than_storage_served_is_a_problem():
     assert run() == []
     with mutant("transfer_counts_one_page_short"):
         assert any(p.startswith("transfer_exact:") for p in run())
+
+
+def test_an_eviction_that_takes_more_than_it_was_asked_is_a_problem():
+    """``evict_just_enough``: evictions that took every candidate, asked for one token, passed every tool."""
+    def run(tier: str) -> list[str]:
+        a = ProtocolAdapter(device_pages=3, host_pages=4)
+        a.insert((1,))
+        a.insert((2,))  # two backed-up nodes of one token each
+        for job in a.pending_jobs():
+            a.complete_job(job.id)
+        if tier == "host":
+            assert a.evict(2) == 2  # both on the host only now
+            a.kv_violations()
+            assert a.evict_host(1) >= 1
+        else:
+            assert a.evict(1) >= 1
+        problems = a.kv_violations()
+        a.close()
+        return problems
+
+    for tier, bug in (("device", "evict_takes_everything"), ("host", "evict_host_takes_everything")):
+        assert run(tier) == []
+        with mutant(bug):
+            assert any(p.startswith("evict_just_enough:") for p in run(tier)), bug

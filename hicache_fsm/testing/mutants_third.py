@@ -1,5 +1,5 @@
 """The third set of planted controller bugs: reset, insert priorities and recency, prefetch placement, and
-what the engine is handed (load waits, load-backs refused, evictions that stop short, a prefetch's readiness,
+what the engine is handed (load waits, load-backs refused, evictions that stop short or take everything, a prefetch's readiness,
 hit query and transfer, write_behind and storage backups), a page number
 taken for a slot number (right only with pages of one token), a split's upper half left without recency
 and a CP group's host shortfall counted on one rank.
@@ -312,6 +312,24 @@ def _evict_stops_after_one_token(p: Any) -> None:
 
     orig = Eviction.evict
     p.setattr(Eviction, "evict", lambda self, num_tokens: orig(self, min(num_tokens, 1)))
+
+
+@_third("evict_takes_everything", "a device eviction that takes every candidate, however few tokens it was asked "
+                                  "for")
+def _evict_takes_everything(p: Any) -> None:
+    from hicache_fsm.eviction import Eviction
+
+    orig = Eviction.evict
+    p.setattr(Eviction, "evict", lambda self, num_tokens: orig(self, 1 << 40))
+
+
+@_third("evict_host_takes_everything", "a host eviction that takes every candidate, however few tokens it was "
+                                       "asked for")
+def _evict_host_takes_everything(p: Any) -> None:
+    from hicache_fsm.eviction import Eviction
+
+    orig = Eviction.evict_host
+    p.setattr(Eviction, "evict_host", lambda self, num_tokens: orig(self, 1 << 40))
 
 
 @_third("alloc_device_never_evicts", "an allocation on a full device that fails without evicting (the engine "

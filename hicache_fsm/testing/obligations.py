@@ -15,7 +15,9 @@
   could go at once (``freeable_device_tokens``): nodes with a host copy, and
   device-only subtrees a policy that keeps no unbacked KV may drop, unlocked
   and with nothing in flight below them; ``alloc_due``: ``alloc_device(n)``
-  succeeds when free and freeable tokens add up to ``n``.
+  succeeds when free and freeable tokens add up to ``n``; ``evict_just_enough``:
+  ``evict(n)`` and ``evict_host(n)`` stop once ``n`` tokens are freed (the last
+  victim may overshoot, no victim more).
 - ``store_due``: with storage taking backups (attached, healthy), no node is
   left over two polls with a host copy storage lacks and no backup of it
   running (``unstored_nodes``): a D2H ack starts the node's storage backup,
@@ -41,8 +43,8 @@ if TYPE_CHECKING:
     from hicache_fsm.radix import TreeNode
     from hicache_fsm.results import LoadHandle
 
-__all__ = ["cold_unbacked", "freeable_device_tokens", "load_back_refusal_problem", "storage_step_watch", "unstored_nodes",
-           "unwaited_loads", "wait_complete_problem", "write_behind_problems"]
+__all__ = ["cold_unbacked", "freeable_device_tokens", "load_back_refusal_problem", "overshoot_problem",
+           "storage_step_watch", "unstored_nodes", "unwaited_loads", "wait_complete_problem", "write_behind_problems"]
 
 
 def _waited(handles: Iterable[LoadHandle]) -> set[int]:
@@ -199,3 +201,14 @@ def storage_step_watch(adapter: Any, step_id: str) -> Callable[[], list[str]] | 
                 f"the first {want} of the {len(keys) * op.page_size} it read"]
 
     return problems
+
+
+def overshoot_problem(call: str, asked: int, freed: int, victims: list[TreeNode]) -> list[str]:
+    """``evict_just_enough`` for ``call(asked)`` that freed ``freed`` tokens taking ``victims`` (nodes that lost
+    the tier's copy): the eviction stops once it freed what it was asked, so without its largest victim it
+    freed less than that."""
+    largest = max((n.num_tokens for n in victims), default=0)
+    if freed - largest < asked:
+        return []
+    return [f"evict_just_enough: {call}({asked}) freed {freed} tokens from {len(victims)} victims; it had freed "
+            f"{asked} before its last"]

@@ -54,34 +54,12 @@ from hicache_fsm.testing.adapter import HiCacheAdapter, Rejected, StorageFault, 
 from hicache_fsm.testing.memory_families import (chain_loads_family, host_room_families, layout_families,
                                                   namespace_families, order_family, recency_families, reset_family)
 from hicache_fsm.testing.obligations import (cold_unbacked, freeable_device_tokens, load_back_refusal_problem,
-                                            storage_step_watch, unstored_nodes, unwaited_loads, wait_complete_problem,
+                                            overshoot_problem, storage_step_watch, unstored_nodes, unwaited_loads, wait_complete_problem,
                                             write_behind_problems)
-from hicache_fsm.testing.recency import UseLog
+from hicache_fsm.testing.recency import UseLog, UseLogListener
 from hicache_fsm.testing.start_families import cp_host_full_family, prefetch_split_family
 
 __all__ = ["ProtocolAdapter"]
-
-
-class _SplitUses:
-    """A residency listener that tells the adapter's ``UseLog`` of every split as it happens, and of a reset (so
-    a live node without a record is one that entered the tree since the last ``sync``)."""
-
-    __slots__ = ("adapter",)
-
-    def __init__(self, adapter: "ProtocolAdapter") -> None:
-        self.adapter = adapter
-
-    def split(self, node: Any, upper: Any) -> None:
-        self.adapter.uses.split(node.id, upper.id)
-
-    def state_changed(self, node: Any, old: str) -> None:
-        pass
-
-    def removed(self, node: Any, parent: Any) -> None:
-        pass  # its record stays until the next ``sync``: an eviction's order is judged on its victims' records
-
-    def cleared(self) -> None:
-        self.adapter.uses.forget_all()  # node ids start again from 1
 
 
 class ProtocolAdapter(HiCacheAdapter):
@@ -104,7 +82,7 @@ class ProtocolAdapter(HiCacheAdapter):
         self._polls_seen = 0
         self._unstored: frozenset[int] = frozenset()
         self._watch_refusals()
-        self.cache.driver.add_listener(_SplitUses(self))
+        self.cache.driver.add_listener(UseLogListener(self))
 
     def supports(self, op: str) -> bool:
         if op == "reset" and self.backend is not None:
@@ -131,7 +109,7 @@ class ProtocolAdapter(HiCacheAdapter):
         new._loads = list(self._loads)
         new.uses = self.uses.copy()
         new._watch_refusals()  # the fork's eviction is a new object: watch it for the copy
-        new.cache.driver.add_listener(_SplitUses(new))  # a fork's driver starts with no listener
+        new.cache.driver.add_listener(UseLogListener(new))  # a fork's driver starts with no listener
         return new
 
     def _watch_refusals(self) -> None:
@@ -195,12 +173,16 @@ class ProtocolAdapter(HiCacheAdapter):
         return self._looked_up(tokens, super().prefetch, tokens)
 
     def evict_host(self, num_tokens: int) -> int:
+        from hicache_fsm.bindings.residency import EVICTED
         from hicache_fsm.eviction import Eviction
 
         tree = self.cache.tree
         self.uses.sync(tree.nodes())
         candidates = [n for n in tree.nodes() if Eviction.is_host_candidate(n)]
+        on_host = [n for n in tree.nodes() if n.state in EVICTED]
         freed = super().evict_host(num_tokens)
+        self._step_problems += overshoot_problem("evict_host", num_tokens, freed,
+                                                 [n for n in on_host if not tree.owns(n) or n.state not in EVICTED])
         gone = [n for n in candidates if not tree.owns(n)]
         self._step_problems += self.uses.order_problems("host", gone, [n for n in candidates if tree.owns(n)],
                                                         self._describe)
@@ -216,7 +198,10 @@ class ProtocolAdapter(HiCacheAdapter):
         candidates = [(n, n.state) for n in tree.nodes() if Eviction.is_device_candidate(n)]
         keeps_unbacked = self.config.write_policy in ("write_back", "write_behind")
         could = freeable_device_tokens(tree.root, keeps_unbacked)
+        on_device = [n for n in tree.nodes() if n.state in ON_DEVICE]
         freed = super().evict(num_tokens)
+        self._step_problems += overshoot_problem("evict", num_tokens, freed,
+                                                 [n for n in on_device if not tree.owns(n) or n.state not in ON_DEVICE])
         if freed < min(num_tokens, could):
             self._step_problems.append(f"evict_due: evict({num_tokens}) freed {freed} device tokens, though "
                                        f"{could} could go at once")

@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-__all__ = ["UseLog"]
+__all__ = ["UseLog", "UseLogListener"]
 
 Use = tuple[int, int, int]  # (hits since it entered the tree, the operation that used it last, its priority)
 
@@ -110,3 +110,26 @@ class UseLog:
                                     f"(hits, last use {vu}) before {describe(s)} ({su}), which stayed")
                     break
         return problems
+
+
+class UseLogListener:
+    """A residency listener that tells its owner's ``UseLog`` (``owner.uses``, read at each call: a reset or a
+    fork replaces it) of every split as it happens, and of a reset, so that a live node without a record is
+    one that entered the tree since the last ``sync``."""
+
+    __slots__ = ("owner",)
+
+    def __init__(self, owner: Any) -> None:
+        self.owner = owner
+
+    def split(self, node: Any, upper: Any) -> None:
+        self.owner.uses.split(node.id, upper.id)
+
+    def state_changed(self, node: Any, old: str) -> None:
+        pass
+
+    def removed(self, node: Any, parent: Any) -> None:
+        pass  # its record stays until the next ``sync``: an eviction's order is judged on its victims' records
+
+    def cleared(self) -> None:
+        self.owner.uses.forget_all()  # node ids start again from 1
