@@ -515,3 +515,24 @@ def test_an_eviction_that_takes_more_than_it_was_asked_is_a_problem():
         assert run(tier) == []
         with mutant(bug):
             assert any(p.startswith("evict_just_enough:") for p in run(tier)), bug
+
+
+def test_a_transfer_short_of_a_page_a_corrupt_fault_damaged_is_not_a_problem():
+    """``fuzz --examples 600 --steps 80 --seed 43``: a corrupt fault on a hit query damaged the stored page, so
+    the transfer (run with no fault left armed) read it as a miss; ``transfer_exact`` counts what reads back."""
+    from hicache_fsm.testing.interface import StorageFault
+    from hicache_fsm.testing.stateful import hicache_machine
+
+    state = hicache_machine(name="CorruptThenTransfer")()
+    try:
+        prompt = state.setup(variant=421, pages=[0])
+        state.expect_variant({"write_policy": "write_through", "eviction_policy": "lru", "device_pages": 3,
+                              "host_pages": 6, "page_size": 2, "layers": 2, "storage": True,
+                              "stop_policy": "best_effort"})
+        state.complete_job(pick=0)
+        state.storage_fault(fault=StorageFault(kind="corrupt", call="exists", after=0, count=1))
+        state.evict(pages=1)
+        state.remote_turn(base=prompt, pages=[0], script=[])
+        state.check()
+    finally:
+        state.teardown()

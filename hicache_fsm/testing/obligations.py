@@ -185,7 +185,14 @@ def storage_step_watch(adapter: Any, step_id: str) -> Callable[[], list[str]] | 
             return None  # stopped: what lands no longer counts
     if op is None:
         return None
-    want = leading_hits(adapter.backend.inner.batch_exists(keys), len(keys)) * op.page_size
+    inner = adapter.backend.inner
+    held = leading_hits(inner.batch_exists(keys), len(keys))
+    if kind == "s2h" and held:  # a page a corrupt fault damaged is stored, but reads back as a miss
+        from hicache_fsm.storage.page_format import page_format_of
+
+        blobs = inner.batch_get(keys[:held], page_format_of(adapter.host_pool))
+        held = next((i for i, blob in enumerate(blobs) if blob is None), held)
+    want = held * op.page_size
     landed = op.completed_tokens  # what the cache counted as landed, once the step's events are polled
 
     def problems() -> list[str]:
