@@ -365,18 +365,39 @@ def _host_only_prompt(a) -> None:
     assert a.evict(1) == 1 and a.match((1,)).host_tokens == 1
 
 
+def _flagged_only_when_planted(steps, bugs: tuple[str, ...], check: str, **adapter) -> None:
+    """``steps(a)`` drives a fresh ``ProtocolAdapter(**adapter)``: on the real cache the checks after it report
+    nothing; with each of ``bugs`` planted they report ``check``."""
+    def problems() -> list[str]:
+        a = ProtocolAdapter(**adapter)
+        try:
+            steps(a)
+            return a.kv_violations() + a.invariant_violations()
+        finally:
+            a.close()
+
+    assert problems() == []
+    for bug in bugs:
+        with mutant(bug):
+            assert any(p.startswith(f"{check}:") for p in problems()), bug
+
+
+def _backed_up(a, *prompts) -> None:
+    for prompt in prompts:
+        a.insert(prompt)
+    for job in a.pending_jobs():
+        a.complete_job(job.id)
+
+
 def test_a_load_back_refused_though_eviction_could_make_room_is_a_problem():
     """``load_back_due``: every tool passed a load-back that never loaded (or never evicted for room)."""
-    for bug in ("load_back_refused_with_room", "load_back_never_evicts"):
-        with mutant(bug):
-            a = ProtocolAdapter(device_pages=2, host_pages=4)
-            _host_only_prompt(a)
-            a.insert((2, 2))  # the device is full again, of an unlocked, backed-up prompt
-            for job in a.pending_jobs():
-                a.complete_job(job.id)
-            assert a.load_back((1,)) == 0
-            assert any(p.startswith("load_back_due:") for p in a.kv_violations()), bug
-            a.close()
+    def steps(a) -> None:
+        _host_only_prompt(a)
+        _backed_up(a, (2, 2))  # the device is full again, of an unlocked, backed-up prompt
+        a.load_back((1,))
+
+    _flagged_only_when_planted(steps, ("load_back_refused_with_room", "load_back_never_evicts"), "load_back_due",
+                               device_pages=2, host_pages=4)
 
 
 def test_a_load_back_refused_for_a_device_full_of_locked_kv_is_justified():
@@ -391,16 +412,12 @@ def test_a_load_back_refused_for_a_device_full_of_locked_kv_is_justified():
 
 def test_an_eviction_that_stops_short_of_what_could_go_is_a_problem():
     """``evict_due``: an eviction that freed nothing, or stopped after its first victim, passed every tool."""
-    for bug in ("evict_frees_nothing", "evict_stops_after_one_token"):
-        with mutant(bug):
-            a = ProtocolAdapter(device_pages=3, host_pages=4)
-            a.insert((1,))
-            a.insert((2,))  # two backed-up nodes of one token each
-            for job in a.pending_jobs():
-                a.complete_job(job.id)
-            assert a.evict(2) < 2
-            assert any(p.startswith("evict_due:") for p in a.kv_violations()), bug
-            a.close()
+    def steps(a) -> None:
+        _backed_up(a, (1,), (2,))  # two backed-up nodes of one token each
+        a.evict(2)
+
+    _flagged_only_when_planted(steps, ("evict_frees_nothing", "evict_stops_after_one_token"), "evict_due",
+                               device_pages=3, host_pages=4)
 
 
 def test_freeable_device_tokens_counts_what_an_eviction_may_take_at_once():
@@ -423,98 +440,62 @@ def test_freeable_device_tokens_counts_what_an_eviction_may_take_at_once():
     a.close()
 
 
-def test_a_host_copy_never_backed_up_to_storage_is_a_problem():
-    """``store_due``: a cache whose storage backups never started passed every tool."""
-    def run() -> list[str]:
-        a = ProtocolAdapter(device_pages=3, host_pages=4, storage=True)
-        a.insert((1,))
-        for job in a.pending_jobs():
-            a.complete_job(job.id)  # the D2H lands: its storage backup starts
-        problems = a.kv_violations()
-        a.poll()
-        problems += a.kv_violations()
-        a.close()
-        return problems
+def test_an_eviction_that_takes_more_than_it_was_asked_is_a_problem():
+    """``evict_just_enough``: evictions that took every candidate, asked for one token, passed every tool."""
+    def on_device(a) -> None:
+        _backed_up(a, (1,), (2,))
+        a.evict(1)
 
-    assert run() == []
-    with mutant("storage_backups_never_start"):
-        assert any(p.startswith("store_due:") for p in run())
+    def on_host(a) -> None:
+        _backed_up(a, (1,), (2,))
+        assert a.evict(2) == 2  # both on the host only now
+        a.kv_violations()
+        a.evict_host(1)
+
+    _flagged_only_when_planted(on_device, ("evict_takes_everything",), "evict_just_enough", device_pages=3,
+                               host_pages=4)
+    _flagged_only_when_planted(on_host, ("evict_host_takes_everything",), "evict_just_enough", device_pages=3,
+                               host_pages=4)
 
 
 def test_an_allocation_refused_while_kv_could_go_is_a_problem():
     """``alloc_due``: an allocation that failed without evicting passed every tool."""
-    def run() -> list[str]:
-        a = ProtocolAdapter(device_pages=2, host_pages=4)
-        a.insert((1,))
-        for job in a.pending_jobs():
-            a.complete_job(job.id)  # (1,) backed up: it may go
+    def steps(a) -> None:
+        _backed_up(a, (1,))  # (1,) may go
         a.insert((2, 2))  # needs both device pages
-        problems = a.kv_violations()
-        a.close()
-        return problems
 
-    assert run() == []
-    with mutant("alloc_device_never_evicts"):
-        assert any(p.startswith("alloc_due:") for p in run())
+    _flagged_only_when_planted(steps, ("alloc_device_never_evicts",), "alloc_due", device_pages=2, host_pages=4)
 
 
-def test_a_hit_query_that_misses_stored_pages_is_a_problem():
-    """``query_exact``: a hit query that counted only the first stored page passed every tool."""
-    def run() -> list[str]:
-        a = ProtocolAdapter(device_pages=3, host_pages=5, storage=True)
+def test_a_host_copy_never_backed_up_to_storage_is_a_problem():
+    """``store_due``: a cache whose storage backups never started passed every tool."""
+    def steps(a) -> None:
+        _backed_up(a, (1,))  # the D2H lands: its storage backup starts
+        a.kv_violations()
+        a.poll()
+
+    _flagged_only_when_planted(steps, ("storage_backups_never_start",), "store_due", device_pages=3, host_pages=4,
+                               storage=True)
+
+
+def test_a_prefetch_step_that_misses_stored_pages_is_a_problem():
+    """``query_exact`` / ``transfer_exact``: a hit query that counted only the first stored page, and a transfer
+    whose last page went uncounted (reported short), passed every tool."""
+    def query(a) -> None:
         assert a.store_remote((1, 2)) == 2  # another instance stored both pages
-        request = a.prefetch((1, 2))
+        a.prefetch((1, 2))
         a.complete_storage(a.storage_steps()[0].id)  # the hit query
-        problems = a.kv_violations()
-        a.abort(request)
-        a.close()
-        return problems
 
-    assert run() == []
-    with mutant("hit_query_stops_after_first_page"):
-        assert any(p.startswith("query_exact:") for p in run())
-
-
-def test_a_transfer_that_counts_fewer_pages_than_storage_served_is_a_problem():
-    """``transfer_exact``: a transfer whose last page went uncounted (reported short) passed every tool."""
-    def run() -> list[str]:
-        a = ProtocolAdapter(device_pages=3, host_pages=5, storage=True)
+    def transfer(a) -> None:
         assert a.store_remote((1,)) == 1
-        request = a.prefetch((1,))
+        a.prefetch((1,))
         a.complete_storage(a.storage_steps()[0].id)  # the hit query
         a.complete_storage(a.storage_steps()[0].id)  # the transfer
-        problems = a.kv_violations()
-        a.abort(request)
-        a.close()
-        return problems
 
-    assert run() == []
-    with mutant("transfer_counts_one_page_short"):
-        assert any(p.startswith("transfer_exact:") for p in run())
-
-
-def test_an_eviction_that_takes_more_than_it_was_asked_is_a_problem():
-    """``evict_just_enough``: evictions that took every candidate, asked for one token, passed every tool."""
-    def run(tier: str) -> list[str]:
-        a = ProtocolAdapter(device_pages=3, host_pages=4)
-        a.insert((1,))
-        a.insert((2,))  # two backed-up nodes of one token each
-        for job in a.pending_jobs():
-            a.complete_job(job.id)
-        if tier == "host":
-            assert a.evict(2) == 2  # both on the host only now
-            a.kv_violations()
-            assert a.evict_host(1) >= 1
-        else:
-            assert a.evict(1) >= 1
-        problems = a.kv_violations()
-        a.close()
-        return problems
-
-    for tier, bug in (("device", "evict_takes_everything"), ("host", "evict_host_takes_everything")):
-        assert run(tier) == []
-        with mutant(bug):
-            assert any(p.startswith("evict_just_enough:") for p in run(tier)), bug
+    _flagged_only_when_planted(query, ("hit_query_stops_after_first_page",), "query_exact", device_pages=3,
+                               host_pages=5, storage=True)
+    _flagged_only_when_planted(transfer, ("transfer_counts_one_page_short",), "transfer_exact", device_pages=3,
+                               host_pages=5, storage=True)
 
 
 def test_a_transfer_short_of_a_page_a_corrupt_fault_damaged_is_not_a_problem():
