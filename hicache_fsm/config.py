@@ -81,3 +81,9 @@ class CacheConfig:
     write_behind_idle_steps: int = attrs.field(default=2, validator=_count)
     write_behind_batch_tokens: int = attrs.field(default=1 << 20, validator=_count)
     eviction_headroom_tokens: int = attrs.field(default=0, validator=_count)
+
+    @property
+    def keeps_unbacked(self) -> bool:
+        """Whether device eviction keeps device-only KV until it is backed up (``write_back``, ``write_behind``)
+        rather than dropping it."""
+        return self.write_policy in ("write_back", "write_behind")

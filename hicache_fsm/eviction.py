@@ -449,7 +449,7 @@ class Eviction:
         counters = self.counters
         candidates = self.device
         freed = started = 0
-        keep_unbacked = self.config.write_policy in ("write_back", "write_behind")
+        keep_unbacked = self.config.keeps_unbacked
         skipped: list[TreeNode] = []
         try:
             while freed < num_tokens:
@@ -494,10 +494,9 @@ class Eviction:
         if node.state == "device":
             if node.children:
                 raise GuardRejected("residency", node.state, "drop", f"node {node.id} has host-only children; back it up first")
-            policy = self.config.write_policy
-            if policy in ("write_back", "write_behind"):
-                raise GuardRejected("residency", node.state, "drop",
-                                    f"node {node.id} is not backed up under {policy}; back it up first")
+            if self.config.keeps_unbacked:
+                raise GuardRejected("residency", node.state, "drop", f"node {node.id} is not backed up under "
+                                    f"{self.config.write_policy}; back it up first")
             driver.fire(node, "drop")
             driver.remove(node)
         else:

@@ -55,7 +55,7 @@ def test_a_correct_cache_keeps_twins_apart():
         one, two = a.read_kv((1, 1)), a.read_kv((2, 1))
         assert len(one) == len(two) == 2 and one != two
         assert a.kv_violations() == [] and a.invariant_violations() == []
-        assert a._page_keys((1, 1)) != a._page_keys((2, 1))  # storage keys seeded per namespace
+        assert a.storage_keys_of((1, 1)) != a.storage_keys_of((2, 1))  # storage keys seeded per namespace
         assert a.store_remote((2, 3)) == 2 and a.stored_prefix((1, 3)) == 0
         assert "namespaces=2" in a.describe() and not a.symmetric
     finally:

@@ -436,7 +436,7 @@ class HiCacheAdapter(CacheAdapter):
         k, v = encoded(tokens, self.layers)
         scratch.write(torch.arange(len(tokens)), k, v)
         values = [scratch.read_page(p).numpy().tobytes() for p in range(len(tokens) // ps)]
-        stored = self.backend.inner.batch_set(self._page_keys(tokens), values, page_format_of(scratch))
+        stored = self.backend.inner.batch_set(self.storage_keys_of(tokens), values, page_format_of(scratch))
         return sum(stored) * ps
 
     def stored_prefix(self, tokens: Sequence[int]) -> int:
@@ -444,9 +444,9 @@ class HiCacheAdapter(CacheAdapter):
         tokens = self._aligned(tokens)
         if not tokens or self.backend is None:
             return 0
-        return self.backend.inner.batch_exists(self._page_keys(tokens)) * self.page_size
+        return self.backend.inner.batch_exists(self.storage_keys_of(tokens)) * self.page_size
 
-    def _page_keys(self, tokens: tuple[int, ...]) -> list[str]:
+    def storage_keys_of(self, tokens: Sequence[int]) -> list[str]:
         """The storage keys of a prompt's pages, chained from its namespace's seed as the cache chains them."""
         from hicache_fsm.storage.keys import page_keys
         from hicache_fsm.storage.tier import namespace_seed

@@ -373,17 +373,10 @@ def _transfer_counts_one_page_short(p: Any) -> None:
 @_third("storage_backups_never_start", "host copies never backed up to storage: neither when their D2H lands "
                                        "nor by the retry sweep", storage=True)
 def _storage_backups_never_start(p: Any) -> None:
-    from hicache_fsm.outbox import Outbox
-    from hicache_fsm.storage.retry import BackupRetries
+    from hicache_fsm.residency_driver import ResidencyDriver
 
-    orig = Outbox._fire_each
-
-    def fire_each(self, nodes, trigger, errors, only_if_able=False):
-        if trigger != "store":
-            orig(self, nodes, trigger, errors, only_if_able)
-
-    p.setattr(Outbox, "_fire_each", fire_each)
-    p.setattr(BackupRetries, "sweep", lambda self, start, budget, now: (0, False))
+    orig = ResidencyDriver.can_fire  # both paths ask it before firing ``store``
+    p.setattr(ResidencyDriver, "can_fire", lambda self, node, trigger: trigger != "store" and orig(self, node, trigger))
 
 
 @_third("wait_complete_stops_early", "a wait_complete prefetch is stopped (ready) before its transfer ended",

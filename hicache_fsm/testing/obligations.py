@@ -37,7 +37,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from hicache_fsm.bindings.residency import LOADING, ON_DEVICE
+from hicache_fsm.eviction import DEVICE_EVICTABLE, RESIDENT
+from hicache_fsm.storage.retry import UNSTORED
 
 if TYPE_CHECKING:
     from hicache_fsm.radix import TreeNode
@@ -124,9 +125,8 @@ def load_back_refusal_problem(fork: Any, tokens: tuple[int, ...]) -> str | None:
             f"(or eviction makes it, the matched prefix locked and the chain pinned): {room} tokens free")
 
 
-_RESIDENT = ON_DEVICE | LOADING
 # states whose device copy an eviction frees at once, the node staying with its host copy
-_BACKED_ON_DEVICE = frozenset({"device_host", "device_host_storing", "device_host_stored"})
+_BACKED_ON_DEVICE = DEVICE_EVICTABLE - {"device"}
 
 
 def freeable_device_tokens(root: TreeNode, keeps_unbacked: bool) -> int:
@@ -141,7 +141,7 @@ def freeable_device_tokens(root: TreeNode, keeps_unbacked: bool) -> int:
             f, g, d = visit(child)
             freed, go, drop = freed + f, go and g, drop and d
         state = node.state
-        if state not in _RESIDENT:
+        if state not in RESIDENT:
             return freed, True, False  # off the device: nothing to free, and it stays
         if node.lock_ref or not go:
             return freed, False, False
@@ -154,13 +154,9 @@ def freeable_device_tokens(root: TreeNode, keeps_unbacked: bool) -> int:
     return sum(visit(child)[0] for child in root.children.values())
 
 
-# a host copy that storage does not hold, and no storage backup running (the residency spec's states)
-_UNSTORED = frozenset({"device_host", "host", "loading"})
-
-
 def unstored_nodes(nodes: Iterable[TreeNode]) -> list[TreeNode]:
     """The nodes whose host copy is not in storage and not on its way there (``store_due``)."""
-    return [n for n in nodes if n.parent is not None and n.state in _UNSTORED]
+    return [n for n in nodes if n.parent is not None and n.state in UNSTORED]
 
 
 def storage_step_watch(adapter: Any, step_id: str) -> Callable[[], list[str]] | None:
@@ -171,20 +167,14 @@ def storage_step_watch(adapter: Any, step_id: str) -> Callable[[], list[str]] | 
     from hicache_fsm.storage.threads import leading_hits
 
     tier = adapter.cache.storage
-    kind = step_id.split(":", 1)[0]
-    if kind not in ("query", "s2h") or adapter.faults.armed or not tier.accepting_backups():
-        return None  # a fault to play, or storage detached or down: the step may fail
-    if kind == "query":
-        request = next((s.detail[0] for s in tier.steps() if s.id == step_id), None)
-        op = tier.runtime.active.get(request)
-        keys = list(op.keys) if op is not None else []
-    else:
-        job, op = next(((j, o) for j, o in tier.queued_work()["s2h"] if f"s2h:{j.id}" == step_id), (None, None))
-        keys = list(job.keys) if job is not None else []
-        if op is not None and (op.terminated or op.state != "transferring"):
-            return None  # stopped: what lands no longer counts
-    if op is None:
-        return None
+    step = next((s for s in tier.steps() if s.id == step_id), None)
+    if step is None or step.kind not in ("query", "s2h") or adapter.faults.armed or not tier.accepting_backups():
+        return None  # not a prefetch's step, a fault to play, or storage detached or down: the step may fail
+    kind = step.kind
+    op = tier.runtime.active.get(step.detail[0])  # both kinds name their request first
+    if op is None or (kind == "s2h" and (op.terminated or op.state != "transferring" or op.job is None)):
+        return None  # released, or stopped: what lands no longer counts
+    keys = list(op.keys if kind == "query" else op.job.keys)
     inner = adapter.backend.inner
     held = leading_hits(inner.batch_exists(keys), len(keys))
     if kind == "s2h" and held:  # a page a corrupt fault damaged is stored, but reads back as a miss

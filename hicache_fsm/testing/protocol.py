@@ -54,8 +54,8 @@ from hicache_fsm.testing.adapter import HiCacheAdapter, Rejected, StorageFault, 
 from hicache_fsm.testing.memory_families import (chain_loads_family, host_room_families, layout_families,
                                                   namespace_families, order_family, recency_families, reset_family)
 from hicache_fsm.testing.obligations import (cold_unbacked, freeable_device_tokens, load_back_refusal_problem,
-                                            overshoot_problem, storage_step_watch, unstored_nodes, unwaited_loads, wait_complete_problem,
-                                            write_behind_problems)
+                                            overshoot_problem, storage_step_watch, unstored_nodes, unwaited_loads,
+                                            wait_complete_problem, write_behind_problems)
 from hicache_fsm.testing.recency import UseLog, UseLogListener
 from hicache_fsm.testing.start_families import cp_host_full_family, prefetch_split_family
 
@@ -146,13 +146,14 @@ class ProtocolAdapter(HiCacheAdapter):
         tree = self.cache.tree
         before = {n.id for n in tree.nodes()}
         refused = self.cache.counters["backup_host_full"]
-        room = self.device_pool.allocator.available_tokens + freeable_device_tokens(
-            tree.root, self.config.write_policy in ("write_back", "write_behind"))
+        room = self.device_pool.allocator.available_tokens + freeable_device_tokens(tree.root,
+                                                                                    self.config.keeps_unbacked)
         ok = super().insert(tokens, priority)
         if not ok:
-            if 0 < len(self._aligned(tokens)) <= room:
-                self._step_problems.append(f"alloc_due: no device slots for {len(self._aligned(tokens))} tokens, "
-                                           f"though {room} were free or could go at once")
+            wanted = len(self._aligned(tokens))
+            if 0 < wanted <= room:
+                self._step_problems.append(f"alloc_due: no device slots for {wanted} tokens, though {room} were "
+                                           f"free or could go at once")
             return ok
         path, _, _ = self.walk(tokens)
         # the nodes this insert made; a split's upper half has its record already, None for a node of the cache's
@@ -196,7 +197,7 @@ class ProtocolAdapter(HiCacheAdapter):
         tree = self.cache.tree
         self.uses.sync(tree.nodes())
         candidates = [(n, n.state) for n in tree.nodes() if Eviction.is_device_candidate(n)]
-        keeps_unbacked = self.config.write_policy in ("write_back", "write_behind")
+        keeps_unbacked = self.config.keeps_unbacked
         could = freeable_device_tokens(tree.root, keeps_unbacked)
         on_device = [n for n in tree.nodes() if n.state in ON_DEVICE]
         freed = super().evict(num_tokens)
@@ -269,7 +270,7 @@ class ProtocolAdapter(HiCacheAdapter):
         return m
 
     def evict(self, num_tokens: int) -> int:
-        if self.config.write_policy not in ("write_back", "write_behind"):
+        if not self.config.keeps_unbacked:
             return self._device_evicted(num_tokens)
         device_only = {n.id for n in self.cache.tree.nodes() if n.state == "device"}
         refused = self.cache.counters["backup_host_full"]

@@ -600,7 +600,8 @@ _STORAGE_VARIANTS: tuple[dict, ...] = tuple(
 # two tree namespaces (``testing.namespaces``): prompts starting with 1 and 2 are the same tokens as two
 # tenants'. These and the layouts' come last, so the variant numbers of generated regression tests keep their
 # meaning
-_NAMESPACE_VARIANTS: tuple[dict, ...] = tuple(
+_NAMESPACE_VARIANTS: tuple[dict, ...] = tuple(  # write_through / LRU and write_back / LFU in memory;
+    # write_through / LRU and write_behind / LFU with storage
     dict(v, namespaces=2) for v in (_MEMORY_VARIANTS[2], _MEMORY_VARIANTS[7], _STORAGE_VARIANTS[2],
                                     _STORAGE_VARIANTS[15]))
 # the shapes with pages of two tokens over two layers on page_first hosts, whose copies index pages and layers
