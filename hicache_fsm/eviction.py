@@ -401,20 +401,24 @@ class Eviction:
 
         Pops ``unbacked`` in last-access order (O(log N) a node): the first
         node still warm, over the remaining budget, or whose backup cannot
-        start (host full even after host eviction) ends the pass.
+        start (host full even after host eviction) ends the pass. The first
+        node of a pass goes even when it is larger than the whole budget:
+        otherwise a node bigger than ``write_behind_batch_tokens`` would never
+        be backed up.
         """
         unbacked = self.unbacked
         if unbacked is None:
             return
         idle = self.config.write_behind_idle_steps
-        budget = self.config.write_behind_batch_tokens
+        batch = budget = self.config.write_behind_batch_tokens
         polls = self.driver.polls
         counters = self.counters
         while True:
             node = unbacked.pop()
             if node is None:
                 return
-            if polls - node.last_poll < idle or node.num_tokens > budget or not self.try_backup(node):
+            over_budget = node.num_tokens > budget and budget < batch  # the pass's first node goes whatever its size
+            if polls - node.last_poll < idle or over_budget or not self.try_backup(node):
                 unbacked.restore(node)  # warm, too big, or the host stays full: next poll
                 return
             budget -= node.num_tokens

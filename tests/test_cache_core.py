@@ -496,6 +496,20 @@ def test_write_behind_backs_up_cold_nodes_in_batches():
     cache.check_invariants()
 
 
+def test_write_behind_backs_up_a_node_larger_than_the_batch_alone():
+    """A node over ``write_behind_batch_tokens`` goes as the first of a poll's pass; it was never backed up."""
+    cache, ex = make_cache(config=cfg(write_policy="write_behind", write_behind_idle_steps=1,
+                                      write_behind_batch_tokens=4))
+    big = put(cache, (1,) * 8).node
+    small = put(cache, (2,) * 4).node
+    cache.poll()
+    assert big.state == "writing_host" and small.state == "device"  # the coldest, alone: the budget is spent
+    cache.poll()
+    assert small.state == "writing_host"
+    drain(cache, ex)
+    cache.check_invariants()
+
+
 def test_write_behind_eviction_backs_up_instead_of_dropping():
     cache, ex = make_cache(config=cfg(write_policy="write_behind", write_behind_idle_steps=100))
     node = put(cache, pages(2)).node

@@ -17,7 +17,8 @@ import pytest
 from hicache_fsm.testing.checks import Step
 from hicache_fsm.testing.explorer import Bounds, Explorer, explore, quiet_cache_logs
 from hicache_fsm.testing.mutants import mutant
-from hicache_fsm.testing.protocol import default_families, pressure_family, protocol_factory
+from hicache_fsm.testing.memory_families import pressure_family
+from hicache_fsm.testing.protocol import default_families, protocol_factory
 
 
 def _family(name: str):
@@ -82,7 +83,7 @@ def test_a_start_step_that_is_refused_is_reported():
 
 
 def test_pressure_family_is_three_nodes_on_three_pages_and_deterministic():
-    name, bounds, factory = pressure_family()
+    name, bounds, factory = pressure_family(protocol_factory)
     assert (bounds.nodes, bounds.device_pages) == (3, 3) and bounds.start
     with quiet_cache_logs():
         a, b = explore(bounds, factory), explore(bounds, factory)
@@ -108,7 +109,7 @@ def test_a_load_back_refused_with_a_locked_occupant_is_reached():
     refused for device room (replayed from the family's own start)."""
     from hicache_fsm.testing.checks import perform
 
-    name, bounds, factory = pressure_family()
+    name, bounds, factory = pressure_family(protocol_factory)
     with quiet_cache_logs():
         adapter = factory(bounds)
         for step in bounds.start + (Step("insert", ((2, 2),)), Step("lock", ((2, 2),)), Step("load_back", ((1, 1),))):

@@ -87,11 +87,12 @@ def test_a_failed_load_reported_done_is_caught():
     from hicache_fsm.testing.checks import Step, replay_steps
     from hicache_fsm.testing.explorer import explore
     from hicache_fsm.testing.mutants import mutant
-    from hicache_fsm.testing.protocol import ProtocolAdapter, pressure_family
+    from hicache_fsm.testing.memory_families import pressure_family
+    from hicache_fsm.testing.protocol import ProtocolAdapter, protocol_factory
 
     steps = [Step("insert", ((1,),)), Step("complete_job", (0,)), Step("evict", (1,)), Step("load_back", ((1,),)),
              Step("lock", ((1,),)), Step("fail_job", (0,))]
-    _, bounds, factory = pressure_family()
+    _, bounds, factory = pressure_family(protocol_factory)
     with quiet_cache_logs():
         assert replay_steps(ProtocolAdapter(device_pages=2, host_pages=2, write_policy="write_through"), steps) == []
         with mutant("failed_load_reported_done"):

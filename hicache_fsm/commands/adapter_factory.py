@@ -114,6 +114,12 @@ def check_explorer_factory(factory: Callable[..., Any], ref: str, bounds: Any) -
         raise UsageError(f"--namespaces {bounds.namespaces}: the {type(made).__name__} --adapter {ref} makes has "
                          f"namespaces={getattr(made, 'namespaces', 1)} (its factory must read Bounds.namespaces "
                          f"and file prompts under that many namespaces, as HiCacheAdapter(namespaces=N) does)")
+    config = getattr(made, "config", None)
+    differ = [f"{k}={v!r}" for k, v in bounds.cache_options if getattr(config, k, object()) != v]
+    if differ:
+        raise UsageError(f"--cache-option {', '.join(differ)}: the {type(made).__name__} --adapter {ref} makes does "
+                         f"not report them in its config (its factory must pass Bounds.cache_options to the cache, as "
+                         f"HiCacheAdapter(**options) does)")
 
 
 def _probe(factory: Callable[..., Any]) -> Any:

@@ -154,6 +154,20 @@ MAX_VARIANT_CHARS = 64 * 1024
 MAX_VARIANT_DEPTH = 32
 
 
+def cache_option(text: str) -> tuple[str, int | None]:
+    """``--cache-option NAME=VALUE``: a ``CacheConfig`` field and an int (or ``none``), checked by ``Bounds``."""
+    name, sep, value = text.partition("=")
+    if not sep or not name.strip():
+        raise argparse.ArgumentTypeError("NAME=VALUE, e.g. eviction_headroom_tokens=1")
+    value = value.strip()
+    if value.lower() == "none":
+        return name.strip(), None
+    try:
+        return name.strip(), int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{name.strip()}: {value!r} is not an int or none") from None
+
+
 def json_kwargs(text: str) -> dict:
     """``--variant JSON``: a JSON object of keyword arguments for an adapter factory (bounded in size and depth)."""
     if len(text) > MAX_VARIANT_CHARS:

@@ -28,9 +28,10 @@ import argparse
 import json
 import sys
 
-from hicache_fsm.commands.args import (INTERRUPTED, UsageError, adapter_ref, json_kwargs, non_negative_int, output_path,
-                                      positive_float, positive_int, sigterm_interrupts)
+from hicache_fsm.commands.args import (INTERRUPTED, UsageError, adapter_ref, cache_option, json_kwargs,
+                                      non_negative_int, output_path, positive_float, positive_int, sigterm_interrupts)
 from hicache_fsm.config import EVICTION_POLICIES, WRITE_POLICIES
+from hicache_fsm.errors import ConfigError
 from hicache_fsm.pools import LAYOUTS
 
 
@@ -40,7 +41,8 @@ from hicache_fsm.pools import LAYOUTS
 BOUND_DEFAULTS: dict = {"nodes": 3, "device_pages": 2, "host_pages": 2, "layers": 1, "page_size": 1, "alphabet": 2,
                         "max_len": None, "locks": 1, "pins": 1, "write_policy": "write_through",
                         "eviction_policy": "lru", "track_hits": False, "no_redeliver": False, "max_depth": None,
-                        "max_states": None, "max_seconds": None, "namespaces": 1, "host_layout": "layer_first"}
+                        "max_states": None, "max_seconds": None, "namespaces": 1, "host_layout": "layer_first",
+                        "cache_option": ()}
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -63,6 +65,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                    help="tree namespaces (tenants, LoRA ids) a prompt's first token also names (default 1; with "
                         "2, prompts starting with 1 and 2 are the same tokens in two namespaces)")
     g.add_argument("--host-layout", choices=LAYOUTS, help="the host pool's layout (default layer_first)")
+    g.add_argument("--cache-option", metavar="NAME=VALUE", type=cache_option, action="append",
+                   help="a CacheConfig threshold or budget for the cache under test, e.g. eviction_headroom_tokens=1, "
+                        "load_back_threshold=2, load_back_max_tokens=none, write_behind_batch_tokens=1 (repeatable)")
     g.add_argument("--track-hits", action="store_true", default=None,
                    help="tell hit from never-hit nodes in the state key")
     g.add_argument("--no-redeliver", action="store_true", default=None, help="do not try re-delivering finished acks")
@@ -256,10 +261,14 @@ def _check_prefix_cache(args: argparse.Namespace) -> int:
             max_pins=args.pins, write_policy=policy, eviction_policy=args.eviction_policy,
             track_hits=args.track_hits, redeliver=not args.no_redeliver, max_depth=args.max_depth,
             max_states=args.max_states, max_seconds=args.max_seconds, namespaces=args.namespaces,
-            host_layout=args.host_layout,
+            host_layout=args.host_layout, cache_options=dict(args.cache_option),
         )
 
     policies = list(WRITE_POLICIES) if args.write_policy == "all" else [args.write_policy]
+    try:
+        bounds_for(policies[0])
+    except ConfigError as exc:  # a --cache-option the config refuses: a usage mistake, named before anything runs
+        raise UsageError(str(exc)) from None
     if not args.adapter and not args.quiet:  # bounds replace the portfolio: say what the run leaves out
         print(f"check: bounds given: one exploration per write policy ({', '.join(policies)}), not the families "
               f"of plain `check` (storage, prefetch, CP and the other policies)", file=sys.stderr)

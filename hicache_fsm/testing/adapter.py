@@ -160,9 +160,13 @@ class HiCacheAdapter(CacheAdapter):
     def describe(self) -> str:
         c = self.config
         storage = ", storage" if self.cache.storage is not None else ""
+        default = CacheConfig()
+        options = "".join(f", {f.name}={getattr(c, f.name)}" for f in attrs.fields(CacheConfig)
+                          if f.name not in ("write_policy", "eviction_policy")
+                          and getattr(c, f.name) != getattr(default, f.name))  # the thresholds set away from default
         return (f"hicache(device={self.device_pool.allocator.total_pages}, host={self.host_pool.allocator.total_pages}, "
                 f"page={self.page_size}, layers={self.layers}, {c.write_policy}, {c.eviction_policy}{storage}"
-                f"{f', namespaces={self.namespaces}' if self.namespaces > 1 else ''})")
+                f"{f', namespaces={self.namespaces}' if self.namespaces > 1 else ''}{options})")
 
     def supports(self, op: str) -> bool:
         if op in STORAGE_OPS and self.cache.storage is None:
@@ -225,7 +229,7 @@ class HiCacheAdapter(CacheAdapter):
         tokens = self._aligned(tokens)
         if not tokens:
             return False
-        idx = self.cache.alloc_device(len(tokens))
+        idx = self.alloc_for_insert(len(tokens))
         if idx is None:
             self.cache.flush()
             return False
@@ -237,6 +241,10 @@ class HiCacheAdapter(CacheAdapter):
         self.cache.insert(inner, idx, namespace, priority=priority)
         self.cache.flush()
         return True
+
+    def alloc_for_insert(self, num_tokens: int):
+        """The engine's device slots for an insert's KV (``alloc_device``, which may evict); None when full."""
+        return self.cache.alloc_device(num_tokens)
 
     def priority_levels(self) -> int:
         """How many insert priorities change what this cache does: 2 under the ``priority`` eviction policy."""

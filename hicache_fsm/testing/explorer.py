@@ -73,13 +73,13 @@ import logging
 import time
 import traceback
 from collections import deque
-from collections.abc import Callable, Hashable, Iterable, Iterator
-from typing import TextIO
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
+from typing import Any, TextIO
 
 import attrs
 import torch
 
-from hicache_fsm.config import check_positive_int
+from hicache_fsm.config import CacheConfig, check_positive_int
 from hicache_fsm.errors import ConfigError
 from hicache_fsm.testing.adapter import CacheAdapter
 from hicache_fsm.testing.checks import Step, UseOrder, catalogue, judged, kv_check, replay_steps
@@ -89,6 +89,31 @@ __all__ = ["EXPLORER_OPS", "Bounds", "ExploreResult", "Explorer", "Violation", "
            "missing_ops", "prompts_for"]
 
 EXPLORER_OPS = ("state_key", "size")  # what the search needs beyond the operations every adapter has
+
+
+# CacheConfig fields ``Bounds`` names itself (``write_policy``, ``eviction_policy``): not ``cache_options``
+_OWN_OPTIONS = ("write_policy", "eviction_policy")
+
+
+def _option_pairs(options: Any) -> tuple[tuple[str, Any], ...]:
+    """``Bounds.cache_options`` as sorted (name, value) pairs, from a mapping or pairs."""
+    if isinstance(options, Mapping):
+        options = options.items()
+    try:
+        return tuple(sorted((str(k), v) for k, v in options))
+    except (TypeError, ValueError):
+        raise ConfigError(f"Bounds.cache_options must be a mapping of CacheConfig fields, got {options!r}") from None
+
+
+def check_cache_options(options: dict[str, Any]) -> None:
+    """``ConfigError`` unless ``options`` are ``CacheConfig`` fields (other than those ``Bounds`` names) with
+    valid values."""
+    fields = [f for f in attrs.fields_dict(CacheConfig) if f not in _OWN_OPTIONS]
+    unknown = sorted(set(options) - set(fields))
+    if unknown:
+        raise ConfigError(f"Bounds.cache_options: unknown option(s) {', '.join(unknown)}; known: {', '.join(fields)} "
+                          f"(write_policy and eviction_policy are bounds of their own)")
+    CacheConfig(**options)  # the config's own validators: a typed error naming the field
 
 
 @attrs.frozen
@@ -120,6 +145,9 @@ class Bounds:
     ``namespaces``: a prompt's first token also names its tree namespace (``testing.namespaces``): with 2,
     prompts that start with 1 and 2 are the same cache tokens in two namespaces. ``host_layout``: the host
     pool's layout (``pools.LAYOUTS``), whose copies index pages and layers each its own way.
+    ``cache_options``: other ``CacheConfig`` fields for the cache under test, as (name, value) pairs (a
+    mapping is accepted and sorted): the thresholds and budgets a default config never exercises, such as
+    ``eviction_headroom_tokens``, ``load_back_threshold`` or ``write_behind_batch_tokens``.
     """
 
     nodes: int = 3
@@ -147,6 +175,7 @@ class Bounds:
     max_resets: int = 0
     namespaces: int = 1
     host_layout: str = "layer_first"
+    cache_options: tuple[tuple[str, Any], ...] = attrs.field(default=(), converter=_option_pairs)
 
     def __attrs_post_init__(self) -> None:
         """Refuse bounds that explore nothing meaningful (a run over them would pass, having checked nothing)."""
@@ -165,6 +194,7 @@ class Bounds:
         for name in ("track_hits", "redeliver", "storage"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"Bounds.{name} must be True or False, got {getattr(self, name)!r}")
+        check_cache_options(dict(self.cache_options))
 
     @property
     def prompt_pages(self) -> int:
@@ -200,7 +230,7 @@ def hicache_factory(bounds: Bounds) -> CacheAdapter:
                              page_size=bounds.page_size, layers=bounds.layers, write_policy=bounds.write_policy,
                              eviction_policy=bounds.eviction_policy, storage=bounds.storage,
                              stop_policy=bounds.stop_policy, namespaces=bounds.namespaces,
-                             host_layout=bounds.host_layout)
+                             host_layout=bounds.host_layout, **dict(bounds.cache_options))
     adapter.track_hits = bounds.track_hits
     return adapter
 

@@ -2,7 +2,7 @@
 miss: a full one-page host (``host_room_families``), eviction order (``order_family``, ``recency_families``), a
 chain loading back under a revived node (``chain_loads_family``) and ``reset``; and, in memory and with storage,
 the families of two tree namespaces (``namespace_families``) and of the page_first host layouts
-(``layout_families``).
+(``layout_families``); and those of config thresholds and budgets left at rest by default (``option_families``).
 
 ``testing.protocol.default_families`` lists them with the others; each takes the factory that builds the
 adapter (``protocol.protocol_factory``), as ``testing.start_families`` does, so this module imports neither it
@@ -14,8 +14,34 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["chain_loads_family", "host_room_families", "layout_families", "namespace_families", "order_family",
-           "recency_families", "reset_family"]
+__all__ = ["PRESSURE_START", "chain_loads_family", "host_room_families", "layout_families", "namespace_families",
+           "option_families", "order_family", "pressure_family", "recency_families", "reset_family"]
+
+
+# The start of ``memory/load_back_pressure``: a two-page chain backed up, then evicted (host-only).
+PRESSURE_START = (("insert", ((1, 1),)), ("complete_job", (0,)), ("evict", (2,)))
+
+
+def pressure_family(factory: Callable[[Any], Any], name: str = "memory/load_back_pressure",
+                    cache_options: dict | None = None) -> tuple[str, Any, Any]:
+    """Three nodes on a three-page device: load-backs under device pressure with locked occupants.
+
+    From a host-only two-page chain (``PRESSURE_START``), every state within four steps: occupants
+    inserted (their backups in flight), locked or evicted while the chain loads back (refused for device
+    room, or evicting an unlocked occupant), and loads that complete or fail with their nodes locked. The
+    host (four pages) keeps the chain's copy while an occupant is backed up. The action set is narrowed
+    to what those scenarios use: no match, explicit backup, host eviction, host pins or re-delivered acks
+    (the two-node families explore those). ``check --json`` reports both narrowings under
+    ``"reductions"``. ``cache_options`` (``Bounds.cache_options``) makes the same family under another
+    config (``option_families``).
+    """
+    from hicache_fsm.testing.checks import Step
+    from hicache_fsm.testing.explorer import Bounds
+
+    start = tuple(Step(op, args) for op, args in PRESSURE_START)
+    return (name, Bounds(nodes=3, device_pages=3, host_pages=4, alphabet=2, max_len=2, max_pins=0, redeliver=False,
+                         omit=("match", "backup", "evict_host"), start=start, max_depth=4,
+                         cache_options=cache_options or {}), factory)
 
 
 def chain_loads_family(factory: Callable[[Any], Any]) -> tuple[str, Any, Any]:
@@ -136,3 +162,35 @@ def layout_families(factory: Callable[[Any], Any]) -> tuple[list[tuple[str, Any,
                                                     storage=True, host_layout=layout, start=start, max_depth=3),
                         factory))
     return memory, storage
+
+
+def option_families(factory: Callable[[Any], Any]) -> list[tuple[str, Any, Any]]:
+    """The thresholds and budgets a default config leaves at rest (``Bounds.cache_options``), each where it acts.
+
+    ``memory/headroom``: ``memory/load_back_pressure`` with ``eviction_headroom_tokens=1`` (an allocation or a
+    load-back that evicts frees one token more than it lacks, and none when it lacks nothing).
+    ``memory/load_back_limits``: the chain of ``memory/chain_loads`` (one token, prompts of up to three pages on
+    a three-page device and host) with ``load_back_threshold=2``, ``load_back_max_tokens=2`` (a one- or
+    three-token load-back never starts, a two-token one starts when it has room).
+    ``memory/write_behind_batch``: two-page prompts under write_behind with ``write_behind_batch_tokens=1`` and
+    ``write_behind_idle_steps=1``: a poll backs up one cold token, or one node larger than the whole batch
+    alone. ``memory/selective_threshold_1``: write_through_selective backs a node up at its first hit. The
+    obligations of ``testing.obligations`` read these fields; with the defaults those paths never run. Locks,
+    pins and redelivery are left out (but in ``memory/headroom``); complete to its depth.
+    """
+    from hicache_fsm.testing.explorer import Bounds
+
+    chain = dict(nodes=3, device_pages=3, host_pages=3, alphabet=1, max_len=3, max_locks=0, max_pins=0,
+                 redeliver=False)
+    return [pressure_family(factory, "memory/headroom", {"eviction_headroom_tokens": 1}),
+            ("memory/load_back_limits", Bounds(**chain, max_depth=5, cache_options={"load_back_threshold": 2,
+                                                                                    "load_back_max_tokens": 2}),
+             factory),
+            ("memory/write_behind_batch",
+             Bounds(nodes=2, device_pages=2, host_pages=2, max_locks=0, max_pins=0, redeliver=False,
+                    write_policy="write_behind", max_depth=5,
+                    cache_options={"write_behind_batch_tokens": 1, "write_behind_idle_steps": 1}), factory),
+            ("memory/selective_threshold_1",
+             Bounds(nodes=2, device_pages=2, host_pages=2, max_locks=0, max_pins=0, redeliver=False,
+                    write_policy="write_through_selective", max_depth=4,
+                    cache_options={"write_through_threshold": 1}), factory)]

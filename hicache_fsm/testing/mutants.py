@@ -722,13 +722,14 @@ def _anchor_leak_host_full(p: Patcher) -> None:
 
 
 def _register_more() -> None:
-    """The second, third and fourth sets (``testing.mutants_more``, ``mutants_third``, ``mutants_fourth``), in
-    the same registry."""
+    """The second to fifth sets (``testing.mutants_more``, ``mutants_third``, ``mutants_fourth``,
+    ``mutants_fifth``), in the same registry."""
+    from hicache_fsm.testing.mutants_fifth import FIFTH
     from hicache_fsm.testing.mutants_fourth import FOURTH
     from hicache_fsm.testing.mutants_more import MORE
     from hicache_fsm.testing.mutants_third import THIRD
 
-    for name, bug, apply, variant in MORE + THIRD + FOURTH:
+    for name, bug, apply, variant in MORE + THIRD + FOURTH + FIFTH:
         MUTANTS[name] = Mutant(name, bug, apply, variant)
 
 

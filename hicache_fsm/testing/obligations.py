@@ -7,10 +7,13 @@
   after the forward pass read its slots.
 - ``wait_complete_due``: under the ``wait_complete`` stop policy a prefetch
   is not ready while its hit query or transfer is still running.
-- ``write_behind_due``: a device-only node that was cold (idle for
-  ``write_behind_idle_steps`` polls) with host room for it at one step, and
-  stays so, is backed up by a later poll unless a backup was refused for host
-  room (the write_behind promise).
+- ``write_behind_due``: a poll that finds a device-only node cold (idle for
+  ``write_behind_idle_steps`` polls, counting this one) with host room for it
+  backs up at least one node, unless a backup was refused for host room (the
+  write_behind promise); ``write_behind_early``: it backs up no node that is
+  still warm; ``write_behind_batch``: it backs up at most
+  ``write_behind_batch_tokens`` tokens, or one node (a node larger than the
+  whole batch goes alone, or never would).
 - ``evict_due``: ``evict(n)`` frees at least ``n`` device tokens, or all that
   could go at once (``freeable_device_tokens``): nodes with a host copy, and
   device-only subtrees a policy that keeps no unbacked KV may drop, unlocked
@@ -18,6 +21,12 @@
   succeeds when free and freeable tokens add up to ``n``; ``evict_just_enough``:
   ``evict(n)`` and ``evict_host(n)`` stop once ``n`` tokens are freed (the last
   victim may overshoot, no victim more).
+- ``headroom_kept``: ``alloc_device(n)`` and ``load_back`` evict only when
+  the free device tokens fall short, and then free the shortfall plus
+  ``eviction_headroom_tokens``, or all that could go at once, and no victim
+  past that.
+- ``load_back_limits``: a load-back that starts loads at least
+  ``load_back_threshold`` and at most ``load_back_max_tokens`` tokens.
 - ``store_due``: with storage taking backups (attached, healthy), no node is
   left over two polls with a host copy storage lacks and no backup of it
   running (``unstored_nodes``): a D2H ack starts the node's storage backup,
@@ -44,8 +53,9 @@ if TYPE_CHECKING:
     from hicache_fsm.radix import TreeNode
     from hicache_fsm.results import LoadHandle
 
-__all__ = ["cold_unbacked", "freeable_device_tokens", "load_back_refusal_problem", "overshoot_problem",
-           "storage_step_watch", "unstored_nodes", "unwaited_loads", "wait_complete_problem", "write_behind_problems"]
+__all__ = ["DeviceWatch", "freeable_device_tokens", "load_back_limit_problem", "load_back_refusal_problem",
+           "overshoot_problem", "storage_step_watch", "unstored_nodes", "unwaited_loads", "wait_complete_problem",
+           "write_behind_problems", "write_behind_snapshot"]
 
 
 def _waited(handles: Iterable[LoadHandle]) -> set[int]:
@@ -78,21 +88,84 @@ def wait_complete_problem(request: object, state_before: str | None, ready: bool
     return []
 
 
-def cold_unbacked(cache: Any) -> frozenset[int]:
-    """Ids of the device-only nodes idle for ``write_behind_idle_steps`` polls that the host has room for now."""
-    config, driver = cache.config, cache.driver
-    room = cache.host_allocator.available_tokens
-    return frozenset(n.id for n in cache.tree.nodes() if n.parent is not None and n.state == "device"
-                     and driver.polls - n.last_poll >= config.write_behind_idle_steps and n.num_tokens <= room)
+def write_behind_snapshot(cache: Any) -> tuple[int, int, int, dict[int, tuple[int, int]]]:
+    """What ``write_behind_problems`` judges the next step against: the poll count, the backups refused for host
+    room, the free host tokens and each device-only node's (last poll, tokens)."""
+    nodes = {n.id: (n.last_poll, n.num_tokens) for n in cache.tree.nodes() if n.parent is not None
+             and n.state == "device"}
+    return cache.driver.polls, cache.counters["backup_host_full"], cache.host_allocator.available_tokens, nodes
 
 
-def write_behind_problems(before: frozenset[int], after: frozenset[int], polled: bool, refused: bool) -> list[str]:
-    """``write_behind_due``: nodes cold with host room before a step that polled, and still so after it, although
-    no backup was refused for host room in it."""
-    late = sorted(before & after)
-    if not polled or refused or not late:
-        return []
-    return [f"write_behind_due: node(s) {late} stayed device-only through a poll, cold and with host room"]
+def write_behind_problems(before: tuple[int, int, int, dict[int, tuple[int, int]]], cache: Any) -> list[str]:
+    """``write_behind_due``, ``write_behind_early`` and ``write_behind_batch`` of a step that ran one poll, from
+    ``before`` (``write_behind_snapshot`` taken after the step before it)."""
+    polls0, refused0, room, device0 = before
+    polls = cache.driver.polls
+    if polls != polls0 + 1:
+        return []  # no poll ran (or several: not judged)
+    config = cache.config
+    idle, batch = config.write_behind_idle_steps, config.write_behind_batch_tokens
+    live = {n.id: n for n in cache.tree.nodes()}
+    started = [(nid, tokens) for nid, (last, tokens) in device0.items() if nid in live and live[nid].state != "device"]
+    problems = []
+    early = sorted(nid for nid, _ in started if polls - device0[nid][0] < idle)
+    if early:
+        problems.append(f"write_behind_early: a poll backed up node(s) {early}, used fewer than {idle} polls ago")
+    spent = sum(tokens for _, tokens in started)
+    if len(started) > 1 and spent > batch:
+        problems.append(f"write_behind_batch: a poll backed up {spent} tokens in {len(started)} nodes; the batch is "
+                        f"{batch} tokens")
+    if not started and cache.counters["backup_host_full"] == refused0:
+        late = sorted(nid for nid, (last, tokens) in device0.items() if nid in live and live[nid].state == "device"
+                      and polls - last >= idle and tokens <= room)
+        if late:
+            problems.append(f"write_behind_due: a poll left node(s) {late} device-only, cold and with host room, "
+                            f"and backed up nothing")
+    return problems
+
+
+def load_back_limit_problem(total: int, config: Any) -> str | None:
+    """``load_back_limits`` for a load-back of ``total`` tokens that started."""
+    if total < config.load_back_threshold:
+        return (f"load_back_limits: a load-back of {total} tokens started; load_back_threshold is "
+                f"{config.load_back_threshold}")
+    if config.load_back_max_tokens is not None and total > config.load_back_max_tokens:
+        return (f"load_back_limits: a load-back of {total} tokens started; load_back_max_tokens is "
+                f"{config.load_back_max_tokens}")
+    return None
+
+
+class DeviceWatch:
+    """``headroom_kept`` for one call that may evict device KV to make room for ``wanted`` tokens (``alloc_device``
+    or ``load_back``): taken before the call, judged after it. ``held``: ids of nodes the call keeps on the device
+    while it evicts (a load-back's matched prefix)."""
+
+    def __init__(self, cache: Any, call: str, wanted: int, held: frozenset[int] = frozenset()) -> None:
+        from hicache_fsm.bindings.residency import ON_DEVICE
+
+        self.cache, self.call, self.wanted = cache, call, wanted
+        self.free = cache.device_allocator.available_tokens
+        self.could = freeable_device_tokens(cache.tree.root, cache.config.keeps_unbacked, held)
+        self.evicted = cache.counters["evicted_device_tokens"]
+        self.on_device = [n for n in cache.tree.nodes() if n.state in ON_DEVICE]
+
+    def problems(self) -> list[str]:
+        from hicache_fsm.bindings.residency import ON_DEVICE
+
+        cache = self.cache
+        evicted = cache.counters["evicted_device_tokens"] - self.evicted
+        if self.free >= self.wanted:
+            return [f"headroom_kept: {self.call} of {self.wanted} tokens evicted {evicted} device tokens with "
+                    f"{self.free} free"] if evicted else []
+        target = self.wanted - self.free + cache.config.eviction_headroom_tokens
+        problems = []
+        if evicted < min(target, self.could):
+            problems.append(f"headroom_kept: {self.call} of {self.wanted} tokens with {self.free} free evicted "
+                            f"{evicted} device tokens; it owes the shortfall plus eviction_headroom_tokens, {target}, "
+                            f"and {self.could} could go at once")
+        tree = cache.tree
+        victims = [n for n in self.on_device if not tree.owns(n) or n.state not in ON_DEVICE]
+        return problems + overshoot_problem(f"{self.call}'s eviction", target, evicted, victims)
 
 
 def load_back_refusal_problem(fork: Any, tokens: tuple[int, ...]) -> str | None:
@@ -129,11 +202,11 @@ def load_back_refusal_problem(fork: Any, tokens: tuple[int, ...]) -> str | None:
 _BACKED_ON_DEVICE = DEVICE_EVICTABLE - {"device"}
 
 
-def freeable_device_tokens(root: TreeNode, keeps_unbacked: bool) -> int:
+def freeable_device_tokens(root: TreeNode, keeps_unbacked: bool, held: frozenset[int] = frozenset()) -> int:
     """Device tokens an eviction can free at once, read off the tree (not the cache's candidate sets): an
     unlocked node with a host copy whose resident descendants can all go, and, when the policy drops
     unbacked KV (``keeps_unbacked`` False), an unlocked device-only subtree with nothing else in it. A node in
-    flight (a backup or a load) holds its ancestors too."""
+    flight (a backup or a load) holds its ancestors too, as does a node in ``held`` (ids locked for the call)."""
 
     def visit(node: TreeNode) -> tuple[int, bool, bool]:  # (tokens freed below and at node, all go, all dropped)
         freed, go, drop = 0, True, True
@@ -143,7 +216,7 @@ def freeable_device_tokens(root: TreeNode, keeps_unbacked: bool) -> int:
         state = node.state
         if state not in RESIDENT:
             return freed, True, False  # off the device: nothing to free, and it stays
-        if node.lock_ref or not go:
+        if node.lock_ref or not go or node.id in held:
             return freed, False, False
         if state in _BACKED_ON_DEVICE:
             return freed + node.num_tokens, True, False

@@ -52,10 +52,12 @@ import torch
 
 from hicache_fsm.testing.adapter import HiCacheAdapter, Rejected, StorageFault, fingerprints
 from hicache_fsm.testing.memory_families import (chain_loads_family, host_room_families, layout_families,
-                                                  namespace_families, order_family, recency_families, reset_family)
-from hicache_fsm.testing.obligations import (cold_unbacked, freeable_device_tokens, load_back_refusal_problem,
-                                            overshoot_problem, storage_step_watch, unstored_nodes, unwaited_loads,
-                                            wait_complete_problem, write_behind_problems)
+                                                  namespace_families, option_families, order_family,
+                                                  pressure_family, recency_families, reset_family)
+from hicache_fsm.testing.obligations import (DeviceWatch, freeable_device_tokens, load_back_limit_problem,
+                                            load_back_refusal_problem, overshoot_problem, storage_step_watch,
+                                            unstored_nodes, unwaited_loads, wait_complete_problem,
+                                            write_behind_problems, write_behind_snapshot)
 from hicache_fsm.testing.recency import UseLog, UseLogListener
 from hicache_fsm.testing.start_families import cp_host_full_family, prefetch_split_family
 
@@ -75,9 +77,9 @@ class ProtocolAdapter(HiCacheAdapter):
         # they must add once polled
         self._stale: tuple[tuple[str, bool, tuple[int, ...]], ...] = ()
         self._late_due = 0
-        # write_behind: (polls, backups refused for host room, cold device-only nodes with host room) at the
-        # last check; a function of the state then, so not part of the key
-        self._cold: tuple[int, int, frozenset[int]] = (0, 0, frozenset())
+        # write_behind: the device-only nodes, polls, refusals and host room at the last check (a function of
+        # the state then, so not part of the key)
+        self._write_behind_seen = write_behind_snapshot(self.cache)
         # ``store_due``: the cache's poll count at the last check, and the nodes a poll then left unstored
         self._polls_seen = 0
         self._unstored: frozenset[int] = frozenset()
@@ -166,6 +168,13 @@ class ProtocolAdapter(HiCacheAdapter):
                 self._step_problems.append(f"policy_write_through: insert left node(s) {left} device-only without "
                                            f"a refused backup")
         return ok
+
+    def alloc_for_insert(self, num_tokens: int):
+        """``alloc_device``, its eviction judged (``headroom_kept``)."""
+        watch = DeviceWatch(self.cache, "alloc_device", num_tokens)
+        slots = super().alloc_for_insert(num_tokens)
+        self._step_problems += watch.problems()
+        return slots
 
     def lock(self, tokens: Sequence[int]) -> int | None:
         return self._looked_up(tokens, super().lock, tokens)
@@ -291,7 +300,15 @@ class ProtocolAdapter(HiCacheAdapter):
         if m.host_hit_length == 0:
             self.cache.flush()
             return 0
+        anchor = m.last_device_node
+        held = frozenset(n.id for n in self.cache.tree.path_to_root(anchor)) if not anchor.is_root else frozenset()
+        watch = DeviceWatch(self.cache, "load_back", m.host_hit_length, held)
         lb = self.cache.load_back(m.last_host_node)
+        limit = load_back_limit_problem(m.host_hit_length, self.config)
+        if limit is None:  # within the limits: its eviction is judged
+            self._step_problems += watch.problems()
+        elif lb is not None:
+            self._step_problems.append(limit)
         if lb is not None:
             above = self.cache.tree.path_to_root(lb.nodes[0].parent)
             self._step_problems += [f"loads_waited: the load-back below node {n.id} ({n.state}) does not wait for "
@@ -610,17 +627,9 @@ class ProtocolAdapter(HiCacheAdapter):
                 for i, j in pairs[:1]]
 
     def _write_behind_problems(self) -> list[str]:
-        """``write_behind_due`` since the last check (see ``testing.obligations``)."""
-        cache = self.cache
-        if self.config.write_policy != "write_behind":
-            return []
-        polls, refused, cold = self._cold
-        now = (cache.driver.polls, cache.counters["backup_host_full"], cold_unbacked(cache))
-        self._cold = now
-        due = sum(n.num_tokens for n in cache.tree.nodes() if n.id in cold)
-        if due > self.config.write_behind_batch_tokens:  # more than one poll backs up: some wait their turn
-            return []
-        return write_behind_problems(cold, now[2], now[0] > polls, now[1] > refused)
+        """``write_behind_due`` / ``_early`` / ``_batch`` of the step since the last check (``testing.obligations``)."""
+        before, self._write_behind_seen = self._write_behind_seen, write_behind_snapshot(self.cache)
+        return write_behind_problems(before, self.cache) if self.config.write_policy == "write_behind" else []
 
 
 def _attach_options(tier) -> dict:
@@ -639,7 +648,7 @@ def protocol_factory(bounds) -> ProtocolAdapter:
                               page_size=bounds.page_size, layers=bounds.layers, write_policy=bounds.write_policy,
                               eviction_policy=bounds.eviction_policy, storage=bounds.storage,
                               stop_policy=bounds.stop_policy, namespaces=bounds.namespaces,
-                              host_layout=bounds.host_layout)
+                              host_layout=bounds.host_layout, **dict(bounds.cache_options))
     adapter.track_hits = bounds.track_hits
     return adapter
 
@@ -657,6 +666,9 @@ def cp_factory(world_size: int):
 def families_for(variant: dict) -> list[tuple[str, Any, Any]]:
     """The default families a cache configuration (a mutant's ``variant``) lives in."""
     fams = default_families()
+    options = variant.get("cache_options")
+    if options:  # a threshold's bug: the families that set it
+        return [f for f in fams if set(options.items()) <= set(f[1].cache_options)]
     if variant.get("cp"):
         return [f for f in fams if f[0].startswith("cp/")]
     layout = variant.get("host_layout")
@@ -713,9 +725,9 @@ def default_families() -> list[tuple[str, Any, Any]]:
     f = protocol_factory
     in_memory, in_storage = namespace_families(f)
     layouts_in_memory, layouts_in_storage = layout_families(f)
-    return (memory + [order_family(f), pressure_family(), chain_loads_family(f), reset_family(f)]
-            + recency_families(f) + host_room_families(f) + [in_memory] + layouts_in_memory + storage
-            + [in_storage] + layouts_in_storage + cp + [cp_host_full_family()])
+    return (memory + [order_family(f), pressure_family(f), chain_loads_family(f), reset_family(f)]
+            + recency_families(f) + host_room_families(f) + option_families(f) + [in_memory] + layouts_in_memory
+            + storage + [in_storage] + layouts_in_storage + cp + [cp_host_full_family()])
 
 
 # The start of ``storage/prefetch_anchor``: a cached anchor, another instance stores its next page, a prefetch.
@@ -733,30 +745,6 @@ def anchor_family() -> tuple[str, Any, Any]:
     return ("storage/prefetch_anchor", Bounds(nodes=2, device_pages=2, host_pages=2, alphabet=1, max_len=2,
                                               max_locks=0, max_pins=0, redeliver=False, storage=True, start=start,
                                               max_depth=3), protocol_factory)
-
-
-# The start of ``memory/load_back_pressure``: a two-page chain backed up, then evicted (host-only).
-PRESSURE_START = (("insert", ((1, 1),)), ("complete_job", (0,)), ("evict", (2,)))
-
-
-def pressure_family() -> tuple[str, Any, Any]:
-    """Three nodes on a three-page device: load-backs under device pressure with locked occupants.
-
-    From a host-only two-page chain (``PRESSURE_START``), every state within four steps: occupants
-    inserted (their backups in flight), locked or evicted while the chain loads back (refused for device
-    room, or evicting an unlocked occupant), and loads that complete or fail with their nodes locked. The
-    host (four pages) keeps the chain's copy while an occupant is backed up. The action set is narrowed
-    to what those scenarios use: no match, explicit backup, host eviction, host pins or re-delivered acks
-    (the two-node families explore those). ``check --json`` reports both narrowings under
-    ``"reductions"``.
-    """
-    from hicache_fsm.testing.checks import Step
-    from hicache_fsm.testing.explorer import Bounds
-
-    start = tuple(Step(op, args) for op, args in PRESSURE_START)
-    return ("memory/load_back_pressure",
-            Bounds(nodes=3, device_pages=3, host_pages=4, alphabet=2, max_len=2, max_pins=0, redeliver=False,
-                   omit=("match", "backup", "evict_host"), start=start, max_depth=4), protocol_factory)
 
 
 # Why each transition the default families never fire stays unfired (``check --json``: ``"unreached"``).

@@ -1,0 +1,138 @@
+"""Config thresholds and budgets in the verification toolkit: ``Bounds.cache_options``, ``check --cache-option``,
+the ``option_families`` and the obligations that read those fields (``testing.obligations``)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hicache_fsm.cli import main
+from hicache_fsm.errors import ConfigError
+from hicache_fsm.testing.explorer import Bounds, explore, quiet_cache_logs
+from hicache_fsm.testing.mutants import mutant
+from hicache_fsm.testing.protocol import ProtocolAdapter, default_families, families_for
+
+OPTION_FAMILIES = ("memory/headroom", "memory/load_back_limits", "memory/write_behind_batch",
+                   "memory/selective_threshold_1")
+
+
+def test_cache_options_are_sorted_pairs_of_config_fields():
+    b = Bounds(cache_options={"load_back_threshold": 2, "eviction_headroom_tokens": 1})
+    assert b.cache_options == (("eviction_headroom_tokens", 1), ("load_back_threshold", 2))
+    assert hash(b) == hash(Bounds(cache_options=[("load_back_threshold", 2), ("eviction_headroom_tokens", 1)]))
+
+
+@pytest.mark.parametrize("options, says", [
+    ({"no_such_field": 1}, "unknown option(s) no_such_field"),
+    ({"write_policy": "write_back"}, "bounds of their own"),
+    ({"load_back_threshold": -1}, "load_back_threshold"),
+    (5, "must be a mapping"),
+])
+def test_bad_cache_options_are_a_config_error(options, says):
+    with pytest.raises(ConfigError, match=None) as exc:
+        Bounds(cache_options=options)
+    assert says in str(exc.value)
+
+
+def test_the_option_families_set_their_fields_and_hold_for_the_real_cache():
+    fams = {n: (b, f) for n, b, f in default_families() if n in OPTION_FAMILIES}
+    assert set(fams) == set(OPTION_FAMILIES) and all(b.cache_options for b, _ in fams.values())
+    assert [n for n, _, _ in families_for({"cache_options": {"eviction_headroom_tokens": 1}})] == ["memory/headroom"]
+    with quiet_cache_logs():
+        for name, (bounds, factory) in fams.items():
+            result = explore(bounds, factory)
+            assert result.complete and not result.violations, name
+            assert dict(bounds.cache_options).items() <= {k: getattr(factory(bounds).config, k)
+                                                          for k, _ in bounds.cache_options}.items()
+
+
+def test_check_takes_cache_options_and_names_them(capsys):
+    assert main(["check", "--cache-option", "eviction_headroom_tokens=1", "--cache-option", "load_back_max_tokens=none",
+                 "--max-depth", "2", "--json", "--quiet"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert "eviction_headroom_tokens=1" in out["adapter"] and out["complete"]
+    assert main(["check", "--cache-option", "eviction_headroom_tokens=1", "--max-depth", "2", "--quiet"]) == 0
+    assert "eviction_headroom_tokens=1" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("option, says", [
+    ("nope=1", "unknown option(s) nope"),
+    ("load_back_threshold=x", "is not an int or none"),
+    ("load_back_threshold=-2", "load_back_threshold must be an int >= 0"),
+    ("=3", "NAME=VALUE"),
+])
+def test_a_bad_cache_option_is_a_usage_error_in_one_line(option, says, capsys):
+    try:
+        status = main(["check", "--cache-option", option, "--max-depth", "2", "--quiet"])
+    except SystemExit as exc:  # refused by argparse
+        status = exc.code
+    assert status == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def _flagged_only_when_planted(steps, bugs: tuple[str, ...], check: str, **adapter) -> None:
+    """Each step of ``steps`` (callables) drives a fresh ``ProtocolAdapter(**adapter)``, the checks run after
+    each: on the real cache they report nothing; with each of ``bugs`` planted they report ``check``."""
+    def problems() -> list[str]:
+        a = ProtocolAdapter(**adapter)
+        found = []
+        try:
+            for step in steps:
+                step(a)
+                found += a.kv_violations() + a.invariant_violations()
+            return found
+        finally:
+            a.close()
+
+    assert problems() == []
+    for bug in bugs:
+        with mutant(bug):
+            assert any(p.startswith(f"{check}:") for p in problems()), bug
+
+
+def _settled(a, *prompts) -> None:
+    for prompt in prompts:
+        a.insert(prompt)
+    for job in a.pending_jobs():
+        a.complete_job(job.id)
+
+
+def test_an_allocation_evicts_its_shortfall_plus_the_headroom_and_only_when_short():
+    steps = [lambda a: _settled(a, (1,), (2,)),
+             lambda a: _settled(a, (3,)),  # one page free: no eviction
+             lambda a: a.insert((4, 4))]  # two pages wanted, none free: the shortfall and one more
+    _flagged_only_when_planted(steps, ("alloc_ignores_headroom", "alloc_evicts_headroom_with_room"), "headroom_kept",
+                               device_pages=3, host_pages=6, eviction_headroom_tokens=1)
+
+
+def test_a_load_back_evicts_its_shortfall_plus_the_headroom():
+    steps = [lambda a: _settled(a, (1, 1)),
+             lambda a: a.evict(2),  # a host-only chain of two tokens
+             lambda a: _settled(a, (2,), (3,)),  # one device page free, two that could go
+             lambda a: a.load_back((1, 1))]
+    _flagged_only_when_planted(steps, ("load_back_ignores_headroom",), "headroom_kept",
+                               device_pages=3, host_pages=6, eviction_headroom_tokens=1)
+
+
+def test_a_load_back_starts_only_within_its_limits():
+    steps = [lambda a: _settled(a, (1,), (2, 2, 2)),
+             lambda a: a.evict(4),
+             lambda a: a.load_back((1,)),  # under the threshold
+             lambda a: a.load_back((2, 2, 2))]  # over the cap
+    _flagged_only_when_planted(steps, ("load_back_ignores_threshold", "load_back_ignores_max_tokens"),
+                               "load_back_limits", device_pages=4, host_pages=4, load_back_threshold=2,
+                               load_back_max_tokens=2)
+
+
+def test_write_behind_backs_up_within_its_batch_and_only_cold_nodes():
+    two_cold = [lambda a: a.insert((1,)), lambda a: a.insert((2,)), lambda a: a.poll()]
+    _flagged_only_when_planted(two_cold, ("write_behind_ignores_batch",), "write_behind_batch", device_pages=2,
+                               host_pages=2, write_policy="write_behind", write_behind_batch_tokens=1,
+                               write_behind_idle_steps=1)
+    polls = [lambda a: a.insert((1,)), lambda a: a.poll(), lambda a: a.poll()]
+    _flagged_only_when_planted(polls, ("write_behind_one_poll_early",), "write_behind_early", device_pages=2,
+                               host_pages=2, write_policy="write_behind")
+    _flagged_only_when_planted(polls, ("write_behind_one_poll_late",), "write_behind_due", device_pages=2,
+                               host_pages=2, write_policy="write_behind")
