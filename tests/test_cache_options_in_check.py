@@ -10,8 +10,8 @@ import pytest
 from hicache_fsm.cli import main
 from hicache_fsm.errors import ConfigError
 from hicache_fsm.testing.explorer import Bounds, explore, quiet_cache_logs
-from hicache_fsm.testing.mutants import mutant
-from hicache_fsm.testing.protocol import ProtocolAdapter, default_families, families_for
+from hicache_fsm.testing.protocol import default_families, families_for
+from obligation_helpers import flagged_only_when_planted
 
 OPTION_FAMILIES = ("memory/headroom", "memory/load_back_limits", "memory/write_behind_batch",
                    "memory/selective_threshold_1")
@@ -72,26 +72,6 @@ def test_a_bad_cache_option_is_a_usage_error_in_one_line(option, says, capsys):
     assert says in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
-def _flagged_only_when_planted(steps, bugs: tuple[str, ...], check: str, **adapter) -> None:
-    """Each step of ``steps`` (callables) drives a fresh ``ProtocolAdapter(**adapter)``, the checks run after
-    each: on the real cache they report nothing; with each of ``bugs`` planted they report ``check``."""
-    def problems() -> list[str]:
-        a = ProtocolAdapter(**adapter)
-        found = []
-        try:
-            for step in steps:
-                step(a)
-                found += a.kv_violations() + a.invariant_violations()
-            return found
-        finally:
-            a.close()
-
-    assert problems() == []
-    for bug in bugs:
-        with mutant(bug):
-            assert any(p.startswith(f"{check}:") for p in problems()), bug
-
-
 def _settled(a, *prompts) -> None:
     for prompt in prompts:
         a.insert(prompt)
@@ -103,7 +83,7 @@ def test_an_allocation_evicts_its_shortfall_plus_the_headroom_and_only_when_shor
     steps = [lambda a: _settled(a, (1,), (2,)),
              lambda a: _settled(a, (3,)),  # one page free: no eviction
              lambda a: a.insert((4, 4))]  # two pages wanted, none free: the shortfall and one more
-    _flagged_only_when_planted(steps, ("alloc_ignores_headroom", "alloc_evicts_headroom_with_room"), "headroom_kept",
+    flagged_only_when_planted(steps, ("alloc_ignores_headroom", "alloc_evicts_headroom_with_room"), "headroom_kept",
                                device_pages=3, host_pages=6, eviction_headroom_tokens=1)
 
 
@@ -112,7 +92,7 @@ def test_a_load_back_evicts_its_shortfall_plus_the_headroom():
              lambda a: a.evict(2),  # a host-only chain of two tokens
              lambda a: _settled(a, (2,), (3,)),  # one device page free, two that could go
              lambda a: a.load_back((1, 1))]
-    _flagged_only_when_planted(steps, ("load_back_ignores_headroom",), "headroom_kept",
+    flagged_only_when_planted(steps, ("load_back_ignores_headroom",), "headroom_kept",
                                device_pages=3, host_pages=6, eviction_headroom_tokens=1)
 
 
@@ -121,18 +101,18 @@ def test_a_load_back_starts_only_within_its_limits():
              lambda a: a.evict(4),
              lambda a: a.load_back((1,)),  # under the threshold
              lambda a: a.load_back((2, 2, 2))]  # over the cap
-    _flagged_only_when_planted(steps, ("load_back_ignores_threshold", "load_back_ignores_max_tokens"),
+    flagged_only_when_planted(steps, ("load_back_ignores_threshold", "load_back_ignores_max_tokens"),
                                "load_back_limits", device_pages=4, host_pages=4, load_back_threshold=2,
                                load_back_max_tokens=2)
 
 
 def test_write_behind_backs_up_within_its_batch_and_only_cold_nodes():
     two_cold = [lambda a: a.insert((1,)), lambda a: a.insert((2,)), lambda a: a.poll()]
-    _flagged_only_when_planted(two_cold, ("write_behind_ignores_batch",), "write_behind_batch", device_pages=2,
+    flagged_only_when_planted(two_cold, ("write_behind_ignores_batch",), "write_behind_batch", device_pages=2,
                                host_pages=2, write_policy="write_behind", write_behind_batch_tokens=1,
                                write_behind_idle_steps=1)
     polls = [lambda a: a.insert((1,)), lambda a: a.poll(), lambda a: a.poll()]
-    _flagged_only_when_planted(polls, ("write_behind_one_poll_early",), "write_behind_early", device_pages=2,
+    flagged_only_when_planted(polls, ("write_behind_one_poll_early",), "write_behind_early", device_pages=2,
                                host_pages=2, write_policy="write_behind")
-    _flagged_only_when_planted(polls, ("write_behind_one_poll_late",), "write_behind_due", device_pages=2,
+    flagged_only_when_planted(polls, ("write_behind_one_poll_late",), "write_behind_due", device_pages=2,
                                host_pages=2, write_policy="write_behind")

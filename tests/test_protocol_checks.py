@@ -18,6 +18,7 @@ from hicache_fsm.testing.explorer import quiet_cache_logs
 from hicache_fsm.testing.mutants import mutant
 from hicache_fsm.testing.paths import CoverageTracker
 from hicache_fsm.testing.protocol import ProtocolAdapter, default_families, families_for
+from obligation_helpers import flagged_only_when_planted
 
 
 def test_families_cover_every_policy_stop_policy_and_cp_world():
@@ -365,23 +366,6 @@ def _host_only_prompt(a) -> None:
     assert a.evict(1) == 1 and a.match((1,)).host_tokens == 1
 
 
-def _flagged_only_when_planted(steps, bugs: tuple[str, ...], check: str, **adapter) -> None:
-    """``steps(a)`` drives a fresh ``ProtocolAdapter(**adapter)``: on the real cache the checks after it report
-    nothing; with each of ``bugs`` planted they report ``check``."""
-    def problems() -> list[str]:
-        a = ProtocolAdapter(**adapter)
-        try:
-            steps(a)
-            return a.kv_violations() + a.invariant_violations()
-        finally:
-            a.close()
-
-    assert problems() == []
-    for bug in bugs:
-        with mutant(bug):
-            assert any(p.startswith(f"{check}:") for p in problems()), bug
-
-
 def _backed_up(a, *prompts) -> None:
     for prompt in prompts:
         a.insert(prompt)
@@ -396,7 +380,7 @@ def test_a_load_back_refused_though_eviction_could_make_room_is_a_problem():
         _backed_up(a, (2, 2))  # the device is full again, of an unlocked, backed-up prompt
         a.load_back((1,))
 
-    _flagged_only_when_planted(steps, ("load_back_refused_with_room", "load_back_never_evicts"), "load_back_due",
+    flagged_only_when_planted(steps, ("load_back_refused_with_room", "load_back_never_evicts"), "load_back_due",
                                device_pages=2, host_pages=4)
 
 
@@ -416,7 +400,7 @@ def test_an_eviction_that_stops_short_of_what_could_go_is_a_problem():
         _backed_up(a, (1,), (2,))  # two backed-up nodes of one token each
         a.evict(2)
 
-    _flagged_only_when_planted(steps, ("evict_frees_nothing", "evict_stops_after_one_token"), "evict_due",
+    flagged_only_when_planted(steps, ("evict_frees_nothing", "evict_stops_after_one_token"), "evict_due",
                                device_pages=3, host_pages=4)
 
 
@@ -452,9 +436,9 @@ def test_an_eviction_that_takes_more_than_it_was_asked_is_a_problem():
         a.kv_violations()
         a.evict_host(1)
 
-    _flagged_only_when_planted(on_device, ("evict_takes_everything",), "evict_just_enough", device_pages=3,
+    flagged_only_when_planted(on_device, ("evict_takes_everything",), "evict_just_enough", device_pages=3,
                                host_pages=4)
-    _flagged_only_when_planted(on_host, ("evict_host_takes_everything",), "evict_just_enough", device_pages=3,
+    flagged_only_when_planted(on_host, ("evict_host_takes_everything",), "evict_just_enough", device_pages=3,
                                host_pages=4)
 
 
@@ -464,7 +448,7 @@ def test_an_allocation_refused_while_kv_could_go_is_a_problem():
         _backed_up(a, (1,))  # (1,) may go
         a.insert((2, 2))  # needs both device pages
 
-    _flagged_only_when_planted(steps, ("alloc_device_never_evicts",), "alloc_due", device_pages=2, host_pages=4)
+    flagged_only_when_planted(steps, ("alloc_device_never_evicts",), "alloc_due", device_pages=2, host_pages=4)
 
 
 def test_a_host_copy_never_backed_up_to_storage_is_a_problem():
@@ -474,7 +458,7 @@ def test_a_host_copy_never_backed_up_to_storage_is_a_problem():
         a.kv_violations()
         a.poll()
 
-    _flagged_only_when_planted(steps, ("storage_backups_never_start",), "store_due", device_pages=3, host_pages=4,
+    flagged_only_when_planted(steps, ("storage_backups_never_start",), "store_due", device_pages=3, host_pages=4,
                                storage=True)
 
 
@@ -492,9 +476,9 @@ def test_a_prefetch_step_that_misses_stored_pages_is_a_problem():
         a.complete_storage(a.storage_steps()[0].id)  # the hit query
         a.complete_storage(a.storage_steps()[0].id)  # the transfer
 
-    _flagged_only_when_planted(query, ("hit_query_stops_after_first_page",), "query_exact", device_pages=3,
+    flagged_only_when_planted(query, ("hit_query_stops_after_first_page",), "query_exact", device_pages=3,
                                host_pages=5, storage=True)
-    _flagged_only_when_planted(transfer, ("transfer_counts_one_page_short",), "transfer_exact", device_pages=3,
+    flagged_only_when_planted(transfer, ("transfer_counts_one_page_short",), "transfer_exact", device_pages=3,
                                host_pages=5, storage=True)
 
 
