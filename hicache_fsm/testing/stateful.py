@@ -609,7 +609,20 @@ _NAMESPACE_VARIANTS: tuple[dict, ...] = tuple(  # write_through / LRU and write_
 _LAYOUT_VARIANTS: tuple[dict, ...] = tuple(
     dict(v, host_layout=layout) for v in (_MEMORY_VARIANTS[0], _STORAGE_VARIANTS[1])
     for layout in ("page_first", "page_first_direct"))
-HICACHE_VARIANTS: tuple[dict, ...] = _MEMORY_VARIANTS + _STORAGE_VARIANTS + _NAMESPACE_VARIANTS + _LAYOUT_VARIANTS
+# the config thresholds and budgets a default config leaves at rest (``option_families`` of ``check``): eviction
+# headroom, load-back limits, a write_behind batch smaller than a two-page node (each also with storage but the
+# limits), the selective threshold at one hit
+_BATCH_OF_ONE = {"write_behind_batch_tokens": 1, "write_behind_idle_steps": 1}
+_OPTION_VARIANTS: tuple[dict, ...] = (
+    dict(_MEMORY_VARIANTS[2], eviction_headroom_tokens=1),
+    dict(_MEMORY_VARIANTS[6], load_back_threshold=2, load_back_max_tokens=2),
+    dict(_MEMORY_VARIANTS[14], **_BATCH_OF_ONE),
+    dict(_MEMORY_VARIANTS[10], write_through_threshold=1),
+    dict(_STORAGE_VARIANTS[2], eviction_headroom_tokens=1),
+    dict(_STORAGE_VARIANTS[14], **_BATCH_OF_ONE),
+)
+HICACHE_VARIANTS: tuple[dict, ...] = (_MEMORY_VARIANTS + _STORAGE_VARIANTS + _NAMESPACE_VARIANTS + _LAYOUT_VARIANTS
+                                      + _OPTION_VARIANTS)
 
 
 def _hicache(**kw: Any) -> CacheAdapter:
