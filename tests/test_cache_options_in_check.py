@@ -116,3 +116,81 @@ def test_write_behind_backs_up_within_its_batch_and_only_cold_nodes():
                                host_pages=2, write_policy="write_behind")
     flagged_only_when_planted(polls, ("write_behind_one_poll_late",), "write_behind_due", device_pages=2,
                                host_pages=2, write_policy="write_behind")
+
+
+# =========================================================================== the storage tier's options
+
+LIMITS = {"prefetch_threshold": 2, "prefetch_capacity_tokens": 3, "batch_pages": 1}
+
+
+@pytest.mark.parametrize("bounds, says", [
+    (dict(storage=True, storage_options={"timeout_max": 1}), "unknown option(s) timeout_max"),
+    (dict(storage_options={"batch_pages": 1}), "need a storage tier"),
+    (dict(storage=True, storage_options={"batch_pages": 0}), "batch_pages must be a positive int"),
+])
+def test_bad_storage_options_are_a_config_error(bounds, says):
+    with pytest.raises(ConfigError) as exc:
+        Bounds(**bounds)
+    assert says in str(exc.value)
+
+
+def test_the_prefetch_limits_family_sets_them_and_holds_for_the_real_cache():
+    [(bounds, factory)] = [(b, f) for n, b, f in default_families() if n == "storage/prefetch_limits"]
+    assert dict(bounds.storage_options) == LIMITS
+    adapter = factory(bounds)
+    assert "prefetch_threshold=2, prefetch_capacity_tokens=3, batch_pages=1" in adapter.describe()
+    assert (adapter.cache.storage.options.prefetch_threshold, adapter.cache.storage.options.batch_pages) == (2, 1)
+    adapter.close()
+    with quiet_cache_logs():
+        result = explore(bounds, factory)
+    assert result.complete and not result.violations
+
+
+def _storage_settled(a) -> None:
+    """Every job and storage step run until nothing is queued (backups land and are stored)."""
+    while a.pending_jobs() or a.storage_steps():
+        for job in a.pending_jobs():
+            a.complete_job(job.id)
+        for step in a.storage_steps():
+            a.complete_storage(step.id)
+
+
+def test_a_prefetch_is_admitted_within_the_threshold_and_the_capacity():
+    steps = [lambda a: a.prefetch((1,)),  # one page: under the threshold of two
+             lambda a: a.prefetch((2, 2)),
+             lambda a: a.prefetch((3, 3))]  # two more tokens beside two: over the capacity of three
+    flagged_only_when_planted(steps, ("prefetch_admits_below_threshold",), "prefetch_admission", device_pages=2,
+                              host_pages=6, storage=True, **LIMITS)
+    flagged_only_when_planted(steps, ("prefetch_capacity_ignored",), "prefetch_admission", device_pages=2,
+                              host_pages=6, storage=True, **LIMITS)
+
+
+def test_a_hit_query_below_the_threshold_revokes_its_prefetch():
+    steps = [lambda a: a.store_remote((1,)),
+             lambda a: a.prefetch((1, 1)),  # two tokens asked, one stored: the query finds one page
+             lambda a: [a.complete_storage(s.id) for s in a.storage_steps()]]
+    flagged_only_when_planted(steps, ("prefetch_kept_below_threshold",), "prefetch_revoke", device_pages=2,
+                              host_pages=6, storage=True, **LIMITS)
+
+
+def test_storage_calls_take_at_most_a_batch_of_keys():
+    steps = [lambda a: a.store_remote((1, 1)),
+             lambda a: a.prefetch((1, 1)),
+             lambda a: [a.complete_storage(s.id) for s in a.storage_steps()]]  # the hit query of two pages
+    flagged_only_when_planted(steps, ("storage_calls_ignore_batch_pages",), "batch_bound", device_pages=2,
+                              host_pages=6, storage=True, **LIMITS)
+
+
+def test_verify_stored_asks_the_backend_a_batch_of_keys_at_a_time():
+    from hicache_fsm.testing.adapter import HiCacheAdapter
+
+    a = HiCacheAdapter(device_pages=4, host_pages=4, storage=True, batch_pages=1)
+    a.insert((1, 1, 1))
+    _storage_settled(a)
+    assert a.cache.tree.walk(a.cache_form((1, 1, 1))[1])[0][-1].state.endswith("_stored")
+    a.faults.widest = 0
+    assert a.cache.storage.verify_stored() == 0
+    assert a.faults.widest == 1  # three calls of one key, not one of three
+    a.backend.inner.clear()
+    assert a.cache.storage.verify_stored() == 1
+    a.close()

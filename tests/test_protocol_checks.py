@@ -490,7 +490,7 @@ def test_a_transfer_short_of_a_page_a_corrupt_fault_damaged_is_not_a_problem():
 
     state = hicache_machine(name="CorruptThenTransfer")()
     try:
-        prompt = state.setup(variant=421, pages=[0])
+        prompt = state.setup(variant=21, pages=[0])  # drawn as 421: 421 % 50 variants then
         state.expect_variant({"write_policy": "write_through", "eviction_policy": "lru", "device_pages": 3,
                               "host_pages": 6, "page_size": 2, "layers": 2, "storage": True,
                               "stop_policy": "best_effort"})

@@ -89,8 +89,9 @@ class LostPages:
             self._mark_lost(lost, evicted=True)
 
     def verify_stored(self, nodes: Iterable[TreeNode] | None = None) -> int:
-        """Ask the backend whether stored nodes (default: every one) still have all their pages; a node
-        whose keys are found missing goes back to "not stored" and is backed up again. Returns how many.
+        """Ask the backend whether stored nodes (default: every one) still have all their pages, ``batch_pages``
+        keys a call; a node whose keys are found missing goes back to "not stored" and is backed up again.
+        Returns how many.
 
         A blocking backend call on this thread, for an engine's maintenance step; refused
         (StorageLinkError) unless attached and healthy, and with a rank group.
@@ -104,11 +105,15 @@ class LostPages:
             raise StorageLinkError("verify_stored is not agreed across a rank group; it would split the trees")
         stored = [n for n in (self.ctx.tree.nodes() if nodes is None else self._own_nodes(nodes))
                   if n.parent is not None and n.state.endswith("_stored")]
+        step = self.options.batch_pages  # as every other storage call: at most a batch of keys each
         missing = []
         for node in stored:
             keys = list(self.keys_for(node))
-            if leading_hits(backend.batch_exists(keys), len(keys)) < len(keys):
-                missing.append(node)
+            for start in range(0, len(keys), step):
+                batch = keys[start: start + step]
+                if leading_hits(backend.batch_exists(batch), len(batch)) < len(batch):
+                    missing.append(node)
+                    break
         return self._mark_lost(missing)
 
     def storage_lost(self, nodes: Iterable[TreeNode]) -> int:

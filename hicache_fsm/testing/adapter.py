@@ -94,8 +94,9 @@ class HiCacheAdapter(CacheAdapter):
     compiles its own from the registry as it is now (so a mutant patched into
     the registry is picked up). ``storage=True`` attaches an L3 tier run step by
     step (``testing.storage.ManualStorageTier`` over ``memory://`` behind a
-    ``FaultyBackend`` whose schedule is ``self.faults``), with prefetches of one
-    page and up, ``stop_policy`` and ``batch_pages`` as given. ``namespaces=N``
+    ``FaultyBackend`` whose schedule is ``self.faults``), with ``stop_policy``,
+    ``batch_pages``, ``prefetch_threshold`` (default one page) and
+    ``prefetch_capacity_tokens`` (default the host pool) as given. ``namespaces=N``
     files each prompt under one of N tree namespaces named by its first token
     (``testing.namespaces``): the operations take prompts as ever, the cache
     sees (namespace, tokens).
@@ -105,7 +106,9 @@ class HiCacheAdapter(CacheAdapter):
 
     def __init__(self, *, device_pages: int = 4, host_pages: int = 4, page_size: int = 1, layers: int = 2,
                  host_layout: str = "layer_first", dispatcher=None, storage: bool = False,
-                 stop_policy: str = "best_effort", batch_pages: int = 2, namespaces: int = 1, **config: Any) -> None:
+                 stop_policy: str = "best_effort", batch_pages: int = 2, namespaces: int = 1,
+                 prefetch_threshold: int | None = None, prefetch_capacity_tokens: int | None = None,
+                 **config: Any) -> None:
         from hicache_fsm.cache import HiCache
         from hicache_fsm.executors import ManualExecutor
         from hicache_fsm.machine import compile_machine
@@ -142,10 +145,16 @@ class HiCacheAdapter(CacheAdapter):
         self._next_request = 1
         self.faults = None
         self.backend = None
+        # the storage tier's prefetch limits (one page, the whole host pool unless given) and pages per call
+        self.prefetch_threshold = page_size if prefetch_threshold is None else prefetch_threshold
+        self.prefetch_capacity_tokens = (self.host_pool.size_tokens if prefetch_capacity_tokens is None
+                                         else prefetch_capacity_tokens)
+        self.batch_pages = batch_pages
+        self.stop_policy = stop_policy
         if storage:
-            self._attach_storage(stop_policy, batch_pages)
+            self._attach_storage()
 
-    def _attach_storage(self, stop_policy: str, batch_pages: int) -> None:
+    def _attach_storage(self) -> None:
         """L3 on a ``memory://`` backend behind a ``FaultyBackend``, run step by step (``ManualStorageTier``)."""
         from hicache_fsm.storage import open_backend
         from hicache_fsm.storage.faults import FaultyBackend
@@ -154,8 +163,9 @@ class HiCacheAdapter(CacheAdapter):
         self.faults = FaultPlan()
         self.backend = FaultyBackend(open_backend("memory://"), self.faults)
         ManualStorageTier.attach_to(
-            self.cache, self.backend, prefetch_threshold=self.page_size, stop_policy=stop_policy,
-            prefetch_capacity_tokens=self.host_pool.size_tokens, batch_pages=batch_pages, retry_interval=0.0)
+            self.cache, self.backend, prefetch_threshold=self.prefetch_threshold, stop_policy=self.stop_policy,
+            prefetch_capacity_tokens=self.prefetch_capacity_tokens, batch_pages=self.batch_pages,
+            retry_interval=0.0)
 
     def describe(self) -> str:
         c = self.config
@@ -166,7 +176,17 @@ class HiCacheAdapter(CacheAdapter):
                           and getattr(c, f.name) != getattr(default, f.name))  # the thresholds set away from default
         return (f"hicache(device={self.device_pool.allocator.total_pages}, host={self.host_pool.allocator.total_pages}, "
                 f"page={self.page_size}, layers={self.layers}, {c.write_policy}, {c.eviction_policy}{storage}"
-                f"{f', namespaces={self.namespaces}' if self.namespaces > 1 else ''}{options})")
+                f"{f', namespaces={self.namespaces}' if self.namespaces > 1 else ''}{options}"
+                f"{self._tier_options()})")
+
+    def _tier_options(self) -> str:
+        """The storage tier's prefetch limits and batch size where they differ from this adapter's defaults."""
+        if self.cache.storage is None:
+            return ""
+        given = (("prefetch_threshold", self.prefetch_threshold, self.page_size),
+                 ("prefetch_capacity_tokens", self.prefetch_capacity_tokens, self.host_pool.size_tokens),
+                 ("batch_pages", self.batch_pages, 2))
+        return "".join(f", {name}={value}" for name, value, default in given if value != default)
 
     def supports(self, op: str) -> bool:
         if op in STORAGE_OPS and self.cache.storage is None:

@@ -116,6 +116,23 @@ def check_cache_options(options: dict[str, Any]) -> None:
     CacheConfig(**options)  # the config's own validators: a typed error naming the field
 
 
+STORAGE_OPTIONS = ("prefetch_threshold", "prefetch_capacity_tokens", "batch_pages")  # ``Bounds.storage_options``
+
+
+def check_storage_options(options: dict[str, Any], storage: bool) -> None:
+    """``ConfigError`` unless ``options`` are the tier options ``Bounds`` sets (``STORAGE_OPTIONS``) with valid
+    values, and a storage tier is attached to take them."""
+    from hicache_fsm.storage.options import TierOptions
+
+    unknown = sorted(set(options) - set(STORAGE_OPTIONS))
+    if unknown:
+        raise ConfigError(f"Bounds.storage_options: unknown option(s) {', '.join(unknown)}; known: "
+                          f"{', '.join(STORAGE_OPTIONS)}")
+    if options and not storage:
+        raise ConfigError("Bounds.storage_options need a storage tier (storage=True)")
+    TierOptions(**options)  # the tier's own validators
+
+
 @attrs.frozen
 class Bounds:
     """How far to explore.
@@ -148,6 +165,9 @@ class Bounds:
     ``cache_options``: other ``CacheConfig`` fields for the cache under test, as (name, value) pairs (a
     mapping is accepted and sorted): the thresholds and budgets a default config never exercises, such as
     ``eviction_headroom_tokens``, ``load_back_threshold`` or ``write_behind_batch_tokens``.
+    ``storage_options``: the storage tier's ``prefetch_threshold``, ``prefetch_capacity_tokens`` and
+    ``batch_pages`` (``TierOptions``; with ``storage`` only), the same way: by default a prefetch of one page
+    and up is admitted, up to the whole host pool, and every storage call takes at most two pages.
     """
 
     nodes: int = 3
@@ -176,6 +196,7 @@ class Bounds:
     namespaces: int = 1
     host_layout: str = "layer_first"
     cache_options: tuple[tuple[str, Any], ...] = attrs.field(default=(), converter=_option_pairs)
+    storage_options: tuple[tuple[str, Any], ...] = attrs.field(default=(), converter=_option_pairs)
 
     def __attrs_post_init__(self) -> None:
         """Refuse bounds that explore nothing meaningful (a run over them would pass, having checked nothing)."""
@@ -195,6 +216,7 @@ class Bounds:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"Bounds.{name} must be True or False, got {getattr(self, name)!r}")
         check_cache_options(dict(self.cache_options))
+        check_storage_options(dict(self.storage_options), self.storage)
 
     @property
     def prompt_pages(self) -> int:
@@ -230,7 +252,8 @@ def hicache_factory(bounds: Bounds) -> CacheAdapter:
                              page_size=bounds.page_size, layers=bounds.layers, write_policy=bounds.write_policy,
                              eviction_policy=bounds.eviction_policy, storage=bounds.storage,
                              stop_policy=bounds.stop_policy, namespaces=bounds.namespaces,
-                             host_layout=bounds.host_layout, **dict(bounds.cache_options))
+                             host_layout=bounds.host_layout, **dict(bounds.cache_options),
+                             **dict(bounds.storage_options))
     adapter.track_hits = bounds.track_hits
     return adapter
 

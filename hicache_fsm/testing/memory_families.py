@@ -2,7 +2,8 @@
 miss: a full one-page host (``host_room_families``), eviction order (``order_family``, ``recency_families``), a
 chain loading back under a revived node (``chain_loads_family``) and ``reset``; and, in memory and with storage,
 the families of two tree namespaces (``namespace_families``) and of the page_first host layouts
-(``layout_families``); and those of config thresholds and budgets left at rest by default (``option_families``).
+(``layout_families``); and those of config thresholds and budgets left at rest by default (``option_families``,
+``storage_option_family``).
 
 ``testing.protocol.default_families`` lists them with the others; each takes the factory that builds the
 adapter (``protocol.protocol_factory``), as ``testing.start_families`` does, so this module imports neither it
@@ -15,7 +16,8 @@ from collections.abc import Callable
 from typing import Any
 
 __all__ = ["PRESSURE_START", "chain_loads_family", "host_room_families", "layout_families", "namespace_families",
-           "option_families", "order_family", "pressure_family", "recency_families", "reset_family"]
+           "option_families", "order_family", "pressure_family", "recency_families", "reset_family",
+           "storage_option_family"]
 
 
 # The start of ``memory/load_back_pressure``: a two-page chain backed up, then evicted (host-only).
@@ -194,3 +196,20 @@ def option_families(factory: Callable[[Any], Any]) -> list[tuple[str, Any, Any]]
              Bounds(nodes=2, device_pages=2, host_pages=2, max_locks=0, max_pins=0, redeliver=False,
                     write_policy="write_through_selective", max_depth=4,
                     cache_options={"write_through_threshold": 1}), factory)]
+
+
+def storage_option_family(factory: Callable[[Any], Any]) -> tuple[str, Any, Any]:
+    """``storage/prefetch_limits``: the storage tier's prefetch limits and batch size set where they bind
+    (``Bounds.storage_options``): ``prefetch_threshold=2`` (a one-page prefetch is refused, a hit query that
+    finds one page revokes), ``prefetch_capacity_tokens=3`` (two two-page prefetches do not fit at once, on a
+    four-page host that would hold them) and ``batch_pages=1`` (a two-page query or transfer takes two calls).
+    By default every prefetch of a page is admitted up to the whole host pool, so none of these binds. One
+    token, two prefetches at once, four steps; locks, pins and redelivery left out.
+    """
+    from hicache_fsm.testing.explorer import Bounds
+
+    return ("storage/prefetch_limits",
+            Bounds(nodes=2, device_pages=2, host_pages=4, alphabet=1, max_len=2, max_locks=0, max_pins=0,
+                   redeliver=False, storage=True, max_prefetches=2, max_depth=4,
+                   storage_options={"prefetch_threshold": 2, "prefetch_capacity_tokens": 3, "batch_pages": 1}),
+            factory)

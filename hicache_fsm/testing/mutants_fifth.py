@@ -1,12 +1,14 @@
 """The fifth set of planted controller bugs: thresholds and budgets a default config leaves at rest.
 
 ``eviction_headroom_tokens``, ``load_back_threshold`` / ``load_back_max_tokens``, ``write_behind_batch_tokens``
-/ ``write_behind_idle_steps`` and ``write_through_threshold`` each change what the cache owes only when set
-away from their defaults, so a bug in reading one passed every family until the ``check`` families of
-``testing.memory_families.option_families`` set them (``Bounds.cache_options``). Each bug here runs the real
-code with one field read wrong (``_reads``: the field as the buggy code would see it) or one step added.
-Registered into ``testing.mutants.MUTANTS`` as the other sets are; a mutant's ``cache_options`` variant picks the
-families that set those fields.
+/ ``write_behind_idle_steps`` and ``write_through_threshold`` (``CacheConfig``), and the storage tier's
+``prefetch_threshold``, ``prefetch_capacity_tokens`` and ``batch_pages`` (``TierOptions``) each change what the
+cache owes only when set away from their defaults, so a bug in reading one passed every family until the
+``check`` families of ``testing.memory_families.option_families`` and ``storage_option_family`` set them
+(``Bounds.cache_options``, ``Bounds.storage_options``). Each bug here runs the real code with one field read
+wrong (``_reads``, ``_prefetch_reads``: the field as the buggy code would see it) or one step added.
+Registered into ``testing.mutants.MUTANTS`` as the other sets are; a mutant's ``cache_options`` or
+``storage_options`` variant picks the families that set those fields.
 """
 
 from __future__ import annotations
@@ -154,6 +156,75 @@ def _one_poll_late(p: Any) -> None:
 
 
 @_fifth("selective_threshold_fixed_at_two", "write_through_selective backing up at two hits whatever "
-                                            "write_through_threshold says", cache_options={"write_through_threshold": 1})
+                                            "write_through_threshold says",
+        cache_options={"write_through_threshold": 1})
 def _threshold_fixed(p: Any) -> None:
     _reads(p, hicache_class(), "match_prefix", write_through_threshold=lambda c: 2)  # the match's backups read it
+
+
+# =========================================================================== the storage tier's prefetch limits
+
+PREFETCH_LIMITS = {"prefetch_threshold": 2, "prefetch_capacity_tokens": 3, "batch_pages": 1}
+
+
+def _storage_tier() -> type:
+    from hicache_fsm.storage.tier import StorageTier
+
+    return StorageTier
+
+
+def _prefetch_reads(p: Any, **wrong: Callable[[Any], Any]) -> None:
+    """Patch ``StorageTier.prefetch`` (admission) to run with its prefetch runtime's options read wrong."""
+    StorageTier = _storage_tier()
+    orig = StorageTier.prefetch
+
+    def prefetch(self, *args: Any, **kwargs: Any) -> bool:
+        runtime = self.runtime
+        options = runtime.options
+        runtime.configure(attrs.evolve(options, **{name: read(options) for name, read in wrong.items()}))
+        try:
+            return orig(self, *args, **kwargs)
+        finally:
+            runtime.configure(options)
+
+    p.setattr(StorageTier, "prefetch", prefetch)
+
+
+@_fifth("prefetch_admits_below_threshold", "a prefetch of fewer tokens than prefetch_threshold admitted (its "
+                                           "hit query and host slots spent on what is cheaper to recompute)",
+        storage=True, storage_options=PREFETCH_LIMITS)
+def _admits_below_threshold(p: Any) -> None:
+    _prefetch_reads(p, prefetch_threshold=lambda o: 0)
+
+
+@_fifth("prefetch_capacity_ignored", "a prefetch admitted past prefetch_capacity_tokens (running prefetches "
+                                     "hold more host memory than allowed)", storage=True,
+        storage_options=PREFETCH_LIMITS)
+def _capacity_ignored(p: Any) -> None:
+    _prefetch_reads(p, prefetch_capacity_tokens=lambda o: 1 << 40)
+
+
+@_fifth("prefetch_kept_below_threshold", "a hit query that found fewer pages than the threshold keeps its "
+                                         "prefetch (the threshold is checked at admission only)", storage=True,
+        storage_options=PREFETCH_LIMITS)
+def _kept_below_threshold(p: Any) -> None:
+    from hicache_fsm.registry import registry_for
+
+    p.setitem(registry_for("prefetch").guards, "hits_reach_threshold", lambda op, rt: op.hit_tokens > 0)
+
+
+@_fifth("storage_calls_ignore_batch_pages", "a hit query, transfer or backup sent to the backend in one call "
+                                            "whatever batch_pages says", storage=True, storage_options=PREFETCH_LIMITS)
+def _calls_ignore_batch_pages(p: Any) -> None:
+    StorageTier = _storage_tier()
+    orig = StorageTier.run_queued
+
+    def run_queued(self, kind: str, index: int) -> None:
+        options = self.options
+        self.options = attrs.evolve(options, batch_pages=1 << 30)
+        try:
+            orig(self, kind, index)
+        finally:
+            self.options = options
+
+    p.setattr(StorageTier, "run_queued", run_queued)

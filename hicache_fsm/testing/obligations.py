@@ -27,6 +27,12 @@
   past that.
 - ``load_back_limits``: a load-back that starts loads at least
   ``load_back_threshold`` and at most ``load_back_max_tokens`` tokens.
+- ``prefetch_admission``: a prefetch admitted fetches at least the tier's
+  ``prefetch_threshold`` (one page at least) and keeps every running
+  prefetch within ``prefetch_capacity_tokens``; ``prefetch_revoke``: a hit
+  query revokes its prefetch exactly when the hits fall short of the
+  threshold; ``batch_bound``: no backend call takes more than ``batch_pages``
+  keys. The limits are the adapter's (what it configured), not the tier's.
 - ``store_due``: with storage taking backups (attached, healthy), no node is
   left over two polls with a host copy storage lacks and no backup of it
   running (``unstored_nodes``): a D2H ack starts the node's storage backup,
@@ -53,9 +59,10 @@ if TYPE_CHECKING:
     from hicache_fsm.radix import TreeNode
     from hicache_fsm.results import LoadHandle
 
-__all__ = ["DeviceWatch", "freeable_device_tokens", "load_back_limit_problem", "load_back_refusal_problem",
-           "overshoot_problem", "storage_step_watch", "unstored_nodes", "unwaited_loads", "wait_complete_problem",
-           "write_behind_problems", "write_behind_snapshot"]
+__all__ = ["DeviceWatch", "batch_bound_problem", "freeable_device_tokens", "load_back_limit_problem",
+           "load_back_refusal_problem", "overshoot_problem", "prefetch_admission_problem", "storage_step_watch",
+           "unstored_nodes", "unwaited_loads", "wait_complete_problem", "write_behind_problems",
+           "write_behind_snapshot"]
 
 
 def _waited(handles: Iterable[LoadHandle]) -> set[int]:
@@ -133,6 +140,31 @@ def load_back_limit_problem(total: int, config: Any) -> str | None:
         return (f"load_back_limits: a load-back of {total} tokens started; load_back_max_tokens is "
                 f"{config.load_back_max_tokens}")
     return None
+
+
+def prefetch_threshold_tokens(adapter: Any) -> int:
+    """The fewest tokens a prefetch of ``adapter``'s tier may fetch: its ``prefetch_threshold``, one page at least."""
+    return max(adapter.prefetch_threshold, adapter.page_size)
+
+
+def prefetch_admission_problem(adapter: Any, tokens: int, held_before: int) -> str | None:
+    """``prefetch_admission`` for a prefetch of ``tokens`` admitted while running prefetches held ``held_before``
+    host tokens."""
+    least = prefetch_threshold_tokens(adapter)
+    if tokens < least:
+        return f"prefetch_admission: a prefetch of {tokens} tokens was admitted; the threshold is {least}"
+    cap = adapter.prefetch_capacity_tokens - adapter.prefetch_capacity_tokens % adapter.page_size
+    if held_before + tokens > cap:
+        return (f"prefetch_admission: a prefetch of {tokens} tokens was admitted beside {held_before} held by "
+                f"running prefetches; the capacity is {cap}")
+    return None
+
+
+def batch_bound_problem(widest: int, batch_pages: int) -> str | None:
+    """``batch_bound``: the widest backend call of a step took ``widest`` keys."""
+    if widest <= batch_pages:
+        return None
+    return f"batch_bound: a storage call took {widest} keys; batch_pages is {batch_pages}"
 
 
 class DeviceWatch:
@@ -260,10 +292,18 @@ def storage_step_watch(adapter: Any, step_id: str) -> Callable[[], list[str]] | 
 
     def problems() -> list[str]:
         if kind == "query":
-            if op.error or op.state in ("admitted", "querying") or op.hit_tokens == want:
-                return []  # answered as it should, or not answered (the query failed)
-            return [f"query_exact: the hit query of prefetch {op.request_id!r} found {op.hit_tokens} tokens; "
-                    f"storage holds the first {want} of the {len(keys) * op.page_size} it asked for"]
+            if op.error or op.state in ("admitted", "querying"):
+                return []  # not answered (the query failed)
+            found = []
+            if op.hit_tokens != want:
+                found.append(f"query_exact: the hit query of prefetch {op.request_id!r} found {op.hit_tokens} "
+                             f"tokens; storage holds the first {want} of the {len(keys) * op.page_size} it asked for")
+            short = op.hit_tokens < prefetch_threshold_tokens(adapter)
+            if (op.state == "transferring") == short:  # kept to transfer, or revoked (and released at once)
+                found.append(f"prefetch_revoke: the hit query of prefetch {op.request_id!r} found {op.hit_tokens} "
+                             f"tokens (the threshold is {prefetch_threshold_tokens(adapter)}) and left it "
+                             f"{op.state}")
+            return found
         got = op.completed_tokens - landed
         if got == want:
             return []

@@ -53,11 +53,13 @@ import torch
 from hicache_fsm.testing.adapter import HiCacheAdapter, Rejected, StorageFault, fingerprints
 from hicache_fsm.testing.memory_families import (chain_loads_family, host_room_families, layout_families,
                                                   namespace_families, option_families, order_family,
-                                                  pressure_family, recency_families, reset_family)
-from hicache_fsm.testing.obligations import (DeviceWatch, freeable_device_tokens, load_back_limit_problem,
-                                            load_back_refusal_problem, overshoot_problem, storage_step_watch,
-                                            unstored_nodes, unwaited_loads, wait_complete_problem,
-                                            write_behind_problems, write_behind_snapshot)
+                                                  pressure_family, recency_families, reset_family,
+                                                  storage_option_family)
+from hicache_fsm.testing.obligations import (DeviceWatch, batch_bound_problem, freeable_device_tokens,
+                                            load_back_limit_problem, load_back_refusal_problem, overshoot_problem,
+                                            prefetch_admission_problem, storage_step_watch, unstored_nodes,
+                                            unwaited_loads, wait_complete_problem, write_behind_problems,
+                                            write_behind_snapshot)
 from hicache_fsm.testing.recency import UseLog, UseLogListener
 from hicache_fsm.testing.start_families import cp_host_full_family, prefetch_split_family
 
@@ -180,7 +182,14 @@ class ProtocolAdapter(HiCacheAdapter):
         return self._looked_up(tokens, super().lock, tokens)
 
     def prefetch(self, tokens: Sequence[int]):
-        return self._looked_up(tokens, super().prefetch, tokens)
+        """A prefetch, its admission judged against the limits this adapter configured (``prefetch_admission``)."""
+        runtime = self.cache.storage.runtime
+        held = runtime.occupied_tokens
+        request = self._looked_up(tokens, super().prefetch, tokens)
+        op = runtime.active.get(request) if request is not None else None
+        problem = prefetch_admission_problem(self, op.num_tokens, held) if op is not None else None
+        self._step_problems += [problem] if problem else []
+        return request
 
     def evict_host(self, num_tokens: int) -> int:
         from hicache_fsm.bindings.residency import EVICTED
@@ -595,7 +604,15 @@ class ProtocolAdapter(HiCacheAdapter):
         problems, self._step_problems = self._step_problems, []
         self.uses.sync(self.cache.tree.nodes())  # nodes the cache made or dropped by itself
         return (problems + self._late_ack_problems() + self._write_behind_problems() + self._order_problems()
-                + self._store_problems() + super().kv_violations() + self._load_violations())
+                + self._store_problems() + self._batch_problems() + super().kv_violations() + self._load_violations())
+
+    def _batch_problems(self) -> list[str]:
+        """``batch_bound`` for the backend calls since the last check (see ``testing.obligations``)."""
+        if self.faults is None:
+            return []
+        widest, self.faults.widest = self.faults.widest, 0
+        problem = batch_bound_problem(widest, self.batch_pages)
+        return [problem] if problem else []
 
     def _store_problems(self) -> list[str]:
         """``store_due`` when a poll ran since the last check (see ``testing.obligations``)."""
@@ -648,7 +665,8 @@ def protocol_factory(bounds) -> ProtocolAdapter:
                               page_size=bounds.page_size, layers=bounds.layers, write_policy=bounds.write_policy,
                               eviction_policy=bounds.eviction_policy, storage=bounds.storage,
                               stop_policy=bounds.stop_policy, namespaces=bounds.namespaces,
-                              host_layout=bounds.host_layout, **dict(bounds.cache_options))
+                              host_layout=bounds.host_layout, **dict(bounds.cache_options),
+                              **dict(bounds.storage_options))
     adapter.track_hits = bounds.track_hits
     return adapter
 
@@ -666,9 +684,10 @@ def cp_factory(world_size: int):
 def families_for(variant: dict) -> list[tuple[str, Any, Any]]:
     """The default families a cache configuration (a mutant's ``variant``) lives in."""
     fams = default_families()
-    options = variant.get("cache_options")
-    if options:  # a threshold's bug: the families that set it
-        return [f for f in fams if set(options.items()) <= set(f[1].cache_options)]
+    for field in ("cache_options", "storage_options"):  # a threshold's bug: the families that set it
+        options = variant.get(field)
+        if options:
+            return [f for f in fams if set(options.items()) <= set(getattr(f[1], field))]
     if variant.get("cp"):
         return [f for f in fams if f[0].startswith("cp/")]
     layout = variant.get("host_layout")
@@ -727,7 +746,7 @@ def default_families() -> list[tuple[str, Any, Any]]:
     layouts_in_memory, layouts_in_storage = layout_families(f)
     return (memory + [order_family(f), pressure_family(f), chain_loads_family(f), reset_family(f)]
             + recency_families(f) + host_room_families(f) + option_families(f) + [in_memory] + layouts_in_memory
-            + storage + [in_storage] + layouts_in_storage + cp + [cp_host_full_family()])
+            + storage + [in_storage] + layouts_in_storage + [storage_option_family(f)] + cp + [cp_host_full_family()])
 
 
 # The start of ``storage/prefetch_anchor``: a cached anchor, another instance stores its next page, a prefetch.
@@ -762,7 +781,5 @@ UNREACHED_REASONS: dict[str, dict[str, str]] = {
         "querying --stop--> terminated": "as above: no step boundary falls inside 'querying'",
         "revoked --abort--> aborted": "a revoked prefetch is released at the next poll, before an abort",
         "terminated --abort--> aborted": "a terminated prefetch is released at the next poll, before an abort",
-        "transferring --batch_done--> transferring": "needs a transfer of more than one batch (batch_pages=2); "
-                                                     "the storage families fetch at most two pages",
     },
 }

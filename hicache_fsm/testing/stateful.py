@@ -598,8 +598,9 @@ _STORAGE_VARIANTS: tuple[dict, ...] = tuple(
     for v in _MEMORY_VARIANTS
 )
 # two tree namespaces (``testing.namespaces``): prompts starting with 1 and 2 are the same tokens as two
-# tenants'. These and the layouts' come last, so the variant numbers of generated regression tests keep their
-# meaning
+# tenants'. These, the layouts' and the options' come last, so a generated regression test whose variant number
+# is below the old count keeps its meaning (a larger draw is taken modulo the count: its ``expect_variant`` guard
+# says when to generate it again)
 _NAMESPACE_VARIANTS: tuple[dict, ...] = tuple(  # write_through / LRU and write_back / LFU in memory;
     # write_through / LRU and write_behind / LFU with storage
     dict(v, namespaces=2) for v in (_MEMORY_VARIANTS[2], _MEMORY_VARIANTS[7], _STORAGE_VARIANTS[2],

@@ -129,6 +129,7 @@ class FaultPlan:
         self._next: Fault | None = None
         self.corrupted: set[str] = set()
         self.injected = 0
+        self.widest = 0  # the most keys one backend call took since the driver last reset it (``batch_bound``)
 
     def arm(self, fault: StorageFault) -> None:
         if fault.call not in CALL_METHODS:
@@ -145,6 +146,7 @@ class FaultPlan:
             new._next = self._next
             new.corrupted = set(self.corrupted)
             new.injected = self.injected
+            new.widest = self.widest
             memo[id(self)] = new
         return memo[id(self)]
 
@@ -157,6 +159,7 @@ class FaultPlan:
     def __call__(self, method: str, index: int, keys: Sequence[str]) -> Fault | None:
         if method == "clear":
             return None
+        self.widest = max(self.widest, len(keys))
         if self._next is not None:
             fault, self._next = self._next, None
             self.injected += 1
