@@ -194,3 +194,39 @@ def test_verify_stored_asks_the_backend_a_batch_of_keys_at_a_time():
     a.backend.inner.clear()
     assert a.cache.storage.verify_stored() == 1
     a.close()
+
+
+# =========================================================================== another tenant on the same storage
+
+
+def test_a_sibling_backend_writes_beside_its_store_under_another_namespace():
+    import attrs
+
+    from hicache_fsm.storage.memory import MemoryBackend
+
+    ours = MemoryBackend()
+    theirs = ours.sibling(attrs.evolve(ours.namespace, tenant="tenant-b"))
+    assert theirs.batch_set(["p0"], [b"their page"]) == [True]
+    assert ours.batch_exists(["p0"]) == 0 and theirs.batch_exists(["p0"]) == 1  # one store, two key spaces
+    theirs.close()
+    assert ours.stored_keys() == ["default/tenant-b/0of1/p0"]  # closing the sibling kept the store
+    ours.close()
+
+
+def test_remote_tenant_needs_storage_and_a_tenant_name_keys_accept():
+    with pytest.raises(ConfigError, match="needs a storage tier"):
+        Bounds(remote_tenant="tenant-b")
+    with pytest.raises(ConfigError, match="Bounds.remote_tenant"):
+        Bounds(storage=True, remote_tenant="a/b")
+
+
+def test_another_tenants_pages_are_never_hit():
+    [(bounds, factory)] = [(b, f) for n, b, f in default_families() if n == "storage/foreign_tenant"]
+    assert bounds.remote_tenant == "tenant-b" and "remote_tenant=tenant-b" in factory(bounds).describe()
+    with quiet_cache_logs():
+        result = explore(bounds, factory)
+    assert result.complete and not result.violations
+    # keys without the tenant: the backup of the same tokens finds the other tenant's page and keeps it
+    steps = [lambda a: a.store_remote((1,)), lambda a: a.insert((1,)), _storage_settled]
+    flagged_only_when_planted(steps, ("storage_keys_ignore_tenant",), "stored_means_stored", device_pages=1,
+                              host_pages=2, storage=True, remote_tenant="tenant-b")

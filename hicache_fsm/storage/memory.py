@@ -73,6 +73,7 @@ class MemoryBackend(StorageBackend):
         else:
             self._mem = _Store()
         self.store_name = store
+        self._sibling = False  # a view of another backend's store (``sibling``): closing it keeps the pages
         self._lru = LRUIndex(max_bytes)
         with self._mem.lock:  # adopt pages already in a shared store
             self._mem.backends.add(self)
@@ -99,6 +100,19 @@ class MemoryBackend(StorageBackend):
         new._eviction_listeners = ()  # the copy's evictions are its own holder's business
         store.backends.add(new)
         memo[id(self)] = new
+        return new
+
+    def sibling(self, namespace: KeyNamespace) -> "MemoryBackend":
+        """A backend over this one's store under ``namespace``: another model or tenant writing beside this one
+        (what isolation tests need of a private store). Closing it leaves the store as it is."""
+        new = MemoryBackend(namespace, checksum=self.checksum, page_format=self.page_format)
+        with self._mem.lock:  # its own empty store is dropped unused
+            new._mem, new.store_name, new._sibling = self._mem, self.store_name, True
+            self._mem.backends.add(new)
+            prefix = new.namespace.prefix
+            for skey, blob in self._mem.data.items():
+                if skey.startswith(prefix):
+                    new._lru.add(skey, len(blob))
         return new
 
     def stored_blob(self, skey: str) -> bytes:
@@ -196,7 +210,7 @@ class MemoryBackend(StorageBackend):
     def _close(self) -> None:
         with self._mem.lock:
             self._mem.backends.discard(self)
-        if not self.store_name:
+        if not self.store_name and not self._sibling:
             self._mem.data.clear()
 
     def debug_corrupt(self, key: str) -> bool:

@@ -74,6 +74,9 @@ def check_variants(variants: object) -> tuple[dict, ...]:
     return tuple(variants)
 
 
+FOREIGN_OFFSET = 1 << 20  # ``remote_tenant``'s KV is that of its tokens shifted by this much
+
+
 def adapter_config(adapter: str, options: dict[str, Any]) -> CacheConfig:
     """``CacheConfig(**options)``, an unknown option named with the ones there are (not a TypeError)."""
     unknown = sorted(set(options) - set(attrs.fields_dict(CacheConfig)))
@@ -96,7 +99,9 @@ class HiCacheAdapter(CacheAdapter):
     step (``testing.storage.ManualStorageTier`` over ``memory://`` behind a
     ``FaultyBackend`` whose schedule is ``self.faults``), with ``stop_policy``,
     ``batch_pages``, ``prefetch_threshold`` (default one page) and
-    ``prefetch_capacity_tokens`` (default the host pool) as given. ``namespaces=N``
+    ``prefetch_capacity_tokens`` (default the host pool) as given; ``remote_tenant``
+    makes ``store_remote`` another tenant's instance on the same storage, whose
+    pages (other KV for the same tokens) this cache must never hit. ``namespaces=N``
     files each prompt under one of N tree namespaces named by its first token
     (``testing.namespaces``): the operations take prompts as ever, the cache
     sees (namespace, tokens).
@@ -108,7 +113,7 @@ class HiCacheAdapter(CacheAdapter):
                  host_layout: str = "layer_first", dispatcher=None, storage: bool = False,
                  stop_policy: str = "best_effort", batch_pages: int = 2, namespaces: int = 1,
                  prefetch_threshold: int | None = None, prefetch_capacity_tokens: int | None = None,
-                 **config: Any) -> None:
+                 remote_tenant: str | None = None, **config: Any) -> None:
         from hicache_fsm.cache import HiCache
         from hicache_fsm.executors import ManualExecutor
         from hicache_fsm.machine import compile_machine
@@ -151,6 +156,7 @@ class HiCacheAdapter(CacheAdapter):
                                          else prefetch_capacity_tokens)
         self.batch_pages = batch_pages
         self.stop_policy = stop_policy
+        self.remote_tenant = remote_tenant  # ``store_remote`` writes as this other tenant (None: as this one)
         if storage:
             self._attach_storage()
 
@@ -185,7 +191,7 @@ class HiCacheAdapter(CacheAdapter):
             return ""
         given = (("prefetch_threshold", self.prefetch_threshold, self.page_size),
                  ("prefetch_capacity_tokens", self.prefetch_capacity_tokens, self.host_pool.size_tokens),
-                 ("batch_pages", self.batch_pages, 2))
+                 ("batch_pages", self.batch_pages, 2), ("remote_tenant", self.remote_tenant, None))
         return "".join(f", {name}={value}" for name, value, default in given if value != default)
 
     def supports(self, op: str) -> bool:
@@ -452,7 +458,8 @@ class HiCacheAdapter(CacheAdapter):
     def store_remote(self, tokens: Sequence[int]) -> int:
         """Another engine instance sharing this L3 (same model and key namespace) backs ``tokens`` up:
         their KV pages land in storage under the same chained keys; pages stored already are kept.
-        Returns the tokens written. Nothing in this cache changes."""
+        Returns the tokens written. Nothing in this cache changes. With ``remote_tenant`` the other
+        instance is another tenant's: its KV for the same tokens differs, under its own key namespace."""
         from hicache_fsm.pools import HostKVPool
         from hicache_fsm.storage.page_format import page_format_of
 
@@ -461,10 +468,18 @@ class HiCacheAdapter(CacheAdapter):
             return 0
         ps = self.page_size
         scratch = HostKVPool(self.host_pool.shape, len(tokens), ps, self.host_pool.layout, pin_memory=False)
-        k, v = encoded(tokens, self.layers)
+        foreign = self.remote_tenant is not None
+        # another tenant's KV: that of other tokens (a prompt under another offset), so a hit on it reads wrong
+        k, v = encoded(tuple(t + FOREIGN_OFFSET for t in tokens) if foreign else tokens, self.layers)
         scratch.write(torch.arange(len(tokens)), k, v)
         values = [scratch.read_page(p).numpy().tobytes() for p in range(len(tokens) // ps)]
-        stored = self.backend.inner.batch_set(self.storage_keys_of(tokens), values, page_format_of(scratch))
+        inner = self.backend.inner
+        writer = inner.sibling(attrs.evolve(inner.namespace, tenant=self.remote_tenant)) if foreign else inner
+        try:
+            stored = writer.batch_set(self.storage_keys_of(tokens), values, page_format_of(scratch))
+        finally:
+            if foreign:
+                writer.close()
         return sum(stored) * ps
 
     def stored_prefix(self, tokens: Sequence[int]) -> int:

@@ -80,7 +80,8 @@ import attrs
 import torch
 
 from hicache_fsm.config import CacheConfig, check_positive_int
-from hicache_fsm.errors import ConfigError
+from hicache_fsm.errors import ConfigError, StorageKeyError
+from hicache_fsm.storage.keys import KeyNamespace
 from hicache_fsm.testing.adapter import CacheAdapter
 from hicache_fsm.testing.checks import Step, UseOrder, catalogue, judged, kv_check, replay_steps
 from hicache_fsm.testing.paths import CoverageTracker
@@ -168,6 +169,8 @@ class Bounds:
     ``storage_options``: the storage tier's ``prefetch_threshold``, ``prefetch_capacity_tokens`` and
     ``batch_pages`` (``TierOptions``; with ``storage`` only), the same way: by default a prefetch of one page
     and up is admitted, up to the whole host pool, and every storage call takes at most two pages.
+    ``remote_tenant``: ``store_remote`` is another tenant's instance on the same storage (with storage only),
+    whose pages (other KV for the same tokens) must never be hit.
     """
 
     nodes: int = 3
@@ -197,6 +200,7 @@ class Bounds:
     host_layout: str = "layer_first"
     cache_options: tuple[tuple[str, Any], ...] = attrs.field(default=(), converter=_option_pairs)
     storage_options: tuple[tuple[str, Any], ...] = attrs.field(default=(), converter=_option_pairs)
+    remote_tenant: str | None = None
 
     def __attrs_post_init__(self) -> None:
         """Refuse bounds that explore nothing meaningful (a run over them would pass, having checked nothing)."""
@@ -217,6 +221,13 @@ class Bounds:
                 raise ConfigError(f"Bounds.{name} must be True or False, got {getattr(self, name)!r}")
         check_cache_options(dict(self.cache_options))
         check_storage_options(dict(self.storage_options), self.storage)
+        if self.remote_tenant is not None:
+            if not self.storage:
+                raise ConfigError("Bounds.remote_tenant needs a storage tier (storage=True)")
+            try:
+                KeyNamespace("default", tenant=self.remote_tenant)  # a tenant name storage keys accept
+            except StorageKeyError as exc:
+                raise ConfigError(f"Bounds.remote_tenant: {exc}") from None
 
     @property
     def prompt_pages(self) -> int:
@@ -252,8 +263,8 @@ def hicache_factory(bounds: Bounds) -> CacheAdapter:
                              page_size=bounds.page_size, layers=bounds.layers, write_policy=bounds.write_policy,
                              eviction_policy=bounds.eviction_policy, storage=bounds.storage,
                              stop_policy=bounds.stop_policy, namespaces=bounds.namespaces,
-                             host_layout=bounds.host_layout, **dict(bounds.cache_options),
-                             **dict(bounds.storage_options))
+                             host_layout=bounds.host_layout, remote_tenant=bounds.remote_tenant,
+                             **dict(bounds.cache_options), **dict(bounds.storage_options))
     adapter.track_hits = bounds.track_hits
     return adapter
 

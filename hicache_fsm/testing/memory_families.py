@@ -2,8 +2,8 @@
 miss: a full one-page host (``host_room_families``), eviction order (``order_family``, ``recency_families``), a
 chain loading back under a revived node (``chain_loads_family``) and ``reset``; and, in memory and with storage,
 the families of two tree namespaces (``namespace_families``) and of the page_first host layouts
-(``layout_families``); and those of config thresholds and budgets left at rest by default (``option_families``,
-``storage_option_family``).
+(``layout_families``); those of config thresholds and budgets left at rest by default (``option_families``,
+``storage_option_family``); and another tenant's instance on the same storage (``foreign_tenant_family``).
 
 ``testing.protocol.default_families`` lists them with the others; each takes the factory that builds the
 adapter (``protocol.protocol_factory``), as ``testing.start_families`` does, so this module imports neither it
@@ -15,9 +15,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["PRESSURE_START", "chain_loads_family", "host_room_families", "layout_families", "namespace_families",
-           "option_families", "order_family", "pressure_family", "recency_families", "reset_family",
-           "storage_option_family"]
+__all__ = ["FOREIGN_START", "PRESSURE_START", "chain_loads_family", "foreign_tenant_family", "host_room_families",
+           "layout_families", "namespace_families", "option_families", "order_family", "pressure_family",
+           "recency_families", "reset_family", "storage_option_family"]
 
 
 # The start of ``memory/load_back_pressure``: a two-page chain backed up, then evicted (host-only).
@@ -213,3 +213,22 @@ def storage_option_family(factory: Callable[[Any], Any]) -> tuple[str, Any, Any]
                    redeliver=False, storage=True, max_prefetches=2, max_depth=4,
                    storage_options={"prefetch_threshold": 2, "prefetch_capacity_tokens": 3, "batch_pages": 1}),
             factory)
+
+
+# The start of ``storage/foreign_tenant``: another tenant's instance stores a prompt, this cache prefetches it.
+FOREIGN_START = (("store_remote", ((1,),)), ("prefetch", ((1,),)))
+
+
+def foreign_tenant_family(factory: Callable[[Any], Any]) -> tuple[str, Any, Any]:
+    """``storage/foreign_tenant``: ``store_remote`` is another tenant's instance on the same storage
+    (``Bounds.remote_tenant``), whose KV for the same tokens differs. From ``FOREIGN_START`` (its page stored,
+    this cache prefetching the same tokens), every state within four steps: the hit query, the transfer and
+    the polls that would insert the page. Storage keys namespaced per tenant find nothing; keys that leave
+    the tenant out hit the other tenant's page and read its KV back. One-page prompts on a one-page device."""
+    from hicache_fsm.testing.checks import Step
+    from hicache_fsm.testing.explorer import Bounds
+
+    start = tuple(Step(op, args) for op, args in FOREIGN_START)
+    return ("storage/foreign_tenant",
+            Bounds(nodes=2, device_pages=1, host_pages=2, alphabet=2, max_len=1, max_locks=0, max_pins=0,
+                   redeliver=False, storage=True, remote_tenant="tenant-b", start=start, max_depth=4), factory)

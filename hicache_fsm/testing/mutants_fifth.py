@@ -228,3 +228,19 @@ def _calls_ignore_batch_pages(p: Any) -> None:
             self.options = options
 
     p.setattr(StorageTier, "run_queued", run_queued)
+
+
+# =========================================================================== storage keys of another tenant
+
+
+@_fifth("storage_keys_ignore_tenant", "storage keys that leave the tenant out: one tenant's prefetch hits "
+                                      "another's pages of the same tokens and reads its KV", storage=True,
+        remote_tenant=True)
+def _keys_ignore_tenant(p: Any) -> None:
+    from hicache_fsm.storage.keys import KeyNamespace
+
+    def prefix(self) -> str:
+        rank = "mla" if self.is_mla else f"{self.tp_rank}of{self.tp_size}"
+        return f"{self.model}/-/{rank}/"  # every tenant's pages under one prefix
+
+    p.setattr(KeyNamespace, "prefix", property(prefix))

@@ -51,8 +51,8 @@ from typing import Any
 import torch
 
 from hicache_fsm.testing.adapter import HiCacheAdapter, Rejected, StorageFault, fingerprints
-from hicache_fsm.testing.memory_families import (chain_loads_family, host_room_families, layout_families,
-                                                  namespace_families, option_families, order_family,
+from hicache_fsm.testing.memory_families import (chain_loads_family, foreign_tenant_family, host_room_families,
+                                                  layout_families, namespace_families, option_families, order_family,
                                                   pressure_family, recency_families, reset_family,
                                                   storage_option_family)
 from hicache_fsm.testing.obligations import (DeviceWatch, batch_bound_problem, freeable_device_tokens,
@@ -665,8 +665,8 @@ def protocol_factory(bounds) -> ProtocolAdapter:
                               page_size=bounds.page_size, layers=bounds.layers, write_policy=bounds.write_policy,
                               eviction_policy=bounds.eviction_policy, storage=bounds.storage,
                               stop_policy=bounds.stop_policy, namespaces=bounds.namespaces,
-                              host_layout=bounds.host_layout, **dict(bounds.cache_options),
-                              **dict(bounds.storage_options))
+                              host_layout=bounds.host_layout, remote_tenant=bounds.remote_tenant,
+                              **dict(bounds.cache_options), **dict(bounds.storage_options))
     adapter.track_hits = bounds.track_hits
     return adapter
 
@@ -684,6 +684,8 @@ def cp_factory(world_size: int):
 def families_for(variant: dict) -> list[tuple[str, Any, Any]]:
     """The default families a cache configuration (a mutant's ``variant``) lives in."""
     fams = default_families()
+    if variant.get("remote_tenant"):  # another tenant's pages on the same storage
+        return [f for f in fams if f[1].remote_tenant is not None]
     for field in ("cache_options", "storage_options"):  # a threshold's bug: the families that set it
         options = variant.get(field)
         if options:
@@ -746,7 +748,8 @@ def default_families() -> list[tuple[str, Any, Any]]:
     layouts_in_memory, layouts_in_storage = layout_families(f)
     return (memory + [order_family(f), pressure_family(f), chain_loads_family(f), reset_family(f)]
             + recency_families(f) + host_room_families(f) + option_families(f) + [in_memory] + layouts_in_memory
-            + storage + [in_storage] + layouts_in_storage + [storage_option_family(f)] + cp + [cp_host_full_family()])
+            + storage + [in_storage] + layouts_in_storage + [storage_option_family(f), foreign_tenant_family(f)]
+            + cp + [cp_host_full_family()])
 
 
 # The start of ``storage/prefetch_anchor``: a cached anchor, another instance stores its next page, a prefetch.
