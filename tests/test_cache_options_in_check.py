@@ -27,7 +27,7 @@ def test_cache_options_are_sorted_pairs_of_config_fields():
     ({"no_such_field": 1}, "unknown option(s) no_such_field"),
     ({"write_policy": "write_back"}, "bounds of their own"),
     ({"load_back_threshold": -1}, "load_back_threshold"),
-    (5, "must be a mapping"),
+    (5, "must be a mapping of field names"),
 ])
 def test_bad_cache_options_are_a_config_error(options, says):
     with pytest.raises(ConfigError, match=None) as exc:

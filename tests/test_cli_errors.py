@@ -46,6 +46,7 @@ def closed_port() -> int:
 
 MISSING_DIR = "/nonexistent-hicache-fsm-dir"
 TINY = ROOT / "examples" / "tiny_lru_cache.py"  # its make_adapter is for fuzz, explorer_factory for check
+BLOCKS = ROOT / "examples" / "block_offload_manager.py"  # a block store
 # name -> (argv, exit status, fragments of the one stderr line)
 CASES: dict[str, tuple[list[str], int, tuple[str, ...]]] = {
     "check_negative_pages": (["check", "--device-pages", "-1"], 2, ("--device-pages", "positive")),
@@ -61,6 +62,13 @@ CASES: dict[str, tuple[list[str], int, tuple[str, ...]]] = {
     "fuzz_given_an_explorer_factory": (["fuzz", "--adapter", f"{TINY}:explorer_factory", "--examples", "3"], 2,
                                        ("explorer_factory raised TypeError", "keywords of a --variant")),
     "fuzz_given_no_factory": (["fuzz", "--adapter", "os:system"], 2, ("os:system raised TypeError",)),
+    # a config option an adapter would not apply: refused, or the run would pass without it
+    "check_cache_option_its_adapter_ignores": (["check", "--adapter", f"{TINY}:explorer_factory", "--cache-option",
+                                                "eviction_headroom_tokens=1", "--max-depth", "1"], 2,
+                                               ("does not report them in its config",)),
+    "check_cache_option_for_a_block_store": (["check", "--adapter", f"{BLOCKS}:make_adapter", "--cache-option",
+                                              "eviction_headroom_tokens=1"], 2,
+                                             ("--cache-option: not for a block store",)),
     "bench_copy_negative_tokens": (["bench", "copy", "--tokens", "-1"], 2, ("--tokens",)),
     "bench_copy_part_of_a_page": (["bench", "copy", "--tokens", "65", "--page-size", "64"], 2,
                                   ("--tokens must be a whole number of pages of --page-size 64, got 65",)),

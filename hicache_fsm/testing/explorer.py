@@ -97,13 +97,13 @@ _OWN_OPTIONS = ("write_policy", "eviction_policy")
 
 
 def _option_pairs(options: Any) -> tuple[tuple[str, Any], ...]:
-    """``Bounds.cache_options`` as sorted (name, value) pairs, from a mapping or pairs."""
+    """``Bounds.cache_options`` / ``storage_options`` as sorted (name, value) pairs, from a mapping or pairs."""
     if isinstance(options, Mapping):
         options = options.items()
     try:
         return tuple(sorted((str(k), v) for k, v in options))
     except (TypeError, ValueError):
-        raise ConfigError(f"Bounds.cache_options must be a mapping of CacheConfig fields, got {options!r}") from None
+        raise ConfigError(f"Bounds options must be a mapping of field names to values, got {options!r}") from None
 
 
 def check_cache_options(options: dict[str, Any]) -> None:
