@@ -186,7 +186,8 @@ class HiCacheAdapter(CacheAdapter):
                 f"{self._tier_options()})")
 
     def _tier_options(self) -> str:
-        """The storage tier's prefetch limits and batch size where they differ from this adapter's defaults."""
+        """The storage tier's prefetch limits and batch size, and the other tenant ``store_remote`` writes as,
+        where they differ from this adapter's defaults."""
         if self.cache.storage is None:
             return ""
         given = (("prefetch_threshold", self.prefetch_threshold, self.page_size),
