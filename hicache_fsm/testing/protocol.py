@@ -771,11 +771,6 @@ def anchor_family() -> tuple[str, Any, Any]:
 
 # Why each transition the default families never fire stays unfired (``check --json``: ``"unreached"``).
 UNREACHED_REASONS: dict[str, dict[str, str]] = {
-    "residency": {
-        "loading_stored --load_done--> device_host_stored": "beyond the storage families' depth bound: a stored "
-                                                             "node's load back starts only at their last step",
-        "loading_stored --load_failed--> host_stored": "as above: the load's acknowledgement is one step deeper",
-    },
     "prefetch": {
         "failed --abort--> aborted": "the tier releases a failed prefetch at the next poll, before an abort can "
                                      "reach it (abort_prefetch drains first)",
