@@ -30,7 +30,7 @@ def test_cache_options_are_sorted_pairs_of_config_fields():
     (5, "must be a mapping of field names"),
 ])
 def test_bad_cache_options_are_a_config_error(options, says):
-    with pytest.raises(ConfigError, match=None) as exc:
+    with pytest.raises(ConfigError) as exc:
         Bounds(cache_options=options)
     assert says in str(exc.value)
 

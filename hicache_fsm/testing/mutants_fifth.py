@@ -30,17 +30,20 @@ LOAD_BACK_LIMITS = {"load_back_threshold": 2, "load_back_max_tokens": 2}
 WRITE_BEHIND_BATCH = {"write_behind_batch_tokens": 1, "write_behind_idle_steps": 1}
 
 
-def _reads(p: Any, cls: type, method: str, **wrong: Callable[[Any], Any]) -> None:
-    """Patch ``cls.method`` to run with its ``config`` seeing each field of ``wrong`` as ``wrong[field](config)``."""
+def _reads(p: Any, cls: type, method: str, holder: Callable[[Any], Any] = lambda self: self, attr: str = "config",
+           **wrong: Callable[[Any], Any]) -> None:
+    """Patch ``cls.method`` to run with ``holder(self).attr`` (its config or options) seeing each field of ``wrong``
+    as ``wrong[field](value)``."""
     orig = getattr(cls, method)
 
     def patched(self, *args: Any, **kwargs: Any) -> Any:
-        config = self.config
-        self.config = attrs.evolve(config, **{name: read(config) for name, read in wrong.items()})
+        target = holder(self)
+        value = getattr(target, attr)
+        setattr(target, attr, attrs.evolve(value, **{name: read(value) for name, read in wrong.items()}))
         try:
             return orig(self, *args, **kwargs)
         finally:
-            self.config = config
+            setattr(target, attr, value)
 
     p.setattr(cls, method, patched)
 
@@ -175,19 +178,7 @@ def _storage_tier() -> type:
 
 def _prefetch_reads(p: Any, **wrong: Callable[[Any], Any]) -> None:
     """Patch ``StorageTier.prefetch`` (admission) to run with its prefetch runtime's options read wrong."""
-    StorageTier = _storage_tier()
-    orig = StorageTier.prefetch
-
-    def prefetch(self, *args: Any, **kwargs: Any) -> bool:
-        runtime = self.runtime
-        options = runtime.options
-        runtime.configure(attrs.evolve(options, **{name: read(options) for name, read in wrong.items()}))
-        try:
-            return orig(self, *args, **kwargs)
-        finally:
-            runtime.configure(options)
-
-    p.setattr(StorageTier, "prefetch", prefetch)
+    _reads(p, _storage_tier(), "prefetch", holder=lambda tier: tier.runtime, attr="options", **wrong)
 
 
 @_fifth("prefetch_admits_below_threshold", "a prefetch of fewer tokens than prefetch_threshold admitted (its "
@@ -216,18 +207,7 @@ def _kept_below_threshold(p: Any) -> None:
 @_fifth("storage_calls_ignore_batch_pages", "a hit query, transfer or backup sent to the backend in one call "
                                             "whatever batch_pages says", storage=True, storage_options=PREFETCH_LIMITS)
 def _calls_ignore_batch_pages(p: Any) -> None:
-    StorageTier = _storage_tier()
-    orig = StorageTier.run_queued
-
-    def run_queued(self, kind: str, index: int) -> None:
-        options = self.options
-        self.options = attrs.evolve(options, batch_pages=1 << 30)
-        try:
-            orig(self, kind, index)
-        finally:
-            self.options = options
-
-    p.setattr(StorageTier, "run_queued", run_queued)
+    _reads(p, _storage_tier(), "run_queued", attr="options", batch_pages=lambda o: 1 << 30)
 
 
 # =========================================================================== storage keys of another tenant

@@ -81,7 +81,8 @@ class ProtocolAdapter(HiCacheAdapter):
         self._late_due = 0
         # write_behind: the device-only nodes, polls, refusals and host room at the last check (a function of
         # the state then, so not part of the key)
-        self._write_behind_seen = write_behind_snapshot(self.cache)
+        self._write_behind_seen = write_behind_snapshot(self.cache) if self.config.write_policy == "write_behind" \
+            else None
         # ``store_due``: the cache's poll count at the last check, and the nodes a poll then left unstored
         self._polls_seen = 0
         self._unstored: frozenset[int] = frozenset()
@@ -150,14 +151,8 @@ class ProtocolAdapter(HiCacheAdapter):
         tree = self.cache.tree
         before = {n.id for n in tree.nodes()}
         refused = self.cache.counters["backup_host_full"]
-        room = self.device_pool.allocator.available_tokens + freeable_device_tokens(tree.root,
-                                                                                    self.config.keeps_unbacked)
         ok = super().insert(tokens, priority)
         if not ok:
-            wanted = len(self._aligned(tokens))
-            if 0 < wanted <= room:
-                self._step_problems.append(f"alloc_due: no device slots for {wanted} tokens, though {room} were "
-                                           f"free or could go at once")
             return ok
         path, _, _ = self.walk(tokens)
         # the nodes this insert made; a split's upper half has its record already, None for a node of the cache's
@@ -172,9 +167,14 @@ class ProtocolAdapter(HiCacheAdapter):
         return ok
 
     def alloc_for_insert(self, num_tokens: int):
-        """``alloc_device``, its eviction judged (``headroom_kept``)."""
+        """``alloc_device``, judged: it succeeds when free and freeable tokens cover it (``alloc_due``), and its
+        eviction frees what it owes (``headroom_kept``)."""
         watch = DeviceWatch(self.cache, "alloc_device", num_tokens)
         slots = super().alloc_for_insert(num_tokens)
+        room = watch.free + watch.could
+        if slots is None and num_tokens <= room:
+            self._step_problems.append(f"alloc_due: no device slots for {num_tokens} tokens, though {room} were "
+                                       f"free or could go at once")
         self._step_problems += watch.problems()
         return slots
 
@@ -645,8 +645,10 @@ class ProtocolAdapter(HiCacheAdapter):
 
     def _write_behind_problems(self) -> list[str]:
         """``write_behind_due`` / ``_early`` / ``_batch`` of the step since the last check (``testing.obligations``)."""
+        if self._write_behind_seen is None:  # not write_behind: nothing to judge, no snapshot taken
+            return []
         before, self._write_behind_seen = self._write_behind_seen, write_behind_snapshot(self.cache)
-        return write_behind_problems(before, self.cache) if self.config.write_policy == "write_behind" else []
+        return write_behind_problems(before, self.cache)
 
 
 def _attach_options(tier) -> dict:
