@@ -32,3 +32,11 @@ def flagged_only_when_planted(steps: Steps, bugs: tuple[str, ...], check: str, *
     for bug in bugs:
         with mutant(bug):
             assert any(p.startswith(f"{check}:") for p in problems()), bug
+
+
+def backed_up(a: Any, *prompts: tuple[int, ...]) -> None:
+    """Insert ``prompts`` and complete every pending job (their host backups land)."""
+    for prompt in prompts:
+        a.insert(prompt)
+    for job in a.pending_jobs():
+        a.complete_job(job.id)

@@ -11,7 +11,7 @@ from hicache_fsm.cli import main
 from hicache_fsm.errors import ConfigError
 from hicache_fsm.testing.explorer import Bounds, explore, quiet_cache_logs
 from hicache_fsm.testing.protocol import default_families, families_for
-from obligation_helpers import flagged_only_when_planted
+from obligation_helpers import backed_up, flagged_only_when_planted
 
 OPTION_FAMILIES = ("memory/headroom", "memory/load_back_limits", "memory/write_behind_batch",
                    "memory/selective_threshold_1")
@@ -72,32 +72,25 @@ def test_a_bad_cache_option_is_a_usage_error_in_one_line(option, says, capsys):
     assert says in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
-def _settled(a, *prompts) -> None:
-    for prompt in prompts:
-        a.insert(prompt)
-    for job in a.pending_jobs():
-        a.complete_job(job.id)
-
-
 def test_an_allocation_evicts_its_shortfall_plus_the_headroom_and_only_when_short():
-    steps = [lambda a: _settled(a, (1,), (2,)),
-             lambda a: _settled(a, (3,)),  # one page free: no eviction
+    steps = [lambda a: backed_up(a, (1,), (2,)),
+             lambda a: backed_up(a, (3,)),  # one page free: no eviction
              lambda a: a.insert((4, 4))]  # two pages wanted, none free: the shortfall and one more
     flagged_only_when_planted(steps, ("alloc_ignores_headroom", "alloc_evicts_headroom_with_room"), "headroom_kept",
                                device_pages=3, host_pages=6, eviction_headroom_tokens=1)
 
 
 def test_a_load_back_evicts_its_shortfall_plus_the_headroom():
-    steps = [lambda a: _settled(a, (1, 1)),
+    steps = [lambda a: backed_up(a, (1, 1)),
              lambda a: a.evict(2),  # a host-only chain of two tokens
-             lambda a: _settled(a, (2,), (3,)),  # one device page free, two that could go
+             lambda a: backed_up(a, (2,), (3,)),  # one device page free, two that could go
              lambda a: a.load_back((1, 1))]
     flagged_only_when_planted(steps, ("load_back_ignores_headroom",), "headroom_kept",
                                device_pages=3, host_pages=6, eviction_headroom_tokens=1)
 
 
 def test_a_load_back_starts_only_within_its_limits():
-    steps = [lambda a: _settled(a, (1,), (2, 2, 2)),
+    steps = [lambda a: backed_up(a, (1,), (2, 2, 2)),
              lambda a: a.evict(4),
              lambda a: a.load_back((1,)),  # under the threshold
              lambda a: a.load_back((2, 2, 2))]  # over the cap

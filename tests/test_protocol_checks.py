@@ -18,7 +18,7 @@ from hicache_fsm.testing.explorer import quiet_cache_logs
 from hicache_fsm.testing.mutants import mutant
 from hicache_fsm.testing.paths import CoverageTracker
 from hicache_fsm.testing.protocol import ProtocolAdapter, default_families, families_for
-from obligation_helpers import flagged_only_when_planted
+from obligation_helpers import backed_up, flagged_only_when_planted
 
 
 def test_families_cover_every_policy_stop_policy_and_cp_world():
@@ -366,18 +366,11 @@ def _host_only_prompt(a) -> None:
     assert a.evict(1) == 1 and a.match((1,)).host_tokens == 1
 
 
-def _backed_up(a, *prompts) -> None:
-    for prompt in prompts:
-        a.insert(prompt)
-    for job in a.pending_jobs():
-        a.complete_job(job.id)
-
-
 def test_a_load_back_refused_though_eviction_could_make_room_is_a_problem():
     """``load_back_due``: every tool passed a load-back that never loaded (or never evicted for room)."""
     def steps(a) -> None:
         _host_only_prompt(a)
-        _backed_up(a, (2, 2))  # the device is full again, of an unlocked, backed-up prompt
+        backed_up(a, (2, 2))  # the device is full again, of an unlocked, backed-up prompt
         a.load_back((1,))
 
     flagged_only_when_planted(steps, ("load_back_refused_with_room", "load_back_never_evicts"), "load_back_due",
@@ -397,7 +390,7 @@ def test_a_load_back_refused_for_a_device_full_of_locked_kv_is_justified():
 def test_an_eviction_that_stops_short_of_what_could_go_is_a_problem():
     """``evict_due``: an eviction that freed nothing, or stopped after its first victim, passed every tool."""
     def steps(a) -> None:
-        _backed_up(a, (1,), (2,))  # two backed-up nodes of one token each
+        backed_up(a, (1,), (2,))  # two backed-up nodes of one token each
         a.evict(2)
 
     flagged_only_when_planted(steps, ("evict_frees_nothing", "evict_stops_after_one_token"), "evict_due",
@@ -427,11 +420,11 @@ def test_freeable_device_tokens_counts_what_an_eviction_may_take_at_once():
 def test_an_eviction_that_takes_more_than_it_was_asked_is_a_problem():
     """``evict_just_enough``: evictions that took every candidate, asked for one token, passed every tool."""
     def on_device(a) -> None:
-        _backed_up(a, (1,), (2,))
+        backed_up(a, (1,), (2,))
         a.evict(1)
 
     def on_host(a) -> None:
-        _backed_up(a, (1,), (2,))
+        backed_up(a, (1,), (2,))
         assert a.evict(2) == 2  # both on the host only now
         a.kv_violations()
         a.evict_host(1)
@@ -445,7 +438,7 @@ def test_an_eviction_that_takes_more_than_it_was_asked_is_a_problem():
 def test_an_allocation_refused_while_kv_could_go_is_a_problem():
     """``alloc_due``: an allocation that failed without evicting passed every tool."""
     def steps(a) -> None:
-        _backed_up(a, (1,))  # (1,) may go
+        backed_up(a, (1,))  # (1,) may go
         a.insert((2, 2))  # needs both device pages
 
     flagged_only_when_planted(steps, ("alloc_device_never_evicts",), "alloc_due", device_pages=2, host_pages=4)
@@ -454,7 +447,7 @@ def test_an_allocation_refused_while_kv_could_go_is_a_problem():
 def test_a_host_copy_never_backed_up_to_storage_is_a_problem():
     """``store_due``: a cache whose storage backups never started passed every tool."""
     def steps(a) -> None:
-        _backed_up(a, (1,))  # the D2H lands: its storage backup starts
+        backed_up(a, (1,))  # the D2H lands: its storage backup starts
         a.kv_violations()
         a.poll()
 
