@@ -120,6 +120,25 @@ def check_explorer_factory(factory: Callable[..., Any], ref: str, bounds: Any) -
         raise UsageError(f"--cache-option {', '.join(differ)}: the {type(made).__name__} --adapter {ref} makes does "
                          f"not report them in its config (its factory must pass Bounds.cache_options to the cache, as "
                          f"HiCacheAdapter(**options) does)")
+    _check_storage_bounds(made, ref, bounds)
+
+
+STORAGE_STEPS = ("prefetch", "store_remote", "complete_storage")  # what ``--storage`` adds to the explored steps
+
+
+def _check_storage_bounds(made: Any, ref: str, bounds: Any) -> None:
+    """``UsageError`` when ``--storage`` or a storage limit would be ignored by the adapter (the run would pass
+    without them): it must take storage steps, and report the limits and the tenant as attributes."""
+    name = type(made).__name__
+    if bounds.storage and not any(made.supports(op) for op in STORAGE_STEPS):
+        raise UsageError(f"--storage: the {name} --adapter {ref} makes takes none of the storage steps "
+                         f"({', '.join(STORAGE_STEPS)}): its factory must attach storage when Bounds.storage is set")
+    wanted = [*bounds.storage_options, *((("remote_tenant", bounds.remote_tenant),) if bounds.remote_tenant else ())]
+    differ = [f"{k}={v!r}" for k, v in wanted if getattr(made, k, object()) != v]
+    if differ:
+        raise UsageError(f"--storage-option/--remote-tenant {', '.join(differ)}: the {name} --adapter {ref} makes "
+                         f"does not report them as attributes (its factory must pass Bounds.storage_options and "
+                         f"Bounds.remote_tenant on, as HiCacheAdapter does)")
 
 
 def _probe(factory: Callable[..., Any]) -> Any:

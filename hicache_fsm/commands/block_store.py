@@ -34,7 +34,8 @@ def refuse_many_prompts(alphabet: int, pages: int) -> None:
 # check flags a block store has no use for, with the value meaning "not given"
 CHECK_ONLY_FOR_PREFIX_CACHES = ("nodes", "device_pages", "host_pages", "layers", "page_size", "locks", "pins",
                                 "write_policy", "eviction_policy", "track_hits", "max_seconds", "coverage", "record",
-                                "namespaces", "host_layout", "cache_option")
+                                "namespaces", "host_layout", "cache_option", "storage", "stop_policy",
+                                "max_prefetches", "storage_option", "remote_tenant", "priorities", "max_resets")
 FUZZ_ONLY_FOR_PREFIX_CACHES = ("coverage", "record")
 
 

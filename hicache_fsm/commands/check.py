@@ -33,6 +33,7 @@ from hicache_fsm.commands.args import (INTERRUPTED, UsageError, adapter_ref, cac
 from hicache_fsm.config import EVICTION_POLICIES, WRITE_POLICIES
 from hicache_fsm.errors import ConfigError
 from hicache_fsm.pools import LAYOUTS
+from hicache_fsm.storage.options import STOP_POLICIES
 
 
 
@@ -42,7 +43,8 @@ BOUND_DEFAULTS: dict = {"nodes": 3, "device_pages": 2, "host_pages": 2, "layers"
                         "max_len": None, "locks": 1, "pins": 1, "write_policy": "write_through",
                         "eviction_policy": "lru", "track_hits": False, "no_redeliver": False, "max_depth": None,
                         "max_states": None, "max_seconds": None, "namespaces": 1, "host_layout": "layer_first",
-                        "cache_option": ()}
+                        "cache_option": (), "storage": False, "stop_policy": "best_effort", "max_prefetches": 1,
+                        "storage_option": (), "remote_tenant": None, "priorities": 1, "max_resets": 0}
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -68,6 +70,21 @@ def configure(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--cache-option", metavar="NAME=VALUE", type=cache_option, action="append",
                    help="a CacheConfig threshold or budget for the cache under test, e.g. eviction_headroom_tokens=1, "
                         "load_back_threshold=2, load_back_max_tokens=none, write_behind_batch_tokens=1 (repeatable)")
+    g.add_argument("--storage", action="store_true", default=None,
+                   help="attach an L3 storage tier run step by step: prompts may also be prefetched or stored by "
+                        "another instance, and each storage step completed or failed")
+    g.add_argument("--stop-policy", choices=STOP_POLICIES,
+                   help="the prefetch stop policy (with --storage; default best_effort)")
+    g.add_argument("--max-prefetches", type=positive_int, help="prefetches running at once (with --storage; default 1)")
+    g.add_argument("--storage-option", metavar="NAME=VALUE", type=cache_option, action="append",
+                   help="a storage tier limit (with --storage): prefetch_threshold, prefetch_capacity_tokens or "
+                        "batch_pages, e.g. batch_pages=1 (repeatable)")
+    g.add_argument("--remote-tenant", metavar="NAME",
+                   help="another tenant stores on the same storage (with --storage): its pages, other KV for the "
+                        "same tokens, must never be hit")
+    g.add_argument("--priorities", type=positive_int,
+                   help="inserts also run at priorities 1..N-1 (for the priority eviction policy; default 1)")
+    g.add_argument("--max-resets", type=non_negative_int, help="reset steps per path (default 0)")
     g.add_argument("--track-hits", action="store_true", default=None,
                    help="tell hit from never-hit nodes in the state key")
     g.add_argument("--no-redeliver", action="store_true", default=None, help="do not try re-delivering finished acks")
@@ -137,6 +154,27 @@ def _status(results) -> int:
 
 # The search is exhaustive: each state tries every prompt and every eviction, so bounds must stay small.
 MAX_POOL_TOKENS = 1 << 20
+
+
+# Bounds fields in a ``ConfigError``, as the flags that set them
+_FLAG_WORDS = (("Bounds.cache_options", "--cache-option"), ("Bounds.storage_options", "--storage-option"),
+               ("Bounds.remote_tenant", "--remote-tenant"), ("(storage=True)", "(--storage)"))
+STORAGE_ONLY_FLAGS = ("stop_policy", "max_prefetches", "storage_option", "remote_tenant")
+
+
+def _as_flags(message: str) -> str:
+    """A ``Bounds`` error in the words of the command line."""
+    for field, flag in _FLAG_WORDS:
+        message = message.replace(field, flag)
+    return message
+
+
+def _refuse_storage_flags_without_storage(args: argparse.Namespace) -> None:
+    """``UsageError`` for a storage flag given without ``--storage`` (the run would ignore it and pass)."""
+    given = [f for f in STORAGE_ONLY_FLAGS if getattr(args, f) not in (None, ())]
+    if given and not args.storage:
+        flags = ", ".join("--" + f.replace("_", "-") for f in given)
+        raise UsageError(f"{flags}: the storage tier's, so {'it needs' if len(given) == 1 else 'they need'} --storage")
 
 
 def _check_bounds_are_small(args: argparse.Namespace) -> None:
@@ -246,6 +284,7 @@ def coverage_summary(report: dict) -> dict:
 def _check_prefix_cache(args: argparse.Namespace) -> int:
     if not args.adapter and not bounds_given(args):
         return _check_portfolio(args)
+    _refuse_storage_flags_without_storage(args)
     _fill_defaults(args)
     from hicache_fsm.testing.explorer import Bounds, Explorer
     from hicache_fsm.testing.paths import CoverageTracker
@@ -261,17 +300,21 @@ def _check_prefix_cache(args: argparse.Namespace) -> int:
             max_pins=args.pins, write_policy=policy, eviction_policy=args.eviction_policy,
             track_hits=args.track_hits, redeliver=not args.no_redeliver, max_depth=args.max_depth,
             max_states=args.max_states, max_seconds=args.max_seconds, namespaces=args.namespaces,
-            host_layout=args.host_layout, cache_options=dict(args.cache_option),
+            host_layout=args.host_layout, cache_options=dict(args.cache_option), storage=args.storage,
+            stop_policy=args.stop_policy, max_prefetches=args.max_prefetches,
+            storage_options=dict(args.storage_option), remote_tenant=args.remote_tenant,
+            priorities=args.priorities, max_resets=args.max_resets,
         )
 
     policies = list(WRITE_POLICIES) if args.write_policy == "all" else [args.write_policy]
     try:
         bounds_for(policies[0])
-    except ConfigError as exc:  # a --cache-option the config refuses: a usage mistake, named before anything runs
-        raise UsageError(str(exc)) from None
+    except ConfigError as exc:  # an option or tenant the bounds refuse: a usage mistake, named before anything runs
+        raise UsageError(_as_flags(str(exc))) from None
     if not args.adapter and not args.quiet:  # bounds replace the portfolio: say what the run leaves out
         print(f"check: bounds given: one exploration per write policy ({', '.join(policies)}), not the families "
-              f"of plain `check` (storage, prefetch, CP and the other policies)", file=sys.stderr)
+              f"of plain `check` (CP, TP, the other policies{'' if args.storage else ', storage and prefetch'})",
+              file=sys.stderr)
     factory = protocol_factory  # the checks of the families: policy obligations, eviction order, load-backs
     if args.adapter:
         from hicache_fsm.commands.adapter_factory import check_explorer_factory, load_factory

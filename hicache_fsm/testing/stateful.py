@@ -622,8 +622,15 @@ _OPTION_VARIANTS: tuple[dict, ...] = (
     dict(_STORAGE_VARIANTS[2], eviction_headroom_tokens=1),
     dict(_STORAGE_VARIANTS[14], **_BATCH_OF_ONE),
 )
+# the storage tier's limits where they bind (``storage/prefetch_limits`` of ``check``: a prefetch below the threshold
+# or over the capacity refused, a hit query in calls of one page), and another tenant's instance on the same
+# storage writing other KV for the same tokens (``storage/foreign_tenant``)
+_STORAGE_LIMIT_VARIANTS: tuple[dict, ...] = (
+    dict(_STORAGE_VARIANTS[2], prefetch_threshold=2, prefetch_capacity_tokens=3, batch_pages=1),
+    dict(_STORAGE_VARIANTS[1], remote_tenant="other"),
+)
 HICACHE_VARIANTS: tuple[dict, ...] = (_MEMORY_VARIANTS + _STORAGE_VARIANTS + _NAMESPACE_VARIANTS + _LAYOUT_VARIANTS
-                                      + _OPTION_VARIANTS)
+                                      + _OPTION_VARIANTS + _STORAGE_LIMIT_VARIANTS)
 
 
 def _hicache(**kw: Any) -> CacheAdapter:
