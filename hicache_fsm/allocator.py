@@ -196,6 +196,11 @@ class PageAllocator:
     def available_tokens(self) -> int:
         return self._num_free * self.page_size
 
+    @property
+    def capacity_tokens(self) -> int:
+        """The most tokens this allocator can ever hand out at once (its pages less the reserved ones)."""
+        return (self._total_pages - self.reserved_pages) * self.page_size
+
     def fork(self) -> "PageAllocator":
         """An independent copy in the same state (the explorer forks caches): same free order, own arrays."""
         new = object.__new__(type(self))

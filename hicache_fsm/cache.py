@@ -123,6 +123,8 @@ class HiCache(StorageCalls):
         check_dispatcher(dispatcher)
         if config is not None and not isinstance(config, CacheConfig):
             raise ConfigError(f"config must be a CacheConfig, got {type(config).__name__}")
+        if isinstance(executor, type):
+            raise ConfigError(f"executor must be an executor instance, got the class {executor.__name__}: make one")
         if executor is not None and not all(callable(getattr(executor, m, None)) for m in EXECUTOR_METHODS):
             raise ConfigError(f"executor must have {', '.join(EXECUTOR_METHODS)} (a jobs.Executor), "
                               f"got {type(executor).__name__}")
@@ -228,14 +230,16 @@ class HiCache(StorageCalls):
 
         Called before a prefill/extend writes KV for tokens the cache did not
         have. Hand the slots back through ``insert`` (the cache takes them) or
-        ``free_device`` (aborted request). Evicts unlocked device KV when
-        needed; returns None when even that is not enough.
+        ``free_device`` (aborted request). Evicts unlocked device KV when needed;
+        None when even that is not enough (at once, when the pool is smaller).
         """
         self.check_open()
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
             raise BadIndices(f"alloc_device wants a non-negative int token count; got {num_tokens!r}")
         if num_tokens % self.page_size:
             raise BadIndices(f"alloc_device wants whole pages of {self.page_size} tokens; got {num_tokens}")
+        if num_tokens > self.device_allocator.capacity_tokens:  # more than the pool holds: evicting would only lose KV
+            return None
         if self.device_allocator.available_tokens < num_tokens:
             self.eviction.evict(num_tokens - self.device_allocator.available_tokens
                                 + self.config.eviction_headroom_tokens)
@@ -742,19 +746,23 @@ class HiCache(StorageCalls):
         if self.closed:
             return
         self.check_open()
-        if self.executor_can_block():
-            self.flush()
-            self.executor.synchronize()
         try:
-            if self.storage is not None:
-                self.storage.close(drain=drain)
-        finally:  # the executor's resources go whatever the storage tier's close ran into
-            self.executor.close()
-            self.closed = True
-            if self.storage is None:
-                unbind_pools(self, self.bound_allocators)
-            else:  # a storage thread past its join may still write the host pool: the pools wait for it
-                self.storage.when_threads_stopped(lambda: unbind_pools(self, self.bound_allocators))
+            if self.executor_can_block():
+                self.flush()
+                self.executor.synchronize()
+        finally:  # an executor that failed to finish still has the storage tier, itself and the pools released
+            try:
+                if self.storage is not None:
+                    self.storage.close(drain=drain)
+            finally:  # the executor's resources go whatever the storage tier's close ran into
+                self.closed = True
+                try:
+                    self.executor.close()
+                finally:
+                    if self.storage is None:
+                        unbind_pools(self, self.bound_allocators)
+                    else:  # a storage thread past its join may still write the host pool: the pools wait for it
+                        self.storage.when_threads_stopped(lambda: unbind_pools(self, self.bound_allocators))
 
     def check_open(self) -> None:
         """Refuse a call unless the cache is open and the calling thread drives it.

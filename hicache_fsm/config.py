@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import reprlib
+import threading
 
 import attrs
 
@@ -19,11 +21,22 @@ def check_positive_int(name: str, value: object, minimum: int = 1, error: type[C
     return value
 
 
+# Seconds are handed to thread waits and timers, which refuse (or overflow on) more than this
+MAX_SECONDS = threading.TIMEOUT_MAX
+
+
 def check_seconds(name: str, value: object, *, zero_ok: bool = False, error: type[ConfigError] = ConfigError) -> float:
-    """``value`` as seconds: a finite number (not a bool) > 0, or >= 0 with ``zero_ok``; else ``error`` naming it."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or value < 0 or (value == 0 and not zero_ok):
-        raise error(f"{name} must be a finite number of seconds {'>=' if zero_ok else '>'} 0, got {value!r}")
+    """``value`` as seconds: a number (not a bool) > 0, or >= 0 with ``zero_ok``, and at most ``MAX_SECONDS``; else
+    ``error`` naming it."""
+    ok = not isinstance(value, bool) and isinstance(value, (int, float))
+    if ok:
+        try:
+            ok = math.isfinite(value) and (value > 0 or (zero_ok and value == 0)) and value <= MAX_SECONDS
+        except OverflowError:  # an int beyond any float
+            ok = False
+    if not ok:
+        raise error(f"{name} must be a finite number of seconds {'>=' if zero_ok else '>'} 0 and <= "
+                    f"{MAX_SECONDS:g}, got {reprlib.repr(value)}")
     return float(value)
 
 

@@ -295,9 +295,19 @@ class Eviction:
                 raise LockError(f"cannot lock node {node.id}: nodes {off} are not on the device")
             n.lock_ref += 1
             n = n.parent
+        if node.parent is not None:
+            node.own_locks += 1
 
     def unlock_path(self, node: TreeNode) -> None:
-        """Undo one ``lock_path`` of ``node``; ``LockError``, nothing changed, if a ref would go below zero."""
+        """Undo one ``lock_path`` of ``node``; ``LockError``, nothing changed, if ``node`` holds no lock of its own
+        (its ``lock_ref`` may count a descendant's lock, which only that descendant's unlock releases) or a ref
+        would go below zero."""
+        if node.parent is None:
+            return
+        if node.own_locks <= 0:
+            raise LockError(f"unlock of node {node.id}, which was not locked itself"
+                            + (f" (its {node.lock_ref} lock ref(s) are its descendants' locks: unlock the node "
+                               f"that was locked)" if node.lock_ref > 0 else ""))
         n = node
         device = self.device
         members = device._members
@@ -311,6 +321,7 @@ class Eviction:
             if ref == 1 and n.resident_children == 0 and n.state in DEVICE_EVICTABLE and members.get(n.id) is not n:
                 device.add(n)  # it left the set while locked (a pass popped it)
             n = n.parent
+        node.own_locks -= 1
 
     @staticmethod
     def _undo(node: TreeNode, stop: TreeNode, delta: int) -> None:

@@ -97,6 +97,7 @@ class Allocator(Protocol):
     """A pool's slot allocator (``pools.PageAllocator`` and kin)."""
 
     available_tokens: int
+    capacity_tokens: int  # the most it can ever hand out at once
 
     def alloc(self, num_tokens: int) -> torch.Tensor | None: ...
 

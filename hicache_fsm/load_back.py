@@ -118,6 +118,9 @@ class LoadBacks:
             return None
         device = self.device_allocator
         if not self.room_everywhere(total):
+            if not self.group.all_true(total <= device.capacity_tokens, PURPOSE_LOAD_ROOM):
+                counters["load_back_device_full"] += 1  # no eviction could make room: evict nothing
+                return None
             # the anchor (and so its ancestors) must stay on the device, and the
             # chain's host copies must survive host eviction done by backups
             anchor_path = [] if anchor.is_root else list(tree.path_to_root(anchor))

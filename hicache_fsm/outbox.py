@@ -216,6 +216,8 @@ class Outbox:
             raise UnknownJob(f"expected a Completion, got {type(c).__name__}")
         if isinstance(c.job_id, bool) or not isinstance(c.job_id, int):
             raise UnknownJob(f"job ids are ints, got {type(c.job_id).__name__}: {c.job_id!r}")
+        if type(c.ok) is not bool:  # "no" would count as a success, None as a failure: neither is said
+            raise UnknownJob(f"Completion.ok is True or False, got {type(c.ok).__name__}: {c.ok!r} (job {c.job_id})")
         if c.job_id in self._pending:
             return
         how = self.ledger.recent.get(c.job_id)

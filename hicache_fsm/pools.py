@@ -31,7 +31,10 @@ format gets a miss, never these bytes.
 
 from __future__ import annotations
 
+import math
+import operator
 import warnings
+
 import attrs
 import torch
 
@@ -465,8 +468,8 @@ class HostKVPool:
     def _check_page(self, page_id: int) -> int:
         if isinstance(page_id, bool) or not isinstance(page_id, int):
             try:
-                page_id = int(page_id)
-            except (TypeError, ValueError):
+                page_id = operator.index(page_id)  # numpy / torch integers; not 1.7 or "3"
+            except TypeError:
                 raise BadIndices(f"page id must be an int, got {page_id!r}") from None
         if not 0 <= page_id < self.total_pages:
             raise BadIndices(f"page {page_id} is out of range [0, {self.total_pages})")
@@ -509,6 +512,8 @@ def _opt_number(instance, attribute, value) -> None:
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"{attribute.name} must be a number, got {value!r}")
+    if isinstance(value, float) and not math.isfinite(value):  # inf overflows the sizes computed from it
+        raise ConfigError(f"{attribute.name} must be a finite number, got {value!r}")
     if not value > 0:
         raise ConfigError(f"{attribute.name} must be positive, got {value!r}")
 

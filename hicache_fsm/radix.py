@@ -106,7 +106,8 @@ class TreeNode:
     ``raw`` holds the node's token ids packed as ``tokens.TokenIds`` packs
     them (4 bytes an id, whole pages); ``key`` decodes them for readers that
     want ints. ``lock_ref`` counts locks on this node or any descendant (a
-    lock pins the whole path to the root on the device); ``host_ref`` pins
+    lock pins the whole path to the root on the device), ``own_locks`` those
+    taken on this node itself (only they may be unlocked here); ``host_ref`` pins
     this node's host copy only (prefetch anchors). ``pending_jobs`` holds ids
     of in-flight jobs that cover this node, so a node split mid-transfer can
     enrol its new half in the same jobs (``NO_JOBS`` when none: change it
@@ -132,6 +133,7 @@ class TreeNode:
         "device_slots",
         "host_slots",
         "lock_ref",
+        "own_locks",
         "host_ref",
         "hit_count",
         "last_access",
@@ -155,6 +157,7 @@ class TreeNode:
         self.device_slots: bytes | torch.Tensor | None = None
         self.host_slots: bytes | torch.Tensor | None = None
         self.lock_ref = 0
+        self.own_locks = 0
         self.host_ref = 0
         self.hit_count = 0
         self.last_access = 0

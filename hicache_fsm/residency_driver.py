@@ -128,6 +128,8 @@ class ResidencyDriver:
         return bool(self._observers)
 
     def add_observer(self, fn: Callable[[dict], None]) -> None:
+        if not callable(fn):  # refused here: the first event would raise it mid-transition
+            raise TypeError(f"an observer is called with each event dict; got {type(fn).__name__}: {fn!r}")
         self._observers.append(fn)
 
     def remove_observer(self, fn: Callable[[dict], None]) -> None:

@@ -13,6 +13,7 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from hicache_fsm.config import MAX_SECONDS
 from hicache_fsm.errors import (
     ConfigError,
     StorageError,
@@ -431,12 +432,13 @@ def test_an_option_a_backend_cannot_use_is_refused_by_name_before_anything_is_op
 @given(value=st.one_of(st.integers(-3, 10), st.floats(allow_nan=True, allow_infinity=True), st.booleans(),
                        st.text(max_size=3), st.none()))
 def test_a_redis_timeout_is_taken_exactly_when_it_is_a_positive_finite_number(value):
+    """(Finite: at most ``MAX_SECONDS``, the longest wait a thread or socket takes.)"""
     try:
         backend = open_backend(NO_SERVER, socket_timeout=value, check=False)
     except StorageURLError:
-        assert isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf")
+        assert isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_SECONDS
     else:
-        assert not isinstance(value, bool) and 0 < value < float("inf")
+        assert not isinstance(value, bool) and 0 < value <= MAX_SECONDS
         backend.close()
 
 

@@ -246,7 +246,10 @@ def test_drain_is_accepted_exactly_when_it_is_a_finite_number_of_seconds_at_leas
 
     from hicache_fsm.storage.tier import drain_seconds
 
-    ok = (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0)
+    from hicache_fsm.config import MAX_SECONDS
+
+    ok = (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+          and 0 <= value <= MAX_SECONDS)
     if ok:
         assert drain_seconds(value) == float(value)
     else:

@@ -292,9 +292,21 @@ def no_free_while_pinned(cache) -> list[str]:
 @residency.invariant
 def refs_nonnegative(cache) -> list[str]:
     return [
-        f"node {n.id} has negative refs (lock {n.lock_ref}, host {n.host_ref})"
+        f"node {n.id} has negative refs (lock {n.lock_ref}, own locks {n.own_locks}, host {n.host_ref})"
         for n in cache.tree.nodes()
-        if n.lock_ref < 0 or n.host_ref < 0
+        if n.lock_ref < 0 or n.own_locks < 0 or n.host_ref < 0
+    ]
+
+
+@residency.invariant
+def lock_refs_add_up(cache) -> list[str]:
+    """A node's lock refs are the locks taken on it and those of its children: a lock pins its path to the root,
+    an unlock releases that path, so no unlock can leave a descendant's lock without its ancestors'."""
+    return [
+        f"node {n.id} has lock_ref {n.lock_ref}, but {n.own_locks} lock(s) of its own and "
+        f"{sum(c.lock_ref for c in n.children.values())} in its children"
+        for n in cache.tree.nodes()
+        if n.parent is not None and n.lock_ref != n.own_locks + sum(c.lock_ref for c in n.children.values())
     ]
 
 

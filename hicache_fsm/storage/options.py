@@ -11,6 +11,7 @@ from typing import Any
 
 import attrs
 
+from hicache_fsm.config import check_seconds
 from hicache_fsm.errors import ConfigError
 from hicache_fsm.storage.keys import KeyNamespace
 
@@ -33,13 +34,11 @@ def _opt_non_negative_int(instance, attribute, value) -> None:
 
 
 def _non_negative_number(instance, attribute, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-        raise ConfigError(f"{attribute.name} must be a number >= 0, got {value!r}")
+    check_seconds(attribute.name, value, zero_ok=True)
 
 
 def _positive_number(instance, attribute, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ConfigError(f"{attribute.name} must be a number > 0, got {value!r}")
+    check_seconds(attribute.name, value)
 
 
 def _policy(instance, attribute, value) -> None:

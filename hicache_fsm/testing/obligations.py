@@ -189,6 +189,10 @@ class DeviceWatch:
         if self.free >= self.wanted:
             return [f"headroom_kept: {self.call} of {self.wanted} tokens evicted {evicted} device tokens with "
                     f"{self.free} free"] if evicted else []
+        capacity = cache.device_allocator.capacity_tokens
+        if self.wanted > capacity:  # no eviction could make room: none is owed, and any would only lose KV
+            return [f"headroom_kept: {self.call} of {self.wanted} tokens, more than the device pool's {capacity}, "
+                    f"evicted {evicted} device tokens"] if evicted else []
         target = self.wanted - self.free + cache.config.eviction_headroom_tokens
         problems = []
         if evicted < min(target, self.could):
