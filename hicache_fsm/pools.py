@@ -297,14 +297,15 @@ class DeviceKVPool:
         if layer is None:
             want = (self.shape.layers, idx.numel(), *hd)
         else:
+            if isinstance(layer, bool) or not isinstance(layer, int):
+                raise BadIndices(f"layer must be an int (or None for all layers), got {layer!r}")
             if not 0 <= layer < self.shape.layers:
                 raise BadIndices(f"layer {layer} out of range [0, {self.shape.layers})")
             want = (idx.numel(), *hd)
         values = (k,) if self.shape.mla else (k, v)
         if (v is not None) == self.shape.mla:
             raise BadIndices("an MLA pool takes one latent tensor" if self.shape.mla else "k and v are both needed")
-        if any(tuple(t.shape) != want for t in values):
-            raise BadIndices(f"k/v must have shape {want}, got {[tuple(t.shape) for t in values]}")
+        check_kv_tensors(values, want)
         if self.kv is not None:
             dst = self.kv if layer is None else self.kv[:, layer]
             for part, src in enumerate(values):
@@ -454,8 +455,7 @@ class HostKVPool:
         values = (k,) if self.shape.mla else (k, v)
         if (v is not None) == self.shape.mla:
             raise BadIndices("an MLA pool takes one latent tensor" if self.shape.mla else "k and v are both needed")
-        if any(tuple(t.shape) != want for t in values):
-            raise BadIndices(f"k/v must have shape {want}, got {[tuple(t.shape) for t in values]}")
+        check_kv_tensors(values, want)
         for half, src in zip(self._parts, values):
             src = src.to("cpu", self.shape.dtype)
             if self.layout == "layer_first":
@@ -505,6 +505,17 @@ class HostKVPool:
             n = view.numel()
             view.copy_(flat[offset:offset + n])
             offset += n
+
+
+def check_kv_tensors(values: tuple, want: tuple[int, ...]) -> None:
+    """The K / V a pool write takes: tensors of shape ``want`` whose values can be read (``BadIndices`` if not)."""
+    for t in values:
+        if not isinstance(t, torch.Tensor):
+            raise BadIndices(f"k/v must be torch tensors, got {type(t).__name__}")
+        if t.is_meta:
+            raise BadIndices("k/v on the meta device hold no values to write")
+    if any(tuple(t.shape) != want for t in values):
+        raise BadIndices(f"k/v must have shape {want}, got {[tuple(t.shape) for t in values]}")
 
 
 def _opt_number(instance, attribute, value) -> None:

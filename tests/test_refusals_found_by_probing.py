@@ -3,15 +3,17 @@ error before anything changes (or, for ``close``, releases everything even when 
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from hicache_fsm.cache import HiCache
 from hicache_fsm.config import CacheConfig
-from hicache_fsm.errors import BadIndices, ConfigError, LockError, UnknownJob
+from hicache_fsm.errors import BadIndices, ConfigError, LockError, StorageKeyError, UnknownJob
 from hicache_fsm.executors import ManualExecutor, TorchExecutor
 from hicache_fsm.jobs import Completion
 from hicache_fsm.pools import DeviceKVPool, HostKVPool, KVShape, PoolConfig
+from hicache_fsm.storage.memory import MemoryBackend
 from hicache_fsm.testing.adapter import HiCacheAdapter
 
 PS = 4
@@ -192,3 +194,39 @@ def test_a_host_page_id_must_be_an_integer(page):
 def test_an_infinite_host_ratio_is_a_config_error():
     with pytest.raises(ConfigError, match="host_ratio must be a finite number"):
         PoolConfig(KVShape(1, 1, 4), device_tokens=32, page_size=PS, host_ratio=float("inf"))
+
+
+@pytest.mark.parametrize("layer, k", [(1.0, None), (True, None), (0, "numpy"), (0, "meta")])
+def test_a_device_pool_write_takes_an_int_layer_and_kv_tensors_with_values(layer, k):
+    device, _ = pools()
+    idx, kv = torch.arange(PS), torch.zeros(PS, 1, 4)
+    k = {"numpy": kv.numpy(), "meta": kv.to("meta"), None: kv}[k]
+    with pytest.raises(BadIndices, match="layer must be an int|must be torch tensors|meta device"):
+        device.write(idx, layer, k, kv)
+
+
+@pytest.mark.parametrize("k", [[[1]], "meta"])
+def test_a_host_pool_write_takes_kv_tensors_with_values(k):
+    _, host = pools()
+    kv = torch.zeros(1, PS, 1, 4)
+    with pytest.raises(BadIndices, match="must be torch tensors|meta device"):
+        host.write(torch.arange(PS), kv.to("meta") if k == "meta" else k, kv)
+
+
+# =========================================================================== storage backends
+
+
+def test_a_backend_refuses_an_object_array_for_page_bytes():
+    """Its buffer holds object addresses of this process, not KV."""
+    backend = MemoryBackend()
+    with pytest.raises(StorageKeyError, match="not Python objects"):
+        backend.batch_set(["page"], [np.array([None], dtype=object)])
+    assert backend.batch_exists(["page"]) == 0
+
+
+@pytest.mark.parametrize("pool", [None, object()])
+def test_zero_copy_calls_refuse_what_is_not_a_host_pool(pool):
+    backend = MemoryBackend()
+    for call in (backend.batch_get_into, backend.batch_set_from):
+        with pytest.raises(StorageKeyError, match="host_pool must be a HostKVPool"):
+            call(["page"], pool, [0])

@@ -177,6 +177,8 @@ def as_byte_view(value: Any, *, writable: bool = False) -> memoryview:
             raise StorageKeyError(f"page values must be bytes-like or tensors, got {type(value).__name__}") from None
         if not view.c_contiguous:
             raise StorageKeyError("page buffers must be contiguous")
+        if "O" in view.format:  # object pointers: their bytes are addresses in this process, not KV
+            raise StorageKeyError("page values must hold bytes, not Python objects (an object array)")
     if view.format != "B" or view.ndim != 1:
         view = view.cast("B")
     if writable and view.readonly:
@@ -447,6 +449,15 @@ def _check_page_ids(page_ids: Sequence[int], n: int) -> list[int]:
     return ids
 
 
+def check_host_pool(host_pool: Any) -> None:
+    """``StorageKeyError`` unless ``host_pool`` is a host pool zero-copy calls can read and write pages of."""
+    nbytes = getattr(host_pool, "page_nbytes", None)
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not all(
+            callable(getattr(host_pool, m, None)) for m in ("read_page", "write_page")):
+        raise StorageKeyError(f"host_pool must be a HostKVPool (page_nbytes, read_page, write_page), "
+                              f"got {type(host_pool).__name__}")
+
+
 def _pool_views(host_pool: Any, page_id: int, *, writable: bool) -> list[memoryview] | None:
     """Contiguous byte views of one host page, or None if the pool offers none usable."""
     get_views = getattr(host_pool, "page_views", None)
@@ -539,6 +550,7 @@ class StorageBackend(ABC):
 
     def batch_get_into(self, keys: Sequence[str], host_pool: Any, page_ids: Sequence[int]) -> list[bool]:
         """Read each key's page straight into ``host_pool`` page ``page_ids[i]``; True on a hit."""
+        check_host_pool(host_pool)
         skeys = self._enter(keys)
         ids = _check_page_ids(page_ids, len(skeys))
         if not skeys:
@@ -562,6 +574,7 @@ class StorageBackend(ABC):
 
     def batch_set_from(self, keys: Sequence[str], host_pool: Any, page_ids: Sequence[int]) -> list[bool]:
         """Store host-pool pages ``page_ids`` under ``keys`` (skipping stored keys); True where stored."""
+        check_host_pool(host_pool)
         skeys = self._enter(keys)
         ids = _check_page_ids(page_ids, len(skeys))
         payloads = []

@@ -33,7 +33,8 @@ from itertools import takewhile
 from typing import Any, Sequence
 
 from hicache_fsm.errors import StorageKeyError
-from hicache_fsm.storage.base import EXISTS, FAILED, WRITTEN, LRUIndex, SharedStore, StorageBackend
+from hicache_fsm.storage.base import (EXISTS, FAILED, WRITTEN, LRUIndex, SharedStore, StorageBackend,
+                                      check_host_pool)
 from hicache_fsm.storage.keys import KeyNamespace, validate_page_keys
 from hicache_fsm.storage.page_format import PageFormat
 
@@ -109,6 +110,7 @@ class KeysOnlyBackend(StorageBackend):
     # ------------------------------------------------------------------ host-pool calls, bytes untouched
 
     def batch_get_into(self, keys: Sequence[str], host_pool: Any, page_ids: Sequence[int]) -> list[bool]:
+        check_host_pool(host_pool)
         pkeys = self._enter(keys)
         if len(page_ids) != len(pkeys):
             raise StorageKeyError(f"{len(pkeys)} keys but {len(page_ids)} page ids")
@@ -132,6 +134,7 @@ class KeysOnlyBackend(StorageBackend):
         return out
 
     def batch_set_from(self, keys: Sequence[str], host_pool: Any, page_ids: Sequence[int]) -> list[bool]:
+        check_host_pool(host_pool)
         pkeys = self._enter(keys)
         if len(page_ids) != len(pkeys):
             raise StorageKeyError(f"{len(pkeys)} keys but {len(page_ids)} page ids")

@@ -82,6 +82,7 @@ from hicache_fsm.storage.base import (
     WRITTEN,
     CorruptPage,
     StorageBackend,
+    check_host_pool,
     decode_blob,
     parse_header,
     verify_payload,
@@ -311,11 +312,13 @@ class MooncakeBackend(StorageBackend):
                 self.register_memory(view)
 
     def batch_get_into(self, keys: Sequence[str], host_pool: Any, page_ids: Sequence[int]) -> list[bool]:
+        check_host_pool(host_pool)
         if not self.closed:
             self._register_pool(host_pool, page_ids)
         return super().batch_get_into(keys, host_pool, page_ids)
 
     def batch_set_from(self, keys: Sequence[str], host_pool: Any, page_ids: Sequence[int]) -> list[bool]:
+        check_host_pool(host_pool)
         if not self.closed:
             self._register_pool(host_pool, page_ids)
         return super().batch_set_from(keys, host_pool, page_ids)
