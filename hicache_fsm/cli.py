@@ -16,7 +16,7 @@ from typing import Sequence
 
 from hicache_fsm import __version__
 from hicache_fsm.bench import BENCHMARKS
-from hicache_fsm.commands.args import Parser, UsageError, printable
+from hicache_fsm.commands.args import Parser, UsageError, printable, sigterm_interrupts
 from hicache_fsm.errors import HiCacheError
 
 # Subcommand name -> (module exposing ``configure(parser)`` and ``run(args) -> int``, one-line help).
@@ -99,7 +99,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:  # building the parser imports the command's module (torch, seconds): Ctrl-C there is handled too
         args = build_parser(only=command, benchmark=benchmark).parse_args(argv)
         name = "hicache-fsm " + args.command + (f" {args.benchmark}" if args.command == BENCH else "")
-        return int(args._run(args) or 0)
+        with sigterm_interrupts():  # SIGTERM (a timeout, a stop) cleans up as Ctrl-C does: temp dirs, threads
+            return int(args._run(args) or 0)
     except UsageError as exc:
         print(f"{name}: error: {_one_line(exc)}", file=sys.stderr)
         return 2

@@ -31,7 +31,7 @@ def no_sglang(monkeypatch):
 
 
 def test_peer_sglang_without_sglang_exits_2_with_one_line(no_sglang, capsys):
-    assert cli.main(["bench", "scale", "--peer", "sglang", "--sizes", "16", "--quick"]) == 2
+    assert cli.main(["bench", "scale", "--peer", "sglang", "--sizes", "64", "--quick"]) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
     lines = captured.err.splitlines()

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -81,6 +83,14 @@ CASES: dict[str, tuple[list[str], int, tuple[str, ...]]] = {
                                            "--max-depth", "1"], 2, ("--storage:", "takes none of the storage steps")),
     "check_storage_for_a_block_store": (["check", "--adapter", f"{BLOCKS}:make_adapter", "--storage"], 2,
                                         ("--storage: not for a block store",)),
+    # each priority is another insert of every prompt in every state: a huge count ran away from --max-seconds
+    "check_priorities_too_many": (["check", "--priorities", "100000"], 2, ("--priorities", "1..16")),
+    "bench_scale_below_the_evict_row": (["bench", "scale", "--sizes", "16", "--quick", "--peer", "none"], 2,
+                                        ("--sizes wants node counts of at least 64",)),
+    "bench_events_replay_buffer_too_big": (["bench", "events", "--replay-batches", str(2**63)], 2,
+                                           ("--replay-batches", "1..2147483647")),
+    "replay_a_file_named_like_json": (["replay", '{"event": "header", "version": 1}'], 2,
+                                      ("cannot read", "No such file")),
     "bench_copy_negative_tokens": (["bench", "copy", "--tokens", "-1"], 2, ("--tokens",)),
     "bench_copy_part_of_a_page": (["bench", "copy", "--tokens", "65", "--page-size", "64"], 2,
                                   ("--tokens must be a whole number of pages of --page-size 64, got 65",)),
@@ -191,3 +201,31 @@ def test_fuzz_progress_redraws_in_place_on_a_terminal():
         os.close(master)
     assert proc.wait(timeout=300) == 0
     assert b"\rfuzz [" in b"".join(chunks)
+
+
+@pytest.mark.parametrize("argv", [["--cp", "--adapter", "x:y"], ["--variant", "{}"], ["--adapter", "nosuch:thing"]])
+def test_a_refused_fuzz_leaves_the_record_file_as_it_was(tmp_path, argv):
+    """The file was opened, and so emptied, before the other arguments were checked."""
+    kept = tmp_path / "keep.jsonl"
+    kept.write_text("precious\n", encoding="utf-8")
+    proc = cli("fuzz", "--record", str(kept), *argv)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert kept.read_text(encoding="utf-8") == "precious\n"
+
+
+def test_sigterm_ends_a_simulation_as_ctrl_c_does_its_temporary_store_removed(tmp_path):
+    """``timeout`` sends SIGTERM: the default action left the run's file store (megabytes of pages) in /tmp."""
+    proc = subprocess.Popen(command("simulate", "--clients", "8", "--rounds", "400", "--device-tokens", "65536",
+                                    "--host-tokens", "131072"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, env=dict(environment(), TMPDIR=str(tmp_path)))
+    try:
+        deadline = time.monotonic() + 300  # a guard against a hang, not a verdict
+        while not list(tmp_path.glob("hicache-sim-*")):  # the store exists: the run is under way
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr and proc.stderr.read()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and "interrupted" in err and "Traceback" not in err
+    assert not list(tmp_path.glob("hicache-sim-*"))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -94,7 +95,9 @@ def test_list_json_and_bad_file(capsys):
 
 def test_list_of_no_spec_is_a_usage_error_and_of_only_bad_ones_prints_no_table(tmp_path, capsys):
     assert main(["list", str(tmp_path)]) == 2
-    assert capsys.readouterr() == ("", "no spec files found\n")
+    assert capsys.readouterr() == ("", "hicache-fsm list: error: no spec files found\n")
+    assert main(["validate", ""]) == 2
+    assert capsys.readouterr() == ("", "hicache-fsm validate: error: an empty PATH names no spec file\n")
     assert main(["list", str(BAD)]) == 1
     out, err = capsys.readouterr()
     assert out == "" and PROBLEM_LINE.match(err.splitlines()[0])
@@ -158,3 +161,15 @@ def test_bench_dispatch_smoke(capsys):
     for key in ("compiled_ns", "transitions_ns", "dict_ns", "speedup_vs_transitions", "ratio_vs_dict"):
         assert result[key] > 0
     assert result["objects"] == 200
+
+
+def test_a_file_name_that_is_not_utf8_is_shown_escaped(tmp_path, capsys):
+    """A strict UTF-8 stdout could not print its bytes: the report stopped with UnicodeEncodeError."""
+    name = os.fsdecode(b"\xff\x1b.yaml")  # a byte no UTF-8 holds, and an ESC a terminal would act on
+    shutil.copy(GOOD, tmp_path / name)
+    assert main(["validate", str(tmp_path / name)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("ok ") and "\\udcff\\x1b.yaml" in out and "\x1b" not in out
+    out.encode("utf-8")  # strict: no surrogate left
+    assert main(["list", str(tmp_path)]) == 0
+    assert "\\udcff\\x1b.yaml" in capsys.readouterr().out

@@ -26,6 +26,7 @@ import torch
 from hicache_fsm.bench.common import interleaved_medians, machine_description, report
 from hicache_fsm.commands.args import UsageError, check_fits, positive_int, seed_int
 from hicache_fsm.engine_kv import adopt_sglang_mha, adopt_vllm
+from hicache_fsm.errors import ConfigError
 from hicache_fsm.executors import TorchExecutor
 from hicache_fsm.jobs import JobBatch, JobKind
 from hicache_fsm.pools import LAYOUTS, DeviceKVPool, HostKVPool, KVShape, default_device
@@ -71,7 +72,13 @@ def run(args: argparse.Namespace) -> dict:
     tokens = args.tokens
     if tokens % ps:  # whole pages are what the executor moves: a remainder would be measured as not moved
         raise UsageError(f"--tokens must be a whole number of pages of --page-size {ps}, got {tokens}")
-    shape = KVShape(args.layers, args.heads, args.head_dim, DTYPES[args.dtype])
+    if args.engine == "sglang_mha" and tokens < 2 * ps:  # its pool keeps page 0 as SGLang's padding page
+        raise UsageError(f"--engine sglang_mha keeps page 0 for SGLang: --tokens must be at least two pages "
+                         f"({2 * ps}), got {tokens}")
+    try:
+        shape = KVShape(args.layers, args.heads, args.head_dim, DTYPES[args.dtype])
+    except ConfigError as exc:  # a size no KV shape takes: the flags' mistake
+        raise UsageError(f"--layers / --heads / --head-dim: {exc}") from None
     # in host memory: the host pool, and on the CPU also the device pool and a contiguous copy of it
     copies = 1 if torch.cuda.is_available() else 3
     check_fits(tokens, shape.token_bytes * copies, "--tokens",

@@ -52,10 +52,10 @@ import torch
 from hicache_fsm.bench.common import machine_description, report
 from hicache_fsm.bench.controller import (
     CHUNK, PAGE_SIZE, REQUEST_TOKENS, check_sizes, fill, make_cache, make_requests, serve_one, system_prompts)
-from hicache_fsm.commands.args import non_negative_int, positive_int, seed_int
+from hicache_fsm.commands.args import bounded_int, non_negative_int, positive_int, seed_int
 from hicache_fsm.events.hook import enable_kv_events
 from hicache_fsm.events.pending import PendingBatch, accepts_pending
-from hicache_fsm.events.publisher import ZmqEventPublisher
+from hicache_fsm.events.publisher import MAX_HWM, ZmqEventPublisher
 
 VARIANTS = ("off", "inprocess", "zmq")
 TARGET_PCT = 10.0  # the budget: events on cost at most this much of the controller's time per request
@@ -89,7 +89,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--clock", choices=tuple(CLOCKS), default="thread",
                         help="thread: the serving thread's CPU time (default; steady on a shared machine, and the "
                              "publisher thread's work is counted beside it); wall: perf_counter")
-    parser.add_argument("--replay-batches", type=positive_int, default=1000,
+    parser.add_argument("--replay-batches", type=bounded_int(1, MAX_HWM), default=1000,
                         help="batches the publisher keeps for replay (default 1000)")
 
 

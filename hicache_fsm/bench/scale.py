@@ -102,7 +102,7 @@ VOCAB = 32000
 SIZES = (1_000, 10_000, 100_000, 1_000_000)
 QUICK_SIZES = (100, 1_000)
 KEYS = ("match_us", "insert_us", "lock_us", "evict_us", "cycle_us")
-MIN_NODES = 16
+MIN_NODES = 64  # the evict row evicts 64 one-page prefixes a call
 NODE_BYTES = 4096  # a node of the tree in ours and the baselines together (their bytes_per_node, measured, with room)
 
 

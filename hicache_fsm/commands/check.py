@@ -28,7 +28,7 @@ import argparse
 import json
 import sys
 
-from hicache_fsm.commands.args import (INTERRUPTED, UsageError, adapter_ref, cache_option, json_kwargs,
+from hicache_fsm.commands.args import (INTERRUPTED, UsageError, adapter_ref, bounded_int, cache_option, json_kwargs,
                                       non_negative_int, output_path, positive_float, positive_int, sigterm_interrupts)
 from hicache_fsm.config import EVICTION_POLICIES, WRITE_POLICIES
 from hicache_fsm.errors import ConfigError
@@ -48,6 +48,8 @@ BOUND_DEFAULTS: dict = {"nodes": 3, "device_pages": 2, "host_pages": 2, "layers"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
+    from hicache_fsm.testing.explorer import MAX_PRIORITIES
+
     g = parser.add_argument_group("bounds")
     g.add_argument("--nodes", type=positive_int, help="most radix nodes in a state (default 3)")
     g.add_argument("--device-pages", type=positive_int, help="device pool pages (default 2)")
@@ -82,8 +84,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--remote-tenant", metavar="NAME",
                    help="another tenant stores on the same storage (with --storage): its pages, other KV for the "
                         "same tokens, must never be hit")
-    g.add_argument("--priorities", type=positive_int,
-                   help="inserts also run at priorities 1..N-1 (for the priority eviction policy; default 1)")
+    g.add_argument("--priorities", type=bounded_int(1, MAX_PRIORITIES),
+                   help=f"inserts also run at priorities 1..N-1 (for the priority eviction policy; default 1, at most "
+                        f"{MAX_PRIORITIES}: each is another insert of every prompt in every state)")
     g.add_argument("--max-resets", type=non_negative_int, help="reset steps per path (default 0)")
     g.add_argument("--track-hits", action="store_true", default=None,
                    help="tell hit from never-hit nodes in the state key")

@@ -70,19 +70,14 @@ def run(args: argparse.Namespace) -> int:
         run_fuzz,
     )
 
-    writer = recording_writer(args.record)
-    cov = CoverageTracker() if writer is None else RecordingCoverage(writer, recorded_by="fuzz", objects=True)
     variants = args.variant or [{}]
     if args.variant and not args.adapter:
         raise UsageError("--variant needs --adapter")
     if args.cp and args.adapter:
         raise UsageError("--cp fuzzes the built-in CP adapter; it cannot be combined with --adapter")
     args.steps = default_steps(args)
-    if args.cp:
-        machine = cp_machine(coverage=cov)
-        machine_import = ("from hicache_fsm.testing.stateful import cp_machine\n"
-                          "CPMachine = cp_machine(name='CPMachine')")
-    elif args.adapter:
+    factory = None
+    if args.adapter:
         from hicache_fsm.commands.adapter_factory import import_lines, load_factory
         from hicache_fsm.commands.block_store import fuzz_block_store
 
@@ -91,6 +86,13 @@ def run(args: argparse.Namespace) -> int:
         if status is not None:
             return status
         factory = load_factory(args.adapter)
+    writer = recording_writer(args.record)  # opened (emptying the file) once the arguments passed
+    cov = CoverageTracker() if writer is None else RecordingCoverage(writer, recorded_by="fuzz", objects=True)
+    if args.cp:
+        machine = cp_machine(coverage=cov)
+        machine_import = ("from hicache_fsm.testing.stateful import cp_machine\n"
+                          "CPMachine = cp_machine(name='CPMachine')")
+    elif factory is not None:
         machine = CacheProtocolMachine.bind(factory, name="AdapterMachine", coverage=cov, variants=variants)
         machine_import = (f"from hicache_fsm.testing import CacheProtocolMachine\n"
                           f"{import_lines(args.adapter, '_factory')}\n"
@@ -99,15 +101,16 @@ def run(args: argparse.Namespace) -> int:
     else:
         machine = hicache_machine(coverage=cov)
         machine_import = None
-    with quiet_cache_logs():
-        try:
+    try:
+        with quiet_cache_logs():
             result = run_fuzz(machine, examples=args.examples, steps=args.steps, seed=args.seed,
                               progress=None if args.quiet else sys.stderr, shrink=not args.no_shrink,
                               machine_import=machine_import)
-        except (VariantRefused, BrokenFactory) as exc:  # a --variant the factory cannot build: the call's mistake
-            raise UsageError(f"--adapter {args.adapter}: {exc}") from None
-    if writer is not None:
-        writer.close()
+    except (VariantRefused, BrokenFactory) as exc:  # a --variant the factory cannot build: the call's mistake
+        raise UsageError(f"--adapter {args.adapter}: {exc}") from None
+    finally:
+        if writer is not None:
+            writer.close()
     out = sys.stderr if args.json else sys.stdout
     _report(result, args, out)
     if cov.format() and (args.coverage or not args.json):  # per machine, like `check`

@@ -10,6 +10,7 @@ import argparse
 import json
 import sys
 
+from hicache_fsm.commands.args import UsageError, printable
 from hicache_fsm.commands.validate import display_path, expand_paths, problem_lines
 from hicache_fsm.errors import SpecError
 from hicache_fsm.spec import SPEC_DIR, load_spec, spec_paths
@@ -23,8 +24,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     paths = expand_paths(args.paths) if args.paths else spec_paths(SPEC_DIR)
     if not paths:  # as ``validate``: an empty listing would read as a success
-        print("no spec files found", file=sys.stderr)
-        return 2
+        raise UsageError("no spec files found")
     rows = []
     status = 0
     for path in paths:
@@ -33,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
         except SpecError as err:
             status = 1
             for line in problem_lines(err):
-                print(line, file=sys.stderr)
+                print(printable(line), file=sys.stderr)
             continue
         edges = {(t.trigger, source, t.dest) for t in spec.transitions for source in t.sources}
         rows.append({"name": spec.name, "states": len(spec.states), "transitions": len(edges),

@@ -13,6 +13,7 @@ import argparse
 import json
 import math
 import sys
+from pathlib import Path
 
 from hicache_fsm.commands.args import bounded_int, path_arg, printable
 
@@ -36,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
     from hicache_fsm.testing.trace import load_trace, replay
 
     try:
-        events = load_trace(args.trace)
+        events = load_trace(Path(args.trace))  # a path, whatever it reads like (a string may hold a trace's text)
         specs = load_all() + [load_spec(p) for p in args.spec]
     except OSError as exc:
         print(printable(f"hicache-fsm replay: cannot read {exc.filename or args.trace}: {exc.strerror or exc}"),

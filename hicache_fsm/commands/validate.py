@@ -13,14 +13,19 @@ import sys
 from pathlib import Path
 from typing import Iterable
 
-from hicache_fsm.commands.args import printable
+from hicache_fsm.commands.args import UsageError, printable
 from hicache_fsm.errors import SpecError
 from hicache_fsm.spec import SPEC_DIR, load_spec, spec_paths
 
 
 def display_path(path: str | Path) -> str:
     """``path`` relative to the working directory when it lies below it; a file of the installed
-    package as ``hicache_fsm/...`` (wherever the package is); else as given."""
+    package as ``hicache_fsm/...`` (wherever the package is); else as given. Printable: bytes of a
+    name that are not UTF-8, and control characters, as backslash escapes."""
+    return printable(_relative(path))
+
+
+def _relative(path: str | Path) -> str:
     p = Path(path)
     try:
         rel = os.path.relpath(p)
@@ -39,6 +44,8 @@ def expand_paths(args: Iterable[str]) -> list[Path]:
     """Files named on the command line; a directory stands for its ``*.yaml`` files."""
     out: list[Path] = []
     for arg in args:
+        if not arg:  # Path("") is the working directory: read as a spec file's name, it names none
+            raise UsageError("an empty PATH names no spec file")
         p = Path(arg)
         out.extend(spec_paths(p) if p.is_dir() else [p])
     return out
@@ -73,8 +80,7 @@ def add_bindings_flag(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     paths = expand_paths(args.paths) if args.paths else spec_paths(SPEC_DIR)
     if not paths:
-        print("no spec files found", file=sys.stderr)
-        return 2
+        raise UsageError("no spec files found")
     failed = 0
     for path in paths:
         try:

@@ -110,8 +110,9 @@ class ZmqEventPublisher:
             check_positive_int(name, value)
         for name, value in (("busy_pause_s", busy_pause_s), ("busy_window_s", busy_window_s)):
             check_seconds(name, value, zero_ok=True)
-        if hwm > MAX_HWM:  # zmq takes a C int: a larger one raised OverflowError with a context left open
-            raise ConfigError(f"hwm must be an int from 1 to {MAX_HWM}, got {hwm!r}")
+        for name, value in (("hwm", hwm), ("buffer_steps", buffer_steps)):  # a zmq C int, and the replay socket's
+            if value > MAX_HWM:  # high-water mark follows the buffer: larger raised OverflowError with a context open
+                raise ConfigError(f"{name} must be an int from 1 to {MAX_HWM}, got {value!r}")
         check_text("endpoint", endpoint)
         check_text("replay_endpoint", replay_endpoint, optional=True)
         self.topic = topic_bytes(topic)

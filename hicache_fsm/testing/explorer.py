@@ -118,6 +118,7 @@ def check_cache_options(options: dict[str, Any]) -> None:
 
 
 STORAGE_OPTIONS = ("prefetch_threshold", "prefetch_capacity_tokens", "batch_pages")  # ``Bounds.storage_options``
+MAX_PRIORITIES = 16  # ``Bounds.priorities``: each is another insert of every prompt in every state
 
 
 def check_storage_options(options: dict[str, Any], storage: bool) -> None:
@@ -212,6 +213,8 @@ class Bounds:
         for name in ("max_len", "max_depth", "max_states"):
             if getattr(self, name) is not None:
                 check_positive_int(f"Bounds.{name}", getattr(self, name), 1)
+        if self.priorities > MAX_PRIORITIES:
+            raise ConfigError(f"Bounds.priorities must be at most {MAX_PRIORITIES}, got {self.priorities}")
         seconds = self.max_seconds
         if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
                                     or not seconds > 0):
