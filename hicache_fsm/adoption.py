@@ -2,7 +2,7 @@
 
 An adopted pool writes into the engine's tensors through views, so memory the
 pool cannot write safely must be refused up front: a sparse or meta tensor has
-no plain memory to write, a ``requires_grad`` leaf refuses in-place writes, and
+no plain memory to write, a ``requires_grad`` leaf or an inference-mode tensor refuses in-place writes, and
 two views sharing bytes (K and V views of one tensor, two layers over the same
 memory) would let the load of one request overwrite another's live KV without
 any error. Every refusal is a ``ConfigError`` naming the view.
@@ -36,6 +36,9 @@ def check_kv_tensor(t: object, what: str) -> torch.Tensor:
     if t.requires_grad:
         raise ConfigError(f"{what}: KV buffers must not require grad (in-place writes would fail); "
                           "allocate them under torch.no_grad() or call .requires_grad_(False)")
+    if t.is_inference():  # made under torch.inference_mode(): in-place updates outside it raise
+        raise ConfigError(f"{what}: an inference-mode tensor refuses in-place writes outside inference mode; "
+                          "allocate KV buffers under torch.no_grad() instead")
     if t.is_quantized or t.is_nested:
         raise ConfigError(f"{what}: quantized or nested tensors cannot be adopted")
     if not t.dtype.is_floating_point:

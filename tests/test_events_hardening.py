@@ -498,3 +498,85 @@ def test_an_empty_trace_replays_to_an_empty_result():
     result = run_cluster(ClusterOptions(Trace("t", 64, ()), instances=2, device_tokens=1024, host_tokens=2048,
                                         device="cpu", storage=False))
     assert result.hit_rate == 0.0 and result.staleness.decisions == 0 and result.index_checks == 0
+
+
+# ------------------------------------------------------------------ found by an outside probe
+
+
+@pytest.mark.parametrize("namespace, lora", [(2**70, (None, str(2**70))), (-(2**70), (None, str(-(2**70)))),
+                                             ("\ud800", (None, "\\ud800")), (7, (7, None)), ("t", (None, "t"))])
+def test_every_namespace_has_a_wire_form_and_the_sender_lives_on(namespace, lora):
+    """An int past int64 or text no UTF-8 holds killed the publisher's thread: nothing was sent after it."""
+    cache, ex = make_cache(device_pages=6, host_pages=10, config=CacheConfig(write_policy="write_through"))
+    with ZmqEventPublisher() as pub, ZmqEventSubscriber(pub.endpoint, pub.replay_endpoint) as sub:
+        hook = enable_kv_events(cache, pub.publish)
+        put(cache, pages(1), namespace=namespace)
+        put(cache, pages(1, start=50))
+        drain(cache, ex)
+        hook.flush()
+        assert pub.wait_sent(GUARD_S) and pub.unrenderable == 0
+        events = [e for _, batch in sub.catch_up() for e in batch.events if isinstance(e, BlockStored)]
+        assert (events[0].lora_id, events[0].lora_name) == lora and len(events) >= 2
+    cache.close()
+
+
+def test_a_pending_batch_that_cannot_be_rendered_is_skipped_and_the_sender_lives_on():
+    from hicache_fsm.events.pending import PendingBatch
+
+    with ZmqEventPublisher() as pub, ZmqEventSubscriber(pub.endpoint, pub.replay_endpoint) as sub:
+        pub.publish(PendingBatch("x", [], None, 4))  # hand-made: its timestamp cannot be packed
+        pub.publish(_batch(1))
+        assert pub.wait_sent(GUARD_S) and (pub.sent, pub.unrenderable) == (1, 1)
+        assert sub.catch_up() == [(1, _batch(1))] and sub.lost == 1
+
+
+def test_a_payload_nested_past_the_stack_is_malformed_and_loses_nothing_else(peer):
+    import struct
+
+    bomb = b"\x93\xcb" + struct.pack(">d", 1.0) + b"\x91" * 100_000 + b"\xc0\xc0"
+    with ZmqEventSubscriber(peer.endpoint, peer.replay_endpoint, replay_timeout_ms=GUARD_MS) as sub:
+        peer.connect(sub)
+        peer.pub.send_multipart([b"", _seq(1), encode(_batch(1))])
+        peer.pub.send_multipart([b"", _seq(2), bomb])
+        peer.pub.send_multipart([b"", _seq(3), encode(_batch(3))])
+        got = _receive_until(sub, 3)
+        assert [s for s, _ in got] == [1, 3] and sub.malformed == 1
+
+
+@pytest.mark.parametrize("batch", [KVEventBatch(1.0, [BlockRemoved([2**70], "GPU")]),
+                                   KVEventBatch(1.0, [BlockRemoved([[[]]] * 1 + [1], "GPU")])])
+def test_a_batch_msgpack_cannot_hold_is_refused_and_left_as_it_came(batch):
+    with ZmqEventPublisher(data_parallel_rank=3) as pub:
+        with pytest.raises(ConfigError, match="publish"):
+            pub.publish(batch)
+        assert batch.data_parallel_rank is None and pub.next_seq == 0
+
+
+@pytest.mark.parametrize("call", ["receive", "replay"])
+def test_a_wait_beyond_any_thread_wait_is_a_config_error(call):
+    with ZmqEventPublisher() as pub:
+        if call == "receive":
+            with ZmqEventSubscriber(pub.endpoint) as sub, pytest.raises(ConfigError, match="at most"):
+                sub.receive(timeout_ms=2**63)
+        else:
+            with pytest.raises(ConfigError, match="at most"):
+                ZmqEventSubscriber(pub.endpoint, pub.replay_endpoint, replay_timeout_ms=2**62)
+
+
+def test_refused_hook_calls_change_nothing():
+    from hicache_fsm.events.hook import KVEventHook, reset_with_events
+
+    cache, ex = make_cache(device_pages=6, host_pages=10)
+    put(cache, pages(1))
+    drain(cache, ex)
+    before = cache_contents(cache)
+    with pytest.raises(ConfigError, match="KVEventHook"):
+        reset_with_events(cache, "not a hook")
+    assert cache_contents(cache) == before  # the reset did not run
+    with pytest.raises(ConfigError, match="HiCache"):
+        enable_kv_events(None, print)
+    with pytest.raises(ConfigError, match="KVEventHook"):
+        disable_kv_events(cache, object())
+    with pytest.raises(ConfigError, match="page_size"):
+        KVEventHook(cache.driver.machine.spec, 0, print)
+    cache.close()

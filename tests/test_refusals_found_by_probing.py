@@ -230,3 +230,14 @@ def test_zero_copy_calls_refuse_what_is_not_a_host_pool(pool):
     for call in (backend.batch_get_into, backend.batch_set_from):
         with pytest.raises(StorageKeyError, match="host_pool must be a HostKVPool"):
             call(["page"], pool, [0])
+
+
+def test_inference_mode_buffers_are_refused_at_adoption():
+    """They were accepted; every write into them then raised, and a load-back left wrong KV behind a wait that
+    returned."""
+    from hicache_fsm.engine_kv import adopt_sglang_mha
+
+    with torch.inference_mode():
+        k, v = [torch.zeros(64, 2, 4)], [torch.zeros(64, 2, 4)]
+    with pytest.raises(ConfigError, match="inference-mode tensor"):
+        adopt_sglang_mha(k, v, 4)

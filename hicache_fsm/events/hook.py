@@ -23,7 +23,7 @@ from 1 after a clear, so a new node never inherits an old one's hashes).
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Callable, Hashable
+from typing import Callable, Hashable
 
 from hicache_fsm.config import check_positive_int
 from hicache_fsm.errors import ConfigError
@@ -33,10 +33,8 @@ from hicache_fsm.events.pending import CLEARED_RECORD, REMOVED, STORED, PendingB
 from hicache_fsm.events.schema import KVEventBatch
 from hicache_fsm.events.settings import check_rank
 from hicache_fsm.radix import TreeNode
+from hicache_fsm.cache import HiCache
 from hicache_fsm.spec import Spec
-
-if TYPE_CHECKING:
-    from hicache_fsm.cache import HiCache
 
 Sink = Callable[[KVEventBatch], None]  # or, marked ``accepts_pending``, taking a ``PendingBatch``
 # The state tag that makes a node's pages readable in each tier (a snapshot of a running cache).
@@ -65,10 +63,18 @@ def readable_tiers(spec: Spec) -> dict[str, tuple[str, ...]]:
     return {s.name: tuple(tier for tier, tag in TIER_TAGS.items() if tag in s.tags) for s in spec.states}
 
 
+INT64 = range(-(1 << 63), 1 << 63)  # what an event's lora_id holds (msgpack and the router's schema)
+
+
 def _lora(namespace: Hashable) -> tuple[int | None, str | None]:
+    """An event's (lora_id, lora_name) for a tree namespace: an int64 as the id, text as the name; an int past int64
+    as its decimal text, and text no UTF-8 holds (a lone surrogate) escaped, so that every namespace has a wire form
+    (one that had none stopped the publisher's thread for good)."""
     if isinstance(namespace, int) and not isinstance(namespace, bool):
-        return namespace, None
-    return None, (namespace if isinstance(namespace, str) else None)
+        return (namespace, None) if namespace in INT64 else (None, str(namespace))
+    if isinstance(namespace, str):
+        return None, namespace.encode("utf-8", "backslashreplace").decode("utf-8")
+    return None, None
 
 
 class KVEventHook:
@@ -77,7 +83,10 @@ class KVEventHook:
     def __init__(self, spec: Spec, page_size: int, sink: Sink, *, data_parallel_rank: int | None = None,
                  max_batch_events: int = 256) -> None:
         check_positive_int("max_batch_events", max_batch_events)
+        check_positive_int("page_size", page_size)  # 0 divided by zero in the first insert's event, after it landed
         check_rank(data_parallel_rank)
+        if not isinstance(spec, Spec):
+            raise ConfigError(f"spec must be the residency Spec the cache runs, got {type(spec).__name__}")
         if not callable(sink):
             raise ConfigError(f"sink must be callable (a publisher's publish, a list's append), got {sink!r}")
         self.sink = sink
@@ -165,7 +174,7 @@ class KVEventHook:
         self.flush()
 
 
-def _top_down(cache: "HiCache") -> list[TreeNode]:
+def _top_down(cache: HiCache) -> list[TreeNode]:
     out, stack = [], [cache.tree.root]
     while stack:
         node = stack.pop()
@@ -174,7 +183,7 @@ def _top_down(cache: "HiCache") -> list[TreeNode]:
     return out
 
 
-def enable_kv_events(cache: "HiCache", sink: Sink, *, data_parallel_rank: int | None = None,
+def enable_kv_events(cache: HiCache, sink: Sink, *, data_parallel_rank: int | None = None,
                      max_batch_events: int = 256) -> KVEventHook:
     """Publish ``cache``'s KV events to ``sink``; starts with a snapshot of what it holds.
 
@@ -182,6 +191,7 @@ def enable_kv_events(cache: "HiCache", sink: Sink, *, data_parallel_rank: int | 
     :func:`disable_kv_events` to stop. Refused (nothing changes) on a closed
     cache or from a thread other than the one driving it.
     """
+    _check_cache(cache)
     cache.check_open()
     hook = KVEventHook(cache.driver.machine.spec, cache.page_size, sink, data_parallel_rank=data_parallel_rank,
                        max_batch_events=max_batch_events)
@@ -190,18 +200,32 @@ def enable_kv_events(cache: "HiCache", sink: Sink, *, data_parallel_rank: int | 
     return hook
 
 
-def disable_kv_events(cache: "HiCache", hook: KVEventHook) -> None:
+def disable_kv_events(cache: HiCache, hook: KVEventHook) -> None:
     """Stop listening and flush what ``hook`` queued; a hook that stopped already is only flushed.
 
     The hook stops first, so a sink that fails in the flush (a closed
     publisher) does not leave it listening; the events it could not take stay queued.
     """
+    _check_cache(cache)
+    _check_hook(hook)
     if cache.driver.listening(hook):
         cache.driver.remove_listener(hook)
     hook.flush()
 
 
-def reset_with_events(cache: "HiCache", hook: KVEventHook) -> None:
+def reset_with_events(cache: HiCache, hook: KVEventHook) -> None:
     """``cache.reset()``, and publish its ``AllBlocksCleared`` now rather than at the next ``flush``."""
+    _check_cache(cache)
+    _check_hook(hook)  # before the reset: a refused call wipes nothing
     cache.reset()
     hook.flush()
+
+
+def _check_cache(cache: object) -> None:
+    if not isinstance(cache, HiCache):
+        raise ConfigError(f"expected a HiCache, got {type(cache).__name__}")
+
+
+def _check_hook(hook: object) -> None:
+    if not isinstance(hook, KVEventHook):
+        raise ConfigError(f"expected the KVEventHook enable_kv_events returned, got {type(hook).__name__}")

@@ -165,6 +165,11 @@ class ZmqEventPublisher:
         """Pauses the sender took to give way to a stepping cache."""
         return self._sender.paused
 
+    @property
+    def unrenderable(self) -> int:
+        """Pending batches the sender could not render (skipped: subscribers count them lost)."""
+        return self._sender.unrenderable
+
     @accepts_pending
     def publish(self, batch: Batch) -> int:
         """Number ``batch``, buffer it for replay and queue it for sending; returns its sequence number."""
@@ -196,12 +201,13 @@ class ZmqEventPublisher:
         return seq
 
     def wait_sent(self, timeout: float) -> bool:
-        """Wait (sleeping, off the GIL) until every batch published so far was sent or dropped; False on timeout."""
+        """Wait (sleeping, off the GIL) until every batch published so far was sent, dropped or skipped as
+        unrenderable; False on timeout."""
         deadline = time.monotonic() + check_seconds("timeout", timeout, zero_ok=True)
         drained = self._sender.drained
         while True:
             drained.clear()  # before looking: a drain after the look sets it again
-            if self.sent + self.dropped >= self._next_seq:
+            if self.sent + self.dropped + self.unrenderable >= self._next_seq:
                 return True
             left = deadline - time.monotonic()
             if self._closed or left <= 0:
@@ -223,7 +229,8 @@ class ZmqEventPublisher:
 
     def stats(self) -> dict:
         return {"published": self._next_seq, "sent": self.sent, "dropped": self.dropped, "replays": self.replays,
-                "queued": len(self._sender.queue), "paused": self.paused}
+                "queued": len(self._sender.queue), "paused": self.paused,
+                "unrenderable": self.unrenderable}
 
 
 class _Sender:
@@ -247,6 +254,7 @@ class _Sender:
         self.sent = 0
         self.replays = 0
         self.paused = 0
+        self.unrenderable = 0  # pending batches that could not be rendered (skipped, the thread going on)
         self.thread = threading.Thread(target=self.run, name="kv-event-publisher", daemon=True)
 
     def shutdown(self) -> None:
@@ -295,7 +303,10 @@ class _Sender:
         end = time.monotonic() + self.pacing.burst_s
         while q:
             seq, batch = q.popleft()
-            send((topic, seq.to_bytes(8, "big"), _payload(batch)))
+            payload = self._rendered(batch)
+            if payload is None:
+                continue  # subscribers see the gap: their replay of it finds none, and counts it lost
+            send((topic, seq.to_bytes(8, "big"), payload))
             self.sent += 1
             if paced and time.monotonic() >= end:
                 return
@@ -310,8 +321,20 @@ class _Sender:
         with self.buffer_lock:
             wanted = [(seq, batch) for seq, batch in self.buffer if seq >= start_seq]
         for seq, batch in wanted:
-            replay.send_multipart((client, b"", seq.to_bytes(8, "big"), _payload(batch)))
+            payload = self._rendered(batch)
+            if payload is not None:
+                replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
         replay.send_multipart((client, b"", END_SEQ, b""))
+
+    def _rendered(self, batch: Queued) -> bytes | None:
+        """The bytes of ``batch``, or None (counted in ``unrenderable``) for a pending batch that cannot be rendered:
+        this thread sends every batch after it all the same (an exception here ended it, and nothing more went
+        out)."""
+        try:
+            return _payload(batch)
+        except Exception:  # noqa: BLE001 - whatever a hand-made pending batch raises: skip it, keep sending
+            self.unrenderable += 1
+            return None
 
 
 def _close_sockets(ctx: zmq.Context, *sockets: zmq.Socket | None) -> None:
@@ -332,7 +355,7 @@ def checked_payload(batch: KVEventBatch) -> bytes:
     try:
         payload = encode(batch)
         decode(payload)
-    except UNREADABLE as exc:
+    except (*UNREADABLE, OverflowError) as exc:  # OverflowError: an int msgpack cannot hold
         raise ConfigError(f"publish: not a valid KVEventBatch: {exc}") from None
     return payload
 

@@ -67,7 +67,8 @@ class KVEventBatch(EventBatch):
 KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
 
 
-UNREADABLE = (msgspec.MsgspecError, ValueError, TypeError)  # what a decoder raises on bytes that are not a batch
+# what a decoder raises on bytes that are not a batch (RecursionError: a payload nested past the interpreter's stack)
+UNREADABLE = (msgspec.MsgspecError, ValueError, TypeError, RecursionError)
 
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(KVEventBatch)

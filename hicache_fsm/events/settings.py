@@ -7,7 +7,7 @@ wait) is a ``ConfigError`` naming it, not an ``AttributeError`` from deep in
 
 from __future__ import annotations
 
-from hicache_fsm.config import check_positive_int
+from hicache_fsm.config import MAX_SECONDS, check_positive_int
 from hicache_fsm.errors import ConfigError
 
 
@@ -23,9 +23,15 @@ def check_rank(value: object) -> None:
         check_positive_int("data_parallel_rank", value, minimum=0)
 
 
+MAX_WAIT_MS = int(MAX_SECONDS * 1000)  # the longest wait a thread takes (zmq overflowed on 2**63 ms)
+
+
 def check_wait_ms(name: str, value: object) -> int:
-    """A wait in milliseconds is an int >= 0 (``zmq`` reads a negative one as forever)."""
-    return check_positive_int(name, value, minimum=0)
+    """A wait in milliseconds is an int >= 0 (``zmq`` reads a negative one as forever) and at most ``MAX_WAIT_MS``."""
+    check_positive_int(name, value, minimum=0)
+    if value > MAX_WAIT_MS:  # type: ignore[operator]
+        raise ConfigError(f"{name} must be at most {MAX_WAIT_MS} ms, got {value!r}")
+    return value  # type: ignore[return-value]
 
 
 def topic_bytes(topic: object) -> bytes:
