@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import threading
+import time
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ from hypothesis import strategies as st
 
 from hicache_fsm import cli
 from hicache_fsm.engine_kv import adopt_sglang_mha, adopt_sglang_mla, adopt_vllm
-from hicache_fsm.errors import HiCacheError
+from hicache_fsm.errors import HiCacheError, StorageLinkError
 from hicache_fsm.pools import DeviceKVPool, PageAllocator
 from hicache_fsm.trace import load_trace
 
@@ -114,10 +115,23 @@ def test_storage_entry_points_refuse_hostile_arguments_cleanly(url, options, rid
             refused_cleanly(cache, lambda: cache.prefetch(rid, tokens, m))
             refused_cleanly(cache, lambda: cache.prefetch_ready(rid))
             refused_cleanly(cache, lambda: cache.abort_prefetch(rid))
-            cache.detach_storage()
+            detach(cache)
         refused_cleanly(cache, cache.detach_storage)
     finally:
         cache.close()
+
+
+def detach(cache) -> None:
+    """``detach_storage``, called again while its threads outlast a ``join_timeout`` (one as short as 1e-68 s
+    is a valid option): the documented retry, not a failure of the run."""
+    for _ in range(1000):
+        try:
+            cache.detach_storage()
+            return
+        except StorageLinkError as exc:
+            assert "did not stop in time" in str(exc), exc
+            time.sleep(0.01)
+    cache.detach_storage()
 
 
 ENGINE_TENSORS = st.one_of(

@@ -63,7 +63,7 @@ USAGE_ERRORS: dict[str, tuple[list[str], str]] = {
     "bench_events_requests": (["bench", "events", "--requests", Z], "--requests"),
     "bench_insert_nodes": (["bench", "insert", "--nodes", Z, "--peer", "none"], "--nodes"),
     "bench_scale_sizes": (["bench", "scale", "--sizes", Z, "--peer", "none"], "--sizes"),
-    "bench_scale_sizes_zero": (["bench", "scale", "--sizes", "0"], "at least 16"),
+    "bench_scale_sizes_zero": (["bench", "scale", "--sizes", "0"], "at least 64"),
     "bench_scale_headroom": (["bench", "scale", "--headroom-pages", "-1"], "--headroom-pages"),
     "bench_storage_pages": (["bench", "storage", "--pages", Z], "--pages"),
     "bench_storage_one_page_too_big": (["bench", "storage", "--pages", "1", "--layers", "100000000"],

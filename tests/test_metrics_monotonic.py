@@ -49,7 +49,8 @@ def test_backend_counters_survive_detach_and_attach():
         for key, value in first.items():
             assert last[key] >= value, f"{key} went from {value} down to {last[key]}"
         written = ("hicache_storage_backend_bytes_total", (("direction", "written"),))
-        assert last[written] == 2 * first[written]
+        # the second private store never had the first prompt's pages: they are stored there again, beside the second
+        assert last[written] == 3 * first[written]
     finally:
         cache.close()
 

@@ -24,7 +24,7 @@ from hicache_fsm.errors import (
     StorageURLError,
 )
 from hicache_fsm.storage import KeyNamespace, StorageBackend, open_backend, page_keys
-from hicache_fsm.storage.base import CHECKSUMS, payload_checksum
+from hicache_fsm.storage.blob import CHECKSUMS, payload_checksum
 from hicache_fsm.storage.file import FileBackend
 from hicache_fsm.storage.memory import MemoryBackend
 from hicache_fsm.storage.page_format import PageFormat

@@ -211,10 +211,10 @@ def test_a_page_of_another_format_is_left_alone_and_only_a_corrupt_one_removed(b
 @pytest.mark.parametrize("backend", KINDS, indirect=True)
 def test_a_page_another_library_version_wrote_is_a_miss_left_in_place(backend, monkeypatch):
     """Two versions sharing one store during a rolling upgrade must not delete each other's pages."""
-    from hicache_fsm.storage import base
+    from hicache_fsm.storage import blob
 
     keys, values = pages(1, seed=5)
-    monkeypatch.setattr(base, "FORMAT_VERSION", base.FORMAT_VERSION + 1)  # the next version writes ...
+    monkeypatch.setattr(blob, "FORMAT_VERSION", blob.FORMAT_VERSION + 1)  # the next version writes ...
     assert backend.batch_set(keys, values) == [True]
     monkeypatch.undo()  # ... this one reads
     assert backend.batch_get(keys) == [None]

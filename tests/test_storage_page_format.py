@@ -19,7 +19,7 @@ from storage_util import kv, load_and_read, make_cache, prompt, put, ready, sett
 
 from hicache_fsm.pools import LAYOUTS, HostKVPool, KVShape
 from hicache_fsm.storage import KeyNamespace, open_backend, page_keys
-from hicache_fsm.storage.base import FORMAT_VERSION
+from hicache_fsm.storage.blob import FORMAT_VERSION
 from hicache_fsm.storage.page_format import PageFormat, page_format_of
 
 SHAPE = KVShape(layers=3, heads=2, head_dim=8, dtype=torch.bfloat16)

@@ -205,6 +205,11 @@ def _mooncake_baseline(backend, n: int, src: _BenchPool, dst: _BenchPool):
 def run(args: argparse.Namespace) -> dict:
     page_nbytes = 2 * args.page_tokens * args.layers * args.kv_heads * args.head_dim * args.dtype_bytes
     n = args.pages
+    try:  # one page first: a page too large is the page flags' mistake, not --pages'
+        check_fits(1, POOLS * page_nbytes + TOKEN_ID_BYTES * args.page_tokens, "one page")
+    except UsageError:
+        raise UsageError(f"a page of {page_nbytes} bytes (--page-tokens x --layers x --kv-heads x --head-dim x "
+                         f"--dtype-bytes x 2) in {POOLS} pools is more than this machine could hold") from None
     check_fits(n, POOLS * page_nbytes + TOKEN_ID_BYTES * args.page_tokens, "--pages",
                f"{page_nbytes} bytes a page in each of {POOLS} pools, and its token ids")
     tmpdir = None

@@ -57,14 +57,11 @@ from hicache_fsm.storage.backend_checks import check_count, check_flag
 from hicache_fsm.storage.base import (
     EXISTS,
     FAILED,
-    HEADER,
     WRITTEN,
-    CorruptPage,
     LRUIndex,
     StorageBackend,
-    parse_header,
-    verify_payload,
 )
+from hicache_fsm.storage.blob import HEADER, CorruptPage, parse_header, verify_payload
 from hicache_fsm.storage.keys import KeyNamespace
 from hicache_fsm.storage.page_format import PageFormat
 
@@ -78,6 +75,9 @@ _STALE_TMP_SECONDS = 600.0
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _FULL_ERRNOS = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC), errno.EFBIG}
 _REFUSED_WRITE_ERRNOS = {errno.EROFS, errno.EACCES, errno.EPERM}  # a read-only store: reads still work
+# what one page's path can raise when something else took its place (a symlink loop, a file where its shard
+# directory was): that page is a miss, not the store down
+_NOT_A_PAGE_ERRNOS = {errno.ELOOP, errno.ENOTDIR}
 _UNAVAILABLE_ERRNOS = {
     getattr(errno, name) for name in ("ENOTCONN", "ESTALE", "EHOSTDOWN", "EHOSTUNREACH", "ENODEV") if hasattr(errno, name)
 }
@@ -301,6 +301,8 @@ class FileBackend(StorageBackend):
             except FileNotFoundError:
                 break
             except OSError as exc:
+                if exc.errno in _NOT_A_PAGE_ERRNOS:  # this page's path alone is broken (a symlink loop): a miss
+                    break
                 raise _os_error(exc, f"stat of page {skey}") from exc
             if not stat.S_ISREG(st.st_mode) or st.st_size < HEADER.size:  # a directory or FIFO is no stored page
                 break
@@ -406,6 +408,9 @@ class FileBackend(StorageBackend):
             self._report_corrupt(skey, "a directory where its file should be")
             return path, None
         except OSError as exc:
+            if exc.errno in _NOT_A_PAGE_ERRNOS:  # this page's path alone is broken: a miss, the store stays healthy
+                self._report_corrupt(skey, f"its path cannot be opened ({exc.strerror})")
+                return path, None
             raise _os_error(exc, f"opening page {skey}") from exc
 
     @staticmethod

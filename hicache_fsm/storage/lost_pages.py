@@ -20,6 +20,7 @@ from hicache_fsm.storage.link import StorageLink
 from hicache_fsm.storage.options import TierOptions
 from hicache_fsm.storage.retry import BackupRetries
 from hicache_fsm.storage.threads import leading_hits
+from hicache_fsm.tp import PURPOSE_ATTACH_COMMIT
 
 if TYPE_CHECKING:
     from hicache_fsm.radix import TreeNode
@@ -41,7 +42,7 @@ class LostPages:
     runtime: PrefetchRuntime
     healthy: bool
     last_error: str
-    _epoch: object
+    _epoch: object = None  # the attached store's data epoch, kept over a detach (``_read_epoch_at_attach``)
     _epoch_checked: float
     _sweep_due: bool
     _last_sweep: float
@@ -74,7 +75,31 @@ class LostPages:
             return
         self._epoch = epoch
         self.counters["data_epoch_changes"] += 1
-        self._mark_lost(self.ctx.tree.nodes())
+        # each node stored again later than at its last loss: an epoch a full Redis keeps evicting (allkeys-lru)
+        # would otherwise have every stored node rewritten at every change, evicting more in turn
+        self._mark_lost(self.ctx.tree.nodes(), backoff=True)
+
+    def _read_epoch_at_attach(self) -> None:
+        """The attached store's data epoch, after the marks an earlier attachment left were judged by it."""
+        epoch = self._data_epoch()
+        self._check_stored_marks(epoch)
+        self._epoch, self._epoch_checked = epoch, self.now()
+
+    def _check_stored_marks(self, epoch: object) -> None:
+        """At an attach: the nodes marked stored by an earlier attachment hold pages of that store. They are
+        trusted only when this is the same store, not wiped since: the data epoch it had then (not 0, which
+        every store without one reports). Otherwise (another directory, a private store a detach cleared,
+        another client's pages) they go back to "not stored" and are stored again.
+
+        The trees of a rank group are the same, so every rank makes this call, and the group agrees on it.
+        """
+        stored = [n for n in self.ctx.tree.nodes() if n.parent is not None and n.state.endswith("_stored")]
+        if not stored:
+            return
+        same = epoch is not None and epoch != 0 and epoch == self._epoch
+        if not self.ctx.group.all_true(same, PURPOSE_ATTACH_COMMIT):
+            self.counters["data_epoch_changes"] += 1
+            self._mark_lost(stored)
 
     def _apply_evictions(self) -> None:
         """Stored nodes whose pages the backend evicted go back to "not stored" (see ``storage.evictions``).
@@ -126,9 +151,10 @@ class LostPages:
         self._confine()
         return self._mark_lost(self._own_nodes(nodes))
 
-    def _mark_lost(self, nodes: Iterable[TreeNode], evicted: bool = False) -> int:
+    def _mark_lost(self, nodes: Iterable[TreeNode], evicted: bool = False, backoff: bool = False) -> int:
         """Fire ``storage_lost`` on each of ``nodes`` that is stored; returns how many moved. Lost pages are
-        stored again at the next poll; pages the backend ``evicted`` for room, later (``_apply_evictions``)."""
+        stored again at the next poll; pages the backend ``evicted`` for room, and with ``backoff``, later
+        (each node later than at its last loss: ``BackupRetries.evicted``)."""
         nodes = list(nodes)
         if nodes:  # a running prefetch may hold pages the backend no longer has
             self.runtime.storage_lost()
@@ -141,11 +167,12 @@ class LostPages:
         if not moved:
             return 0
         self.counters["storage_lost_nodes"] += len(moved)
-        if evicted:  # the backend's size cap at work: routine, and no hurry to store them again
+        if evicted or backoff:  # the backend's size cap at work (routine), or a store losing data again and again
             self.retries.evicted(moved, self.options.retry_interval, self.now())
             self._sweep_due = True
-            log.debug("storage evicted the pages of %d stored nodes for room; they will be stored again later",
-                      len(moved))
+            (log.debug if evicted else log.warning)(
+                "storage %s the pages of %d stored nodes; they will be stored again later",
+                "evicted" if evicted else "lost", len(moved))
         else:
             self._store_again()
             log.warning("storage lost the pages of %d stored nodes; they will be stored again", len(moved))

@@ -25,12 +25,11 @@ from hicache_fsm.storage.base import (
     EXISTS,
     FAILED,
     WRITTEN,
-    CorruptPage,
     LRUIndex,
     SharedStore,
     StorageBackend,
-    decode_blob,
 )
+from hicache_fsm.storage.blob import CorruptPage, decode_blob
 from hicache_fsm.storage.keys import KeyNamespace
 from hicache_fsm.storage.page_format import PageFormat
 

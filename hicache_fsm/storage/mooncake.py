@@ -78,15 +78,11 @@ from hicache_fsm.storage.backend_checks import check_seconds
 from hicache_fsm.storage.base import (
     EXISTS,
     FAILED,
-    HEADER,
     WRITTEN,
-    CorruptPage,
     StorageBackend,
     check_host_pool,
-    decode_blob,
-    parse_header,
-    verify_payload,
 )
+from hicache_fsm.storage.blob import HEADER, CorruptPage, decode_blob, parse_header, verify_payload
 from hicache_fsm.storage.keys import KeyNamespace
 from hicache_fsm.storage.listeners import own_listeners, probe_rpc
 from hicache_fsm.storage.page_format import PageFormat

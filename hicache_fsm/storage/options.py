@@ -103,6 +103,10 @@ class TierOptions:
         names = set(cls.names())
         mine = {k: v for k, v in options.items() if k in names}
         rest = {k: v for k, v in options.items() if k not in names}
+        both = sorted(set(mine) & set(KEY_PARTS)) if mine.get("namespace") is not None else []
+        if both:  # the namespace is the whole key prefix: these would be ignored without a word
+            raise ConfigError(f"give namespace or {', '.join(both)}, not both (a KeyNamespace holds the model, "
+                              f"tenant and ranks)")
         return cls(**mine), rest
 
     @classmethod
@@ -123,4 +127,6 @@ class TierOptions:
         return self.is_mla and self.tp_rank != 0
 
 
-__all__ = ["STOP_POLICIES", "TierOptions"]
+KEY_PARTS = ("model", "tenant", "tp_rank", "tp_size", "is_mla")  # what a KeyNamespace holds
+
+__all__ = ["KEY_PARTS", "STOP_POLICIES", "TierOptions"]

@@ -61,10 +61,9 @@ from hicache_fsm.storage.backend_checks import check_count, check_flag, check_se
 from hicache_fsm.storage.base import (
     EXISTS,
     WRITTEN,
-    CorruptPage,
     StorageBackend,
-    decode_blob,
 )
+from hicache_fsm.storage.blob import CorruptPage, decode_blob
 from hicache_fsm.storage.keys import KeyNamespace
 from hicache_fsm.storage.page_format import PageFormat
 from hicache_fsm.storage.urls import check_url

@@ -47,6 +47,7 @@ class StorageThreads:
     _events: deque[tuple]
     _busy: int
     _gen: int
+    _winding_down: threading.Event  # set while a detach or reset winds transfers down: a running backup ends
     _link_down: str
     _last_probe: float
     _thread_counts: Counter[str]
@@ -271,7 +272,7 @@ class StorageThreads:
             self._post(gen, "done", job, False, f"storage unavailable: {down}", None)
             return
         for start in range(0, len(keys), step):
-            if stop.is_set():
+            if stop.is_set() or self._winding_down.is_set():  # a detach or reset waits for this backup: it ends here
                 ok, error = False, "storage is detaching"
                 break
             try:

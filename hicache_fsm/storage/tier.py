@@ -153,6 +153,7 @@ class StorageTier(PrefetchCalls, StorageThreads, LostPages):
         self._backup_q: deque[tuple[int, TransferJob]] = deque()
         self._busy = 0
         self._gen = 0
+        self._winding_down = threading.Event()
         self._events: deque[tuple] = deque()
         self._completions: list[Completion] = []
         self._pending_transfer: dict[int, PrefetchOp] = {}  # S2H job id -> op, between emit and submit
@@ -273,7 +274,7 @@ class StorageTier(PrefetchCalls, StorageThreads, LostPages):
             raise
         self.link_machine.fire(self.link, "attach_ok", self)
         self.evictions.watch(self.link.backend, self.ctx.tree.nodes())
-        self._epoch, self._epoch_checked = self._data_epoch(), self.now()  # lost pages show as a change
+        self._read_epoch_at_attach()  # lost pages show as a change; an earlier attachment's marks may not hold
         self._sweep_due = True  # host copies made before the attach get stored too
         self.counters["attaches"] += 1
         log.info("storage attached: %s (namespace %s)", self._describe(url_or_backend), namespace.prefix)
@@ -330,11 +331,15 @@ class StorageTier(PrefetchCalls, StorageThreads, LostPages):
         for rid in list(self.runtime.active):
             self.abort_prefetch(rid)
         self._fail_queued(reason)
-        deadline = time.monotonic() + self.options.join_timeout
-        while self.transfers_in_flight() and time.monotonic() < deadline:
-            with self._cv:  # woken when a storage thread finishes an item
-                self._cv.wait(min(0.05, max(0.0, deadline - time.monotonic())))
-            self._apply_finished()
+        self._winding_down.set()  # a running backup ends at its next batch (it failed: stored again later)
+        try:
+            deadline = time.monotonic() + self.options.join_timeout
+            while self.transfers_in_flight() and time.monotonic() < deadline:
+                with self._cv:  # woken when a storage thread finishes an item
+                    self._cv.wait(min(0.05, max(0.0, deadline - time.monotonic())))
+                self._apply_finished()
+        finally:
+            self._winding_down.clear()
 
     def _fail_queued(self, reason: str) -> None:
         """Every queued backup and transfer ends as failed (``reason``) without touching the backend."""
