@@ -40,11 +40,20 @@ def _positive_int(instance, attribute, value) -> None:
         raise ConfigError(f"{attribute.name} must be a positive int, got {value!r}")
 
 
+MAX_CP_RANKS = int(torch.iinfo(torch.int8).max) + 1  # a page's owner is kept as an int8 (ranks 0..127)
+
+
+def _world_size(instance, attribute, value) -> None:
+    _positive_int(instance, attribute, value)
+    if value > MAX_CP_RANKS:  # a larger rank wrapped negative in the saved owners: its load-backs were refused
+        raise ConfigError(f"world_size must be at most {MAX_CP_RANKS} (page owners are kept as int8), got {value}")
+
+
 @attrs.frozen
 class CPLayout:
     """Logical-to-physical page mapping of one rank of a CP group (see module docstring)."""
 
-    world_size: int = attrs.field(validator=_positive_int)
+    world_size: int = attrs.field(validator=_world_size)
     rank: int = attrs.field()
     page_size: int = attrs.field(validator=_positive_int)
     logical_tokens: int = attrs.field(validator=_positive_int)

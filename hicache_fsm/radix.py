@@ -11,6 +11,7 @@ so that two namespaces never match each other's prefixes.
 from __future__ import annotations
 
 import itertools
+import zlib
 from typing import Callable, Hashable, Iterator, Mapping
 
 import numpy as np
@@ -247,6 +248,13 @@ def page_key(namespace: Hashable, first_page: bytes) -> "bytes | tuple":
     return first_page if namespace is None else (namespace, first_page)
 
 
+def content_mark(node: TreeNode, page_bytes: int) -> int:
+    """A node's share of ``RadixTree.content_mark``: its first page, namespace and length, the same on every rank
+    (``zlib.crc32``: ``hash`` of a str is salted per process)."""
+    ns = b"" if node.namespace is None else repr(node.namespace).encode("utf-8", "backslashreplace")
+    return zlib.crc32(node.raw[:page_bytes], zlib.crc32(ns)) | (len(node.raw) << 32)
+
+
 class RadixTree:
     """Prefix match, insert and split over page-aligned runs of packed token ids.
 
@@ -268,6 +276,10 @@ class RadixTree:
         self._nodes: dict[int, TreeNode] = {0: self.root}
         self.by_id = self._nodes  # every live node by id, the root included: read it, never change it
         self.version = 0  # bumped by every change of shape (split, add, remove)
+        # with ``marking`` on (a rank group compares it at every poll): the XOR of every node's ``content_mark``,
+        # so ranks whose trees hold other tokens in the same shape differ (node counts and pages alone do not)
+        self.marking = False
+        self.content_mark = 0
 
     def clear(self) -> None:
         """Drop every node, in place: the parts holding this tree see it empty (a cache ``reset``).
@@ -279,6 +291,7 @@ class RadixTree:
         self.root = TreeNode(0, b"", None, None, self.page_size)
         self._nodes = self.by_id = {0: self.root}
         self.version += 1
+        self.content_mark = 0
 
     # ------------------------------------------------------------------ lookup
 
@@ -363,6 +376,8 @@ class RadixTree:
         if at <= 0 or at >= node.num_tokens or at % self.page_size:
             raise ValueError(f"cannot split node of {node.num_tokens} tokens at {at}")
         parent = node.parent
+        if self.marking:
+            self.content_mark ^= content_mark(node, self.page_bytes)  # the node as it was; both halves below
         cut = at * ID_BYTES
         upper = TreeNode(next(self._ids), node.raw[:cut], node.namespace, parent, self.page_size)
         upper.state = node.state
@@ -383,6 +398,8 @@ class RadixTree:
         upper.children = {page_key(node.namespace, node.raw[:pb]): node}
         self._nodes[upper.id] = upper
         self.version += 1
+        if self.marking:
+            self.content_mark ^= content_mark(upper, pb) ^ content_mark(node, pb)
         return upper
 
     def add_child(self, parent: TreeNode, tokens, namespace: Hashable, start: int = 0) -> TreeNode:
@@ -401,6 +418,8 @@ class RadixTree:
             raise ValueError("a child with that first page already exists")
         self._nodes[child.id] = child
         self.version += 1
+        if self.marking:
+            self.content_mark ^= content_mark(child, self.page_bytes)
         return child
 
     def remove_leaf(self, node: TreeNode) -> None:
@@ -412,6 +431,8 @@ class RadixTree:
             parent.children = NO_CHILDREN
         del self._nodes[node.id]
         self.version += 1
+        if self.marking:
+            self.content_mark ^= content_mark(node, self.page_bytes)
 
     def fork(self, copy_node: Callable[[TreeNode], TreeNode], memo: dict) -> "RadixTree":
         """An independent copy: ``copy_node`` copies one node's fields, links are re-made here.

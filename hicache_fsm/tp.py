@@ -400,11 +400,13 @@ def cache_fingerprint(config: Any, device_pool: Any, host_pool: Any, draft_devic
 
 
 class PoolState:
-    """A step section with no items: the tree's node count and the pools' free pages, compared across ranks.
+    """A step section with no items: the tree's node count and content mark, and the pools' free pages, compared
+    across ranks.
 
     The acks compare only pending jobs; this catches the ranks whose trees
-    went apart without one (other requests on one rank, an eviction one rank
-    had to make), at the next ``poll`` instead of at a hung model collective.
+    went apart without one (other requests on one rank, of another length or
+    the same, an eviction one rank had to make), at the next ``poll`` instead
+    of at a hung model collective.
     Under context parallelism (a CP runtime in ``attached``) each rank's host
     holds only the pages it owns, so the host's free pages are left out.
     """
@@ -413,6 +415,7 @@ class PoolState:
     width = 0
 
     def __init__(self, tree: Any, device_pool: Any, host_pool: Any, attached: Any) -> None:
+        tree.marking = True  # the tree keeps its content mark from now on (it is empty: nothing to add up)
         self.tree = tree
         self.device_pool = device_pool
         self.host_pool = host_pool
@@ -420,7 +423,8 @@ class PoolState:
 
     def collect(self) -> tuple[list[Sequence[int]], int]:
         host = self.host_pool.allocator.free_pages if self.attached.cp is None else None
-        return [], digest((len(self.tree.by_id), self.device_pool.allocator.free_pages, host))
+        tree = self.tree
+        return [], digest((len(tree.by_id), tree.content_mark, self.device_pool.allocator.free_pages, host))
 
     def apply(self, items: list[list[int]]) -> None:
         """Nothing to act on: the comparison is the header's."""

@@ -43,6 +43,7 @@ import torch
 
 from hicache_fsm.cache import HiCache
 from hicache_fsm.config import check_seconds
+from hicache_fsm.errors import ConfigError
 from hicache_fsm.executors import AckExecutor
 from hicache_fsm.pools import DeviceKVPool, HostKVPool, KVShape, default_device
 from hicache_fsm.simulate_config import check_pool_options
@@ -85,6 +86,9 @@ class TraceOptions:
     device: str | None = None  # None: CUDA when present, else CPU
 
     def __attrs_post_init__(self) -> None:
+        if not isinstance(self.trace, Trace):  # a path or None raised AttributeError deep in the checks
+            raise ConfigError(f"TraceOptions.trace must be a Trace (hicache_fsm.trace.load_trace reads one), "
+                              f"got {type(self.trace).__name__}")
         ps = check_page_size(self.page_size, self.trace.block_size)
         check_pool_options(self.device_tokens, self.host_tokens, ps, self.layout, self.device)
 
@@ -257,6 +261,7 @@ class TraceReplayer:
         lat = self.latency
         lat.computed_tokens += computed
         lat.reused_tokens += n_served
+        res.reused_tokens += n_served  # the result's own figure too (a cluster replay reports it per instance)
         ttft = self.costs.ttft(computed, host, storage)
         lat.ttft_s.append(ttft)
         lat.clock_s += ttft
@@ -486,6 +491,12 @@ def run_trace(options: TraceOptions, progress: ReplayProgress | None = None,
     process (e.g. ``hicache_fsm.trace_workers.in_workers(jobs)``), with the
     same figures; progress then moves as each configuration finishes.
     """
+    if not isinstance(options, TraceOptions):
+        raise ConfigError(f"run_trace takes TraceOptions, got {type(options).__name__}")
+    if bound is not None and not isinstance(bound, PrefixBound):
+        raise ConfigError(f"bound must be the trace's PrefixBound (trace.prefix_bound), got {type(bound).__name__}")
+    if sweep is not None and (isinstance(sweep, (str, bytes)) or not isinstance(sweep, Sequence)):
+        raise ConfigError(f"sweep must be a sequence of device sizes in tokens, got {type(sweep).__name__}")
     start = time.perf_counter()
     trace, ps = options.trace, options.page_size
     device = options.device or str(default_device())

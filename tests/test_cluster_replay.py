@@ -55,6 +55,15 @@ def test_prefix_aware_keeps_a_conversation_on_one_instance_and_hits_more(trace_f
     assert pa.staleness.exact == pa.staleness.decisions  # a current view predicts every hit
 
 
+def test_each_instance_reports_the_prompt_tokens_it_reused(trace_file):
+    """``prefill_tokens_reused`` was 0 for every instance: the replay kept it in its latency figures alone."""
+    pa = run_cluster(_options(trace_file, instances=2, policy="prefix_aware", storage=False))
+    rows = [r.as_dict() for r in pa.results]
+    assert sum(row["prefill_tokens_reused"] for row in rows) > 0
+    for row in rows:
+        assert row["prefill_tokens_reused"] == row["prefill_tokens_saved"]
+
+
 def test_a_lagging_view_shows_up_as_stale_predictions(trace_file):
     lagging = run_cluster(_options(trace_file, policy="prefix_aware", storage=False, event_lag=3))
     assert lagging.staleness.as_dict()["mean_batches_behind"] > 0

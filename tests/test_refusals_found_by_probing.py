@@ -241,3 +241,30 @@ def test_inference_mode_buffers_are_refused_at_adoption():
         k, v = [torch.zeros(64, 2, 4)], [torch.zeros(64, 2, 4)]
     with pytest.raises(ConfigError, match="inference-mode tensor"):
         adopt_sglang_mha(k, v, 4)
+
+
+# =========================================================================== found by a third probe
+
+
+def test_a_cp_world_whose_ranks_an_int8_owner_cannot_hold_is_refused():
+    """Owners are kept as int8: rank 150 wrapped to -106, and the load-back refused metadata the library wrote."""
+    from hicache_fsm.cp import MAX_CP_RANKS, CPLayout
+
+    CPLayout(MAX_CP_RANKS, MAX_CP_RANKS - 1, 2, 64)
+    for world in (MAX_CP_RANKS + 1, 10**30):
+        with pytest.raises(ConfigError, match="world_size must be at most 128"):
+            CPLayout(world, 5, 2, 64)
+
+
+@pytest.mark.parametrize("call", ["options_of_a_path", "options_of_none", "run_of_none", "bound", "sweep"])
+def test_trace_replay_arguments_of_the_wrong_kind_are_config_errors(call):
+    from hicache_fsm.trace import Trace, TraceRequest
+    from hicache_fsm.trace_replay import TraceOptions, run_trace
+
+    trace = Trace("hand-made", 16, (TraceRequest(0.0, 16, 0, (1,), 1),))
+    options = TraceOptions(trace, device_tokens=64, host_tokens=128, storage=False, device="cpu")
+    calls = {"options_of_a_path": lambda: TraceOptions("f.jsonl"), "options_of_none": lambda: TraceOptions(None),
+             "run_of_none": lambda: run_trace(None), "bound": lambda: run_trace(options, bound="x"),
+             "sweep": lambda: run_trace(options, sweep=5)}
+    with pytest.raises(ConfigError):
+        calls[call]()

@@ -9,12 +9,15 @@ and their node counts and free pages at every ``poll``.
 from __future__ import annotations
 
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hicache_fsm.cache import HiCache
 from hicache_fsm.config import CacheConfig
 from hicache_fsm.errors import ConfigError, HiCacheError, RanksDiverged
 from hicache_fsm.executors import ManualExecutor
 from hicache_fsm.pools import DeviceKVPool, HostKVPool, KVShape
+from hicache_fsm.radix import content_mark
 from hicache_fsm.testing.ranks import run_ranks
 from hicache_fsm.tp import RankGroup
 
@@ -72,4 +75,52 @@ def test_ranks_built_alike_agree_and_ranks_that_went_apart_are_told_at_once():
 def test_a_lone_rank_builds_without_any_collective():
     cache = build(RankGroup(None), 6)
     assert cache.group.collectives == 0 and cache.agreement.sections == []
+    cache.close()
+
+
+def other_tokens_same_shape(rank: int, world: int, pg) -> tuple:
+    """Each rank fed another request of the same length: node counts and free pages agree, the tokens do not."""
+    group = RankGroup(pg, timeout_s=60.0)
+    seen = []
+    for policy in ("write_through", "write_back"):
+        cache = build(group, 6, policy)
+        serve(cache, [rank * 1000 + t for t in range(2 * PS)])
+        for job in list(cache.executor.pending_jobs()):
+            cache.executor.complete(job.id)
+        seen.append(outcome(cache.poll))
+        cache.close()
+    return tuple(seen)
+
+
+def test_ranks_fed_other_requests_of_the_same_shape_are_told_at_the_first_poll():
+    """Passed a poll: only the next step's match, hitting on one rank alone, showed it (after the model's
+    collectives had run on other work)."""
+    for seen in [o.unwrap() for o in run_ranks(other_tokens_same_shape, 2, timeout_s=300, group_timeout_s=60)]:
+        assert [kind for kind, *_ in seen] == [RanksDiverged.__name__] * 2, seen
+        assert all("pool state" in message for _, message in seen)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["serve", "evict", "evict_host"]), st.integers(0, 3), st.integers(1, 3)),
+                max_size=12))
+def test_the_content_mark_is_the_xor_of_every_nodes_mark(steps):
+    cache = build(RankGroup(None), 8)
+    cache.tree.marking = True
+    for op, first, pages in steps:
+        if op == "serve":
+            tokens = [first * 7 + t for t in range(pages * PS)]  # prefixes shared and split
+            if cache.device_allocator.available_tokens + 8 * PS >= len(tokens):
+                serve(cache, tokens)
+        elif op == "evict":
+            cache.evict(pages * PS)
+        else:
+            cache.evict_host(pages * PS)
+        for job in list(cache.executor.pending_jobs()):
+            cache.executor.complete(job.id)
+        cache.poll()
+        want = 0
+        for node in cache.tree.nodes():
+            if node.parent is not None:
+                want ^= content_mark(node, cache.tree.page_bytes)
+        assert cache.tree.content_mark == want
     cache.close()
