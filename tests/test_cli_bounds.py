@@ -67,7 +67,7 @@ USAGE_ERRORS: dict[str, tuple[list[str], str]] = {
     "bench_scale_headroom": (["bench", "scale", "--headroom-pages", "-1"], "--headroom-pages"),
     "bench_storage_pages": (["bench", "storage", "--pages", Z], "--pages"),
     "bench_storage_one_page_too_big": (["bench", "storage", "--pages", "1", "--layers", "100000000"],
-                                       "--pages 1 is more than this machine could hold"),
+                                       "(--page-tokens x --layers x"),  # the page flags, not --pages
     "bench_dispatch_objects": (["bench", "dispatch", "--objects", Z], "--objects"),
     "bench_copy_seed": (["bench", "copy", "--seed", Z], "argument --seed"),
     "bench_all_output_parent": (["bench", "all", "--quick", "--output", "NODIR/x.md"], "does not exist"),
