@@ -321,19 +321,20 @@ class _Sender:
         with self.buffer_lock:
             wanted = [(seq, batch) for seq, batch in self.buffer if seq >= start_seq]
         for seq, batch in wanted:
-            payload = self._rendered(batch)
+            payload = self._rendered(batch, live=False)
             if payload is not None:
                 replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
         replay.send_multipart((client, b"", END_SEQ, b""))
 
-    def _rendered(self, batch: Queued) -> bytes | None:
-        """The bytes of ``batch``, or None (counted in ``unrenderable``) for a pending batch that cannot be rendered:
-        this thread sends every batch after it all the same (an exception here ended it, and nothing more went
-        out)."""
+    def _rendered(self, batch: Queued, live: bool = True) -> bytes | None:
+        """The bytes of ``batch``, or None for a pending batch that cannot be rendered (counted in ``unrenderable``
+        when it was to go out ``live``, once: a replay asks again): this thread sends every batch after it all the
+        same (an exception here ended it, and nothing more went out)."""
         try:
             return _payload(batch)
         except Exception:  # noqa: BLE001 - whatever a hand-made pending batch raises: skip it, keep sending
-            self.unrenderable += 1
+            if live:
+                self.unrenderable += 1
             return None
 
 
