@@ -25,6 +25,7 @@ from __future__ import annotations
 import time
 from typing import Callable, Hashable
 
+from hicache_fsm.cache import HiCache
 from hicache_fsm.config import check_positive_int
 from hicache_fsm.errors import ConfigError
 from hicache_fsm.events.hashes import NodeChains, RecentTokens
@@ -33,7 +34,6 @@ from hicache_fsm.events.pending import CLEARED_RECORD, REMOVED, STORED, PendingB
 from hicache_fsm.events.schema import KVEventBatch
 from hicache_fsm.events.settings import check_rank
 from hicache_fsm.radix import TreeNode
-from hicache_fsm.cache import HiCache
 from hicache_fsm.spec import Spec
 
 Sink = Callable[[KVEventBatch], None]  # or, marked ``accepts_pending``, taking a ``PendingBatch``
