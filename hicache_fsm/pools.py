@@ -274,6 +274,7 @@ class DeviceKVPool:
 
     def layer_pages(self, layer: int) -> tuple[torch.Tensor, ...]:
         """Per part, the (pages, page_size, heads, head_dim) view of one layer's memory."""
+        layer = check_layer(layer, self.shape.layers)
         if self.kv is None:
             return self._engine_pages[layer]
         pages = self.size_tokens // self.page_size
@@ -441,6 +442,7 @@ class HostKVPool:
 
     def layer_pages(self, layer: int) -> tuple[torch.Tensor, ...]:
         """Per part, the (pages, page_size, heads, head_dim) view of one layer (strided but for layer_first)."""
+        layer = check_layer(layer, self.shape.layers)
         return tuple(layer_of(part, self.layout, layer, self.page_size) for part in self._parts)
 
     def read(self, indices) -> tuple[torch.Tensor, ...]:
@@ -505,6 +507,19 @@ class HostKVPool:
             n = view.numel()
             view.copy_(flat[offset:offset + n])
             offset += n
+
+
+def check_layer(layer: object, layers: int) -> int:
+    """A layer index in ``0..layers-1`` (``BadIndices`` otherwise: -1 read the last layer, 99 raised IndexError)."""
+    index = layer
+    if type(layer) is not int:  # numpy / torch integers pass; a bool, a float or a str does not
+        try:
+            index = -1 if isinstance(layer, bool) else operator.index(layer)
+        except TypeError:
+            index = -1
+    if not 0 <= index < layers:
+        raise BadIndices(f"layer must be an int in [0, {layers}), got {layer!r}")
+    return index
 
 
 def check_kv_tensors(values: tuple, want: tuple[int, ...]) -> None:

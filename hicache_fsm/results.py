@@ -13,7 +13,7 @@ from typing import Protocol, Sequence
 import attrs
 import torch
 
-from hicache_fsm.errors import HiCacheError
+from hicache_fsm.errors import BadIndices, HiCacheError
 from hicache_fsm.jobs import LayerWait
 from hicache_fsm.radix import TreeNode
 
@@ -75,6 +75,8 @@ class LoadHandle:
 
     def wait(self, layer: int) -> None:
         """Block the forward pass until ``layer`` of this load (and of loading ancestors) is on the device."""
+        if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:  # before anything is started
+            raise BadIndices(f"layer must be an int >= 0, got {layer!r}")
         for dep in self._deps:
             dep.wait(layer)
         if self._wait is None and not self.cancelled:

@@ -154,6 +154,8 @@ class RankGroup:
         another polls) get ``RanksDiverged`` on every rank instead, with nothing
         exchanged and the group still usable.
         """
+        if isinstance(purpose, bool) or not isinstance(purpose, int) or not 0 <= purpose < 1 << 62:
+            raise ConfigError(f"purpose must be an int in [0, 2**62) (it is sent negated too), got {purpose!r}")
         arr = _int64s(values)
         if self.size == 1:
             return arr.tolist()

@@ -268,3 +268,38 @@ def test_trace_replay_arguments_of_the_wrong_kind_are_config_errors(call):
              "sweep": lambda: run_trace(options, sweep=5)}
     with pytest.raises(ConfigError):
         calls[call]()
+
+
+@pytest.mark.parametrize("layer", [-1, 99, "a", True, 1.0])
+def test_a_layer_outside_the_pool_is_refused_by_its_page_views(layer):
+    """-1 read the last layer, 99 raised IndexError, "a" TypeError."""
+    device, host = pools()
+    for pool in (device, host):
+        with pytest.raises(BadIndices, match="layer must be an int in"):
+            pool.layer_pages(layer)
+    assert len(device.layer_pages(np.int64(0))) == 2  # a numpy integer is a layer number
+
+
+def test_a_group_refuses_a_purpose_it_cannot_send_negated():
+    from hicache_fsm.tp import RankGroup
+
+    with pytest.raises(ConfigError, match="purpose must be an int"):
+        RankGroup(None).min([1], purpose=-(2**63))
+
+
+def test_a_load_wait_for_a_bad_layer_starts_nothing():
+    device, host = pools()
+    executor = ManualExecutor(device, host)
+    c = HiCache(device, host, CacheConfig(), executor)
+    node = put(c, list(range(4)))
+    c.poll()
+    for job in executor.pending_jobs():
+        executor.complete(job.id)
+    c.poll()
+    c.evict(4)
+    lb = c.load_back(c.match_prefix(list(range(4))).last_host_node)
+    assert lb is not None and node.state == "loading"
+    with pytest.raises(BadIndices, match="layer must be an int >= 0"):
+        lb.handle.wait(-1)
+    assert executor.pending_jobs() == []  # the load's job was not flushed to the executor
+    c.close()
