@@ -34,6 +34,7 @@ the same slots, so the indices a reader already holds stay valid.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import Counter
 from typing import Callable, Hashable, Sequence
@@ -746,23 +747,22 @@ class HiCache(StorageCalls):
         if self.closed:
             return
         self.check_open()
-        try:
-            if self.executor_can_block():
+        with contextlib.ExitStack() as release:  # each step runs whatever an earlier one raised (last added first)
+            release.callback(self._release_pools)
+            release.callback(self.executor.close)
+            release.callback(setattr, self, "closed", True)
+            if self.storage is not None:
+                release.callback(self.storage.close, drain=drain)
+            if self.executor_can_block():  # in-flight copies land first; an executor that fails still releases all
                 self.flush()
                 self.executor.synchronize()
-        finally:  # an executor that failed to finish still has the storage tier, itself and the pools released
-            try:
-                if self.storage is not None:
-                    self.storage.close(drain=drain)
-            finally:  # the executor's resources go whatever the storage tier's close ran into
-                self.closed = True
-                try:
-                    self.executor.close()
-                finally:
-                    if self.storage is None:
-                        unbind_pools(self, self.bound_allocators)
-                    else:  # a storage thread past its join may still write the host pool: the pools wait for it
-                        self.storage.when_threads_stopped(lambda: unbind_pools(self, self.bound_allocators))
+
+    def _release_pools(self) -> None:
+        """The pools may serve another cache: at once, or once a storage thread past its join stopped writing."""
+        if self.storage is None:
+            unbind_pools(self, self.bound_allocators)
+        else:
+            self.storage.when_threads_stopped(lambda: unbind_pools(self, self.bound_allocators))
 
     def check_open(self) -> None:
         """Refuse a call unless the cache is open and the calling thread drives it.

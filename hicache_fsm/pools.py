@@ -274,7 +274,7 @@ class DeviceKVPool:
 
     def layer_pages(self, layer: int) -> tuple[torch.Tensor, ...]:
         """Per part, the (pages, page_size, heads, head_dim) view of one layer's memory."""
-        layer = check_layer(layer, self.shape.layers)
+        layer = check_index(layer, self.shape.layers, "layer")
         if self.kv is None:
             return self._engine_pages[layer]
         pages = self.size_tokens // self.page_size
@@ -298,10 +298,7 @@ class DeviceKVPool:
         if layer is None:
             want = (self.shape.layers, idx.numel(), *hd)
         else:
-            if isinstance(layer, bool) or not isinstance(layer, int):
-                raise BadIndices(f"layer must be an int (or None for all layers), got {layer!r}")
-            if not 0 <= layer < self.shape.layers:
-                raise BadIndices(f"layer {layer} out of range [0, {self.shape.layers})")
+            layer = check_index(layer, self.shape.layers, "layer")
             want = (idx.numel(), *hd)
         values = (k,) if self.shape.mla else (k, v)
         if (v is not None) == self.shape.mla:
@@ -442,7 +439,7 @@ class HostKVPool:
 
     def layer_pages(self, layer: int) -> tuple[torch.Tensor, ...]:
         """Per part, the (pages, page_size, heads, head_dim) view of one layer (strided but for layer_first)."""
-        layer = check_layer(layer, self.shape.layers)
+        layer = check_index(layer, self.shape.layers, "layer")
         return tuple(layer_of(part, self.layout, layer, self.page_size) for part in self._parts)
 
     def read(self, indices) -> tuple[torch.Tensor, ...]:
@@ -468,14 +465,7 @@ class HostKVPool:
                 half[idx // self.page_size, :, idx % self.page_size] = src.transpose(0, 1)
 
     def _check_page(self, page_id: int) -> int:
-        if isinstance(page_id, bool) or not isinstance(page_id, int):
-            try:
-                page_id = operator.index(page_id)  # numpy / torch integers; not 1.7 or "3"
-            except TypeError:
-                raise BadIndices(f"page id must be an int, got {page_id!r}") from None
-        if not 0 <= page_id < self.total_pages:
-            raise BadIndices(f"page {page_id} is out of range [0, {self.total_pages})")
-        return page_id
+        return check_index(page_id, self.total_pages, "page id")
 
     def page_views(self, page_id: int) -> list[torch.Tensor]:
         """The contiguous uint8 views that make up one page, in page byte order.
@@ -509,16 +499,17 @@ class HostKVPool:
             offset += n
 
 
-def check_layer(layer: object, layers: int) -> int:
-    """A layer index in ``0..layers-1`` (``BadIndices`` otherwise: -1 read the last layer, 99 raised IndexError)."""
-    index = layer
-    if type(layer) is not int:  # numpy / torch integers pass; a bool, a float or a str does not
+def check_index(value: object, size: int, what: str) -> int:
+    """``value`` as an index in ``0..size-1`` (numpy / torch integers too), else ``BadIndices`` naming ``what``:
+    not a bool, a float or a str (``int()`` took 1.7 as 1, "3" as 3), nor -1 (which read the last layer)."""
+    index = value
+    if type(value) is not int:
         try:
-            index = -1 if isinstance(layer, bool) else operator.index(layer)
+            index = -1 if isinstance(value, bool) else operator.index(value)
         except TypeError:
             index = -1
-    if not 0 <= index < layers:
-        raise BadIndices(f"layer must be an int in [0, {layers}), got {layer!r}")
+    if not 0 <= index < size:
+        raise BadIndices(f"{what} must be an int in [0, {size}), got {value!r}")
     return index
 
 

@@ -184,7 +184,7 @@ def test_an_observer_that_cannot_be_called_is_refused_when_added(observer):
     assert not c.invariant_violations()
 
 
-@pytest.mark.parametrize("page", [1.7, "3"])
+@pytest.mark.parametrize("page", [1.7, "3", True])
 def test_a_host_page_id_must_be_an_integer(page):
     _, host = pools()
     with pytest.raises(BadIndices, match="page id must be an int"):

@@ -133,7 +133,9 @@ def _check_storage_bounds(made: Any, ref: str, bounds: Any) -> None:
     if bounds.storage and not any(made.supports(op) for op in STORAGE_STEPS):
         raise UsageError(f"--storage: the {name} --adapter {ref} makes takes none of the storage steps "
                          f"({', '.join(STORAGE_STEPS)}): its factory must attach storage when Bounds.storage is set")
-    wanted = [*bounds.storage_options, *((("remote_tenant", bounds.remote_tenant),) if bounds.remote_tenant else ())]
+    wanted = list(bounds.storage_options)
+    if bounds.remote_tenant is not None:
+        wanted.append(("remote_tenant", bounds.remote_tenant))
     differ = [f"{k}={v!r}" for k, v in wanted if getattr(made, k, object()) != v]
     if differ:
         raise UsageError(f"--storage-option/--remote-tenant {', '.join(differ)}: the {name} --adapter {ref} makes "

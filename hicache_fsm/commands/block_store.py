@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hicache_fsm.commands.adapter_factory import import_lines, load_factory, make_block_store
-from hicache_fsm.commands.args import INTERRUPTED, UsageError, sigterm_interrupts
+from hicache_fsm.commands.args import INTERRUPTED, UsageError
 
 # The search is exhaustive: each state tries every prompt, so the prompts must stay few.
 MAX_PROMPTS = 4096
@@ -66,9 +66,8 @@ def check_block_store(args: argparse.Namespace, defaults: dict) -> int | None:
                          max_depth=StoreBounds().max_depth if depth is None else depth,
                          redeliver=not args.no_redeliver, symmetry=not getattr(args, "no_symmetry", False))
     progress = None if args.quiet or not sys.stderr.isatty() else sys.stderr
-    with sigterm_interrupts():
-        result = explore_store(lambda: factory(**variant), bounds, stop_on_first=args.stop_on_first,
-                               max_violations=args.max_violations, progress=progress)
+    result = explore_store(lambda: factory(**variant), bounds, stop_on_first=args.stop_on_first,
+                           max_violations=args.max_violations, progress=progress)  # SIGTERM: as Ctrl-C (cli.main)
     out = sys.stderr if args.json else sys.stdout
     print(result.summary(), file=out)
     if result.symmetry.startswith("off:"):

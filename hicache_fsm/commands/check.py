@@ -29,7 +29,7 @@ import json
 import sys
 
 from hicache_fsm.commands.args import (INTERRUPTED, UsageError, adapter_ref, bounded_int, cache_option, json_kwargs,
-                                      non_negative_int, output_path, positive_float, positive_int, sigterm_interrupts)
+                                      non_negative_int, output_path, positive_float, positive_int)
 from hicache_fsm.config import EVICTION_POLICIES, WRITE_POLICIES
 from hicache_fsm.errors import ConfigError
 from hicache_fsm.pools import LAYOUTS
@@ -233,8 +233,7 @@ def _check_portfolio(args: argparse.Namespace) -> int:
         explorer = Explorer(factory, bounds, stop_on_first=args.stop_on_first, max_violations=args.max_violations,
                             progress=None if args.quiet else sys.stderr, progress_label=f"{name} ({n}/{len(families)})",
                             coverage=cov)
-        with sigterm_interrupts():
-            result = explorer.run()
+        result = explorer.run()  # SIGTERM interrupts it as Ctrl-C does (cli.main)
         total.merge(cov)
         runs.append((name, result))
         print(f"{name}: {result.adapter}: {result.states} states{reduced(result)}, {result.transitions} transitions, "
@@ -333,8 +332,7 @@ def _check_prefix_cache(args: argparse.Namespace) -> int:
             cov = RecordingCoverage(writer, recorded_by="check", objects=False, write_policy=policy)
         explorer = Explorer(factory, bounds, stop_on_first=args.stop_on_first, max_violations=args.max_violations,
                             progress=None if args.quiet else sys.stderr, coverage=cov)
-        with sigterm_interrupts():
-            result = explorer.run()
+        result = explorer.run()  # SIGTERM interrupts it as Ctrl-C does (cli.main)
         runs.append(result)
         out = sys.stderr if args.json else sys.stdout
         print(f"{result.adapter}: {result.states} states{reduced(result)}, {result.transitions} transitions, depth "
