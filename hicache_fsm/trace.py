@@ -23,6 +23,7 @@ with.
 from __future__ import annotations
 
 import json
+import os
 import struct
 from functools import lru_cache
 from pathlib import Path
@@ -58,7 +59,7 @@ TRACE_TEXT_SHARE = 16  # a trace file may be 1/16 of the memory budget: parsed r
 
 @attrs.frozen(slots=True)
 class TraceRequest:
-    """One line of a trace."""
+    """One line of a trace; built by hand, a value a trace line could not hold is a ``ConfigError``."""
 
     timestamp: float
     input_length: int
@@ -66,14 +67,41 @@ class TraceRequest:
     hash_ids: tuple[int, ...]
     line: int = attrs.field(eq=False)
 
+    def __attrs_post_init__(self) -> None:
+        problem = request_problem(self.timestamp, self.input_length, self.output_length, self.hash_ids)
+        if problem is None and not (_is_int(self.line) and self.line >= 0):
+            problem = f"line must be an int >= 0, got {self.line!r}"
+        if problem is not None:
+            raise ConfigError(f"trace request: {problem}")
+
 
 @attrs.frozen
 class Trace:
-    """The requests of a trace file, in arrival order (stable for equal timestamps)."""
+    """The requests of a trace file, in arrival order (stable for equal timestamps).
+
+    Built by hand, it is checked as a file would be: a ``Trace`` of requests
+    out of order, or whose hash ids do not make their blocks, is a ``ConfigError``.
+    """
 
     path: str
     block_size: int
     requests: tuple[TraceRequest, ...]
+
+    def __attrs_post_init__(self) -> None:
+        if not isinstance(self.path, str):
+            raise ConfigError(f"Trace.path must be a str (where the trace came from), got {type(self.path).__name__}")
+        check_block_size(self.block_size)
+        if not isinstance(self.requests, tuple) or not all(isinstance(r, TraceRequest) for r in self.requests):
+            raise ConfigError("Trace.requests must be a tuple of TraceRequest")
+        last = 0.0
+        for i, r in enumerate(self.requests):
+            problem = blocks_problem(r.input_length, len(r.hash_ids), self.block_size)
+            if problem is None and r.timestamp < last:
+                problem = (f"timestamp {r.timestamp} is before the previous request's {last} "
+                           "(requests go in arrival order)")
+            if problem is not None:
+                raise ConfigError(f"Trace request {i} (line {r.line}): {problem}")
+            last = r.timestamp
 
     @property
     def input_tokens(self) -> int:
@@ -173,31 +201,54 @@ def parse_request(text: str, block_size: int, where: str = "<trace>", line: int 
     missing = [f for f in FIELDS if f not in obj]
     if missing:
         raise bad(f"missing field{'s' if len(missing) > 1 else ''} {', '.join(missing)}")
-    ts = obj["timestamp"]
-    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not 0 <= ts <= MAX_TIMESTAMP_MS:  # NaN fails too
-        shown = repr(ts) if len(repr(ts)) <= 40 else repr(ts)[:40] + "..."
-        raise bad(f"timestamp must be a number of milliseconds from 0 to {MAX_TIMESTAMP_MS:.0e}, got {shown}")
-    n_in, n_out = obj["input_length"], obj["output_length"]
-    if not _is_int(n_in) or n_in < 1:
-        raise bad(f"input_length must be an int >= 1, got {n_in!r}")
-    if not _is_int(n_out) or n_out < 0:
-        raise bad(f"output_length must be an int >= 0, got {n_out!r}")
+    n_in, n_out, ids = obj["input_length"], obj["output_length"], obj["hash_ids"]
+    if not isinstance(ids, list):
+        raise bad(f"hash_ids must be a list of ints, got {type(ids).__name__}")
+    try:
+        request = TraceRequest(obj["timestamp"], n_in, n_out, tuple(ids), line)
+    except ConfigError as exc:
+        raise bad(str(exc).removeprefix("trace request: ")) from None
     try:
         _within_tokens(n_in + n_out, "input_length + output_length", token_limit)
     except ConfigError as exc:
         raise bad(str(exc)) from None
-    ids = obj["hash_ids"]
-    if not isinstance(ids, list):
-        raise bad(f"hash_ids must be a list of ints, got {type(ids).__name__}")
+    problem = blocks_problem(n_in, len(ids), block_size)
+    if problem is not None:
+        raise bad(problem)
+    return request
+
+
+def request_problem(ts: object, n_in: object, n_out: object, ids: object) -> str | None:
+    """What makes these fields no trace line's (None when they are one's): types and ranges."""
+    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not 0 <= ts <= MAX_TIMESTAMP_MS:  # NaN fails too
+        shown = repr(ts) if len(repr(ts)) <= 40 else repr(ts)[:40] + "..."
+        return f"timestamp must be a number of milliseconds from 0 to {MAX_TIMESTAMP_MS:.0e}, got {shown}"
+    if not _is_int(n_in) or n_in < 1:
+        return f"input_length must be an int >= 1, got {_shown(n_in)}"
+    if not _is_int(n_out) or n_out < 0:
+        return f"output_length must be an int >= 0, got {_shown(n_out)}"
+    if not isinstance(ids, tuple):
+        return f"hash_ids must be a tuple of ints, got {type(ids).__name__}"
     if ids and not (set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < MAX_HASH_ID):
         for h in ids:  # name the first bad one
             if not _is_int(h) or not 0 <= h < MAX_HASH_ID:
-                raise bad(f"hash_ids must be ints in [0, 2**63), got {h!r}")
-    blocks = -(-n_in // block_size)
-    if len(ids) != blocks:
-        raise bad(f"{len(ids)} hash_ids, but input_length {n_in} makes {blocks} blocks of {block_size} tokens "
-                  f"(is the block size right?)")
-    return TraceRequest(ts, n_in, n_out, tuple(ids), line)
+                return f"hash_ids must be ints in [0, 2**63), got {_shown(h)}"
+    return None
+
+
+def blocks_problem(input_length: int, hash_ids: int, block_size: int) -> str | None:
+    """Why ``hash_ids`` ids cannot name the blocks of ``input_length`` tokens (None when they can)."""
+    blocks = -(-input_length // block_size)
+    if hash_ids != blocks:
+        return (f"{hash_ids} hash_ids, but input_length {_shown(input_length)} makes {_shown(blocks)} blocks of "
+                f"{block_size} tokens (is the block size right?)")
+    return None
+
+
+def _shown(value: object) -> str:
+    """``repr(value)``, cut to 40 characters (a 5000-digit int is not a message)."""
+    text = repr(value) if not (_is_int(value) and value.bit_length() > 128) else f"an int of {value.bit_length()} bits"
+    return text if len(text) <= 40 else text[:40] + "..."
 
 
 def parse_lines(lines: Iterable[str], block_size: int = DEFAULT_BLOCK_SIZE, where: str = "<trace>") -> Trace:
@@ -206,11 +257,17 @@ def parse_lines(lines: Iterable[str], block_size: int = DEFAULT_BLOCK_SIZE, wher
     ``lines`` is any iterable of lines, or the whole text in one str (read line by line, not letter by letter).
     """
     check_block_size(block_size)
+    if not isinstance(where, str):
+        raise ConfigError(f"where must be a str (named in errors), got {type(where).__name__}")
     if isinstance(lines, str):
         lines = lines.splitlines()
+    elif isinstance(lines, (bytes, bytearray)) or not isinstance(lines, Iterable):
+        raise ConfigError(f"parse_lines takes the trace's text or an iterable of its lines, got {type(lines).__name__}")
     requests, tokens = [], 0
     limit = max_items(TOKEN_BYTES)  # check_tokens's bound, read once: counts past it are checked afresh
     for i, text in enumerate(lines, 1):
+        if not isinstance(text, str):
+            raise TraceError(where, i, f"a line must be a str, got {type(text).__name__}")
         if text.strip():
             requests.append(parse_request(text, block_size, where, i, token_limit=limit))
             tokens += requests[-1].input_length + requests[-1].output_length
@@ -230,6 +287,8 @@ def load_trace(path: str | Path, block_size: int = DEFAULT_BLOCK_SIZE) -> Trace:
     Only regular files are read (a FIFO is never opened), at most a share of
     the memory budget, and no line past ``MAX_LINE_CHARS``.
     """
+    if not isinstance(path, (str, os.PathLike)) or isinstance(os.fspath(path), bytes):
+        raise ConfigError(f"load_trace takes a path as str or pathlib.Path, got {type(path).__name__}")
     where = str(path)
     check_block_size(block_size)
     try:
