@@ -25,8 +25,10 @@ TABLE_BYTES_PER_PAGE = 9
 def as_index_tensor(indices, what: str = "indices") -> torch.Tensor:
     if not isinstance(indices, torch.Tensor):
         try:
-            indices = torch.as_tensor(list(indices), dtype=torch.int64)
-        except (TypeError, ValueError) as exc:
+            items = list(indices)
+            # the items' own type decides: a float or bool is refused below, never truncated to an index
+            indices = torch.as_tensor(items) if items else torch.empty(0, dtype=torch.int64)
+        except (TypeError, ValueError, RuntimeError) as exc:  # RuntimeError: an int past 64 bits
             raise BadIndices(f"{what}: cannot be read as int64 indices: {exc}") from None
     if indices.dtype != torch.int64:
         if indices.dtype.is_floating_point or indices.dtype.is_complex or indices.dtype == torch.bool:

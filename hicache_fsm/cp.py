@@ -164,7 +164,7 @@ class CPPageAllocator(PageAllocator):
         gets the same answer). Returns None, changing nothing, when some owner
         has too few free pages.
         """
-        owners = torch.as_tensor(page_owners).to(torch.int64).flatten()
+        owners = as_index_tensor(page_owners, "page owners")  # a float owner is refused, not truncated
         if owners.numel() and (int(owners.min()) < 0 or int(owners.max()) >= self.layout.world_size):
             raise BadIndices(f"page owners must be ranks in [0, {self.layout.world_size})")
         need = owners.numel()
