@@ -31,6 +31,7 @@ from typing import Iterator, TextIO
 import attrs
 
 from hicache_fsm.errors import ConfigError
+from hicache_fsm.output_files import open_output_text
 from hicache_fsm.trace import DEFAULT_BLOCK_SIZE, check_block_size, check_tokens
 
 MAX_OPEN = 1 << 16  # sessions open at once, and distinct system prompts: all are made before the first request
@@ -215,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         write(shape, sys.stdout)
         return 0
     try:
-        with open(Path(args.output), "w", encoding="utf-8") as f:
+        with open_output_text(Path(args.output)) as f:
             n = write(shape, f)
     except OSError as exc:
         print(f"trace_gen: cannot write {args.output}: {exc.strerror or exc}", file=sys.stderr)

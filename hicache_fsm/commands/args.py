@@ -56,21 +56,30 @@ def was_given(args: argparse.Namespace, dest: str) -> bool:
     return dest in getattr(args, GIVEN, ())
 
 
-def _int_within(minimum: int, maximum: int | None, what: str):
+MAX_SHOWN = 40  # characters of a refused value an error repeats
+MAX_DIGITS = 400  # longer integers are refused unread (int() refuses past 4,300 digits; no count is near)
+
+
+def _int_within(minimum: int | None, maximum: int | None, what: str):
     def check(text: str) -> int:
+        shown = text if len(text) <= MAX_SHOWN else f"{text[:MAX_SHOWN]}... ({len(text)} characters)"
+        digits = text.strip().lstrip("+-").replace("_", "")
+        if digits.isdigit() and len(digits) > MAX_DIGITS:  # int() would refuse it as "not an integer"
+            raise argparse.ArgumentTypeError(f"{shown} is an integer of {len(digits)} digits, far past any bound")
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if value < minimum or (maximum is not None and value > maximum):
+            raise argparse.ArgumentTypeError(f"{shown!r} is not an integer") from None
+        if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
             bound = f">= {minimum}" if maximum is None else f"{minimum}..{maximum}"
-            raise argparse.ArgumentTypeError(f"{text} is not {what} (must be {bound})")
+            raise argparse.ArgumentTypeError(f"{shown} is not {what} (must be {bound})")
         return value
 
     check.__name__ = what.replace(" ", "_")  # argparse names the type in its messages
     return check
 
 
+int_arg = _int_within(None, None, "an integer")  # any int; the option's range is checked where it is used
 positive_int = _int_within(1, None, "a positive integer")
 non_negative_int = _int_within(0, None, "a non-negative integer")
 

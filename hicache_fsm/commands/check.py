@@ -28,8 +28,8 @@ import argparse
 import json
 import sys
 
-from hicache_fsm.commands.args import (INTERRUPTED, UsageError, adapter_ref, bounded_int, cache_option, json_kwargs,
-                                      non_negative_int, output_path, positive_float, positive_int)
+from hicache_fsm.commands.args import (INTERRUPTED, UsageError, adapter_ref, bounded_int, cache_option, int_arg,
+                                      json_kwargs, non_negative_int, output_path, positive_float, positive_int)
 from hicache_fsm.config import EVICTION_POLICIES, WRITE_POLICIES
 from hicache_fsm.errors import ConfigError
 from hicache_fsm.pools import LAYOUTS
@@ -103,8 +103,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="explore your own cache: a callable taking the Bounds and returning a CacheAdapter")
     parser.add_argument("--variant", metavar="JSON", type=json_kwargs,
                         help="keyword arguments for a block-store --adapter factory, as a JSON object")
-    g.add_argument("--max-jobs", type=int, default=None, help="block stores: jobs in flight at once (default 2)")
-    g.add_argument("--max-entries", type=int, default=None, help="block stores: keys held in a state to expand")
+    g.add_argument("--max-jobs", type=int_arg, default=None, help="block stores: jobs in flight at once (default 2)")
+    g.add_argument("--max-entries", type=int_arg, default=None, help="block stores: keys held in a state to expand")
     g.add_argument("--no-symmetry", action="store_true",
                    help="block stores: do not merge states that differ only by the names of block keys")
     parser.add_argument("--coverage", action="store_true", help="print which spec states/transitions were reached")

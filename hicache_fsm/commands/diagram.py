@@ -21,6 +21,7 @@ from hicache_fsm.commands.args import UsageError, path_arg, printable
 from hicache_fsm.commands.validate import add_bindings_flag, problem_lines
 from hicache_fsm.diagrams import RENDERERS, render
 from hicache_fsm.errors import DiagramError, SpecError, TraceError
+from hicache_fsm.output_files import write_output_text
 from hicache_fsm.spec import Spec, load_all, load_builtin, load_spec, spec_paths
 
 if TYPE_CHECKING:  # heatmap loads with --counts only
@@ -32,7 +33,7 @@ EXTENSIONS = {"mermaid": "mmd", "dot": "dot", "svg": "svg"}
 def resolve_spec(target: str, require_bindings: bool | None = None) -> Spec:
     """A library machine name (``residency``) or a path to a spec file; ``UsageError`` for neither."""
     p = Path(target)
-    if p.suffix in (".yaml", ".yml") or p.is_file() or "/" in target or "\\" in target:
+    if p.suffix in (".yaml", ".yml") or _is_file(p) or "/" in target or "\\" in target:
         return load_spec(p, require_bindings=require_bindings)
     known = [path.stem for path in spec_paths()]
     if target not in known:
@@ -40,6 +41,14 @@ def resolve_spec(target: str, require_bindings: bool | None = None) -> Spec:
         hint = f"did you mean {close[0]!r}? " if close else ""
         raise UsageError(f"no machine named {target!r}; {hint}known: {', '.join(known)} (or give a spec file path)")
     return load_builtin(target)
+
+
+def _is_file(path: Path) -> bool:
+    """``path.is_file()``, False where the name cannot be a file here (too long: ``is_file`` raised ENAMETOOLONG)."""
+    try:
+        return path.is_file()
+    except OSError:
+        return False
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -102,10 +111,10 @@ def run(args: argparse.Namespace) -> int:
         out_dir = Path(args.output)
         out_dir.mkdir(parents=True, exist_ok=True)
         for spec, text in texts:
-            (out_dir / f"{spec.name}.{EXTENSIONS[args.format]}").write_text(text, encoding="utf-8")
+            write_output_text(out_dir / f"{spec.name}.{EXTENSIONS[args.format]}", text)
         return 0
     if args.output:
-        Path(args.output).write_text(texts[0][1], encoding="utf-8")
+        write_output_text(args.output, texts[0][1])
         return 0
     for i, (spec, text) in enumerate(texts):
         if args.all:

@@ -14,9 +14,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 from hicache_fsm.commands.args import UsageError, adapter_ref, json_kwargs, output_path, positive_int, seed_int
+from hicache_fsm.output_files import write_output_text
 
 
 STEPS = 40  # most steps per run by default (``--cp``, ``--adapter``)
@@ -133,7 +133,7 @@ def _report(result, args: argparse.Namespace, out) -> None:
     print("\n".join(["", "failing steps:", *(f"  {line}" for line in result.steps), "", "regression test:", "",
                      result.test_code]), file=out)
     if args.test_out:
-        Path(args.test_out).write_text(result.test_code, encoding="utf-8")
+        write_output_text(args.test_out, result.test_code)
         print(f"(written to {args.test_out})", file=out)
 
 

@@ -9,8 +9,8 @@ from collections import Counter
 
 import torch
 
-from hicache_fsm.commands.args import (Given, UsageError, bounded_int, output_path, path_arg, positive_int, seed_int,
-                                      storage_url)
+from hicache_fsm.commands.args import (Given, UsageError, bounded_int, int_arg, output_path, path_arg, positive_int,
+                                      seed_int, storage_url)
 from hicache_fsm.commands import simulate_trace
 from hicache_fsm.commands.plot_file import check_plot_path, save_plot
 from hicache_fsm.commands.table import columns
@@ -45,15 +45,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "checked bit for bit and every answer against a cache-free run. With --trace, a production trace "
         "(Mooncake format) is replayed instead, without a model.")
     w = parser.add_argument_group("workload")
-    w.add_argument("--clients", action=Given, type=int, default=_W.clients,
+    w.add_argument("--clients", action=Given, type=int_arg, default=_W.clients,
                    help=f"conversations (default {_W.clients})")
-    w.add_argument("--rounds", action=Given, type=int, default=_W.rounds,
+    w.add_argument("--rounds", action=Given, type=int_arg, default=_W.rounds,
                    help=f"turns per conversation (default {_W.rounds})")
-    w.add_argument("--request-length", action=Given, type=int, default=_W.request_length,
+    w.add_argument("--request-length", action=Given, type=int_arg, default=_W.request_length,
                    help=f"tokens of each new user turn (default {_W.request_length})")
-    w.add_argument("--output-length", action=Given, type=int, default=_W.output_length,
+    w.add_argument("--output-length", action=Given, type=int_arg, default=_W.output_length,
                    help=f"greedy answer tokens per request (default {_W.output_length})")
-    w.add_argument("--system-prompt-length", action=Given, type=int, default=_W.system_prompt_length,
+    w.add_argument("--system-prompt-length", action=Given, type=int_arg, default=_W.system_prompt_length,
                    help=f"tokens of the system prompt every client shares (default {_W.system_prompt_length})")
     w.add_argument("--arrival", action=Given, choices=ARRIVALS, default=_W.arrival,
                    help="round-robin: every client's round r before any round r+1; random: a random client "
@@ -65,10 +65,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         "grouped-query attention and rotary positions, random weights, float64 (needs the "
                         "`llama` extra: transformers) (default tiny)")
     c = parser.add_argument_group("cache")
-    c.add_argument("--device-tokens", type=int, default=None,
+    c.add_argument("--device-tokens", type=int_arg, default=None,
                    help=f"device (L1) pool size in tokens (default {_DEFAULTS.device_tokens}; "
                         f"with --trace {simulate_trace.DEFAULT_SIZES[0]})")
-    c.add_argument("--host-tokens", type=int, default=None,
+    c.add_argument("--host-tokens", type=int_arg, default=None,
                    help=f"host (L2) pool size in tokens (default {_DEFAULTS.host_tokens}; "
                         f"with --trace {simulate_trace.DEFAULT_SIZES[1]})")
     c.add_argument("--storage-url", default=None, type=storage_url,
@@ -76,7 +76,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         "default: a file:// directory in a temporary directory, removed afterwards "
                         "(with --trace: memory://)")
     c.add_argument("--no-storage", action="store_true", help="leave out the device + host + storage configuration")
-    c.add_argument("--page-size", type=int, default=_DEFAULTS.page_size,
+    c.add_argument("--page-size", type=int_arg, default=_DEFAULTS.page_size,
                    help=f"tokens per page (default {_DEFAULTS.page_size})")
     c.add_argument("--layout", choices=LAYOUTS, default=_DEFAULTS.layout,
                    help=f"host pool layout (default {_DEFAULTS.layout})")

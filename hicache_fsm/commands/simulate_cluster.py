@@ -9,7 +9,7 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from hicache_fsm.commands.args import Given, UsageError, was_given
+from hicache_fsm.commands.args import Given, UsageError, int_arg, was_given
 from hicache_fsm.commands.plot_file import save_plot
 from hicache_fsm.commands.table import columns
 from hicache_fsm.errors import ConfigError, HiCacheError, TraceError
@@ -27,7 +27,7 @@ PROG = "hicache-fsm simulate"
 
 def configure(parser: argparse.ArgumentParser) -> None:
     c = parser.add_argument_group("cluster replay (with --trace; see docs/cluster.md)")
-    c.add_argument("--instances", type=int, default=None, metavar="N",
+    c.add_argument("--instances", type=int_arg, default=None, metavar="N",
                    help=f"replay the trace on N caches behind a KV-aware router, sharing one L3 (at most "
                         f"{MAX_INSTANCES})")
     c.add_argument("--router", action=Given, choices=POLICIES, default="prefix_aware",
@@ -35,7 +35,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--load-cap", action=Given, type=float, default=DEFAULT_LOAD_CAP,
                    help=f"prefix_aware_capped: an instance above this multiple of a fair share of recent requests "
                         f"is skipped (default {DEFAULT_LOAD_CAP})")
-    c.add_argument("--event-lag", action=Given, type=int, default=0, metavar="K",
+    c.add_argument("--event-lag", action=Given, type=int_arg, default=0, metavar="K",
                    help="the router applies KV events K requests after they were published (default 0)")
 
 

@@ -7,7 +7,7 @@ import json
 import sys
 
 from hicache_fsm.commands import simulate_cluster
-from hicache_fsm.commands.args import Given, UsageError, path_arg, was_given
+from hicache_fsm.commands.args import Given, UsageError, int_arg, path_arg, was_given
 from hicache_fsm.commands.plot_file import save_plot
 from hicache_fsm.commands.table import columns
 from hicache_fsm.errors import ConfigError, HiCacheError, TraceError
@@ -56,7 +56,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     t = parser.add_argument_group("trace replay (metadata mode: no model, one KV element per token)")
     t.add_argument("--trace", metavar="FILE.jsonl", type=path_arg,
                    help="replay this Mooncake-format trace instead of the chat workload (see docs/traces.md)")
-    t.add_argument("--block-size", action=Given, type=int, default=DEFAULT_BLOCK_SIZE,
+    t.add_argument("--block-size", action=Given, type=int_arg, default=DEFAULT_BLOCK_SIZE,
                    help=f"tokens per hash id of the trace (default {DEFAULT_BLOCK_SIZE})")
     t.add_argument("--sweep", nargs="?", const="auto", metavar="N,N,...",
                    help="also replay device-only caches of these sizes in tokens (bare: ten sizes from the longest "

@@ -59,6 +59,7 @@ from hicache_fsm.input_limits import (
     MAX_JSON_DEPTH, InputRefused, check_json_depth, open_regular_text, undecodable_line,
 )
 from hicache_fsm.jobs import JOB_KIND_NAMES
+from hicache_fsm.output_files import open_output_text, write_output_text
 from hicache_fsm.spec import Spec, load_builtin
 
 __all__ = ["TRACE_VERSION", "Divergence", "ReplayResult", "TraceRecorder", "load_trace", "record", "replay"]
@@ -102,7 +103,7 @@ class TraceRecorder:
         self._file: IO[str] | None = None
         self._owns_file = False
         if isinstance(out, (str, Path)):
-            self._file = open(out, "w", encoding="utf-8")  # noqa: SIM115 - closed by close()
+            self._file = open_output_text(out)  # closed by close()
             self._owns_file = True
         elif out is not None:
             self._file = out
@@ -136,7 +137,7 @@ class TraceRecorder:
         return "".join(line + "\n" for line in self.lines())
 
     def dump(self, path: str | Path) -> None:
-        Path(path).write_text(self.text(), encoding="utf-8")
+        write_output_text(path, self.text())
 
     def close(self) -> None:
         """Stop recording (the cache no longer calls the recorder) and close a file it opened; idempotent."""

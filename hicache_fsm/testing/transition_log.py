@@ -19,6 +19,7 @@ import weakref
 from pathlib import Path
 from typing import IO
 
+from hicache_fsm.output_files import open_output_text
 from hicache_fsm.testing.paths import CoverageTracker
 from hicache_fsm.testing.trace import TRACE_VERSION
 
@@ -29,7 +30,7 @@ class TraceWriter:
     """Numbered JSONL trace events written to one file."""
 
     def __init__(self, out: str | Path) -> None:
-        self._file: IO[str] = open(out, "w", encoding="utf-8")  # noqa: SIM115 - closed by close()
+        self._file: IO[str] = open_output_text(out)  # closed by close()
         self.seq = 0
 
     def write(self, event: dict) -> None:
