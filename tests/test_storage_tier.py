@@ -404,6 +404,34 @@ def test_threshold_revokes_and_releases(cache):
     cache.check_invariants()
 
 
+def test_a_second_prefetch_of_a_request_is_refused_until_the_first_is_consumed(cache):
+    """Whether the first was revoked meanwhile or not: the refusal does not depend on the storage thread's timing,
+    and applies none of its answers (they wait for the engine's own call)."""
+    answered = threading.Event()
+
+    class Answering(MemoryBackend):
+        def batch_exists(self, keys, *args, **kwargs):
+            try:
+                return super().batch_exists(keys, *args, **kwargs)
+            finally:
+                answered.set()
+
+    cache.attach_storage(Answering(), **opts(stop_policy="wait_complete", prefetch_threshold=24))
+    t = prompt(64, seed=11)
+    seed(cache, t[:16])  # the hit query finds 16 tokens, fewer than 24: the prefetch will be revoked
+    answered.clear()
+    assert cache.prefetch("r", t, cache.match_prefix(t))
+    assert answered.wait(WAIT)  # the answer is queued (or about to be): a drain now would revoke the prefetch
+    for _ in range(3):
+        with pytest.raises(PrefetchError, match="already has a prefetch running"):
+            cache.prefetch("r", t, cache.match_prefix(t))
+    ready(cache, "r")
+    assert cache.stats()["storage"]["prefetch_revoked"] == 1
+    assert cache.prefetch("r", t, cache.match_prefix(t))  # consumed: the id is free again
+    ready(cache, "r")
+    cache.check_invariants()
+
+
 def test_admission_threshold_and_page_multiples(cache):
     cache.attach_storage("memory://", **opts(prefetch_threshold=32))
     t = prompt(30, seed=12)  # 7 whole pages = 28 tokens < 32

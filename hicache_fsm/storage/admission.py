@@ -91,14 +91,15 @@ class PrefetchCalls:
         from hicache_fsm.results import MatchResult
 
         self._check_open()
-        self._drain()
         tokens = pack_token_ids(tokens)  # checked once; compared and hashed packed
         if not isinstance(match, MatchResult):
             raise BadIndices(f"prefetch wants the MatchResult of match_prefix, got {type(match).__name__}")
         check_request_id(request_id)
         rt = self.runtime
-        if request_id in rt.active:
-            raise PrefetchError(f"request {request_id!r} already has a prefetch running")
+        if request_id in rt.active:  # before the drain: a refusal applies nothing, whatever the threads did meanwhile
+            raise PrefetchError(f"request {request_id!r} already has a prefetch running "
+                                "(until prefetch_ready says True or abort_prefetch ends it)")
+        self._drain()
         ctx = self.ctx
         tree = ctx.tree
         anchor = match.last_host_node
