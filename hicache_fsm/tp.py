@@ -386,14 +386,21 @@ def cache_fingerprint(config: Any, device_pool: Any, host_pool: Any, draft_devic
 
     Such ranks drift apart without a job to tell (a device eviction of
     backed-up KV emits none), so it is checked once, when the caches are built.
-    The KV shape is left out: a rank's pools hold its own shard of the heads.
+    Of the KV shape, the head count is left out: a rank's pools hold its own
+    shard of the heads. Its layers, head size and dtype are the model's
+    (a rank built for another model would load back layers it never stored).
     """
     def tokens(pool: Any) -> int | None:
         return None if pool is None else pool.allocator.size_tokens
 
+    shape = device_pool.shape
     return {
         "config": repr(config),
         "page_size": device_pool.page_size,
+        "KV layers": shape.layers,
+        "KV head size": shape.head_dim,
+        "KV dtype": str(shape.dtype),
+        "MLA": shape.mla,
         "device tokens": tokens(device_pool),
         "host tokens": tokens(host_pool),
         "draft device tokens": tokens(draft_device_pool),

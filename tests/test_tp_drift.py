@@ -25,8 +25,8 @@ PS = 4
 SHAPE = KVShape(layers=1, heads=1, head_dim=2)
 
 
-def build(group, device_pages: int, policy: str = "write_through") -> HiCache:
-    device, host = DeviceKVPool(SHAPE, device_pages * PS, PS), HostKVPool(SHAPE, 16 * PS, PS)
+def build(group, device_pages: int, policy: str = "write_through", shape: KVShape = SHAPE) -> HiCache:
+    device, host = DeviceKVPool(shape, device_pages * PS, PS), HostKVPool(shape, 16 * PS, PS)
     return HiCache(device, host, CacheConfig(write_policy=policy), ManualExecutor(device, host), group=group)
 
 
@@ -46,6 +46,11 @@ def drift(rank: int, world: int, pg) -> dict:
     """What each way of going apart gives this rank (module level: the rank processes import it)."""
     group = RankGroup(pg, timeout_s=60.0)
     seen: dict = {"other sizes": outcome(lambda: build(group, 6 if rank == 0 else 4))}
+    # the heads are each rank's shard; the layers and the dtype are the model's
+    seen["other heads"] = outcome(lambda: build(group, 6, shape=KVShape(1, 1 + rank, 2)).close())
+    seen["other layers"] = outcome(lambda: build(group, 6, shape=KVShape(1 + rank, 1, 2)))
+    seen["other dtype"] = outcome(lambda: build(group, 6, shape=KVShape(1, 1, 2, torch.float16 if rank else
+                                                                        torch.float32)))
     cache = build(group, 6)  # the refused build left nothing behind: the same group builds again
     seen["same sizes"] = ("ok",)
     for i in range(4):  # alike on both ranks: every step agrees
@@ -68,6 +73,10 @@ def test_ranks_built_alike_agree_and_ranks_that_went_apart_are_told_at_once():
         kind, message = seen["other sizes"]
         assert kind == ConfigError.__name__ and "device tokens" in message and "host tokens" not in message
         assert seen["same sizes"] == ("ok",)
+        assert seen["other heads"] == ("ok", None)
+        for part, named in (("other layers", "KV layers"), ("other dtype", "KV dtype")):
+            kind, message = seen[part]
+            assert kind == ConfigError.__name__ and named in message and "device tokens" not in message
         assert seen["one rank fed more"][0] == RanksDiverged.__name__
         assert "pool state" in seen["one rank fed more"][1]
 
