@@ -158,18 +158,15 @@ class CostModel:
 
 @attrs.define
 class Latency:
-    """One configuration's prefill work and simulated time to first token over the trace."""
+    """One configuration's simulated time to first token over the trace (its prefill counts are its TierResult's)."""
 
-    computed_tokens: int = 0
-    reused_tokens: int = 0
     ttft_s: list[float] = attrs.Factory(list)
     clock_s: float = 0.0  # the simulated clock at the end: the sum of every request's time to first token
 
     def as_dict(self) -> dict:
         ttft = sorted(self.ttft_s)
         p90 = ttft[min(len(ttft) - 1, int(0.9 * len(ttft)))] if ttft else 0.0
-        return {"prefill_tokens_computed": self.computed_tokens, "prefill_tokens_reused": self.reused_tokens,
-                "ttft_mean_s": round(sum(ttft) / len(ttft), 6) if ttft else 0.0, "ttft_p90_s": round(p90, 6),
+        return {"ttft_mean_s": round(sum(ttft) / len(ttft), 6) if ttft else 0.0, "ttft_p90_s": round(p90, 6),
                 "simulated_s": round(self.clock_s, 3)}
 
 
@@ -259,9 +256,7 @@ class TraceReplayer:
         host, storage, computed = (res.host_hit_tokens - before[0], res.storage_hit_tokens - before[1],
                                    res.computed_tokens - before[2])
         lat = self.latency
-        lat.computed_tokens += computed
-        lat.reused_tokens += n_served
-        res.reused_tokens += n_served  # the result's own figure too (a cluster replay reports it per instance)
+        res.reused_tokens += n_served
         ttft = self.costs.ttft(computed, host, storage)
         lat.ttft_s.append(ttft)
         lat.clock_s += ttft
@@ -450,8 +445,8 @@ class TraceSimulation:
 
     def prefill_saved_vs_device(self) -> float | None:
         """Share of the device-only configuration's prefill tokens the hierarchy did not compute."""
-        device, full = self.latency.get(DEVICE), self.latency.get(self.hierarchy.name)
-        if device is None or full is None or not device.computed_tokens:
+        device, full = self.tier(DEVICE), self.hierarchy
+        if device is None or not device.computed_tokens:
             return None
         return round(1 - full.computed_tokens / device.computed_tokens, 4)
 
