@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -31,16 +32,34 @@ def load_factory(ref: str) -> Callable[..., Any]:
     return factory
 
 
+_LOADED: dict[Path, Any] = {}  # FILE.py adapters imported by this process, by resolved path: imported once
+
+
 def _import(where: str) -> Any:
+    """The module ``where`` names, importable as ``python -m`` and ``python FILE.py`` would make it: a module
+    from the current directory, and a file's sibling modules (its directory first on the path)."""
     if not where.endswith(".py"):
+        _on_path(os.getcwd())
         return importlib.import_module(where)
-    path = Path(where)
-    name = path.stem
-    spec = importlib.util.spec_from_file_location(name, path)
+    path = Path(where).resolve()
+    if path in _LOADED:
+        return _LOADED[path]
+    _on_path(str(path.parent))
+    spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(name, module)
-    spec.loader.exec_module(module)
+    sys.modules[path.stem] = module  # dataclasses and pickling look their module up by name
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[path.stem]
+        raise
+    _LOADED[path] = module
     return module
+
+
+def _on_path(directory: str) -> None:
+    if directory not in sys.path:
+        sys.path.insert(0, directory)
 
 
 def import_lines(ref: str, name: str) -> str:
@@ -52,8 +71,11 @@ def import_lines(ref: str, name: str) -> str:
         where = str(Path(where).resolve())
         return (
             "import importlib.util\n"
+            "import sys\n"
+            f"sys.path.insert(0, {str(Path(where).parent)!r})  # the adapter's sibling modules\n"
             f"_spec = importlib.util.spec_from_file_location({stem!r}, {where!r})\n"
             "_module = importlib.util.module_from_spec(_spec)\n"
+            f"sys.modules[{stem!r}] = _module  # dataclasses look their module up by name\n"
             "_spec.loader.exec_module(_module)\n"
             f"{name} = _module.{attr}"
         )
@@ -96,7 +118,9 @@ def check_explorer_factory(factory: Callable[..., Any], ref: str, bounds: Any) -
     """Make (and close) one adapter as ``check`` will, ``factory(bounds)``: ``UsageError`` before anything runs
     when it raises, makes something other than a ``CacheAdapter`` (``fuzz``'s factory, say), or makes one
     without the operations the explorer needs: a mistake in ``--adapter``, not a finding of the run."""
+    from hicache_fsm.errors import ConfigError
     from hicache_fsm.testing.adapter import CacheAdapter
+    from hicache_fsm.testing.checks import UseOrder
     from hicache_fsm.testing.explorer import missing_ops
 
     try:
@@ -110,6 +134,13 @@ def check_explorer_factory(factory: Callable[..., Any], ref: str, bounds: Any) -
     if missing:
         raise UsageError(f"--adapter {ref} makes {type(made).__name__}, which lacks {' and '.join(missing)}: "
                          f"check needs them (the explorer's visited set and node bound)")
+    for what, ask in (("describe", made.describe), ("eviction_policy", lambda: UseOrder.of(made))):
+        try:  # the explorer asks both before the search
+            ask()
+        except ConfigError as exc:  # a policy the toolkit cannot judge
+            raise UsageError(f"--adapter {ref}: {exc}") from None
+        except (Exception, SystemExit) as exc:  # the user's code: its failure is a bad --adapter
+            raise UsageError(f"--adapter {ref}: the adapter's {what} raised {type(exc).__name__}: {exc}") from None
     if bounds.namespaces > 1 and getattr(made, "namespaces", 1) != bounds.namespaces:
         raise UsageError(f"--namespaces {bounds.namespaces}: the {type(made).__name__} --adapter {ref} makes has "
                          f"namespaces={getattr(made, 'namespaces', 1)} (its factory must read Bounds.namespaces "
@@ -155,7 +186,10 @@ def _probe(factory: Callable[..., Any]) -> Any:
 def _close(made: Any) -> None:
     close = getattr(made, "close", None)
     if callable(close):
-        close()
+        try:
+            close()
+        except (Exception, SystemExit) as exc:  # the user's close: its failure is a bad --adapter
+            raise UsageError(f"--adapter: the adapter's close raised {type(exc).__name__}: {exc}") from None
 
 
 def _with(variant: dict) -> str:

@@ -182,15 +182,29 @@ def json_kwargs(text: str) -> dict:
     if len(text) > MAX_VARIANT_CHARS:
         raise argparse.ArgumentTypeError(f"longer than {MAX_VARIANT_CHARS} characters")
     try:
-        value = json.loads(text)
+        value = json.loads(text, parse_constant=_no_constant, parse_float=_finite_float)
     except json.JSONDecodeError as exc:
         raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
     except RecursionError:
         raise argparse.ArgumentTypeError(f"nested deeper than {MAX_VARIANT_DEPTH} levels") from None
+    except ValueError as exc:  # a number past what Python reads, NaN or an infinity (refused below)
+        raise argparse.ArgumentTypeError(f"not a plain JSON value: {str(exc)[:120]}") from None
     if _depth(value) > MAX_VARIANT_DEPTH:
         raise argparse.ArgumentTypeError(f"nested deeper than {MAX_VARIANT_DEPTH} levels")
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError("a JSON object of keyword arguments, e.g. '{\"bug\": \"capacity\"}'")
+    return value
+
+
+def _no_constant(name: str) -> float:
+    """NaN and the infinities are not JSON: a regression test written with them would not run."""
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise ValueError(f"{text[:40]} is past the largest float")
     return value
 
 

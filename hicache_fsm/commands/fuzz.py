@@ -128,7 +128,7 @@ def _report(result, args: argparse.Namespace, out) -> None:
         return
     print(f"fuzz: FAILED after {result.examples} runs (seed {args.seed}, {result.seconds:.1f}s): "
           f"{failure_line(result)}", file=out)
-    if result.checked_nothing:  # no bug found, so no failing program or regression test to show
+    if result.checked_nothing or not result.steps:  # no failing program, so no regression test to show
         return
     print("\n".join(["", "failing steps:", *(f"  {line}" for line in result.steps), "", "regression test:", "",
                      result.test_code]), file=out)

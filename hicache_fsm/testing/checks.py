@@ -73,7 +73,7 @@ MUST_SUCCEED = frozenset({"unlock", "unpin_host", "complete_job", "fail_job", "p
                           "complete_storage", "fail_storage", "partial_storage", "partial_backup"})
 MUST_REJECT = frozenset({"redeliver"})
 JOB_ENDING = frozenset({"complete_job", "fail_job"})  # steps after which ``job_lock_problems`` runs
-SNAPSHOT_OPS = frozenset({"unlock", "unpin_host", "redeliver"})
+QUERY_OPS = frozenset({"match", "read_kv"})  # never refused: a match may touch the use order, a read may load
 
 
 @attrs.frozen
@@ -138,7 +138,7 @@ def perform(adapter: CacheAdapter, step: Step, *, catch: bool = True,
     fn = getattr(adapter, step.op)
     ending = _job_of(adapter, step)
     snap = None
-    if step.op in SNAPSHOT_OPS and adapter.supports("snapshot"):
+    if adapter.supports("snapshot") and step.op not in QUERY_OPS:  # any other step may be refused: then it changes nothing
         snap = before if before is not None else adapter.snapshot()
     occ = adapter.occupancy() if step.op in ("evict", "evict_host") and adapter.supports("occupancy") else None
     locked = _locked_device_tokens(adapter)

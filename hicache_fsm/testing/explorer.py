@@ -466,22 +466,24 @@ class Explorer:
     def _root(self) -> tuple[CacheAdapter, UseOrder | None]:
         """``factory(bounds)`` and its use order (when it declares an eviction policy); ``ConfigError`` when it
         lacks what the search needs or declares a policy the toolkit cannot judge (not a traceback mid-run)."""
-        root = self.factory(self.bounds)
+        root = _users("factory", lambda: self.factory(self.bounds))
+        if not isinstance(root, CacheAdapter):
+            raise ConfigError(f"the adapter factory returned {type(root).__name__}, not a CacheAdapter")
         missing = missing_ops(root)
         try:
             if missing:
-                raise ConfigError(f"{root.describe()}: the explorer needs the adapter's {' and '.join(missing)} "
-                                  f"(its visited set and node bound); it lacks them")
-            return root, UseOrder.of(root)
+                raise ConfigError(f"{_users('describe', root.describe)}: the explorer needs the adapter's "
+                                  f"{' and '.join(missing)} (its visited set and node bound); it lacks them")
+            return root, _users("eviction_policy", lambda: UseOrder.of(root))
         except ConfigError:
-            root.close()
+            _users("close", root.close)
             raise
 
     def _run(self) -> ExploreResult:
         b = self.bounds
         t0 = time.perf_counter()
         root, order = self._root()
-        result = ExploreResult(b, adapter=root.describe())
+        result = ExploreResult(b, adapter=_users("describe", root.describe))
         if not self._start(root, order, result):
             return self._finish(result, t0, 0, False)
         if self.coverage is not None:
@@ -653,6 +655,17 @@ class _Search:
         else:
             self.queue.append((child, ckey, depth + 1, order))
         return []
+
+
+def _users(what: str, call: Callable[[], Any]) -> Any:
+    """``call()`` of the user's adapter code before the search: its failure is a ``ConfigError`` naming ``what``
+    (the search itself reports an adapter that raises mid-step as a violation)."""
+    try:
+        return call()
+    except ConfigError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the user's code: any failure is a broken adapter
+        raise ConfigError(f"the adapter's {what} raised {type(exc).__name__}: {exc}") from None
 
 
 def explore(bounds: Bounds = Bounds(), factory: Callable[[Bounds], CacheAdapter] = hicache_factory, **kw) -> ExploreResult:

@@ -182,6 +182,8 @@ class CacheProtocolMachine(RuleBasedStateMachine):
         except ConfigError as exc:  # a policy the toolkit cannot judge: the adapter's mistake, not a found bug
             made.close()
             raise BrokenFactory(str(exc)) from None
+        except Exception as exc:  # noqa: BLE001 - the adapter's eviction_policy failing is a broken adapter
+            raise BrokenFactory(f"the adapter's eviction_policy raised {type(exc).__name__}: {exc}") from None
         return made
 
     @classmethod
@@ -189,7 +191,12 @@ class CacheProtocolMachine(RuleBasedStateMachine):
         """Build (and close) one adapter per variant, so that a refused or broken variant is found whichever
         variants a run draws."""
         for variant in cls.variants:
-            cls.build(variant).close()
+            made = cls.build(variant)
+            try:
+                made.close()
+            except Exception as exc:  # noqa: BLE001 - the adapter's close failing is a broken adapter
+                raise BrokenFactory(f"the adapter's close raised {type(exc).__name__}: {exc} (variant "
+                                    f"{variant!r})") from None
 
     # a wide draw taken modulo the number of variants: each variant about equally likely, however many there are
     # (a draw of 0..63 favoured the variants its small and boundary values fall on)
@@ -700,6 +707,11 @@ class FuzzResult:
                 "checked_nothing": self.checked_nothing}
 
 
+def _program(lines: list[str]) -> list[str]:
+    """The steps of the failing program hypothesis reported in ``lines``."""
+    return [line for text in lines for line in text.splitlines() if STEP_LINE.match(line)]
+
+
 def run_fuzz(machine: type[CacheProtocolMachine], *, examples: int = 100, steps: int = 40, seed: int = 0,
              progress: TextIO | None = None, shrink: bool = True, machine_import: str | None = None,
              wrap: str | None = None) -> FuzzResult:
@@ -771,7 +783,7 @@ def run_fuzz(machine: type[CacheProtocolMachine], *, examples: int = 100, steps:
         if failure is not None and shrink:
             shrunk: list[str] = []
             again = attempt([*finding, Phase.shrink], shrunk)
-            if again is not None:
+            if again is not None and _program(shrunk):  # a shrink that lost the program (a flaky adapter): the find
                 failure, lines = again, shrunk
     if failure is not None:
         result.ok = False
@@ -787,8 +799,12 @@ def run_fuzz(machine: type[CacheProtocolMachine], *, examples: int = 100, steps:
         result.ok = False
         result.checked_nothing = f"in {result.examples} runs {unchecked}"
         result.failure = f"checked nothing: {result.checked_nothing}"
+    elif not result.ok and not _program(lines):  # no program to replay: a test of no steps would not even parse
+        result.failure = (f"not reproducible: the same steps did not fail the same way twice, so there is no "
+                          f"failing program or regression test to show (an adapter that depends on time, "
+                          f"randomness or state outside it?)\n{result.failure}")
     elif not result.ok:
-        result.steps = [l for text in lines for l in text.splitlines() if STEP_LINE.match(l)]
+        result.steps = _program(lines)
         name = machine.__name__
         imp = machine_import or (f"from hicache_fsm.testing.stateful import hicache_machine\n"
                                  f"{name} = hicache_machine(name={name!r})")
