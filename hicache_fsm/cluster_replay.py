@@ -38,7 +38,7 @@ from hicache_fsm.router.policies import Router, check_load_cap
 from hicache_fsm.simulate import Tier, TierResult, storage_available
 from hicache_fsm.simulate_config import check_pool_options
 from hicache_fsm.trace import BlockTokens, Trace, check_page_size
-from hicache_fsm.trace_replay import ReplayProgress, TraceReplayer
+from hicache_fsm.trace_replay import ReplayProgress, TraceReplayer, replayed_dict
 
 DEFAULT_VERIFY_EVERY = 25
 
@@ -167,7 +167,7 @@ class ClusterResult:
             "index_agreements": self.index_agreements,
             "events": self.events,
             "event_batches": self.batches,
-            "per_instance": [r.as_dict() for r in self.results],
+            "per_instance": [replayed_dict(r) for r in self.results],
             "wall_s": round(self.wall_s, 2),
         }
 
@@ -189,9 +189,13 @@ class _EventStream:
         return publish
 
     def deliver(self) -> None:
-        """Apply every batch published at least ``lag`` requests before the current one."""
+        """Apply every batch published more than ``lag`` requests before the current one.
+
+        The current request has published nothing yet: with ``lag`` 0 the router
+        sees every batch so far, with ``lag`` K it misses those of the last K requests.
+        """
         pending = self.pending
-        while pending and pending[0][0] <= self.request - self.lag:
+        while pending and pending[0][0] < self.request - self.lag:
             _, instance, batch = pending.popleft()
             self.index.apply(instance, batch)
 
@@ -217,7 +221,7 @@ def run_cluster(options: ClusterOptions, progress: ReplayProgress | None = None)
     router = Router(n, options.policy, index, options.load_cap)
     staleness = Staleness()
     progress = progress or ReplayProgress(enabled=False)
-    progress.total = len(trace.requests)
+    progress.total = max(progress.total, progress.done + len(trace.requests))  # a sweep planned its runs already
     replayers: list[TraceReplayer] = []
     hooks: list[KVEventHook] = []
     checks = agreements = 0
@@ -264,6 +268,8 @@ def sweep_cluster(options: ClusterOptions, counts: Sequence[int], policies: Sequ
     counts = (counts,) if isinstance(counts, int) else tuple(counts)
     policies = (policies,) if isinstance(policies, str) else tuple(policies)
     out = []
+    if progress is not None:  # every run's requests: the count never passes the total
+        progress.total = progress.done + len(options.trace.requests) * len(counts) * len(policies)
     for count in counts:
         for policy in policies:
             if progress is not None:

@@ -21,6 +21,7 @@ MAX_TRACE_BYTES = 1 << 30  # 1 GiB: far above any recorded run (simulate's defau
 MAX_JSON_DEPTH = 32  # recorded events nest two levels; deeper is not a trace
 NAME_FIELDS = ("event", "machine", "source", "trigger", "dest")  # strings when present
 OBJECT_FIELDS = ("node", "object", "upper")  # str or int ids when present (None: unnamed)
+REQUIRED_FIELDS = {"transition": ("source", "trigger", "dest"), "split": ("node", "upper"), "removed": ("node",)}
 
 
 def _depth_ok(text: str) -> bool:
@@ -48,6 +49,9 @@ def _depth_ok(text: str) -> bool:
 def _check_event(ev: object, path: str, n: int) -> dict:
     if not isinstance(ev, dict) or "event" not in ev:
         raise TraceError(path, n, "not an event object (a JSON object with an \"event\" field)")
+    missing = [key for key in REQUIRED_FIELDS.get(ev["event"], ()) if ev.get(key) is None]
+    if missing:
+        raise TraceError(path, n, f"a {ev['event']} event without {' or '.join(map(repr, missing))}")
     for key in NAME_FIELDS:
         if key in ev and not isinstance(ev[key], str):
             raise TraceError(path, n, f"field {key!r} must be a name (a string), got {type(ev[key]).__name__}")

@@ -346,9 +346,18 @@ class BlockTokens:
         head = (hash_id & mask, (hash_id >> 16) & mask, (hash_id >> 32) & mask, (hash_id >> 48) & mask)
         return head + self._tails[hash_id % _TAIL_ROWS]
 
+    def _blocks(self, hash_ids: Sequence[int], length: int) -> tuple[int, int]:
+        """Whole blocks and the tokens of a partial last one in ``length``; ``ConfigError`` when ``hash_ids`` are
+        too few to name them (``length`` past the ids' blocks would be cut short without a word)."""
+        full, rest = divmod(length, self.block_size)
+        if length < 0 or len(hash_ids) < full + (rest > 0):
+            raise ConfigError(f"{len(hash_ids)} hash ids name {len(hash_ids) * self.block_size} tokens of "
+                              f"{self.block_size}-token blocks, not {length}")
+        return full, rest
+
     def packed(self, hash_ids: Sequence[int], length: int) -> TokenIds:
         """``tokens(hash_ids, length)`` packed as the cache keys them (``pack_token_ids`` of them, byte for byte)."""
-        full, rest = divmod(length, self.block_size)
+        full, rest = self._blocks(hash_ids, length)
         head, tails, mask = _HEAD.pack, self._tail_raw, VOCAB - 1
         parts = []
         for h in hash_ids[: full + (rest > 0)]:
@@ -359,7 +368,7 @@ class BlockTokens:
 
     def tokens(self, hash_ids: Sequence[int], length: int) -> tuple[int, ...]:
         """The first ``length`` tokens of the blocks ``hash_ids`` (a partial last block is a prefix of its block)."""
-        full, rest = divmod(length, self.block_size)
+        full, rest = self._blocks(hash_ids, length)
         block = self._cached
         out: list[int] = []
         for h in hash_ids[:full]:

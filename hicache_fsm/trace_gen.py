@@ -32,7 +32,7 @@ import attrs
 
 from hicache_fsm.errors import ConfigError
 from hicache_fsm.output_files import open_output_text
-from hicache_fsm.trace import DEFAULT_BLOCK_SIZE, check_block_size, check_tokens
+from hicache_fsm.trace import DEFAULT_BLOCK_SIZE, MAX_TIMESTAMP_MS, check_block_size, check_tokens
 
 MAX_OPEN = 1 << 16  # sessions open at once, and distinct system prompts: all are made before the first request
 
@@ -56,6 +56,9 @@ def _positive_rate(instance, attribute, value) -> None:
         raise ConfigError(f"{attribute.name} must be a number > 0, got {value!r}")
 
 
+SPAN_HEADROOM = 1000  # a sum of exponential arrivals never comes near 1000 x its mean
+
+
 @attrs.frozen
 class TraceShape:
     """What the generated trace looks like (means of the drawn lengths, in tokens)."""
@@ -73,6 +76,11 @@ class TraceShape:
     seed: int = attrs.field(default=0, validator=_at_least(0))
 
     def __attrs_post_init__(self) -> None:
+        span_ms = self.requests / self.rate * 1e3  # the mean; the drawn arrivals stay far below 1000 x that
+        if span_ms * SPAN_HEADROOM > MAX_TIMESTAMP_MS:
+            raise ConfigError(f"rate {self.rate:g} per second spreads {self.requests} requests over about "
+                              f"{span_ms:.3g} ms, past what a trace's timestamps hold ({MAX_TIMESTAMP_MS:.0e} ms, "
+                              f"with {SPAN_HEADROOM}x to spare); raise the rate or lower the requests")
         longest_system = self.system_length + self.system_length // 2  # lengths are drawn up to 1.5 x the mean
         if longest_system >= self.max_input_length:
             raise ConfigError(f"max_input_length {self.max_input_length} cannot hold a system prompt of up to "

@@ -460,8 +460,8 @@ class TraceSimulation:
             "hierarchy": full.name,
             "requests": len(self.trace.requests),
             "controller_us_per_request": round(full.controller_us_per_request, 1),
-            "configs": {t.name: {**t.as_dict(), **self.latency[t.name].as_dict()} if t.name in self.latency
-                        else t.as_dict() for t in self.tiers},
+            "configs": {t.name: {**replayed_dict(t), **self.latency[t.name].as_dict()} if t.name in self.latency
+                        else replayed_dict(t) for t in self.tiers},
             "cost_model": attrs.asdict(self.costs),
             "prefill_saved_vs_device": self.prefill_saved_vs_device(),
             "trace": self.trace.summary(),
@@ -474,6 +474,18 @@ class TraceSimulation:
                 "device_tokens": [c for c, _ in self.sweep], "hit_rate": [round(r, 4) for _, r in self.sweep]},
             "wall_s": round(self.wall_s, 3),
         }
+
+
+CHAT_ONLY = ("ttft_ms_mean", "ttft_ms_p90")  # a model run's TTFT; a replay's is Latency's, on its own clock
+
+
+def replayed_dict(result: TierResult) -> dict:
+    """``result.as_dict()`` for a replayed configuration: no host where it has none (device only, infinite), and
+    none of the chat workload's TTFT figures (zeros here, beside the replay's own)."""
+    d = {k: v for k, v in result.as_dict().items() if k not in CHAT_ONLY}
+    if result.name in (DEVICE, INFINITE):
+        d["host_tokens"] = None
+    return d
 
 
 def run_trace(options: TraceOptions, progress: ReplayProgress | None = None,
@@ -550,5 +562,6 @@ def sweep_capacities(trace: Trace, page_size: int, bound: PrefixBound, points: i
 
 __all__ = [
     "DEFAULT_STORAGE_URL", "METADATA_SHAPE", "ConfigReplayer", "CostModel", "Latency", "ReplayProgress", "TraceOptions",
-    "TraceReplayer", "TraceSimulation", "metadata_backend", "metadata_executor", "replay", "replay_timed", "run_trace", "sweep_capacities",
+    "TraceReplayer", "TraceSimulation", "metadata_backend", "metadata_executor", "replay", "replay_timed", "replayed_dict",
+    "run_trace", "sweep_capacities",
 ]

@@ -11,6 +11,7 @@ import pytest
 from hicache_fsm.cluster_replay import ClusterOptions, run_cluster, sweep_cluster
 from hicache_fsm.errors import ConfigError
 from hicache_fsm.trace import load_trace
+from hicache_fsm.trace_replay import ReplayProgress
 
 pytest.importorskip("zmq")
 
@@ -70,6 +71,16 @@ def test_a_lagging_view_shows_up_as_stale_predictions(trace_file):
     assert lagging.index_checks == 0  # the index is compared only when it is meant to be current
 
 
+def test_a_lag_of_k_requests_leaves_the_router_k_requests_behind(trace_file):
+    """Lag 1 was lag 0 (the current request has published nothing yet): now each request of lag K is at least a
+    batch behind for every lagging request that published one."""
+    behind = {}
+    for lag in (0, 1, 3):
+        result = run_cluster(_options(trace_file, policy="round_robin", storage=False, event_lag=lag))
+        behind[lag] = result.staleness.as_dict()["mean_batches_behind"]
+    assert behind[0] < 0.5 < 1 <= behind[1] < behind[3] and behind[3] >= 2.5, behind
+
+
 @pytest.mark.parametrize("kw, named", [
     (dict(instances=0), "instances"), (dict(policy="random"), "policy"), (dict(event_lag=-1), "event-lag"),
     (dict(storage_url="memory://"), "memory://NAME"), (dict(storage_url=5), "storage URL 5"),
@@ -104,6 +115,9 @@ def test_cli_cluster_replay_json(trace_file):
     (["--instances", "0"], "instances must be a positive int"),
     (["--instances", "2", "--sweep", "x"], "instance counts"),
     (["--instances", "2", "--router", "prefix_aware_capped", "--load-cap", "0.5"], "load cap must be a number >= 1"),
+    # options that would do nothing
+    (["--instances", "2", "--sweep", "1,2", "--router", "round_robin"], "--router picks one policy"),
+    (["--instances", "2", "--load-cap", "2"], "--load-cap is prefix_aware_capped's"),
 ])
 def test_cli_cluster_usage_errors_are_one_line_and_exit_2(trace_file, args, message):
     proc = _simulate("--trace", str(trace_file), "--block-size", "64", "--no-progress", *args)
@@ -115,3 +129,16 @@ def test_a_sweep_of_one_count_and_one_policy_is_one_replay(trace_file):
     """A policy given alone was read letter by letter ('router policy ... got 'r'')."""
     [result] = sweep_cluster(_options(trace_file, storage=False), 2, "round_robin")
     assert (result.instances, result.policy) == (2, "round_robin")
+
+
+def test_a_sweep_counts_its_progress_against_every_run(trace_file):
+    """Each run set the total to its own requests: a sweep's count went to 585% of it."""
+    progress = ReplayProgress(enabled=False)
+    results = sweep_cluster(_options(trace_file, storage=False), [1, 2], progress=progress)
+    assert len(results) == 6 and progress.done == progress.total == 6 * 12
+
+
+def test_replayed_configurations_report_no_chat_ttft_and_no_host_where_none(trace_file):
+    result = run_cluster(_options(trace_file, policy="round_robin", storage=False, instances=2))
+    for row in result.as_dict()["per_instance"]:
+        assert "ttft_ms_mean" not in row and "ttft_ms_p90" not in row and row["host_tokens"] == 2048

@@ -183,3 +183,60 @@ def test_a_machine_name_too_long_for_a_file_is_an_unknown_name(capsys):
 def test_an_integer_of_thousands_of_digits_is_named_as_one_in_a_short_line(capsys, argv):
     code, _, err = run_cli(capsys, *argv)
     assert code == 2 and "integer of 5000 digits" in err and len(err) < 400
+
+
+# =========================================================================== trace tools
+
+
+def test_block_tokens_refuse_a_length_past_their_ids_alike():
+    """``packed`` cut the tokens short without a word where ``tokens`` raised IndexError."""
+    from hicache_fsm.trace import BlockTokens
+
+    blocks = BlockTokens(8)
+    for make in (blocks.packed, blocks.tokens):
+        with pytest.raises(ConfigError, match="1 hash ids name 8 tokens"):
+            make((1,), 20)
+    assert len(blocks.tokens((1, 2, 3), 20)) == len(blocks.packed((1, 2, 3), 20)) == 20
+
+
+def test_a_generated_trace_never_holds_timestamps_its_reader_refuses():
+    from hicache_fsm.trace_gen import TraceShape
+
+    with pytest.raises(ConfigError, match="past what a trace's timestamps hold"):
+        TraceShape(requests=3, rate=1e-300)
+    TraceShape(requests=3, rate=1e-6)  # about 3e9 ms: well within
+
+
+def test_heat_map_events_missing_what_they_name_are_not_a_trace(capsys, tmp_path):
+    split = tmp_path / "split.jsonl"
+    split.write_text('{"event":"transition","machine":"residency","source":"absent","trigger":"insert",'
+                     '"dest":"device","node":1}\n{"event":"split","node":1}\n', encoding="utf-8")
+    bare = tmp_path / "bare.jsonl"
+    bare.write_text('{"event":"transition","trigger":"insert","dest":"device","node":1}\n', encoding="utf-8")
+    for path, named in ((split, "a split event without 'upper'"), (bare, "a transition event without 'source'")):
+        code, _, err = run_cli(capsys, "diagram", "residency", "--counts", str(path))
+        assert code == 2 and named in err
+
+
+def test_a_trace_path_with_control_characters_is_printed_escaped(capsys, tmp_path):
+    path = tmp_path / "evil\x1b[31m.jsonl"
+    path.write_text('{"timestamp": 0, "input_length": 128, "output_length": 4, "hash_ids": [1, 2]}\n',
+                    encoding="utf-8")
+    code, out, _ = run_cli(capsys, "simulate", "--trace", str(path), "--block-size", "64", "--no-progress",
+                           "--no-storage")
+    assert code == 0 and "\x1b" not in out and "evil\\x1b[31m.jsonl" in out
+
+
+def test_a_replay_reports_its_own_ttft_only_and_no_host_where_a_configuration_has_none(capsys, tmp_path):
+    import json
+
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(f'{{"timestamp": {i}, "input_length": 128, "output_length": 4, "hash_ids": [1, {i}]}}\n'
+                            for i in range(2, 6)), encoding="utf-8")
+    code, out, _ = run_cli(capsys, "simulate", "--trace", str(path), "--block-size", "64", "--no-progress",
+                           "--no-storage", "--json")
+    configs = json.loads(out)["configs"]
+    assert code == 0 and configs["device"]["host_tokens"] is None and configs["infinite"]["host_tokens"] is None
+    assert configs["device+host"]["host_tokens"] > 0
+    for row in configs.values():
+        assert "ttft_ms_mean" not in row and row["ttft_mean_s"] > 0

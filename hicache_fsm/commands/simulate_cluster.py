@@ -152,9 +152,14 @@ def run(args: argparse.Namespace, pool_sizes: Callable[[Trace], tuple[int, int]]
     except ModuleNotFoundError as exc:
         print(f"{PROG}: --instances needs {exc.name}: pip install 'hicache_fsm[events]'", file=sys.stderr)
         return 1
+    sweeping = args.sweep is not None or bool(args.plot)
+    if sweeping and was_given(args, "router"):
+        raise UsageError("--router picks one policy; --sweep (and --plot) replay every policy")
+    if not sweeping and was_given(args, "load_cap") and args.router != "prefix_aware_capped":
+        raise UsageError(f"--load-cap is prefix_aware_capped's; --router {args.router} does not read it")
     try:
         _at_most_max_instances([args.instances], "--instances")  # before the trace is read
-        counts = _counts(args.sweep) if args.sweep is not None or args.plot else None
+        counts = _counts(args.sweep) if sweeping else None
         trace = load_trace(args.trace, args.block_size)
         device_tokens, host_tokens = pool_sizes(trace)
         _check_pool_memory(max(counts or [args.instances]), device_tokens, host_tokens)
@@ -163,7 +168,8 @@ def run(args: argparse.Namespace, pool_sizes: Callable[[Trace], tuple[int, int]]
                                  args.event_lag)
     except (TraceError, ConfigError) as exc:  # cli.main prints it as a usage error
         raise UsageError(str(exc)) from None
-    progress = ReplayProgress(stream=sys.stderr, enabled=not args.no_progress)
+    # progress only to a terminal, as simulate --trace: a log or a pipe gets the table
+    progress = ReplayProgress(stream=sys.stderr, enabled=not args.no_progress and sys.stderr.isatty())
     out = sys.stderr if args.json else sys.stdout
     try:
         if counts is None:

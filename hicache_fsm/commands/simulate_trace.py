@@ -7,7 +7,7 @@ import json
 import sys
 
 from hicache_fsm.commands import simulate_cluster
-from hicache_fsm.commands.args import Given, UsageError, int_arg, path_arg, was_given
+from hicache_fsm.commands.args import Given, UsageError, int_arg, path_arg, printable, was_given
 from hicache_fsm.commands.plot_file import save_plot
 from hicache_fsm.commands.table import columns
 from hicache_fsm.errors import ConfigError, HiCacheError, TraceError
@@ -172,7 +172,7 @@ def bound_matches(sim: TraceSimulation) -> bool:
 def summary(sim: TraceSimulation) -> str:
     s = sim.trace.summary()
     full, bound = sim.hierarchy, sim.tier(INFINITE)
-    out = [f"trace {s['path']}: {s['requests']} requests, mean input {s['mean_input_length']:.0f} tokens "
+    out = [f"trace {printable(s['path'])}: {s['requests']} requests, mean input {s['mean_input_length']:.0f} tokens "
            f"(max {s['max_input_length']}), block {s['block_size']}, page {sim.page_size}, "
            f"{sim.bound.unique_tokens} distinct cacheable tokens, pools on {sim.device}"]
     if bound is not None and bound.hit_rate:
@@ -217,7 +217,7 @@ def plot(sim: TraceSimulation, path: str) -> None:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8, loc="lower right")
     s = sim.trace.summary()
-    ax.set_title(f"{s['path'].rsplit('/', 1)[-1]}: {s['requests']} requests, mean input "
+    ax.set_title(f"{printable(s['path'].rsplit('/', 1)[-1])}: {s['requests']} requests, mean input "
                  f"{s['mean_input_length']:.0f} tokens, block {s['block_size']}, page {sim.page_size}", fontsize=9)
     fig.tight_layout()
     save_plot(fig, path)
