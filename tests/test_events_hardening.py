@@ -581,3 +581,107 @@ def test_refused_hook_calls_change_nothing():
     with pytest.raises(ConfigError, match="page_size"):
         KVEventHook(cache.driver.machine.spec, 0, print)
     cache.close()
+
+
+# ------------------------------------------------------------------ found by a second outside probe
+
+
+@pytest.mark.parametrize("buffer_steps", [2, 10, 64])
+def test_a_replay_is_answered_whole_after_earlier_replays_of_the_same_subscriber(buffer_steps):
+    """The reader reports its reads to the ROUTER every half high-water mark: earlier answers still counted, and a
+    full buffer's answer passed the mark (dropped without a word, ReplayUnanswered after the timeout)."""
+    with ZmqEventPublisher(buffer_steps=buffer_steps) as pub, \
+            ZmqEventSubscriber("tcp://127.0.0.1:1", pub.replay_endpoint, replay_timeout_ms=GUARD_MS) as sub:
+        for earlier in range(4):
+            for _ in range(buffer_steps):
+                pub.publish(KVEventBatch(0.0, [AllBlocksCleared()]))
+            assert pub.wait_sent(GUARD_S)
+            assert len(sub.catch_up()) == buffer_steps, earlier
+            for _ in range(earlier):
+                assert sub.catch_up() == []  # nothing new: answers of one end marker
+
+
+def test_publishers_on_several_threads_number_and_send_in_one_order():
+    with ZmqEventPublisher(busy_pause_s=0) as pub, ZmqEventSubscriber(pub.endpoint, pub.replay_endpoint) as sub:
+        def work(t: int) -> None:
+            for i in range(200):
+                pub.publish(KVEventBatch(0.0, [BlockStored([t * 10_000 + i], None, [], 4, None, "GPU")], t))
+
+        threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        assert pub.wait_sent(GUARD_S)
+        got = sub.catch_up()
+        assert [seq for seq, _ in got] == list(range(800)) and sub.restarts == 0 and sub.lost == 0
+
+
+@pytest.mark.parametrize("rank", [-5, 2**63, 2**64])
+def test_a_rank_no_batch_can_carry_is_refused_where_it_is_given(rank):
+    cache, _ = make_cache()
+    try:
+        with pytest.raises(ConfigError, match="data_parallel_rank"):
+            ZmqEventPublisher(data_parallel_rank=rank)
+        with pytest.raises(ConfigError, match="data_parallel_rank"):
+            enable_kv_events(cache, [].append, data_parallel_rank=rank)
+        with ZmqEventPublisher() as pub:
+            with pytest.raises(ConfigError, match="data_parallel_rank"):
+                pub.publish(KVEventBatch(0.0, [], rank))
+            assert pub.next_seq == 0
+    finally:
+        cache.close()
+
+
+def test_a_flush_from_another_thread_is_refused_and_loses_nothing():
+    from hicache_fsm.errors import WrongThread
+
+    cache, _ = make_cache()
+    got: list = []
+    hook = enable_kv_events(cache, got.append)
+    put(cache, pages(2))
+    raised = []
+    other = threading.Thread(target=lambda: raised.append(pytest.raises(WrongThread, hook.flush)))
+    other.start()
+    other.join(GUARD_S)
+    assert raised and len(got) == 1  # the snapshot only: the insert's events still queued here
+    hook.flush()
+    assert len(got) == 2
+    cache.close()
+
+
+def test_a_decoder_that_raises_counts_the_batch_malformed_and_keeps_the_others():
+    calls = [0]
+
+    def flaky(payload: bytes) -> KVEventBatch:
+        from hicache_fsm.events.schema import decode
+
+        calls[0] += 1
+        if calls[0] == 3:
+            raise KeyError("decoder bug")
+        return decode(payload)
+
+    with ZmqEventPublisher() as pub, \
+            ZmqEventSubscriber("tcp://127.0.0.1:1", pub.replay_endpoint, decoder=flaky) as sub:
+        for _ in range(5):
+            pub.publish(KVEventBatch(0.0, [AllBlocksCleared()]))
+        assert pub.wait_sent(GUARD_S)
+        got = sub.catch_up()  # raised KeyError, after taking 0 and 1: they were never handed out
+        assert [seq for seq, _ in got] == [0, 1, 3, 4] and sub.malformed == 1 and sub.next_seq == 5
+
+
+@pytest.mark.parametrize("call", [
+    lambda ix: ix.prefix_pages(0, [1], None), lambda ix: ix.prefix_pages(0, [1], 5),
+    lambda ix: ix.prefix_pages(0, [1], [["device"]]), lambda ix: ix.blocks(0, ["device"]),
+    lambda ix: ix.longest_prefixes([1], None),
+    lambda ix: ix.apply(0, KVEventBatch(0.0, [BlockStored([True], None, [], 4, None, "GPU")])),
+    lambda ix: ix.apply(0, KVEventBatch(0.0, [BlockStored([2**100], None, [], 4, None, "GPU")])),
+    lambda ix: ZmqEventPublisher("tcp://127.0.0.1:*", "inproc://r\udcff"),
+    lambda ix: ZmqEventSubscriber("inproc://x\udcff"),
+], ids=["tiers None", "tiers 5", "tiers nested", "blocks list", "instances None", "hash True", "hash 2**100",
+        "surrogate replay endpoint", "surrogate endpoint"])
+def test_router_and_socket_arguments_of_the_wrong_kind_are_config_errors(call):
+    index = PrefixIndex()
+    with pytest.raises(ConfigError):
+        call(index)
+    assert index.instances == []

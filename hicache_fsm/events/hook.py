@@ -27,6 +27,7 @@ from typing import Callable, Hashable
 
 from hicache_fsm.cache import HiCache
 from hicache_fsm.config import check_positive_int
+from hicache_fsm.confinement import THIS_THREAD, ThreadOwner
 from hicache_fsm.errors import ConfigError
 from hicache_fsm.events.hashes import NodeChains, RecentTokens
 from hicache_fsm.events.names import MEDIUMS, parse_event
@@ -81,8 +82,12 @@ class KVEventHook:
     """A residency listener that queues KV events and hands them to ``sink`` in batches."""
 
     def __init__(self, spec: Spec, page_size: int, sink: Sink, *, data_parallel_rank: int | None = None,
-                 max_batch_events: int = 256) -> None:
+                 max_batch_events: int = 256, owner: ThreadOwner | None = None) -> None:
         check_positive_int("max_batch_events", max_batch_events)
+        if owner is not None and not isinstance(owner, ThreadOwner):
+            raise ConfigError(f"owner must be the cache's ThreadOwner, got {type(owner).__name__}")
+        # the thread that drives the cache queues the events: a flush from another would drop what it queues meanwhile
+        self._owner = owner
         check_positive_int("page_size", page_size)  # 0 divided by zero in the first insert's event, after it landed
         check_rank(data_parallel_rank)
         if not isinstance(spec, Spec):
@@ -154,7 +159,11 @@ class KVEventHook:
 
         If the sink raises, the events stay queued (nothing is lost, the counts
         do not move) and the error goes to the caller; the next flush retries.
+        Only the thread driving the cache flushes (``WrongThread`` otherwise).
         """
+        owner = self._owner
+        if owner is not None and THIS_THREAD.token != owner.token:
+            owner.adopt()  # WrongThread from a thread other than the one driving the cache
         self.sink_error = None
         if self._pending:
             records = self._pending
@@ -194,7 +203,7 @@ def enable_kv_events(cache: HiCache, sink: Sink, *, data_parallel_rank: int | No
     _check_cache(cache)
     cache.check_open()
     hook = KVEventHook(cache.driver.machine.spec, cache.page_size, sink, data_parallel_rank=data_parallel_rank,
-                       max_batch_events=max_batch_events)
+                       max_batch_events=max_batch_events, owner=cache.thread_owner)
     hook.snapshot(_top_down(cache))
     cache.driver.add_listener(hook)
     return hook

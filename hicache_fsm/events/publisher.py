@@ -131,7 +131,9 @@ class ZmqEventPublisher:
                 replay = ctx.socket(zmq.ROUTER)
                 # A ROUTER drops what passes its high-water mark without a word (the end marker too):
                 # a whole answer (the buffer and its end) must fit, or a late subscriber never catches up.
-                replay.setsockopt(zmq.SNDHWM, min(buffer_steps + 1, MAX_HWM))
+                # The reader reports what it read only every half mark, so earlier answers it has read may
+                # still count: twice the answer always leaves room for one.
+                replay.setsockopt(zmq.SNDHWM, min(2 * (buffer_steps + 1), MAX_HWM))
                 replay.bind(replay_endpoint)
                 self.replay_endpoint = replay.getsockopt(zmq.LAST_ENDPOINT).decode()
         except zmq.ZMQError as exc:
@@ -188,16 +190,16 @@ class ZmqEventPublisher:
                 if stamp:
                     batch.data_parallel_rank = None  # refused: the caller's batch is left as it came
                 raise
-        seq = self._next_seq
-        self._next_seq = seq + 1
         sender = self._sender
         sender.last_publish = time.monotonic()  # the cache is stepping: the sender gives way (see Pacing)
-        with sender.buffer_lock:
+        with sender.buffer_lock:  # numbered and queued in one step: publishers on two threads keep the order
+            seq = self._next_seq
+            self._next_seq = seq + 1
             sender.buffer.append((seq, queued))
-        if len(sender.queue) < self.max_queue_size:
-            sender.queue.append((seq, queued))
-        else:
-            self.dropped += 1
+            if len(sender.queue) < self.max_queue_size:
+                sender.queue.append((seq, queued))
+            else:
+                self.dropped += 1
         return seq
 
     def wait_sent(self, timeout: float) -> bool:
@@ -353,6 +355,7 @@ def checked_payload(batch: KVEventBatch) -> bytes:
     dropped by every subscriber, and a caller changing the struct afterwards
     would make the replay differ from what went out live.
     """
+    check_rank(batch.data_parallel_rank)  # -5 went out to every router
     try:
         payload = encode(batch)
         decode(payload)

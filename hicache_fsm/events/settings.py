@@ -12,15 +12,25 @@ from hicache_fsm.errors import ConfigError
 
 
 def check_text(name: str, value: object, *, optional: bool = False) -> None:
-    """``value`` is a str (or None when ``optional``): an endpoint or a topic."""
+    """``value`` is a str with a UTF-8 form (or None when ``optional``): an endpoint or a topic, handed to zmq."""
     if not isinstance(value, str) and not (optional and value is None):
         raise ConfigError(f"{name} must be a str{' or None' if optional else ''}, got {value!r}")
+    if value is not None:
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ConfigError(f"{name} has no UTF-8 form (a lone surrogate?): {value!r:.80}") from None
+
+
+MAX_RANK = (1 << 63) - 1  # a rank goes out as a msgpack int: one that no int64 holds could not be sent
 
 
 def check_rank(value: object) -> None:
-    """A data-parallel rank is None or an int >= 0: batches carry it to every router."""
+    """A data-parallel rank is None or an int from 0 to ``MAX_RANK``: batches carry it to every router."""
     if value is not None:
         check_positive_int("data_parallel_rank", value, minimum=0)
+        if value > MAX_RANK:
+            raise ConfigError(f"data_parallel_rank must be at most {MAX_RANK}, got {value}")
 
 
 MAX_WAIT_MS = int(MAX_SECONDS * 1000)  # the longest wait a thread takes (zmq overflowed on 2**63 ms)

@@ -187,12 +187,20 @@ class ZmqEventSubscriber:
         self._replay = self._replay_socket()
 
     def _decoded(self, payload: bytes) -> KVEventBatch | None:
-        """The batch in ``payload``, or None (counted in ``malformed``) when it is not one."""
+        """The batch in ``payload``, or None (counted in ``malformed``) when it is not one.
+
+        The decoder may be the caller's: whatever it raises, or a None it returns, is a batch it could not
+        read, never an exception that would drop the batches ``receive`` already took.
+        """
         try:
-            return self._decode(payload)
+            batch = self._decode(payload)
         except UNREADABLE:
+            batch = None
+        except Exception:  # noqa: BLE001 - a caller's decoder failing on one payload
+            batch = None
+        if batch is None:
             self.malformed += 1
-            return None
+        return batch
 
     def _replay_socket(self) -> "zmq.Socket | None":
         """A DEALER connected to the replay endpoint (None without one)."""

@@ -118,12 +118,23 @@ class PrefixIndex:
                          tiers: Iterable[str] = ("device", "host")) -> dict[Hashable, int]:
         """Instance -> the pages of ``hashes`` it holds from the start (the router's question)."""
         tiers, hashes = tier_names(tiers), check_hashes(hashes)
+        if isinstance(instances, (str, bytes)) or not isinstance(instances, Iterable):
+            raise ConfigError(f"instances must be the instances to weigh (an iterable), got {type(instances).__name__}")
         return {i: self.prefix_pages(i, hashes, tiers) for i in instances}
 
 
 def tier_names(tiers: Iterable[str]) -> tuple[str, ...]:
-    """``tiers`` as a tuple; one name alone (``"device"``) is that tier, not its letters."""
-    return (tiers,) if isinstance(tiers, str) else tuple(tiers)
+    """``tiers`` as a tuple of names; one name alone (``"device"``) is that tier, not its letters; anything else
+    (None, a number, a list inside) is a ``ConfigError``."""
+    if isinstance(tiers, str):
+        return (tiers,)
+    if isinstance(tiers, (bytes, bytearray)) or not isinstance(tiers, Iterable):
+        raise ConfigError(f"tiers must be tier names ({', '.join(TIERS)}), got {type(tiers).__name__}")
+    names = tuple(tiers)
+    for name in names:
+        if not isinstance(name, str):
+            raise ConfigError(f"a tier is named by a str ({', '.join(TIERS)}), got {name!r:.40}")
+    return names
 
 
 class CheckedHashes(tuple):
@@ -159,7 +170,8 @@ def check_instance(instance: object) -> None:
 
 
 def _int_list(values: object) -> bool:
-    return isinstance(values, list) and all(isinstance(v, int) for v in values)
+    """A list of block hashes as a decoded batch holds them: ints (not bools) that fit in 64 bits."""
+    return isinstance(values, list) and all(type(v) is int and -(1 << 63) <= v < (1 << 64) for v in values)
 
 
 def check_events(events: object) -> None:

@@ -24,8 +24,11 @@ WINDOW_PER_INSTANCE = 8  # recent placements remembered per instance for the loa
 def check_load_cap(load_cap: object) -> float:
     """``load_cap`` as a float, or ``ConfigError`` unless it is a number >= 1 (inf: no cap)."""
     if not isinstance(load_cap, (int, float)) or isinstance(load_cap, bool) or not load_cap >= 1.0:
-        raise ConfigError(f"load cap must be a number >= 1, got {load_cap!r}")
-    return float(load_cap)
+        raise ConfigError(f"load cap must be a number >= 1, got {load_cap!r:.40}")
+    try:
+        return float(load_cap)
+    except OverflowError:  # an int past any float: no cap, as inf is
+        return float("inf")
 
 
 class Router:
