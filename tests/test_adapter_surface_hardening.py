@@ -246,3 +246,27 @@ def test_explore_names_a_factory_that_makes_no_adapter():
         explore(Bounds(nodes=2), lambda bounds: 5)
     with pytest.raises(ConfigError, match="factory raised ZeroDivisionError"):
         explore(Bounds(nodes=2), lambda bounds: 1 // 0)
+
+
+@pytest.mark.parametrize("method, named", [
+    ("def invariant_violations(self):\n                return 'everything is broken'",
+     "invariant_violations() returned str 'everything is broken', not a list of strings"),
+    ("def match(self, t):\n                return MatchInfo(-5)", "MatchInfo.device_tokens must be an int >= 0, got -5"),
+    ("def match(self, t):\n                return 3", "returned int 3, not a MatchInfo"),
+    ("def insert(self, t):\n                super().insert(t)\n                return 'no'", "returned str 'no', not a bool"),
+])
+def test_an_adapter_answer_of_the_wrong_type_is_named_as_such(adapters, capsys, method, named):
+    """A string of violations was read a letter each ('invariant catalogue: e'), a negative match and a truthy
+    string from insert passed, an int from match was an AttributeError about ``total``."""
+    path = adapters(f'''
+        from hicache_fsm.testing import MatchInfo
+        from simple import Simple
+
+        class Wrong(Simple):
+            {method}
+
+        def make(**kw):
+            return Wrong()
+    ''')
+    code, text = run(capsys, "fuzz", "--adapter", f"{path}:make", "--examples", "20", "--quiet")
+    assert code == 1 and named in text

@@ -49,7 +49,7 @@ from hicache_fsm.testing.adapter import (
     Rejected,
     kv_fingerprint,
 )
-from hicache_fsm.testing.interface import REQUIRED_OPS
+from hicache_fsm.testing.interface import REQUIRED_OPS, MatchInfo
 
 __all__ = ["INDEXED_OPS", "ORDERED_POLICIES", "Outcome", "Step", "UseOrder", "capacity_problems", "catalogue",
            "job_lock_problems", "judged", "kv_check", "kv_problems", "lock_problems", "perform", "readable_pages",
@@ -73,6 +73,9 @@ MUST_SUCCEED = frozenset({"unlock", "unpin_host", "complete_job", "fail_job", "p
                           "complete_storage", "fail_storage", "partial_storage", "partial_backup"})
 MUST_REJECT = frozenset({"redeliver"})
 JOB_ENDING = frozenset({"complete_job", "fail_job"})  # steps after which ``job_lock_problems`` runs
+RESULT_TYPES = {"insert": bool, "match": MatchInfo, "read_kv": list, "evict": int, "evict_host": int}
+RESULT_NAMES = {"insert": "a bool", "match": "a MatchInfo", "read_kv": "a list of fingerprint tuples",
+                "evict": "an int of tokens freed", "evict_host": "an int of tokens freed"}
 QUERY_OPS = frozenset({"match", "read_kv"})  # never refused: a match may touch the use order, a read may load
 
 
@@ -167,6 +170,10 @@ def perform(adapter: CacheAdapter, step: Step, *, catch: bool = True,
         where = f" at {tb[-1].name}:{tb[-1].lineno}" if tb else ""
         return Outcome(problems=[f"{step}: raised {type(exc).__name__}: {exc}{where}"], error=exc)
     out = Outcome(result=result)
+    wanted = RESULT_TYPES.get(step.op)
+    if wanted is not None and (not isinstance(result, wanted) or (wanted is int and isinstance(result, bool))):
+        out.problems.append(f"{step}: returned {_shown(result)}, not {RESULT_NAMES[step.op]}")
+        return out
     if step.op in MUST_REJECT:
         out.problems.append(f"{step}: an acknowledgement of finished job {args[0]} was accepted again")
     if occ is not None:
@@ -265,7 +272,21 @@ def capacity_problems(adapter: CacheAdapter) -> list[str]:
 
 def catalogue(adapter: CacheAdapter, prompts: Iterable[Sequence[int]]) -> list[str]:
     """Every invariant violation now, declared capacity and KV read-back of ``prompts`` included."""
-    return list(adapter.invariant_violations()) + capacity_problems(adapter) + kv_check(adapter, prompts)
+    return declared_violations(adapter) + capacity_problems(adapter) + kv_check(adapter, prompts)
+
+
+def declared_violations(adapter: CacheAdapter) -> list[str]:
+    """``adapter.invariant_violations()``; a value that is not a list of strings is itself the problem (a string
+    was read as one violation a letter)."""
+    found = adapter.invariant_violations()
+    if isinstance(found, (list, tuple)) and all(isinstance(p, str) for p in found):
+        return list(found)
+    return [f"adapter_error: invariant_violations() returned {_shown(found)}, not a list of strings"]
+
+
+def _shown(value: object) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
 
 
 def readable_pages(adapter: CacheAdapter, prompts: Iterable[Sequence[int]]) -> set[tuple[int, ...]]:

@@ -67,12 +67,18 @@ class Rejected(Exception):
     """The cache refused the operation with its documented error; it must have changed nothing."""
 
 
+def _token_count(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    """A count of tokens: an int >= 0 (an adapter's negative or float count is its bug, named where it is made)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{type(instance).__name__}.{attribute.name} must be an int >= 0, got {value!r}")
+
+
 @attrs.frozen
 class MatchInfo:
     """Tokens of a prompt served from the device, then from the host (after the device part)."""
 
-    device_tokens: int
-    host_tokens: int = 0
+    device_tokens: int = attrs.field(validator=_token_count)
+    host_tokens: int = attrs.field(default=0, validator=_token_count)
 
     @property
     def total(self) -> int:
@@ -92,8 +98,8 @@ class JobInfo:
 class Occupancy:
     """Tokens in use per tier (used to check that evictions report what they freed)."""
 
-    device_tokens: int
-    host_tokens: int = 0
+    device_tokens: int = attrs.field(validator=_token_count)
+    host_tokens: int = attrs.field(default=0, validator=_token_count)
 
 
 @attrs.frozen
