@@ -562,6 +562,6 @@ def sweep_capacities(trace: Trace, page_size: int, bound: PrefixBound, points: i
 
 __all__ = [
     "DEFAULT_STORAGE_URL", "METADATA_SHAPE", "ConfigReplayer", "CostModel", "Latency", "ReplayProgress", "TraceOptions",
-    "TraceReplayer", "TraceSimulation", "metadata_backend", "metadata_executor", "replay", "replay_timed", "replayed_dict",
-    "run_trace", "sweep_capacities",
+    "TraceReplayer", "TraceSimulation", "metadata_backend", "metadata_executor", "replay", "replay_timed",
+    "replayed_dict", "run_trace", "sweep_capacities",
 ]

@@ -141,7 +141,7 @@ def perform(adapter: CacheAdapter, step: Step, *, catch: bool = True,
     fn = getattr(adapter, step.op)
     ending = _job_of(adapter, step)
     snap = None
-    if adapter.supports("snapshot") and step.op not in QUERY_OPS:  # any other step may be refused: then it changes nothing
+    if adapter.supports("snapshot") and step.op not in QUERY_OPS:  # any other step may be refused: unchanged then
         snap = before if before is not None else adapter.snapshot()
     occ = adapter.occupancy() if step.op in ("evict", "evict_host") and adapter.supports("occupancy") else None
     locked = _locked_device_tokens(adapter)
