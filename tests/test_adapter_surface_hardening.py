@@ -254,7 +254,7 @@ def test_explore_names_a_factory_that_makes_no_adapter():
     ("def match(self, t):\n                return MatchInfo(-5)", "MatchInfo.device_tokens must be an int >= 0, got -5"),
     ("def match(self, t):\n                return 3", "returned int 3, not a MatchInfo"),
     ("def insert(self, t):\n                super().insert(t)\n                return 'no'", "returned str 'no', not a bool"),
-])
+], ids=["violations a str", "negative match", "match an int", "insert a str"])
 def test_an_adapter_answer_of_the_wrong_type_is_named_as_such(adapters, capsys, method, named):
     """A string of violations was read a letter each ('invariant catalogue: e'), a negative match and a truthy
     string from insert passed, an int from match was an AttributeError about ``total``."""
@@ -270,3 +270,23 @@ def test_an_adapter_answer_of_the_wrong_type_is_named_as_such(adapters, capsys, 
     ''')
     code, text = run(capsys, "fuzz", "--adapter", f"{path}:make", "--examples", "20", "--quiet")
     assert code == 1 and named in text
+
+
+@pytest.mark.parametrize("method, named", [
+    ("def state_key(self):\n                return [1]", "state_key() returned an unhashable list"),
+    ("def describe(self):\n                raise RuntimeError('describe boom')",
+     "the adapter's describe raised RuntimeError: describe boom"),
+], ids=["unhashable state key", "describe raises"])
+def test_a_block_store_that_breaks_the_explorer_is_named_not_a_traceback(adapters, capsys, monkeypatch, method, named):
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))
+    path = adapters(f'''
+        from block_offload_manager import OffloadAdapter
+
+        class Broken(OffloadAdapter):
+            {method}
+
+        def make(**kw):
+            return Broken(**kw)
+    ''')
+    code, text = run(capsys, "check", "--adapter", f"{path}:make", "--max-depth", "3")
+    assert code == 1 and named in text and "Traceback" not in text

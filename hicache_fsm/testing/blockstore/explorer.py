@@ -18,6 +18,7 @@ from typing import TextIO
 import attrs
 
 from hicache_fsm.config import check_positive_int
+from hicache_fsm.errors import ConfigError
 from hicache_fsm.testing.blockstore.adapter import BlockStoreAdapter, Key, chain
 from hicache_fsm.testing.blockstore.symmetry import Asymmetric, ReducedKeys, Symmetry
 from hicache_fsm.testing.blockstore.world import StoreWorld, format_step
@@ -129,7 +130,7 @@ def explore_store(factory: Callable[[], BlockStoreAdapter], bounds: StoreBounds 
     why_off = None if symmetry is None else symmetry.why_not
     while True:
         root = StoreWorld(factory(), factory)
-        result = StoreExploreResult(root.adapter.describe())
+        result = StoreExploreResult(_description(root.adapter))
         on = symmetry is not None and why_off is None
         result.symmetry = "on" if on else ("off" if symmetry is None else f"off: {why_off}")
         search = _Search(root, bounds, result, stop_on_first, max_violations, symmetry if on else None, factory)
@@ -209,6 +210,14 @@ class _Search:
         self.result.violations.append((tuple(problems), tuple(reversed(trace))))
         if self.stop_on_first or len(self.result.violations) >= self.max_violations:
             self.stopped = "violation"
+
+
+def _description(adapter: BlockStoreAdapter) -> str:
+    """``adapter.describe()``; its failure is a ``ConfigError`` before the search (not a traceback)."""
+    try:
+        return adapter.describe()
+    except Exception as exc:  # noqa: BLE001 - the user's adapter code
+        raise ConfigError(f"the adapter's describe raised {type(exc).__name__}: {exc}") from None
 
 
 class _Ticker:

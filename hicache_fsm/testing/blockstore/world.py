@@ -7,6 +7,7 @@ import weakref
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
+from hicache_fsm.errors import ConfigError
 from hicache_fsm.testing.adapter import NotSupported, Rejected
 from hicache_fsm.testing.blockstore.adapter import REDELIVERY_CONTRACTS, Answer, BlockStoreAdapter, Key, StoreJob, value_of
 from hicache_fsm.testing.blockstore.model import READABLE, STORING, StoreModel
@@ -62,7 +63,13 @@ class StoreWorld:
         job when a redelivery of it may be tried."""
         finished = () if self.adapter.redelivery == "caller_guarantees_once" else \
             tuple((kind, keys, ok) for _, kind, keys, ok in self.model.finished)
-        return self.adapter.state_key(), self.model.key(), self.open_request is not None, finished
+        state = self.adapter.state_key()
+        try:
+            hash(state)
+        except TypeError:  # the visited set could not hold it: the adapter's mistake, named, not a traceback
+            raise ConfigError(f"{type(self.adapter).__name__}.state_key() returned an unhashable "
+                              f"{type(state).__name__}; return a tuple (or another hashable value)") from None
+        return state, self.model.key(), self.open_request is not None, finished
 
     def renamed(self, rename: dict) -> StoreWorld:
         """A copy with block keys and written values renamed (``rename``: old -> new), for its state key."""
