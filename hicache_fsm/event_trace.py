@@ -49,12 +49,12 @@ def _depth_ok(text: str) -> bool:
 def _check_event(ev: object, path: str, n: int) -> dict:
     if not isinstance(ev, dict) or "event" not in ev:
         raise TraceError(path, n, "not an event object (a JSON object with an \"event\" field)")
-    missing = [key for key in REQUIRED_FIELDS.get(ev["event"], ()) if ev.get(key) is None]
-    if missing:
-        raise TraceError(path, n, f"a {ev['event']} event without {' or '.join(map(repr, missing))}")
     for key in NAME_FIELDS:
         if key in ev and not isinstance(ev[key], str):
             raise TraceError(path, n, f"field {key!r} must be a name (a string), got {type(ev[key]).__name__}")
+    missing = [key for key in REQUIRED_FIELDS.get(ev["event"], ()) if ev.get(key) is None]
+    if missing:
+        raise TraceError(path, n, f"a {ev['event']} event without {' or '.join(map(repr, missing))}")
     for key in OBJECT_FIELDS:
         value = ev.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (str, int))):

@@ -1,4 +1,4 @@
-"""A falsifying example of a state machine, written out as a runnable pytest test (``fuzz --test-out``)."""
+"""A fuzz run's outcome, and its falsifying example written out as a runnable pytest test (``fuzz --test-out``)."""
 
 from __future__ import annotations
 
@@ -6,10 +6,38 @@ import ast
 import re
 from collections.abc import Sequence
 
-__all__ = ["STEP_LINE", "regression_test"]
+import attrs
+
+__all__ = ["STEP_LINE", "FuzzResult", "failing_program", "regression_test"]
 
 STEP_LINE = re.compile(r"^(state\b|[a-z_]+_\d+ = state\.|state\.)")
 _SETUP_LINE = re.compile(r"^[a-z_]+_\d+ = state\.setup\(variant=(\d+)\b")
+
+
+@attrs.define
+class FuzzResult:
+    """What ``run_fuzz`` found: the verdict; on a failure, its shrunk steps and a regression test replaying them."""
+
+    ok: bool
+    examples: int
+    seconds: float
+    seed: int
+    failure: str = ""
+    steps: list[str] = attrs.Factory(list)
+    test_code: str = ""
+    coverage: dict = attrs.Factory(dict)
+    checked_nothing: str = ""  # why a run that found no failure is no evidence ("" when it checked something)
+
+    def to_json(self) -> dict:
+        """The run as JSON: nothing that depends on the machine (the time taken is in the report, as check's)."""
+        return {"ok": self.ok, "examples": self.examples, "seed": self.seed,
+                "failure": self.failure, "steps": self.steps, "test": self.test_code, "coverage": self.coverage,
+                "checked_nothing": self.checked_nothing}
+
+
+def failing_program(lines: list[str]) -> list[str]:
+    """The steps of the failing program hypothesis reported in ``lines``."""
+    return [line for text in lines for line in text.splitlines() if STEP_LINE.match(line)]
 
 
 def _literal(value: object) -> bool:

@@ -62,7 +62,7 @@ from hicache_fsm.testing.adapter import CacheAdapter, StorageFault, check_varian
 from hicache_fsm.testing.checks import Step, UseOrder, catalogue, judged
 from hicache_fsm.testing.fixed_draws import without_local_constants
 from hicache_fsm.testing.paths import CoverageTracker
-from hicache_fsm.testing.regression_code import STEP_LINE, regression_test
+from hicache_fsm.testing.regression_code import FuzzResult, failing_program, regression_test
 from hicache_fsm.testing.strategies import pages_to_tokens, prompt_pages, storage_faults
 
 __all__ = [
@@ -688,30 +688,6 @@ def cp_machine(variants: Sequence[dict] = CP_VARIANTS, coverage: CoverageTracker
 # =========================================================================== running outside pytest
 
 
-@attrs.define
-class FuzzResult:
-    ok: bool
-    examples: int
-    seconds: float
-    seed: int
-    failure: str = ""
-    steps: list[str] = attrs.Factory(list)
-    test_code: str = ""
-    coverage: dict = attrs.Factory(dict)
-    checked_nothing: str = ""  # why a run that found no failure is no evidence ("" when it checked something)
-
-    def to_json(self) -> dict:
-        """The run as JSON: nothing that depends on the machine (the time taken is in the report, as check's)."""
-        return {"ok": self.ok, "examples": self.examples, "seed": self.seed,
-                "failure": self.failure, "steps": self.steps, "test": self.test_code, "coverage": self.coverage,
-                "checked_nothing": self.checked_nothing}
-
-
-def _program(lines: list[str]) -> list[str]:
-    """The steps of the failing program hypothesis reported in ``lines``."""
-    return [line for text in lines for line in text.splitlines() if STEP_LINE.match(line)]
-
-
 def run_fuzz(machine: type[CacheProtocolMachine], *, examples: int = 100, steps: int = 40, seed: int = 0,
              progress: TextIO | None = None, shrink: bool = True, machine_import: str | None = None,
              wrap: str | None = None) -> FuzzResult:
@@ -783,7 +759,7 @@ def run_fuzz(machine: type[CacheProtocolMachine], *, examples: int = 100, steps:
         if failure is not None and shrink:
             shrunk: list[str] = []
             again = attempt([*finding, Phase.shrink], shrunk)
-            if again is not None and _program(shrunk):  # a shrink that lost the program (a flaky adapter): the find
+            if again is not None and failing_program(shrunk):  # a shrink that lost the program (flaky): the find
                 failure, lines = again, shrunk
     if failure is not None:
         result.ok = False
@@ -799,12 +775,12 @@ def run_fuzz(machine: type[CacheProtocolMachine], *, examples: int = 100, steps:
         result.ok = False
         result.checked_nothing = f"in {result.examples} runs {unchecked}"
         result.failure = f"checked nothing: {result.checked_nothing}"
-    elif not result.ok and not _program(lines):  # no program to replay: a test of no steps would not even parse
+    elif not result.ok and not failing_program(lines):  # nothing to replay: a test of no steps would not parse
         result.failure = (f"not reproducible: the same steps did not fail the same way twice, so there is no "
                           f"failing program or regression test to show (an adapter that depends on time, "
                           f"randomness or state outside it?)\n{result.failure}")
     elif not result.ok:
-        result.steps = _program(lines)
+        result.steps = failing_program(lines)
         name = machine.__name__
         imp = machine_import or (f"from hicache_fsm.testing.stateful import hicache_machine\n"
                                  f"{name} = hicache_machine(name={name!r})")
