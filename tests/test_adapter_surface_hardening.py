@@ -290,3 +290,11 @@ def test_a_block_store_that_breaks_the_explorer_is_named_not_a_traceback(adapter
     ''')
     code, text = run(capsys, "check", "--adapter", f"{path}:make", "--max-depth", "3")
     assert code == 1 and named in text and "Traceback" not in text
+
+
+@pytest.mark.parametrize("seed", ["x", None, 1.5, True, 2**63])
+def test_run_fuzz_refuses_a_seed_the_command_line_would(seed):
+    from hicache_fsm.testing.stateful import hicache_machine, run_fuzz
+
+    with pytest.raises(ConfigError, match="seed must be a 64-bit int"):
+        run_fuzz(hicache_machine(), examples=1, seed=seed)

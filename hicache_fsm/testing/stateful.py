@@ -704,6 +704,8 @@ def run_fuzz(machine: type[CacheProtocolMachine], *, examples: int = 100, steps:
                           f"CacheProtocolMachine.bind(...), blockstore's store_machine(...)), got {machine!r}")
     check_positive_int("examples", examples)
     check_positive_int("steps", steps)
+    if isinstance(seed, bool) or not isinstance(seed, int) or not -(1 << 63) <= seed < (1 << 63):
+        raise ConfigError(f"seed must be a 64-bit int (the same seed, the same runs), got {seed!r:.40}")
     if issubclass(machine, CacheProtocolMachine):
         machine.build_each_variant()
     unchecked = getattr(machine, "UNCHECKED", None)  # why a run of this machine that changed nothing is no pass
