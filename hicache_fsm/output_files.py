@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import errno
 import os
-from pathlib import Path
 from typing import IO
 
 __all__ = ["NO_READER", "open_output_text", "write_output_text"]
@@ -38,5 +37,5 @@ def open_output_text(path: str | os.PathLike) -> IO[str]:
 
 def write_output_text(path: str | os.PathLike, text: str) -> None:
     """``Path(path).write_text(text, encoding="utf-8")`` through ``open_output_text``."""
-    with open_output_text(Path(path)) as f:
+    with open_output_text(path) as f:
         f.write(text)

@@ -72,7 +72,7 @@ class TraceRequest:
         if problem is None and not (_is_int(self.line) and self.line >= 0):
             problem = f"line must be an int >= 0, got {self.line!r}"
         if problem is not None:
-            raise ConfigError(f"trace request: {problem}")
+            raise ConfigError(problem)
 
 
 @attrs.frozen
@@ -207,7 +207,7 @@ def parse_request(text: str, block_size: int, where: str = "<trace>", line: int 
     try:
         request = TraceRequest(obj["timestamp"], n_in, n_out, tuple(ids), line)
     except ConfigError as exc:
-        raise bad(str(exc).removeprefix("trace request: ")) from None
+        raise bad(str(exc)) from None
     try:
         _within_tokens(n_in + n_out, "input_length + output_length", token_limit)
     except ConfigError as exc:
@@ -221,8 +221,7 @@ def parse_request(text: str, block_size: int, where: str = "<trace>", line: int 
 def request_problem(ts: object, n_in: object, n_out: object, ids: object) -> str | None:
     """What makes these fields no trace line's (None when they are one's): types and ranges."""
     if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not 0 <= ts <= MAX_TIMESTAMP_MS:  # NaN fails too
-        shown = repr(ts) if len(repr(ts)) <= 40 else repr(ts)[:40] + "..."
-        return f"timestamp must be a number of milliseconds from 0 to {MAX_TIMESTAMP_MS:.0e}, got {shown}"
+        return f"timestamp must be a number of milliseconds from 0 to {MAX_TIMESTAMP_MS:.0e}, got {_shown(ts)}"
     if not _is_int(n_in) or n_in < 1:
         return f"input_length must be an int >= 1, got {_shown(n_in)}"
     if not _is_int(n_out) or n_out < 0:

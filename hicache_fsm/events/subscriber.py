@@ -30,7 +30,7 @@ except ModuleNotFoundError as exc:  # an optional dependency: say which extra br
     raise MissingExtra("KV events", "pyzmq", "events") from exc
 
 from hicache_fsm.errors import ConfigError, HiCacheError
-from hicache_fsm.events.schema import UNREADABLE, KVEventBatch, decode
+from hicache_fsm.events.schema import KVEventBatch, decode
 from hicache_fsm.events.settings import check_text, check_wait_ms, topic_bytes
 
 Batch = tuple[int, KVEventBatch]
@@ -194,9 +194,7 @@ class ZmqEventSubscriber:
         """
         try:
             batch = self._decode(payload)
-        except UNREADABLE:
-            batch = None
-        except Exception:  # noqa: BLE001 - a caller's decoder failing on one payload
+        except Exception:  # noqa: BLE001 - UNREADABLE from ours, anything from a caller's decoder
             batch = None
         if batch is None:
             self.malformed += 1

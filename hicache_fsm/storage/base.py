@@ -62,8 +62,8 @@ import torch
 
 from hicache_fsm.errors import StorageError, StorageKeyError, StorageUnavailable
 from hicache_fsm.sole_user import SoleUser
-from hicache_fsm.storage.keys import KeyNamespace
 from hicache_fsm.storage.blob import CorruptPage, FormatMismatch, checksum_id, encode_header
+from hicache_fsm.storage.keys import KeyNamespace
 from hicache_fsm.storage.page_format import PageFormat, format_bytes, page_format_of
 
 logger = logging.getLogger("hicache_fsm.storage")
