@@ -314,27 +314,8 @@ class HiCache(StorageCalls):
         c["host_hit_tokens"] += host_hit
         c["miss_tokens"] += n_ids // self.page_size * self.page_size - device_hit - host_hit
         if self.config.write_policy == "write_through_selective":
-            self._selective_backups(path)
+            self.eviction.back_up_hot(path, self.config.write_through_threshold)
         return MatchResult(device_indices, last_device, path[-1] if path else last_device, host_hit, tuple(loads))
-
-    def _selective_backups(self, path: Sequence[TreeNode]) -> None:
-        """Back up matched nodes that reached the hit threshold.
-
-        A backup may evict host KV to make room; the host copies of the match
-        being returned are pinned meanwhile so it cannot evict its own result.
-        """
-        threshold = self.config.write_through_threshold
-        due = [n for n in path if n.state == "device" and n.hit_count >= threshold]
-        if not due:
-            return
-        pinned = [n for n in path if n.state in ON_HOST]
-        eviction = self.eviction
-        eviction.add_pins(pinned, 1)
-        try:
-            for node in due:
-                eviction.try_backup(node)
-        finally:
-            eviction.add_pins(pinned, -1)
 
     def insert(
         self,
@@ -651,10 +632,12 @@ class HiCache(StorageCalls):
 
     def add_observer(self, fn: Callable[[dict], None]) -> None:
         """Call ``fn(event_dict)`` on every transition, job, completion and split (tracing)."""
+        self.check_open()
         self.driver.add_observer(fn)
 
     def remove_observer(self, fn: Callable[[dict], None]) -> None:
         """Stop calling ``fn`` (added by ``add_observer``); ``ValueError`` if it was not added."""
+        self.check_open()
         self.driver.remove_observer(fn)
 
     def register_host_owner(self, source: HostOwners) -> None:
@@ -756,6 +739,8 @@ class HiCache(StorageCalls):
             if self.executor_can_block():  # in-flight copies land first; an executor that fails still releases all
                 self.flush()
                 self.executor.synchronize()
+                if drain and self.storage is not None:  # the landed host copies go on to storage within the drain
+                    self.poll()
 
     def _release_pools(self) -> None:
         """The pools may serve another cache: at once, or once a storage thread past its join stopped writing."""

@@ -32,7 +32,7 @@ import heapq
 from collections import Counter
 from typing import TYPE_CHECKING, Any, Callable
 
-from hicache_fsm.bindings.residency import EVICTED, LOADING, ON_DEVICE
+from hicache_fsm.bindings.residency import EVICTED, LOADING, ON_DEVICE, ON_HOST
 from hicache_fsm.errors import GuardRejected, LockError
 from hicache_fsm.jobs import JobKind
 from hicache_fsm.radix import RadixTree, TreeNode
@@ -391,6 +391,23 @@ class Eviction:
         return problems
 
     # ------------------------------------------------------------------ backups
+
+    def back_up_hot(self, path: list[TreeNode], threshold: int) -> None:
+        """Back up the matched nodes of ``path`` that reached ``threshold`` hits (``write_through_selective``).
+
+        A backup may evict host KV to make room; the host copies of the match
+        being returned are pinned meanwhile so it cannot evict its own result.
+        """
+        due = [n for n in path if n.state == "device" and n.hit_count >= threshold]
+        if not due:
+            return
+        pinned = [n for n in path if n.state in ON_HOST]
+        self.add_pins(pinned, 1)
+        try:
+            for node in due:
+                self.try_backup(node)
+        finally:
+            self.add_pins(pinned, -1)
 
     def try_backup(self, node: TreeNode) -> bool:
         """Back a device-only node up to host, evicting host KV for room; False if the host stays full."""

@@ -313,18 +313,26 @@ class Outbox:
                 errors.append(exc)
 
     def apply_agreed(self, done: list[Completion]) -> tuple[list[Completion], list[CompletionFailure]]:
-        """``apply`` the completions every rank has; returns them and ``apply``'s failures (see ``hicache_fsm.acks``).
+        """``apply`` the completions every rank has; returns those applied (not those of jobs ``reset`` cancelled)
+        and ``apply``'s failures (see ``hicache_fsm.acks``).
 
         One rank: ``done`` itself. With a rank group, ``done`` is held and the
         step's agreement (one collective) decides which held completions apply now.
         """
         acks = self.acks
-        if acks is None:
-            return done, self.apply(done)
-        direct = acks.hold(done)
-        self.agreement.step()
-        agreed = direct + acks.take()
-        return agreed, self.apply(agreed)
+        if acks is not None:
+            direct = acks.hold(done)
+            self.agreement.step()
+            done = direct + acks.take()
+        late = self._cancelled_among(done)
+        failures = self.apply(done)
+        return (done if not late else [c for c in done if id(c) not in late]), failures
+
+    def _cancelled_among(self, done: list[Completion]) -> set[int]:
+        """The ``id`` of each completion in ``done`` whose job ``reset`` cancelled: ignored, so not reported applied."""
+        pending, recent = self._pending, self.ledger.recent
+        return {id(c) for c in done if type(c) is Completion and type(c.job_id) is int
+                and c.job_id not in pending and recent.get(c.job_id) == "cancelled"}
 
     def forget(self, job_id: int) -> None:
         """Drop a pending job without ending it in the ledger (tests that break the ledger on purpose)."""

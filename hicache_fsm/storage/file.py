@@ -304,10 +304,25 @@ class FileBackend(StorageBackend):
                 if exc.errno in _NOT_A_PAGE_ERRNOS:  # this page's path alone is broken (a symlink loop): a miss
                     break
                 raise _os_error(exc, f"stat of page {skey}") from exc
-            if not stat.S_ISREG(st.st_mode) or st.st_size < HEADER.size:  # a directory or FIFO is no stored page
+            if not stat.S_ISREG(st.st_mode):  # a directory or FIFO is no stored page, and not ours to delete
+                self._report_corrupt(skey, f"not a regular file (mode {st.st_mode:o})")
+                break
+            if st.st_size < HEADER.size:
+                self._drop_short(skey, st.st_size)
                 break
             n += 1
         return n
+
+    def _drop_short(self, skey: str, size: int) -> None:
+        """A page file shorter than a header (a copy cut short): a miss counted corrupt, removed so a backup rewrites it."""
+        path, fd = self._open_page(skey)
+        if fd is None:
+            return
+        try:
+            self._report_corrupt(skey, f"file is {size} bytes, shorter than a page header",
+                                 lambda: self._remove_corrupt(path, fd))
+        finally:
+            os.close(fd)
 
     def _get(self, skeys: list[str], fmt: bytes) -> list[bytes | None]:
         return self._map(self._read_one, skeys, [fmt] * len(skeys))
@@ -518,8 +533,12 @@ class FileBackend(StorageBackend):
 
     def _write_one(self, skey: str, parts: list[memoryview], fmt: bytes) -> str:
         path = self._path(skey)
-        if os.path.exists(path):
-            return EXISTS
+        try:
+            st = os.stat(path)
+        except OSError:  # missing (or unreadable: the write below names the fault)
+            st = None
+        if st is not None and (st.st_size >= HEADER.size or not stat.S_ISREG(st.st_mode)):
+            return EXISTS  # a page, or something that is not ours to replace; a shorter file is written over
         total = HEADER.size + len(skey.encode()) + sum(len(p) for p in parts)
         if not self._lru.fits(total):
             logger.warning(

@@ -12,7 +12,7 @@ from typing import Any
 import attrs
 
 from hicache_fsm.config import check_seconds
-from hicache_fsm.errors import ConfigError
+from hicache_fsm.errors import ConfigError, StorageLinkError
 from hicache_fsm.storage.keys import KeyNamespace
 
 STOP_POLICIES = ("best_effort", "wait_complete", "timeout")
@@ -109,6 +109,39 @@ class TierOptions:
                               f"tenant and ranks)")
         return cls(**mine), rest
 
+    def keyed_like(self, backend: object, given: dict[str, Any]) -> TierOptions:
+        """These options keyed as the open ``backend`` was opened, but for the key parts ``given`` names.
+
+        An open backend keeps the namespace it was built with: the tier's
+        skip-writes rule and its rank checks read that one, and the parts
+        given must agree with it (``check_backend_keys``).
+        """
+        own = getattr(backend, "namespace", None)
+        if "namespace" in given or not isinstance(own, KeyNamespace):
+            return self
+        parts = {name: getattr(self if name in given else own, name) for name in KEY_PARTS}
+        return attrs.evolve(self, namespace=KeyNamespace(**parts))
+
+    def ranked_in(self, group: Any, given: dict[str, Any]) -> TierOptions:
+        """These options keyed by the cache's rank in ``group`` (taken from the group when not given).
+
+        Ranks whose keys named the same rank (the defaults, 0 of 1) overwrote
+        each other's head shards in a shared store; an MLA rank that is not
+        rank 0 of its group would write the shared copy too.
+        """
+        if group.solo:
+            return self
+        ns = self.namespace
+        if ns is None and "tp_rank" not in given and "tp_size" not in given:
+            return attrs.evolve(self, tp_rank=group.rank, tp_size=group.size)
+        rank, size = (ns.tp_rank, ns.tp_size) if ns is not None else (self.tp_rank, self.tp_size)
+        if (rank, size) != (group.rank, group.size):
+            raise StorageLinkError(
+                f"storage keys for tp_rank {rank} of tp_size {size}, but this cache is rank {group.rank} of "
+                f"{group.size} in its group: leave tp_rank and tp_size out (the group's are taken) or give its own "
+                f"(an open backend: open it with this rank's namespace)")
+        return self
+
     @classmethod
     def names(cls) -> tuple[str, ...]:
         """The tier's option names (``attach_storage`` hands the other keywords to the backend)."""
@@ -128,5 +161,26 @@ class TierOptions:
 
 
 KEY_PARTS = ("model", "tenant", "tp_rank", "tp_size", "is_mla")  # what a KeyNamespace holds
+KEY_OPTIONS = (*KEY_PARTS, "namespace")
 
-__all__ = ["KEY_PARTS", "STOP_POLICIES", "TierOptions"]
+
+def check_backend_keys(backend: object, namespace: KeyNamespace, given: dict[str, Any]) -> None:
+    """Refuse key options an open ``backend`` would not follow: its keys are fixed when it is opened.
+
+    Dropping them would let two ranks (or tenants) share keys: one rank's
+    backup skipped as stored, the other reading the wrong rank's KV.
+    """
+    own = getattr(backend, "namespace", None)
+    if isinstance(own, KeyNamespace):
+        if own.prefix == namespace.prefix:  # the keys agree (an MLA copy is shared by every rank)
+            return
+        raise StorageLinkError(
+            f"this backend was opened with namespace {own.prefix!r}, but the attach names {namespace.prefix!r} "
+            f"(its options or its rank group): an open backend keeps its keys; open it with "
+            f"namespace=KeyNamespace(...) for this cache, or attach a URL")
+    named = sorted(name for name in KEY_OPTIONS if name in given)
+    if named:
+        raise StorageLinkError(f"{', '.join(named)} need a URL or a StorageBackend: this backend has no "
+                               f"KeyNamespace to compare them with")
+
+__all__ = ["KEY_OPTIONS", "KEY_PARTS", "STOP_POLICIES", "TierOptions", "check_backend_keys"]

@@ -54,7 +54,6 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any
 
-import attrs
 
 from hicache_fsm.config import check_seconds
 from hicache_fsm.errors import (
@@ -73,7 +72,7 @@ from hicache_fsm.storage.base import STAT_FIELDS, StorageBackend
 from hicache_fsm.storage.keys import PageKeyChain, page_keys
 from hicache_fsm.storage.link import StorageLink
 from hicache_fsm.storage.lost_pages import LostPages
-from hicache_fsm.storage.options import TierOptions
+from hicache_fsm.storage.options import TierOptions, check_backend_keys
 from hicache_fsm.storage.prefetch import PrefetchOp, PrefetchRuntime
 from hicache_fsm.storage.retry import UNSTORED, BackupRetries
 from hicache_fsm.storage.threads import PROBE_KEY, StorageThreads, waker
@@ -204,13 +203,16 @@ class StorageTier(PrefetchCalls, StorageThreads, LostPages):
         try:
             self._check_open()
             tier_options, backend_options = TierOptions.split(options)
-            tier_options = self._ranked(tier_options, options)
+            if not isinstance(url_or_backend, str):
+                tier_options = tier_options.keyed_like(url_or_backend, options)
+            tier_options = tier_options.ranked_in(self.ctx.group, options)
             namespace = tier_options.key_namespace()  # validates model / tenant / ranks
             if isinstance(url_or_backend, str):
                 pass
             elif isinstance(url_or_backend, StorageBackend) or hasattr(url_or_backend, "batch_exists"):
                 if backend_options:
                     raise StorageLinkError(f"backend options {sorted(backend_options)} need a URL, not an open backend")
+                check_backend_keys(url_or_backend, namespace, options)
             else:
                 raise StorageLinkError(
                     f"attach_storage wants a storage URL or a backend, got {type(url_or_backend).__name__}")
@@ -460,26 +462,6 @@ class StorageTier(PrefetchCalls, StorageThreads, LostPages):
             self.ctx.group.all_true(False, PURPOSE_ATTACH_COMMIT)
         except GroupError as exc:  # the attach's own error is the one raised
             log.info("storage attach: the ranks' vote failed too: %s", exc)
-
-    def _ranked(self, tier_options: TierOptions, given: dict[str, Any]) -> TierOptions:
-        """``tier_options`` keyed by this cache's rank in its group (taken from the group when not given).
-
-        Ranks whose keys named the same rank (the defaults, 0 of 1) overwrote
-        each other's head shards in a shared store; an MLA rank that is not
-        rank 0 of its group would write the shared copy too.
-        """
-        group = self.ctx.group
-        if group.solo:
-            return tier_options
-        ns = tier_options.namespace
-        if ns is None and "tp_rank" not in given and "tp_size" not in given:
-            return attrs.evolve(tier_options, tp_rank=group.rank, tp_size=group.size)
-        rank, size = (ns.tp_rank, ns.tp_size) if ns is not None else (tier_options.tp_rank, tier_options.tp_size)
-        if (rank, size) != (group.rank, group.size):
-            raise StorageLinkError(
-                f"storage keys for tp_rank {rank} of tp_size {size}, but this cache is rank {group.rank} of "
-                f"{group.size} in its group: leave tp_rank and tp_size out (the group's are taken) or give its own")
-        return tier_options
 
     def _drain(self) -> None:
         events = self._events

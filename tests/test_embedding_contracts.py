@@ -1,0 +1,230 @@
+"""Promises of the embedding surface that an outside probe found broken: key namespaces of an open backend,
+short page files, ``close(drain)`` right after an insert, observers from another thread, and ``poll`` after
+``reset``."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+from storage_util import PAGE, kv, make_cache, prompt, put, settle, storage_threads, wait_until
+
+from hicache_fsm.errors import StorageLinkError, WrongThread
+from hicache_fsm.executors import ManualExecutor
+from hicache_fsm.storage import KeyNamespace, open_backend
+from hicache_fsm.storage.memory import MemoryBackend
+
+FAST = {"prefetch_threshold": 4, "retry_interval": 0.01, "probe_interval": 0.02, "join_timeout": 5.0,
+        "stop_policy": "wait_complete"}
+
+
+@pytest.fixture
+def cache():
+    c = make_cache()
+    yield c
+    c.close()
+    assert not storage_threads(), "storage threads outlived close()"
+
+
+def _stored(cache, tokens):
+    node = put(cache, tokens)
+    wait_until(cache, lambda: node.state.endswith("stored"), what="the backup to reach storage")
+    return node
+
+
+# ====================================================================== an open backend's keys
+
+
+@pytest.mark.parametrize("options", [{"model": "m"}, {"tp_rank": 1, "tp_size": 2}, {"tenant": "t"},
+                                     {"is_mla": True}, {"namespace": KeyNamespace("m")}])
+def test_open_backend_refuses_key_options_it_would_not_follow(cache, options):
+    backend = MemoryBackend(store=f"keys-{sorted(options)}")  # opened with the default namespace
+    with pytest.raises(StorageLinkError, match="an open backend keeps its keys"):
+        cache.attach_storage(backend, **options, **FAST)
+    assert cache.storage is None or cache.storage.state == "detached"
+    assert not backend.closed  # refused before the tier took it: still the caller's
+
+
+def test_open_backend_with_matching_key_options_attaches(cache):
+    backend = MemoryBackend(KeyNamespace("m", tp_rank=1, tp_size=2), store="keys-matching")
+    cache.attach_storage(backend, model="m", tp_rank=1, tp_size=2, **FAST)
+    assert cache.storage.backend is backend
+
+
+def test_open_backend_without_key_options_keys_as_opened(cache):
+    """No key options: the backend's own namespace holds, and the tier's MLA rule reads it."""
+    mla_rank_1 = MemoryBackend(KeyNamespace("m", tp_rank=1, tp_size=2, is_mla=True), store="keys-mla")
+    cache.attach_storage(mla_rank_1, **FAST)
+    put(cache, prompt(16))
+    settle(cache)
+    st = cache.stats()["storage"]
+    assert st["backups_skipped_mla"] == 1 and st["backend_stats"]["sets"] == 0
+
+
+def test_ranks_on_one_store_read_their_own_kv():
+    """Two ranks share a store through open backends keyed per rank: each reads back its own shard's bytes,
+    never the other's (the bug: both wrote under rank 0 of 1 and rank 1 read rank 0's KV)."""
+    tokens = prompt(16)
+    written = {}
+    for rank in (0, 1):
+        c = make_cache()
+        c.attach_storage(MemoryBackend(KeyNamespace("m", tp_rank=rank, tp_size=2), store="ranks-shared"), **FAST)
+        k, v = kv(tokens)
+        k, v = k + rank, v - rank  # each rank holds other heads: other bytes for the same tokens
+        idx = c.alloc_device(len(tokens))
+        c.device_pool.write(idx, None, k, v)
+        node = c.insert(tokens, idx).node
+        wait_until(c, lambda: node.state.endswith("stored"), what="rank's backup")
+        written[rank] = (k, v)
+        c.close()
+    reader = make_cache()
+    try:
+        reader.attach_storage(MemoryBackend(KeyNamespace("m", tp_rank=1, tp_size=2), store="ranks-shared"), **FAST)
+        m = reader.match_prefix(tokens)
+        reader.prefetch("r", tokens, m)
+        wait_until(reader, lambda: reader.prefetch_ready("r"), what="the prefetch")
+        m = reader.match_prefix(tokens)
+        assert m.host_hit_length == len(tokens)
+        got_k, got_v = reader.host_pool.read(m.last_host_node.host_indices)
+        assert got_k.equal(written[1][0]) and got_v.equal(written[1][1])
+    finally:
+        reader.close()
+
+
+# ====================================================================== file:// short page files
+
+
+def _page_path(tmp_path, backend, key: str) -> str:
+    (path,) = [os.path.join(d, f) for d, _, files in os.walk(tmp_path) for f in files
+               if f.endswith(".kv") and backend.batch_exists([key]) == 1]
+    return path
+
+
+@pytest.mark.parametrize("size", [0, 50])
+def test_file_page_shorter_than_a_header_is_corrupt_and_stored_again(tmp_path, size):
+    """A cut-short page file is a miss counted corrupt and removed, and the next backup writes it whole."""
+    url = f"file://{tmp_path}/l3"
+    writer = make_cache()
+    writer.attach_storage(url, **FAST)
+    tokens = prompt(PAGE)
+    node = _stored(writer, tokens)
+    (key,) = writer.storage.keys_for(node)
+    path = _page_path(tmp_path, writer.storage.backend, key)
+    writer.close()
+    with open(path, "r+b") as f:
+        f.truncate(size)
+    backend = open_backend(url)
+    assert backend.batch_exists([key]) == 0
+    assert backend.stats()["corrupt"] == 1 and backend.stats()["corrupt_removed"] == 1
+    assert not os.path.exists(path)
+    backend.close()
+    with open(path, "wb") as f:  # cut short again: a backup writes over it instead of skipping it as stored
+        f.write(b"x" * size)
+    again = make_cache()
+    try:
+        again.attach_storage(url, **FAST)
+        _stored(again, tokens)
+        assert os.path.getsize(path) > 92 and again.storage.backend.batch_exists([key]) == 1
+        assert again.storage.verify_stored() == 0
+    finally:
+        again.close()
+
+
+def test_file_a_directory_in_a_pages_place_is_counted_where_a_query_stops(tmp_path):
+    """An existence query (what a prefetch asks first) counts the entry corrupt, as a read does, and leaves it."""
+    url = f"file://{tmp_path}/l3"
+    writer = make_cache()
+    writer.attach_storage(url, **FAST)
+    node = _stored(writer, prompt(PAGE, seed=3))
+    (key,) = writer.storage.keys_for(node)
+    path = _page_path(tmp_path, writer.storage.backend, key)
+    writer.close()
+    os.unlink(path)
+    os.mkdir(path)
+    backend = open_backend(url)
+    try:
+        assert backend.batch_exists([key]) == 0
+        assert backend.stats()["corrupt"] == 1 and backend.stats()["corrupt_removed"] == 0
+        assert os.path.isdir(path)  # not ours to delete
+    finally:
+        backend.close()
+
+
+# ====================================================================== close(drain) right after an insert
+
+
+def test_close_with_drain_stores_what_was_just_inserted(tmp_path):
+    url = f"file://{tmp_path}/l3"
+    cache = make_cache()
+    cache.attach_storage(url, **FAST)
+    tokens = prompt(4 * PAGE, seed=5)
+    put(cache, tokens)  # no poll: the device-to-host copy has not been applied yet
+    cache.close(drain=60)
+    reader = open_backend(url)
+    try:
+        from hicache_fsm.storage import page_keys
+        assert reader.batch_exists(page_keys(tokens, PAGE)) == 4
+    finally:
+        reader.close()
+
+
+# ====================================================================== threads and reset
+
+
+def test_observers_are_added_and_removed_by_the_owning_thread_only(cache):
+    cache.poll()  # this thread owns the cache
+    seen = []
+    errors = []
+
+    def other():
+        try:
+            cache.add_observer(seen.append)
+        except WrongThread as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join()
+    assert len(errors) == 1
+    put(cache, prompt(PAGE))
+    assert seen == []  # nothing was added
+    cache.add_observer(seen.append)
+    errors.clear()
+
+    def remove():
+        try:
+            cache.remove_observer(seen.append)
+        except WrongThread as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=remove)
+    t.start()
+    t.join()
+    assert len(errors) == 1
+    put(cache, prompt(PAGE, seed=9))
+    assert seen  # still observing
+
+
+def test_poll_after_reset_reports_no_cancelled_job_as_applied():
+    from hicache_fsm.cache import HiCache
+    from hicache_fsm.config import CacheConfig
+
+    base = make_cache()
+    device, host = base.device_pool, base.host_pool
+    base.close()
+    executor = ManualExecutor(device, host)
+    cache = HiCache(device, host, CacheConfig(write_policy="write_through"), executor=executor)
+    try:
+        put(cache, prompt(4 * PAGE))
+        cache.flush()
+        pending = executor.pending_job_ids()
+        assert pending
+        cache.reset()
+        for job in pending:
+            executor.complete(job)
+        assert cache.poll() == []
+        cache.check_invariants()
+        assert cache.stats()["late_cancelled_completions"] == len(pending)
+    finally:
+        cache.close()
