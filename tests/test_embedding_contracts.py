@@ -10,7 +10,7 @@ import threading
 import pytest
 from storage_util import PAGE, kv, make_cache, prompt, put, settle, storage_threads, wait_until
 
-from hicache_fsm.errors import StorageLinkError, WrongThread
+from hicache_fsm.errors import StorageLinkError, StorageTimeout, WrongThread
 from hicache_fsm.executors import ManualExecutor
 from hicache_fsm.storage import KeyNamespace, open_backend
 from hicache_fsm.storage.memory import MemoryBackend
@@ -228,3 +228,116 @@ def test_poll_after_reset_reports_no_cancelled_job_as_applied():
         assert cache.stats()["late_cancelled_completions"] == len(pending)
     finally:
         cache.close()
+
+
+# ====================================================================== the data epoch off the scheduler's thread
+
+
+class EpochWatch(MemoryBackend):
+    """A memory store that records who reads its data epoch, and can stop answering."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.callers: list[threading.Thread] = []
+        self.frozen = False
+
+    def data_epoch(self) -> int:
+        self.callers.append(threading.current_thread())
+        self._answer()
+        return super().data_epoch()
+
+    def batch_exists(self, keys) -> int:  # the health probe's call
+        self._answer()
+        return super().batch_exists(keys)
+
+    def _answer(self) -> None:
+        if self.frozen:
+            raise StorageTimeout("the server stopped answering")
+
+
+def test_the_data_epoch_is_read_by_the_storage_thread_and_a_silent_store_is_an_outage(cache):
+    """``poll`` never waits on the store: the epoch is read on the I/O thread, and a read that fails takes the
+    link down (prefetches refused) until the store answers again."""
+    backend = EpochWatch(store="epoch-watch")
+    cache.attach_storage(backend, **{**FAST, "retry_interval": 0.0, "probe_interval": 0.01})
+    backend.callers.clear()  # the attach's own read is the caller's
+    wait_until(cache, lambda: len(backend.callers) >= 2, what="the epoch read by the storage thread")
+    assert threading.main_thread() not in backend.callers
+    backend.frozen = True
+    wait_until(cache, lambda: not cache.storage.healthy, what="the silent store noticed")
+    assert cache.stats()["storage"]["storage_outages"] == 1
+    tokens = prompt(4 * PAGE, seed=11)
+    assert not cache.prefetch("r", tokens, cache.match_prefix(tokens))
+    backend.frozen = False
+    wait_until(cache, lambda: cache.storage.healthy, what="the store answering again")
+    assert threading.main_thread() not in backend.callers[2:]
+
+
+class StuckQuery(MemoryBackend):
+    """A store whose hit query hangs inside a lock its close also takes (as Mooncake's client lock)."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.lock = threading.Lock()
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.hang = False
+
+    def batch_exists(self, keys) -> int:
+        with self.lock:
+            if self.hang:
+                self.entered.set()
+                self.release.wait()  # the test (or its watchdog) releases it
+            return super().batch_exists(keys)
+
+    def _close(self) -> None:
+        with self.lock:
+            super()._close()
+
+
+def test_close_does_not_wait_on_a_backend_call_that_hangs():
+    """A thread stuck in a backend call past ``join_timeout`` closes the backend itself when the call returns;
+    ``close`` neither waits for the call nor leaves the backend open."""
+    cache = make_cache()
+    backend = StuckQuery(store="stuck-query")
+    cache.attach_storage(backend, **{**FAST, "join_timeout": 0.05})
+    backend.hang = True
+    tokens = prompt(4 * PAGE, seed=13)
+    assert cache.prefetch("r", tokens, cache.match_prefix(tokens))
+    assert backend.entered.wait(120)
+    watchdog = threading.Timer(60, backend.release.set)  # a bound for a hung close, not a timing
+    watchdog.start()
+    try:
+        cache.close()
+        returned_while_stuck = not backend.release.is_set()
+    finally:
+        watchdog.cancel()
+        backend.release.set()
+    assert returned_while_stuck
+    for thread in storage_threads():
+        thread.join(120)
+    assert not storage_threads() and backend.closed
+
+
+# ====================================================================== redis URL parameters
+
+
+@pytest.mark.parametrize("query", ["socket_timeout=inf", "socket_timeout=20", "socket_timeout=0",
+                                   "socket_connect_timeout=nan", "max_connections=0", "timeout=-1",
+                                   "health_check_interval=3", "retry_on_timeout=true", "db=0&socket_timeout=1"])
+def test_redis_url_parameters_that_would_override_a_checked_option_are_refused(cache, query):
+    from hicache_fsm.errors import StorageURLError
+    from hicache_fsm.storage import check_url
+
+    url = f"redis://127.0.0.1:1/0?{query}"
+    with pytest.raises(StorageURLError, match="set by the backend"):
+        check_url(url)
+    with pytest.raises(StorageLinkError, match="set by the backend"):
+        cache.attach_storage(url, **FAST)
+    assert cache.storage is None or cache.storage.state == "detached"
+
+
+def test_redis_url_parameters_the_backend_does_not_set_pass_the_form_check():
+    from hicache_fsm.storage import check_url
+
+    assert check_url("redis://127.0.0.1:6379/0?protocol=3").query == "protocol=3"

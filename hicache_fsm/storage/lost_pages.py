@@ -43,7 +43,6 @@ class LostPages:
     healthy: bool
     last_error: str
     _epoch: object = None  # the attached store's data epoch, kept over a detach (``_read_epoch_at_attach``)
-    _epoch_checked: float
     _sweep_due: bool
     _last_sweep: float
     now: Callable[[], float]  # the tier's clock
@@ -52,6 +51,7 @@ class LostPages:
     _confine: Callable[[], None]  # refuses a thread that does not drive the cache
 
     def _data_epoch(self) -> object:
+        """The epoch at an attach (on the scheduler's thread, as the attach's own probe); None if unreadable."""
         read = getattr(self.link.backend, "data_epoch", None)  # a duck-typed backend may not have one
         try:
             return read() if callable(read) else None
@@ -59,18 +59,13 @@ class LostPages:
             log.debug("storage data epoch unavailable: %s", exc)
             return None
 
-    def _check_epoch(self) -> None:
-        """Every ``retry_interval``: if the backend's data epoch changed, its pages were lost (see ``storage_lost``).
+    def epoch_read(self, epoch: object) -> None:
+        """The I/O thread read the backend's data epoch: if it changed, its pages were lost (see ``storage_lost``).
 
         A rank group leaves this out: one rank's backend losing pages must not split the trees.
         """
         if self.agreement is not None or self.link.state != "attached" or not self.healthy:
             return
-        now = self.now()
-        if now - self._epoch_checked < self.options.retry_interval:
-            return
-        self._epoch_checked = now
-        epoch = self._data_epoch()
         if epoch is None or epoch == self._epoch:
             return
         self._epoch = epoch
@@ -83,7 +78,7 @@ class LostPages:
         """The attached store's data epoch, after the marks an earlier attachment left were judged by it."""
         epoch = self._data_epoch()
         self._check_stored_marks(epoch)
-        self._epoch, self._epoch_checked = epoch, self.now()
+        self._epoch = epoch
 
     def _check_stored_marks(self, epoch: object) -> None:
         """At an attach: the nodes marked stored by an earlier attachment hold pages of that store. They are

@@ -50,6 +50,7 @@ class StorageThreads:
     _winding_down: threading.Event  # set while a detach or reset winds transfers down: a running backup ends
     _link_down: str
     _last_probe: float
+    _epoch_read_at: float = float("-inf")  # when the I/O thread last read the data epoch (``_read_epoch``)
     _thread_counts: Counter[str]
     _foreign_keys: OrderedDict[str, None]  # page keys stored in another page format (under _cv), until the next attach
     _confine: Callable[[], None]  # the scheduler's calls here refuse a thread that does not drive the cache
@@ -202,6 +203,30 @@ class StorageThreads:
             return
         self._mark_link("")
 
+    def _read_epoch(self, backend: StorageBackend) -> None:
+        """Every ``retry_interval`` while the link is up: read the backend's data epoch for the scheduler.
+
+        On this thread, never the scheduler's: the read is a round trip to a
+        server that may have stopped answering (the scheduler would wait out
+        its socket timeout in ``poll``). A failed read is a failed call: a
+        ``StorageError`` takes the link down, as a failed backup does.
+        """
+        read = getattr(backend, "data_epoch", None)  # a duck-typed backend may not have one
+        now = time.monotonic()
+        if not callable(read) or now - self._epoch_read_at < self.options.retry_interval:
+            return
+        self._epoch_read_at = now
+        try:
+            epoch = read()
+        except StorageError as exc:  # the store did not answer: as any failed storage call
+            self._failed(exc)
+            return
+        except Exception as exc:  # noqa: BLE001 - a backend of our protocol's shape, whose epoch tells nothing
+            log.debug("storage data epoch unavailable: %s", exc)
+            return
+        with self._cv:
+            self._post(self._gen, "epoch", epoch)
+
     def _run_transfer(self, stop: threading.Event, backend: StorageBackend, gen: int, job: TransferJob,
                       op: PrefetchOp) -> None:
         ps = self.page_size
@@ -341,7 +366,8 @@ def _serve(tier: "weakref.ref[StorageThreads]", cv: threading.Condition, queues:
     cache dropped without ``close`` (and its host pool) is collected rather
     than kept alive by its own threads; the tier's finalizer then stops the
     link and closes its backend (``StorageLink.abandon``). The I/O thread probes a
-    link that is down whenever its wait ends with nothing queued.
+    link that is down whenever its wait ends with nothing queued, and reads the
+    data epoch of a link that is up between its items.
     """
     while not stop.is_set():
         threads = tier()
@@ -357,6 +383,8 @@ def _serve(tier: "weakref.ref[StorageThreads]", cv: threading.Condition, queues:
             threads._run_item(io, stop, backend, item)
         elif down and not stop.is_set():
             threads._probe(backend)
+        if io and not stop.is_set() and not threads._link_down:
+            threads._read_epoch(backend)
         threads = item = None  # nothing of the tier outlives the step in this frame
 
 

@@ -450,7 +450,6 @@ class StorageTier(PrefetchCalls, StorageThreads, LostPages):
         """Drain thread events, retry failed backups when due; completions for the cache."""
         self._confine()
         self._drain()
-        self._check_epoch()
         self._apply_evictions()
         self._maybe_sweep()
         done, self._completions = self._completions, []
@@ -480,6 +479,8 @@ class StorageTier(PrefetchCalls, StorageThreads, LostPages):
                         rt.transfer_finished(op)
                     else:
                         agreement.transfer_ended(op)
+            elif kind == "epoch":
+                self.epoch_read(ev[2])
             elif kind != "health" and rt.active.get(ev[2].request_id) is not ev[2]:
                 continue  # ended (aborted, stopped) meanwhile
             elif agreement is not None:  # a rank group: act only on what every rank saw
@@ -655,7 +656,10 @@ class StorageTier(PrefetchCalls, StorageThreads, LostPages):
 
         A bad ``drain`` is refused (``ConfigError``) before anything changes. Once
         past that, the threads are stopped and the backend closed whatever fails
-        on the way (the failure is logged), so a closed tier never leaks either.
+        on the way (the failure is logged), so a closed tier never leaks either:
+        a thread still inside a backend call after ``join_timeout`` (a server
+        that stopped answering) closes the backend itself when the call returns,
+        instead of ``close`` waiting on that call.
         """
         drain = drain_seconds(drain)
         if self.closed:
@@ -677,10 +681,11 @@ class StorageTier(PrefetchCalls, StorageThreads, LostPages):
         except Exception as exc:  # noqa: BLE001 - closing goes on: stop the threads, close the backend
             log.error("closing the storage tier: %s", exc)
         finally:
-            if self.link.backend is not None or self.link.threads_alive():
-                self.link.signal_stop()
-                self.link.join()
-                self.link.close_backend()
+            link = self.link
+            if link.backend is not None or link.threads_alive():
+                link.signal_stop()
+                link.join(0.0 if link.state == "detaching" else None)  # a refused detach has waited already
+                link.when_stopped(link.close_backend)  # a thread still in a backend call closes it as it leaves
             self.closed = True
 
     def when_threads_stopped(self, fn: Callable[[], None]) -> None:

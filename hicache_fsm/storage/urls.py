@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from urllib.parse import SplitResult, unquote, urlsplit
+from urllib.parse import SplitResult, parse_qsl, unquote, urlsplit
 
 from hicache_fsm.errors import StorageURLError
 
@@ -38,11 +38,30 @@ def check_url(url: object) -> SplitResult:
     if scheme in ("redis", "rediss") and not re.fullmatch(r"/?([0-9]+)?", parts.path):
         raise StorageURLError(f"bad redis URL {url!r}: the path names a database by its number, "
                               f"got {parts.path[:40]!r}")  # redis-py would fall back to database 0
+    if scheme in ("redis", "rediss", "unix"):
+        redis_query(parts, url)
     if scheme == "mooncake" and (not parts.hostname or port is None):
         raise StorageURLError(f"mooncake URLs need HOST:PORT (the master's RPC port), got {url!r}")
     if scheme == "memory" and (parts.path not in ("", "/") or parts.query or port is not None or "@" in parts.netloc):
         raise StorageURLError(f"memory URLs look like memory:// or memory://NAME, got {url!r}")
     return parts
+
+
+# redis-py URL parameters that would override, unchecked, what the backend sets from its own options
+REDIS_OPTION_PARAMETERS = {"socket_timeout": "socket_timeout", "socket_connect_timeout": "connect_timeout",
+                           "max_connections": "max_connections", "timeout": "socket_timeout and connect_timeout",
+                           "health_check_interval": None, "retry_on_timeout": "retries", "retry_on_error": "retries"}
+
+
+def redis_query(parts: SplitResult, url: str) -> None:
+    """Refuse URL parameters the backend's options set: redis-py lets the URL's win without a word, so
+    ``?socket_timeout=inf`` (or ``=20`` over an option of 0.3) would undo the option's check."""
+    given = sorted({name for name, _ in parse_qsl(parts.query, keep_blank_values=True)} & set(REDIS_OPTION_PARAMETERS))
+    if given:
+        options = sorted({REDIS_OPTION_PARAMETERS[name] for name in given} - {None})
+        instead = f"; pass {', '.join(options)} to attach_storage instead" if options else ""
+        raise StorageURLError(f"redis URL parameter(s) {', '.join(given)} are set by the backend (checked), not "
+                              f"by the URL{instead}: got {url!r}")
 
 
 def file_directory(parts: SplitResult, url: str) -> str:
@@ -60,4 +79,4 @@ def file_directory(parts: SplitResult, url: str) -> str:
     return "/".join(segments)
 
 
-__all__ = ["SCHEMES", "check_url", "file_directory"]
+__all__ = ["REDIS_OPTION_PARAMETERS", "SCHEMES", "check_url", "file_directory", "redis_query"]
