@@ -5,6 +5,7 @@ short page files, ``close(drain)`` right after an insert, observers from another
 from __future__ import annotations
 
 import os
+from pathlib import Path
 import threading
 
 import pytest
@@ -341,3 +342,40 @@ def test_redis_url_parameters_the_backend_does_not_set_pass_the_form_check():
     from hicache_fsm.storage import check_url
 
     assert check_url("redis://127.0.0.1:6379/0?protocol=3").query == "protocol=3"
+
+
+def test_a_backend_call_close_left_running_ends_before_the_interpreter_exits(tmp_path):
+    """The exit waits for it (a native client torn down mid-call aborts the process), and the backend is
+    closed by that thread as it leaves."""
+    import subprocess
+    import sys
+
+    marker = tmp_path / "closed"
+    script = tmp_path / "late_close.py"
+    script.write_text(f"""
+import sys, threading
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from storage_util import make_cache, prompt
+from test_embedding_contracts import FAST, StuckQuery
+
+class Marked(StuckQuery):
+    def _close(self):
+        super()._close()
+        open({str(marker)!r}, "w").close()
+
+cache = make_cache()
+backend = Marked(store="late-close")
+cache.attach_storage(backend, **{{**FAST, "join_timeout": 0.05}})
+backend.hang = True
+tokens = prompt(16, seed=13)
+assert cache.prefetch("r", tokens, cache.match_prefix(tokens))
+assert backend.entered.wait(120)
+cache.close()
+assert not backend.closed  # the call is still running: closed when it returns
+answer = threading.Timer(0.2, backend.release.set)  # the server answers again, after the script's end
+answer.daemon = True  # not waited for by the interpreter itself: only the storage link's exit hook waits
+answer.start()
+""")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert marker.exists()

@@ -26,11 +26,13 @@ log = logging.getLogger("hicache_fsm.storage.tier")
 THREAD_PREFIX = "hicache-storage"
 
 _STARTED: "weakref.WeakSet[StorageLink]" = weakref.WeakSet()  # every link that started threads, while it lives
+LATE_CLOSE_AT_EXIT = 120.0  # seconds the exit waits for a backend call that ``close`` left running (see ``close_late``)
 
 
 @atexit.register
 def _stop_at_exit() -> None:
-    """Stop every link's threads and wait for them (``join_timeout`` at most) before the interpreter finalizes.
+    """Stop every link's threads and wait for them (``join_timeout`` at most, ``LATE_CLOSE_AT_EXIT`` for a call
+    that ``close`` left running) before the interpreter finalizes.
 
     The threads are daemons so that a cache never closed cannot keep the
     process alive, but one still inside a torch or backend call while the
@@ -41,7 +43,11 @@ def _stop_at_exit() -> None:
     for link in links:
         link.signal_stop()
     if links:  # one deadline for all: a process with many hung backends waits the longest timeout once
-        deadline = time.monotonic() + max(link.join_timeout for link in links)
+        late = [link for link in links if link.closing_late and link.threads_alive()]
+        if late:
+            log.warning("waiting up to %.0fs for %d storage call(s) that close left running (a server that stopped "
+                        "answering) before the interpreter exits", LATE_CLOSE_AT_EXIT, len(late))
+        deadline = time.monotonic() + max(LATE_CLOSE_AT_EXIT if link in late else link.join_timeout for link in links)
         for link in links:
             link.join(max(0.0, deadline - time.monotonic()))
 
@@ -55,6 +61,7 @@ class StorageLink:
         self.threads: list[threading.Thread] = []
         self.stop_event = threading.Event()
         self.join_timeout = join_timeout
+        self.closing_late = False  # ``close_late``: a thread inside a backend call closes the backend as it leaves
         self._wake = wake
         self.last_backend_stats: dict = {}
         self.closed_totals: Counter[str] = Counter()  # counters of every backend closed so far, summed
@@ -140,14 +147,25 @@ class StorageLink:
                 return
         fn()
 
+    def close_late(self) -> None:
+        """Close the backend now if no thread runs, else when the last one leaves its backend call.
+
+        ``close`` does not wait on a call to a server that stopped answering;
+        the interpreter's exit does (``LATE_CLOSE_AT_EXIT``): a native client
+        torn down in the middle of a call aborts the process.
+        """
+        self.closing_late = self.threads_alive()
+        self.when_stopped(self.close_backend)
+
     def join(self, timeout: float | None = None) -> bool:
         """Wait (bounded) for every thread to exit; True when none is alive."""
-        deadline = time.monotonic() + (self.join_timeout if timeout is None else timeout)
+        wait = self.join_timeout if timeout is None else timeout
+        deadline = time.monotonic() + wait
         for thread in self.threads:
             thread.join(max(0.0, deadline - time.monotonic()))
         alive = [t.name for t in self.threads if t.is_alive()]
-        if alive:
-            log.error("storage threads still running after %.1fs: %s", self.join_timeout, alive)
+        if alive and wait > 0:
+            log.error("storage threads still running after %.1fs: %s", wait, alive)
         return not alive
 
     # ------------------------------------------------------------------ machine effects / guards

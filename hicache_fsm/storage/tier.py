@@ -685,7 +685,7 @@ class StorageTier(PrefetchCalls, StorageThreads, LostPages):
             if link.backend is not None or link.threads_alive():
                 link.signal_stop()
                 link.join(0.0 if link.state == "detaching" else None)  # a refused detach has waited already
-                link.when_stopped(link.close_backend)  # a thread still in a backend call closes it as it leaves
+                link.close_late()  # a thread still in a backend call closes it as it leaves
             self.closed = True
 
     def when_threads_stopped(self, fn: Callable[[], None]) -> None:
