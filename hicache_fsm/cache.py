@@ -636,8 +636,9 @@ class HiCache(StorageCalls):
         self.driver.add_observer(fn)
 
     def remove_observer(self, fn: Callable[[dict], None]) -> None:
-        """Stop calling ``fn`` (added by ``add_observer``); ``ValueError`` if it was not added."""
-        self.check_open()
+        """Stop calling ``fn`` (added by ``add_observer``); ``ValueError`` if it was not added. Allowed once closed."""
+        if not self.closed:
+            self.check_open()
         self.driver.remove_observer(fn)
 
     def register_host_owner(self, source: HostOwners) -> None:

@@ -52,7 +52,7 @@ def _add_bench(sub: argparse._SubParsersAction, benchmarks: Sequence[str]) -> No
         module = importlib.import_module(path)
         p.add_argument("--json", action="store_true", help="print only one JSON object on stdout (the report goes to stderr)")
         module.configure(p)
-        p.set_defaults(_run=lambda args, m=module: (m.run(args), 0)[1])
+        p.set_defaults(_run=lambda args, m=module: (m.run(args), 0)[1], _parser=p)
 
 
 def build_parser(only: str | None = None, benchmark: str = _NONE) -> argparse.ArgumentParser:
@@ -70,7 +70,7 @@ def build_parser(only: str | None = None, benchmark: str = _NONE) -> argparse.Ar
         if only is None or only == name:
             module = importlib.import_module(path)
             module.configure(p)
-            p.set_defaults(_run=module.run)
+            p.set_defaults(_run=module.run, _parser=p)
     _add_bench(sub, list(BENCHMARKS) if only is None else [benchmark] if only == BENCH else [])
     return parser
 
@@ -97,7 +97,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     command, benchmark = _command_in(argv)
     name = " ".join(["hicache-fsm", *filter(None, (command, benchmark))])
     try:  # building the parser imports the command's module (torch, seconds): Ctrl-C there is handled too
-        args = build_parser(only=command, benchmark=benchmark).parse_args(argv)
+        args, extras = build_parser(only=command, benchmark=benchmark).parse_known_args(argv)
+        if extras:  # the command's own parser names them: `hicache-fsm fuzz: error: ... (see hicache-fsm fuzz --help)`
+            args._parser.error(f"unrecognized arguments: {' '.join(extras)}")
         name = "hicache-fsm " + args.command + (f" {args.benchmark}" if args.command == BENCH else "")
         with sigterm_interrupts():  # SIGTERM (a timeout, a stop) cleans up as Ctrl-C does: temp dirs, threads
             return int(args._run(args) or 0)

@@ -25,18 +25,19 @@ def check_positive_int(name: str, value: object, minimum: int = 1, error: type[C
 MAX_SECONDS = threading.TIMEOUT_MAX
 
 
-def check_seconds(name: str, value: object, *, zero_ok: bool = False, error: type[ConfigError] = ConfigError) -> float:
-    """``value`` as seconds: a number (not a bool) > 0, or >= 0 with ``zero_ok``, and at most ``MAX_SECONDS``; else
-    ``error`` naming it."""
+def check_seconds(name: str, value: object, *, zero_ok: bool = False, error: type[ConfigError] = ConfigError,
+                  maximum: float = MAX_SECONDS) -> float:
+    """``value`` as seconds: a number (not a bool) > 0, or >= 0 with ``zero_ok``, and at most ``maximum``
+    (``MAX_SECONDS`` unless a caller bounds it tighter); else ``error`` naming it."""
     ok = not isinstance(value, bool) and isinstance(value, (int, float))
     if ok:
         try:
-            ok = math.isfinite(value) and (value > 0 or (zero_ok and value == 0)) and value <= MAX_SECONDS
+            ok = math.isfinite(value) and (value > 0 or (zero_ok and value == 0)) and value <= maximum
         except OverflowError:  # an int beyond any float
             ok = False
     if not ok:
         raise error(f"{name} must be a finite number of seconds {'>=' if zero_ok else '>'} 0 and <= "
-                    f"{MAX_SECONDS:g}, got {reprlib.repr(value)}")
+                    f"{maximum:g}, got {reprlib.repr(value)}")
     return float(value)
 
 

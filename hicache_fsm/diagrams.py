@@ -14,6 +14,7 @@ import re
 import shutil
 import subprocess
 
+from hicache_fsm.commands.args import printable
 from hicache_fsm.errors import DiagramError
 from hicache_fsm.spec import Spec, StateSpec, TransitionSpec
 
@@ -24,6 +25,9 @@ INSTALL_HINT = (
 )
 DOT_TIMEOUT_S = 30.0
 DESCRIPTION_CHARS = 60
+# Graphviz refuses a quoted string past 16384 bytes: text capped here stays under it even with every
+# character escaped (7 bytes at most, ``\\u202e``) or 4 bytes of UTF-8.
+TOOLTIP_CHARS = 1024
 
 # Words the mermaid state-diagram lexer (case-insensitively) reads as keywords
 # when they open a statement; a state so named is drawn under a safe id
@@ -63,6 +67,17 @@ def short_doc(text: str, limit: int = DESCRIPTION_CHARS) -> str:
     return first
 
 
+def capped(text: str, limit: int = TOOLTIP_CHARS) -> str:
+    """``text`` on one line, cut at a word to ``limit`` characters (a doc of any length is a valid spec)."""
+    text = " ".join(text.split())
+    if len(text) <= limit:
+        return text
+    cut = text[: limit - 3]
+    if " " in cut:
+        cut = cut[: cut.rindex(" ")]
+    return cut + "..."
+
+
 # --------------------------------------------------------------------------- mermaid
 
 
@@ -85,9 +100,10 @@ def mermaid_text(text: str) -> str:
 
     The lexer ends a description at ``:``, ``;`` or a newline, treats ``%%`` as
     a comment and ``direction XX`` anywhere as a statement; quotes, ``#``, angle
-    brackets and braces are replaced too, for the renderers' sake.
+    brackets and braces are replaced too, for the renderers' sake; control characters and bidirectional
+    overrides are escaped (``printable``), as everywhere spec text is shown.
     """
-    text = " ".join(text.split())
+    text = printable(" ".join(text.split()))
     text = text.replace(":", " -").replace(";", ",").replace("#", "no.").replace("%", " pct")
     text = text.replace('"', "'").replace("{", "(").replace("}", ")").replace("<", "(").replace(">", ")")
     text = re.sub(r"(?i)\bdirection\b", "heading", text)
@@ -140,8 +156,8 @@ FONT = "Helvetica"
 
 
 def dot_quote(text: str) -> str:
-    """``text`` as a double-quoted dot string."""
-    return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+    """``text`` as a double-quoted dot string, control characters and bidirectional overrides escaped (``printable``)."""
+    return '"' + printable(text).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
 
 
 def html_escape(text: str) -> str:
@@ -160,7 +176,7 @@ def state_style(st: StateSpec) -> list[str]:
     if st.terminal:
         attrs.append("peripheries=2")
     if st.doc:
-        attrs.append(f"tooltip={dot_quote(' '.join(st.doc.split()))}")
+        attrs.append(f"tooltip={dot_quote(capped(st.doc))}")
     return attrs
 
 
@@ -224,12 +240,12 @@ def to_dot(spec: Spec) -> str:
     nodes = [f"  {dot_quote(st.name)} [{', '.join(state_style(st))}];" for st in spec.states]
     edges = []
     for t in spec.transitions:
-        attrs = [f"label={dot_quote(edge_label(t))}"]
+        attrs = [f"label={dot_quote(capped(edge_label(t)))}"]
         if t.emits:
             colour = job_colour(t.emits)
             attrs += [f"color={dot_quote(colour)}", f"fontcolor={dot_quote(colour.split(':')[0])}", "penwidth=2"]
         if t.doc:
-            attrs.append(f"tooltip={dot_quote(' '.join(t.doc.split()))}")
+            attrs.append(f"tooltip={dot_quote(capped(t.doc))}")
         for source in t.sources:
             edges.append(f"  {dot_quote(source)} -> {dot_quote(t.dest)} [{', '.join(attrs)}];")
     return dot_document(spec, nodes, edges, legend_node("Legend", legend_rows(spec)))

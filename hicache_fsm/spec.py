@@ -9,12 +9,13 @@ builds nothing.
 
 from __future__ import annotations
 
+import bisect
 import difflib
 import functools
 import importlib.resources
 import os
 import re
-from collections import deque
+from collections import Counter, deque
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -150,6 +151,25 @@ _Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 _NON_PRINTABLE = re.compile("[^\x09\x0A\x0D\x20-\x7E\x85\xA0-\uD7FF\uE000-\uFFFD\U00010000-\U0010FFFF]")
 
 
+# The line breaks of a file as editors count them. YAML 1.1 (PyYAML's marks) also breaks lines at U+0085,
+# U+2028 and U+2029, which a quoted scalar may hold: counted as breaks, every later line would be off.
+_BREAK = re.compile(r"\r\n?|\n")
+
+
+class _LineIndex:
+    """1-based line of a character index of one text, counting only ``\\n``, ``\\r\\n`` and ``\\r``."""
+
+    def __init__(self, text: str) -> None:
+        self.starts = [m.end() for m in _BREAK.finditer(text)]  # where each line after the first begins
+
+    def at(self, index: int) -> int:
+        return bisect.bisect_right(self.starts, index) + 1
+
+    def of(self, mark: yaml.Mark) -> int:
+        """The line of a YAML mark, from its character index (its ``line`` counts YAML's breaks)."""
+        return self.at(mark.index)
+
+
 def _decode(data: bytes, path: str) -> str:
     """Spec bytes as text: bounded in size, UTF-8, the bad byte's line named."""
     if len(data) > MAX_SPEC_BYTES:
@@ -157,7 +177,8 @@ def _decode(data: bytes, path: str) -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        line = data.count(b"\n", 0, exc.start) + 1
+        before = data[: exc.start].decode("utf-8")
+        line = _LineIndex(before).at(len(before))
         raise SpecError(path, line, f"cannot read spec: not UTF-8 (byte 0x{data[exc.start]:02x})") from None
 
 
@@ -168,58 +189,60 @@ def _check_text(text: object, path: str) -> str:
         raise SpecError(path, None, f"spec is larger than {MAX_SPEC_BYTES} bytes")
     bad = _NON_PRINTABLE.search(text)
     if bad is not None:
-        line = text.count("\n", 0, bad.start()) + 1
-        raise SpecError(path, line, f"character {bad.group()!r} is not allowed in YAML (binary data?)")
+        raise SpecError(path, _LineIndex(text).at(bad.start()), f"character {bad.group()!r} is not allowed in YAML (binary data?)")
     return text
 
 
-def _syntax_error(exc: yaml.YAMLError, path: str) -> SpecError:
+def _syntax_error(exc: yaml.YAMLError, path: str, lines: _LineIndex) -> SpecError:
     mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
-    line = mark.line + 1 if mark is not None else None
+    line = lines.of(mark) if mark is not None else None
     problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
     context, context_mark = getattr(exc, "context", None), getattr(exc, "context_mark", None)
     if context and context_mark is not None and context_mark is not mark:
-        problem += f" ({context} started at line {context_mark.line + 1})"
+        problem += f" ({context} started at line {lines.of(context_mark)})"
     return SpecError(path, line, f"YAML syntax error: {problem}")
 
 
-def _prescan(text: str, path: str) -> None:
+def _prescan(text: str, path: str, lines: _LineIndex) -> None:
     """Walk the parser's events (no tree is built) and stop at the first bound crossed."""
     events = depth = 0
     try:
         for event in yaml.parse(text, Loader=_Loader):
             events += 1
             if events > MAX_EVENTS:
-                raise SpecError(path, event.start_mark.line + 1, f"spec too large: more than {MAX_EVENTS} YAML events")
+                raise SpecError(path, lines.of(event.start_mark), f"spec too large: more than {MAX_EVENTS} YAML events")
             if isinstance(event, yaml.CollectionStartEvent):
                 depth += 1
                 if depth > MAX_DEPTH:
-                    raise SpecError(path, event.start_mark.line + 1, f"spec nested deeper than {MAX_DEPTH} levels")
+                    raise SpecError(path, lines.of(event.start_mark), f"spec nested deeper than {MAX_DEPTH} levels")
             elif isinstance(event, yaml.CollectionEndEvent):
                 depth -= 1
     except yaml.YAMLError as exc:
-        raise _syntax_error(exc, path) from None
+        raise _syntax_error(exc, path, lines) from None
 
 
 def _compose(text: str, path: str) -> Any:
-    _prescan(_check_text(text, path), path)
+    # without its byte-order mark: libyaml's marks skip it, the pure-Python parser's count it
+    text = _check_text(text, path).removeprefix("\ufeff")
+    lines = _LineIndex(text)
+    _prescan(text, path, lines)
     loader = _Loader(text)
     try:
         node = loader.get_single_node()
     except yaml.YAMLError as exc:
-        raise _syntax_error(exc, path) from None
+        raise _syntax_error(exc, path, lines) from None
     finally:
         loader.dispose()
     if node is None:
         raise SpecError(path, 1, "empty spec file")
-    return _convert(node, loader, path)
+    return _convert(node, loader, path, lines)
 
 
-def _convert(node: yaml.Node, loader: yaml.SafeLoader, path: str, _walk: dict | None = None) -> Any:
+def _convert(node: yaml.Node, loader: yaml.SafeLoader, path: str, lines: _LineIndex, _walk: dict | None = None) -> Any:
     # ``_walk`` holds the nodes on the current path (a recursive alias would loop
     # forever) and a count of nodes visited (aliases may repeat a node many times).
     walk = _walk if _walk is not None else {"path": set(), "count": 0}
-    line = node.start_mark.line + 1
+    line = lines.of(node.start_mark)
     walk["count"] += 1
     if walk["count"] > MAX_NODES:
         raise SpecError(path, line, f"spec too large: more than {MAX_NODES} YAML nodes (alias expansion?)")
@@ -235,19 +258,20 @@ def _convert(node: yaml.Node, loader: yaml.SafeLoader, path: str, _walk: dict | 
         out = _Lined()
         out.line, out.key_lines = line, {}
         for key_node, value_node in node.value:
-            key = _convert(key_node, loader, path, walk)
+            key = _convert(key_node, loader, path, lines, walk)
+            key_line = lines.of(key_node.start_mark)
             if not isinstance(key, str):
-                raise SpecError(path, key_node.start_mark.line + 1, f"keys must be strings, got {key!r}")
+                raise SpecError(path, key_line, f"keys must be strings, got {key!r}")
             if key in out:
-                raise SpecError(path, key_node.start_mark.line + 1, f"duplicate key {key!r} (first at line {out.key_lines[key]})")
-            out[key] = _convert(value_node, loader, path, walk)
-            out.key_lines[key] = key_node.start_mark.line + 1
+                raise SpecError(path, key_line, f"duplicate key {key!r} (first at line {out.key_lines[key]})")
+            out[key] = _convert(value_node, loader, path, lines, walk)
+            out.key_lines[key] = key_line
         walk["path"].discard(id(node))
         return out
     if isinstance(node, yaml.SequenceNode):
         walk["path"].add(id(node))
-        seq = _LinedList(_convert(item, loader, path, walk) for item in node.value)
-        seq.line, seq.item_lines = line, [item.start_mark.line + 1 for item in node.value]
+        seq = _LinedList(_convert(item, loader, path, lines, walk) for item in node.value)
+        seq.line, seq.item_lines = line, [lines.of(item.start_mark) for item in node.value]
         walk["path"].discard(id(node))
         return seq
     try:
@@ -335,12 +359,26 @@ def _str_list(value: Any, what: str, line: int | None, problems: _Problems) -> t
     return tuple(out)
 
 
+# What each list of a state or transition holds, in the message for an entry listed twice
+_ENTRY_NOUNS = {"tags": "a tag", "source": "a source state", "guards": "a guard", "unless": "a guard under 'unless'",
+                "effects": "an effect", "emits": "a job kind", "events": "an event"}
+
+
+def _check_listed_once(owner: str, lists: dict[str, tuple[str, ...]], line: int | None, problems: _Problems) -> None:
+    """Report an entry listed twice: a second emit would emit a second job, a second effect run twice, and
+    a set (tags) would drop it unseen, so a repeat is a mistake in every list."""
+    for key, items in lists.items():
+        twice = [name for name, n in Counter(items).items() if n > 1]
+        if twice:
+            problems.add(line, f"{owner} lists {_ENTRY_NOUNS[key]} twice: {', '.join(map(repr, twice))}")
+
+
 def _check_name(name: str, what: str, line: int | None, problems: _Problems) -> None:
     if not NAME_RE.fullmatch(name):  # fullmatch: "$" alone also matches before a final newline
         problems.add(line, f"{what} name {name!r} must match {NAME_RE.pattern}")
 
 
-def parse_spec(text: str, path: str = "<string>", registry: MachineRegistry | None = None, *,
+def parse_spec(text: str, path: str | os.PathLike[str] = "<string>", registry: MachineRegistry | None = None, *,
                require_bindings: bool | None = None) -> Spec:
     """Parse and validate spec text; raise ``SpecError`` (file:line) on any problem.
 
@@ -349,8 +387,13 @@ def parse_spec(text: str, path: str = "<string>", registry: MachineRegistry | No
     when ``require_bindings`` is True (an unknown machine then has none); a
     user's spec can be validated and drawn without any. ``require_bindings=False``
     skips the check even for the library's machines. Running a machine always
-    needs its bindings (``compile_machine`` checks them again).
+    needs its bindings (``compile_machine`` checks them again). ``path`` names the text in messages: a str or
+    ``os.PathLike``, as ``load_spec`` takes; anything else, or a ``registry`` that is not a ``MachineRegistry``,
+    is a ``SpecError`` (not an AttributeError deep inside).
     """
+    path = _path_name(path)
+    if registry is not None and not isinstance(registry, MachineRegistry):
+        raise SpecError(path, None, f"registry must be a MachineRegistry or None, got {type(registry).__name__}")
     raw = _compose(text, path)
     problems = _Problems(path)
     if not isinstance(raw, _Lined):
@@ -409,6 +452,7 @@ def _parse_states(raw: _Lined, problems: _Problems) -> tuple[StateSpec, ...]:
             problems.dropped = True
             continue
         tags = _str_list(body.get("tags", []), "tags", body.key_lines.get("tags"), problems)
+        _check_listed_once(f"state {name!r}", {"tags": tags}, body.key_lines.get("tags", line), problems)
         for tag in tags:
             if tag not in KNOWN_TAGS:
                 problems.add(body.key_lines.get("tags", line), f"state {name!r}: unknown tag {tag!r}; known: {', '.join(sorted(KNOWN_TAGS))}")
@@ -440,6 +484,7 @@ def _parse_transitions(raw: _LinedList, problems: _Problems) -> tuple[Transition
             key: _str_list(item.get(key, []), key, item.key_lines.get(key, item.line), problems)
             for key in ("source", "guards", "unless", "effects", "emits", "events")
         }
+        _check_listed_once(f"transition {trigger!r}", lists, item.line, problems)
         for key, what in (("guards", "guard"), ("unless", "guard"), ("effects", "effect")):
             for name in lists[key]:  # a binding's name, never a dotted path: nothing is imported by name
                 _check_name(name, what, item.key_lines.get(key, item.line), problems)
@@ -472,8 +517,6 @@ def _check_graph(spec: Spec, initial_line: int | None, problems: _Problems) -> N
             if s not in names:
                 problems.add(t.line, f"transition {t.trigger!r} comes from unknown state {s!r}")
                 problems.dropped = True
-        if len(set(t.sources)) != len(t.sources):
-            problems.add(t.line, f"transition {t.trigger!r} lists a source state twice")
         if t.dest not in names:
             problems.add(t.line, f"transition {t.trigger!r} goes to unknown state {t.dest!r}")
             problems.dropped = True
@@ -564,25 +607,28 @@ def _check_job_kinds(spec: Spec, problems: _Problems) -> None:
 
 
 def _check_events(spec: Spec, problems: _Problems) -> None:
-    """Every ``events:`` entry is KIND:TIER with a known kind and tier, listed once."""
+    """Every ``events:`` entry is KIND:TIER with a known kind and tier (listed once: ``_check_listed_once``)."""
     for t in spec.transitions:
         for entry in t.events:
             try:
                 parse_event(entry)
             except ValueError as exc:
                 problems.add(t.line, f"transition {t.trigger!r}: {exc}")
-        if len(set(t.events)) != len(t.events):
-            problems.add(t.line, f"transition {t.trigger!r} lists an event twice")
 
 
-def _spec_path(path: object) -> Path:
-    """``path`` as a Path; SpecError for what pathlib refuses (not a str or str os.PathLike, or a NUL inside)."""
+def _path_name(path: object) -> str:
+    """``path`` as a str; SpecError for what pathlib refuses (not a str or str os.PathLike, or a NUL inside)."""
     name = os.fspath(path) if isinstance(path, (str, os.PathLike)) else None
     if not isinstance(name, str):  # None, a number, bytes (or a PathLike of bytes): pathlib takes str only
         raise SpecError(repr(path)[:80], None, f"a spec path must be a str or os.PathLike, got {type(path).__name__}")
     if "\0" in name:
         raise SpecError(repr(name)[:80], None, "a spec path cannot contain a NUL character")
-    return Path(name)
+    return name
+
+
+def _spec_path(path: object) -> Path:
+    """``path`` as a Path (``_path_name``'s checks)."""
+    return Path(_path_name(path))
 
 
 def load_spec(path: str | Path, registry: MachineRegistry | None = None, *,

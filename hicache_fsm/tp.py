@@ -111,9 +111,7 @@ class RankGroup:
     """
 
     def __init__(self, group: Any = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-        self.timeout_s = check_seconds("timeout_s", timeout_s)
-        if self.timeout_s > MAX_TIMEOUT_S:
-            raise ConfigError(f"timeout_s must be at most {MAX_TIMEOUT_S:g} s (it bounds a failure), got {timeout_s!r}")
+        self.timeout_s = check_seconds("timeout_s", timeout_s, maximum=MAX_TIMEOUT_S)  # a failure guard
         self._timeout = datetime.timedelta(seconds=self.timeout_s)
         self.failed: str | None = None
         self.collectives = 0

@@ -184,3 +184,16 @@ def one_copy_fails_here(rank: int, world: int, pg, block_pages: int, failing_ran
     cache.check_invariants()
     return failed | {"retried": node.state, "checked_pages": check_kv(r),
                      "view_after_retry": agree_view(r, group, "the retried write")}
+
+
+def build_as_another_rank(rank: int, world: int, pg, claimed_rank: int | None, claimed_world: int) -> str:
+    """Build this rank's cache claiming ``claimed_rank`` (None: its own) of ``claimed_world``: the error, or ok."""
+    from hicache_fsm.errors import ConfigError
+
+    config = PoolConfig(shape=SHAPE, device_tokens=8 * PAGE, page_size=PAGE, host_tokens=8 * PAGE)
+    try:
+        r = build_cp_rank(config, claimed_world, rank if claimed_rank is None else claimed_rank, 1, CacheConfig(), manual, group=RankGroup(pg))
+    except ConfigError as exc:
+        return str(exc)
+    r.cache.close()
+    return "ok"

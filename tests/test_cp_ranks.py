@@ -44,3 +44,14 @@ def test_cp_ranks_agree_whatever_order_and_failures_each_rank_sees(world, block_
     failed = {v[1] for v in values}
     assert len(failed) == 1 and failed.pop() > 0  # failures were injected, and every rank failed the same writes
     assert all(v[2] > 0 for v in values)  # every rank read its own pages back bit for bit
+
+
+@pytest.mark.parametrize("claimed", ["rank 0 on every process", "a world of 3"])
+def test_a_cp_rank_built_as_another_rank_is_refused_on_every_rank(claimed):
+    """A rank built as another owns another's pages: half the KV would be copied by no rank, silently."""
+    if claimed == "a world of 3":
+        values = _values(run_ranks(cp_rank_scenarios.build_as_another_rank, 2, None, 3, timeout_s=300))
+    else:
+        values = _values(run_ranks(cp_rank_scenarios.build_as_another_rank, 2, 0, 2, timeout_s=300))
+    assert all(v != "ok" for v in values)
+    assert any("pass the group's rank and size" in v for v in values)

@@ -39,6 +39,7 @@ from hicache_fsm.storage.options import STOP_POLICIES
 
 # Bounds of a single exploration when any bound flag is given (with none, the default families run).
 # Flags default to None so that an explicit flag equal to its default still counts as given.
+MAX_CHECK_PAGE_SIZE = 64  # SGLang's usual page; the explored state keys hold token prefixes: cost ~ page squared
 BOUND_DEFAULTS: dict = {"nodes": 3, "device_pages": 2, "host_pages": 2, "layers": 1, "page_size": 1, "alphabet": 2,
                         "max_len": None, "locks": 1, "pins": 1, "write_policy": "write_through",
                         "eviction_policy": "lru", "track_hits": False, "no_redeliver": False, "max_depth": None,
@@ -49,13 +50,18 @@ BOUND_DEFAULTS: dict = {"nodes": 3, "device_pages": 2, "host_pages": 2, "layers"
 
 def configure(parser: argparse.ArgumentParser) -> None:
     from hicache_fsm.testing.explorer import MAX_PRIORITIES
+    from hicache_fsm.testing.kv import MAX_LAYERS
 
     g = parser.add_argument_group("bounds")
     g.add_argument("--nodes", type=positive_int, help="most radix nodes in a state (default 3)")
     g.add_argument("--device-pages", type=positive_int, help="device pool pages (default 2)")
     g.add_argument("--host-pages", type=positive_int, help="host pool pages (default 2)")
-    g.add_argument("--layers", type=positive_int, help="model layers of the KV (default 1)")
-    g.add_argument("--page-size", type=positive_int, help="tokens per page (default 1)")
+    g.add_argument("--layers", type=bounded_int(1, MAX_LAYERS),
+                   help=f"model layers of the KV (default 1, at most {MAX_LAYERS}: the test KV encodes the layer in "
+                        f"each value)")
+    g.add_argument("--page-size", type=bounded_int(1, MAX_CHECK_PAGE_SIZE),
+                   help=f"tokens per page (default 1, at most {MAX_CHECK_PAGE_SIZE}: a state's key holds each slot's "
+                        f"token prefix, so the search's cost grows with the square of the page)")
     g.add_argument("--alphabet", type=positive_int, help="distinct page contents in prompts (default 2)")
     g.add_argument("--max-len", type=positive_int, help="longest prompt in pages (default: min(nodes, device pages))")
     g.add_argument("--locks", type=non_negative_int, help="engine locks held at once (default 1)")
@@ -185,6 +191,9 @@ def _check_bounds_are_small(args: argparse.Namespace) -> None:
 
     refuse_many_prompts(args.alphabet, args.max_len if args.max_len is not None
                         else max(1, min(args.nodes, args.device_pages)))
+    if args.namespaces > args.alphabet:  # namespace = (first token - 1) mod N: only --alphabet of them occur
+        raise UsageError(f"--namespaces {args.namespaces} is more than --alphabet {args.alphabet}: a prompt's first "
+                         f"token names its namespace, so only {args.alphabet} would be explored (raise --alphabet)")
     tokens = (args.device_pages + args.host_pages) * args.page_size * args.layers
     if tokens > MAX_POOL_TOKENS:
         raise UsageError(f"pools of {tokens} token-layers are far beyond what an exhaustive search can cover; "

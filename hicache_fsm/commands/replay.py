@@ -3,8 +3,9 @@
 Each transition must be legal from the object's recorded state, each
 acknowledgement must match a pending job, each job must complete exactly
 once (see ``hicache_fsm.testing.trace``). Exit status 0 when the trace is
-valid, 1 at the first divergence (printed with the events before it), 2 when
-the file cannot be read.
+valid, 1 at the first divergence (printed with the events before it) or for a
+``--spec`` that is not a valid spec (its ``FILE:LINE`` lines), 2 when the trace
+cannot be read.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import sys
 from pathlib import Path
 
 from hicache_fsm.commands.args import bounded_int, path_arg, printable
+from hicache_fsm.commands.validate import problem_lines
 
 MAX_CONTEXT = 10_000  # events kept to show before a divergence
 
@@ -37,13 +39,18 @@ def run(args: argparse.Namespace) -> int:
     from hicache_fsm.testing.trace import load_trace, replay
 
     try:
-        events = load_trace(Path(args.trace))  # a path, whatever it reads like (a string may hold a trace's text)
         specs = load_all() + [load_spec(p) for p in args.spec]
+    except SpecError as exc:  # a spec that fails validation: exit 1 with its problems, as `validate` reports them
+        for line in problem_lines(exc):
+            print(printable(line), file=sys.stderr)
+        return 1
+    try:
+        events = load_trace(Path(args.trace))  # a path, whatever it reads like (a string may hold a trace's text)
     except OSError as exc:
         print(printable(f"hicache-fsm replay: cannot read {exc.filename or args.trace}: {exc.strerror or exc}"),
               file=sys.stderr)
         return 2
-    except (ValueError, SpecError) as exc:
+    except ValueError as exc:
         print(printable(f"hicache-fsm replay: {exc}"), file=sys.stderr)
         return 2
     result = replay(events, specs, require_quiescent=args.quiescent, context=args.context)

@@ -183,4 +183,5 @@ def check_backend_keys(backend: object, namespace: KeyNamespace, given: dict[str
         raise StorageLinkError(f"{', '.join(named)} need a URL or a StorageBackend: this backend has no "
                                f"KeyNamespace to compare them with")
 
+
 __all__ = ["KEY_OPTIONS", "KEY_PARTS", "STOP_POLICIES", "TierOptions", "check_backend_keys"]

@@ -84,6 +84,7 @@ from hicache_fsm.errors import ConfigError, StorageKeyError
 from hicache_fsm.storage.keys import KeyNamespace
 from hicache_fsm.testing.adapter import CacheAdapter
 from hicache_fsm.testing.checks import Step, UseOrder, catalogue, judged, kv_check, replay_steps
+from hicache_fsm.testing.kv import MAX_LAYERS
 from hicache_fsm.testing.paths import CoverageTracker
 
 __all__ = ["EXPLORER_OPS", "Bounds", "ExploreResult", "Explorer", "Violation", "explore", "hicache_factory",
@@ -215,6 +216,8 @@ class Bounds:
                 check_positive_int(f"Bounds.{name}", getattr(self, name), 1)
         if self.priorities > MAX_PRIORITIES:
             raise ConfigError(f"Bounds.priorities must be at most {MAX_PRIORITIES}, got {self.priorities}")
+        if self.layers > MAX_LAYERS:  # the test KV encodes the layer in each value (testing.kv): no more fit
+            raise ConfigError(f"Bounds.layers must be at most {MAX_LAYERS}, got {self.layers}")
         seconds = self.max_seconds
         if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
                                     or not seconds > 0):

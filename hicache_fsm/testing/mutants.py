@@ -493,14 +493,13 @@ def _anchor_twice(p: Patcher) -> None:
 @_mutant("selective_threshold_off_by_one", "off-by-one policy threshold (selective backup one hit early)",
          write_policy="write_through_selective")
 def _selective_early(p: Patcher) -> None:
-    HiCache = _cache().HiCache
+    Eviction = _eviction()
 
-    def _selective_backups(self, path):
-        threshold = self.config.write_through_threshold
+    def back_up_hot(self, path, threshold):
         for node in [n for n in path if n.state == "device" and n.hit_count >= threshold - 1]:
-            self.eviction.try_backup(node)
+            self.try_backup(node)
 
-    p.setattr(HiCache, "_selective_backups", _selective_backups)
+    p.setattr(Eviction, "back_up_hot", back_up_hot)
 
 
 @_mutant("write_back_drops_only_copy", "write_back evicting the only copy without trying a backup",
