@@ -475,16 +475,18 @@ class Eviction:
 
         A device-only candidate under write_back / write_behind (or with
         host-only children) is backed up instead, once per ``tried``; it is
-        evicted by a later pass once the copy lands.
+        evicted by a later pass once the copy lands. Its tokens count toward
+        ``num_tokens`` meanwhile (as the reference's write_back evict does), so
+        candidates later in policy order are not evicted in its place.
         """
         driver = self.driver
         counters = self.counters
         candidates = self.device
-        freed = started = 0
+        freed = started = backing_up = 0
         keep_unbacked = self.config.keeps_unbacked
         skipped: list[TreeNode] = []
         try:
-            while freed < num_tokens:
+            while freed + backing_up < num_tokens:
                 node = candidates.pop()
                 if node is None:
                     break
@@ -496,6 +498,7 @@ class Eviction:
                         tried.add(node.id)
                         if self.try_backup(node):
                             started += 1
+                            backing_up += node.num_tokens
                             continue
                         if node.children:
                             continue  # dropping it would orphan its host-only children

@@ -379,3 +379,33 @@ answer.start()
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     assert marker.exists()
+
+
+# ====================================================================== eviction order with backups to make
+
+
+@pytest.mark.parametrize("write_policy", ["write_back", "write_behind"])
+@pytest.mark.parametrize("eviction_policy", ["lru", "lfu", "priority"])
+def test_eviction_keeps_policy_order_when_the_first_candidates_need_a_backup(write_policy, eviction_policy):
+    """The first candidate is backed up and then evicted; a later candidate that happens to have a host copy
+    already is not evicted in its place (the reference's write_back evict counts the backup toward the goal)."""
+    from hicache_fsm.cache import HiCache
+    from hicache_fsm.config import CacheConfig
+    from hicache_fsm.pools import KVShape, PoolConfig, build_pools
+
+    pools = build_pools(PoolConfig(KVShape(1, 1, 1), device_tokens=3, page_size=1, host_tokens=50, device="cpu"))
+    cache = HiCache(pools.device, pools.host, CacheConfig(write_policy=write_policy, eviction_policy=eviction_policy,
+                                                          write_behind_idle_steps=1000))
+    try:
+        nodes = [cache.insert((t,), cache.alloc_device(1), priority=t).node for t in range(3)]  # 0: first to go
+        for node in nodes[1:]:
+            for _ in range(2 if node is nodes[2] else 1):  # lfu: more hits than node 0
+                cache.match_prefix((nodes.index(node),))
+        cache.write_backup(nodes[2])  # the hottest one has a host copy already
+        cache.poll()
+        assert [n.state for n in nodes] == ["device", "device", "device_host"]
+        assert cache.evict(1) == 1
+        cache.poll()
+        assert [n.state for n in nodes] == ["host", "device", "device_host"]
+    finally:
+        cache.close()
