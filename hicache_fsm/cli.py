@@ -16,7 +16,7 @@ from typing import Sequence
 
 from hicache_fsm import __version__
 from hicache_fsm.bench import BENCHMARKS
-from hicache_fsm.commands.args import Parser, UsageError, printable, sigterm_interrupts
+from hicache_fsm.commands.args import Parser, UsageError, printable, sigterm_interrupts, signals_held
 from hicache_fsm.errors import HiCacheError
 
 # Subcommand name -> (module exposing ``configure(parser)`` and ``run(args) -> int``, one-line help).
@@ -96,15 +96,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     command, benchmark = _command_in(argv)
     name = " ".join(["hicache-fsm", *filter(None, (command, benchmark))])
-    try:  # building the parser imports the command's module (torch, seconds): Ctrl-C there is handled too
-        args, extras = build_parser(only=command, benchmark=benchmark).parse_known_args(argv)
-        if extras:  # the command's own parser names them: `hicache-fsm fuzz: error: ... (see hicache-fsm fuzz --help)`
-            args._parser.error(f"unrecognized arguments: {' '.join(extras)}")
-        name = "hicache-fsm " + args.command + (f" {args.benchmark}" if args.command == BENCH else "")
-        with sigterm_interrupts():  # SIGTERM (a timeout, a stop) cleans up as Ctrl-C does: temp dirs, threads
+    try:  # SIGTERM (a timeout, a stop) cleans up as Ctrl-C does: temp dirs, threads
+        with sigterm_interrupts():
+            with signals_held():  # building the parser imports the command's module (torch, seconds)
+                args, extras = build_parser(only=command, benchmark=benchmark).parse_known_args(argv)
+            if extras:  # the command's own parser names them: `hicache-fsm fuzz: error: ... (see ... fuzz --help)`
+                args._parser.error(f"unrecognized arguments: {' '.join(extras)}")
+            name = "hicache-fsm " + args.command + (f" {args.benchmark}" if args.command == BENCH else "")
             return int(args._run(args) or 0)
-    except UsageError as exc:
-        print(f"{name}: error: {_one_line(exc)}", file=sys.stderr)
+    except UsageError as exc:  # worded as argparse's own usage errors (``Parser.error``)
+        print(f"{name}: error: {_one_line(exc)} (see {name} --help)", file=sys.stderr)
         return 2
     except (HiCacheError, OSError) as exc:  # MissingExtra too: it names the extra to install
         print(f"{name}: {_one_line(exc)}", file=sys.stderr)

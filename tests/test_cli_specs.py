@@ -95,9 +95,10 @@ def test_list_json_and_bad_file(capsys):
 
 def test_list_of_no_spec_is_a_usage_error_and_of_only_bad_ones_prints_no_table(tmp_path, capsys):
     assert main(["list", str(tmp_path)]) == 2
-    assert capsys.readouterr() == ("", "hicache-fsm list: error: no spec files found\n")
+    assert capsys.readouterr() == ("", "hicache-fsm list: error: no spec files found (see hicache-fsm list --help)\n")
     assert main(["validate", ""]) == 2
-    assert capsys.readouterr() == ("", "hicache-fsm validate: error: an empty PATH names no spec file\n")
+    assert capsys.readouterr() == ("", "hicache-fsm validate: error: an empty PATH names no spec file "
+                                       "(see hicache-fsm validate --help)\n")
     assert main(["list", str(BAD)]) == 1
     out, err = capsys.readouterr()
     assert out == "" and PROBLEM_LINE.match(err.splitlines()[0])

@@ -241,6 +241,30 @@ INTERRUPTED = 130  # 128 + SIGINT, as shells report it
 
 
 @contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """SIGINT and SIGTERM noted while the block runs (a command's imports: torch, numpy), raised after it.
+
+    An interrupt raised inside numpy's import (nested in torch's) is swallowed
+    there and leaves numpy half-initialised: the run then went on, or failed
+    later with a confusing traceback. Noted, it is raised as KeyboardInterrupt
+    once the imports are done, where the command line turns it into status 130.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    previous = {signum: signal.signal(signum, lambda signum, frame: held.append(signum))
+                for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    if held:
+        raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
 def sigterm_interrupts() -> Iterator[None]:
     """SIGTERM ends a search like Ctrl-C (its partial result is printed) while the block is running."""
     if threading.current_thread() is not threading.main_thread():
