@@ -268,10 +268,11 @@ class ChatEngine:
         self.result = TierResult(tier.name, tier.device_tokens, tier.host_tokens, tier.storage_url)
         self.storage = False
         if tier.storage_url is not None:
-            model_name = model.name if model is not None else f"tokens-only-s{workload.seed}"
-            options = dict(STORAGE_OPTIONS, model=model_name, prefetch_threshold=page_size)
-            if shard is not None:
-                options.update(tp_rank=shard.rank, tp_size=shard.world)
+            options = dict(STORAGE_OPTIONS, prefetch_threshold=page_size)
+            if isinstance(tier.storage_url, str):  # an open backend (tests) keeps the keys it was opened with
+                options["model"] = model.name if model is not None else f"tokens-only-s{workload.seed}"
+                if shard is not None:
+                    options.update(tp_rank=shard.rank, tp_size=shard.world)
             options.update(storage_options or {})
             self.cache.attach_storage(tier.storage_url, **options)  # setup, not per-request controller time
             self.storage = True
