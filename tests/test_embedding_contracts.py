@@ -96,23 +96,22 @@ def test_ranks_on_one_store_read_their_own_kv():
 # ====================================================================== file:// short page files
 
 
-def _page_path(tmp_path, backend, key: str) -> str:
-    (path,) = [os.path.join(d, f) for d, _, files in os.walk(tmp_path) for f in files
-               if f.endswith(".kv") and backend.batch_exists([key]) == 1]
-    return path
+def _one_stored_page(tmp_path, url: str, tokens) -> tuple[str, str]:
+    """Store ``tokens`` (one page) through a cache at ``url``, closed after: the page's key and its file."""
+    writer = make_cache()
+    writer.attach_storage(url, **FAST)
+    (key,) = writer.storage.keys_for(_stored(writer, tokens))
+    writer.close()
+    (path,) = [os.path.join(d, f) for d, _, files in os.walk(tmp_path) for f in files if f.endswith(".kv")]
+    return key, path
 
 
 @pytest.mark.parametrize("size", [0, 50])
 def test_file_page_shorter_than_a_header_is_corrupt_and_stored_again(tmp_path, size):
     """A cut-short page file is a miss counted corrupt and removed, and the next backup writes it whole."""
     url = f"file://{tmp_path}/l3"
-    writer = make_cache()
-    writer.attach_storage(url, **FAST)
     tokens = prompt(PAGE)
-    node = _stored(writer, tokens)
-    (key,) = writer.storage.keys_for(node)
-    path = _page_path(tmp_path, writer.storage.backend, key)
-    writer.close()
+    key, path = _one_stored_page(tmp_path, url, tokens)
     with open(path, "r+b") as f:
         f.truncate(size)
     backend = open_backend(url)
@@ -135,12 +134,7 @@ def test_file_page_shorter_than_a_header_is_corrupt_and_stored_again(tmp_path, s
 def test_file_a_directory_in_a_pages_place_is_counted_where_a_query_stops(tmp_path):
     """An existence query (what a prefetch asks first) counts the entry corrupt, as a read does, and leaves it."""
     url = f"file://{tmp_path}/l3"
-    writer = make_cache()
-    writer.attach_storage(url, **FAST)
-    node = _stored(writer, prompt(PAGE, seed=3))
-    (key,) = writer.storage.keys_for(node)
-    path = _page_path(tmp_path, writer.storage.backend, key)
-    writer.close()
+    key, path = _one_stored_page(tmp_path, url, prompt(PAGE, seed=3))
     os.unlink(path)
     os.mkdir(path)
     backend = open_backend(url)
@@ -173,36 +167,30 @@ def test_close_with_drain_stores_what_was_just_inserted(tmp_path):
 # ====================================================================== threads and reset
 
 
-def test_observers_are_added_and_removed_by_the_owning_thread_only(cache):
-    cache.poll()  # this thread owns the cache
-    seen = []
+def _refused_elsewhere(call) -> bool:
+    """Whether ``call()`` on another thread raised ``WrongThread``."""
     errors = []
 
     def other():
         try:
-            cache.add_observer(seen.append)
+            call()
         except WrongThread as exc:
             errors.append(exc)
 
     t = threading.Thread(target=other)
     t.start()
     t.join()
-    assert len(errors) == 1
+    return len(errors) == 1
+
+
+def test_observers_are_added_and_removed_by_the_owning_thread_only(cache):
+    cache.poll()  # this thread owns the cache
+    seen = []
+    assert _refused_elsewhere(lambda: cache.add_observer(seen.append))
     put(cache, prompt(PAGE))
     assert seen == []  # nothing was added
     cache.add_observer(seen.append)
-    errors.clear()
-
-    def remove():
-        try:
-            cache.remove_observer(seen.append)
-        except WrongThread as exc:
-            errors.append(exc)
-
-    t = threading.Thread(target=remove)
-    t.start()
-    t.join()
-    assert len(errors) == 1
+    assert _refused_elsewhere(lambda: cache.remove_observer(seen.append))
     put(cache, prompt(PAGE, seed=9))
     assert seen  # still observing
 

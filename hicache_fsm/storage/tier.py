@@ -54,7 +54,6 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any
 
-
 from hicache_fsm.config import check_seconds
 from hicache_fsm.errors import (
     GroupError, GuardRejected, HiCacheError, InvalidTransition, StorageLinkError, UnknownStorageOption,
