@@ -171,3 +171,19 @@ def test_parse_spec_refuses_arguments_of_the_wrong_type(kwargs, message):
 
 def test_parse_spec_names_a_pathlike_as_load_spec_does():
     assert parse_spec(spec_text(), Path("dir/x.yaml"), require_bindings=False).path == "dir/x.yaml"
+
+
+def test_fuzz_names_the_failing_step_by_its_place_among_the_rules():
+    """Steps that keep a result (``prompts_1 = state.insert(...)``) and the setup count: a failure at the seventh
+    rule was reported "at step 3" (only bare ``state.`` lines were counted)."""
+    from types import SimpleNamespace
+
+    from hicache_fsm.commands.fuzz import failure_line
+
+    steps = ["state = AdapterMachine()", "prompts_0 = state.setup(variant=0, pages=[0])", "state.check()",
+             "state.evict(pages=1)", "state.check()", "prompts_1 = state.insert(pages=[1])", "state.check()",
+             "state.evict_host(pages=1)", "state.check()", "prompts_2 = state.insert(pages=[0])", "state.check()",
+             "prompts_3 = state.insert(pages=[1])", "state.check()",
+             "state.reuse_then_evict(again=False, pages=1, tokens=prompts_3)", "state.teardown()"]
+    result = SimpleNamespace(failure="AssertionError: lru_order: boom", steps=steps)
+    assert failure_line(result) == "AssertionError: lru_order: boom (at step 7 of the failing steps)"

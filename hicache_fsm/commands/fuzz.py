@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 
 from hicache_fsm.commands.args import UsageError, adapter_ref, json_kwargs, output_path, positive_int, seed_int
@@ -145,7 +146,11 @@ def failure_line(result) -> str:
     head = lines[0]
     if head.endswith(":") and len(lines) > 1:  # "invariant catalogue:" then one problem per line
         head = f"{head} {lines[1]}"
-    steps = [s for s in result.steps if s.strip().startswith("state.") and "check()" not in s
-             and not s.strip().startswith("state.teardown")]
-    return f"{head} (at step {len(steps)})" if steps else head
+    steps = [s for s in result.steps if RULE_LINE.match(s.strip())]
+    return f"{head} (at step {len(steps)} of the failing steps)" if steps else head
+
+
+# A rule of the failing program (``state.evict(...)``, ``prompts_1 = state.insert(...)``); not the machine's own
+# calls around them (its checks, teardown, the variant's confirmation)
+RULE_LINE = re.compile(r"^(\w+ = )?state\.(?!check\(|teardown\(|expect_variant\()\w+\(")
 
