@@ -475,14 +475,17 @@ class Eviction:
 
         A device-only candidate under write_back / write_behind (or with
         host-only children) is backed up instead, once per ``tried``; it is
-        evicted by a later pass once the copy lands. Its tokens count toward
+        evicted by a later pass once the copy lands. When ``evict`` waits for
+        that copy (an executor that can block), its tokens count toward
         ``num_tokens`` meanwhile (as the reference's write_back evict does), so
-        candidates later in policy order are not evicted in its place.
+        candidates later in policy order are not evicted in its place; when it
+        cannot wait, what can go at once goes now.
         """
         driver = self.driver
         counters = self.counters
         candidates = self.device
         freed = started = backing_up = 0
+        waits = executor_can_block(self.executor)  # ``evict`` then evicts the backed-up candidates next pass
         keep_unbacked = self.config.keeps_unbacked
         skipped: list[TreeNode] = []
         try:
@@ -498,7 +501,8 @@ class Eviction:
                         tried.add(node.id)
                         if self.try_backup(node):
                             started += 1
-                            backing_up += node.num_tokens
+                            if waits:
+                                backing_up += node.num_tokens
                             continue
                         if node.children:
                             continue  # dropping it would orphan its host-only children

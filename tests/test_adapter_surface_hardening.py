@@ -276,7 +276,11 @@ def test_an_adapter_answer_of_the_wrong_type_is_named_as_such(adapters, capsys, 
     ("def state_key(self):\n                return [1]", "state_key() returned an unhashable list"),
     ("def describe(self):\n                raise RuntimeError('describe boom')",
      "the adapter's describe raised RuntimeError: describe boom"),
-], ids=["unhashable state key", "describe raises"])
+    ("def slots(self):\n                return list(super().slots())",
+     "adapter_error: slots() returned list, not a mapping of key to slot"),
+    ("def free_slots(self):\n                return str(super().free_slots())",
+     "adapter_error: free_slots() returned str, not an int"),
+], ids=["unhashable state key", "describe raises", "slots a list", "free slots a str"])
 def test_a_block_store_that_breaks_the_explorer_is_named_not_a_traceback(adapters, capsys, monkeypatch, method, named):
     monkeypatch.syspath_prepend(str(ROOT / "examples"))
     path = adapters(f'''
@@ -298,3 +302,42 @@ def test_run_fuzz_refuses_a_seed_the_command_line_would(seed):
 
     with pytest.raises(ConfigError, match="seed must be a 64-bit int"):
         run_fuzz(hicache_machine(), examples=1, seed=seed)
+
+
+def test_a_store_job_takes_its_keys_as_a_list_and_names_a_key_that_cannot_be_one():
+    """A job's keys in a list crashed the explorer's symmetry with TypeError (and passed fuzz); a list key is named
+    in the adapter's own call, where the explorer reports it as that step's violation."""
+    from hicache_fsm.testing.blockstore import StoreJob
+
+    assert StoreJob(1, [(0,), (0, 1)]).keys == ((0,), (0, 1))
+    with pytest.raises(ConfigError, match=r"StoreJob.keys: key \[0, 1\] is not hashable"):
+        StoreJob(1, [[0, 1]])
+
+
+def test_an_entry_bound_that_cut_the_search_is_in_the_verdict(monkeypatch):
+    """``--max-entries 0`` explored the empty store alone and printed "complete"; the verdict says the bound cut it,
+    as it says a depth bound did."""
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))
+    from block_offload_manager import make_adapter
+
+    from hicache_fsm.testing.blockstore import StoreBounds, explore_store
+
+    cut = explore_store(lambda: make_adapter(), StoreBounds(max_entries=0, max_depth=3))
+    assert cut.entries_bound == 0 and "within --max-entries 0" in cut.verdict()
+    assert cut.to_json()["entries_bound"] == 0
+    whole = explore_store(lambda: make_adapter(), StoreBounds(max_depth=3))
+    assert whole.entries_bound is None and "max-entries" not in whole.verdict()
+
+
+def test_a_double_free_is_not_called_a_leak(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))
+    from block_offload_manager import OffloadAdapter
+
+    from hicache_fsm.testing.blockstore.world import StoreWorld
+
+    class FreedTwice(OffloadAdapter):
+        def free_slots(self):
+            return super().free_slots() + 1
+
+    world = StoreWorld(FreedTwice())
+    assert any("(a slot freed twice)" in p for p in world.violations())

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from hicache_fsm.errors import ConfigError
 from hicache_fsm.testing.adapter import NotSupported, kv_fingerprint
 from hicache_fsm.testing.blockstore.state import BlockKey, Key, canonical, clone
 
@@ -52,6 +53,17 @@ class Answer(enum.Enum):
         return None
 
 
+def _hashable_keys(instance: object, attribute: attrs.Attribute, keys: tuple) -> None:
+    """Keys are tuples of page ids: a list key would fail far from the adapter that made it (the explorer hashes
+    every key), so the job names it here, inside the adapter's own call."""
+    for key in keys:
+        try:
+            hash(key)
+        except TypeError:
+            raise ConfigError(f"StoreJob.{attribute.name}: key {key!r} is not hashable (a key is a tuple of page "
+                              f"ids)") from None
+
+
 @attrs.frozen
 class StoreJob:
     """An asynchronous store or load: its id and the keys it copies.
@@ -62,8 +74,8 @@ class StoreJob:
     """
 
     id: Hashable
-    keys: tuple[Key, ...]
-    declined: tuple[Key, ...] = attrs.field(default=(), converter=tuple)
+    keys: tuple[Key, ...] = attrs.field(converter=tuple, validator=_hashable_keys)
+    declined: tuple[Key, ...] = attrs.field(default=(), converter=tuple, validator=_hashable_keys)
 
     @classmethod
     def nothing(cls, declined: Sequence[Key] = ()) -> StoreJob:

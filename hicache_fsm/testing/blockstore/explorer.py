@@ -68,6 +68,7 @@ class StoreExploreResult:
     complete: bool = False  # every state within the bounds (depth included) was reached and checked
     stopped: str = "complete"  # complete | violation | max_states | interrupted
     depth_bounded: bool = False  # states at max_depth were left unexpanded (deeper ones may exist)
+    entries_bound: int | None = None  # max_entries, when states holding more keys were checked but not expanded
     states_before_symmetry: int = 0  # distinct states met before renamed twins were merged
     symmetry: str = "off"  # "on", "off", or "off: why"
     violations: list[tuple[tuple[str, ...], tuple[tuple, ...]]] = attrs.Factory(list)
@@ -88,7 +89,10 @@ class StoreExploreResult:
         if self.checked_nothing():
             return f"CHECKED NOTHING ({self.checked_nothing()})"
         if self.complete:
-            return f"complete to depth {self.max_depth}" if self.depth_bounded else "complete"
+            verdict = f"complete to depth {self.max_depth}" if self.depth_bounded else "complete"
+            if self.entries_bound is not None:  # a bound that cut the search is said, as the depth's is
+                verdict += f" within --max-entries {self.entries_bound} (states holding more keys not expanded)"
+            return verdict
         return {"violation": "stopped at a violation", "interrupted": "INTERRUPTED",
                 "max_states": "INCOMPLETE (--max-states reached)"}.get(self.stopped, "INCOMPLETE")
 
@@ -108,7 +112,8 @@ class StoreExploreResult:
         return {"adapter": self.adapter, "states": self.states, "transitions": self.transitions,
                 "max_depth": self.max_depth, "complete": self.complete, "stopped": self.stopped,
                 "seconds": round(self.seconds, 3), "violations": len(self.violations),
-                "depth_bounded": self.depth_bounded, "checked_nothing": self.checked_nothing(),
+                "depth_bounded": self.depth_bounded, "entries_bound": self.entries_bound,
+                "checked_nothing": self.checked_nothing(),
                 "symmetry": self.symmetry,
                 "states_before_symmetry": self.states_before_symmetry,
                 "counterexamples": [{"problems": list(p), "steps": [format_step(s) for s in t]}
@@ -149,6 +154,7 @@ def explore_store(factory: Callable[[], BlockStoreAdapter], bounds: StoreBounds 
     result.complete = not search.queue and not search.stopped
     result.stopped = search.stopped or "complete"
     result.depth_bounded = search.pruned
+    result.entries_bound = bounds.max_entries if search.entries_pruned else None
     result.seconds = time.perf_counter() - t0
     ticker.done(result)
     return result
@@ -170,6 +176,7 @@ class _Search:
         self.seen_kinds: set[str] = set()
         self.stopped: str | None = None
         self.pruned = False
+        self.entries_pruned = False  # a child held more than max_entries keys: checked, not expanded
         self.depth = 0
 
     def expand(self, world: StoreWorld, key, depth: int) -> None:
@@ -197,6 +204,8 @@ class _Search:
             if b.max_entries is None or len(child.model.keys) <= b.max_entries:
                 self.queue.append((child, ckey, depth + 1))
                 self.result.max_depth = max(self.result.max_depth, depth + 1)
+            else:
+                self.entries_pruned = True
 
     def _violation(self, problems: list[str], key, step: tuple) -> None:
         kinds = {p.split(":")[0] for p in problems}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 import weakref
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 from hicache_fsm.errors import ConfigError
@@ -304,6 +304,8 @@ class StoreWorld:
             slots = self.adapter.slots()
         except NotSupported:
             return problems
+        if not isinstance(slots, Mapping):  # read as one below: a list raised AttributeError out of the search
+            return problems + [f"adapter_error: slots() returned {type(slots).__name__}, not a mapping of key to slot"]
         held = set(self.model.keys)
         for k in sorted(set(slots) - held):
             problems.append(f"slots: {fmt([k])} still holds slot {slots[k]!r}, the model says it is gone (leak)")
@@ -318,8 +320,12 @@ class StoreWorld:
             free = self.adapter.free_slots()
         except NotSupported:
             return problems
-        if self.adapter.capacity is not None and len(owners) + free != self.adapter.capacity:
-            problems.append(f"slots: {len(owners)} used + {free} free of {self.adapter.capacity} (slots leaked)")
+        if isinstance(free, bool) or not isinstance(free, int):
+            return problems + [f"adapter_error: free_slots() returned {type(free).__name__}, not an int"]
+        capacity = self.adapter.capacity
+        if capacity is not None and len(owners) + free != capacity:
+            why = "slots leaked" if len(owners) + free < capacity else "a slot freed twice"
+            problems.append(f"slots: {len(owners)} used + {free} free of {capacity} ({why})")
         return problems
 
 
