@@ -30,6 +30,7 @@ See ``examples/block_offload_manager.py``, ``examples/keyed_offload_manager.py``
 and docs/fuzzing.md.
 """
 
+from hicache_fsm.testing.adapter import NotSupported, Rejected
 from hicache_fsm.testing.blockstore.adapter import (
     REDELIVERY_CONTRACTS,
     Answer,
@@ -49,7 +50,7 @@ from hicache_fsm.testing.blockstore.world import StoreWorld, fmt, format_step
 __all__ = [
     "ARC", "FIFO", "LFU", "LRU", "POLICIES", "REDELIVERY_CONTRACTS", "Answer", "BlockKey", "BlockStoreAdapter",
     "BlockStoreMachine",
-    "Key", "ReferencePolicy", "StoreBounds", "StoreExploreResult", "StoreJob", "StoreModel", "StoreWorld", "canonical",
+    "Key", "NotSupported", "ReferencePolicy", "Rejected", "StoreBounds", "StoreExploreResult", "StoreJob", "StoreModel", "StoreWorld", "canonical",
     "chain", "explore_store", "fmt", "format_step", "prompts_for", "reference_policy", "run_store_fuzz",
     "store_machine", "value_of",
 ]
