@@ -341,3 +341,16 @@ def test_a_double_free_is_not_called_a_leak(monkeypatch):
 
     world = StoreWorld(FreedTwice())
     assert any("(a slot freed twice)" in p for p in world.violations())
+
+
+def test_a_required_block_store_method_left_out_is_named():
+    """It was ``lookup: raised NotImplementedError: `` with no text."""
+    from hicache_fsm.testing.blockstore import BlockStoreAdapter, StoreBounds, explore_store
+
+    class Partial(BlockStoreAdapter):
+        def describe(self):
+            return "partial"
+
+    result = explore_store(Partial, StoreBounds(max_depth=2))
+    problems = [p for found, _ in result.violations for p in found]
+    assert any("Partial does not implement lookup, which every BlockStoreAdapter must" in p for p in problems)

@@ -112,22 +112,26 @@ class BlockStoreAdapter:
 
     # ------------------------------------------------------------------ required
 
+    def _missing(self, method: str) -> str:
+        """What a required method left to the base class says (it was raised with no text)."""
+        return f"{type(self).__name__} does not implement {method}, which every BlockStoreAdapter must"
+
     def lookup(self, keys: Sequence[Key]) -> int | Sequence[Any]:
         """How many leading ``keys`` are readable now, or one ``Answer`` per key up to the first non-hit."""
-        raise NotImplementedError
+        raise NotImplementedError(self._missing("lookup"))
 
     def store(self, keys: Sequence[Key]) -> StoreJob | None:
         """Prepare storing ``keys``; the job copies ``job.keys`` (None: refused, e.g. no room)."""
-        raise NotImplementedError
+        raise NotImplementedError(self._missing("store"))
 
     def load(self, keys: Sequence[Key]) -> StoreJob | None:
         """Prepare loading ``keys`` (all readable); None when refused."""
-        raise NotImplementedError
+        raise NotImplementedError(self._missing("load"))
 
     def complete(self, job: StoreJob, ok: bool) -> list[int] | None:
         """The job's copy ran (``ok``) or failed; acknowledge it. A store's copy writes ``value_of(key)``
         into each slot, a load's copy returns the values it read, one per key."""
-        raise NotImplementedError
+        raise NotImplementedError(self._missing("complete"))
 
     # ------------------------------------------------------------------ optional
 
