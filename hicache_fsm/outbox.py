@@ -227,8 +227,10 @@ class Outbox:
             raise UnknownJob(f"job {c.job_id} was already acknowledged ({how})")
         raise UnknownJob(f"job {c.job_id!r} is not a job of this cache")
 
-    def apply(self, completions: Iterable[Completion]) -> list[CompletionFailure]:
+    def apply(self, completions: Iterable[Completion], late: list[Completion] | None = None) -> list[CompletionFailure]:
         """Apply each completion: fire ``*_done`` / ``*_failed`` on its nodes; returns those that could not be.
+
+        ``late``, when given, receives the completions of jobs ``reset`` cancelled (ignored here).
 
         One completion that cannot be applied never stops the others: an
         unknown job changes nothing, and a completion whose transitions raise
@@ -249,6 +251,8 @@ class Outbox:
             job = pending.pop(job_id, None)
             if job is None:  # cancelled by reset
                 self.counters["late_cancelled_completions"] += 1
+                if late is not None:
+                    late.append(c)
                 continue
             self._kind_count[job.kind] -= 1
             self.ledger.ended(job_id, "acked" if c.ok else "failed")
@@ -324,15 +328,9 @@ class Outbox:
             direct = acks.hold(done)
             self.agreement.step()
             done = direct + acks.take()
-        late = self._cancelled_among(done)
-        failures = self.apply(done)
-        return (done if not late else [c for c in done if id(c) not in late]), failures
-
-    def _cancelled_among(self, done: list[Completion]) -> set[int]:
-        """The ``id`` of each completion in ``done`` whose job ``reset`` cancelled: ignored, so not reported applied."""
-        pending, recent = self._pending, self.ledger.recent
-        return {id(c) for c in done if type(c) is Completion and type(c.job_id) is int
-                and c.job_id not in pending and recent.get(c.job_id) == "cancelled"}
+        late: list[Completion] = []
+        failures = self.apply(done, late)
+        return (done if not late else [c for c in done if not any(c is x for x in late)]), failures
 
     def forget(self, job_id: int) -> None:
         """Drop a pending job without ending it in the ledger (tests that break the ledger on purpose)."""

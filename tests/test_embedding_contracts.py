@@ -5,11 +5,12 @@ short page files, ``close(drain)`` right after an insert, observers from another
 from __future__ import annotations
 
 import os
-from pathlib import Path
 import threading
+from pathlib import Path
 
 import pytest
 from storage_util import PAGE, kv, make_cache, prompt, put, settle, storage_threads, wait_until
+from test_storage_tier import cache  # noqa: F401 - the fixture: a cache whose storage threads end with it
 
 from hicache_fsm.errors import StorageLinkError, StorageTimeout, WrongThread
 from hicache_fsm.executors import ManualExecutor
@@ -18,14 +19,6 @@ from hicache_fsm.storage.memory import MemoryBackend
 
 FAST = {"prefetch_threshold": 4, "retry_interval": 0.01, "probe_interval": 0.02, "join_timeout": 5.0,
         "stop_policy": "wait_complete"}
-
-
-@pytest.fixture
-def cache():
-    c = make_cache()
-    yield c
-    c.close()
-    assert not storage_threads(), "storage threads outlived close()"
 
 
 def _stored(cache, tokens):
