@@ -556,10 +556,10 @@ def _lock_leak(p: Patcher) -> None:
 
     orig = Outbox.apply
 
-    def apply(self, completions):
+    def apply(self, completions, late=None):
         completions = list(completions)
         failed = [self._pending.get(c.job_id) for c in completions if not c.ok]
-        out = orig(self, completions)
+        out = orig(self, completions, late)
         tree = self.tree
         for job in failed:
             if job is None or job.kind is not JobKind.H2D or not job.node_ids:
@@ -681,10 +681,10 @@ def _backup_keeps_lock(p: Patcher) -> None:
 
     orig = Outbox.apply
 
-    def apply(self, completions):
+    def apply(self, completions, late=None):
         completions = list(completions)
         done = [self._pending.get(c.job_id) for c in completions if c.ok]
-        out = orig(self, completions)
+        out = orig(self, completions, late)
         for job in done:
             if job is None or job.kind is not JobKind.D2H:
                 continue
