@@ -19,6 +19,8 @@ import torch
 
 from hicache_fsm.tokens import ID_BYTES, TokenIds, pack_token_ids, unpack_token_ids
 
+_PAGE_ID = np.dtype(np.int64)  # a node's packed page ids (native int64)
+
 ROOT_STATE = "root"
 
 NO_JOBS: frozenset[int] = frozenset()  # the ``pending_jobs`` of a node no job covers (shared: no set per node)
@@ -58,7 +60,7 @@ def _page_row(page_size: int) -> np.ndarray:
 
 def slots_of_pages(pages: bytes, page_size: int) -> torch.Tensor:
     """The slot indices (int64 tensor, a fresh copy) of page ids packed as native int64 ``bytes``."""
-    p = np.frombuffer(pages, dtype=np.int64)
+    p = np.frombuffer(pages, _PAGE_ID)
     if page_size == 1:
         return torch.from_numpy(p.copy())
     return torch.from_numpy((p[:, None] * page_size + _page_row(page_size)).reshape(-1))
@@ -75,7 +77,7 @@ def slot_tensor(slots: "bytes | torch.Tensor | None", allocator) -> torch.Tensor
     expand = getattr(allocator, "slot_tensor", None)
     if expand is None:
         return slots_of_pages(slots, allocator.page_size)
-    return expand(np.frombuffer(slots, dtype=np.int64))
+    return expand(np.frombuffer(slots, _PAGE_ID))  # the dtype positional: half the cost of a keyword
 
 
 def pack_slots(indices: "torch.Tensor | None", page_size: int) -> "bytes | torch.Tensor | None":

@@ -275,7 +275,8 @@ class RequestIds:
         next array of that code with no view made), None for another form.
         """
         memo = self._array_memo
-        contiguous = ids.flags.c_contiguous  # a strided view has no one run of bytes to compare or copy
+        # a strided view has no one run of bytes to compare or copy (an array.array's view is one run)
+        contiguous = typecode is not None or ids.flags.c_contiguous
         if memo and contiguous and ids.dtype == memo[0]:
             seen, packed = memo[1], memo[2]
             if seen.startswith(ids):  # the same ids, or the first of them
@@ -286,7 +287,7 @@ class RequestIds:
                 packed = packed.extended(ids[known:])  # a bad new id is named by its place in the whole
                 self._remember_array((ids.dtype, ids.tobytes(), packed, typecode, _array_key(ids)))
                 return packed
-        key = _array_key(ids) if contiguous and ids.size else None
+        key = (ids.nbytes, ids.item(-1)) if contiguous and ids.size else None  # ``_array_key``, inline
         if key is not None and self._earlier_arrays:  # one packed before the last: the same length, last id, bytes
             earlier = self._earlier_arrays.take(key)
             if earlier is not None and earlier[0] == ids.dtype and earlier[1].startswith(ids):

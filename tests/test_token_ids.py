@@ -287,6 +287,19 @@ def test_an_arrays_head_is_packed_as_its_ids_are_or_left_to_the_vectorised_check
     assert array_head_bytes(array("d", [1.0, 2.0]), n) is None
 
 
+@pytest.mark.parametrize("code", ["q", "Q", "l", "L"])
+@pytest.mark.parametrize("n", [256, 257, 1000])
+def test_a_wide_arrays_head_longer_than_its_word_check_is_packed_by_struct(code, n):
+    """8-byte ids are checked as words up to 256 of them; a longer first page takes ``struct``, with the same
+    answer: the ids packed, or None for one out of range."""
+    values = list(range(7, 7 + n))
+    assert array_head_bytes(array(code, values), n) == pack_token_ids(values).raw
+    assert array_head_bytes(array(code, values + [1]), n) == pack_token_ids(values).raw
+    values[-1] = 2**32
+    assert array_head_bytes(array(code, values), n) is None
+    assert array_head_bytes(array(code, values), n - 1) == pack_token_ids(values[:-1]).raw
+
+
 _DTYPES = ["<i4", "<u4", "<i8", "<u8", ">i4", ">i8", "<i2", "<u2", "i1", "u1"]
 
 
