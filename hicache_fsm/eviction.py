@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from hicache_fsm.bindings.residency import EVICTED, LOADING, ON_DEVICE, ON_HOST
 from hicache_fsm.errors import GuardRejected, LockError
-from hicache_fsm.jobs import JobKind
+from hicache_fsm.jobs import D2H
 from hicache_fsm.radix import RadixTree, TreeNode
 
 if TYPE_CHECKING:
@@ -460,7 +460,7 @@ class Eviction:
         freed, _ = self.device_pass(num_tokens, tried)
         outbox = self.outbox
         executor = self.executor
-        while freed < num_tokens and executor_can_block(executor) and outbox.has_pending(JobKind.D2H):
+        while freed < num_tokens and executor_can_block(executor) and outbox.has_pending(D2H):
             outbox.flush()
             executor.synchronize()
             outbox.defer(outbox.apply_agreed(list(executor.poll()))[1])  # failures: reported by the next poll

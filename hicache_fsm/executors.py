@@ -26,7 +26,7 @@ import torch
 
 from hicache_fsm.copy import Run, backup_to_host, load_all_layers, load_to_device, plan_runs
 from hicache_fsm.errors import BadIndices, ConfigError, HiCacheError, UnknownJob
-from hicache_fsm.jobs import Completion, JobBatch, JobKind, TransferJob, completed_all
+from hicache_fsm.jobs import D2H, H2D, Completion, JobBatch, JobKind, TransferJob, completed_all
 from hicache_fsm.pools import DeviceKVPool, HostKVPool
 from hicache_fsm.sole_user import SoleUser
 
@@ -91,9 +91,9 @@ class _PoolSet:
     def plan(self, kind: JobKind, host_indices, device_indices, draft_host_indices, draft: bool,
              layer: int | None) -> list[_Copy]:
         """Validated copies for one group of indices; raises before anything moves."""
-        if kind not in (JobKind.D2H, JobKind.H2D):
+        if kind not in (D2H, H2D):
             raise ConfigError(f"{kind.value} jobs are storage transfers; this executor runs only d2h and h2d")
-        if kind is JobKind.H2D and layer is not None:
+        if kind is H2D and layer is not None:
             raise BadIndices("h2d batches load every layer; layer must be None")
         copies = []
         if draft:
@@ -145,7 +145,7 @@ def _num_layers(copies: Sequence[_Copy], default: int) -> int:
 
 def _run_copies_sync(kind: JobKind, copies: Sequence[_Copy]) -> None:
     for c in copies:
-        if kind is JobKind.D2H:
+        if kind is D2H:
             backup_to_host(c.device_pool, c.host_pool, layer=c.layer, runs=c.runs)
         else:
             load_all_layers(c.device_pool, c.host_pool, runs=c.runs)
@@ -208,7 +208,7 @@ class AckExecutor(ServesOneCache):
     def submit(self, batch: JobBatch) -> DoneWait:
         if self._closed:
             raise ConfigError("executor is closed")
-        if batch.kind not in (JobKind.D2H, JobKind.H2D):
+        if batch.kind not in (D2H, H2D):
             raise ConfigError(f"{batch.kind.value} jobs are storage transfers; this executor runs only d2h and h2d")
         self._ready.extend(completed_all(batch.jobs))
         return self._done
@@ -338,9 +338,9 @@ class TorchExecutor(ServesOneCache):
                 return DoneWait(layers)
             self._ready.extend(completed_all(batch.jobs))
             return DoneWait(layers)
-        stream = self.write_stream if batch.kind is JobKind.D2H else self.load_stream
+        stream = self.write_stream if batch.kind is D2H else self.load_stream
         try:
-            if batch.kind is JobKind.D2H:
+            if batch.kind is D2H:
                 return self._submit_write(batch, copies, layers)
             return self._submit_load(batch, copies, layers)
         except HiCacheError:
@@ -478,7 +478,7 @@ class ManualExecutor(ServesOneCache):
             self._pending[job.id] = (job, copies)
         self.submitted.append(batch)
         layers = _num_layers([c for _, cs in planned for c in cs], self.pools.device.layers)
-        return ManualWait(self, batch.job_ids, layers, batch.kind is JobKind.H2D)
+        return ManualWait(self, batch.job_ids, layers, batch.kind is H2D)
 
     def pending_job_ids(self) -> list[int]:
         """Ids of jobs neither completed nor failed, in submit order."""

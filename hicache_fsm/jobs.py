@@ -31,6 +31,10 @@ class JobKind(str, enum.Enum):
 
 JOB_KIND_NAMES = frozenset(k.value for k in JobKind)
 
+# The kinds as module names for the per-job code paths: on Python 3.11 a member read from its class
+# (``JobKind.D2H``) goes through the enum's descriptor, about ten times the cost of a global.
+D2H, H2D, H2S, S2H = JobKind.D2H, JobKind.H2D, JobKind.H2S, JobKind.S2H
+
 _job_ids = itertools.count(1)
 
 

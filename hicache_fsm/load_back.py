@@ -19,7 +19,7 @@ import torch
 from hicache_fsm.bindings.residency import LOADING
 from hicache_fsm.errors import GuardRejected
 from hicache_fsm.eviction import RESIDENT, REVIVABLE
-from hicache_fsm.jobs import JobKind, TransferJob
+from hicache_fsm.jobs import H2D, TransferJob
 from hicache_fsm.radix import RadixTree, TreeNode
 from hicache_fsm.results import LoadBack, LoadHandle
 from hicache_fsm.tp import PURPOSE_LOAD_ROOM
@@ -161,7 +161,7 @@ class LoadBacks:
             host = torch.cat([n.host_indices for n in nodes]) if len(nodes) > 1 else nodes[0].host_indices
             device = torch.cat([n.device_indices for n in nodes]) if len(nodes) > 1 else nodes[0].device_indices
             job = TransferJob(
-                JobKind.H2D, tuple(n.id for n in nodes), host, device,
+                H2D, tuple(n.id for n in nodes), host, device,
                 draft_host_indices=host if self.draft else None,
             )
         self.outbox.emit_load(job, handle)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 import attrs
 
 from hicache_fsm.errors import CompletionFailure, UnknownJob
-from hicache_fsm.jobs import Completion, JobKind, TransferJob, merge_jobs
+from hicache_fsm.jobs import D2H, H2D, H2S, S2H, Completion, JobKind, TransferJob, merge_jobs
 from hicache_fsm.radix import RadixTree, TreeNode
 from hicache_fsm.results import LoadHandle
 
@@ -162,7 +162,7 @@ class Outbox:
         self._pending[job_id] = job
         self._kind_count[kind] += 1
         self.ledger.emitted += 1
-        if kind is JobKind.H2S or kind is JobKind.S2H:  # STORAGE_KINDS
+        if kind is H2S or kind is S2H:  # STORAGE_KINDS
             self.attached.storage.submit(job)
         else:
             self._queued.append(job)
@@ -201,10 +201,10 @@ class Outbox:
                 wait = executor.submit(batch)
             except BaseException:
                 self._queued = [j for b in groups[i:] for j in b.jobs] + self._queued
-                if any(b.kind is JobKind.H2D for b in groups[i:]):
+                if any(b.kind is H2D for b in groups[i:]):
                     self._load_handles = handles + self._load_handles
                 raise
-            if batch.kind is JobKind.H2D:
+            if batch.kind is H2D:
                 for h in handles:
                     h.bind(wait)
 
@@ -282,9 +282,9 @@ class Outbox:
         attached = self.attached
         storage = attached.storage
         kind = job.kind
-        if kind is JobKind.H2S and storage is not None:
+        if kind is H2S and storage is not None:
             storage.backup_finished(job, c.ok, c.error)
-        if kind is JobKind.S2H:  # the prefetch runtime already took the pages
+        if kind is S2H:  # the prefetch runtime already took the pages
             return
         if job.layer is not None and attached.cp is not None:  # a CP per-layer copy: the runtime acks once
             attached.cp.layer_job_finished(job, c.ok)
@@ -293,12 +293,12 @@ class Outbox:
         if c.ok:
             self._fire_each(nodes, _DONE_TRIGGER[kind], errors)
             self.counters[_BYTES_KEY[kind]] += job.num_tokens * self.token_bytes
-            if kind is JobKind.D2H and storage is not None and attached.storage_attached():
+            if kind is D2H and storage is not None and attached.storage_attached():
                 self._fire_each(nodes, "store", errors, only_if_able=True)
         else:
             self.counters[_FAILED_KEY[kind]] += 1
             log.warning("job %d (%s) failed: %s", c.job_id, kind.value, c.error)
-            if kind is JobKind.H2D:
+            if kind is H2D:
                 self.loads.load_failed(nodes, handle)
             else:
                 self._fire_each(nodes, _FAIL_TRIGGER[kind], errors)

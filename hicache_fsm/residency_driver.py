@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable, Hashable, Protocol
 
 from hicache_fsm.errors import BadIndices, UnknownNode
-from hicache_fsm.jobs import JobKind, PageSlots, TransferJob
+from hicache_fsm.jobs import H2S, JobKind, PageSlots, TransferJob
 from hicache_fsm.radix import RadixTree, TreeNode
 
 if TYPE_CHECKING:
@@ -207,7 +207,7 @@ class ResidencyDriver:
         """The job a transition of ``node`` emits: its slots (as page ids), or its storage keys for H2S."""
         ctx = self.ctx
         host = _slots(node.host_slots, ctx.host_allocator)
-        if kind is JobKind.H2S:
+        if kind is H2S:
             return TransferJob(kind, (node.id,), host, keys=self.attached.storage.keys_for(node))
         return TransferJob(kind, (node.id,), host, _slots(node.device_slots, ctx.device_allocator),
                            draft_host_indices=host if self.draft else None)
