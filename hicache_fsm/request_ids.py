@@ -25,6 +25,7 @@ from hicache_fsm.tokens import (
     TokenIds,
     array_head_bytes,
     check_id_array,
+    checked_id_bytes,
     id_array,
     id_array_head_bytes,
     pack_id_array,
@@ -228,11 +229,12 @@ class RequestIds:
         Otherwise every id is checked and packed before the walk: a tuple or
         a list has its first page packed twice (about 1 us); an integer
         ``array.array`` (SGLang's scheduler form) has its first page checked
-        and packed by ``struct`` (``array_head_bytes``); another integer
-        array or tensor has it checked on its raw bytes where its dtype
-        allows (``id_array_head_bytes``: 4- and 8-byte native ids), else by
-        ``check_id_array``; then every id is checked in one vectorised pass
-        (none, when the array holds the ids last packed: ``packed_ids``).
+        and packed by C calls (``array_head_bytes``: 8-byte ids as words);
+        another integer array or tensor has it checked on its raw bytes where
+        its dtype allows (``id_array_head_bytes``: 4- and 8-byte native ids),
+        else by ``check_id_array``; then every id is checked as it is packed
+        (``checked_id_bytes``; none, when the array holds the ids last packed:
+        ``packed_ids``).
         """
         driver = self.driver
         kind = type(tokens)
@@ -293,8 +295,7 @@ class RequestIds:
             if earlier is not None and earlier[0] == ids.dtype and earlier[1].startswith(ids):
                 self._remember_array(earlier[:3] + (typecode, key))
                 return earlier[2]
-        check_id_array(ids)
-        packed = pack_id_array(ids)
+        packed = TokenIds(checked_id_bytes(ids))
         if contiguous:
             self._remember_array((ids.dtype, ids.tobytes(), packed, typecode, key))
         return packed

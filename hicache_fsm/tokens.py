@@ -19,13 +19,15 @@ once, and whatever an element was (an int subclass, a 0-d tensor, an
 again. Only ids that pack as 0 or 1 (the values a bool can take, found by one
 vectorised minimum) have their type looked at. A 1-D integer array or tensor
 (or an integer ``array.array``, read through its buffer) is range-checked
-and converted by numpy in one or two vectorised passes (int64: one maximum
-over the bits read as unsigned covers both ``< 0`` and ``>= 2**32``; int32:
-one minimum; uint32: none): no per-id Python work. A bad sequence takes the
+and converted by numpy in one or two vectorised passes (8-byte ids: the
+conversion itself checks them where numpy has ``casting="same_value"``,
+else one maximum over the bits read as unsigned covers both ``< 0`` and
+``>= 2**32``; int32: one minimum; uint32: none): no per-id Python work. A bad sequence takes the
 element-by-element path that names the first bad position. The check and the
 conversion are apart (:func:`id_array`, :func:`check_id_array`,
-:func:`pack_id_array`), so ``match_prefix`` checks and packs only what it
-reads: one page on a miss (see ``HiCache.match_prefix``).
+:func:`pack_id_array`; :func:`checked_id_bytes` does both), so
+``match_prefix`` checks and packs only what it reads: one page on a miss
+(see ``HiCache.match_prefix``).
 
 An engine packs a request's ids once, when the request arrives, keeps the
 ``TokenIds`` with the request, and grows it with :meth:`TokenIds.extended`
@@ -51,8 +53,8 @@ TOKEN_ID_LIMIT = 1 << 32  # exclusive: ids are packed as 4-byte unsigned ints
 ID_BYTES = 4
 
 __all__ = ["ID_BYTES", "TOKEN_ID_LIMIT", "TokenIds", "array_head_bytes", "as_token_ids", "check_id_array",
-           "checked_id_array", "id_array", "id_array_head_bytes", "pack_id_array", "pack_token_ids", "token_id_bytes",
-           "unpack_token_ids"]
+           "checked_id_array", "checked_id_bytes", "id_array", "id_array_head_bytes", "pack_id_array", "pack_token_ids",
+           "token_id_bytes", "unpack_token_ids"]
 
 _LE_UINT32 = np.dtype("<u4")
 _CODE = next(c for c in "IL" if array(c).itemsize == ID_BYTES)  # 'I' on every platform CPython supports
@@ -66,6 +68,22 @@ _ARRAY_DTYPES = {code: np.dtype(code) for code in "bBhHiIlLqQ"}
 _ARRAY_INTEGER = frozenset(_ARRAY_DTYPES)
 _WIDE_CODES = frozenset(code for code, dtype in _ARRAY_DTYPES.items() if dtype.itemsize == 8)
 _ZERO_WORDS = bytes(ID_BYTES * 256)  # the high words of up to 256 in-range 8-byte ids
+
+
+def _casts_same_value() -> bool:
+    """Whether numpy's ``astype`` refuses a value that would change (``casting="same_value"``, numpy 2.4 on)."""
+    try:
+        np.array([1], dtype=np.int64).astype(_LE_UINT32, casting="same_value")
+    except (TypeError, ValueError):  # an older numpy: no such casting rule
+        return False
+    try:
+        np.array([-1], dtype=np.int64).astype(_LE_UINT32, casting="same_value")
+    except ValueError:
+        return True
+    return False
+
+
+SAME_VALUE_CASTS = _casts_same_value()  # numpy range-checks 8-byte ids as it converts them (checked_id_bytes)
 _TORCH_INTEGER = frozenset({torch.int8, torch.int16, torch.int32, torch.int64,
                             torch.uint8, torch.uint16, torch.uint32, torch.uint64})
 
@@ -247,6 +265,17 @@ def checked_id_array(tokens: Any) -> np.ndarray | None:
     return _checked_array(tokens, 0)
 
 
+def checked_id_bytes(ids: np.ndarray) -> bytes:
+    """:func:`check_id_array`, then the ids packed (the bytes a ``TokenIds`` holds), in one pass where numpy can.
+
+    8-byte ids (SGLang's ``array("q")``, int64 tensors) are range-checked by
+    the conversion itself where numpy has ``casting="same_value"`` (2.4 and
+    later): one pass over the ids instead of a maximum and a conversion.
+    ``BadTokenIds`` names the first id out of range, as the check does.
+    """
+    return _checked_raw(ids, 0)
+
+
 def pack_id_array(ids: np.ndarray) -> TokenIds:
     """The ids of an array from :func:`id_array` (or a slice of it) packed, checking nothing.
 
@@ -258,9 +287,9 @@ def pack_id_array(ids: np.ndarray) -> TokenIds:
 def _packed(tokens: Any, offset: int = 0) -> bytes:
     """Check every id of ``tokens``; returns them packed, or raises naming the first bad position (+ ``offset``)."""
     if type(tokens) is not tuple and type(tokens) is not list:  # a tuple or a list goes straight to the packer
-        arr = _checked_array(tokens, offset)
+        arr = id_array(tokens)
         if arr is not None:  # SGLang's scheduler holds ids as array("q"): numpy reads its buffer, no id objects
-            return _array_raw(arr)
+            return _checked_raw(arr, offset)
         if isinstance(tokens, array):
             tokens = tokens.tolist()  # floats, characters: refused by the element check below
         elif isinstance(tokens, (np.ndarray, torch.Tensor)):
@@ -320,6 +349,19 @@ def _check_array(arr: np.ndarray, offset: int) -> None:
     # narrower ints (always below 2**32) and byte-swapped arrays: the plain two-sided check
     if (dtype.kind == "i" and _smallest(arr) < 0) or (dtype.itemsize >= 8 and _largest(arr) >= TOKEN_ID_LIMIT):
         _refuse_first(arr, (arr < 0) | (arr >= TOKEN_ID_LIMIT), offset)
+
+
+def _checked_raw(arr: np.ndarray, offset: int) -> bytes:
+    """``checked_id_bytes``, naming a bad id's position plus ``offset``."""
+    dtype = arr.dtype
+    if SAME_VALUE_CASTS and dtype.itemsize == 8 and dtype.isnative and arr.size:
+        try:
+            return arr.astype(_LE_UINT32, casting="same_value").tobytes()
+        except ValueError:  # an id that does not fit: the check names the first
+            _check_array(arr, offset)
+            raise BadTokenIds("token ids could not be packed") from None  # pragma: no cover - the check raised
+    _check_array(arr, offset)
+    return _array_raw(arr)
 
 
 def _array_raw(arr: np.ndarray) -> bytes:

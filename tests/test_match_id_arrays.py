@@ -69,10 +69,10 @@ def test_an_id_array_matches_as_the_tuple_of_its_ids(cached, asked, form):
 
 @pytest.mark.parametrize("form", ["array_q", "numpy_int64", "tensor_int32"])
 def test_a_miss_packs_the_first_page_only_and_a_hit_packs_the_rest(monkeypatch, form):
-    """An ``array.array``'s first page is packed by ``struct``, another array's from its raw bytes; a hit then
+    """An ``array.array``'s first page is packed by ``array_head_bytes``, another array's from its raw bytes; a hit then
     packs it all."""
     packed: list[int] = []
-    log_id_reads(monkeypatch, packed, ("pack_id_array", "array_head_bytes", "id_array_head_bytes"))
+    log_id_reads(monkeypatch, packed, ("pack_id_array", "checked_id_bytes", "array_head_bytes", "id_array_head_bytes"))
     build = FORMS[form]
     cache, _ = make_cache(page=PAGE)
     cache.insert((1, 2, 3, 4), cache.alloc_device(PAGE))

@@ -103,17 +103,18 @@ def test_a_miss_reads_only_the_first_page():
 
 @pytest.mark.parametrize("form", ["array_q", "numpy_int64", "tensor_int32"])
 def test_a_miss_checks_one_page_of_an_array_and_a_hit_all_of_it(monkeypatch, form):
-    """A miss checks the first page alone (an ``array.array``'s in its ``struct`` packing, ``array_head_bytes``;
+    """A miss checks the first page alone (an ``array.array``'s by ``array_head_bytes``;
     another array's on its raw bytes, ``id_array_head_bytes``); a hit checks every id once more, in one
     vectorised pass."""
     checked: list[int] = []
-    log_id_reads(monkeypatch, checked, ("check_id_array", "array_head_bytes", "id_array_head_bytes"))
+    log_id_reads(monkeypatch, checked, ("check_id_array", "checked_id_bytes", "array_head_bytes",
+                                        "id_array_head_bytes"))
     build = FORMS[form][0]
     cache = _cached([[1, 2, 3, 4]])
     assert cache.match_prefix(build(list(range(5, 5 + 4 * PAGE)))).device_hit_length == 0
     assert checked == [PAGE]
     assert cache.match_prefix(build([1, 2, 3, 4] + list(range(20, 20 + 3 * PAGE)))).device_hit_length == PAGE
-    # a hit: the first page checked and looked up (by struct for an array.array, on its bytes for another
+    # a hit: the first page checked and looked up (by array_head_bytes for an array.array, on its bytes for another
     # array), then every id checked once
     assert checked == [PAGE, PAGE, 4 * PAGE]
 

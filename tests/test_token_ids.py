@@ -16,7 +16,8 @@ from hicache_fsm.errors import BadIndices, BadTokenIds, HiCacheError, TokenIdTyp
 from hicache_fsm.jobs import Completion
 from hicache_fsm.storage.memory import MemoryBackend
 from hicache_fsm.tokens import (
-    TOKEN_ID_LIMIT, array_head_bytes, as_token_ids, check_id_array, checked_id_array, id_array, id_array_head_bytes,
+    TOKEN_ID_LIMIT, array_head_bytes, as_token_ids, check_id_array, checked_id_array, checked_id_bytes, id_array,
+    id_array_head_bytes,
     pack_id_array, pack_token_ids, token_id_bytes,
 )
 
@@ -322,6 +323,29 @@ def test_an_id_arrays_head_is_packed_from_its_bytes_as_its_ids_are_or_left_to_th
     else:
         with pytest.raises(BadTokenIds):
             check_id_array(ids[:n])
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data(), dtype=st.sampled_from(_DTYPES), one_pass=st.booleans())
+def test_an_id_array_is_checked_as_it_is_packed_or_its_first_bad_id_named(data, dtype, one_pass):
+    """``checked_id_bytes``: the ids packed as ``pack_token_ids`` packs them, or ``BadTokenIds`` at the first id out
+    of range, whether numpy checks them in the conversion (``casting="same_value"``) or a separate pass does."""
+    import hicache_fsm.tokens as tokens
+
+    if one_pass and not tokens.SAME_VALUE_CASTS:
+        pytest.skip("this numpy has no same_value casting")
+    info = np.iinfo(np.dtype(dtype))
+    values = data.draw(st.lists(st.integers(int(info.min), int(info.max)), max_size=12))
+    ids = np.array(values, dtype=dtype)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(tokens, "SAME_VALUE_CASTS", one_pass)
+        bad = [i for i, v in enumerate(values) if not 0 <= v < TOKEN_ID_LIMIT]
+        if not bad:
+            assert checked_id_bytes(ids) == pack_token_ids(values).raw
+        else:
+            with pytest.raises(BadTokenIds) as raised:
+                checked_id_bytes(ids)
+            assert raised.value.position == bad[0] and raised.value.value == values[bad[0]]
 
 
 def test_an_int32_tensors_head_is_packed_from_its_bytes():

@@ -143,6 +143,9 @@ def test_match_then_insert_of_the_same_ids_checks_them_once_in_every_form(monkey
                         lambda t: checked.append((type(t).__name__, len(t))) or real_pack(t))
     monkeypatch.setattr(request_ids, "check_id_array",
                         lambda ids: checked.append(("array", len(ids))) or real_check(ids))
+    real_checked_bytes = request_ids.checked_id_bytes  # a whole array, checked as it is packed
+    monkeypatch.setattr(request_ids, "checked_id_bytes",
+                        lambda ids: checked.append(("array", len(ids))) or real_checked_bytes(ids))
     real_head = request_ids.id_array_head_bytes  # a tensor's first page, checked on its bytes
     monkeypatch.setattr(request_ids, "id_array_head_bytes",
                         lambda ids, n: checked.append(("array", min(n, len(ids)))) or real_head(ids, n))
@@ -242,6 +245,9 @@ def test_an_array_memo_checks_only_new_ids_and_never_answers_for_the_same_bytes_
     checked = []  # the lengths of the whole arrays checked
     real_check = request_ids.check_id_array
     monkeypatch.setattr(request_ids, "check_id_array", lambda ids: checked.append(len(ids)) or real_check(ids))
+    real_checked_bytes = request_ids.checked_id_bytes  # a whole array, checked as it is packed
+    monkeypatch.setattr(request_ids, "checked_id_bytes",
+                        lambda ids: checked.append(len(ids)) or real_checked_bytes(ids))
     ids_of = request_ids.RequestIds(driver=None, page_size=PAGE)
     wide = array("q", [1, 2, 3, 4])
     assert ids_of.packed(wide).tolist() == [1, 2, 3, 4]
@@ -284,6 +290,8 @@ def _count_packings(monkeypatch) -> list:
     real_pack, real_check = request_ids.pack_token_ids, request_ids.check_id_array
     monkeypatch.setattr(request_ids, "pack_token_ids", lambda t: made.append(len(t)) or real_pack(t))
     monkeypatch.setattr(request_ids, "check_id_array", lambda ids: made.append(len(ids)) or real_check(ids))
+    real_checked_bytes = request_ids.checked_id_bytes  # a whole array, checked as it is packed
+    monkeypatch.setattr(request_ids, "checked_id_bytes", lambda ids: made.append(len(ids)) or real_checked_bytes(ids))
     return made
 
 
