@@ -22,12 +22,12 @@ vectorised minimum) have their type looked at. A 1-D integer array or tensor
 and converted by numpy in one or two vectorised passes (8-byte ids: the
 conversion itself checks them where numpy has ``casting="same_value"``,
 else one maximum over the bits read as unsigned covers both ``< 0`` and
-``>= 2**32``; int32: one minimum; uint32: none): no per-id Python work. A bad sequence takes the
-element-by-element path that names the first bad position. The check and the
-conversion are apart (:func:`id_array`, :func:`check_id_array`,
-:func:`pack_id_array`; :func:`checked_id_bytes` does both), so
-``match_prefix`` checks and packs only what it reads: one page on a miss
-(see ``HiCache.match_prefix``).
+``>= 2**32``; int32: one minimum; uint32: none): no per-id Python work. A
+bad sequence takes the element-by-element path that names the first bad
+position. The check and the conversion are apart (:func:`id_array`,
+:func:`check_id_array`, :func:`pack_id_array`; :func:`checked_id_bytes`
+does both), so ``match_prefix`` checks and packs only what it reads: one
+page on a miss (see ``HiCache.match_prefix``).
 
 An engine packs a request's ids once, when the request arrives, keeps the
 ``TokenIds`` with the request, and grows it with :meth:`TokenIds.extended`
