@@ -330,7 +330,10 @@ class Outbox:
             done = direct + acks.take()
         late: list[Completion] = []
         failures = self.apply(done, late)
-        return (done if not late else [c for c in done if not any(c is x for x in late)]), failures
+        if late:  # completions of jobs ``reset`` cancelled: ignored, so not reported applied
+            cancelled = {id(c) for c in late}
+            done = [c for c in done if id(c) not in cancelled]
+        return done, failures
 
     def forget(self, job_id: int) -> None:
         """Drop a pending job without ending it in the ledger (tests that break the ledger on purpose)."""

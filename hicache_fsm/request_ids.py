@@ -289,7 +289,7 @@ class RequestIds:
                 packed = packed.extended(ids[known:])  # a bad new id is named by its place in the whole
                 self._remember_array((ids.dtype, ids.tobytes(), packed, typecode, _array_key(ids)))
                 return packed
-        key = (ids.nbytes, ids.item(-1)) if contiguous and ids.size else None  # ``_array_key``, inline
+        key = _array_key(ids) if contiguous and ids.size else None
         if key is not None and self._earlier_arrays:  # one packed before the last: the same length, last id, bytes
             earlier = self._earlier_arrays.take(key)
             if earlier is not None and earlier[0] == ids.dtype and earlier[1].startswith(ids):

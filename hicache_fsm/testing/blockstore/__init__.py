@@ -49,8 +49,7 @@ from hicache_fsm.testing.blockstore.world import StoreWorld, fmt, format_step
 
 __all__ = [
     "ARC", "FIFO", "LFU", "LRU", "POLICIES", "REDELIVERY_CONTRACTS", "Answer", "BlockKey", "BlockStoreAdapter",
-    "BlockStoreMachine",
-    "Key", "NotSupported", "ReferencePolicy", "Rejected", "StoreBounds", "StoreExploreResult", "StoreJob", "StoreModel", "StoreWorld", "canonical",
-    "chain", "explore_store", "fmt", "format_step", "prompts_for", "reference_policy", "run_store_fuzz",
-    "store_machine", "value_of",
+    "BlockStoreMachine", "Key", "NotSupported", "ReferencePolicy", "Rejected", "StoreBounds", "StoreExploreResult",
+    "StoreJob", "StoreModel", "StoreWorld", "canonical", "chain", "explore_store", "fmt", "format_step", "prompts_for",
+    "reference_policy", "run_store_fuzz", "store_machine", "value_of",
 ]
