@@ -270,8 +270,10 @@ class Eviction:
         if (old in RESIDENT) != now:
             parent = node.parent
             if parent is not None:
-                parent.resident_children += 1 if now else -1
-                self.refresh(parent)
+                count = parent.resident_children + (1 if now else -1)
+                parent.resident_children = count
+                if count == (1 if now else 0):  # none to one, or one to none: only then can its candidacy change
+                    self.refresh(parent)
         self.refresh(node)
 
     def add_locks(self, nodes, delta: int) -> None:

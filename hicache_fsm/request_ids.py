@@ -108,6 +108,13 @@ class RequestIds:
         an insert used is not kept once the next request replaces it.
         """
         kind = type(tokens)
+        if kind is array:  # SGLang's form: the last array's ids compared without a numpy view of this one
+            seen = self._array_memo
+            if seen and seen[3] == tokens.typecode and seen[1].startswith(tokens):
+                if used:
+                    self._array_memo_used = True
+                n = len(tokens)
+                return seen[2] if n << 2 == len(seen[2].raw) else seen[2][:n]
         packed = self._packed(tokens)
         if used:
             if kind is tuple or kind is list:
@@ -142,11 +149,6 @@ class RequestIds:
         if memo and tokens is memo[0] and memo[1] is None:  # the same tuple: it cannot have changed
             return memo[2]
         kind = type(tokens)
-        if kind is array:  # SGLang's form: the last array's ids compared without a numpy view of this one
-            seen = self._array_memo
-            if seen and seen[3] == tokens.typecode and seen[1].startswith(tokens):
-                n = len(tokens)
-                return seen[2] if n << 2 == len(seen[2].raw) else seen[2][:n]
         if kind is not tuple and kind is not list and kind is not TokenIds:
             ids = id_array(tokens)
             if ids is not None:

@@ -66,7 +66,11 @@ def check_index_pages(indices: object, length: int | None, page_size: int, alloc
         except (TypeError, RuntimeError):
             a = None
         if a is not None and a.ndim == 1 and (a.dtype is _INT64 or a.dtype == _INT64):
-            return _whole_pages(indices, a, length, page_size, allocator)
+            if a.size == length and length:  # the usual case: whole pages of the expected length, one call
+                pages = allocator.whole_pages(a)
+                if pages is not None:
+                    return pages
+            return _whole_pages(indices, a, length, page_size, allocator)  # empty, or the fault named
     if not isinstance(indices, torch.Tensor):
         raise BadIndices(f"device indices must be a torch.Tensor, got {type(indices).__name__}")
     if indices.dtype != torch.int64 or indices.dim() != 1:
