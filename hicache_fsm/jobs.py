@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Iterable, Protocol, Sequence
 
 import attrs
 
+from hicache_fsm.records import slot_setters
+
 if TYPE_CHECKING:
     import torch  # only expanding or joining indices needs torch at run time: importing jobs stays cheap
 
@@ -80,7 +82,7 @@ def _indices(holder: object, name: str) -> "torch.Tensor | None":
     return value
 
 
-@attrs.frozen(slots=True, eq=False)
+@attrs.frozen(slots=True, eq=False, init=False)
 class TransferJob:
     """One node's (or one prefetch's) transfer, described, not performed.
 
@@ -102,6 +104,22 @@ class TransferJob:
     _draft_host: "torch.Tensor | PageSlots | None" = attrs.field(default=None, alias="draft_host_indices")
     id: int = attrs.field(factory=next_job_id)
 
+    def __init__(self, kind: JobKind, node_ids: tuple[int, ...], host_indices: "torch.Tensor | PageSlots",
+                 device_indices: "torch.Tensor | PageSlots | None" = None, layer: int | None = None,
+                 keys: tuple[str, ...] = (), draft: bool = False,
+                 draft_host_indices: "torch.Tensor | PageSlots | None" = None, id: int | None = None) -> None:
+        set_kind, set_nodes, set_host, set_device, set_layer, set_keys, set_draft, set_draft_host, set_id = \
+            _TRANSFER_JOB_FIELDS  # the slots' setters (hicache_fsm.records)
+        set_kind(self, kind)
+        set_nodes(self, node_ids)
+        set_host(self, host_indices)
+        set_device(self, device_indices)
+        set_layer(self, layer)
+        set_keys(self, keys)
+        set_draft(self, draft)
+        set_draft_host(self, draft_host_indices)
+        set_id(self, next_job_id() if id is None else id)
+
     host_indices = property(lambda self: _indices(self, "_host"), doc="Host slot indices (int64 tensor).")
     device_indices = property(lambda self: _indices(self, "_device"), doc="Device slot indices, or None.")
     draft_host_indices = property(lambda self: _indices(self, "_draft_host"),
@@ -113,7 +131,11 @@ class TransferJob:
         return host.num_tokens if type(host) is PageSlots else int(host.numel())
 
 
-@attrs.frozen(slots=True, eq=False)
+_TRANSFER_JOB_FIELDS = slot_setters(TransferJob, "kind", "node_ids", "_host", "_device", "layer", "keys", "draft",
+                                    "_draft_host", "id")
+
+
+@attrs.frozen(slots=True, eq=False, init=False)
 class JobBatch:
     """Jobs of one kind (and layer) merged into one transfer for one step (indices as ``TransferJob``'s)."""
 
@@ -123,6 +145,17 @@ class JobBatch:
     _device: "torch.Tensor | PageSlots | None" = attrs.field(alias="device_indices")
     layer: int | None = None
     _draft_host: "torch.Tensor | PageSlots | None" = attrs.field(default=None, alias="draft_host_indices")
+
+    def __init__(self, kind: JobKind, jobs: tuple[TransferJob, ...], host_indices: "torch.Tensor | PageSlots",
+                 device_indices: "torch.Tensor | PageSlots | None", layer: int | None = None,
+                 draft_host_indices: "torch.Tensor | PageSlots | None" = None) -> None:
+        set_kind, set_jobs, set_host, set_device, set_layer, set_draft_host = _JOB_BATCH_FIELDS
+        set_kind(self, kind)
+        set_jobs(self, jobs)
+        set_host(self, host_indices)
+        set_device(self, device_indices)
+        set_layer(self, layer)
+        set_draft_host(self, draft_host_indices)
 
     host_indices = property(lambda self: _indices(self, "_host"), doc="Host slot indices (int64 tensor).")
     device_indices = property(lambda self: _indices(self, "_device"), doc="Device slot indices, or None.")
@@ -137,6 +170,9 @@ class JobBatch:
     def num_tokens(self) -> int:
         host = self._host
         return host.num_tokens if type(host) is PageSlots else int(host.numel())
+
+
+_JOB_BATCH_FIELDS = slot_setters(JobBatch, "kind", "jobs", "_host", "_device", "layer", "_draft_host")
 
 
 def _joined(parts: list) -> "torch.Tensor | PageSlots":
@@ -172,13 +208,22 @@ def merge_jobs(jobs: Sequence[TransferJob]) -> list[JobBatch]:
     return batches
 
 
-@attrs.frozen(slots=True)
+@attrs.frozen(slots=True, init=False)
 class Completion:
     """An executor's report that a job finished (``ok``) or failed (with ``error``)."""
 
     job_id: int
     ok: bool = True
     error: str = ""
+
+    def __init__(self, job_id: int, ok: bool = True, error: str = "") -> None:
+        set_job_id, set_ok, set_error = _COMPLETION_FIELDS
+        set_job_id(self, job_id)
+        set_ok(self, ok)
+        set_error(self, error)
+
+
+_COMPLETION_FIELDS = slot_setters(Completion, "job_id", "ok", "error")
 
 
 class LayerWait(Protocol):

@@ -16,6 +16,7 @@ import torch
 from hicache_fsm.errors import BadIndices, HiCacheError
 from hicache_fsm.jobs import LayerWait
 from hicache_fsm.radix import TreeNode
+from hicache_fsm.records import slot_setters
 
 
 class LoadCancelled(HiCacheError):
@@ -89,7 +90,7 @@ class LoadHandle:
         return self._wait is not None and self._wait.done() and all(d.done() for d in self._deps)
 
 
-@attrs.frozen
+@attrs.frozen(init=False)
 class MatchResult:
     """What ``match_prefix`` found.
 
@@ -105,6 +106,15 @@ class MatchResult:
     host_hit_length: int
     loads: tuple[LoadHandle, ...] = ()
 
+    def __init__(self, device_indices: torch.Tensor, last_device_node: TreeNode, last_host_node: TreeNode,
+                 host_hit_length: int, loads: tuple[LoadHandle, ...] = ()) -> None:
+        set_indices, set_device_node, set_host_node, set_host_hit, set_loads = _MATCH_RESULT_FIELDS
+        set_indices(self, device_indices)
+        set_device_node(self, last_device_node)
+        set_host_node(self, last_host_node)
+        set_host_hit(self, host_hit_length)
+        set_loads(self, loads)
+
     @property
     def device_hit_length(self) -> int:
         return int(self.device_indices.numel())
@@ -113,6 +123,10 @@ class MatchResult:
         """Wait until ``layer`` of every load covering ``device_indices`` has landed (no-op if none)."""
         for handle in self.loads:
             handle.wait(layer)
+
+
+_MATCH_RESULT_FIELDS = slot_setters(MatchResult, "device_indices", "last_device_node", "last_host_node",
+                                    "host_hit_length", "loads")
 
 
 @attrs.frozen
@@ -131,8 +145,17 @@ class LoadBack:
         self.handle.wait(layer)
 
 
-@attrs.frozen
+@attrs.frozen(init=False)
 class InsertResult:
     node: TreeNode
     cached_tokens: int  # tokens that were already in the tree (engine slots there were freed)
     new_tokens: int
+
+    def __init__(self, node: TreeNode, cached_tokens: int, new_tokens: int) -> None:
+        set_node, set_cached, set_new = _INSERT_RESULT_FIELDS
+        set_node(self, node)
+        set_cached(self, cached_tokens)
+        set_new(self, new_tokens)
+
+
+_INSERT_RESULT_FIELDS = slot_setters(InsertResult, "node", "cached_tokens", "new_tokens")
