@@ -91,7 +91,7 @@ class TransferJob:
     as ``PageSlots`` and are then expanded when first read. ``layer`` is None for
     an all-layer job, or the single layer of a per-layer (CP) write. ``keys``
     are storage keys, one per page, for storage jobs. ``draft`` marks a job on
-    the draft model's pools.
+    the draft model's pools. ``id`` None (the default) takes the next job id.
     """
 
     kind: JobKind
