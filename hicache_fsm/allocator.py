@@ -16,7 +16,7 @@ import torch
 from hicache_fsm.errors import AllocationError, BadIndices, ConfigError
 from hicache_fsm.sole_user import SoleUser
 
-_PAGE_ID = np.dtype(np.int64)  # page ids as nodes keep them (native int64)
+PAGE_ID_DTYPE = np.dtype(np.int64)  # page ids as this allocator hands them out and tree nodes keep them, packed
 
 # What the allocator itself keeps: the slot-id table (one int64 a token), and per page an ownership flag and a
 # free-list entry (a bool and an int64).
@@ -365,7 +365,7 @@ class PageAllocator:
 
     def free_packed_pages(self, pages: bytes) -> None:
         """``free_page_ids`` of page ids packed as native int64 ``bytes`` (what a tree node keeps)."""
-        self.free_page_ids(np.frombuffer(pages, _PAGE_ID))
+        self.free_page_ids(np.frombuffer(pages, PAGE_ID_DTYPE))
 
     def free_page_ids(self, pages: np.ndarray) -> None:
         """Return pages by id (int64 ids of this allocator, each named once: what ``alloc_page_ids`` gave).
@@ -411,5 +411,6 @@ class PageAllocator:
 
 
 __all__ = [
-    "PageAllocator", "as_index_tensor", "check_table_fits", "page_ids_array", "pages_of", "physical_memory_bytes",
+    "PAGE_ID_DTYPE", "PageAllocator", "as_index_tensor", "check_table_fits", "page_ids_array", "pages_of",
+    "physical_memory_bytes",
 ]

@@ -17,9 +17,8 @@ from typing import Callable, Hashable, Iterator, Mapping
 import numpy as np
 import torch
 
+from hicache_fsm.allocator import PAGE_ID_DTYPE
 from hicache_fsm.tokens import ID_BYTES, TokenIds, pack_token_ids, unpack_token_ids
-
-_PAGE_ID = np.dtype(np.int64)  # a node's packed page ids (native int64)
 
 ROOT_STATE = "root"
 
@@ -60,7 +59,7 @@ def _page_row(page_size: int) -> np.ndarray:
 
 def slots_of_pages(pages: bytes, page_size: int) -> torch.Tensor:
     """The slot indices (int64 tensor, a fresh copy) of page ids packed as native int64 ``bytes``."""
-    p = np.frombuffer(pages, _PAGE_ID)
+    p = np.frombuffer(pages, PAGE_ID_DTYPE)
     if page_size == 1:
         return torch.from_numpy(p.copy())
     return torch.from_numpy((p[:, None] * page_size + _page_row(page_size)).reshape(-1))
@@ -77,7 +76,7 @@ def slot_tensor(slots: "bytes | torch.Tensor | None", allocator) -> torch.Tensor
     expand = getattr(allocator, "slot_tensor", None)
     if expand is None:
         return slots_of_pages(slots, allocator.page_size)
-    return expand(np.frombuffer(slots, _PAGE_ID))  # the dtype positional: half the cost of a keyword
+    return expand(np.frombuffer(slots, PAGE_ID_DTYPE))  # the dtype positional: half the cost of a keyword
 
 
 def pack_slots(indices: "torch.Tensor | None", page_size: int) -> "bytes | torch.Tensor | None":
