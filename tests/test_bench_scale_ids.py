@@ -37,3 +37,32 @@ def test_with_python_ids_the_peer_is_handed_python_ids_too(ids):
     """Ours timed on a tuple or list is compared with SGLang handed a list (it keeps no tuples), never an array."""
     peer = scale.sglang_peer.PEER_FORMS[scale.sglang_peer.peer_form(ids)][0]((1, 2, 3))
     assert type(peer) is list and peer == [1, 2, 3]
+
+
+def test_the_insert_timed_without_its_backup_starts_that_backup_once_the_clock_has_stopped(monkeypatch):
+    """``insert_nobackup_us`` reads the clock around the insert alone: the backup the insert asks for starts after
+    the second read, and it does start (the new node ends backed up), so the cache is left as ``insert_timed``
+    leaves it."""
+    from hicache_fsm.eviction import Eviction
+
+    ours = scale.OursVariant(64, 4, 0)
+    ours.fill(64)
+    tok = scale.RequestTokens(0)
+    for _ in range(2):
+        ours.put(tok.request())
+    reads: list[int] = []
+    backups_after: list[int] = []
+    real_backup = Eviction.try_backup
+
+    def counted_backup(self, node):
+        backups_after.append(len(reads))
+        return real_backup(self, node)
+
+    monkeypatch.setattr(Eviction, "try_backup", counted_backup)
+    tokens = tok.request()
+    spent = ours.insert_without_backup_timed(tokens, lambda: reads.append(0) or float(len(reads)))
+    assert spent == 1.0 and len(reads) == 2
+    assert backups_after == [2]  # one backup, after both reads
+    assert "try_backup" not in vars(ours.cache.eviction)
+    leaf = ours.cache.match_prefix(tokens).last_device_node
+    assert leaf.state == "device_host"
