@@ -55,6 +55,7 @@ from hicache_fsm.errors import (
     LockError,
     UnknownJob,
 )
+from hicache_fsm.engine_pages import EnginePages
 from hicache_fsm.insert_slots import own_pages, own_prefix
 from hicache_fsm.inspection import HostOwners, InvariantViolation, RuntimeChecks, maintained_set_problems, snapshot, stats
 from hicache_fsm.eviction import DEVICE_EVICTABLE, HOST_EVICTABLE, RESIDENT, REVIVABLE, Eviction, executor_can_block
@@ -70,8 +71,8 @@ from hicache_fsm.request_ids import RequestIds
 from hicache_fsm.residency_driver import ResidencyDriver
 from hicache_fsm.results import DeviceGrant, InsertResult, LoadBack, LoadCancelled, LoadHandle, MatchResult
 from hicache_fsm.slots import (
-    bind_pools, check_dispatcher, check_engine_pages, check_index_pages, check_index_tensor, check_pools,
-    device_slot_tensor, page_ids, take_engine_pages, unbind_pools,
+    bind_pools, check_dispatcher, check_index_pages, check_index_tensor, check_pools, device_slot_tensor, page_ids,
+    unbind_pools,
 )
 from hicache_fsm.spec import load_builtin
 from hicache_fsm.storage.ownership import check_completion_owner
@@ -169,7 +170,7 @@ class HiCache(StorageCalls):
         if self.acks is not None:
             self.agreement.register(self.acks)
             self.agreement.register(PoolState(self.tree, device_pool, host_pool, self.attached))
-        self.engine_pages: set[int] = set()  # device pages handed out by alloc_device, not yet inserted or freed
+        self.engine_pages = EnginePages()  # device pages handed out by alloc_device, not yet inserted or freed
         self.runtime_checks = RuntimeChecks()  # host slots and invariants of attached runtimes
         self.check_candidates = False  # also recompute the eviction candidate sets in invariant_violations
         self.closed = False
@@ -244,27 +245,26 @@ class HiCache(StorageCalls):
         if self.device_allocator.available_tokens < num_tokens:
             self.eviction.evict(num_tokens - self.device_allocator.available_tokens
                                 + self.config.eviction_headroom_tokens)
-        indices = self.device_allocator.alloc(num_tokens)
-        if indices is not None:
-            self.engine_pages.update(self._page_ids(indices))
+        taken = self.device_allocator.alloc_with_page_ids(num_tokens)
+        if taken is None:
+            return None
+        indices, pages = taken
+        self.engine_pages.hand_out(pages.tobytes())
         return indices
 
     def free_device(self, indices: torch.Tensor) -> None:
         """Return device slots from ``alloc_device`` that will not be inserted (aborted request)."""
         self.check_open()
         pages = self._check_tensor(indices, None)
-        self._check_engine_pages(pages)
+        self.engine_pages.check(pages)
         self.device_allocator.free(indices)
-        self.engine_pages.difference_update(pages)
+        self.engine_pages.release(pages)
 
     def _page_ids(self, indices: torch.Tensor) -> list[int]:
         return page_ids(indices, self.page_size)
 
     def _check_tensor(self, indices: object, length: int | None) -> list[int]:
         return check_index_tensor(indices, length, self.page_size, self.device_allocator)
-
-    def _check_engine_pages(self, pages: list[int]) -> None:
-        check_engine_pages(self.engine_pages, pages)
 
     # ================================================================== match and insert
 
@@ -351,15 +351,13 @@ class HiCache(StorageCalls):
         packed = page_array.tobytes()  # the engine's page ids, as nodes keep them
         own = own_prefix(path, partial)
         if own is not None and packed.startswith(own):  # the usual case: the cached part is the cache's own slots
-            n_own = len(own) >> 3
             page_ids = own_ids = None  # not needed: nothing to revive, no duplicate
-            engine = page_array[n_own:].tolist()
+            self.engine_pages.take_packed(packed[len(own) :])  # the last check: from here on the cache holds them
         else:
             page_ids = page_array.tolist()
             own_ids = own_pages(path, partial, self.tree, tokens, namespace, matched)
             n_own = len(own_ids)
-            engine = [p for i, p in enumerate(page_ids) if i >= n_own or own_ids[i] != p]
-        (take_engine_pages if own_ids is None else check_engine_pages)(self.engine_pages, engine)  # last check
+            self.engine_pages.check([p for i, p in enumerate(page_ids) if i >= n_own or own_ids[i] != p])  # last check
         # ---- apply
         if partial:
             path, matched = driver.walk_splitting(tokens, namespace)
@@ -407,7 +405,7 @@ class HiCache(StorageCalls):
                 node.priority = priority
             if node.state in REVIVABLE:
                 driver.fire(node, "revive", DeviceGrant(device_indices[pos - size : pos]))
-                self.engine_pages.difference_update(page_ids[first : first + size // ps])
+                self.engine_pages.release(page_ids[first : first + size // ps])
                 self.counters["revived_tokens"] += size
             elif own[first : first + size // ps] != page_ids[first : first + size // ps]:
                 duplicate.append(device_indices[pos - size : pos])
@@ -419,8 +417,8 @@ class HiCache(StorageCalls):
                 pages = [pages[i] for i in mine]
             if pages:
                 self.device_allocator.free(part)
-                self.engine_pages.difference_update(pages)
-        self.engine_pages.difference_update(page_ids[pos // ps :])  # the new node's (added next), if any
+                self.engine_pages.release(pages)
+        self.engine_pages.release(page_ids[pos // ps :])  # the new node's (added next), if any
 
     # ================================================================== locks
 

@@ -72,6 +72,9 @@ def executor_can_block(executor: Any) -> bool:
     return not manual
 
 
+PENDING_LIMIT = 64  # joiners a candidate set holds before it gives them heap entries
+
+
 class CandidateSet:
     """Nodes one tier may evict now, popped in key order in O(log N) each.
 
@@ -83,19 +86,28 @@ class CandidateSet:
     the key's fields then a push counter and the node (a nested key tuple
     would cost 64 bytes more a node).
 
+    A node that joins (or is handed back) waits in ``_pending`` and enters the
+    heap, with its key as it is then, when the next ``pop`` begins or when
+    ``PENDING_LIMIT`` joiners wait (no call pays for more): a joiner that
+    leaves before then needs no entry at all (a node inserted under
+    ``write_through`` leaves the device set when its backup starts, in the
+    same call), and a dict store costs a fraction of building an entry and
+    sifting it into the heap.
+
     ``blocked`` (optional) excludes members lazily: a member for which it is
     true does not count (``len``, ``in``, ``ids``, ``nodes``) and is dropped
     when popped. The device set uses it for locks, so that a lock and its
     unlock need not leave and re-enter the set (the hot path of a request).
     """
 
-    __slots__ = ("key", "blocked", "_members", "_heap", "_seq")
+    __slots__ = ("key", "blocked", "_members", "_heap", "_pending", "_seq")
 
     def __init__(self, key: Callable[[TreeNode], tuple], blocked: Callable[[TreeNode], bool] | None = None) -> None:
         self.key = key
         self.blocked = blocked
         self._members: dict[int, TreeNode] = {}
         self._heap: list[tuple] = []
+        self._pending: dict[int, TreeNode] = {}  # joined since the last pop: no heap entry yet
         self._seq = 0
 
     def __len__(self) -> int:
@@ -108,8 +120,9 @@ class CandidateSet:
 
     @property
     def heap_size(self) -> int:
-        """Heap entries, stale ones included (bounded by ``2 * len(self) + 64``)."""
-        return len(self._heap)
+        """Heap entries and pending joiners, stale ones included (at most ``2 * len(self) + 64`` entries, plus
+        fewer than ``PENDING_LIMIT`` joiners)."""
+        return len(self._heap) + len(self._pending)
 
     def ids(self) -> set[int]:
         return {n.id for n in self.nodes()}
@@ -136,17 +149,19 @@ class CandidateSet:
 
     def pop(self) -> TreeNode | None:
         """The member with the smallest key, or None when there is none."""
-        members, key, blocked = self._members, self.key, self.blocked
-        while self._heap:  # re-read: a push below may rebuild the heap
-            entry = heapq.heappop(self._heap)
+        if self._pending:
+            self._enter_pending()
+        members, key, blocked, heap = self._members, self.key, self.blocked, self._heap
+        while heap:
+            entry = heapq.heappop(heap)
             node = entry[-1]
             if members.get(node.id) is not node:
                 continue  # left the set since it was pushed
             if blocked is not None and blocked(node):
                 del members[node.id]  # blocked now: out until re-added (an unlock adds it back)
                 continue
-            if key(node) != entry[:-2]:  # its key grew: put it back where it belongs now
-                self._push(node)
+            if key(node) != entry[:-2]:  # its key grew: put it back where it belongs now (a pop takes one
+                self._enter(node)  # entry for each it puts back: the heap does not grow)
                 continue
             return node
         return None
@@ -154,11 +169,27 @@ class CandidateSet:
     def clear(self) -> None:
         self._members.clear()
         self._heap.clear()
+        self._pending.clear()
 
     def _push(self, node: TreeNode) -> None:
+        """``node`` (a member) is due a heap entry: it waits for the next ``pop``, or for ``PENDING_LIMIT`` joiners."""
+        pending = self._pending
+        pending[node.id] = node
+        if len(pending) >= PENDING_LIMIT:
+            self._enter_pending()
+
+    def _enter(self, node: TreeNode) -> None:
         self._seq += 1
         heapq.heappush(self._heap, (*self.key(node), self._seq, node))
-        if len(self._heap) > 2 * len(self._members) + 64:
+
+    def _enter_pending(self) -> None:
+        """Give each pending node that is still a member its heap entry, keyed as it is now."""
+        members = self._members
+        for nid, node in self._pending.items():
+            if members.get(nid) is node:
+                self._enter(node)
+        self._pending.clear()
+        if len(self._heap) > 2 * len(members) + 64:  # stale entries outnumber the members: rebuild
             self._compact()
 
     def _compact(self) -> None:
@@ -166,16 +197,19 @@ class CandidateSet:
         self._heap = [(*key(n), i, n) for i, n in enumerate(self._members.values())]
         self._seq = len(self._heap)
         heapq.heapify(self._heap)
+        self._pending.clear()
 
     def order_violations(self, name: str) -> list[str]:
-        """Members without a heap entry at or below their current key (the lazy heap's invariant)."""
+        """Members neither pending nor with a heap entry at or below their current key (the lazy heap's invariant)."""
         best: dict[int, tuple] = {}
         for entry in self._heap:
             k, node = entry[:-2], entry[-1]
             if self._members.get(node.id) is node and (node.id not in best or k < best[node.id]):
                 best[node.id] = k
+        pending = self._pending
         return [f"{name} candidate {nid} has no heap entry at or below its key"
-                for nid, node in self._members.items() if nid not in best or best[nid] > self.key(node)]
+                for nid, node in self._members.items()
+                if pending.get(nid) is not node and (nid not in best or best[nid] > self.key(node))]
 
 
 def node_locked(node: TreeNode) -> bool:

@@ -77,7 +77,7 @@ def maintained_set_problems(tree: RadixTree, eviction: Any, state_counts: dict[s
     return problems
 
 
-def snapshot(*, tree: RadixTree, device_allocator: Any, host_allocator: Any, engine_pages: set[int], outbox: Any,
+def snapshot(*, tree: RadixTree, device_allocator: Any, host_allocator: Any, engine_pages: Iterable[int], outbox: Any,
              ledger: Any, counters: Counter[str], driver: Any, eviction: Any, cp: Any) -> dict:
     """A plain, comparable picture of a whole cache (tests compare before/after a rejected call)."""
     def idx(t):

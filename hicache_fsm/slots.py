@@ -2,9 +2,9 @@
 
 An engine passes device slot indices to ``insert`` and ``free_device``; they
 must be a 1-D int64 CPU tensor of whole pages that ``alloc_device`` handed
-out and nobody handed back yet. Each check raises ``BadIndices`` (or
-``ConfigError`` for pools and the machine) naming the first thing wrong,
-before the cache changes anything.
+out and nobody handed back yet (that last part: ``engine_pages``). Each check
+raises ``BadIndices`` (or ``ConfigError`` for pools and the machine) naming
+the first thing wrong, before the cache changes anything.
 """
 
 from __future__ import annotations
@@ -101,36 +101,6 @@ def _whole_pages(indices: torch.Tensor, a: np.ndarray | None, length: int | None
     raise BadIndices(f"device indices {allocator.not_whole_pages_reason(a)}")
 
 
-def check_engine_pages(engine_pages: set[int], pages: list[int]) -> None:
-    """Every page was handed out by ``alloc_device`` (and not handed back), none named twice."""
-    if len(engine_pages.intersection(pages)) == len(pages):  # all handed out, none twice
-        return
-    if len(set(pages)) != len(pages):
-        raise BadIndices("device indices name the same page twice")
-    foreign = [p for p in pages if p not in engine_pages]
-    if foreign:
-        raise BadIndices(
-            f"device pages {foreign[:8]} were not handed out by alloc_device (or were already inserted or freed)"
-        )
-
-
-def take_engine_pages(engine_pages: set[int], pages: list[int]) -> None:
-    """``check_engine_pages``, then ``pages`` leave ``engine_pages``: the cache holds them from now on.
-
-    A subset test and the removal the insert makes anyway cost about half
-    the intersection the check alone builds. A page named twice shows as a
-    removal short of ``len(pages)``: every page was held, so all go back
-    before the check names the fault (the set is as it was).
-    """
-    if engine_pages.issuperset(pages):
-        held = len(engine_pages)
-        engine_pages.difference_update(pages)
-        if held - len(engine_pages) == len(pages):
-            return
-        engine_pages.update(pages)
-    check_engine_pages(engine_pages, pages)
-
-
 def _check_pool(name: str, pool: object, kind: type) -> None:
     if not isinstance(pool, kind):
         raise ConfigError(f"{name} must be a {kind.__name__} (hicache_fsm.pools), got {type(pool).__name__}")
@@ -171,8 +141,8 @@ def check_dispatcher(dispatcher: object) -> None:
 
 
 __all__ = [
-    "check_dispatcher", "check_engine_pages", "check_index_pages", "check_index_tensor", "check_pools",
-    "device_slot_tensor", "node_page_ids", "page_ids", "take_engine_pages",
+    "check_dispatcher", "check_index_pages", "check_index_tensor", "check_pools", "device_slot_tensor",
+    "node_page_ids", "page_ids",
 ]
 
 

@@ -105,9 +105,37 @@ def test_candidate_sets_stay_small_in_stale_entries():
     assert cache.evict(PAGE) >= PAGE
 
 
-def test_a_heap_rebuilt_while_popping_keeps_the_order():
-    """Keys that grew are pushed again during ``pop``; when that push rebuilds the heap (stale entries
-    outnumber members), the pop must go on in the rebuilt heap."""
+def test_a_candidate_that_leaves_before_the_next_pop_costs_the_heap_no_entry():
+    """Joiners wait for the next ``pop`` (or for ``PENDING_LIMIT`` of them) before they get heap entries: one that
+    left by then gets none, and one whose key grew meanwhile enters with its key as it is then."""
+    from hicache_fsm.eviction import PENDING_LIMIT, CandidateSet
+    from hicache_fsm.radix import RadixTree
+
+    tree = RadixTree(1)
+    nodes = [tree.add_child(tree.root, (i,), None) for i in range(10)]
+    for i, n in enumerate(nodes):
+        n.last_access = i
+    cs = CandidateSet(POLICY_KEYS["lru"])
+    for n in nodes:
+        cs.add(n)
+    for n in nodes[5:]:
+        cs.discard(n)
+    nodes[0].last_access = 50  # used again before any pop
+    assert cs.pop() is nodes[1]
+    cs.discard(nodes[1])  # evicted
+    assert cs.heap_size == 4  # nodes 0, 2, 3, 4: none for the five that left
+    assert cs.order_violations("device") == []
+    many = [tree.add_child(tree.root, (100 + i,), None) for i in range(3 * PENDING_LIMIT)]
+    for n in many:
+        n.last_access = 1000
+        cs.add(n)
+    assert cs.heap_size == 4 + len(many)  # held back or entered, every joiner that stays counts once
+    assert cs.order_violations("device") == []
+
+
+def test_a_heap_rebuilt_before_popping_keeps_the_order():
+    """Keys that grew are pushed again during ``pop``; the joiners it gives entries first may rebuild the heap
+    (stale entries outnumber members), and the pop must go on in the rebuilt heap."""
     from hicache_fsm.eviction import CandidateSet
     from hicache_fsm.radix import RadixTree
 
@@ -121,8 +149,8 @@ def test_a_heap_rebuilt_while_popping_keeps_the_order():
     left = nodes[:50]
     for n in nodes[50:]:  # left the set: their entries stay in the heap, stale
         cs.discard(n)
-    # used again: the first pop re-pushes node 0 (that push rebuilds the heap), then node 1, which is now
-    # the oldest; a pop that went on in the heap it started with would hand out node 0 first
+    # used again: the first pop re-pushes node 0, then node 1, which is now the oldest; a pop that went on in
+    # a heap it did not rebuild would hand out node 0 first
     left[0].last_access, left[1].last_access = 15, 12
     order = []
     while (n := cs.pop()) is not None:

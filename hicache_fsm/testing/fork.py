@@ -151,7 +151,7 @@ def fork_cache(cache, memo: dict | None = None, share_kv: bool = False):
         d[name] = _fork_pool(getattr(cache, name), memo, share_kv)
     d["executor"] = _fork_manual_executor(ex, memo)
     d["tree"] = _fork_tree(cache.tree, memo)
-    d["engine_pages"] = set(cache.engine_pages)
+    d["engine_pages"] = cache.engine_pages.copy()
     d["counters"] = Counter(cache.counters)
     d["group"], d["agreement"] = _copy_value(cache.group, memo), _copy_value(cache.agreement, memo)
     driver = cache.driver.fork(new.tree, Attached())
