@@ -31,6 +31,8 @@ class EnginePages:
 
     def hand_out(self, pages: bytes) -> None:
         """The engine now holds ``pages`` (packed page ids of one ``alloc_device``: distinct, held by nobody)."""
+        if not pages:
+            return
         if self._batch is not None:
             self._merge()
         self._batch = pages

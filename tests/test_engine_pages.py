@@ -68,9 +68,9 @@ def test_engine_pages_behave_as_a_set_of_the_pages_handed_out(steps):
                     take(chosen)
                 assert sorted(model) == before  # refused: nothing changed
         assert len(pages) == len(model) and bool(pages) == bool(model)
-        assert sorted(pages) == sorted(model)
+        assert sorted(pages.copy()) == sorted(model)  # first: a copy made while a batch is kept
+        assert sorted(pages) == sorted(model)  # reads merge the batch into the set
         assert all(p in pages for p in model) and 0 not in pages
-        assert sorted(pages.copy()) == sorted(model)
 
 
 def test_the_last_batch_is_taken_whole_and_its_pages_are_gone():
