@@ -329,11 +329,8 @@ class PageAllocator:
 
     def alloc(self, num_tokens: int) -> torch.Tensor | None:
         """Token indices (int64, CPU) of ``num_tokens / page_size`` free pages, or None if too few."""
-        taken = self._take_pages(num_tokens)
-        if taken is None:
-            return None
-        pages, run = taken
-        return self._slots_of_claimed(pages, run)
+        taken = self.alloc_with_page_ids(num_tokens)
+        return None if taken is None else taken[0]
 
     def alloc_with_page_ids(self, num_tokens: int) -> tuple[torch.Tensor, np.ndarray] | None:
         """``alloc``, and the page ids it claimed (int64): for holders that track the pages of the slots they hand
