@@ -176,9 +176,9 @@ class PageAllocator:
         self._scratch = _CheckScratch(page_size)  # whole_pages buffers
         # a page size that is a power of two divides slot ids by a shift (a negative id floors alike: -1 >> 6 = -1);
         # each operand is a 0-d int64 array: numpy 2 resolves a Python int operand's type on every call (0.5 us more)
-        self._page_shift = np.array(page_size.bit_length() - 1, dtype=np.int64) if page_size & (page_size - 1) == 0 \
-            else None
-        self._page_divisor = np.array(page_size, dtype=np.int64)
+        power_of_two = page_size & (page_size - 1) == 0
+        self._page_shift = np.array(page_size.bit_length() - 1, dtype=np.int64) if power_of_two else None
+        self._page_divisor = None if power_of_two else np.array(page_size, dtype=np.int64)
         self.reset()
 
     def reset(self) -> None:
@@ -305,7 +305,7 @@ class PageAllocator:
         if slots.size % ps:
             return None
         shift = self._page_shift
-        pages = slots[::ps] >> shift if shift is not None else slots[::ps] // self._page_divisor  # a shift: no division
+        pages = slots[::ps] >> shift if shift is not None else slots[::ps] // self._page_divisor
         n = pages.size
         scratch = self._scratch
         if scratch.pages != n:

@@ -136,7 +136,7 @@ class CandidateSet:
     def add(self, node: TreeNode) -> None:
         if self._members.get(node.id) is not node:
             self._members[node.id] = node
-            self._push(node)
+            self._join(node)
 
     def discard(self, node: TreeNode) -> None:
         if self._members.get(node.id) is node:
@@ -145,7 +145,7 @@ class CandidateSet:
     def restore(self, node: TreeNode) -> None:
         """Give back a popped node that was not evicted (it keeps its place in the order)."""
         if self._members.get(node.id) is node:
-            self._push(node)
+            self._join(node)
 
     def pop(self) -> TreeNode | None:
         """The member with the smallest key, or None when there is none."""
@@ -171,7 +171,7 @@ class CandidateSet:
         self._heap.clear()
         self._pending.clear()
 
-    def _push(self, node: TreeNode) -> None:
+    def _join(self, node: TreeNode) -> None:
         """``node`` (a member) is due a heap entry: it waits for the next ``pop``, or for ``PENDING_LIMIT`` joiners."""
         pending = self._pending
         pending[node.id] = node
@@ -281,14 +281,14 @@ class Eviction:
         if state in DEVICE_EVICTABLE and node.lock_ref == 0 and node.resident_children == 0:
             if members.get(nid) is not node:
                 members[nid] = node
-                device._push(node)
+                device._join(node)
         elif members.get(nid) is node:
             del members[nid]
         members = host._members
         if state in HOST_EVICTABLE and node.host_ref == 0 and not node.children:
             if members.get(nid) is not node:
                 members[nid] = node
-                host._push(node)
+                host._join(node)
         elif members.get(nid) is node:
             del members[nid]
         unbacked = self.unbacked
